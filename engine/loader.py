@@ -1,0 +1,121 @@
+"""Load a local Hugging Face checkpoint (config.json + *.safetensors) into an engine model.
+
+The module is built on the meta device (no random init, no double memory), then every
+tensor is read from safetensors, cast, moved, and assigned by name. Names must match
+exactly: anything missing or left over is an error, so a layout we do not understand
+fails loudly instead of generating garbage.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model_config import ModelConfig, load_model_config
+from engine.models import build_model
+
+# Buffers some older checkpoints saved that are recomputed, never loaded.
+_IGNORED = re.compile(r"\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")
+# transformers 5 renames Pythia's `embed_out` to `lm_head` in memory; accept either on disk.
+_RENAMES = {"GPTNeoXForCausalLM": {"lm_head.weight": "embed_out.weight"}}
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The shard files of a checkpoint: from model.safetensors.index.json, else *.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {path!r} (only safetensors checkpoints are supported; "
+            "convert .bin weights with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return files
+
+
+def _read_weights(
+    path: str, config: ModelConfig, dtype: torch.dtype, device: str
+) -> dict[str, torch.Tensor]:
+    renames = _RENAMES.get(config.architecture, {})
+    weights: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if _IGNORED.search(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                weights[renames.get(name, name)] = tensor.to(device)
+    return weights
+
+
+def load_model(
+    path: str, dtype: torch.dtype | None = None, device: str = "cpu"
+) -> tuple[nn.Module, ModelConfig]:
+    """Model in eval mode with weights in `dtype` (None = the checkpoint's) on `device`."""
+    config = load_model_config(path)
+    dtype = dtype or config.dtype
+    with torch.device("meta"):
+        model = build_model(config)
+    weights = _read_weights(path, config, dtype, device)
+
+    embed_name, head_name = model.embedding_weight_names()
+    tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+    if tied:
+        weights.pop(head_name, None)  # the head *is* the embedding, as transformers ties it
+
+    expected = {name for name, _ in model.named_parameters()}
+    if tied:
+        expected.discard(head_name)
+    missing = sorted(expected - weights.keys())
+    unexpected = sorted(weights.keys() - expected)
+    if missing or unexpected:
+        hint = ""
+        if missing == [head_name]:
+            hint = " (the output head is missing and tie_word_embeddings is false)"
+        raise ValueError(
+            f"checkpoint {path!r} does not match {config.architecture}{hint}: "
+            f"missing {_short(missing)}, unexpected {_short(unexpected)}"
+        )
+    for name, tensor in weights.items():
+        expected_shape = model.get_parameter(name).shape
+        if tensor.shape != expected_shape:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape "
+                f"{tuple(expected_shape)} (config.json inconsistent with the weights?)"
+            )
+
+    model.load_state_dict(weights, strict=False, assign=True)
+    if tied:
+        _tie(model, embed_name, head_name)
+    model.to(device)  # non-persistent buffers (RoPE tables) were built on CPU
+    assert not any(p.is_meta for p in model.parameters()), "a parameter was left unloaded"
+    model.eval()
+    model.requires_grad_(False)
+    return model, config
+
+
+def _tie(model: nn.Module, embed_name: str, head_name: str) -> None:
+    module_name, _, attr = head_name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, model.get_parameter(embed_name))
+
+
+def _short(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" ... (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,161 @@
+"""What the engine needs to know about a checkpoint, resolved once from its config files.
+
+The runner and the KV pool size everything from `ModelConfig` (layers, kv heads, head_dim,
+per-layer sliding windows), so the resolution rules live here and mirror what transformers
+itself does for each architecture; `hf_config` is kept for the model modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "GPTNeoXForCausalLM",
+)
+
+_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "GPTNeoXForCausalLM": "gpt_neox",
+}
+
+# Used only when config.json has no `architectures` entry (some hand-made configs).
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+}
+
+
+@dataclass
+class ModelConfig:
+    """Shape and policy facts of one checkpoint.
+
+    `sliding_windows[i]` is None for full attention or `w`: a query at position p attends to
+    keys at positions p-w+1 .. p (w tokens, itself included), as transformers' mask does
+    (`kv_idx > q_idx - sliding_window`).
+    """
+
+    architecture: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    sliding_windows: list[int | None]
+    eos_token_ids: list[int]
+    dtype: torch.dtype
+    hf_config: transformers.PretrainedConfig
+
+
+def _read_json(path: str) -> dict | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_id_list(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]  # type: ignore[union-attr]
+
+
+def _architecture(raw: dict, path: str) -> str:
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(raw.get("model_type", ""))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        found = archs[0] if archs else f"model_type={raw.get('model_type')!r}"
+        raise ValueError(
+            f"unsupported model architecture {found} in {path}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _dtype(hf: transformers.PretrainedConfig, raw: dict) -> torch.dtype:
+    # transformers 5 exposes `config.dtype` (older files say "torch_dtype"; both are read).
+    value = getattr(hf, "dtype", None) or raw.get("dtype") or raw.get("torch_dtype")
+    if value is None:
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown checkpoint dtype {value!r}")
+    return dtype
+
+
+def _sliding_windows(arch: str, hf: transformers.PretrainedConfig) -> list[int | None]:
+    """Per-layer windows exactly as each transformers model class applies them."""
+    n = hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None)
+    if arch == "MistralForCausalLM":
+        # MistralModel applies `sliding_window` to every layer and ignores `layer_types`.
+        return [window] * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        # The config already folded `use_sliding_window`/`max_window_layers` into
+        # `layer_types`, and set `sliding_window` to None when sliding is off.
+        layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
+        return [window if t == "sliding_attention" and window else None for t in layer_types]
+    return [None] * n
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """Read config.json (+ generation_config.json) of a local checkpoint directory."""
+    raw = _read_json(os.path.join(path, "config.json"))
+    if raw is None:
+        raise FileNotFoundError(f"no config.json in {path!r}")
+    # Check the architecture on the raw JSON first: AutoConfig would fail with a less
+    # helpful message on a model_type it does not know.
+    arch = _architecture(raw, path)
+    hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    family = _FAMILY[arch]
+
+    num_heads = hf.num_attention_heads
+    if family == "gpt_neox":
+        head_dim = hf.hidden_size // num_heads  # GPT-NeoX has no head_dim override
+        num_kv_heads = num_heads
+    else:
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+
+    eos: list[int] = []
+    gen = _read_json(os.path.join(path, "generation_config.json")) or {}
+    for token_id in _as_id_list(hf.eos_token_id) + _as_id_list(gen.get("eos_token_id")):
+        if token_id not in eos:
+            eos.append(token_id)
+
+    return ModelConfig(
+        architecture=arch,
+        family=family,
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        vocab_size=hf.vocab_size,
+        max_position_embeddings=hf.max_position_embeddings,
+        sliding_windows=_sliding_windows(arch, hf),
+        eos_token_ids=eos,
+        dtype=_dtype(hf, raw),
+        hf_config=hf,
+    )

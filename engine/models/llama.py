@@ -1,0 +1,158 @@
+"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3) over packed tokens.
+
+One module with per-architecture flags, because the four differ only in biases, QK-norm
+and sliding windows (the latter is the attention callback's business). Parameter names
+match the Hugging Face checkpoints, so the loader copies tensors by name. The model never
+sees the KV cache: per layer it hands rotated q/k and v to `attn(layer, q, k, v)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding, apply_rotary
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""attn(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]; k arrives rotated."""
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LlamaFlags:
+    """Where the architectures differ (read from transformers' modeling files)."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+
+    @staticmethod
+    def from_config(config: ModelConfig) -> LlamaFlags:
+        hf, arch = config.hf_config, config.architecture
+        if arch == "Qwen2ForCausalLM":  # hard-coded in Qwen2Attention
+            return LlamaFlags(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        if arch == "MistralForCausalLM":
+            return LlamaFlags(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+        bias = bool(getattr(hf, "attention_bias", False))
+        if arch == "Qwen3ForCausalLM":
+            return LlamaFlags(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
+        mlp_bias = bool(getattr(hf, "mlp_bias", False))
+        return LlamaFlags(qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias, qk_norm=False)
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, flags: LlamaFlags, layer: int) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=flags.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=flags.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=flags.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=flags.o_bias)
+        if flags.qk_norm:
+            eps = config.hf_config.rms_norm_eps
+            self.q_norm = RMSNorm(d, eps)
+            self.k_norm = RMSNorm(d, eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: CosSin, attn: AttnFn) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        out = attn(self.layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, flags: LlamaFlags) -> None:
+        super().__init__()
+        h, m = config.hidden_size, config.hf_config.intermediate_size
+        self.gate_proj = nn.Linear(h, m, bias=flags.mlp_bias)
+        self.up_proj = nn.Linear(h, m, bias=flags.mlp_bias)
+        self.down_proj = nn.Linear(m, h, bias=flags.mlp_bias)
+        self.act_fn = ACT2FN[config.hf_config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, flags: LlamaFlags, layer: int) -> None:
+        super().__init__()
+        eps = config.hf_config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, flags, layer)
+        self.mlp = LlamaMLP(config, flags)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, rope: CosSin, attn: AttnFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, flags: LlamaFlags) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, flags, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """model(input_ids [T], positions [T], attn) -> final-normed hidden [T, hidden]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.flags = LlamaFlags.from_config(config)
+        self.model = LlamaModel(config, self.flags)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            config.hf_config, config.head_dim, config.max_position_embeddings
+        )
+
+    def embedding_weight_names(self) -> tuple[str, str]:
+        """(input embedding, output head) parameter names, for tied checkpoints."""
+        return "model.embed_tokens.weight", "lm_head.weight"
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn
+    ) -> torch.Tensor:
+        rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, rope, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,144 @@
+"""The model runner: one packed forward over every scheduled token of a step.
+
+Prefill chunks and decode tokens of many requests are concatenated along one token
+axis (the model has no batch dimension). Attention is the only part that needs to know
+which token belongs to which request; it runs per *group* — decode rows (one query
+each) and prefill chunks (padded to the longest) — and within a group every sequence is
+attended in the same tensor call. Requests whose policy needs attention statistics go
+into their own groups, so nobody else pays for the explicit softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.model_config import ModelConfig
+from kvpool.attention import PAD_QUERY_POS
+from kvpool.pool import BlockPool
+from kvpool.seq_cache import SeqCache
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass
+class SeqInput:
+    """One request's share of a step."""
+
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk or one token)
+    start_pos: int  # original position of token_ids[0]
+    slots: torch.Tensor  # [L, n] pool slots to write K/V to (from SeqCache.append)
+    cache: SeqCache
+    wants_logits: bool  # the chunk reaches the end of the known tokens
+    wants_attention: bool = False  # return per-slot attention mass (eviction policies)
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [N, V] float32, one row per SeqInput with wants_logits
+    # seq index -> per-layer attention mass [Tq, Hkv, S] for inputs that asked; S indexes
+    # that layer's slots in table order (slot j = table[j // bs] at offset j % bs).
+    attention: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    members: list[int]  # indices into the step's SeqInput list
+    q_index: torch.Tensor  # [B, Tq] rows of the packed token axis (padding -> 0)
+    valid: torch.Tensor  # [B, Tq] bool
+    q_pos: torch.Tensor  # [B, Tq]
+    tables: torch.Tensor  # [L, B, NB]
+    slot_pos: torch.Tensor  # [L, B, NB*bs]
+    want_probs: bool
+
+
+def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
+                 num_layers: int, bs: int, want_probs: bool) -> _Group:
+    b = len(members)
+    tq = max(len(inputs[i].token_ids) for i in members)
+    nb = max(inputs[i].cache.max_blocks for i in members)
+    q_index = torch.zeros(b, tq, dtype=torch.int64)
+    valid = torch.zeros(b, tq, dtype=torch.bool)
+    q_pos = torch.full((b, tq), PAD_QUERY_POS, dtype=torch.int64)
+    tables = torch.full((num_layers, b, nb), -1, dtype=torch.int64)
+    slot_pos = torch.full((num_layers, b, nb * bs), -1, dtype=torch.int64)
+    for row, i in enumerate(members):
+        s = inputs[i]
+        n = len(s.token_ids)
+        q_index[row, :n] = torch.arange(offsets[i], offsets[i] + n)
+        valid[row, :n] = True
+        q_pos[row, :n] = torch.arange(s.start_pos, s.start_pos + n)
+        m = s.cache.max_blocks
+        tables[:, row, :m] = s.cache.table[:, :m]
+        slot_pos[:, row, : m * bs] = s.cache.slot_pos[:, : m * bs]
+    return _Group(members, q_index, valid, q_pos, tables, slot_pos, want_probs)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: BlockPool,
+                 attention_fn: AttentionFn, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.pool = pool
+        self.attention_fn = attention_fn
+        self.device = device
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def execute(self, inputs: list[SeqInput]) -> StepOutput:
+        cfg, bs, dev = self.config, self.pool.block_size, self.device
+        offsets, ids, pos = [], [], []
+        total = 0
+        for s in inputs:
+            offsets.append(total)
+            total += len(s.token_ids)
+            ids.extend(s.token_ids)
+            pos.append(torch.arange(s.start_pos, s.start_pos + len(s.token_ids)))
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        positions = torch.cat(pos).to(dev)
+        write_slots = torch.cat([s.slots for s in inputs], dim=1).to(dev)  # [L, T]
+
+        buckets: dict[tuple[bool, bool], list[int]] = {}
+        for i, s in enumerate(inputs):
+            buckets.setdefault((len(s.token_ids) == 1, s.wants_attention), []).append(i)
+        groups = [
+            _build_group(m, inputs, offsets, cfg.num_layers, bs, want)
+            for (_, want), m in sorted(buckets.items())
+        ]
+        groups = [_to(g, dev) for g in groups]
+        attention: dict[int, list[torch.Tensor]] = {
+            i: [] for i, s in enumerate(inputs) if s.wants_attention
+        }
+        k_flat = self.pool.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v_flat = self.pool.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        windows = cfg.sliding_windows
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_flat[write_slots[layer]] = k.to(k_flat.dtype)
+            v_flat[write_slots[layer]] = v.to(v_flat.dtype)
+            out = torch.empty_like(q)
+            for g in groups:
+                o, probs = self.attention_fn(
+                    q[g.q_index], self.pool.k_cache, self.pool.v_cache, g.tables[layer],
+                    g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs,
+                )
+                out[g.q_index[g.valid]] = o[g.valid]
+                if probs is not None:
+                    for row, i in enumerate(g.members):
+                        n = len(inputs[i].token_ids)
+                        attention[i].append(probs[row, :n].cpu())
+            return out
+
+        hidden = self.model(input_ids, positions, attn)
+        last = [offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(inputs) if s.wants_logits]
+        logits = self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64, device=dev)])
+        return StepOutput(logits=logits.float().cpu(), attention=attention)
+
+
+def _to(g: _Group, dev: torch.device) -> _Group:
+    if dev.type == "cpu":
+        return g
+    return _Group(g.members, g.q_index.to(dev), g.valid.to(dev), g.q_pos.to(dev),
+                  g.tables.to(dev), g.slot_pos.to(dev), g.want_probs)

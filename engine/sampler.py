@@ -1,0 +1,102 @@
+"""Batched sampling: one set of tensor ops for every row of a step, whatever its params.
+
+Randomness is a counter-based hash of (request seed, output index, token id), not a
+torch.Generator per request: rows are sampled together, and a seeded request draws the
+same tokens whatever else shares its batch, its device, or whether it was preempted
+and recomputed in between.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters of one step as tensors ([B] each)."""
+
+    temperature: torch.Tensor  # float32; rows with 0 are greedy
+    top_p: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64; 0 = off
+    min_p: torch.Tensor  # float32
+    seed: torch.Tensor  # int64
+    step: torch.Tensor  # int64: index of the token being drawn within its request
+    all_greedy: bool
+    needs_sort: bool  # some row uses top-k or top-p
+    max_logprobs: int | None  # largest top-N asked for in the batch (None: nobody)
+
+    @staticmethod
+    def build(params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SamplingBatch:
+        temps = [p.temperature for p in params]
+        top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+        top_p = [p.top_p for p in params]
+        lps = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32),
+            top_p=torch.tensor(top_p, dtype=torch.float32),
+            top_k=torch.tensor(top_k, dtype=torch.int64),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            seed=torch.tensor(seeds, dtype=torch.int64),
+            step=torch.tensor(steps, dtype=torch.int64),
+            all_greedy=all(t == 0.0 for t in temps),
+            needs_sort=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
+            max_logprobs=max(lps) if lps else None,
+        )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] uniforms in (0, 1), a pure function of (seed, step, token id)."""
+    row = _mix32(_mix32(seed) ^ (_mix32(step + 0x27D4EB2F)))
+    x = _mix32(row[:, None] + torch.arange(vocab, dtype=torch.int64) * 0x61C88647)
+    return (x.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Next token per row. logits: [B, V] float32 (raw model output)."""
+    greedy = logits.argmax(dim=-1)
+    if b.all_greedy:
+        return greedy
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    if b.needs_sort:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[1])[None, :]
+        drop = (b.top_k[:, None] > 0) & (rank >= b.top_k[:, None])
+        # top-p: drop a token when the mass before it already reaches top_p (the first
+        # token is therefore always kept).
+        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= b.top_p[:, None]
+        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+    if bool((b.min_p > 0).any()):
+        floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with prob ∝ p_i.
+    expo = -torch.log(uniform_noise(b.seed, b.step, probs.shape[1]))
+    sampled = (probs / expo).argmax(dim=-1)
+    return torch.where(b.temperature > 0, sampled, greedy)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's raw distribution (before temperature or
+    truncation, as vLLM and OpenAI report them): the chosen token's [B], and the top-n
+    ids [B, n] and values [B, n]."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    top = logp.topk(n, dim=-1) if n > 0 else (logp[:, :0], logp[:, :0].long())
+    return chosen, top[1], top[0]

@@ -1,0 +1,116 @@
+"""The block pool: one preallocated KV tensor, a free list and exact accounting.
+
+A block holds `block_size` token slots of K and V for *one* layer and all kv heads.
+Block ids are global, so memory is fungible between layers and requests: a layer that
+keeps fewer tokens (an eviction policy, a sliding window) simply holds fewer blocks.
+A full-cache request holds `num_layers` blocks per logical block of tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse a byte size from {text!r} (e.g. '2GiB', '512MB')")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class PoolExhausted(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+class BlockPool:
+    """Owns the KV tensor `kv[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    The pool only hands out and takes back block ids (ref-counted, so prefix sharing
+    can hold one block from several requests); which request or layer owns a block is
+    recorded by that request's `SeqCache`, never here.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+        self.ref = torch.zeros(num_blocks, dtype=torch.int32)
+        # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.kv[1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """n fresh block ids (ref count 1) as an int64 tensor."""
+        if n > len(self._free):
+            raise PoolExhausted(f"asked for {n} blocks, {len(self._free)} free")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        ids = torch.tensor(self._free[-n:][::-1], dtype=torch.int64)
+        del self._free[-n:]
+        self.ref[ids] = 1
+        return ids
+
+    def incref(self, ids: torch.Tensor) -> None:
+        self.ref.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def release(self, ids: torch.Tensor) -> None:
+        """Drop one reference to each id; ids whose count reaches zero become free."""
+        if ids.numel() == 0:
+            return
+        self.ref.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+        dead = ids[self.ref[ids] == 0].unique()
+        self._free.extend(dead.tolist())
+
+    def check_invariants(self, owned: Iterable[torch.Tensor]) -> None:
+        """Raise AssertionError unless the free list and ref counts match `owned`.
+
+        `owned` yields every block-id tensor held by a live request (one entry per
+        reference). Checked: no id both free and owned, ref count == number of owners,
+        no id lost (free + owned covers the pool), no duplicates in the free list.
+        """
+        counts = torch.zeros(self.num_blocks, dtype=torch.int32)
+        for ids in owned:
+            counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        assert len(set(self._free)) == len(self._free), "duplicate ids in the free list"
+        free = torch.zeros(self.num_blocks, dtype=torch.bool)
+        free[torch.tensor(self._free, dtype=torch.int64)] = True
+        assert not (free & (counts > 0)).any(), "a block is both free and owned"
+        assert torch.equal(counts, self.ref), "ref counts differ from the owners"
+        assert bool((free | (counts > 0)).all()), "a block is neither free nor owned (leak)"

@@ -1,0 +1,338 @@
+"""Triton kernels for attention over the paged pool (GPU path of `paged_attention`).
+
+Same contract as `kvpool.attention.paged_attention` (the torch path is the reference):
+visibility is decided by slot positions alone (filled, causal, optional window), so
+decode, chunked prefill over a cached prefix and evicted slots are one code path.
+
+Design, and why:
+- One program owns a (sequence, kv head, tile of query rows). The rows are the
+  `Tq × G` queries of a GQA group flattened t-major (row = t*G + g), so each K/V tile
+  is loaded once for all query heads that share it. That is what makes decode
+  (Tq = 1) efficient: G rows per program instead of G programs re-reading the cache.
+- The program walks the sequence's logical slots in tiles of BLOCK_N, addressing
+  every slot through the block table (`table[s // block_size]`), so BLOCK_N does not
+  depend on the pool's block size (4, 8, 16 all work) and -1 table pads cost nothing
+  but a skipped tile. Tiles where no row sees any slot (evicted, beyond the causal
+  edge or outside the window) are skipped before K/V are loaded.
+- Online softmax in base 2 with fp32 accumulation; every load is upcast to fp32.
+- Flash-decoding split: when (sequences × kv heads) cannot fill the GPU, the slot
+  range is split across programs and a small kernel merges the partial (acc, max,
+  sum) triples. Decode with few long sequences would otherwise use a few SMs.
+- `return_probs` is a second pass run only when asked: with the row log-sum-exp from
+  the first pass known, each program recomputes one slot tile's scores for every
+  query head of its group and writes the summed probabilities. No atomics, so the
+  statistic that drives eviction is deterministic.
+
+Rows that see no slot at all give zeros (as the SDPA branch of the reference does;
+its explicit-softmax branch gives NaN there).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from kvpool.attention import paged_attention
+
+try:  # CPU installs may lack triton: they still import this module and use torch.
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+    def _jit(fn):  # type: ignore[no-redef]
+        return fn
+
+
+_LOG2E = 1.4426950408889634
+
+
+@_jit
+def _attn_kernel(
+    Q, K, V, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART,
+    sq_b, sq_t, sq_h, sq_d,
+    sk_n, sk_s, sk_h, sk_d,
+    sv_n, sv_s, sv_h, sv_d,
+    st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
+    so_b, so_t, so_h, so_d,
+    scale_log2, window, Tq, S, Hkv, tiles_per_split,
+    G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax attention of one (query-row tile, sequence × kv head, split)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Tq * G
+    t = rows // G
+    h = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    qp = tl.load(Q_POS + b * sqp_b + t * sqp_t, mask=row_ok, other=0).to(tl.int64)
+    q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :] * sq_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = q * scale_log2  # scores come out in log2 units: exp2 instead of exp
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    first = pid_s * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_N))
+    for tile in range(first, last):
+        s = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        s_ok = s < S
+        sp = tl.load(SLOT_POS + b * ssp_b + s * ssp_s, mask=s_ok, other=-1).to(tl.int64)
+        vis = (sp[None, :] >= 0) & (sp[None, :] <= qp[:, None]) & row_ok[:, None]
+        if HAS_WINDOW:
+            vis = vis & (sp[None, :] > qp[:, None] - window)
+        if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
+            blk = tl.load(TABLE + b * st_b + (s // BS) * st_n, mask=s_ok, other=0)
+            blk = tl.maximum(blk, 0).to(tl.int64)  # -1 pads read block 0, as the reference
+            off = s % BS
+            kv_ok = s_ok[:, None] & d_ok[None, :]
+            k = tl.load(K + blk[:, None] * sk_n + off[:, None] * sk_s + kvh * sk_h
+                        + d[None, :] * sk_d, mask=kv_ok, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            scores = tl.where(vis, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN on empty rows
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(scores - m_use[:, None])
+            v = tl.load(V + blk[:, None] * sv_n + off[:, None] * sv_s + kvh * sv_h
+                        + d[None, :] * sv_d, mask=kv_ok, other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            m_i = m_new
+
+    if SPLIT:  # partials [B*Hkv, splits, Tq*G, (BLOCK_D)], merged by _combine_kernel
+        base = (pid_bh * tl.num_programs(2) + pid_s) * Tq * G + rows
+        tl.store(M_PART + base, m_i, mask=row_ok)
+        tl.store(L_PART + base, l_i, mask=row_ok)
+        tl.store(O_PART + base[:, None] * BLOCK_D + d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :] * so_d,
+                 out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+            tl.store(LSE + (b * Tq + t) * (Hkv * G) + h, lse, mask=row_ok)
+
+
+@_jit
+def _combine_kernel(
+    O_PART, M_PART, L_PART, OUT, LSE,
+    so_b, so_t, so_h, so_d,
+    Tq, Hkv, splits,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+):
+    """Merge the split-KV partial softmax states of one row tile into the output."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < Tq * G
+    t = rows // G
+    h = kvh * G + rows % G
+    d = tl.arange(0, BLOCK_D)
+
+    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for i in range(splits):
+        base = (pid_bh * splits + i) * Tq * G + rows
+        m_max = tl.maximum(m_max, tl.load(M_PART + base, mask=row_ok, other=float("-inf")))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_tot = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(splits):
+        base = (pid_bh * splits + i) * Tq * G + rows
+        w = tl.exp2(tl.load(M_PART + base, mask=row_ok, other=float("-inf")) - m_use)
+        l_tot += w * tl.load(L_PART + base, mask=row_ok, other=0.0)
+        o = tl.load(O_PART + base[:, None] * BLOCK_D + d[None, :], mask=row_ok[:, None], other=0.0)
+        acc += w[:, None] * o
+    out = acc / tl.where(l_tot > 0, l_tot, 1.0)[:, None]
+    tl.store(OUT + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :] * so_d,
+             out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < D))
+    if STORE_LSE:
+        lse = tl.where(l_tot > 0, m_use + tl.log2(tl.where(l_tot > 0, l_tot, 1.0)), 0.0)
+        tl.store(LSE + (b * Tq + t) * (Hkv * G) + h, lse, mask=row_ok)
+
+
+@_jit
+def _probs_kernel(
+    Q, K, TABLE, SLOT_POS, Q_POS, LSE, PROBS,
+    sq_b, sq_t, sq_h, sq_d,
+    sk_n, sk_s, sk_h, sk_d,
+    st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
+    scale_log2, window, Tq, S, Hkv,
+    G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """probs[b, t, kvh, s] = Σ_g exp2(score - lse) for one (slot tile, query tile)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_t = tl.program_id(2)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    s_ok = s < S
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < Tq
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    sp = tl.load(SLOT_POS + b * ssp_b + s * ssp_s, mask=s_ok, other=-1).to(tl.int64)
+    qp = tl.load(Q_POS + b * sqp_b + t * sqp_t, mask=t_ok, other=0).to(tl.int64)
+    vis = (sp[None, :] >= 0) & (sp[None, :] <= qp[:, None]) & t_ok[:, None]
+    if HAS_WINDOW:
+        vis = vis & (sp[None, :] > qp[:, None] - window)
+    mass = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
+        blk = tl.maximum(tl.load(TABLE + b * st_b + (s // BS) * st_n, mask=s_ok, other=0), 0)
+        k = tl.load(K + blk.to(tl.int64)[:, None] * sk_n + (s % BS)[:, None] * sk_s
+                    + kvh * sk_h + d[None, :] * sk_d,
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        for g in range(G):
+            h = kvh * G + g
+            q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h * sq_h + d[None, :] * sq_d,
+                        mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            q = q * scale_log2  # same rounding as the first pass
+            lse = tl.load(LSE + (b * Tq + t) * (Hkv * G) + h, mask=t_ok, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            mass += tl.where(vis, tl.exp2(scores - lse[:, None]), 0.0)
+    row = (b.to(tl.int64) * Tq + t) * Hkv + kvh  # int64: B*Tq*Hkv*S can pass 2**31
+    tl.store(PROBS + row[:, None] * S + s[None, :], mass,
+             mask=t_ok[:, None] & s_ok[None, :])
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    """Tile sizes are powers of two, at least 16 (the smallest tl.dot operand)."""
+    return max(lo, 1 << max(0, n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter: splitting buys nothing there
+
+
+def _auto_splits(programs: int, n_tiles: int, device: torch.device) -> int:
+    """Split the slot range only when the grid cannot fill the GPU (long decode).
+
+    Aim for ~2 waves of programs, and keep >= 4 slot tiles per split so the merge
+    stays cheap next to the work it parallelises.
+    """
+    sms = _num_sms(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(math.ceil(2 * sms / programs), n_tiles // 4, 64))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    slot_pos: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    return_probs: bool = False,
+    *,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton twin of `kvpool.attention.paged_attention` (same arguments and results).
+
+    `num_splits` (keyword only) forces the split-KV factor; None picks it from the
+    grid size and the GPU's SM count. Every tensor is addressed through its strides, so
+    views need no copy (q sliced out of a fused qkv projection, k_cache = kv[0]).
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use kvpool.attention.paged_attention")
+    b, tq, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    g = hq // hkv
+    nb = table.shape[1]
+    s_len = nb * bs
+    if slot_pos.shape != (b, s_len) or q_pos.shape != (b, tq):
+        raise ValueError("slot_pos must be [B, NB*block_size] and q_pos [B, Tq]")
+    dev = q.device
+    out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=dev)
+    probs = (torch.zeros((b, tq, hkv, s_len), dtype=torch.float32, device=dev)
+             if return_probs else None)
+    if out.numel() == 0 or s_len == 0:
+        return out.zero_(), probs
+
+    block_d = _pow2(d)
+    rows = tq * g
+    block_m = min(_pow2(rows), 64)
+    block_n = 64 if block_d <= 64 else 32
+    block_n = min(block_n, _pow2(s_len))
+    n_tiles = triton.cdiv(s_len, block_n)
+    m_tiles = triton.cdiv(rows, block_m)
+    if num_splits is None:
+        num_splits = _auto_splits(m_tiles * b * hkv, n_tiles, dev)
+    tiles_per_split = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
+    splits = triton.cdiv(n_tiles, tiles_per_split)  # no empty splits
+    # 16-bit inputs carry <= 10 mantissa bits, so tf32 tensor-core dots lose nothing on
+    # q·k (and ~5e-4 relative on p·v); fp32 inputs get exact IEEE dots, like torch.
+    precision = "ieee" if torch.float32 in (q.dtype, k_cache.dtype) else "tf32"
+    lse = torch.empty((b, tq, hq), dtype=torch.float32, device=dev) if return_probs else out
+    if splits > 1:
+        o_part = torch.empty((b * hkv, splits, rows, block_d), dtype=torch.float32, device=dev)
+        m_part = torch.empty((b * hkv, splits, rows), dtype=torch.float32, device=dev)
+        l_part = torch.empty_like(m_part)
+    else:
+        o_part = m_part = l_part = out  # unused placeholders
+    scale_log2 = float(scale) * _LOG2E
+    win = int(window) if window is not None else 0
+
+    _attn_kernel[(m_tiles, b * hkv, splits)](
+        q, k_cache, v_cache, table, slot_pos, q_pos, out, lse, o_part, m_part, l_part,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
+        scale_log2, win, tq, s_len, hkv, tiles_per_split,
+        G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
+        PRECISION=precision, num_warps=4,
+    )
+    if splits > 1:
+        _combine_kernel[(m_tiles, b * hkv)](
+            o_part, m_part, l_part, out, lse, *out.stride(), tq, hkv, splits,
+            G=g, D=d, BLOCK_D=block_d, BLOCK_M=block_m, STORE_LSE=return_probs, num_warps=4,
+        )
+    if return_probs:
+        block_t = min(_pow2(tq), 32)
+        _probs_kernel[(n_tiles, b * hkv, triton.cdiv(tq, block_t))](
+            q, k_cache, table, slot_pos, q_pos, lse, probs,
+            *q.stride(), *k_cache.stride(),
+            *table.stride(), *slot_pos.stride(), *q_pos.stride(),
+            scale_log2, win, tq, s_len, hkv,
+            G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_N=block_n,
+            HAS_WINDOW=window is not None, PRECISION=precision, num_warps=4,
+        )
+    return out, probs
+
+
+def select_attention(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """The attention function for tensors on `device`: Triton on CUDA, else torch."""
+    if device.type == "cuda" and triton is not None:
+        return paged_attention_triton
+    return paged_attention

@@ -1,0 +1,451 @@
+"""The asyncio front of the synchronous EngineCore.
+
+The core is not thread-safe and `step()` blocks for a long time on CPU, so every call
+into it (construction included: torch keeps per-thread state) runs on one dedicated
+worker thread. The event loop only queues submissions/aborts, which the worker applies
+between steps, and fans the step's outputs out to per-request queues. The loop therefore
+stays free to answer health checks and accept connections while the model computes.
+Nothing here knows about HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sampling import SamplingParams
+from scheduler.outputs import EngineStats, RequestOutput, RequestRejected, StepStats
+
+logger = logging.getLogger("kvserve.engine")
+
+StepListener = Callable[[StepStats], None]
+OutputListener = Callable[[RequestOutput, float], None]
+CoreFactory = Callable[[StepListener], Any]  # (on_step) -> EngineCore
+
+
+class QueueFull(Exception):
+    """The admission queue is over a limit; retrying later may succeed."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailable(Exception):
+    """The engine is loading, draining, stopped or failed to load (HTTP 503)."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class EngineError(RuntimeError):
+    """The engine step failed; the requests in flight are lost (a bug, not bad input)."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    priority: int = 0
+    kv_policy: object | None = None
+    arrival_time: float | None = None
+
+
+@dataclass(eq=False)
+class _Live:
+    req: GenerationRequest
+    queue: asyncio.Queue
+    queued: bool = True  # counted against the queue limits until its first output
+
+
+class RequestStream:
+    """Outputs of one submission (one or more engine requests) in arrival order.
+
+    Every output carries its `request_id`. Iteration ends when all members finished.
+    Closing the stream, or cancelling the task that iterates it, aborts what is left.
+    """
+
+    def __init__(self, engine: AsyncEngine, members: list[_Live], queue: asyncio.Queue) -> None:
+        self._engine = engine
+        self._queue = queue
+        self.request_ids = [m.req.request_id for m in members]
+        self._unfinished = set(self.request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.abort()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    def abort(self) -> None:
+        for rid in list(self._unfinished):
+            self._engine._abort(rid)
+        self._unfinished.clear()
+
+    async def aclose(self) -> None:
+        self.abort()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, core_factory: CoreFactory, *, max_queued_requests: int = 1024,
+                 max_queued_tokens: int = 1 << 20) -> None:
+        self._factory = core_factory
+        self.max_queued_requests = max_queued_requests
+        self.max_queued_tokens = max_queued_tokens
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-engine")
+        self._core: Any = None
+        self.tokenizer: Any = None  # a private copy for the event loop side
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.max_request_tokens = 0  # min(context, whole pool) in tokens
+        self.stats = EngineStats()  # refreshed by the worker after every core call
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self._stopping = False
+        self._loaded = asyncio.Event()
+        self._live: dict[str, _Live] = {}
+        self._pending_adds: list[tuple[_Live, asyncio.Future]] = []
+        self._pending_aborts: list[str] = []
+        self._core_busy = False
+        self._num_queued = 0
+        self._queued_tokens = 0
+        self._step_ewma_s = 0.0
+        self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._step_listeners: list[StepListener] = []
+        self._output_listeners: list[OutputListener] = []
+
+    @classmethod
+    def from_config(cls, config: Any, **limits: int) -> AsyncEngine:
+        from scheduler.engine_core import EngineCore
+
+        return cls(lambda on_step: EngineCore(config, on_step=on_step), **limits)
+
+    # ---- lifecycle -----------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        return self._core is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded and not self.draining and not self._stopping
+
+    @property
+    def num_active(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_queued(self) -> int:
+        """Admitted requests without a first token yet (what the queue limits count)."""
+        return self._num_queued
+
+    @property
+    def num_pending(self) -> int:
+        """Admitted requests not yet handed to the core."""
+        return len(self._pending_adds)
+
+    def add_step_listener(self, fn: StepListener) -> None:
+        """`fn` runs on the worker thread after every step: keep it cheap and thread-safe."""
+        self._step_listeners.append(fn)
+
+    def add_output_listener(self, fn: OutputListener) -> None:
+        """`fn(output, monotonic_now)` runs on the event loop for every delivered output."""
+        self._output_listeners.append(fn)
+
+    async def start(self) -> None:
+        """Load the core on the worker thread and start the step loop."""
+        loop = asyncio.get_running_loop()
+        self._wakeup, self._idle = asyncio.Event(), asyncio.Event()
+        self._idle.set()
+        try:
+            await loop.run_in_executor(self._executor, self._load)
+        except BaseException as e:
+            self.load_error = e
+            raise
+        self._task = asyncio.create_task(self._run(), name="kvserve-engine-loop")
+        self._loaded.set()
+
+    def _load(self) -> None:
+        core = self._factory(self._on_step)
+        self.tokenizer = copy.deepcopy(core.tokenizer)
+        self.max_model_len = int(core.max_model_len)
+        self.vocab_size = int(core.model_config.vocab_size)
+        self.stats = core.stats()
+        cap = self.max_model_len
+        block_size = getattr(getattr(core, "config", None), "block_size", None)
+        layers = getattr(core.model_config, "num_layers", None)
+        if block_size and layers and self.stats.blocks_total:
+            cap = min(cap, self.stats.blocks_total // layers * block_size)
+        self.max_request_tokens = cap
+        self._core = core
+
+    async def wait_loaded(self) -> None:
+        await self._loaded.wait()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, let in-flight requests finish for up to `timeout` seconds,
+        then abort the rest. True when everything finished in time."""
+        self.draining = True
+        if self._idle is None:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            err = EngineUnavailable("the server is shutting down", "draining")
+            for rid in list(self._live):
+                self._fail(rid, err)
+            return False
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        for rid in list(self._live):
+            self._fail(rid, EngineUnavailable("the server is shutting down", "stopped"))
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- submission ----------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None, *, priority: int = 0,
+                       kv_policy: object | None = None) -> AsyncIterator[RequestOutput]:
+        """One request's outputs; raises QueueFull/RequestRejected before the first yield."""
+        req = GenerationRequest(prompt_ids, params, request_id or uuid.uuid4().hex,
+                                priority, kv_policy)
+        async with await self.submit([req]) as stream:
+            async for out in stream:
+                yield out
+
+    def check_admission(self, num_requests: int, num_tokens: int) -> None:
+        """Raise what `submit` would for a group of this size, without submitting."""
+        if self.load_error is not None:
+            raise EngineUnavailable(f"the model failed to load: {self.load_error}", "failed")
+        if not self.loaded:
+            raise EngineUnavailable("the model is still loading", "loading")
+        if self.draining or self._stopping:
+            raise EngineUnavailable("the server is draining and admits no new requests",
+                                    "draining")
+        if num_requests > self.max_queued_requests:
+            raise RequestRejected(f"{num_requests} sequences exceed the queue limit of "
+                                  f"{self.max_queued_requests}", "n")
+        if num_tokens > self.max_queued_tokens:
+            raise RequestRejected(f"{num_tokens} prompt tokens exceed the queue limit of "
+                                  f"{self.max_queued_tokens} tokens", "prompt")
+        if (self._num_queued + num_requests > self.max_queued_requests
+                or self._queued_tokens + num_tokens > self.max_queued_tokens):
+            raise QueueFull(
+                f"the queue is full ({self._num_queued} requests, {self._queued_tokens} "
+                f"prompt tokens waiting); retry later", self._retry_after())
+
+    async def submit(self, requests: list[GenerationRequest]) -> RequestStream:
+        """Admit a group atomically (all or none) and wait until the core accepted it.
+
+        Raises EngineUnavailable, QueueFull or RequestRejected; nothing stays queued then.
+        """
+        for r in requests:
+            total = len(r.prompt_ids) + r.params.max_tokens
+            if self.loaded and total > self.max_model_len:
+                raise RequestRejected(
+                    f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens})"
+                    f" = {total} exceeds the model's context length {self.max_model_len}",
+                    "max_tokens")
+            if r.request_id in self._live:
+                raise RequestRejected(f"duplicate request id {r.request_id!r}", "request_id")
+        self.check_admission(len(requests), sum(len(r.prompt_ids) for r in requests))
+        assert self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        members, futures = [], []
+        now = time.monotonic()
+        for r in requests:
+            if r.arrival_time is None:
+                r.arrival_time = now
+            live = _Live(r, queue)
+            self._live[r.request_id] = live
+            self._num_queued += 1
+            self._queued_tokens += len(r.prompt_ids)
+            fut = loop.create_future()
+            self._pending_adds.append((live, fut))
+            members.append(live)
+            futures.append(fut)
+        self._idle.clear()  # type: ignore[union-attr]
+        self._wakeup.set()
+        stream = RequestStream(self, members, queue)
+        try:
+            await asyncio.gather(*futures)
+        except BaseException:
+            stream.abort()
+            raise
+        return stream
+
+    # ---- loop-thread bookkeeping -----------------------------------------------------
+    def _retry_after(self) -> int:
+        return int(min(60, max(1, math.ceil(2 * self._step_ewma_s))))
+
+    def _unqueue(self, live: _Live) -> None:
+        if live.queued:
+            live.queued = False
+            self._num_queued -= 1
+            self._queued_tokens -= len(live.req.prompt_ids)
+
+    def _forget(self, rid: str) -> _Live | None:
+        live = self._live.pop(rid, None)
+        if live is not None:
+            self._unqueue(live)
+            if not self._live and self._idle is not None:
+                self._idle.set()
+        return live
+
+    def _abort(self, rid: str) -> None:
+        """Drop a request; the worker frees its blocks before the next step."""
+        live = self._forget(rid)
+        if live is None:
+            return
+        for i, (pending, fut) in enumerate(self._pending_adds):
+            if pending is live:
+                del self._pending_adds[i]
+                if not fut.done():
+                    fut.cancel()
+                break
+        else:
+            self._pending_aborts.append(rid)
+            if self._wakeup is not None:
+                self._wakeup.set()
+        self._notify(RequestOutput(rid, [], "", None, finished=True, finish_reason="abort",
+                                   num_prompt_tokens=len(live.req.prompt_ids),
+                                   arrival_time=live.req.arrival_time or 0.0))
+
+    def _fail(self, rid: str, err: BaseException) -> None:
+        live = self._live.get(rid)
+        if live is not None:
+            self._abort(rid)
+            live.queue.put_nowait(err)
+
+    def _notify(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        for fn in self._output_listeners:
+            try:
+                fn(out, now)
+            except Exception:
+                logger.exception("output listener failed")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:  # aborted while the step ran
+                continue
+            self._unqueue(live)
+            if out.finished:
+                self._forget(out.request_id)
+            self._notify(out)
+            live.queue.put_nowait(out)
+
+    # ---- the step loop -----------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wakeup is not None
+        while not self._stopping:
+            if not (self._pending_adds or self._pending_aborts or self._core_busy):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+            if adds or aborts:
+                try:
+                    results = await loop.run_in_executor(self._executor, self._apply, adds,
+                                                         aborts)
+                except Exception as e:  # a broken core: fail what was submitted
+                    logger.exception("applying submissions failed")
+                    results = [e] * len(adds)
+                for (live, fut), res in zip(adds, results):
+                    if res is not None:
+                        self._forget(live.req.request_id)
+                    if not fut.done():
+                        fut.set_result(None) if res is None else fut.set_exception(res)
+            if self._core_busy and not self._stopping:
+                await self._step_once(loop)
+
+    async def _step_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self._step)
+        except Exception as e:
+            logger.exception("engine step failed; failing %d requests", len(self._live))
+            err = EngineError(f"engine step failed: {e}")
+            for rid in list(self._live):
+                self._fail(rid, err)
+            self._core_busy = bool(self._live)
+            return
+        dt = time.perf_counter() - t0
+        self._step_ewma_s = dt if not self._step_ewma_s else 0.9 * self._step_ewma_s + 0.1 * dt
+        self._dispatch(outputs)
+
+    # ---- worker thread only ------------------------------------------------------------
+    def _apply(self, adds: list[tuple[_Live, asyncio.Future]],
+               aborts: list[str]) -> list[BaseException | None]:
+        core = self._core
+        for rid in aborts:
+            core.abort_request(rid)
+        results: list[BaseException | None] = []
+        for live, _ in adds:
+            r = live.req
+            try:
+                core.add_request(r.request_id, r.prompt_ids, r.params, priority=r.priority,
+                                 kv_policy=r.kv_policy, arrival_time=r.arrival_time)
+                results.append(None)
+            except Exception as e:
+                results.append(e)
+        self._core_busy = core.has_unfinished()
+        self.stats = core.stats()
+        return results
+
+    def _step(self) -> list[RequestOutput]:
+        core = self._core
+        try:
+            return core.step()
+        finally:
+            self._core_busy = core.has_unfinished()
+            self.stats = core.stats()
+
+    def _on_step(self, stats: StepStats) -> None:
+        for fn in self._step_listeners:
+            try:
+                fn(stats)
+            except Exception:
+                logger.exception("step listener failed")

@@ -1,0 +1,53 @@
+"""Incremental detokenization with stop strings.
+
+Decoding the whole output every step is quadratic; decoding only the new token breaks
+multi-byte characters and tokenizers that merge spaces. The usual window trick (as in
+vLLM and HF's TextStreamer): decode a few tokens of context before the new ones and
+emit only the characters that appeared, holding back a trailing U+FFFD (an incomplete
+UTF-8 sequence). Text that could still become a stop string is held back too, so a
+client never sees the start of a stop string that then matches.
+"""
+
+from __future__ import annotations
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # all text decoded so far
+        self.emitted = 0  # characters of `text` already returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Feed new tokens; return (text delta safe to emit, whether a stop string matched)."""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+        if self.stop:
+            start = max(0, self.emitted - max(len(s) for s in self.stop))
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                return self._take(len(self.text)), True
+            hold = max(len(s) for s in self.stop) - 1
+            return self._take(max(self.emitted, len(self.text) - hold)), False
+        return self._take(len(self.text)), False
+
+    def flush(self) -> str:
+        """The held-back tail, at finish."""
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        delta = self.text[self.emitted : upto]
+        self.emitted = max(self.emitted, upto)
+        return delta

@@ -1,0 +1,255 @@
+"""The synchronous engine: model + pool + scheduler, advanced one step at a time.
+
+Not thread-safe by design: the async front end calls every method from one worker
+thread, between steps; the offline `LLM` calls them from the caller's thread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.loader import load_model
+from engine.runner import ModelRunner, SeqInput
+from engine.sampler import SamplingBatch, sample, top_logprobs
+from engine.sampling import SamplingParams
+from kvpool.pool import BlockPool, parse_bytes
+from kvpool.triton_attention import select_attention
+from scheduler.detokenizer import Detokenizer
+from scheduler.outputs import (
+    EngineStats,
+    RequestOutput,
+    RequestRejected,
+    StepStats,
+    TokenLogprob,
+)
+from scheduler.request import Request
+from scheduler.scheduler import Chunk, Scheduler
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # auto = the checkpoint's dtype
+    device: str = "auto"  # auto = cuda when available
+    block_size: int = 16
+    num_blocks: int | None = None  # wins over kv_cache_memory
+    kv_cache_memory: str | int | None = None  # bytes for the pool, e.g. "2GiB"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0  # seeds drawn for requests that give none
+
+    DEFAULT_KV_MEMORY = "512MiB"
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.config = config
+        self.on_step = on_step
+        dev = config.device
+        self.device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if dev == "auto" else dev))
+        if config.dtype != "auto" and config.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
+        self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        mc = self.model_config
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        kv_dtype = next(self.model.parameters()).dtype
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        else:
+            per_block = BlockPool.bytes_per_block(config.block_size, mc.num_kv_heads,
+                                                  mc.head_dim, kv_dtype)
+            mem = parse_bytes(config.kv_cache_memory or EngineConfig.DEFAULT_KV_MEMORY)
+            num_blocks = mem // per_block
+        self.pool = BlockPool(num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                              dtype=kv_dtype, device=self.device)
+        self.runner = ModelRunner(self.model, mc, self.pool, select_attention(self.device),
+                                  self.device)
+        self.scheduler = Scheduler(self.pool, mc.num_layers, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._eos = set(mc.eos_token_ids)
+        windows = [w for w in mc.sliding_windows if w is not None]
+        self._min_window = min(windows) if windows else 2**62  # effectively never trims
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    priority: int = 0, kv_policy: object | None = None,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request_id!r}", "request_id")
+        if not prompt_ids:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
+            raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                f"exceeds the model's context length {self.max_model_len}", "max_tokens")
+        bs = self.pool.block_size
+        need = self.model_config.num_layers * -(-total // bs)
+        if need > self.pool.num_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens needs {need} KV blocks but the pool holds only "
+                f"{self.pool.num_blocks}; lower max_tokens or start with more KV memory",
+                "max_tokens")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        req = Request(request_id, list(prompt_ids), params, seed,
+                      arrival_time if arrival_time is not None else time.monotonic(),
+                      priority=priority, kv_policy=kv_policy)
+        if params.detokenize:
+            req.detok = Detokenizer(self.tokenizer, params.stop)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.remove(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        now = time.monotonic()
+        inputs = []
+        for c in plan.chunks:
+            r = c.request
+            if r.first_scheduled_time is None:
+                r.first_scheduled_time = now
+            inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens), c.start,
+                                   c.slots, r.cache, c.completes))
+        t1 = time.perf_counter()
+        out = self.runner.execute(inputs)
+        t2 = time.perf_counter()
+        done = [c for c in plan.chunks if c.completes]
+        reqs = [c.request for c in done]
+        batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
+                                    [len(r.output_ids) for r in reqs])
+        tokens = sample(out.logits, batch).tolist()
+        lp = None
+        if batch.max_logprobs is not None:
+            lp = top_logprobs(out.logits, torch.tensor(tokens), batch.max_logprobs)
+        t3 = time.perf_counter()
+        outputs = self._advance(plan.chunks, done, tokens, lp)
+        t4 = time.perf_counter()
+        if self.on_step is not None:
+            n_dec = sum(1 for c in plan.chunks if c.num_tokens == 1)
+            n_pre = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+            self.on_step(StepStats(len(plan.chunks), n_pre, n_dec, t1 - t0 + t4 - t3,
+                                   t2 - t1, t3 - t2, 0.0, t4 - t0))
+        return outputs
+
+    def _advance(self, chunks: list[Chunk], done: list[Chunk], tokens: list[int],
+                 lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                 ) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for c in chunks:
+            r = c.request
+            r.num_computed += c.num_tokens
+            self._trim_windows(r)
+        for row, (c, tok) in enumerate(zip(done, tokens)):
+            r = c.request
+            if r.first_token_time is None:
+                r.first_token_time = now
+                self._prompt_tokens += len(r.prompt_ids)
+            r.output_ids.append(tok)
+            self._generation_tokens += 1
+            if lp is not None and r.params.logprobs is not None:
+                k = r.params.logprobs
+                top = list(zip(lp[1][row, :k].tolist(), lp[2][row, :k].tolist()))
+                r.pending_logprobs.append(TokenLogprob(tok, float(lp[0][row]), top))
+            r.pending_ids.append(tok)
+            text, finish = self._check_stop(r, tok)
+            kv = r.kv
+            kv.peak_blocks = max(kv.peak_blocks, r.cache.num_blocks)
+            kv.peak_live_tokens = max(kv.peak_live_tokens,
+                                      r.cache.live_tokens() // self.model_config.num_layers)
+            if finish is not None:
+                r.finish_reason = finish
+                if r.detok is not None:
+                    text += r.detok.flush()
+                self.scheduler.remove(r)
+                del self.requests[r.request_id]
+            outputs.append(self._output(r, text))
+        return outputs
+
+    def _check_stop(self, r: Request, tok: int) -> tuple[str, str | None]:
+        p = r.params
+        if tok in p.stop_token_ids or (tok in self._eos and not p.ignore_eos):
+            return "", "stop"
+        text, hit = r.detok.add([tok]) if r.detok is not None else ("", False)
+        if hit:
+            return text, "stop"
+        if len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+            return text, "length"
+        return text, None
+
+    def _trim_windows(self, r: Request) -> None:
+        """Free blocks that fell out of every future query's sliding window."""
+        min_pos = r.num_computed - self._min_window + 1
+        if r.cache is None or min_pos - r.window_trimmed < self.pool.block_size:
+            return
+        for layer, w in enumerate(self.model_config.sliding_windows):
+            if w is not None:
+                r.cache.drop_before(layer, r.num_computed - w + 1)
+        r.window_trimmed = min_pos
+
+    def _output(self, r: Request, text: str) -> RequestOutput:
+        out = RequestOutput(
+            request_id=r.request_id, new_token_ids=r.pending_ids,
+            new_text=text, logprobs=r.pending_logprobs if r.params.logprobs is not None else None,
+            finished=r.finish_reason is not None, finish_reason=r.finish_reason,
+            num_prompt_tokens=len(r.prompt_ids), num_output_tokens=len(r.output_ids),
+            kv=r.kv if r.finish_reason is not None else None, arrival_time=r.arrival_time,
+            first_scheduled_time=r.first_scheduled_time, first_token_time=r.first_token_time,
+            num_preemptions=r.num_preemptions)
+        r.pending_ids, r.pending_logprobs = [], []
+        return out
+
+    # ---- introspection -------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        live = sum(r.cache.live_tokens() for r in running if r.cache is not None)
+        pool = self.pool
+        return EngineStats(
+            num_running=len(running), num_waiting=len(self.scheduler.waiting),
+            blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
+            live_slots=live, slot_capacity_used=pool.num_used * pool.block_size,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            preemptions_total={"recompute": self.scheduler.preemptions})
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants(self.scheduler.owned_blocks())

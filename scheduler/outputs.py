@@ -1,0 +1,89 @@
+"""What the engine core hands upward: per-request outputs and per-step statistics.
+
+Plain dataclasses so the server (or the offline API) can turn them into HTTP
+responses and Prometheus samples without the scheduler knowing about either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the model or the pool)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class KVUsage:
+    """This request's KV footprint, reported in `usage.kv_cache`."""
+
+    peak_live_tokens: int = 0  # live slots summed over layers / num_layers, at the peak
+    peak_blocks: int = 0  # blocks held (all layers) at the peak
+    evicted_tokens: int = 0  # slots evicted by its kv_policy, summed over layers / num_layers
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """Delta since the previous output of the same request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str  # detokenized delta; text after a matched stop string is cut
+    logprobs: list[TokenLogprob] | None  # one per new token when requested
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    kv: KVUsage | None = None  # set on the final output
+    arrival_time: float = 0.0  # time.monotonic() at submission
+    first_scheduled_time: float | None = None  # left the waiting queue
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class StepStats:
+    """One engine step, for histograms (seconds)."""
+
+    num_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    policy_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    """A snapshot read at scrape time; counters are cumulative since start."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    blocks_total: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    live_slots: int = 0  # live token slots summed over layers
+    slot_capacity_used: int = 0  # slots in used blocks (live + dead + not yet filled)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    preemptions_total: dict[str, int] = field(default_factory=dict)  # by mode
+    prefix_cache_queries_total: int = 0  # tokens
+    prefix_cache_hits_total: int = 0  # tokens
+    requests_by_policy_total: dict[str, int] = field(default_factory=dict)
+    evicted_tokens_by_policy_total: dict[str, int] = field(default_factory=dict)
+    freed_blocks_by_policy_total: dict[str, int] = field(default_factory=dict)

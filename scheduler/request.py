@@ -1,0 +1,59 @@
+"""A request's state as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+from kvpool.seq_cache import SeqCache
+from scheduler.detokenizer import Detokenizer
+from scheduler.outputs import KVUsage
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+    priority: int = 0
+    kv_policy: object | None = None
+    policy_name: str = "full"
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache. Reset to 0 when preempted by recompute: the
+    # prompt and the tokens generated so far are then prefilled again.
+    num_computed: int = 0
+    window_trimmed: int = 0  # sliding-window models: positions below this were freed
+    status: Status = Status.WAITING
+    cache: SeqCache | None = None
+    detok: Detokenizer | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    kv: KVUsage = field(default_factory=KVUsage)
+    # Outputs not yet reported upward (token ids and their logprobs).
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    def sort_key(self) -> tuple[int, float]:
+        """Lower runs first: priority, then arrival (FCFS)."""
+        return (self.priority, self.arrival_time)

@@ -1,0 +1,143 @@
+"""One HTTP request's engine requests in flight: merge their deltas by choice index,
+account usage, notice a client that went away, and log one line when it is over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from scheduler.async_engine import AsyncEngine, RequestStream
+from scheduler.outputs import KVUsage, RequestOutput, TokenLogprob
+from server.preprocess import Plan
+
+request_log = logging.getLogger("kvserve.request")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready."""
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    kv: KVUsage | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+class Generation:
+    def __init__(self, plan: Plan, stream: RequestStream) -> None:
+        self.plan = plan
+        self.stream = stream
+        self.choices = {c.request_id: ChoiceState(c.index, c.echo_text) for c in plan.choices}
+        self.status = "running"
+        self._logged = False
+
+    @classmethod
+    async def start(cls, engine: AsyncEngine, plan: Plan) -> Generation:
+        """Submit every choice at once; engine exceptions propagate (-> 4xx/503)."""
+        return cls(plan, await engine.submit(plan.engine_requests()))
+
+    async def deltas(self) -> AsyncIterator[tuple[ChoiceState, RequestOutput]]:
+        """Apply each engine output to its choice and hand both on."""
+        async for out in self.stream:
+            st = self.choices[out.request_id]
+            st.text += out.new_text
+            st.token_ids += out.new_token_ids
+            if out.logprobs is not None:
+                st.logprobs = (st.logprobs or []) + out.logprobs
+            st.num_output_tokens = out.num_output_tokens
+            st.first_scheduled_time = out.first_scheduled_time
+            st.first_token_time = out.first_token_time
+            if out.finished:
+                st.finish_reason = out.finish_reason
+                st.kv = out.kv
+            yield st, out
+        self.status = "ok"
+
+    async def collect(self) -> list[ChoiceState]:
+        async for _ in self.deltas():
+            pass
+        return self.ordered()
+
+    async def collect_unless_disconnected(self, request: Request) -> list[ChoiceState]:
+        """Run to completion, but abort the moment the client disconnects."""
+        collect = asyncio.ensure_future(self.collect())
+        watch = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (collect, watch):
+                t.cancel()
+            await asyncio.gather(collect, watch, return_exceptions=True)
+        if collect.done() and not collect.cancelled():
+            return collect.result()  # re-raises the engine's exception, if any
+        self.status = "disconnected"
+        raise ClientDisconnected
+
+    def ordered(self) -> list[ChoiceState]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    def close(self, status: str | None = None) -> None:
+        """Abort whatever is unfinished and log the request once."""
+        self.stream.abort()
+        if status is not None:
+            self.status = status
+        elif self.status == "running":
+            self.status = "aborted"
+        self.log()
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(c.num_output_tokens for c in self.choices.values())
+        kv = [c.kv for c in self.choices.values() if c.kv is not None]
+        return {
+            "prompt_tokens": self.plan.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.plan.num_prompt_tokens + completion,
+            "kv_cache": {
+                "policy": self.plan.policy.name,
+                "peak_live_tokens": sum(k.peak_live_tokens for k in kv),
+                "peak_blocks": sum(k.peak_blocks for k in kv),
+                "evicted_tokens": sum(k.evicted_tokens for k in kv),
+                "prefix_hit_tokens": sum(k.prefix_hit_tokens for k in kv),
+            },
+        }
+
+    def log(self) -> None:
+        if self._logged:
+            return
+        self._logged = True
+        p = self.plan
+        now = time.monotonic()
+        firsts = [c.first_token_time for c in self.choices.values() if c.first_token_time]
+        sched = [c.first_scheduled_time for c in self.choices.values()
+                 if c.first_scheduled_time]
+        fields = {
+            "request_id": p.id, "endpoint": p.kind, "model": p.model, "status": self.status,
+            "policy": p.policy.name, "n": len(p.choices), "priority": p.priority,
+            "prompt_tokens": p.num_prompt_tokens,
+            "completion_tokens": sum(c.num_output_tokens for c in self.choices.values()),
+            "finish_reasons": [c.finish_reason for c in self.ordered()],
+            "queue_s": round(min(sched) - p.arrival_time, 4) if sched else None,
+            "ttft_s": round(min(firsts) - p.arrival_time, 4) if firsts else None,
+            "e2e_s": round(now - p.arrival_time, 4), "stream": p.stream, "user": p.user,
+        }
+        request_log.info("request %s", self.status, extra={"fields": fields})
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,168 @@
+"""Prometheus metrics: the vLLM set under `kvserve_`, plus what only kvserve has.
+
+Three sources, each cheap where it runs: an `on_step` listener (worker thread) fills the
+step histograms; an output listener (event loop) fills the per-request histograms from
+the timestamps every RequestOutput carries; a collector turns the EngineStats snapshot
+the worker refreshes after each step into gauges and counters at scrape time, so a
+scrape never touches the (non-thread-safe) core. Labels are bounded: finish reasons,
+preemption modes, policy names, phases, block states; never request ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from scheduler.async_engine import AsyncEngine
+from scheduler.outputs import RequestOutput, StepStats
+
+P = "kvserve_"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineStatsCollector(Collector):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        e = self.engine
+        s = e.stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(P + name, doc, value=value)
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (in the engine "
+                    "or admitted and not yet handed to it).", s.num_waiting + e.num_pending)
+        yield gauge("num_requests_swapped", "Requests swapped out to host memory.",
+                    s.num_swapped)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
+                    s.blocks_used / s.blocks_total if s.blocks_total else 0.0)
+        blocks = GaugeMetricFamily(P + "kv_blocks", "KV pool blocks by state.",
+                                   labels=["state"])
+        blocks.add_metric(["used"], s.blocks_used)
+        blocks.add_metric(["free"], s.blocks_free)
+        yield blocks
+        yield gauge("kv_blocks_total", "KV pool capacity in blocks.", s.blocks_total)
+        yield gauge("kv_live_slots", "Live token slots, summed over layers.", s.live_slots)
+        yield gauge("kv_dead_slots", "Slots in used blocks that hold no live token (evicted "
+                    "or not yet filled), summed over layers.",
+                    max(0, s.slot_capacity_used - s.live_slots))
+        yield gauge("engine_ready", "1 when the engine accepts requests.", float(e.ready))
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(P + name, doc, value=value)
+
+        yield counter("prompt_tokens", "Prefilled prompt tokens.", s.prompt_tokens_total)
+        yield counter("generation_tokens", "Generated tokens.", s.generation_tokens_total)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries_total)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      s.prefix_cache_hits_total)
+        for name, doc, values, label in (
+            ("num_preemptions", "Preemptions by mode.", s.preemptions_total, "mode"),
+            ("policy_requests", "Requests admitted, by kv_policy.",
+             s.requests_by_policy_total, "policy"),
+            ("policy_evicted_tokens", "Tokens evicted by kv_policy (per-layer slots / "
+             "layers).", s.evicted_tokens_by_policy_total, "policy"),
+            ("policy_freed_blocks", "Blocks freed by eviction, by kv_policy.",
+             s.freed_blocks_by_policy_total, "policy"),
+        ):
+            fam = CounterMetricFamily(P + name, doc, labels=[label])
+            for k, v in sorted(values.items()):
+                fam.add_metric([str(k)], v)
+            yield fam
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        r.register(EngineStatsCollector(engine))
+
+        def hist(name: str, doc: str, buckets: tuple, labels: tuple = ()) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.",
+                         LATENCY_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after "
+                         "the first, per request.", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive token "
+                        "deliveries, per token.", LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.",
+                          LATENCY_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length of finished requests.",
+                               TOKEN_BUCKETS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per finished "
+                            "request.", TOKEN_BUCKETS)
+        self.success = Counter(P + "request_success", "Finished requests by finish reason.",
+                               ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)
+        self.step_phase = hist("engine_step_phase_seconds", "Engine step time by phase.",
+                               STEP_BUCKETS, ("phase",))
+        self.step_total = hist("engine_step_seconds", "Engine step wall time.", STEP_BUCKETS)
+        self.step_batch = hist("engine_step_batch_size", "Sequences per engine step.",
+                               BATCH_BUCKETS)
+        self.step_tokens = hist("engine_step_tokens", "Tokens (prefill + decode) per step.",
+                                TOKEN_BUCKETS)
+        self.http = Counter(P + "http_requests", "HTTP responses by route and status code.",
+                            ["route", "status"], registry=r)
+        self.rejected = Counter(P + "requests_rejected", "Requests refused before admission.",
+                                ["reason"], registry=r)
+        self._last_token_time: dict[str, float] = {}
+        engine.add_step_listener(self.observe_step)
+        engine.add_output_listener(self.observe_output)
+
+    def observe_step(self, s: StepStats) -> None:
+        for phase in ("schedule", "forward", "policy", "sample"):
+            self.step_phase.labels(phase).observe(getattr(s, f"{phase}_s"))
+        self.step_total.observe(s.total_s)
+        self.step_batch.observe(s.num_seqs)
+        self.step_tokens.observe(s.num_prefill_tokens + s.num_decode_tokens)
+
+    def observe_output(self, out: RequestOutput, now: float) -> None:
+        rid = out.request_id
+        last = self._last_token_time.get(rid)
+        if out.new_token_ids:
+            if last is None and out.first_token_time is not None:
+                self.ttft.observe(max(0.0, out.first_token_time - out.arrival_time))
+                if out.first_scheduled_time is not None:
+                    self.queue.observe(max(0.0, out.first_scheduled_time - out.arrival_time))
+            elif last is not None:
+                gap = max(0.0, now - last) / len(out.new_token_ids)
+                for _ in out.new_token_ids:
+                    self.itl.observe(gap)
+            self._last_token_time[rid] = now
+        if not out.finished:
+            return
+        self._last_token_time.pop(rid, None)
+        reason = out.finish_reason if out.finish_reason in FINISH_REASONS else "abort"
+        self.success.labels(reason).inc()
+        if reason == "abort":
+            return
+        self.e2e.observe(max(0.0, now - out.arrival_time))
+        self.prompt_len.observe(out.num_prompt_tokens)
+        self.gen_len.observe(out.num_output_tokens)
+        if out.first_token_time is not None and out.num_output_tokens > 1:
+            self.tpot.observe(max(0.0, now - out.first_token_time)
+                              / (out.num_output_tokens - 1))

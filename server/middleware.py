@@ -1,0 +1,109 @@
+"""Pure ASGI middleware: body size limit and API-key check.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and client-disconnect
+messages pass through untouched; both checks answer before the body is parsed.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import error_body
+
+
+async def _send_error(send: Send, status: int, message: str, code: str,
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodySizeLimit:
+    """413 for a declared Content-Length over the limit, and for a chunked body that
+    grows past it (raised from `receive`, which FastAPI turns into our 413 handler)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    return await _send_error(send, 400, "bad Content-Length", "bad_request")
+                if declared > self.max_bytes:
+                    return await _send_error(
+                        send, 413, f"request body of {declared} bytes exceeds the limit of "
+                        f"{self.max_bytes} bytes", "request_too_large",
+                        [(b"connection", b"close")])
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, f"request body exceeds the limit of "
+                                             f"{self.max_bytes} bytes")
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+
+class APIKeyAuth:
+    """`Authorization: Bearer <key>` on /v1/*; probes and /metrics stay open so load
+    balancers and Prometheus need no secret."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.api_key is None or scope["type"] != "http"
+                or not scope.get("path", "").startswith("/v1")
+                or scope.get("method") == "OPTIONS"):
+            return await self.app(scope, receive, send)
+        auth = b""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                auth = v
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            return await _send_error(send, 401, "Incorrect or missing API key; send "
+                                     "'Authorization: Bearer <key>'", "invalid_api_key",
+                                     [(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)
+
+
+class HTTPMetrics:
+    """Count responses by route and status code; unknown paths share one label value so
+    a scanner cannot blow up the series count."""
+
+    def __init__(self, app: ASGIApp, counter: object, routes: set[str]) -> None:
+        self.app = app
+        self.counter = counter
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in self.routes else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(route, str(message["status"])).inc()  # type: ignore[attr-defined]
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

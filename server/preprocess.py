@@ -1,0 +1,201 @@
+"""A validated request body -> the engine requests it stands for (a `Plan`).
+
+Everything that could make the engine fail on user input is checked here (token ids
+outside the vocabulary, prompts longer than the context, unsupported fields), so a bad
+request becomes a 400 naming its field instead of an error inside a shared batch step.
+Tokenization runs on its own single thread: chat templates and long prompts would
+otherwise stall the event loop, and one thread means the tokenizer is never used
+concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from engine.sampling import SamplingParams
+from policies.config import KVPolicyConfig, parse_kv_policy
+from scheduler.async_engine import AsyncEngine, GenerationRequest
+from server.errors import APIError, bad_request
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.settings import ServerSettings
+
+# Used only when the tokenizer ships no chat template (ChatML, the most common one).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SEED_MOD = 2**63
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    echo_text: str = ""  # the prompt text, prepended to the output when echo is on
+
+
+@dataclass
+class Plan:
+    id: str
+    kind: Literal["completion", "chat"]
+    model: str
+    choices: list[Choice]
+    policy: KVPolicyConfig
+    priority: int = 0
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    num_logprobs: int | None = None  # top-N per token when logprobs were asked for
+    num_prompt_tokens: int = 0  # counted once per distinct prompt (n samples share it)
+    user: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def engine_requests(self) -> list[GenerationRequest]:
+        return [GenerationRequest(c.prompt_ids, c.params, c.request_id, self.priority,
+                                  self.policy, self.arrival_time) for c in self.choices]
+
+
+class Preprocessor:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-tokenizer")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def check_model(self, model: str | None) -> str:
+        names = self.settings.served_model_names
+        if model is None:
+            return names[0]
+        if model not in names:
+            raise APIError(404, f"The model `{model}` does not exist. Served models: "
+                           f"{', '.join(names)}", param="model", code="model_not_found")
+        return model
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # ---- per endpoint ----------------------------------------------------------------
+    async def completion(self, req: CompletionRequest) -> Plan:
+        model = self.check_model(req.model)
+        _check_neutral(req)
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        policy = _policy(req.kv_policy)
+        prompts = await self._run(self._tokenize_prompts, req.prompt, req.echo)
+        max_tokens = req.max_tokens if req.max_tokens is not None else 16
+        plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], policy, req.priority,
+                    req.stream, req.include_usage, req.echo, req.logprobs, user=req.user)
+        for p_idx, (ids, text) in enumerate(prompts):
+            self._check_prompt(ids, "prompt")
+            self._add_choices(plan, req, p_idx, ids, text, max_tokens, req.logprobs)
+        return plan
+
+    async def chat(self, req: ChatCompletionRequest) -> Plan:
+        model = self.check_model(req.model)
+        _check_neutral(req)
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format type 'text' is supported",
+                              "response_format")
+        policy = _policy(req.kv_policy)
+        ids = await self._run(self._render_chat, req)
+        self._check_prompt(ids, "messages")
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = self.engine.max_request_tokens - len(ids)
+            if max_tokens < 1:
+                raise bad_request(f"the conversation ({len(ids)} tokens) leaves no room to "
+                                  f"generate", "messages", "context_length_exceeded")
+        n_lp = (req.top_logprobs or 0) if req.logprobs else None
+        plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], policy, req.priority,
+                    req.stream, req.include_usage, False, n_lp, user=req.user)
+        self._add_choices(plan, req, 0, ids, "", max_tokens, n_lp)
+        return plan
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _add_choices(self, plan: Plan, req: CompletionRequest | ChatCompletionRequest,
+                     p_idx: int, ids: list[int], text: str, max_tokens: int,
+                     n_lp: int | None) -> None:
+        vocab = self.engine.vocab_size
+        stop_ids = list(req.stop_token_ids or [])
+        if any(t >= vocab for t in stop_ids):
+            raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
+        top_k = req.top_k if req.top_k < vocab else 0
+        plan.num_prompt_tokens += len(ids)
+        for j in range(req.n):
+            index = p_idx * req.n + j
+            seed = None if req.seed is None else (req.seed + j) % SEED_MOD
+            try:
+                params = SamplingParams(
+                    max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    top_k=top_k, min_p=req.min_p, seed=seed, stop=req.stop_list,
+                    stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                    logprobs=None if n_lp is None else min(n_lp, vocab))
+            except ValueError as e:
+                raise bad_request(str(e), str(e).split(" ")[0]) from None
+            plan.choices.append(Choice(index, ids, params, f"{plan.id}-{index}",
+                                       text if plan.echo else ""))
+
+    def _check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("the prompt is empty", param)
+        vocab = self.engine.vocab_size
+        if any(t >= vocab for t in ids):
+            raise bad_request(f"prompt token ids must be < vocab size {vocab}", param)
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise bad_request(f"the prompt has {len(ids)} tokens; the model's context length "
+                              f"is {limit}, which leaves no room to generate", param,
+                              "context_length_exceeded")
+
+    def _tokenize_prompts(self, prompt: Any, echo: bool) -> list[tuple[list[int], str]]:
+        tok = self.engine.tokenizer
+        if isinstance(prompt, str):
+            return [(tok.encode(prompt), prompt)]
+        if prompt and isinstance(prompt[0], str):
+            return [(tok.encode(p), p) for p in prompt]
+        if prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        limit, vocab = self.engine.max_model_len, self.engine.vocab_size
+        # decode only for echo, and only prompts that will pass _check_prompt
+        return [(list(p), tok.decode(p) if echo and len(p) < limit and max(p) < vocab else "")
+                for p in prompt]
+
+    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        msgs = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
+                for m in req.messages]
+        template = None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        try:
+            text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # template errors (role order, ...) are the caller's input
+            raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+        return tok.encode(text, add_special_tokens=False)
+
+
+def _policy(value: Any) -> KVPolicyConfig:
+    return parse_kv_policy(value)  # KVPolicyError -> 400 via errors.map_exception
+
+
+def _check_neutral(req: CompletionRequest | ChatCompletionRequest) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")

@@ -1,0 +1,151 @@
+"""Request schemas with OpenAI's field names and bounds.
+
+Bounds live here, not deeper, so that any body that passes validation can be run by the
+engine without surprises (no NaN temperature, no seed torch cannot take, no n that
+floods the queue). Unknown top-level fields are ignored, like OpenAI-compatible servers
+do for fields of newer API versions; unknown fields inside `kv_policy` are an error.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP = 16
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        """Many clients send `null` for "not set"; treat it as absent so defaults apply."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Base):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: TokenIds | None = Field(None, max_length=256)
+    ignore_eos: bool = False
+    user: str | None = Field(None, max_length=256)
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    kv_policy: StrictStr | dict[str, Any] | None = None
+    # Accepted for compatibility, but only their neutral values (checked in preprocess).
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _check_stream_options(cls, v: StreamOptions | None, info: ValidationInfo
+                              ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: (Annotated[StrictStr, Field(max_length=4_000_000)]
+             | Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_N)]
+             | Annotated[TokenIds, Field(min_length=1)]
+             | Annotated[list[Annotated[TokenIds, Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_N)])
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Base):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None = Field(
+        None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and info.data.get("role") != "assistant":
+            raise ValueError("required for this role")
+        return v
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return v

@@ -1,0 +1,132 @@
+"""Server-sent events exactly as OpenAI sends them.
+
+`data: {json}\\n\\n` per chunk; `finish_reason` is null until each choice's last chunk;
+with `stream_options.include_usage` every chunk carries `"usage": null` and one extra
+chunk with `choices: []` and the usage precedes `data: [DONE]`. An error after the
+headers went out is sent as a `data: {"error": ...}` event (what OpenAI does), which
+the `openai` client raises as an APIError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from server.errors import error_body, map_exception
+from server.generation import ChoiceState, Generation
+from server.responses import TokenText, chat_logprobs, completion_logprobs
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """Closes the event generator however the response ends, so the engine request is
+    aborted at once when the client disconnects (Starlette only cancels the send)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _Chunker:
+    def __init__(self, gen: Generation, tt: TokenText) -> None:
+        p = gen.plan
+        self.gen, self.tt = gen, tt
+        self.chat = p.kind == "chat"
+        self.base = {"id": p.id, "object": "chat.completion.chunk" if self.chat
+                     else "text_completion", "created": p.created, "model": p.model,
+                     "system_fingerprint": None}
+        self.include_usage = p.include_usage
+        self.want_lp = p.num_logprobs is not None
+        self.offsets: dict[int, int] = {}  # completions: text offset per choice
+
+    def chunk(self, choices: list[dict[str, Any]]) -> str:
+        body = {**self.base, "choices": choices}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    def opening(self) -> list[str]:
+        """Chat: the assistant role first; completions with echo: the prompt first."""
+        out = []
+        for c in self.gen.ordered():
+            if self.chat:
+                out.append(self.chunk([{"index": c.index, "delta": {"role": "assistant",
+                                        "content": ""}, "logprobs": None,
+                                        "finish_reason": None}]))
+            elif c.text:
+                out.append(self.chunk([{"index": c.index, "text": c.text, "logprobs": None,
+                                        "finish_reason": None}]))
+            self.offsets[c.index] = len(c.text)
+        return out
+
+    def delta(self, st: ChoiceState, text: str, lps: list | None) -> str | None:
+        if not text and not (self.want_lp and lps):
+            return None
+        lp = None
+        if self.want_lp:
+            if self.chat:
+                lp = chat_logprobs(self.tt, lps or [])
+            else:
+                lp = completion_logprobs(self.tt, lps or [], self.offsets[st.index])
+        self.offsets[st.index] = self.offsets.get(st.index, 0) + len(text)
+        if self.chat:
+            return self.chunk([{"index": st.index, "delta": {"content": text},
+                                "logprobs": lp, "finish_reason": None}])
+        return self.chunk([{"index": st.index, "text": text, "logprobs": lp,
+                            "finish_reason": None}])
+
+    def finish(self, st: ChoiceState) -> str:
+        if self.chat:
+            return self.chunk([{"index": st.index, "delta": {}, "logprobs": None,
+                                "finish_reason": st.finish_reason}])
+        return self.chunk([{"index": st.index, "text": "", "logprobs": None,
+                            "finish_reason": st.finish_reason}])
+
+    def usage(self) -> str:
+        return sse({**self.base, "choices": [], "usage": self.gen.usage()})
+
+
+async def stream_events(gen: Generation, tt: TokenText) -> AsyncIterator[str]:
+    """The SSE body; its `finally` aborts unfinished choices and logs the request."""
+    ch = _Chunker(gen, tt)
+    status = None
+    try:
+        for event in ch.opening():
+            yield event
+        async for st, out in gen.deltas():
+            event = ch.delta(st, out.new_text, out.logprobs)
+            if event is not None:
+                yield event
+            if out.finished:
+                yield ch.finish(st)
+        if ch.include_usage:
+            yield ch.usage()
+        yield DONE
+    except Exception as e:  # headers are out: report in-band, never a broken stream
+        err = map_exception(e)
+        status = "error"
+        if err is None:
+            body = error_body("internal server error", "server_error")
+        else:
+            body = error_body(err.message, err.type, err.param, err.code)
+        yield sse(body)
+        yield DONE
+    finally:
+        gen.close(status)

@@ -1,0 +1,202 @@
+"""Triton paged attention against the torch reference (CPU: through TRITON_INTERPRET).
+
+Shapes are tiny because the interpreter runs every program in Python; they are chosen
+to cross tile edges anyway (odd lengths, several slot tiles, split-KV, padded rows).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from kvpool.attention import PAD_QUERY_POS, paged_attention
+from kvpool.pool import BlockPool
+from kvpool.seq_cache import SeqCache
+
+triton_attention = pytest.importorskip("kvpool.triton_attention")
+pytest.importorskip("triton")
+paged_attention_triton = triton_attention.paged_attention_triton
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_case(
+    prefixes: list[int],
+    chunks: list[int],
+    *,
+    bs: int = 4,
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 8,
+    extra_blocks: int = 0,
+    evict: dict[int, list[int]] | None = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> dict:
+    """Sequences with `prefixes[i]` cached tokens plus a chunk of `chunks[i]` queries.
+
+    The chunk's own keys are already in the cache (the runner writes before attending),
+    so sequence i holds positions 0 .. prefix+chunk-1 in shuffled pool blocks. Queries
+    are padded to the longest chunk with PAD_QUERY_POS. `evict` maps a sequence to the
+    logical slots marked dead; `extra_blocks` adds -1 columns to the table.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lens = [p + c for p, c in zip(prefixes, chunks)]
+    nblocks = [-(-n // bs) for n in lens]
+    nb = max(nblocks) + extra_blocks
+    num_blocks = sum(nblocks) + 3
+    ids = torch.randperm(num_blocks, generator=g)
+    table = torch.full((len(lens), nb), -1, dtype=torch.int64)
+    slot_pos = torch.full((len(lens), nb * bs), -1, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        table[i, : nblocks[i]] = ids[used : used + nblocks[i]]
+        used += nblocks[i]
+        slot_pos[i, :n] = torch.arange(n)
+        for s in (evict or {}).get(i, []):
+            slot_pos[i, s] = -1
+    tq = max(chunks)
+    q_pos = torch.full((len(lens), tq), PAD_QUERY_POS, dtype=torch.int64)
+    for i, (p, c) in enumerate(zip(prefixes, chunks)):
+        q_pos[i, :c] = torch.arange(p, p + c)
+    # q sliced out of a fused qkv-like tensor: strided, as the model runner hands it over.
+    fused = torch.randn(len(lens), tq, hq + 2, d, generator=g)
+    kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g)
+    return {
+        "q": fused[:, :, :hq].to(DEV, dtype), "k_cache": kv[0].to(DEV, dtype),
+        "v_cache": kv[1].to(DEV, dtype), "table": table.to(DEV),
+        "slot_pos": slot_pos.to(DEV), "q_pos": q_pos.to(DEV), "scale": d**-0.5,
+    }
+
+
+def check(case: dict, window: int | None = None, probs: bool = False,
+          num_splits: int | None = None, atol: float = 1e-4) -> None:
+    """Assert the Triton result equals the reference (output and, if asked, probs)."""
+    out, mass = paged_attention_triton(**case, window=window, return_probs=probs,
+                                       num_splits=num_splits)
+    ref_case = {k: (v.float() if k in ("q", "k_cache", "v_cache") else v)
+                for k, v in case.items()}
+    ref, ref_mass = paged_attention(**ref_case, window=window, return_probs=probs)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    # Rows that see no slot (with a window, padded rows too): the reference's explicit
+    # softmax branch gives NaN there, its SDPA branch and the kernels give zeros.
+    ref = ref.float().nan_to_num(0.0)
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=atol)
+    if probs:
+        torch.testing.assert_close(mass, ref_mass.nan_to_num(0.0), atol=atol, rtol=atol)
+    else:
+        assert mass is None
+
+
+@pytest.mark.parametrize(("hq", "hkv", "bs"), [(4, 2, 4), (8, 1, 8), (2, 2, 16)])
+def test_decode_odd_lengths(hq: int, hkv: int, bs: int) -> None:
+    """One query per sequence; lengths that are not multiples of the block size."""
+    check(make_case([0, 6, 16], [1, 1, 1], bs=bs, hq=hq, hkv=hkv))
+
+
+def test_decode_long_and_split_kv() -> None:
+    """3 slot tiles: online softmax across tiles in one program, then split-KV (forced)
+    where the short sequence leaves two splits empty."""
+    case = make_case([149, 36], [1, 1], bs=8, hq=4, hkv=2)
+    check(case, num_splits=1)
+    check(case, num_splits=3)
+    check(case, num_splits=3, window=70, probs=True)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (8, 1), (2, 2)])
+def test_prefill_chunk_over_cached_prefix(hq: int, hkv: int) -> None:
+    """Chunks attend causally to an earlier cached prefix; padded rows included."""
+    check(make_case([0, 5, 9], [3, 6, 1], hq=hq, hkv=hkv))
+
+
+@pytest.mark.parametrize(("hq", "hkv", "chunks"), [(8, 1, [9, 4]), (3, 1, [40, 2])])
+def test_prefill_many_query_tiles(hq: int, hkv: int, chunks: list[int]) -> None:
+    """More rows than one tile: 72 rows (G = 8), and 120 rows with G = 3, whose groups
+    straddle tile edges; 40 queries also give the probs pass two query tiles."""
+    check(make_case([3, 17], chunks, hq=hq, hkv=hkv), probs=True)
+
+
+def test_sliding_window() -> None:
+    check(make_case([0, 11, 20], [1, 1, 1], hq=4, hkv=2), window=5)
+    check(make_case([7, 2], [5, 3], hq=8, hkv=1, bs=8), window=4)
+
+
+def test_evicted_slots_and_padded_table() -> None:
+    """Dead slots mid-block, a fully dead block still in the table, -1 table tail."""
+    evict = {0: [1, 2, 6, 8, 9, 10, 11], 1: [0, 3, 4]}
+    check(make_case([13, 9], [1, 1], extra_blocks=2, evict=evict), probs=True)
+    check(make_case([10, 6], [4, 2], extra_blocks=1, evict=evict), probs=True)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_return_probs(window: int | None) -> None:
+    case = make_case([3, 12], [5, 2], hq=8, hkv=2, bs=4)
+    check(case, window=window, probs=True)
+    _, mass = paged_attention_triton(**case, window=window, return_probs=True)
+    # Each query row's probabilities sum to 1 per query head: G per kv group (rows
+    # that see nothing, i.e. padded rows under a window, sum to 0).
+    real = case["q_pos"] != PAD_QUERY_POS
+    sums = mass.sum(-1)[real]
+    torch.testing.assert_close(sums, torch.full_like(sums, 4.0))
+
+
+def test_odd_head_dim_and_group() -> None:
+    """head_dim 12 (padded to 16 and masked) and a non-power-of-two group (G = 3)."""
+    check(make_case([4, 9], [3, 1], hq=3, hkv=1, d=12), probs=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_cast_on_load(dtype: torch.dtype) -> None:
+    """16-bit pool and queries: upcast on load, fp32 maths, output back in q's dtype."""
+    atol = 2e-3 if dtype == torch.float16 else 1e-2
+    check(make_case([5, 0], [1, 3], dtype=dtype), probs=True, atol=atol)
+
+
+def test_row_with_no_visible_slot_is_zero() -> None:
+    """A query before every cached position sees nothing: zeros, as SDPA gives."""
+    case = make_case([0], [1])
+    case["slot_pos"] = case["slot_pos"].masked_fill(case["slot_pos"] >= 0, 5)
+    out, mass = paged_attention_triton(**case, return_probs=True)
+    ref, _ = paged_attention(**case)
+    assert bool((out == 0).all()) and bool((mass == 0).all())
+    torch.testing.assert_close(out, ref)
+
+
+def test_with_pool_and_seq_cache() -> None:
+    """End to end with the real pool layout: k_cache = kv[0] view, per-layer tables."""
+    bs, hkv, d, hq = 4, 2, 8, 4
+    pool = BlockPool(num_blocks=12, block_size=bs, num_kv_heads=hkv, head_dim=d)
+    torch.manual_seed(0)
+    seqs = [SeqCache(pool, num_layers=2), SeqCache(pool, num_layers=2)]
+    for sc, n in zip(seqs, (10, 7)):
+        slots = sc.append(torch.arange(n))  # [L, n] physical slot ids
+        pool.kv.view(2, -1, hkv, d)[:, slots.reshape(-1)] = torch.randn(2, 2 * n, hkv, d)
+    seqs[0].evict(1, torch.tensor([0, 1, 2, 3, 5]))  # frees a whole block in layer 1
+    layer = 1
+    nb = max(sc.max_blocks for sc in seqs)
+    table = torch.stack([sc.table[layer, :nb] for sc in seqs])
+    slot_pos = torch.stack([sc.slot_pos[layer, : nb * bs] for sc in seqs])
+    case = {"q": torch.randn(2, 1, hq, d), "k_cache": pool.k_cache, "v_cache": pool.v_cache,
+            "table": table, "slot_pos": slot_pos, "q_pos": torch.tensor([[9], [6]]),
+            "scale": d**-0.5}
+    check({k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in case.items()},
+          probs=True)
+
+
+def test_select_attention() -> None:
+    assert triton_attention.select_attention(torch.device("cpu")) is paged_attention
+    assert triton_attention.select_attention(torch.device("cuda")) is paged_attention_triton
+
+
+def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU installs without triton still import the module and get the torch path."""
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` fail
+    monkeypatch.setitem(sys.modules, "triton.language", None)
+    spec = importlib.util.spec_from_file_location("_ta_no_triton", triton_attention.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.triton is None
+    assert mod.select_attention(torch.device("cuda")) is paged_attention

@@ -1,0 +1,160 @@
+"""Tiny random-weight Hugging Face checkpoints (+ a byte-level tokenizer) for CPU tests.
+
+`make_tiny_model(family, path)` writes config.json, generation_config.json,
+model.safetensors and tokenizer files into `path`, entirely offline and deterministic
+(seeded), so the engine, the server and parity tests can all load the same directory.
+Weights are drawn wider than transformers' init (std 0.02) and biases/norm gains are
+non-trivial, so attention is sharp and a wrong RoPE, mask or bias shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+# Token ids 0..4 are specials, 5..260 the 256 bytes: vocab_size = 261 for every family.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
+VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "llama_tied")
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    pad_token_id=PAD_ID,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    tie_word_embeddings=False,
+)
+_GQA = dict(num_key_value_heads=2)
+
+# family -> (transformers config class name, config kwargs)
+_FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {**_COMMON, **_GQA}),
+    # Llama 3.1 rope scaling; original context 64 puts frequencies in all three bands.
+    # Also biases on attention and MLP, and head_dim != hidden / heads.
+    "llama3": (
+        "LlamaConfig",
+        {
+            **_COMMON,
+            **_GQA,
+            "head_dim": 32,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {**_COMMON, **_GQA, "sliding_window": 24}),
+    # Layer 0 full, layers 1-2 sliding (Qwen2 slides on layers >= max_window_layers).
+    "qwen2": (
+        "Qwen2Config",
+        {
+            **_COMMON,
+            **_GQA,
+            "use_sliding_window": True,
+            "sliding_window": 24,
+            "max_window_layers": 1,
+        },
+    ),
+    "qwen3": ("Qwen3Config", {**_COMMON, **_GQA, "head_dim": 32}),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        {**_COMMON, "num_hidden_layers": 2, "rotary_pct": 0.5, "use_parallel_residual": True},
+    ),
+    "llama_tied": (
+        "LlamaConfig",
+        {**_COMMON, **_GQA, "num_hidden_layers": 2, "tie_word_embeddings": True},
+    ),
+}
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges (one token per byte) plus the special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if p.dim() >= 2:
+            p.copy_(noise * (0.5 if "embed" in name else 0.12))
+        elif name.endswith("bias"):
+            p.copy_(noise * 0.1)
+        else:  # norm gains
+            p.copy_(1.0 + 0.1 * noise)
+
+
+def make_tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
+    if family not in _FAMILY_CONFIGS:
+        raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
+    cls_name, kwargs = _FAMILY_CONFIGS[family]
+    kwargs = {**kwargs, **overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+def make_tiny_model(
+    family: str,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    **overrides,
+) -> str:
+    """Write a tiny checkpoint for `family` (see TINY_FAMILIES) into `path`; returns `path`.
+
+    `overrides` go to the transformers config (e.g. num_hidden_layers=2,
+    use_parallel_residual=False, tie_word_embeddings=True, sliding_window=8).
+    generation_config.json lists eos [</s>, <|im_end|>].
+    """
+    path = str(path)
+    config = make_tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.generation_config.eos_token_id = [EOS_ID, IM_END_ID]
+    model.generation_config.bos_token_id = BOS_ID
+    model.generation_config.pad_token_id = PAD_ID
+    model.to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return path
