@@ -55,24 +55,27 @@ class _Group:
 
 
 def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
-                 num_layers: int, bs: int, want_probs: bool) -> _Group:
-    b = len(members)
-    tq = max(len(inputs[i].token_ids) for i in members)
-    nb = max(inputs[i].cache.max_blocks for i in members)
-    q_index = torch.zeros(b, tq, dtype=torch.int64)
-    valid = torch.zeros(b, tq, dtype=torch.bool)
-    q_pos = torch.full((b, tq), PAD_QUERY_POS, dtype=torch.int64)
-    tables = torch.full((num_layers, b, nb), -1, dtype=torch.int64)
-    slot_pos = torch.full((num_layers, b, nb * bs), -1, dtype=torch.int64)
-    for row, i in enumerate(members):
-        s = inputs[i]
-        n = len(s.token_ids)
-        q_index[row, :n] = torch.arange(offsets[i], offsets[i] + n)
-        valid[row, :n] = True
-        q_pos[row, :n] = torch.arange(s.start_pos, s.start_pos + n)
-        m = s.cache.max_blocks
-        tables[:, row, :m] = s.cache.table[:, :m]
-        slot_pos[:, row, : m * bs] = s.cache.slot_pos[:, : m * bs]
+                 bs: int, want_probs: bool) -> _Group:
+    seqs = [inputs[i] for i in members]
+    nb = max(s.cache.max_blocks for s in seqs)
+    for s in seqs:
+        s.cache.ensure_capacity(nb)
+    # Columns past a sequence's own blocks are -1 in its table and slot positions, so
+    # a plain stack pads correctly.
+    tables = torch.stack([s.cache.table[:, :nb] for s in seqs], dim=1)
+    slot_pos = torch.stack([s.cache.slot_pos[:, : nb * bs] for s in seqs], dim=1)
+    lens = [len(s.token_ids) for s in seqs]
+    tq = max(lens)
+    if tq == 1:  # decode: no padding
+        q_index = torch.tensor([offsets[i] for i in members], dtype=torch.int64)[:, None]
+        q_pos = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)[:, None]
+        valid = torch.ones_like(q_index, dtype=torch.bool)
+        return _Group(members, q_index, valid, q_pos, tables, slot_pos, want_probs)
+    ar = torch.arange(tq)
+    valid = ar[None, :] < torch.tensor(lens)[:, None]
+    q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
+    starts = torch.tensor([s.start_pos for s in seqs])[:, None]
+    q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
     return _Group(members, q_index, valid, q_pos, tables, slot_pos, want_probs)
 
 
@@ -86,7 +89,6 @@ class ModelRunner:
         self.device = device
         self.scale = config.head_dim**-0.5
 
-    @torch.inference_mode()
     def execute(self, inputs: list[SeqInput]) -> StepOutput:
         cfg, bs, dev = self.config, self.pool.block_size, self.device
         offsets, ids, pos = [], [], []
@@ -104,7 +106,7 @@ class ModelRunner:
         for i, s in enumerate(inputs):
             buckets.setdefault((len(s.token_ids) == 1, s.wants_attention), []).append(i)
         groups = [
-            _build_group(m, inputs, offsets, cfg.num_layers, bs, want)
+            _build_group(m, inputs, offsets, bs, want)
             for (_, want), m in sorted(buckets.items())
         ]
         groups = [_to(g, dev) for g in groups]
@@ -131,9 +133,12 @@ class ModelRunner:
                         attention[i].append(probs[row, :n].cpu())
             return out
 
-        hidden = self.model(input_ids, positions, attn)
         last = [offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(inputs) if s.wants_logits]
-        logits = self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64, device=dev)])
+        # Only the forward is inference-mode: the bookkeeping tensors above (block
+        # tables) outlive the step and are updated in place later.
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, attn)
+            logits = self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64, device=dev)])
         return StepOutput(logits=logits.float().cpu(), attention=attention)
 
 

@@ -5,8 +5,9 @@ Slots are appended in order (slot j of layer l lives in block `table[l, j // bs]
 offset `j % bs`). Eviction marks slots dead (`slot_pos = -1`) without moving data; a
 block whose slots are all dead is returned to the pool at once and its column removed
 from that layer's table. Every layer has its own table because policies keep different
-tokens (and pyramid budgets different counts) per layer; a full-cache request keeps all
-layers identical, and then appending is a handful of tensor ops, not a loop.
+tokens (and pyramid budgets different counts) per layer. A full-cache request keeps all
+layers identical (`uniform`); then sizes are plain ints and appending is a handful of
+tensor ops whatever the number of layers — this is the per-step hot path.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ from __future__ import annotations
 import torch
 
 from kvpool.pool import BlockPool
+
+
+def _blocks_for(nblocks: int, next_slot: int, n: int, bs: int) -> int:
+    """New blocks one layer needs to append n slots."""
+    return max(0, n - (nblocks * bs - next_slot) + bs - 1) // bs
 
 
 class SeqCache:
@@ -24,35 +30,34 @@ class SeqCache:
         cap = max(1, capacity_blocks)
         self.table = torch.full((num_layers, cap), -1, dtype=torch.int64)
         self.slot_pos = torch.full((num_layers, cap * self.bs), -1, dtype=torch.int64)
-        self.nblocks = torch.zeros(num_layers, dtype=torch.int64)
-        self.next_slot = torch.zeros(num_layers, dtype=torch.int64)  # appended slots
+        self.nblocks = [0] * num_layers  # blocks held per layer
+        self.next_slot = [0] * num_layers  # slots appended per layer (live or dead)
+        self.uniform = True  # every layer holds the same slots (no eviction yet)
+        self.live = 0  # live slots summed over layers
 
     # ---- sizes -------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         """Blocks held in all layers together."""
-        return int(self.nblocks.sum())
+        return self.nblocks[0] * self.num_layers if self.uniform else sum(self.nblocks)
 
     @property
     def max_blocks(self) -> int:
-        return int(self.nblocks.max())
-
-    def live_tokens(self) -> int:
-        """Live slots over all layers (a full-cache request: layers × tokens)."""
-        return int((self.slot_pos >= 0).sum())
+        return self.nblocks[0] if self.uniform else max(self.nblocks)
 
     def blocks_needed(self, n: int) -> int:
         """Blocks that appending n tokens to every layer would allocate."""
-        free_in_tail = self.nblocks * self.bs - self.next_slot
-        return int(((n - free_in_tail).clamp(min=0) + self.bs - 1).div(self.bs, rounding_mode="floor").sum())
+        if self.uniform:
+            return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
+        return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
 
     def owned_blocks(self) -> torch.Tensor:
         """Every block id held, one entry per reference (for invariant checks)."""
         cols = torch.arange(self.table.shape[1])
-        return self.table[cols[None, :] < self.nblocks[:, None]]
+        return self.table[cols[None, :] < torch.tensor(self.nblocks)[:, None]]
 
-    # ---- growth ------------------------------------------------------------------
-    def _grow(self, blocks: int) -> None:
+    def ensure_capacity(self, blocks: int) -> None:
+        """Grow the table so that `table[:, :blocks]` is a valid (-1 padded) view."""
         cap = self.table.shape[1]
         if blocks <= cap:
             return
@@ -63,6 +68,7 @@ class SeqCache:
         pos[:, : cap * self.bs] = self.slot_pos
         self.table, self.slot_pos = table, pos
 
+    # ---- growth ------------------------------------------------------------------
     def append(self, positions: torch.Tensor) -> torch.Tensor:
         """Give n new tokens (original `positions`, [n]) a slot in every layer.
 
@@ -70,28 +76,37 @@ class SeqCache:
         if the pool cannot supply them) and returns physical slot ids [L, n] to which
         the runner writes the tokens' K and V.
         """
-        n = positions.numel()
-        need = ((n - (self.nblocks * self.bs - self.next_slot)).clamp(min=0) + self.bs - 1) // self.bs
-        total = int(need.sum())
-        if total:
-            ids = self.pool.allocate(total)
-            self._grow(int((self.nblocks + need).max()))
-            first = int(need[0])
-            if bool((need == first).all()) and bool((self.nblocks == self.nblocks[0]).all()):
-                nb = int(self.nblocks[0])
-                self.table[:, nb : nb + first] = ids.view(self.num_layers, first)
-            else:  # layers diverged (eviction): place each layer's share
-                off = 0
-                for layer in range(self.num_layers):
-                    k, nb = int(need[layer]), int(self.nblocks[layer])
-                    self.table[layer, nb : nb + k] = ids[off : off + k]
-                    off += k
-            self.nblocks += need
-        j = self.next_slot[:, None] + torch.arange(n)  # [L, n] logical slot index
-        blocks = self.table.gather(1, j // self.bs)
-        self.slot_pos.scatter_(1, j, positions.to(torch.int64).expand(self.num_layers, n))
-        self.next_slot += n
-        return blocks * self.bs + j % self.bs
+        n, bs, nl = positions.numel(), self.bs, self.num_layers
+        if self.uniform:
+            nb, nxt = self.nblocks[0], self.next_slot[0]
+            k = _blocks_for(nb, nxt, n, bs)
+            if k:
+                ids = self.pool.allocate(nl * k)
+                self.ensure_capacity(nb + k)
+                self.table[:, nb : nb + k] = ids.view(nl, k)
+                self.nblocks = [nb + k] * nl
+            j = torch.arange(nxt, nxt + n)
+            slots = self.table[:, j // bs] * bs + j % bs
+            self.slot_pos[:, nxt : nxt + n] = positions
+            self.next_slot = [nxt + n] * nl
+            self.live += nl * n
+            return slots
+        need = [_blocks_for(b, s, n, bs) for b, s in zip(self.nblocks, self.next_slot)]
+        ids = self.pool.allocate(sum(need))
+        self.ensure_capacity(max(b + k for b, k in zip(self.nblocks, need)))
+        slots = torch.empty(nl, n, dtype=torch.int64)
+        off = 0
+        for layer in range(nl):
+            nb, k, nxt = self.nblocks[layer], need[layer], self.next_slot[layer]
+            self.table[layer, nb : nb + k] = ids[off : off + k]
+            off += k
+            self.nblocks[layer] = nb + k
+            j = torch.arange(nxt, nxt + n)
+            slots[layer] = self.table[layer, j // bs] * bs + j % bs
+            self.slot_pos[layer, nxt : nxt + n] = positions
+            self.next_slot[layer] = nxt + n
+        self.live += nl * n
+        return slots
 
     # ---- shrinking -----------------------------------------------------------------
     def evict(self, layer: int, slots: torch.Tensor) -> int:
@@ -100,26 +115,31 @@ class SeqCache:
         Returns the number of blocks freed. The tail block is kept while it still has
         room for appends, so a request never reallocates the block it is filling.
         """
-        self.slot_pos[layer, slots] = -1
+        pos = self.slot_pos[layer]
+        self.live -= int((pos[slots] >= 0).sum())
+        pos[slots] = -1
+        self.uniform = False
         return self._free_dead_blocks(layer)
 
     def drop_before(self, layer: int, min_pos: int) -> int:
         """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""
         pos = self.slot_pos[layer]
         dead = (pos >= 0) & (pos < min_pos)
-        if not bool(dead.any()):
+        ndead = int(dead.sum())
+        if ndead == 0:
             return 0
         pos[dead] = -1
+        self.live -= ndead
+        self.uniform = False
         return self._free_dead_blocks(layer)
 
     def _free_dead_blocks(self, layer: int) -> int:
-        nb = int(self.nblocks[layer])
+        nb, bs = self.nblocks[layer], self.bs
         if nb == 0:
             return 0
-        alive = (self.slot_pos[layer, : nb * self.bs].view(nb, self.bs) >= 0).any(dim=1)
-        tail_has_room = int(self.next_slot[layer]) < nb * self.bs
-        if tail_has_room:
-            alive[nb - 1] = True
+        alive = (self.slot_pos[layer, : nb * bs].view(nb, bs) >= 0).any(dim=1)
+        if self.next_slot[layer] < nb * bs:
+            alive[nb - 1] = True  # the tail block still takes appends
         if bool(alive.all()):
             return 0
         dead_ids = self.table[layer, :nb][~alive]
@@ -127,10 +147,10 @@ class SeqCache:
         k = keep.numel()
         self.table[layer, :k] = self.table[layer, keep]
         self.table[layer, k:nb] = -1
-        pos = self.slot_pos[layer, : nb * self.bs].view(nb, self.bs)[keep].reshape(-1)
-        self.slot_pos[layer, : k * self.bs] = pos
-        self.slot_pos[layer, k * self.bs : nb * self.bs] = -1
-        self.next_slot[layer] -= (nb - k) * self.bs
+        pos = self.slot_pos[layer, : nb * bs].view(nb, bs)[keep].reshape(-1)
+        self.slot_pos[layer, : k * bs] = pos
+        self.slot_pos[layer, k * bs : nb * bs] = -1
+        self.next_slot[layer] -= (nb - k) * bs
         self.nblocks[layer] = k
         self.pool.release(dead_ids)
         return int(dead_ids.numel())
@@ -140,5 +160,7 @@ class SeqCache:
         self.pool.release(self.owned_blocks())
         self.table.fill_(-1)
         self.slot_pos.fill_(-1)
-        self.nblocks.zero_()
-        self.next_slot.zero_()
+        self.nblocks = [0] * self.num_layers
+        self.next_slot = [0] * self.num_layers
+        self.uniform = True
+        self.live = 0

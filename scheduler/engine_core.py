@@ -195,7 +195,7 @@ class EngineCore:
             kv = r.kv
             kv.peak_blocks = max(kv.peak_blocks, r.cache.num_blocks)
             kv.peak_live_tokens = max(kv.peak_live_tokens,
-                                      r.cache.live_tokens() // self.model_config.num_layers)
+                                      r.cache.live // self.model_config.num_layers)
             if finish is not None:
                 r.finish_reason = finish
                 if r.detok is not None:
@@ -241,7 +241,7 @@ class EngineCore:
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:
         running = self.scheduler.running
-        live = sum(r.cache.live_tokens() for r in running if r.cache is not None)
+        live = sum(r.cache.live for r in running if r.cache is not None)
         pool = self.pool
         return EngineStats(
             num_running=len(running), num_waiting=len(self.scheduler.waiting),

@@ -52,7 +52,9 @@ class Request:
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     def sort_key(self) -> tuple[int, float]:
         """Lower runs first: priority, then arrival (FCFS)."""

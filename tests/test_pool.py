@@ -57,7 +57,8 @@ def test_append_is_uniform_across_layers_and_exact():
     assert len(set(slots.flatten().tolist())) == 27  # every layer has its own slots
     assert c.blocks_needed(3) == 0 and c.blocks_needed(4) == 3
     c.append(torch.tensor([9]))
-    assert c.live_tokens() == 3 * 10
+    assert c.live == 3 * 10
+    assert c.live == int((c.slot_pos >= 0).sum())
     pool.check_invariants([c.owned_blocks()])
     c.release()
     assert pool.num_used == 0
@@ -69,14 +70,16 @@ def test_eviction_frees_whole_blocks_and_keeps_positions():
     c.append(torch.arange(10))  # 3 blocks per layer, tail has room
     assert c.evict(0, torch.tensor([0, 1, 2])) == 0  # block 0 still has slot 3
     assert c.evict(0, torch.tensor([3, 4, 5, 6, 7])) == 2
-    assert c.nblocks.tolist() == [1, 3]
+    assert c.nblocks == [1, 3]
     assert c.slot_pos[0, :4].tolist() == [8, 9, -1, -1]  # the survivors, original positions
+    assert c.live == 2 + 10 and not c.uniform
     slots = c.append(torch.tensor([10, 11, 12]))  # layer 0 fills its tail, then a new block
-    assert c.nblocks.tolist() == [2, 4]
+    assert c.nblocks == [2, 4]
     assert c.slot_pos[0, :8].tolist() == [8, 9, 10, 11, 12, -1, -1, -1]
     assert slots.shape == (2, 3)
     pool.check_invariants([c.owned_blocks()])
     assert c.drop_before(1, 8) == 2  # sliding window: positions < 8 gone
+    assert c.live == int((c.slot_pos >= 0).sum()) == 5 + 5
     pool.check_invariants([c.owned_blocks()])
     c.release()
     assert pool.num_used == 0
@@ -112,7 +115,7 @@ def test_randomized_scheduler_keeps_invariants():
                     finished += 1
         pool.check_invariants(sched.owned_blocks())
         for r in sched.running:  # every running request's cache covers what it computed
-            assert r.cache.live_tokens() == 3 * r.num_computed
+            assert r.cache.live == 3 * r.num_computed
     assert finished > 300 and sched.preemptions > 0
     for r in list(live):
         sched.remove(r)
