@@ -155,6 +155,56 @@ class SeqCache:
         self.pool.release(dead_ids)
         return int(dead_ids.numel())
 
+    # ---- what policies see, and what only the pool may do -------------------------
+    def live_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logical slot indices, physical slot ids) of a layer's live tokens, in order."""
+        nb = self.nblocks[layer]
+        idx = (self.slot_pos[layer, : nb * self.bs] >= 0).nonzero().squeeze(1)
+        return idx, self.table[layer, idx // self.bs] * self.bs + idx % self.bs
+
+    def compact(self, layer: int) -> int:
+        """Move a layer's live tokens into as few fresh blocks as they need and free
+        the old ones (Lazy Pruning's amortisation, 000_8900623ad98b28fb.txt §3: many
+        partly-dead blocks become one full one). Returns blocks saved (0 if the pool
+        cannot lend the new blocks first, or nothing would be saved)."""
+        nb, bs = self.nblocks[layer], self.bs
+        idx, phys = self.live_slots(layer)
+        n = idx.numel()
+        want = -(-n // bs)
+        if want >= nb or want > self.pool.num_free:
+            return 0
+        new = self.pool.allocate(want) if want else torch.empty(0, dtype=torch.int64)
+        dst = (new[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
+        flat = self.pool.kv.view(2, -1, *self.pool.kv.shape[3:])
+        flat[:, dst.to(flat.device)] = flat[:, phys.to(flat.device)]
+        old = self.table[layer, :nb].clone()
+        pos = self.slot_pos[layer, idx].clone()
+        self.table[layer, :nb] = -1
+        self.table[layer, :want] = new
+        self.slot_pos[layer, : nb * bs] = -1
+        self.slot_pos[layer, :n] = pos
+        self.nblocks[layer] = want
+        self.next_slot[layer] = n
+        self.pool.release(old)
+        return nb - want
+
+    def renumber(self, layer: int, rotate) -> None:
+        """Re-number a layer's live positions to 0..n-1 and re-rotate their stored keys
+        by the change (RoPE shift, 000_8900623ad98b28fb.txt eq. 4: R(p') k = R(p'-p) R(p) k).
+
+        `rotate(keys [n, Hkv, D], delta [n]) -> keys` is the model's rotary embedding
+        applied at a position delta; shared (prefix-cached) blocks must not reach here."""
+        idx, phys = self.live_slots(layer)
+        old = self.slot_pos[layer, idx]
+        new = torch.arange(idx.numel())
+        moved = old != new
+        if not bool(moved.any()):
+            return
+        k = self.pool.k_cache.view(-1, *self.pool.k_cache.shape[2:])
+        sel = phys[moved].to(k.device)
+        k[sel] = rotate(k[sel], (new - old)[moved].to(k.device)).to(k.dtype)
+        self.slot_pos[layer, idx] = new
+
     def release(self) -> None:
         """Give every block back to the pool (request finished, aborted or preempted)."""
         self.pool.release(self.owned_blocks())

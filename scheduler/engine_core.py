@@ -20,7 +20,10 @@ from engine.sampler import SamplingBatch, sample, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.triton_attention import select_attention
+from policies.catalog import build_policy
+from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer
+from scheduler.eviction import apply_eviction, build_view
 from scheduler.outputs import (
     EngineStats,
     RequestOutput,
@@ -47,6 +50,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds drawn for requests that give none
+    default_kv_policy: str = "full"  # for requests that name none
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -87,6 +91,10 @@ class EngineCore:
         self._min_window = min(windows) if windows else 2**62  # effectively never trims
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._default_policy = parse_kv_policy(config.default_kv_policy)
+        self._policy_requests: dict[str, int] = {}
+        self._policy_evicted: dict[str, int] = {}
+        self._policy_freed: dict[str, int] = {}
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
@@ -98,13 +106,21 @@ class EngineCore:
             raise RequestRejected("the prompt is empty", "prompt")
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
+        config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
+        policy = build_policy(config) if config.name != "full" else None
+        rope_shift = getattr(config, "rope", "original") == "shift"
         total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if total > self.max_model_len and not (rope_shift and len(prompt_ids) <= self.max_model_len):
             raise RequestRejected(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context length {self.max_model_len}", "max_tokens")
         bs = self.pool.block_size
-        need = self.model_config.num_layers * -(-total // bs)
+        peak = total
+        if policy is not None and hasattr(policy, "max_live"):
+            # Eviction runs after each chunk, so the peak is the bound plus one chunk.
+            bound = policy.max_live(total) + self.config.max_num_batched_tokens + bs
+            peak = min(total, bound)
+        need = self.model_config.num_layers * (-(-peak // bs) + 1)
         if need > self.pool.num_blocks:
             raise RequestRejected(
                 f"prompt + max_tokens needs {need} KV blocks but the pool holds only "
@@ -113,11 +129,13 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Request(request_id, list(prompt_ids), params, seed,
                       arrival_time if arrival_time is not None else time.monotonic(),
-                      priority=priority, kv_policy=kv_policy)
+                      priority=priority, kv_policy=config, policy_name=config.name,
+                      policy=policy, rope_shift=rope_shift)
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        self._policy_requests[config.name] = self._policy_requests.get(config.name, 0) + 1
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -147,8 +165,9 @@ class EngineCore:
             r = c.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens), c.start,
-                                   c.slots, r.cache, c.completes))
+            inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
+                                   c.start - r.pos_offset, c.slots, r.cache, c.completes,
+                                   r.policy is not None and r.policy.needs.attention))
         t1 = time.perf_counter()
         out = self.runner.execute(inputs)
         t2 = time.perf_counter()
@@ -163,11 +182,13 @@ class EngineCore:
         t3 = time.perf_counter()
         outputs = self._advance(plan.chunks, done, tokens, lp)
         t4 = time.perf_counter()
+        self._run_policies(plan.chunks, out.attention)
+        t5 = time.perf_counter()
         if self.on_step is not None:
             n_dec = sum(1 for c in plan.chunks if c.num_tokens == 1)
             n_pre = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
             self.on_step(StepStats(len(plan.chunks), n_pre, n_dec, t1 - t0 + t4 - t3,
-                                   t2 - t1, t3 - t2, 0.0, t4 - t0))
+                                   t2 - t1, t3 - t2, t5 - t4, t5 - t0))
         return outputs
 
     def _advance(self, chunks: list[Chunk], done: list[Chunk], tokens: list[int],
@@ -205,6 +226,34 @@ class EngineCore:
             outputs.append(self._output(r, text))
         return outputs
 
+    def _run_policies(self, chunks: list[Chunk], attention: dict[int, list[torch.Tensor]]) -> None:
+        """Let each running request's policy look at its cache and carry out its plan."""
+        for i, c in enumerate(chunks):
+            r = c.request
+            if r.policy is None or r.cache is None:  # full cache, or finished this step
+                continue
+            first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
+            r.prefill_done = r.prefill_done or first_full
+            view = build_view(r.cache, r.policy.needs, attention.get(i), r.num_computed,
+                              len(r.prompt_ids), c.num_tokens, first_full)
+            plan = r.policy.step(view)
+            if not plan:
+                continue
+            rotate = self._rotate if r.rope_shift else None
+            applied = apply_eviction(r.cache, plan, compact=getattr(r.kv_policy, "compact", False),
+                                     rotate=rotate)
+            if rotate is not None:
+                r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
+            name = r.policy_name
+            layers = self.model_config.num_layers
+            r.kv.evicted_tokens += applied.evicted_slots // layers
+            self._policy_evicted[name] = self._policy_evicted.get(name, 0) + applied.evicted_slots // layers
+            self._policy_freed[name] = self._policy_freed.get(name, 0) + applied.freed_blocks
+
+    def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.rotary.rotate(keys, delta, scaled=False)
+
     def _check_stop(self, r: Request, tok: int) -> tuple[str, str | None]:
         p = r.params
         if tok in p.stop_token_ids or (tok in self._eos and not p.ignore_eos):
@@ -212,7 +261,8 @@ class EngineCore:
         text, hit = r.detok.add([tok]) if r.detok is not None else ("", False)
         if hit:
             return text, "stop"
-        if len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_model_len:
+        if len(r.output_ids) >= p.max_tokens or (
+                r.num_tokens >= self.max_model_len and not r.rope_shift):
             return text, "length"
         return text, None
 
@@ -249,7 +299,10 @@ class EngineCore:
             live_slots=live, slot_capacity_used=pool.num_used * pool.block_size,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
-            preemptions_total={"recompute": self.scheduler.preemptions})
+            preemptions_total={"recompute": self.scheduler.preemptions},
+            requests_by_policy_total=dict(self._policy_requests),
+            evicted_tokens_by_policy_total=dict(self._policy_evicted),
+            freed_blocks_by_policy_total=dict(self._policy_freed))
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.scheduler.owned_blocks())

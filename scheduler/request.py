@@ -25,8 +25,14 @@ class Request:
     seed: int
     arrival_time: float
     priority: int = 0
-    kv_policy: object | None = None
+    kv_policy: object | None = None  # the validated config (policies.config)
     policy_name: str = "full"
+    policy: object | None = None  # built from kv_policy; None for "full"
+    rope_shift: bool = False  # kv_policy asked for rope: "shift"
+    # RoPE shift: positions inside the cache are re-numbered after eviction, so the
+    # position given to the next token is num_computed - pos_offset.
+    pos_offset: int = 0
+    prefill_done: bool = False  # the last prompt token's K/V were computed
     output_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache. Reset to 0 when preempted by recompute: the
     # prompt and the tokens generated so far are then prefilled again.

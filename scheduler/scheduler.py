@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.pool import BlockPool
+from policies.catalog import build_policy
 from kvpool.seq_cache import SeqCache
 from scheduler.request import Request, Status
 
@@ -78,6 +79,10 @@ class Scheduler:
         req.cache = None
         req.num_computed = 0
         req.window_trimmed = 0
+        req.pos_offset = 0
+        req.prefill_done = False
+        if req.policy is not None:  # its state described tokens that are gone
+            req.policy = build_policy(req.kv_policy)
         req.num_preemptions += 1
         self.preemptions += 1
         self.add(req)
@@ -121,7 +126,7 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> Chunk:
         assert req.cache is not None
         start = req.num_computed
-        slots = req.cache.append(torch.arange(start, start + n))
+        slots = req.cache.append(torch.arange(start, start + n) - req.pos_offset)
         return Chunk(req, start, n, slots)
 
     def owned_blocks(self) -> list[torch.Tensor]:

@@ -8,3 +8,7 @@ import torch
 # imports triton (kvpool.triton_attention decorates its kernels at import time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Test models are tiny: a second OpenMP thread only adds synchronisation, and on a busy
+# 2-core machine it makes every op wait for a descheduled thread.
+torch.set_num_threads(1)

@@ -1,0 +1,83 @@
+"""How the engine carries out an eviction plan inside the paged pool."""
+
+import torch
+from transformers import LlamaConfig
+
+from engine.rope import RotaryEmbedding
+from kvpool.pool import BlockPool
+from kvpool.seq_cache import SeqCache
+from policies.base import Needs
+from scheduler.eviction import apply_eviction, build_view
+
+H, D, BS = 2, 8, 4
+
+
+def _filled(num_layers: int = 1, n: int = 12) -> tuple[BlockPool, SeqCache]:
+    """A cache whose K and V at position p are all equal to p (easy to follow)."""
+    pool = BlockPool(32, BS, H, D)
+    c = SeqCache(pool, num_layers)
+    slots = c.append(torch.arange(n))
+    for layer in range(num_layers):
+        val = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, H, D)
+        pool.k_cache.view(-1, H, D)[slots[layer]] = val
+        pool.v_cache.view(-1, H, D)[slots[layer]] = -val
+    return pool, c
+
+
+def _kv_by_position(c: SeqCache, layer: int = 0) -> dict[int, float]:
+    _, phys = c.live_slots(layer)
+    pos = c.slot_pos[layer][c.slot_pos[layer] >= 0].tolist()
+    k = c.pool.k_cache.view(-1, H, D)[phys][:, 0, 0].tolist()
+    v = c.pool.v_cache.view(-1, H, D)[phys][:, 0, 0].tolist()
+    assert k == [-x for x in v]
+    return dict(zip(pos, k))
+
+
+def test_plan_by_position_frees_emptied_blocks_at_once():
+    pool, c = _filled(num_layers=2)
+    applied = apply_eviction(c, {0: torch.tensor([0, 1, 2, 3, 5]), 1: torch.tensor([11])})
+    assert applied.evicted_slots == 6
+    assert applied.freed_blocks == 1  # layer 0's first block; layer 1's tail is full but live
+    assert c.nblocks == [2, 3]
+    assert _kv_by_position(c, 0) == {p: float(p) for p in [4, 6, 7, 8, 9, 10, 11]}
+    pool.check_invariants([c.owned_blocks()])
+
+
+def test_compaction_packs_survivors_and_keeps_their_data():
+    pool, c = _filled()
+    keep = [0, 5, 9, 10, 11]
+    drop = torch.tensor([p for p in range(12) if p not in keep])
+    applied = apply_eviction(c, {0: drop}, compact=True)
+    assert c.nblocks == [2] and applied.freed_blocks == 1  # 3 partly-dead blocks -> 2
+    assert _kv_by_position(c) == {p: float(p) for p in keep}
+    slots = c.append(torch.tensor([12, 13, 14]))  # appends continue after the survivors
+    assert c.nblocks == [2] and slots.shape == (1, 3)
+    pool.check_invariants([c.owned_blocks()])
+
+
+def test_renumber_rerotates_keys_as_if_written_at_the_new_positions():
+    cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=D)
+    rope = RotaryEmbedding(cfg, D, 64)
+    pool = BlockPool(16, BS, H, D)
+    c = SeqCache(pool, 1)
+    raw = torch.randn(10, H, D)
+    slots = c.append(torch.arange(10))[0]
+    pool.k_cache.view(-1, H, D)[slots] = rope.rotate(raw, torch.arange(10))
+    apply_eviction(c, {0: torch.tensor([2, 3, 4, 5])}, rotate=lambda k, d: rope.rotate(k, d, scaled=False))
+    kept = [0, 1, 6, 7, 8, 9]
+    assert c.slot_pos[0][c.slot_pos[0] >= 0].tolist() == list(range(6))
+    _, phys = c.live_slots(0)
+    want = rope.rotate(raw[kept], torch.arange(6))
+    assert torch.allclose(pool.k_cache.view(-1, H, D)[phys], want, atol=1e-5)
+
+
+def test_view_gives_live_positions_and_only_the_statistics_asked_for():
+    _, c = _filled(num_layers=2)
+    apply_eviction(c, {1: torch.tensor([0, 1])})
+    mass = [torch.rand(3, H, 12), torch.rand(3, H, 12)]
+    view = build_view(c, Needs(attention=True, key_norm=True), mass, 12, 9, 3, True)
+    assert view.layers[0].positions.tolist() == list(range(12))
+    assert view.layers[1].positions.tolist() == list(range(2, 12))
+    assert torch.equal(view.layers[1].attention, mass[1][:, :, 2:])
+    assert torch.allclose(view.layers[1].key_norm[:, 0], torch.arange(2, 12.0) * D**0.5)
+    assert view.layers[0].value_norm is None and view.layers[0].keys is None
