@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.pool import BlockPool
-from policies.catalog import build_policy
 from kvpool.seq_cache import SeqCache
+from policies.catalog import build_policy
 from scheduler.request import Request, Status
 
 

@@ -66,14 +66,20 @@ def _loc_to_param(loc: tuple[Any, ...] | list[Any]) -> str | None:
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
-    """The first error names the field; the message lists them all (bounded)."""
+    """`param` is the most specific location (for a union, the branch that got furthest,
+    e.g. `prompt.1` for `[5, -1]`); the message lists the errors (bounded)."""
     if not errors:
         return bad_request("invalid request")
-    msgs = []
-    for e in errors[:5]:
-        p = _loc_to_param(e.get("loc", ()))
-        msgs.append(f"{p}: {e.get('msg')}" if p else str(e.get("msg")))
-    return bad_request("; ".join(msgs), _loc_to_param(errors[0].get("loc", ())))
+    params = [_loc_to_param(e.get("loc", ())) for e in errors]
+    msgs = [f"{p}: {e.get('msg')}" if p else str(e.get("msg"))
+            for p, e in zip(params[:5], errors[:5])]
+
+    def rank(i: int) -> tuple[bool, int, int]:  # a real violation beats a union type miss
+        return (not str(errors[i].get("type", "")).endswith("_type"),
+                len((params[i] or "").split(".")), -i)
+
+    best = max(range(len(params)), key=rank)
+    return bad_request("; ".join(msgs), params[best])
 
 
 def map_exception(exc: BaseException) -> APIError | None:
@@ -120,6 +126,17 @@ def install_error_handlers(app: FastAPI) -> None:
         err = APIError(exc.status_code, str(exc.detail), type=type_, code=code,
                        headers=getattr(exc, "headers", None))
         return error_response(err)
+
+    async def _mapped(_: Request, exc: Exception) -> JSONResponse:
+        mapped = map_exception(exc)
+        assert mapped is not None
+        return error_response(mapped)
+
+    # Registered per class so ExceptionMiddleware answers them; the catch-all below runs
+    # in ServerErrorMiddleware, which re-raises after responding (and drops the socket).
+    for cls in (QueueFull, RequestRejected, KVPolicyError, EngineUnavailable,
+                ValidationError, EngineError):
+        app.add_exception_handler(cls, _mapped)
 
     @app.exception_handler(Exception)
     async def _unhandled(_: Request, exc: Exception) -> JSONResponse:

@@ -10,6 +10,7 @@ preemption modes, policy names, phases, block states; never request ids.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 
 from prometheus_client import (
@@ -59,12 +60,20 @@ class EngineStatsCollector(Collector):
         blocks.add_metric(["used"], s.blocks_used)
         blocks.add_metric(["free"], s.blocks_free)
         yield blocks
-        yield gauge("kv_blocks_total", "KV pool capacity in blocks.", s.blocks_total)
+        yield gauge("kv_blocks_capacity", "KV pool capacity in blocks.", s.blocks_total)
         yield gauge("kv_live_slots", "Live token slots, summed over layers.", s.live_slots)
         yield gauge("kv_dead_slots", "Slots in used blocks that hold no live token (evicted "
                     "or not yet filled), summed over layers.",
                     max(0, s.slot_capacity_used - s.live_slots))
         yield gauge("engine_ready", "1 when the engine accepts requests.", float(e.ready))
+        yield gauge("engine_active_requests", "Engine requests admitted and not finished "
+                    "(all choices of all HTTP requests).", e.num_active)
+        try:  # scrapes run on the event loop; elsewhere (a test calling collect) skip it
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:
+            tasks = 0
+        yield gauge("event_loop_tasks", "asyncio tasks alive on the server's event loop (a "
+                    "steady climb means leaked requests).", tasks)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(P + name, doc, value=value)

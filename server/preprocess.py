@@ -54,6 +54,7 @@ class Plan:
     echo: bool = False
     num_logprobs: int | None = None  # top-N per token when logprobs were asked for
     num_prompt_tokens: int = 0  # counted once per distinct prompt (n samples share it)
+    max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     user: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     arrival_time: float = field(default_factory=time.monotonic)
@@ -124,6 +125,8 @@ class Preprocessor:
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], policy, req.priority,
                     req.stream, req.include_usage, False, n_lp, user=req.user)
+        if req.max_completion_tokens is not None:
+            plan.max_tokens_param = "max_completion_tokens"
         self._add_choices(plan, req, 0, ids, "", max_tokens, n_lp)
         return plan
 

@@ -53,7 +53,7 @@ class TrainConfig:
     short_len: int = 256
     long_len: int = 1024
     short_fraction: float = 0.3  # share of steps trained at short_len
-    recall_fraction_short: float = 0.3  # share of rows ending in a recall document
+    recall_fraction_short: float = 0.4  # share of rows ending in a recall document
     recall_fraction_long: float = 0.5
     passkey_share: float = 0.6  # of recall docs; the rest are key-value facts
     text_filler_share: float = 0.5  # of recall docs; the rest use the repeated sentences
