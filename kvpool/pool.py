@@ -9,6 +9,7 @@ A full-cache request holds `num_layers` blocks per logical block of tokens.
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -34,9 +35,17 @@ class PoolExhausted(RuntimeError):
 class BlockPool:
     """Owns the KV tensor `kv[2, num_blocks, block_size, num_kv_heads, head_dim]`.
 
-    The pool only hands out and takes back block ids (ref-counted, so prefix sharing
-    can hold one block from several requests); which request or layer owns a block is
-    recorded by that request's `SeqCache`, never here.
+    The pool hands out and takes back block ids (ref-counted, so prefix sharing can hold
+    one block from several requests); which request or layer owns a block is recorded
+    by that request's `SeqCache`, never here.
+
+    Prefix cache (003_12df107fdefa535c.txt, "prefix caching"): a logical block of
+    prompt tokens is identified by a chain hash; the `num_layers` blocks that hold it are
+    registered together as one *group* under that hash. When their last owner lets go
+    they are not wiped but parked, least recently used first, in `_cached`: still
+    free (allocatable), but a later request with the same prefix can take them back.
+    Allocation uses never-hashed blocks first and then recycles the oldest parked ones,
+    forgetting their group.
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -50,6 +59,9 @@ class BlockPool:
         self.ref = torch.zeros(num_blocks, dtype=torch.int32)
         # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # free but hashed, LRU first
+        self.groups: dict[int, torch.Tensor] = {}  # prefix hash -> block ids [L]
+        self.hash_of: dict[int, int] = {}  # block id -> prefix hash
 
     @staticmethod
     def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int,
@@ -66,11 +78,17 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Allocatable blocks, including parked prefix-cache blocks."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks still holding a reusable prefix."""
+        return len(self._cached)
 
     @property
     def nbytes(self) -> int:
@@ -78,10 +96,12 @@ class BlockPool:
 
     def allocate(self, n: int) -> torch.Tensor:
         """n fresh block ids (ref count 1) as an int64 tensor."""
-        if n > len(self._free):
-            raise PoolExhausted(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free:
+            raise PoolExhausted(f"asked for {n} blocks, {self.num_free} free")
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
+        while len(self._free) < n:  # recycle the least recently used cached prefix
+            self.forget(self.hash_of[next(iter(self._cached))])
         ids = torch.tensor(self._free[-n:][::-1], dtype=torch.int64)
         del self._free[-n:]
         self.ref[ids] = 1
@@ -95,8 +115,43 @@ class BlockPool:
         if ids.numel() == 0:
             return
         self.ref.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
-        dead = ids[self.ref[ids] == 0].unique()
-        self._free.extend(dead.tolist())
+        dead = ids[self.ref[ids] == 0].unique().tolist()
+        if not self.hash_of:
+            self._free.extend(dead)
+            return
+        for b in dead:
+            if b in self.hash_of:
+                self._cached[b] = None
+            else:
+                self._free.append(b)
+
+    # ---- prefix cache ----------------------------------------------------------------
+    def register(self, h: int, ids: torch.Tensor) -> None:
+        """Publish a computed, immutable group of blocks under prefix hash h."""
+        if h in self.groups or any(int(b) in self.hash_of for b in ids):
+            return
+        self.groups[h] = ids.clone()
+        for b in ids.tolist():
+            self.hash_of[b] = h
+
+    def acquire(self, h: int) -> torch.Tensor | None:
+        """Take a reference on the blocks cached under h (None on a miss)."""
+        ids = self.groups.get(h)
+        if ids is None:
+            return None
+        for b in ids.tolist():
+            self._cached.pop(b, None)
+        self.incref(ids)
+        return ids
+
+    def forget(self, h: int) -> None:
+        """Drop a cached group (recycled, or about to be written: copy-on-write)."""
+        ids = self.groups.pop(h)
+        for b in ids.tolist():
+            del self.hash_of[b]
+            if b in self._cached:
+                del self._cached[b]
+                self._free.append(b)
 
     def check_invariants(self, owned: Iterable[torch.Tensor]) -> None:
         """Raise AssertionError unless the free list and ref counts match `owned`.
@@ -108,9 +163,12 @@ class BlockPool:
         counts = torch.zeros(self.num_blocks, dtype=torch.int32)
         for ids in owned:
             counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-        assert len(set(self._free)) == len(self._free), "duplicate ids in the free list"
+        free_ids = self._free + list(self._cached)
+        assert len(set(free_ids)) == len(free_ids), "duplicate ids in the free lists"
+        assert all(b in self.hash_of for b in self._cached), "a parked block lost its hash"
+        assert all(self.hash_of[int(b)] == h for h, ids in self.groups.items() for b in ids)
         free = torch.zeros(self.num_blocks, dtype=torch.bool)
-        free[torch.tensor(self._free, dtype=torch.int64)] = True
+        free[torch.tensor(free_ids, dtype=torch.int64)] = True
         assert not (free & (counts > 0)).any(), "a block is both free and owned"
         assert torch.equal(counts, self.ref), "ref counts differ from the owners"
         assert bool((free | (counts > 0)).all()), "a block is neither free nor owned (leak)"

@@ -34,6 +34,7 @@ class SeqCache:
         self.next_slot = [0] * num_layers  # slots appended per layer (live or dead)
         self.uniform = True  # every layer holds the same slots (no eviction yet)
         self.live = 0  # live slots summed over layers
+        self.swapped = False  # table holds host swap-space ids instead of pool ids
 
     # ---- sizes -------------------------------------------------------------------
     @property
@@ -52,9 +53,58 @@ class SeqCache:
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
 
     def owned_blocks(self) -> torch.Tensor:
-        """Every block id held, one entry per reference (for invariant checks)."""
+        """Every pool block id held, one entry per reference (for invariant checks)."""
+        if self.swapped:
+            return torch.empty(0, dtype=torch.int64)
+        return self._held()
+
+    def _held(self) -> torch.Tensor:
         cols = torch.arange(self.table.shape[1])
         return self.table[cols[None, :] < torch.tensor(self.nblocks)[:, None]]
+
+    # ---- prefix cache and swap -------------------------------------------------------
+    def adopt(self, groups: list[torch.Tensor]) -> None:
+        """Start an empty cache from prefix-cache hits: one group of `num_layers` block
+        ids per logical block, already referenced for us, every slot live."""
+        k, bs = len(groups), self.bs
+        if k == 0:
+            return
+        self.ensure_capacity(k + 1)
+        self.table[:, :k] = torch.stack(groups, dim=1)
+        self.slot_pos[:, : k * bs] = torch.arange(k * bs)
+        self.nblocks = [k] * self.num_layers
+        self.next_slot = [k * bs] * self.num_layers
+        self.live = self.num_layers * k * bs
+
+    def swap_out(self, swap) -> int:
+        """Copy every held block to host swap space and free it on the device; returns
+        bytes moved. The table keeps its shape, holding host ids until `swap_in`."""
+        held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+        dev = self.table[held_mask]
+        host = swap.allocate(dev.numel())
+        swap.kv[:, host] = self.pool.kv[:, dev.to(self.pool.kv.device)].to("cpu", non_blocking=True)
+        if self.pool.kv.is_cuda:
+            torch.cuda.synchronize()
+        self.pool.release(dev)
+        self.table[held_mask] = host
+        self.swapped = True
+        moved = dev.numel() * swap.bytes_per_block
+        swap.bytes_out += moved
+        return moved
+
+    def swap_in(self, swap) -> int:
+        """Bring swapped blocks back into fresh pool blocks (raises PoolExhausted first if
+        they do not fit); returns bytes moved."""
+        held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+        host = self.table[held_mask]
+        dev = self.pool.allocate(host.numel())
+        self.pool.kv[:, dev.to(self.pool.kv.device)] = swap.kv[:, host].to(self.pool.kv.device)
+        swap.release(host)
+        self.table[held_mask] = dev
+        self.swapped = False
+        moved = host.numel() * swap.bytes_per_block
+        swap.bytes_in += moved
+        return moved
 
     def ensure_capacity(self, blocks: int) -> None:
         """Grow the table so that `table[:, :blocks]` is a valid (-1 padded) view."""
@@ -194,19 +244,37 @@ class SeqCache:
 
         `rotate(keys [n, Hkv, D], delta [n]) -> keys` is the model's rotary embedding
         applied at a position delta; shared (prefix-cached) blocks must not reach here."""
-        idx, phys = self.live_slots(layer)
+        idx, _ = self.live_slots(layer)
         old = self.slot_pos[layer, idx]
         new = torch.arange(idx.numel())
         moved = old != new
         if not bool(moved.any()):
             return
+        self._make_writable(layer, (idx[moved] // self.bs).unique())
+        _, phys = self.live_slots(layer)
         k = self.pool.k_cache.view(-1, *self.pool.k_cache.shape[2:])
         sel = phys[moved].to(k.device)
         k[sel] = rotate(k[sel], (new - old)[moved].to(k.device)).to(k.dtype)
         self.slot_pos[layer, idx] = new
 
+    def _make_writable(self, layer: int, cols: torch.Tensor) -> None:
+        """Copy-on-write: a block shared with another request gets a private copy; a
+        block only we hold that the prefix cache publishes is unpublished."""
+        pool = self.pool
+        for col in cols.tolist():
+            b = int(self.table[layer, col])
+            if int(pool.ref[b]) > 1:
+                new = pool.allocate(1)
+                pool.kv[:, new] = pool.kv[:, b : b + 1]
+                self.table[layer, col] = new[0]
+                pool.release(torch.tensor([b]))
+            elif b in pool.hash_of:
+                pool.forget(pool.hash_of[b])
+
     def release(self) -> None:
-        """Give every block back to the pool (request finished, aborted or preempted)."""
+        """Give every block back to the pool (request finished, aborted or preempted);
+        a swapped cache must be swapped in or dropped with `discard_swapped` instead."""
+        assert not self.swapped, "release() of a swapped cache"
         self.pool.release(self.owned_blocks())
         self.table.fill_(-1)
         self.slot_pos.fill_(-1)
@@ -214,3 +282,11 @@ class SeqCache:
         self.next_slot = [0] * self.num_layers
         self.uniform = True
         self.live = 0
+
+    def discard_swapped(self, swap) -> None:
+        """A swapped request was aborted: free its host blocks."""
+        swap.release(self._held())
+        self.swapped = False
+        self.table.fill_(-1)
+        self.nblocks = [0] * self.num_layers
+        self.release()

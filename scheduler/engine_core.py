@@ -19,6 +19,7 @@ from engine.runner import ModelRunner, SeqInput
 from engine.sampler import SamplingBatch, sample, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool, parse_bytes
+from kvpool.swap import SwapSpace
 from kvpool.triton_attention import select_attention
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
@@ -31,8 +32,10 @@ from scheduler.outputs import (
     StepStats,
     TokenLogprob,
 )
+from scheduler.preemption import MODES, calibrate
+from scheduler.prefix import block_hashes
 from scheduler.request import Request
-from scheduler.scheduler import Chunk, Scheduler
+from scheduler.scheduler import Chunk, MemoryConfig, Scheduler
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -51,6 +54,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds drawn for requests that give none
     default_kv_policy: str = "full"  # for requests that name none
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
+    preemption_mode: str = "recompute"  # swap | recompute | auto
+    swap_space: str | int = "1GiB"  # host memory for swapped-out blocks
+    enable_prefix_caching: bool = True
+    tenant_quotas: dict[str, float] | None = None  # tenant -> fraction of the pool
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -82,8 +90,25 @@ class EngineCore:
                               dtype=kv_dtype, device=self.device)
         self.runner = ModelRunner(self.model, mc, self.pool, select_attention(self.device),
                                   self.device)
+        if config.preemption_mode not in MODES:
+            raise ValueError(f"preemption_mode must be one of {MODES}")
+        if not 0 <= config.watermark < 1:
+            raise ValueError("watermark must be in [0, 1)")
+        quotas = config.tenant_quotas or {}
+        if any(q <= 0 for q in quotas.values()) or sum(quotas.values()) > 1:
+            raise ValueError("tenant quotas must be positive fractions summing to at most 1")
+        self.swap = None
+        cost = None
+        if config.preemption_mode != "recompute":
+            per_block = self.pool.kv[:, 0].numel() * self.pool.kv.element_size()
+            self.swap = SwapSpace(self.pool, max(1, parse_bytes(config.swap_space) // per_block))
+            if config.preemption_mode == "auto":
+                cost = calibrate(self.runner, self.pool, self.swap, mc.num_layers)
+        self.cost_model = cost
+        memory = MemoryConfig(config.watermark, config.preemption_mode,
+                              config.enable_prefix_caching, dict(quotas))
         self.scheduler = Scheduler(self.pool, mc.num_layers, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, memory, self.swap, cost)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._eos = set(mc.eos_token_ids)
@@ -99,7 +124,8 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, kv_policy: object | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    tenant: str | None = None) -> None:
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}", "request_id")
         if not prompt_ids:
@@ -115,12 +141,19 @@ class EngineCore:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context length {self.max_model_len}", "max_tokens")
         bs = self.pool.block_size
-        peak = total
+        peak = total - 1  # the last sampled token is never fed back: it needs no slot
         if policy is not None and hasattr(policy, "max_live"):
-            # Eviction runs after each chunk, so the peak is the bound plus one chunk.
-            bound = policy.max_live(total) + self.config.max_num_batched_tokens + bs
-            peak = min(total, bound)
-        need = self.model_config.num_layers * (-(-peak // bs) + 1)
+            # Eviction runs after each chunk, so the peak is the bound plus one chunk
+            # (and a partly dead block).
+            bound = policy.max_live(total) + self.config.max_num_batched_tokens + 2 * bs
+            peak = min(peak, bound)
+        layers = self.model_config.num_layers
+        need = layers * -(-peak // bs)
+        usable = self.pool.num_blocks - self.scheduler.watermark_blocks
+        if layers * -(-len(prompt_ids) // bs) > usable and policy is None:
+            raise RequestRejected(
+                f"the prompt alone needs {layers * -(-len(prompt_ids) // bs)} KV blocks; "
+                f"only {usable} can ever be admitted (pool minus watermark reserve)", "prompt")
         if need > self.pool.num_blocks:
             raise RequestRejected(
                 f"prompt + max_tokens needs {need} KV blocks but the pool holds only "
@@ -130,7 +163,8 @@ class EngineCore:
         req = Request(request_id, list(prompt_ids), params, seed,
                       arrival_time if arrival_time is not None else time.monotonic(),
                       priority=priority, kv_policy=config, policy_name=config.name,
-                      policy=policy, rope_shift=rope_shift)
+                      policy=policy, rope_shift=rope_shift, tenant=tenant,
+                      block_hashes=block_hashes(prompt_ids, bs, cache_salt))
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req
@@ -180,10 +214,17 @@ class EngineCore:
         if batch.max_logprobs is not None:
             lp = top_logprobs(out.logits, torch.tensor(tokens), batch.max_logprobs)
         t3 = time.perf_counter()
-        outputs = self._advance(plan.chunks, done, tokens, lp)
+        for c in plan.chunks:
+            c.request.num_computed += c.num_tokens
+        self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
+        for c in plan.chunks:
+            self._trim_windows(c.request)
+        outputs = self._advance(done, tokens, lp)
         t4 = time.perf_counter()
         self._run_policies(plan.chunks, out.attention)
         t5 = time.perf_counter()
+        if self.cost_model is not None and len(plan.chunks) == 1 and plan.chunks[0].num_tokens > 1:
+            self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
         if self.on_step is not None:
             n_dec = sum(1 for c in plan.chunks if c.num_tokens == 1)
             n_pre = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
@@ -191,15 +232,11 @@ class EngineCore:
                                    t2 - t1, t3 - t2, t5 - t4, t5 - t0))
         return outputs
 
-    def _advance(self, chunks: list[Chunk], done: list[Chunk], tokens: list[int],
+    def _advance(self, done: list[Chunk], tokens: list[int],
                  lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
                  ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        for c in chunks:
-            r = c.request
-            r.num_computed += c.num_tokens
-            self._trim_windows(r)
         for row, (c, tok) in enumerate(zip(done, tokens)):
             r = c.request
             if r.first_token_time is None:
@@ -299,10 +336,21 @@ class EngineCore:
             live_slots=live, slot_capacity_used=pool.num_used * pool.block_size,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
-            preemptions_total={"recompute": self.scheduler.preemptions},
+            num_swapped=len(self.scheduler.swapped),
+            preemptions_total=dict(self.scheduler.preemptions),
+            swap_bytes_total={"out": self.swap.bytes_out if self.swap else 0,
+                              "in": self.swap.bytes_in if self.swap else 0},
+            blocks_cached_free=pool.num_cached_free,
+            prefix_cache_queries_total=self.scheduler.prefix_queries,
+            prefix_cache_hits_total=self.scheduler.prefix_hits,
+            tenant_blocks=self.scheduler.tenant_blocks(),
             requests_by_policy_total=dict(self._policy_requests),
             evicted_tokens_by_policy_total=dict(self._policy_evicted),
             freed_blocks_by_policy_total=dict(self._policy_freed))
 
     def check_invariants(self) -> None:
+        """Pool ref counts equal owners, nothing both free and owned, swap space exact."""
         self.pool.check_invariants(self.scheduler.owned_blocks())
+        if self.swap is not None:
+            held = sum(r.cache._held().numel() for r in self.scheduler.swapped)
+            assert held == self.swap.num_used, "swap space accounting"

@@ -82,6 +82,9 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     preemptions_total: dict[str, int] = field(default_factory=dict)  # by mode
+    swap_bytes_total: dict[str, int] = field(default_factory=dict)  # "out" / "in"
+    blocks_cached_free: int = 0  # free blocks still holding a reusable prefix
+    tenant_blocks: dict[str, int] = field(default_factory=dict)  # blocks used per tenant
     prefix_cache_queries_total: int = 0  # tokens
     prefix_cache_hits_total: int = 0  # tokens
     requests_by_policy_total: dict[str, int] = field(default_factory=dict)

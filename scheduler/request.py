@@ -33,6 +33,10 @@ class Request:
     # position given to the next token is num_computed - pos_offset.
     pos_offset: int = 0
     prefill_done: bool = False  # the last prompt token's K/V were computed
+    tenant: str | None = None  # quota accounting (the API key's tenant)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of the prompt
+    registered: int = 0  # prompt blocks published to (or taken from) the prefix cache
+    resume_mark: int = 0  # len(output_ids) when last resumed (thrash protection)
     output_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache. Reset to 0 when preempted by recompute: the
     # prompt and the tokens generated so far are then prefilled again.
@@ -62,6 +66,3 @@ class Request:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
 
-    def sort_key(self) -> tuple[int, float]:
-        """Lower runs first: priority, then arrival (FCFS)."""
-        return (self.priority, self.arrival_time)

@@ -2,31 +2,45 @@
 
 Every step packs, within a token budget (`max_num_batched_tokens`) and a sequence cap
 (`max_num_seqs`): first the running requests (one decode token each, or the next chunk
-of a prompt still being prefilled), then waiting requests in (priority, arrival) order,
-whose prompts may be split into chunks. Blocks are allocated here, while planning, so
-that a plan never asks the pool for more than it has. When a running request cannot
-grow, the lowest-priority, most recently arrived running request is preempted by
-recompute: its blocks are dropped and it re-prefills prompt + generated tokens later
-(the client sees no token twice: generated tokens are kept, only their K/V is rebuilt).
+of a prompt still being prefilled), then swapped-out requests coming back, then waiting
+requests in order, whose prompts may be split into chunks. Blocks are allocated while
+planning, so a plan never asks the pool for more than it has.
+
+Memory management follows 003_12df107fdefa535c.txt:
+- watermark admission: a waiting request is admitted only if its blocks fit while
+  leaving `watermark` of the pool in reserve; running requests may grow into it;
+- preemption when a running request cannot grow: the victim is the lowest-priority,
+  most recently arrived running request (never one resumed that has not yet produced a
+  token, unless nothing else is left); it is swapped to host or dropped for
+  recompute (`swap` | `recompute` | `auto` by cost model);
+- prefix caching: full prompt blocks are looked up by chain hash and shared;
+- tenant quotas: a tenant's blocks stay within its share plus what is left of the
+  shared burst pool.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
+from kvpool.swap import SwapSpace
 from policies.catalog import build_policy
+from scheduler.preemption import CostModel
 from scheduler.request import Request, Status
+
+# A request preempted this many times jumps the queues (and is preempted last).
+STARVATION_LIMIT = 3
 
 
 @dataclass
 class Chunk:
     request: Request
-    start: int  # first token position computed this step
+    start: int  # first token (by count of tokens computed) computed this step
     num_tokens: int
     slots: torch.Tensor  # [L, num_tokens]
 
@@ -42,39 +56,202 @@ class Plan:
     preempted: list[Request]
 
 
+@dataclass
+class MemoryConfig:
+    watermark: float = 0.01
+    preemption_mode: str = "recompute"  # swap | recompute | auto
+    enable_prefix_caching: bool = True
+    tenant_quotas: dict[str, float] = field(default_factory=dict)
+
+
+def _key(r: Request) -> tuple[bool, int, float]:
+    return (r.num_preemptions < STARVATION_LIMIT, r.priority, r.arrival_time)
+
+
 class Scheduler:
     def __init__(self, pool: BlockPool, num_layers: int, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, memory: MemoryConfig | None = None,
+                 swap: SwapSpace | None = None, cost: CostModel | None = None) -> None:
         self.pool = pool
         self.num_layers = num_layers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.mem = memory or MemoryConfig()
+        self.swap = swap
+        self.cost = cost
+        self.watermark_blocks = int(self.mem.watermark * pool.num_blocks)
+        self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []
-        self.preemptions = 0
+        self.swapped: list[Request] = []
+        self.preemptions: dict[str, int] = {"swap": 0, "recompute": 0}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens served from the cache
+        self.pending: dict[int, int] = {}  # prefix hash -> requests computing it now
 
+    # ---- queues ------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = Status.WAITING
-        keys = [r.sort_key() for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, req.sort_key()), req)
+        keys = [_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _key(req)), req)
 
     def remove(self, req: Request) -> None:
         """Take a request out (finished or aborted) and give its blocks back."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for q in (self.running, self.waiting, self.swapped):
+            if req in q:
+                q.remove(req)
+                break
+        self._unpend(req)
         if req.cache is not None:
-            req.cache.release()
+            if req.cache.swapped:
+                req.cache.discard_swapped(self.swap)
+            else:
+                req.cache.release()
             req.cache = None
         req.status = Status.FINISHED
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+    def owned_blocks(self) -> list[torch.Tensor]:
+        return [r.cache.owned_blocks() for r in self.running if r.cache is not None]
+
+    def tenant_blocks(self) -> dict[str, int]:
+        used: dict[str, int] = {}
+        for r in self.running:
+            if r.tenant is not None and r.cache is not None:
+                used[r.tenant] = used.get(r.tenant, 0) + r.cache.num_blocks
+        return used
+
+    # ---- the plan ------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        preempted: list[Request] = []
+        queue = sorted(self.running, key=_key)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed, budget)
+            assert req.cache is not None
+            while req.cache.blocks_needed(n) > self.pool.num_free:
+                victim = self._victim(queue) or req
+                if victim is not req:
+                    queue.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                chunks.append(self._chunk(req, n))
+                budget -= n
+        if preempted:  # memory is short: bring nobody in this step
+            return Plan(chunks, preempted)
+        while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.swapped[0]
+            assert req.cache is not None
+            n = min(req.num_tokens - req.num_computed, budget)
+            if req.cache.num_blocks + req.cache.blocks_needed(n) > self.pool.num_free:
+                break
+            self.swapped.pop(0)
+            self._resume(req, swap_in=True)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        if self.swapped:  # resume the swapped before admitting anyone new
+            return Plan(chunks, preempted)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = self._admit(req, budget)
+            if n == 0:
+                break
+            self.waiting.pop(0)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        return Plan(chunks, preempted)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Set up a waiting request's cache (prefix hits included) if it may start now;
+        returns the tokens to compute this step (0: it must wait)."""
+        cache = SeqCache(self.pool, self.num_layers,
+                         capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1)
+        hashes = req.block_hashes if self.mem.enable_prefix_caching and req.num_preemptions == 0 else []
+        hits: list[torch.Tensor] = []
+        for h in hashes:
+            ids = self.pool.acquire(h)
+            if ids is None:
+                break
+            hits.append(ids)
+        if len(hits) < len(hashes) and hashes[len(hits)] in self.pending:
+            # Another request (e.g. a sibling sample of n > 1) is computing this very
+            # prefix right now: wait one prefill and share it instead of duplicating.
+            self._drop(hits)
+            return 0
+        cache.adopt(hits)
+        computed = len(hits) * self.pool.block_size
+        n = min(req.num_tokens - computed, budget)
+        need = cache.blocks_needed(n)
+        if self.pool.num_free - need < self.watermark_blocks or not self._quota_ok(req, need + cache.num_blocks):
+            cache.release()
+            return 0
+        req.cache = cache
+        req.num_computed = computed
+        req.registered = len(hits)
+        if req.num_preemptions == 0:
+            self.prefix_queries += len(req.prompt_ids)
+            self.prefix_hits += computed
+            req.kv.prefix_hit_tokens = computed
+        for h in hashes[len(hits):]:
+            self.pending[h] = self.pending.get(h, 0) + 1
+        self._resume(req, swap_in=False)
+        return n
+
+    def _drop(self, hits: list[torch.Tensor]) -> None:
+        for ids in hits:
+            self.pool.release(ids)
+
+    def _quota_ok(self, req: Request, blocks: int) -> bool:
+        quotas = self.mem.tenant_quotas
+        if not quotas or req.tenant is None:
+            return True
+        total = self.pool.num_blocks
+        used = self.tenant_blocks()
+        burst = total * (1 - sum(quotas.values()))
+        burst_used = sum(max(0.0, u - quotas.get(t, 0.0) * total) for t, u in used.items())
+        mine = used.get(req.tenant, 0) + blocks
+        return mine <= quotas.get(req.tenant, 0.0) * total + max(0.0, burst - burst_used)
+
+    def _resume(self, req: Request, swap_in: bool) -> None:
+        if swap_in:
+            assert req.cache is not None and self.swap is not None
+            t = time.perf_counter()
+            moved = req.cache.swap_in(self.swap)
+            if self.cost is not None:
+                self.cost.observe_copy(moved, time.perf_counter() - t)
+        req.status = Status.RUNNING
+        req.resume_mark = len(req.output_ids)
+        self.running.append(req)
+
+    def _victim(self, queue: list[Request]) -> Request | None:
+        """Lowest priority, newest; skip requests resumed without progress since."""
+        candidates = [r for r in queue if r.num_preemptions == 0 or len(r.output_ids) > r.resume_mark]
+        pool = candidates or queue
+        return max(pool, key=_key) if pool else None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._unpend(req)
         assert req.cache is not None
+        mode = self._mode(req)
+        req.num_preemptions += 1
+        self.preemptions[mode] += 1
+        if mode == "swap":
+            assert self.swap is not None
+            t = time.perf_counter()
+            moved = req.cache.swap_out(self.swap)
+            if self.cost is not None:
+                self.cost.observe_copy(moved, time.perf_counter() - t)
+            req.status = Status.WAITING
+            self.swapped.append(req)
+            self.swapped.sort(key=_key)
+            return
         req.cache.release()
         req.cache = None
         req.num_computed = 0
@@ -83,45 +260,19 @@ class Scheduler:
         req.prefill_done = False
         if req.policy is not None:  # its state described tokens that are gone
             req.policy = build_policy(req.kv_policy)
-        req.num_preemptions += 1
-        self.preemptions += 1
         self.add(req)
 
-    def schedule(self) -> Plan:
-        budget = self.max_num_batched_tokens
-        chunks: list[Chunk] = []
-        preempted: list[Request] = []
-        queue = sorted(self.running, key=Request.sort_key)
-        while queue and budget > 0:
-            req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed, budget)
-            assert req.cache is not None
-            while req.cache.blocks_needed(n) > self.pool.num_free:
-                victim = queue.pop() if queue else req
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
-            if req.status is not Status.RUNNING:
-                continue
-            chunks.append(self._chunk(req, n))
-            budget -= n
-        if preempted:  # memory is short: admit nobody new this step
-            return Plan(chunks, preempted)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
-            cache = SeqCache(self.pool, self.num_layers,
-                             capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1)
-            if cache.blocks_needed(n) > self.pool.num_free:
-                break
-            self.waiting.pop(0)
-            req.cache = cache
-            req.status = Status.RUNNING
-            self.running.append(req)
-            chunks.append(self._chunk(req, n))
-            budget -= n
-        return Plan(chunks, preempted)
+    def _mode(self, req: Request) -> str:
+        mode = self.mem.preemption_mode
+        if mode == "recompute" or self.swap is None:
+            return "recompute"
+        assert req.cache is not None
+        fits = req.cache.num_blocks <= self.swap.num_free
+        if not fits:
+            return "recompute"
+        if mode == "swap" or self.cost is None:
+            return "swap"
+        return self.cost.choose(req.cache.num_blocks * self.swap.bytes_per_block, req.num_computed)
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         assert req.cache is not None
@@ -129,5 +280,35 @@ class Scheduler:
         slots = req.cache.append(torch.arange(start, start + n) - req.pos_offset)
         return Chunk(req, start, n, slots)
 
-    def owned_blocks(self) -> list[torch.Tensor]:
-        return [r.cache.owned_blocks() for r in self.running if r.cache is not None]
+    # ---- after the forward ---------------------------------------------------------
+    def publish(self, chunks: list[Chunk]) -> None:
+        """Register prompt blocks computed this step in the prefix cache (only while
+        every layer still holds every token: an evicted block is no one's prefix)."""
+        if not self.mem.enable_prefix_caching:
+            return
+        for c in chunks:
+            r = c.request
+            if r.cache is None or r.registered >= len(r.block_hashes):
+                continue
+            if not r.cache.uniform:
+                self._unpend(r)
+                r.registered = len(r.block_hashes)
+                continue
+            upto = min(r.num_computed // self.pool.block_size, len(r.block_hashes))
+            for i in range(r.registered, upto):
+                h = r.block_hashes[i]
+                self.pool.register(h, r.cache.table[:, i])
+                self._pending_done(h)
+            r.registered = max(r.registered, upto)
+
+    def _unpend(self, req: Request) -> None:
+        for h in req.block_hashes[req.registered:]:
+            self._pending_done(h)
+        req.registered = len(req.block_hashes)
+
+    def _pending_done(self, h: int) -> None:
+        c = self.pending.get(h, 0)
+        if c <= 1:
+            self.pending.pop(h, None)
+        else:
+            self.pending[h] = c - 1

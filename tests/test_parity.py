@@ -54,6 +54,7 @@ def _check(llm: LLM, prompts, refs, family):
             assert abs(lp - ref_logp[tok].item()) < 1e-4, (family, i, tok)
     llm.engine.check_invariants()
     assert llm.engine.pool.num_used == 0
+    assert not llm.engine.has_unfinished()
     return outs
 
 
@@ -63,13 +64,26 @@ def test_greedy_parity_with_transformers(family_model):
     _check(llm, prompts, refs, family)
 
 
-def test_parity_under_preemption_and_chunking(family_model):
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_parity_under_preemption_and_chunking(family_model, mode, prefix_caching):
+    """The pool holds the largest request and little more (at most a third of the batch's
+    peak need); the batch repeats two prompts (as n > 1 does) so the prefix cache has work."""
     family, path, prompts, refs = family_model
+    prompts, refs = prompts + prompts[6:8], refs + refs[6:8]
     layers = load_model_config(path).num_layers
     need = [layers * -(-(len(p) + MAX_NEW) // 4) for p in prompts]
-    # The pool holds a third of the batch's peak need (but always the largest request).
-    llm = LLM(path, num_blocks=max(sum(need) // 3, max(need)), block_size=4,
-              max_num_batched_tokens=24)
+    assert max(need) + 2 <= sum(need) // 3
+    llm = LLM(path, num_blocks=max(need) + 2, block_size=4,
+              max_num_batched_tokens=24, preemption_mode=mode, swap_space=1 << 20,
+              enable_prefix_caching=prefix_caching)
     outs = _check(llm, prompts, refs, family)
-    assert llm.engine.scheduler.preemptions > 0
+    sched = llm.engine.scheduler
+    assert sum(sched.preemptions.values()) > 0
     assert any(o.num_preemptions for o in outs)
+    if mode == "swap":
+        assert sched.preemptions["swap"] > 0 and llm.engine.swap.num_used == 0
+    if prefix_caching:
+        assert sched.prefix_hits > 0  # exact counts are pinned in test_memory.py
+    else:
+        assert sched.prefix_hits == 0

@@ -1,0 +1,61 @@
+"""Host swap space for preempted requests (003_12df107fdefa535c.txt, "swap vs recompute").
+
+Blocks of the same shape as the device pool's, in host memory (pinned when the pool is
+on CUDA, so copies run at full PCIe bandwidth). A preempted request's blocks are copied
+here and freed on the device; before it resumes they are copied back.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvpool.pool import BlockPool, PoolExhausted
+
+
+class SwapSpace:
+    def __init__(self, pool: BlockPool, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        shape = (2, num_blocks, *pool.kv.shape[2:])
+        pin = pool.kv.is_cuda
+        self.kv = torch.zeros(shape, dtype=pool.kv.dtype, pin_memory=pin)
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.bytes_per_block = pool.kv[:, 0].numel() * pool.kv.element_size()
+        self.bytes_out = 0
+        self.bytes_in = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> torch.Tensor:
+        if n > len(self._free):
+            raise PoolExhausted(f"swap space: asked for {n} blocks, {len(self._free)} free")
+        ids = torch.tensor(self._free[-n:][::-1], dtype=torch.int64)
+        del self._free[-n:]
+        return ids
+
+    def release(self, ids: torch.Tensor) -> None:
+        self._free.extend(ids.tolist())
+
+
+def measure_copy_bandwidth(pool: BlockPool, nbytes: int = 8 << 20) -> float:
+    """Bytes per second of a device -> host copy of pool-shaped data (for the swap cost
+    model). On CPU this is a memcpy; on CUDA a pinned device-to-host transfer."""
+    n = max(1, min(pool.num_blocks, nbytes // max(1, pool.kv[:, 0].numel() * pool.kv.element_size())))
+    src = pool.kv[:, :n]
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        dst.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * src.element_size() / max(best, 1e-9)
