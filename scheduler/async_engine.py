@@ -157,7 +157,7 @@ class AsyncEngine:
     # ---- lifecycle -----------------------------------------------------------------
     @property
     def loaded(self) -> bool:
-        return self._core is not None
+        return self._loaded.is_set()  # set on the loop once the step loop runs
 
     @property
     def ready(self) -> bool:
@@ -331,8 +331,9 @@ class AsyncEngine:
                 self._idle.set()
         return live
 
-    def _abort(self, rid: str) -> None:
-        """Drop a request; the worker frees its blocks before the next step."""
+    def _abort(self, rid: str, err: BaseException | None = None) -> None:
+        """Drop a request; the worker frees its blocks before the next step. A submitter
+        still waiting for acceptance gets `err` (or a cancellation)."""
         live = self._forget(rid)
         if live is None:
             return
@@ -340,7 +341,7 @@ class AsyncEngine:
             if pending is live:
                 del self._pending_adds[i]
                 if not fut.done():
-                    fut.cancel()
+                    fut.set_exception(err) if err is not None else fut.cancel()
                 break
         else:
             self._pending_aborts.append(rid)
@@ -353,7 +354,7 @@ class AsyncEngine:
     def _fail(self, rid: str, err: BaseException) -> None:
         live = self._live.get(rid)
         if live is not None:
-            self._abort(rid)
+            self._abort(rid, err)
             live.queue.put_nowait(err)
 
     def _notify(self, out: RequestOutput) -> None:

@@ -35,6 +35,7 @@ from scheduler.request import Request, Status
 
 # A request preempted this many times jumps the queues (and is preempted last).
 STARVATION_LIMIT = 3
+OVER_QUOTA = -1
 
 
 @dataclass
@@ -157,19 +158,23 @@ class Scheduler:
             budget -= n
         if self.swapped:  # resume the swapped before admitting anyone new
             return Plan(chunks, preempted)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             n = self._admit(req, budget)
-            if n == 0:
+            if n == OVER_QUOTA:  # only this tenant waits; others may still start
+                i += 1
+                continue
+            if n == 0:  # FCFS: memory is short for the head of the queue
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             chunks.append(self._chunk(req, n))
             budget -= n
         return Plan(chunks, preempted)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Set up a waiting request's cache (prefix hits included) if it may start now;
-        returns the tokens to compute this step (0: it must wait)."""
+        returns the tokens to compute this step (0: memory is short; OVER_QUOTA)."""
         cache = SeqCache(self.pool, self.num_layers,
                          capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1)
         hashes = req.block_hashes if self.mem.enable_prefix_caching and req.num_preemptions == 0 else []
@@ -188,9 +193,12 @@ class Scheduler:
         computed = len(hits) * self.pool.block_size
         n = min(req.num_tokens - computed, budget)
         need = cache.blocks_needed(n)
-        if self.pool.num_free - need < self.watermark_blocks or not self._quota_ok(req, need + cache.num_blocks):
+        if self.pool.num_free - need < self.watermark_blocks:
             cache.release()
             return 0
+        if not self._quota_ok(req, need + cache.num_blocks):
+            cache.release()
+            return OVER_QUOTA
         req.cache = cache
         req.num_computed = computed
         req.registered = len(hits)
