@@ -130,6 +130,7 @@ class AsyncEngine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.max_request_tokens = 0  # min(context, whole pool) in tokens
+        self.default_kv_policy: str = "full"  # the core's policy for requests naming none
         self.stats = EngineStats()  # refreshed by the worker after every core call
         self.load_error: BaseException | None = None
         self.draining = False
@@ -203,9 +204,11 @@ class AsyncEngine:
         self.tokenizer = copy.deepcopy(core.tokenizer)
         self.max_model_len = int(core.max_model_len)
         self.vocab_size = int(core.model_config.vocab_size)
+        config = getattr(core, "config", None)
+        self.default_kv_policy = getattr(config, "default_kv_policy", None) or "full"
         self.stats = core.stats()
         cap = self.max_model_len
-        block_size = getattr(getattr(core, "config", None), "block_size", None)
+        block_size = getattr(config, "block_size", None)
         layers = getattr(core.model_config, "num_layers", None)
         if block_size and layers and self.stats.blocks_total:
             cap = min(cap, self.stats.blocks_total // layers * block_size)

@@ -23,6 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from policies.config import known_policies
 from scheduler.async_engine import AsyncEngine
 from scheduler.outputs import RequestOutput, StepStats
 
@@ -35,6 +36,8 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
                  100000)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 FINISH_REASONS = ("stop", "length", "abort")
+PREEMPTION_MODES = ("recompute", "swap")
+REJECT_REASONS = ("queue_full", "invalid", "unavailable")
 
 
 class EngineStatsCollector(Collector):
@@ -55,10 +58,11 @@ class EngineStatsCollector(Collector):
                     s.num_swapped)
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).",
                     s.blocks_used / s.blocks_total if s.blocks_total else 0.0)
-        blocks = GaugeMetricFamily(P + "kv_blocks", "KV pool blocks by state.",
-                                   labels=["state"])
+        blocks = GaugeMetricFamily(P + "kv_blocks", "KV pool blocks by state (used + cached "
+                                   "+ free = capacity).", labels=["state"])
         blocks.add_metric(["used"], s.blocks_used)
-        blocks.add_metric(["free"], s.blocks_free)
+        blocks.add_metric(["cached"], s.blocks_cached_free)  # free, but hold a prefix
+        blocks.add_metric(["free"], s.blocks_free - s.blocks_cached_free)
         yield blocks
         yield gauge("kv_blocks_capacity", "KV pool capacity in blocks.", s.blocks_total)
         yield gauge("kv_live_slots", "Live token slots, summed over layers.", s.live_slots)
@@ -84,18 +88,23 @@ class EngineStatsCollector(Collector):
                       s.prefix_cache_queries_total)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       s.prefix_cache_hits_total)
-        for name, doc, values, label in (
-            ("num_preemptions", "Preemptions by mode.", s.preemptions_total, "mode"),
+        policies = known_policies()
+        for name, doc, values, label, known in (
+            ("num_preemptions", "Preemptions by mode.", s.preemptions_total, "mode",
+             PREEMPTION_MODES),
+            ("swap_bytes", "Bytes copied between the KV pool and host swap space.",
+             s.swap_bytes_total, "direction", ("in", "out")),
             ("policy_requests", "Requests admitted, by kv_policy.",
-             s.requests_by_policy_total, "policy"),
+             s.requests_by_policy_total, "policy", policies),
             ("policy_evicted_tokens", "Tokens evicted by kv_policy (per-layer slots / "
-             "layers).", s.evicted_tokens_by_policy_total, "policy"),
+             "layers).", s.evicted_tokens_by_policy_total, "policy", policies),
             ("policy_freed_blocks", "Blocks freed by eviction, by kv_policy.",
-             s.freed_blocks_by_policy_total, "policy"),
+             s.freed_blocks_by_policy_total, "policy", policies),
         ):
+            # every known label value from the start, so rate() has a zero to start from
             fam = CounterMetricFamily(P + name, doc, labels=[label])
-            for k, v in sorted(values.items()):
-                fam.add_metric([str(k)], v)
+            for k in sorted(set(known) | {str(k) for k in values}):
+                fam.add_metric([k], values.get(k, 0))
             yield fam
 
 
@@ -136,8 +145,10 @@ class ServerMetrics:
                                 TOKEN_BUCKETS)
         self.http = Counter(P + "http_requests", "HTTP responses by route and status code.",
                             ["route", "status"], registry=r)
-        self.rejected = Counter(P + "requests_rejected", "Requests refused before admission.",
+        self.rejected = Counter(P + "requests_rejected", "Requests refused at admission.",
                                 ["reason"], registry=r)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
         self._last_token_time: dict[str, float] = {}
         engine.add_step_listener(self.observe_step)
         engine.add_output_listener(self.observe_output)

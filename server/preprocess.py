@@ -95,7 +95,7 @@ class Preprocessor:
             raise bad_request("suffix is not supported", "suffix")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
-        policy = _policy(req.kv_policy)
+        policy = self._policy(req.kv_policy)
         prompts = await self._run(self._tokenize_prompts, req.prompt, req.echo)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], policy, req.priority,
@@ -113,7 +113,7 @@ class Preprocessor:
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format type 'text' is supported",
                               "response_format")
-        policy = _policy(req.kv_policy)
+        policy = self._policy(req.kv_policy)
         ids = await self._run(self._render_chat, req)
         self._check_prompt(ids, "messages")
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -131,6 +131,11 @@ class Preprocessor:
         return plan
 
     # ---- helpers -----------------------------------------------------------------------
+    def _policy(self, value: Any) -> KVPolicyConfig:
+        """The request's policy, or the server's default (`--default-kv-policy`), parsed
+        here so that usage and logs name it; KVPolicyError -> 400."""
+        return parse_kv_policy(value if value is not None else self.engine.default_kv_policy)
+
     def _add_choices(self, plan: Plan, req: CompletionRequest | ChatCompletionRequest,
                      p_idx: int, ids: list[int], text: str, max_tokens: int,
                      n_lp: int | None) -> None:
@@ -190,10 +195,6 @@ class Preprocessor:
         except Exception as e:  # template errors (role order, ...) are the caller's input
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         return tok.encode(text, add_special_tokens=False)
-
-
-def _policy(value: Any) -> KVPolicyConfig:
-    return parse_kv_policy(value)  # KVPolicyError -> 400 via errors.map_exception
 
 
 def _check_neutral(req: CompletionRequest | ChatCompletionRequest) -> None:

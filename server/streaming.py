@@ -9,7 +9,9 @@ the `openai` client raises as an APIError.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +23,7 @@ from server.generation import ChoiceState, Generation
 from server.responses import TokenText, chat_logprobs, completion_logprobs
 
 DONE = "data: [DONE]\n\n"
+logger = logging.getLogger("kvserve.server")
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -119,10 +122,14 @@ async def stream_events(gen: Generation, tt: TokenText) -> AsyncIterator[str]:
         if ch.include_usage:
             yield ch.usage()
         yield DONE
+    except (asyncio.CancelledError, GeneratorExit):  # the client went away
+        status = "disconnected"
+        raise
     except Exception as e:  # headers are out: report in-band, never a broken stream
         err = map_exception(e)
         status = "error"
         if err is None:
+            logger.exception("stream failed")
             body = error_body("internal server error", "server_error")
         else:
             body = error_body(err.message, err.type, err.param, err.code)

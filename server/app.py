@@ -1,0 +1,198 @@
+"""The FastAPI app: routes only; the work lives in preprocess / generation / streaming.
+
+`build_app` takes an AsyncEngine that may not be loaded yet: the lifespan loads it in
+the background, so `/health` answers at once and `/ready` says 503 until the model is
+in memory (what an orchestrator's readiness probe needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from scheduler.async_engine import AsyncEngine, EngineUnavailable, QueueFull
+from scheduler.outputs import RequestRejected
+from server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    install_error_handlers,
+    validation_error,
+)
+from server.generation import ClientDisconnected, Generation
+from server.metrics import ServerMetrics
+from server.middleware import APIKeyAuth, BodySizeLimit, HTTPMetrics
+from server.preprocess import Plan, Preprocessor
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses import TokenText, chat_body, completion_body
+from server.settings import ServerSettings
+from server.streaming import SSEResponse, stream_events
+
+logger = logging.getLogger("kvserve.server")
+ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
+          "/metrics", "/version"}
+
+
+def kvserve_version() -> str:
+    try:
+        return metadata.version("kvserve")
+    except metadata.PackageNotFoundError:
+        return "0.1.0+source"
+
+
+async def _parse(request: Request, schema: type[BaseModel]) -> Any:
+    raw = await request.body()
+    if not raw.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}"[:500]) from None
+    try:
+        return schema.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    metrics = ServerMetrics(engine)
+    pre = Preprocessor(engine, settings)
+    started = int(time.time())
+    token_text: list[TokenText] = []
+
+    def tt() -> TokenText:
+        if not token_text:
+            token_text.append(TokenText(engine.tokenizer))
+        return token_text[0]
+
+    async def load() -> None:
+        t0 = time.perf_counter()
+        try:
+            await engine.start()
+        except Exception as e:
+            logger.exception("the model failed to load")
+            if settings.on_fatal is not None:
+                settings.on_fatal(e)
+            return
+        # torch + transformers leave ~400k long-lived objects; a full collection over them
+        # stalls every thread for ~0.25 s. Freezing them keeps GC pauses to what requests
+        # allocate, so the event loop stays responsive under load.
+        gc.collect()
+        gc.freeze()
+        logger.info("model loaded", extra={"fields": {
+            "model": settings.model_path, "load_s": round(time.perf_counter() - t0, 2),
+            "max_model_len": engine.max_model_len, "kv_blocks": engine.stats.blocks_total}})
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(load(), name="kvserve-load")
+        try:
+            yield
+        finally:
+            await asyncio.gather(task, return_exceptions=True)
+            await engine.shutdown()
+            pre.close()
+
+    app = FastAPI(title="kvserve", version=kvserve_version(), lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    logging.getLogger("kvserve.request").disabled = not settings.request_log
+    install_error_handlers(app)
+
+    async def serve(request: Request, plan: Plan) -> Response:
+        try:
+            gen = await Generation.start(engine, plan)
+        except (QueueFull, RequestRejected, EngineUnavailable) as e:
+            reason = {QueueFull: "queue_full", RequestRejected: "invalid"}.get(type(e),
+                                                                             "unavailable")
+            metrics.rejected.labels(reason).inc()
+            if isinstance(e, RequestRejected) and e.param == "max_tokens":
+                e.param = plan.max_tokens_param
+            raise
+        if plan.stream:
+            return SSEResponse(stream_events(gen, tt()))
+        try:
+            choices = await gen.collect_unless_disconnected(request)
+        except ClientDisconnected:
+            gen.close("disconnected")
+            return Response(status_code=499)
+        except BaseException:
+            gen.close("error")
+            raise
+        gen.close()
+        body = (chat_body if plan.kind == "chat" else completion_body)(gen, choices, tt())
+        return JSONResponse(body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, CompletionRequest)
+        engine.check_admission(0, 0)
+        plan = await pre.completion(req)
+        plan.arrival_time = arrival
+        return await serve(request, plan)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.monotonic()
+        req = await _parse(request, ChatCompletionRequest)
+        engine.check_admission(0, 0)
+        plan = await pre.chat(req)
+        plan.arrival_time = arrival
+        return await serve(request, plan)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": name, "object": "model", "created": started, "owned_by": "kvserve",
+                 "root": settings.model_path, "max_model_len": engine.max_model_len or None}
+                for name in settings.served_model_names]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if engine.ready:
+            return JSONResponse({"status": "ready"})
+        try:
+            engine.check_admission(0, 0)
+            reason, msg = "stopped", "the engine is stopping"
+        except EngineUnavailable as e:
+            reason, msg = e.reason, str(e)
+        return JSONResponse(error_body(msg, "service_unavailable", None, reason),
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        import torch
+        import transformers
+
+        return {"version": kvserve_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(APIKeyAuth, api_key=settings.api_key)
+    app.add_middleware(HTTPMetrics, counter=metrics.http, routes=ROUTES)
+    return app
+
+
+__all__ = ["APIError", "build_app"]

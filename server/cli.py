@@ -1,0 +1,194 @@
+"""`kvserve serve` (the OpenAI-compatible server) and `kvserve generate` (offline).
+
+SIGTERM (and a first Ctrl-C) drains instead of stopping: `/ready` turns 503 at once so
+a load balancer stops routing, requests in flight finish for up to `--drain-timeout`
+seconds, then the process exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+import engine as engine_pkg
+from scheduler.async_engine import AsyncEngine
+
+logger = logging.getLogger("kvserve.cli")
+DEMO_MODEL = Path(engine_pkg.__file__).resolve().parent / "demo" / "model"
+
+
+def _resolve_model(arg: str | None) -> str:
+    path = Path(arg) if arg else DEMO_MODEL
+    if not path.is_dir():
+        hint = ("the bundled demo model is not there (it is built separately)"
+                if arg is None else "no such directory")
+        sys.exit(f"kvserve: model {str(path)!r}: {hint}; pass --model DIR (a Hugging Face "
+                 "checkpoint directory with config.json, weights and tokenizer)")
+    return str(path)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help=f"checkpoint directory (default {DEMO_MODEL})")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--default-kv-policy", default="full",
+                   help="kv_policy for requests that name none")
+    g.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"),
+                   default="recompute")
+    g.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out blocks")
+    g.add_argument("--watermark", type=float, default=0.01,
+                   help="fraction of blocks kept free when admitting")
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, device=a.device, block_size=a.block_size,
+                num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
+                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                max_model_len=a.max_model_len, seed=a.seed,
+                default_kv_policy=a.default_kv_policy, preemption_mode=a.preemption_mode,
+                swap_space=a.swap_space, watermark=a.watermark,
+                enable_prefix_caching=not a.no_prefix_caching)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env KVSERVE_API_KEY)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the model directory's name)")
+    s.add_argument("--max-queued-requests", type=int, default=1024)
+    s.add_argument("--max-queued-tokens", type=int, default=1 << 20)
+    s.add_argument("--drain-timeout", type=float, default=30.0)
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--log-format", choices=("json", "text"), default="json")
+    s.add_argument("--access-log", action="store_true", help="uvicorn's per-request log")
+    s.add_argument("--no-request-log", action="store_true",
+                   help="drop the structured per-request line")
+    g = sub.add_parser("generate", help="generate offline (no server)")
+    _add_engine_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    return parser
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from scheduler.engine_core import EngineConfig
+    from server.app import build_app
+    from server.logs import configure_logging
+    from server.settings import ServerSettings
+
+    configure_logging(a.log_level, a.log_format)
+    model = _resolve_model(a.model)
+    names = a.served_model_name or [
+        "kvserve-demo" if a.model is None else Path(model).resolve().name]
+    engine = AsyncEngine.from_config(EngineConfig(model=model, **_engine_kwargs(a)),
+                                     max_queued_requests=a.max_queued_requests,
+                                     max_queued_tokens=a.max_queued_tokens)
+    exit_code = 0
+    server: DrainingServer | None = None
+
+    def fatal(_: BaseException) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        if server is not None:
+            server.should_exit = True
+
+    settings = ServerSettings(served_model_names=names, model_path=model, api_key=a.api_key,
+                              max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,
+                              request_log=not a.no_request_log, on_fatal=fatal)
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_config=None,
+                            access_log=a.access_log, timeout_graceful_shutdown=5,
+                            timeout_keep_alive=5)
+    server = DrainingServer(config, engine, a.drain_timeout)
+    logger.info("serving", extra={"fields": {"host": a.host, "port": a.port,
+                                             "model": model, "served_model_names": names}})
+    server.run()
+    return exit_code
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains the engine before exiting."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float
+                 ) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Future | None = None
+
+    async def serve(self, sockets: list | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None:
+            self.force_exit = self._drain_task is not None  # second signal: now
+            return super().handle_exit(sig, frame)
+        logger.info("draining", extra={"fields": {"signal": signal.Signals(sig).name,
+                                                  "timeout_s": self.drain_timeout}})
+        self._drain_task = self._loop.create_future()  # placeholder until scheduled
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        clean = await self.engine.drain(self.drain_timeout)
+        logger.info("drained", extra={"fields": {"clean": clean}})
+        self.should_exit = True
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+
+    model = _resolve_model(a.model)
+    llm = LLM(model, **_engine_kwargs(a))
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.sample_seed)
+    for prompt, out in zip(a.prompt, llm.generate(a.prompt, params)):
+        text = getattr(out, "text", out)
+        if len(a.prompt) > 1:
+            print(f"--- {prompt!r} ({getattr(out, 'finish_reason', '')})")
+        print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`kvserve generate`, argument errors, and `kvserve serve` draining on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.sampling import SamplingParams
+from scheduler.llm import LLM
+from server.cli import main
+from tests.tiny_models import make_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def test_generate_matches_offline(model_dir: str, capsys: pytest.CaptureFixture) -> None:
+    main(["generate", "--model", model_dir, "--prompt", "hello", "--max-tokens", "6",
+          "--num-blocks", "64"])
+    out = capsys.readouterr().out
+    ref = LLM(model_dir, num_blocks=64).generate(["hello"], SamplingParams(max_tokens=6,
+                                                                           temperature=0))[0]
+    assert out == ref.text + "\n"
+
+
+def test_missing_model_is_a_clear_error() -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", "/nonexistent/model"])
+    assert "--model" in str(exc.value.code)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(port),
+         "--served-model-name", "tiny", "--num-blocks", "256", "--drain-timeout", "60"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        with httpx.Client(base_url=url, timeout=10) as c:
+            while True:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()
+                assert time.monotonic() < deadline, "server did not become ready"
+                try:
+                    if c.get("/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+
+            events: list[str] = []
+            first = threading.Event()
+
+            def stream() -> None:
+                body = {"prompt": "drain me", "max_tokens": 120, "ignore_eos": True,
+                        "stream": True}
+                with httpx.Client(base_url=url, timeout=120) as sc, \
+                        sc.stream("POST", "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            events.append(line)
+                            first.set()
+
+            t = threading.Thread(target=stream)
+            t.start()
+            assert first.wait(60)
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while c.get("/ready").status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            r = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+            assert c.get("/health").status_code == 200
+            t.join(120)
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0
+        lines = [json.loads(x) for x in (tmp_path / "server.log").read_text().splitlines()
+                 if x.startswith("{")]
+        done = [x for x in lines if x.get("logger") == "kvserve.request"]
+        assert done and done[0]["status"] == "ok" and done[0]["policy"] == "full"
+        assert done[0]["completion_tokens"] == 120 and done[0]["ttft_s"] is not None
+        assert any(x.get("msg") == "drained" and x.get("clean") for x in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
