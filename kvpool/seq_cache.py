@@ -213,15 +213,16 @@ class SeqCache:
         return idx, self.table[layer, idx // self.bs] * self.bs + idx % self.bs
 
     def compact(self, layer: int) -> int:
-        """Move a layer's live tokens into as few fresh blocks as they need and free
-        the old ones (Lazy Pruning's amortisation, 000_8900623ad98b28fb.txt §3: many
-        partly-dead blocks become one full one). Returns blocks saved (0 if the pool
-        cannot lend the new blocks first, or nothing would be saved)."""
+        """Pack a layer's live tokens, in order, into as few fresh blocks as they need
+        and free the old ones (Lazy Pruning's amortisation, 000_8900623ad98b28fb.txt §3:
+        many partly-dead blocks become full ones; PagedEviction, 001_01037b507c6df960.txt
+        Alg. 2-3, needs kept order and physical blocks aligned). Returns blocks saved;
+        nothing happens when there is no hole or the pool cannot lend the new blocks."""
         nb, bs = self.nblocks[layer], self.bs
         idx, phys = self.live_slots(layer)
         n = idx.numel()
         want = -(-n // bs)
-        if want >= nb or want > self.pool.num_free:
+        if n == self.next_slot[layer] or want > self.pool.num_free:
             return 0
         new = self.pool.allocate(want) if want else torch.empty(0, dtype=torch.int64)
         dst = (new[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]

@@ -62,10 +62,20 @@ class StepView:
 
 class Policy(Protocol):
     name: str
-    needs: Needs
+    needs: Needs  # may be narrowed by `step` (e.g. snapkv stops needing attention)
 
     def step(self, view: StepView) -> Eviction:
         """Called after every step that computed tokens of this request."""
+        ...
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        """Most live tokens any one layer holds after this policy's plan was applied, at
+        any step whose sequence length is <= seq_len (non-decreasing in seq_len).
+
+        `prompt_len` None means the worst prompt length; `block_size` (the pool's) only
+        matters to block-granular policies. During a step, before the plan, a layer
+        also holds that step's new tokens: the engine adds one chunk to this bound."""
         ...
 
 
@@ -85,3 +95,66 @@ def keep_top(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Ten
         return positions[:0]
     order = torch.sort(scores, descending=True, stable=True).indices
     return positions[order[k:]].sort().values
+
+
+# ---- helpers shared by several policies ------------------------------------------------
+
+
+def is_active(view: StepView) -> bool:
+    """The prompt is complete: policies that score the whole prompt act from here on."""
+    return view.prefill_done or view.seq_len > view.prompt_len
+
+
+def prefill_envelope(seq_len: int, prompt_len: int | None, after: int) -> int:
+    """`max_live` of a policy that evicts nothing before the prompt is complete and at
+    most `after` live tokens from then on: intermediate prefill chunks keep up to
+    prompt_len - 1 tokens, and with an unknown prompt length every token may still be
+    part of the prompt."""
+    if prompt_len is None or seq_len < prompt_len:
+        return seq_len
+    return min(seq_len, max(prompt_len - 1, after))
+
+
+def align(old_pos: torch.Tensor | None, old_val: torch.Tensor | None,
+          new_pos: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Per-token state (dim 0 indexed like `old_pos`) re-indexed to `new_pos`.
+
+    Both position lists are ascending. Tokens evicted since are dropped; tokens not
+    seen before get `fill`. Policies keep state by position so they never depend on
+    the engine carrying out a plan exactly as returned."""
+    if old_pos is None or old_val is None or old_pos.numel() == 0:
+        shape = (new_pos.numel(), *(() if old_val is None else old_val.shape[1:]))
+        dtype = torch.float32 if old_val is None else old_val.dtype
+        return torch.full(shape, fill, dtype=dtype)
+    idx = torch.searchsorted(old_pos, new_pos).clamp_(max=old_pos.numel() - 1)
+    hit = old_pos[idx] == new_pos
+    out = torch.full((new_pos.numel(), *old_val.shape[1:]), fill, dtype=old_val.dtype)
+    out[hit] = old_val[idx[hit]]
+    return out
+
+
+def head_mean(attention: torch.Tensor) -> torch.Tensor:
+    """[Tq, Hkv, n] mass summed per kv group -> [Tq, n] probability averaged over all
+    query heads (each row sums to 1): every query row of the view sums to H = Hkv*G."""
+    total = attention.sum(dim=(1, 2), keepdim=False).clamp_min(1e-30)
+    return attention.sum(dim=1) / total[:, None]
+
+
+def evict_except(scores: torch.Tensor, positions: torch.Tensor, keep: int,
+                 protected: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions to drop so that `keep` tokens stay: all `protected` ones (bool mask
+    over positions, assumed fewer than `keep`), then the highest `scores` among the
+    rest (ties toward the earlier position, as `keep_top`)."""
+    if protected is None or not bool(protected.any()):
+        return keep_top(scores, positions, keep)
+    free = ~protected
+    return keep_top(scores[free], positions[free], max(0, keep - int(protected.sum())))
+
+
+def edge_mask(n: int, first: int, last: int) -> torch.Tensor:
+    """Bool mask over n tokens in kept order: the first `first` and the last `last`."""
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[: min(first, n)] = True
+    if last > 0:
+        mask[max(0, n - last):] = True
+    return mask

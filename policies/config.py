@@ -8,9 +8,9 @@ config class here; `parse_kv_policy` then accepts it by name or as an object.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError, WithJsonSchema
 
 
 class KVPolicyError(ValueError):
@@ -36,6 +36,34 @@ class FullPolicyConfig(KVPolicyConfig):
     name: Literal["full"] = "full"
 
 
+def _budget(value: object) -> int | float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("a budget is a token count (integer >= 1) or a ratio of the "
+                         "sequence (number in (0, 1])")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError("a token budget must be >= 1")
+        return value
+    if not 0.0 < value <= 1.0:  # also rejects nan and inf
+        raise ValueError("a ratio budget must be in (0, 1]; give a token count as an integer")
+    return float(value)
+
+
+# A cache budget: tokens (int >= 1) or a ratio of the sequence (float in (0, 1]), resolved
+# by `policies.base.resolve_budget`. One validator (not a Union) so that an error names
+# the field itself (`kv_policy.budget`), not a union member.
+Budget = Annotated[int | float, PlainValidator(_budget), WithJsonSchema(
+    {"anyOf": [{"type": "integer", "minimum": 1},
+               {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]})]
+
+
+class EvictingPolicyConfig(KVPolicyConfig):
+    """Base of every config that evicts: `compact` asks the engine to pack a layer's
+    live tokens into as few blocks as they need after each plan (read by the engine)."""
+
+    compact: bool = False
+
+
 POLICY_CONFIGS: dict[str, type[KVPolicyConfig]] = {"full": FullPolicyConfig}
 
 
@@ -43,7 +71,14 @@ def register_policy_config(name: str, cls: type[KVPolicyConfig]) -> None:
     POLICY_CONFIGS[name] = cls
 
 
+def _load_catalog() -> None:
+    """Every policy family registers its config in `policies.catalog`; imported here
+    lazily (the catalog imports this module) so `parse_kv_policy` knows them all."""
+    import policies.catalog  # noqa: F401
+
+
 def known_policies() -> list[str]:
+    _load_catalog()
     return sorted(POLICY_CONFIGS)
 
 
@@ -62,6 +97,7 @@ def parse_kv_policy(value: str | Mapping[str, Any] | KVPolicyConfig | None) -> K
         return FullPolicyConfig()
     if isinstance(value, KVPolicyConfig):
         return value
+    _load_catalog()
     if isinstance(value, str):
         cls = POLICY_CONFIGS.get(value)
         if cls is None:

@@ -5,7 +5,8 @@ into it (construction included: torch keeps per-thread state) runs on one dedica
 worker thread. The event loop only queues submissions/aborts, which the worker applies
 between steps, and fans the step's outputs out to per-request queues. The loop therefore
 stays free to answer health checks and accept connections while the model computes.
-Nothing here knows about HTTP.
+Nothing here knows about HTTP. Requests, streams, queue limits and exceptions live in
+`scheduler/async_stream.py` (re-exported here).
 """
 
 from __future__ import annotations
@@ -13,117 +14,39 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling import SamplingParams
-from scheduler.outputs import EngineStats, RequestOutput, RequestRejected, StepStats
+from scheduler.async_stream import (
+    Admission,
+    EngineError,
+    EngineUnavailable,
+    GenerationRequest,
+    Listeners,
+    Live,
+    OutputListener,
+    QueueFull,
+    RequestStream,
+    StepListener,
+)
+from scheduler.outputs import EngineStats, RequestOutput, RequestRejected
 
 logger = logging.getLogger("kvserve.engine")
 
-StepListener = Callable[[StepStats], None]
-OutputListener = Callable[[RequestOutput, float], None]
 CoreFactory = Callable[[StepListener], Any]  # (on_step) -> EngineCore
-
-
-class QueueFull(Exception):
-    """The admission queue is over a limit; retrying later may succeed."""
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class EngineUnavailable(Exception):
-    """The engine is loading, draining, stopped or failed to load (HTTP 503)."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class EngineError(RuntimeError):
-    """The engine step failed; the requests in flight are lost (a bug, not bad input)."""
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    priority: int = 0
-    kv_policy: object | None = None
-    arrival_time: float | None = None
-
-
-@dataclass(eq=False)
-class _Live:
-    req: GenerationRequest
-    queue: asyncio.Queue
-    queued: bool = True  # counted against the queue limits until its first output
-
-
-class RequestStream:
-    """Outputs of one submission (one or more engine requests) in arrival order.
-
-    Every output carries its `request_id`. Iteration ends when all members finished.
-    Closing the stream, or cancelling the task that iterates it, aborts what is left.
-    """
-
-    def __init__(self, engine: AsyncEngine, members: list[_Live], queue: asyncio.Queue) -> None:
-        self._engine = engine
-        self._queue = queue
-        self.request_ids = [m.req.request_id for m in members]
-        self._unfinished = set(self.request_ids)
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self.abort()
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        return item
-
-    def abort(self) -> None:
-        for rid in list(self._unfinished):
-            self._engine._abort(rid)
-        self._unfinished.clear()
-
-    async def aclose(self) -> None:
-        self.abort()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.abort()
+__all__ = ["AsyncEngine", "EngineError", "EngineUnavailable", "GenerationRequest",
+           "QueueFull", "RequestStream"]
 
 
 class AsyncEngine:
     def __init__(self, core_factory: CoreFactory, *, max_queued_requests: int = 1024,
                  max_queued_tokens: int = 1 << 20) -> None:
         self._factory = core_factory
-        self.max_queued_requests = max_queued_requests
-        self.max_queued_tokens = max_queued_tokens
+        self.admission = Admission(max_queued_requests, max_queued_tokens)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-engine")
         self._core: Any = None
         self.tokenizer: Any = None  # a private copy for the event loop side
@@ -131,23 +54,20 @@ class AsyncEngine:
         self.vocab_size = 0
         self.max_request_tokens = 0  # min(context, whole pool) in tokens
         self.default_kv_policy: str = "full"  # the core's policy for requests naming none
+        self.tenant_quotas: dict[str, float] = {}  # the core's, tenant -> pool fraction
         self.stats = EngineStats()  # refreshed by the worker after every core call
         self.load_error: BaseException | None = None
         self.draining = False
         self._stopping = False
         self._loaded = asyncio.Event()
-        self._live: dict[str, _Live] = {}
-        self._pending_adds: list[tuple[_Live, asyncio.Future]] = []
+        self._live: dict[str, Live] = {}
+        self._pending_adds: list[tuple[Live, asyncio.Future]] = []
         self._pending_aborts: list[str] = []
         self._core_busy = False
-        self._num_queued = 0
-        self._queued_tokens = 0
-        self._step_ewma_s = 0.0
         self._wakeup: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._step_listeners: list[StepListener] = []
-        self._output_listeners: list[OutputListener] = []
+        self.listeners = Listeners()
 
     @classmethod
     def from_config(cls, config: Any, **limits: int) -> AsyncEngine:
@@ -171,7 +91,15 @@ class AsyncEngine:
     @property
     def num_queued(self) -> int:
         """Admitted requests without a first token yet (what the queue limits count)."""
-        return self._num_queued
+        return self.admission.num_queued
+
+    @property
+    def max_queued_requests(self) -> int:
+        return self.admission.max_requests
+
+    @property
+    def max_queued_tokens(self) -> int:
+        return self.admission.max_tokens
 
     @property
     def num_pending(self) -> int:
@@ -180,11 +108,11 @@ class AsyncEngine:
 
     def add_step_listener(self, fn: StepListener) -> None:
         """`fn` runs on the worker thread after every step: keep it cheap and thread-safe."""
-        self._step_listeners.append(fn)
+        self.listeners.step.append(fn)
 
     def add_output_listener(self, fn: OutputListener) -> None:
         """`fn(output, monotonic_now)` runs on the event loop for every delivered output."""
-        self._output_listeners.append(fn)
+        self.listeners.output.append(fn)
 
     async def start(self) -> None:
         """Load the core on the worker thread and start the step loop."""
@@ -200,12 +128,13 @@ class AsyncEngine:
         self._loaded.set()
 
     def _load(self) -> None:
-        core = self._factory(self._on_step)
+        core = self._factory(self.listeners.on_step)
         self.tokenizer = copy.deepcopy(core.tokenizer)
         self.max_model_len = int(core.max_model_len)
         self.vocab_size = int(core.model_config.vocab_size)
         config = getattr(core, "config", None)
         self.default_kv_policy = getattr(config, "default_kv_policy", None) or "full"
+        self.tenant_quotas = dict(getattr(config, "tenant_quotas", None) or {})
         self.stats = core.stats()
         cap = self.max_model_len
         block_size = getattr(config, "block_size", None)
@@ -246,10 +175,11 @@ class AsyncEngine:
     # ---- submission ----------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
-                       kv_policy: object | None = None) -> AsyncIterator[RequestOutput]:
+                       kv_policy: object | None = None, cache_salt: str | None = None,
+                       tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """One request's outputs; raises QueueFull/RequestRejected before the first yield."""
         req = GenerationRequest(prompt_ids, params, request_id or uuid.uuid4().hex,
-                                priority, kv_policy)
+                                priority, kv_policy, cache_salt=cache_salt, tenant=tenant)
         async with await self.submit([req]) as stream:
             async for out in stream:
                 yield out
@@ -263,17 +193,7 @@ class AsyncEngine:
         if self.draining or self._stopping:
             raise EngineUnavailable("the server is draining and admits no new requests",
                                     "draining")
-        if num_requests > self.max_queued_requests:
-            raise RequestRejected(f"{num_requests} sequences exceed the queue limit of "
-                                  f"{self.max_queued_requests}", "n")
-        if num_tokens > self.max_queued_tokens:
-            raise RequestRejected(f"{num_tokens} prompt tokens exceed the queue limit of "
-                                  f"{self.max_queued_tokens} tokens", "prompt")
-        if (self._num_queued + num_requests > self.max_queued_requests
-                or self._queued_tokens + num_tokens > self.max_queued_tokens):
-            raise QueueFull(
-                f"the queue is full ({self._num_queued} requests, {self._queued_tokens} "
-                f"prompt tokens waiting); retry later", self._retry_after())
+        self.admission.check(num_requests, num_tokens)
 
     async def submit(self, requests: list[GenerationRequest]) -> RequestStream:
         """Admit a group atomically (all or none) and wait until the core accepted it.
@@ -298,17 +218,16 @@ class AsyncEngine:
         for r in requests:
             if r.arrival_time is None:
                 r.arrival_time = now
-            live = _Live(r, queue)
+            live = Live(r, queue)
             self._live[r.request_id] = live
-            self._num_queued += 1
-            self._queued_tokens += len(r.prompt_ids)
+            self.admission.enqueue(live)
             fut = loop.create_future()
             self._pending_adds.append((live, fut))
             members.append(live)
             futures.append(fut)
         self._idle.clear()  # type: ignore[union-attr]
         self._wakeup.set()
-        stream = RequestStream(self, members, queue)
+        stream = RequestStream(self._abort, members, queue)
         try:
             await asyncio.gather(*futures)
         except BaseException:
@@ -317,19 +236,10 @@ class AsyncEngine:
         return stream
 
     # ---- loop-thread bookkeeping -----------------------------------------------------
-    def _retry_after(self) -> int:
-        return int(min(60, max(1, math.ceil(2 * self._step_ewma_s))))
-
-    def _unqueue(self, live: _Live) -> None:
-        if live.queued:
-            live.queued = False
-            self._num_queued -= 1
-            self._queued_tokens -= len(live.req.prompt_ids)
-
-    def _forget(self, rid: str) -> _Live | None:
+    def _forget(self, rid: str) -> Live | None:
         live = self._live.pop(rid, None)
         if live is not None:
-            self._unqueue(live)
+            self.admission.release(live)
             if not self._live and self._idle is not None:
                 self._idle.set()
         return live
@@ -350,7 +260,7 @@ class AsyncEngine:
             self._pending_aborts.append(rid)
             if self._wakeup is not None:
                 self._wakeup.set()
-        self._notify(RequestOutput(rid, [], "", None, finished=True, finish_reason="abort",
+        self.listeners.on_output(RequestOutput(rid, [], "", None, finished=True, finish_reason="abort",
                                    num_prompt_tokens=len(live.req.prompt_ids),
                                    arrival_time=live.req.arrival_time or 0.0))
 
@@ -360,23 +270,15 @@ class AsyncEngine:
             self._abort(rid, err)
             live.queue.put_nowait(err)
 
-    def _notify(self, out: RequestOutput) -> None:
-        now = time.monotonic()
-        for fn in self._output_listeners:
-            try:
-                fn(out, now)
-            except Exception:
-                logger.exception("output listener failed")
-
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:  # aborted while the step ran
                 continue
-            self._unqueue(live)
+            self.admission.release(live)
             if out.finished:
                 self._forget(out.request_id)
-            self._notify(out)
+            self.listeners.on_output(out)
             live.queue.put_nowait(out)
 
     # ---- the step loop -----------------------------------------------------------------
@@ -416,12 +318,11 @@ class AsyncEngine:
                 self._fail(rid, err)
             self._core_busy = bool(self._live)
             return
-        dt = time.perf_counter() - t0
-        self._step_ewma_s = dt if not self._step_ewma_s else 0.9 * self._step_ewma_s + 0.1 * dt
+        self.admission.observe_step(time.perf_counter() - t0)
         self._dispatch(outputs)
 
     # ---- worker thread only ------------------------------------------------------------
-    def _apply(self, adds: list[tuple[_Live, asyncio.Future]],
+    def _apply(self, adds: list[tuple[Live, asyncio.Future]],
                aborts: list[str]) -> list[BaseException | None]:
         core = self._core
         for rid in aborts:
@@ -431,7 +332,8 @@ class AsyncEngine:
             r = live.req
             try:
                 core.add_request(r.request_id, r.prompt_ids, r.params, priority=r.priority,
-                                 kv_policy=r.kv_policy, arrival_time=r.arrival_time)
+                                 kv_policy=r.kv_policy, arrival_time=r.arrival_time,
+                                 cache_salt=r.cache_salt, tenant=r.tenant)
                 results.append(None)
             except Exception as e:
                 results.append(e)
@@ -446,10 +348,3 @@ class AsyncEngine:
         finally:
             self._core_busy = core.has_unfinished()
             self.stats = core.stats()
-
-    def _on_step(self, stats: StepStats) -> None:
-        for fn in self._step_listeners:
-            try:
-                fn(stats)
-            except Exception:
-                logger.exception("step listener failed")

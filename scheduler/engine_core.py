@@ -145,7 +145,8 @@ class EngineCore:
         if policy is not None and hasattr(policy, "max_live"):
             # Eviction runs after each chunk, so the peak is the bound plus one chunk
             # (and a partly dead block).
-            bound = policy.max_live(total) + self.config.max_num_batched_tokens + 2 * bs
+            chunk = min(self.config.max_num_batched_tokens, len(prompt_ids))
+            bound = policy.max_live(total, len(prompt_ids), bs) + chunk + 2 * bs
             peak = min(peak, bound)
         layers = self.model_config.num_layers
         need = layers * -(-peak // bs)

@@ -177,7 +177,10 @@ class Scheduler:
         returns the tokens to compute this step (0: memory is short; OVER_QUOTA)."""
         cache = SeqCache(self.pool, self.num_layers,
                          capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1)
-        hashes = req.block_hashes if self.mem.enable_prefix_caching and req.num_preemptions == 0 else []
+        # A policy that scores the prompt by attention must see the prompt's queries, so
+        # it computes its prompt (and still publishes it) instead of taking hits.
+        scores_prompt = req.policy is not None and req.policy.needs.attention
+        hashes = req.block_hashes if self.mem.enable_prefix_caching and not scores_prompt else []
         hits: list[torch.Tensor] = []
         for h in hashes:
             ids = self.pool.acquire(h)

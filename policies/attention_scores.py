@@ -1,0 +1,132 @@
+"""Attention-mass policies that act every step: H2O (`h2o`) and TOVA (`tova`).
+
+Both read `LayerView.attention` ([Tq, Hkv, n]: this step's queries' probability mass on
+each live token, summed over the query heads of each kv group) and keep one set per
+layer, i.e. the mass is aggregated over all heads of the layer. Both act from the step
+that completes the prompt on (scores of a partial prompt would be premature), keeping
+exactly min(n, C) tokens after every plan, C = resolve_budget(budget, seq_len).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from policies.base import (
+    Eviction,
+    Needs,
+    StepView,
+    align,
+    edge_mask,
+    evict_except,
+    head_mean,
+    is_active,
+    prefill_envelope,
+    resolve_budget,
+)
+from policies.config import Budget, EvictingPolicyConfig
+
+
+class H2OConfig(EvictingPolicyConfig):
+    """003 `H2OEviction(budget, recent_window=128)`; budget 1024 as in 003's comparison."""
+
+    name: Literal["h2o"] = "h2o"
+    budget: Budget = 1024
+    window: int = Field(128, ge=0)  # recent tokens always kept (part of the budget)
+
+
+class TOVAConfig(EvictingPolicyConfig):
+    name: Literal["tova"] = "tova"
+    budget: Budget = 1024
+
+
+@dataclass
+class H2OPolicy:
+    """Heavy-Hitter Oracle (Zhang et al. 2023) as 003_12df107fdefa535c.txt
+    `H2OEviction` ("Eviction Policies"); 004_a0d6af55e6947072.txt §2/App. C baseline.
+
+    Cumulative attention: every step adds its queries' mass on each live token, summed
+    over queries and over all heads (003 `update`: `attention_weights.sum(dim=(0, 1, 2))`);
+    prefill chunks accumulate too, so at the end of the prompt a token's score is its
+    column sum over all prompt queries. Evicted tokens' scores are forgotten; new tokens
+    start at 0 plus this step's mass. Keep (003 `get_eviction_mask`): the last
+    min(window, C) tokens, plus the top C - window of the older tokens by cumulative
+    score. Deliberate difference from kvpress `ObservedAttentionPress` ("related to
+    H2O"): kvpress divides each token's summed attention by the number of queries that
+    could see it and averages heads per group; H2O and 003 use the raw sum."""
+
+    config: H2OConfig
+    name: str = "h2o"
+    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+    _pos: list[torch.Tensor | None] = field(default_factory=list, repr=False)
+    _acc: list[torch.Tensor | None] = field(default_factory=list, repr=False)
+
+    def scores(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(positions, cumulative attention) held for a layer (for tests and metrics)."""
+        return self._pos[layer], self._acc[layer]
+
+    def step(self, view: StepView) -> Eviction:
+        if len(self._pos) < view.num_layers:
+            self._pos += [None] * (view.num_layers - len(self._pos))
+            self._acc += [None] * (view.num_layers - len(self._acc))
+        budget = resolve_budget(self.config.budget, view.seq_len)
+        active = is_active(view)
+        plan: Eviction = {}
+        for layer, lv in enumerate(view.layers):
+            assert lv.attention is not None
+            acc = align(self._pos[layer], self._acc[layer], lv.positions)
+            acc += lv.attention.sum(dim=(0, 1)).to(acc.dtype)
+            pos = lv.positions
+            n = pos.numel()
+            if active and n > budget:
+                protected = edge_mask(n, 0, min(self.config.window, budget))
+                drop = evict_except(acc, pos, budget, protected)
+                plan[layer] = drop
+                keep = ~torch.isin(pos, drop)
+                pos, acc = pos[keep], acc[keep]
+            self._pos[layer], self._acc[layer] = pos, acc
+        return plan
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        return prefill_envelope(seq_len, prompt_len,
+                                resolve_budget(self.config.budget, seq_len))
+
+
+@dataclass
+class TOVAPolicy:
+    """Token Omission Via Attention (Oren et al. 2024; 004_a0d6af55e6947072.txt §2
+    "current attention-based eviction", App. C baseline): whenever a layer holds more than C tokens, drop those the current step's
+    last query attends to least, averaged over all query heads (`head_mean`).
+
+    Agrees with kvpress `TOVAPress`: its score is the last query's attention averaged
+    over heads (one set for every kv head, so layer level is exact) and it pins the
+    newest token (padded with max + 1); we protect the newest token the same way. At the
+    end of a prompt the last prompt query ranks the whole prompt (kvpress's prefill
+    compression, budget = int(n·(1-r))); in decode one token goes per step."""
+
+    config: TOVAConfig
+    name: str = "tova"
+    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+
+    def step(self, view: StepView) -> Eviction:
+        if not is_active(view):
+            return {}
+        budget = resolve_budget(self.config.budget, view.seq_len)
+        plan: Eviction = {}
+        for layer, lv in enumerate(view.layers):
+            n = lv.positions.numel()
+            if n <= budget:
+                continue
+            assert lv.attention is not None
+            scores = head_mean(lv.attention[-1:])[0]
+            plan[layer] = evict_except(scores, lv.positions, budget, edge_mask(n, 0, 1))
+        return plan
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        return prefill_envelope(seq_len, prompt_len,
+                                resolve_budget(self.config.budget, seq_len))

@@ -1,0 +1,143 @@
+"""LazyEviction (004_a0d6af55e6947072.txt §4, App. A-B Algorithm 1): lagged eviction
+that keeps tokens whose attention recurs.
+
+Time t counts query steps from the end of the prompt: the query at position q has
+t = q - prompt_len + 1 (the last prompt query is t = 0, the k-th decode query t = k),
+so with one decode token per step t = seq_len - prompt_len.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from policies.base import (
+    Eviction,
+    Needs,
+    StepView,
+    align,
+    edge_mask,
+    evict_except,
+    head_mean,
+    resolve_budget,
+)
+from policies.config import Budget, EvictingPolicyConfig
+
+
+class LazyEvictionConfig(EvictingPolicyConfig):
+    """004 defaults: r = 50% (Tables 1-2), W = 25 (best on GSM8K, Table 9), α = 5e-4
+    (DS-Llama-8B, App. C / Table 10)."""
+
+    name: Literal["lazy_eviction"] = "lazy_eviction"
+    budget: Budget = 0.5  # B: tokens, or ratio of the sequence (the paper's r)
+    window: int = Field(25, ge=1)  # W: eviction period and recent tokens kept
+    alpha: float = Field(5e-4, gt=0.0, le=1.0)  # α: attention that counts as "important"
+
+
+def importance(t: int, ts: torch.Tensor, mri: torch.Tensor) -> torch.Tensor:
+    """Eq. 2 as printed: I = H1 + H2 if MRI != 0 else H1, with
+    H1 = 2σ(-(t - TS)/MRI) and H2 = 2σ(-1/(MRI - 1)).
+
+    Limits where the printed formulas divide by zero: t = TS gives H1 = 1 (x = 0);
+    MRI = 0 with t > TS gives H1 = 0 (x -> inf); MRI = 1 gives H2 = 0 (x -> inf).
+    Note the printed H2 *grows* with MRI (2σ(-1) ≈ 0.54 at MRI = 2, -> 1 as MRI grows)
+    although §4 says smaller MRI should score higher; we implement the equation."""
+    ts, mri = ts.double(), mri.double()
+    elapsed = t - ts
+    x1 = torch.where(elapsed == 0, torch.zeros_like(ts),
+                     torch.where(mri == 0, torch.full_like(ts, math.inf),
+                                 elapsed / mri.clamp_min(1)))
+    h1 = 2 * torch.sigmoid(-x1)
+    x2 = torch.where(mri == 1, torch.full_like(mri, math.inf), 1 / (mri - 1))
+    h2 = torch.where(mri == 0, torch.zeros_like(mri), 2 * torch.sigmoid(-x2))
+    return h1 + h2
+
+
+@dataclass
+class LazyEvictionPolicy:
+    """LazyEviction (004_a0d6af55e6947072.txt §4, Alg. 1, eqs. 1-2, 5).
+
+    Recurrence Interval Tracking (every step, every query row in time order): a token
+    is activated by a query when that query's attention on it, averaged over all query
+    heads (`head_mean`), is >= α; then TS = t and MRI = max(MRI, t - TS_prev) (eq. 1).
+    A new token starts with TS = its own time and MRI = 0. Prompt queries track too
+    (App. H: prefill and decode tokens are treated alike).
+
+    MRI-Centric Eviction (Alg. 1 line 8, eq. 5): at t = kW (k >= 1; at most once per
+    window if a step spans several), if a layer holds more than B tokens, keep the most
+    recent W and the top B - W of the others by I_t (`importance`); if B < W only the
+    recent W stay. B = resolve_budget(budget, seq_len), so a ratio keeps the paper's
+    r of the full cache. Nothing is evicted before t = W, even for a long prompt.
+
+    Bound: live <= seq_len while t < W, i.e. <= prompt_len + W - 1; afterwards <=
+    max(B, W) + (t mod W) <= max(B, W) + W - 1. kvpress has no LazyEviction press."""
+
+    config: LazyEvictionConfig
+    name: str = "lazy_eviction"
+    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+    _pos: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _ts: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _mri: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _epoch: int = 0  # last k with an eviction decision at t = kW
+
+    def state(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, TS, MRI) tracked for a layer."""
+        return self._pos[layer], self._ts[layer], self._mri[layer]
+
+    def step(self, view: StepView) -> Eviction:
+        c = self.config
+        prompt = view.prompt_len
+        t_now = view.seq_len - prompt
+        epoch = t_now // c.window if t_now >= c.window else 0
+        decide = epoch > self._epoch
+        if decide:
+            self._epoch = epoch
+        budget = resolve_budget(c.budget, view.seq_len)
+        plan: Eviction = {}
+        for layer, lv in enumerate(view.layers):
+            assert lv.attention is not None
+            self._track(layer, lv.positions, lv.attention, view.seq_len - view.num_new,
+                        prompt)
+            n = lv.positions.numel()
+            if not decide or n <= budget:
+                continue
+            pos, ts, mri = self.state(layer)
+            scores = importance(t_now, ts, mri)
+            recent = min(c.window, n)
+            drop = evict_except(scores, pos, max(budget, recent), edge_mask(n, 0, recent))
+            if drop.numel() == 0:  # B < W and no more than W tokens
+                continue
+            plan[layer] = drop
+            kept = ~torch.isin(pos, drop)
+            self._pos[layer], self._ts[layer], self._mri[layer] = pos[kept], ts[kept], mri[kept]
+        return plan
+
+    def _track(self, layer: int, pos: torch.Tensor, attention: torch.Tensor, q0: int,
+               prompt: int) -> None:
+        born = pos - prompt + 1  # time of the query that created each token
+        ts = align(self._pos.get(layer), self._ts.get(layer), pos, fill=math.nan)
+        mri = align(self._pos.get(layer), self._mri.get(layer), pos, fill=0)
+        ts = torch.where(torch.isnan(ts), born.double(), ts.double())
+        mri = mri.long()
+        tq = attention.shape[0]
+        qpos = q0 + torch.arange(tq)
+        t = (qpos - prompt + 1).double()[:, None]  # [Tq, 1]
+        act = (head_mean(attention) >= self.config.alpha) & (pos[None, :] <= qpos[:, None])
+        stamp = torch.where(act, t, torch.full_like(t, -math.inf))  # [Tq, n]
+        last = torch.cummax(stamp, dim=0).values  # latest activation up to each row
+        prev = torch.cat([ts[None], torch.maximum(last[:-1], ts[None])], dim=0)
+        gap = torch.where(act, t - prev, torch.zeros_like(prev))
+        mri = torch.maximum(mri, gap.max(dim=0).values.long())
+        ts = torch.maximum(ts, last[-1])
+        self._pos[layer], self._ts[layer], self._mri[layer] = pos, ts, mri
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        w = self.config.window
+        steady = max(resolve_budget(self.config.budget, seq_len), w) + w - 1
+        before = seq_len if prompt_len is None else prompt_len + w - 1
+        return min(seq_len, max(before, steady))

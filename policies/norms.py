@@ -1,0 +1,132 @@
+"""Attention-free, unstructured baselines of 001_01037b507c6df960.txt (§5.2, App. A.2):
+inverse key L2-norm (`knorm`, Devoto et al. 2024) and KeyDiff (`keydiff`, Park et al.
+2025).
+
+Both score tokens from the cached keys alone and evict token by token: on the step that
+completes the prompt the lowest-scoring tokens go down to the budget C (resolved on the
+sequence length), then every decode step drops the lowest-scoring token(s) to stay at C
+(App. A.2: "the lowest-scoring token is removed in every step"). An optional `window` of
+most recent tokens is never evicted (0 by default, as in the paper's baselines and in
+kvpress). Scores are computed per kv head exactly as kvpress does and averaged over the
+kv heads, because this engine keeps one kept set per layer (kvpress keeps a set per
+head): with one kv head the kept set is kvpress's exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from policies.base import (
+    Eviction,
+    LayerView,
+    Needs,
+    StepView,
+    edge_mask,
+    evict_except,
+    is_active,
+    prefill_envelope,
+    resolve_budget,
+)
+from policies.config import Budget, EvictingPolicyConfig
+
+
+class KnormConfig(EvictingPolicyConfig):
+    name: Literal["knorm"] = "knorm"
+    budget: Budget = 1024  # 001's headline budget
+    window: int = Field(0, ge=0)  # most recent tokens never evicted
+
+
+class KeyDiffConfig(EvictingPolicyConfig):
+    name: Literal["keydiff"] = "keydiff"
+    budget: Budget = 1024
+    window: int = Field(0, ge=0)
+
+
+def knorm_scores(key_norm: torch.Tensor) -> torch.Tensor:
+    """kvpress `KnormPress.score` = -‖k‖₂ per head ([n, Hkv]); mean over kv heads."""
+    return -key_norm.mean(dim=1)
+
+
+def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
+    """kvpress `KeyDiffPress.score`: anchor = mean over tokens of the L2-normalised keys
+    (per head); score = -cos(k_i, anchor), so keys most aligned with the mean direction
+    (the most redundant) score lowest. keys [n, Hkv, D] -> [n], mean over kv heads."""
+    anchor = F.normalize(keys, p=2, dim=-1).mean(dim=0, keepdim=True)
+    return -F.cosine_similarity(keys, anchor, dim=-1).mean(dim=1)
+
+
+def _unstructured(view: StepView, budget_cfg: int | float, window: int,
+                  score: Callable[[LayerView], torch.Tensor]) -> Eviction:
+    if not is_active(view):
+        return {}
+    budget = resolve_budget(budget_cfg, view.seq_len)
+    plan: Eviction = {}
+    for layer, lv in enumerate(view.layers):
+        n = lv.positions.numel()
+        if n <= budget:
+            continue
+        protected = edge_mask(n, 0, min(window, budget))
+        plan[layer] = evict_except(score(lv), lv.positions, budget, protected)
+    return plan
+
+
+@dataclass
+class KnormPolicy:
+    """Inverse key L2-norm (001_01037b507c6df960.txt §4.1, §5.2 baseline, App. A.2; Devoto
+    et al. 2024): keep the tokens with the lowest ‖K‖₂ — key norm is inversely related to
+    the attention a token draws (§4.1) — plus the recent `window`.
+
+    Agrees with kvpress `KnormPress` (score -‖k‖, keep the top int(n·(1-r))) on the same
+    keys at layer level when budget = int(n·(1-r)) and window = 0; with several kv heads
+    ours ranks by the head-mean of kvpress's score. Bound: min(seq_len, C) once the prompt
+    is complete (nothing is evicted before)."""
+
+    config: KnormConfig
+    name: str = "knorm"
+    needs: Needs = field(default_factory=lambda: Needs(key_norm=True))
+
+    def step(self, view: StepView) -> Eviction:
+        def score(lv: LayerView) -> torch.Tensor:
+            assert lv.key_norm is not None
+            return knorm_scores(lv.key_norm)
+
+        return _unstructured(view, self.config.budget, self.config.window, score)
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        return prefill_envelope(seq_len, prompt_len,
+                                resolve_budget(self.config.budget, seq_len))
+
+
+@dataclass
+class KeyDiffPolicy:
+    """KeyDiff (001_01037b507c6df960.txt §5.2 baseline, App. A.2; Park et al. 2025): keep
+    diverse keys, evicting those
+    most similar (cosine) to the mean key direction of the layer's live tokens,
+    recomputed each step over the keys as stored (rotated).
+
+    Agrees with kvpress `KeyDiffPress` (non-block form) at layer level as knorm does.
+    KeyDiff's paper evicts block-wise during prefill (kvpress: `BlockPress`); like 001's
+    baseline we score the whole prompt at once. Bound: min(seq_len, C)."""
+
+    config: KeyDiffConfig
+    name: str = "keydiff"
+    needs: Needs = field(default_factory=lambda: Needs(keys=True))
+
+    def step(self, view: StepView) -> Eviction:
+        def score(lv: LayerView) -> torch.Tensor:
+            assert lv.keys is not None
+            return keydiff_scores(lv.keys)
+
+        return _unstructured(view, self.config.budget, self.config.window, score)
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        return prefill_envelope(seq_len, prompt_len,
+                                resolve_budget(self.config.budget, seq_len))

@@ -1,0 +1,133 @@
+"""`pyramid`: KV-X (002_f8cea1b3e0b25e86.txt §3.1-3.3) — per-layer budgets in
+arithmetic progression, a lambda-shaped static mask of sink + streaming tokens, and the
+top-k middle tokens by observation-window attention, applied at the end of the prompt
+and at every decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from policies.base import (
+    Eviction,
+    Needs,
+    StepView,
+    align,
+    edge_mask,
+    evict_except,
+    is_active,
+    prefill_envelope,
+    resolve_budget,
+)
+from policies.config import Budget, EvictingPolicyConfig
+from policies.snapkv import OddKernel, pool_scores
+
+
+class PyramidConfig(EvictingPolicyConfig):
+    name: Literal["pyramid"] = "pyramid"
+    budget: Budget = 1024  # mean per-layer budget C (002 Table 1: context limit 1024)
+    beta: int = Field(20, ge=1)  # pyramid steepness: smallest layer gets C / beta
+    omega: float = Field(4.0, ge=1.0)  # lambda mask covers 1/omega of a layer's line
+    obs_window: int = Field(32, ge=1)  # α: queries whose attention is summed (eq. 4)
+    kernel_size: OddKernel = 1  # avg pooling over kept order; 1 = eq. 4 as written
+
+
+def layer_budgets(total: int, seq_len: int, num_layers: int, beta: int,
+                  window: int) -> list[int]:
+    """Per-layer budgets C_l (layer 0 = bottom), 002 eq. 2:
+    C_l = C_L + (C_1 - C_L)(L - l)/(L - 1), with Σ C_l = L·C (eq. 1, same total as a
+    uniform budget C). The end points follow PyramidKV's rule as kvpress
+    `PyramidKVPress.get_layer_budget` computes them: C_L = C/β, C_1 = 2C - C_L; if
+    C_1 >= n - window then C_1 = n - window, C_L = 2C - C_1; if not n >= C_1 >= C_L >=
+    window, every layer gets C (kvpress falls back to SnapKV's uniform budget). Exact
+    rational arithmetic and round-half-even make the total exactly L·C."""
+    if num_layers == 1:
+        return [total]
+    c_min = Fraction(total, beta)
+    c_max = 2 * total - c_min
+    if c_max >= seq_len - window:
+        c_max = Fraction(seq_len - window)
+        c_min = 2 * total - c_max
+    if not (seq_len >= c_max >= c_min >= window):
+        return [total] * num_layers
+    step = (c_max - c_min) / (num_layers - 1)
+    return [round(c_max - layer * step) for layer in range(num_layers)]
+
+
+@dataclass
+class PyramidPolicy:
+    """KV-X (002_f8cea1b3e0b25e86.txt §3.1-3.3, eqs. 1-8).
+
+    Budgets: `layer_budgets(C, seq_len, L, beta, obs_window)` with
+    C = resolve_budget(budget, seq_len), recomputed each step (fixed once seq_len is
+    past the clamp for a token budget). Lambda mask (eqs. 5-6, 8): with α/ω of the line
+    masked, C_sink = C_streaming = floor(C_l / (2ω)) — the first and the last tokens of
+    the layer's kept order — and C_lk = C_l - 2·C_sink middle tokens by score (eq. 7).
+    Score (eqs. 3-4): s_i = Σ_j A_ji over the last `obs_window` queries — the last prompt
+    queries at the end of the prompt, then a sliding window over decode queries — summed
+    over all heads, optionally avg-pooled (`kernel_size`) over neighbours in kept order.
+    The window's rows are kept per layer ([n, obs_window], aligned to live positions).
+
+    KV-X ties α to the cache line without a number; we take SnapKV's 32 (§3.2 builds on
+    SnapKV). vs kvpress `PyramidKVPress`: per-layer budgets are identical (same formula);
+    scores are identical with kernel_size=1 (kvpress avg-pools only the tokens before its
+    window, we pool the whole kept order, which differs near that edge for kernel > 1).
+    Deliberate difference in what is pinned: kvpress pins its last window_size tokens,
+    KV-X's lambda mask pins sink + streaming tokens; with those tokens in kvpress's top-k
+    anyway the kept sets are equal. kvpress only compresses the prefill.
+
+    Bound: layer l keeps <= C_l after every plan from the end of the prompt on, and
+    C_l <= max(C, round(2C - C/β)) for every l, whence `max_live`."""
+
+    config: PyramidConfig
+    name: str = "pyramid"
+    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+    _pos: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def budgets(self, seq_len: int, num_layers: int) -> list[int]:
+        c = self.config
+        total = resolve_budget(c.budget, seq_len)
+        return layer_budgets(total, seq_len, num_layers, c.beta, c.obs_window)
+
+    def scores(self, layer: int) -> torch.Tensor:
+        """Current middle-token scores of a layer (pooled window sums), kept order."""
+        return pool_scores(self._rows[layer].sum(dim=1), self.config.kernel_size)
+
+    def step(self, view: StepView) -> Eviction:
+        c = self.config
+        q0 = view.seq_len - view.num_new
+        first = max(0, view.prompt_len - c.obs_window - q0)  # rows in the window
+        active = is_active(view)
+        budgets = self.budgets(view.seq_len, view.num_layers) if active else []
+        plan: Eviction = {}
+        for layer, lv in enumerate(view.layers):
+            assert lv.attention is not None
+            pos = lv.positions
+            rows = align(self._pos.get(layer), self._rows.get(layer), pos)
+            if rows.dim() == 1:
+                rows = rows[:, None][:, :0]
+            new = lv.attention[first:].sum(dim=1).T  # [n, rows]: all heads summed
+            rows = torch.cat([rows, new.to(rows.dtype)], dim=1)[:, -c.obs_window:]
+            self._pos[layer], self._rows[layer] = pos, rows
+            n = pos.numel()
+            if not active or n <= budgets[layer]:
+                continue
+            keep = budgets[layer]
+            edge = int(keep // (2 * c.omega))
+            drop = evict_except(self.scores(layer), pos, keep, edge_mask(n, edge, edge))
+            plan[layer] = drop
+            kept = ~torch.isin(pos, drop)
+            self._pos[layer], self._rows[layer] = pos[kept], rows[kept]
+        return plan
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        total = resolve_budget(self.config.budget, seq_len)
+        top = max(total, round(2 * total - Fraction(total, self.config.beta)))
+        return prefill_envelope(seq_len, prompt_len, top)

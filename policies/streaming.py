@@ -1,0 +1,138 @@
+"""Position-only policies: StreamingLLM (`streaming`) and Lazy Pruning with Slack and
+Max_Drop (`lazy_streaming`).
+
+Both keep the first S "attention sink" tokens plus the most recent tokens and need no
+statistics. They only use the *order* of the live tokens (first S, last k), never
+position values, so they allow `rope: "shift"` (the engine re-numbers positions and
+re-rotates keys, 000_8900623ad98b28fb.txt §3.1 eq. 4) and then run past the model's
+position limit. Unlike the scoring policies they act after every step, prefill chunks
+included: a chunked prefill never holds more than the cap plus one chunk, and the kept
+set after the last prompt chunk is the same as for an unchunked prefill (it depends on
+order only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import Field
+
+from policies.base import Eviction, Needs, StepView
+from policies.config import EvictingPolicyConfig
+
+Rope = Literal["original", "shift"]
+
+
+class StreamingConfig(EvictingPolicyConfig):
+    """StreamingLLM: `sink` first tokens + `window` most recent (003 `AttentionSinkEviction`
+    defaults: 4 sinks, 1024 recent)."""
+
+    name: Literal["streaming"] = "streaming"
+    sink: int = Field(4, ge=0)
+    window: int = Field(1024, ge=1)
+    rope: Rope = "original"
+
+
+class LazyStreamingConfig(EvictingPolicyConfig):
+    """000 Algorithm 1 parameters; defaults are the paper's toy example
+    (S, W, R, σ, δ) = (4, 2044, 32, 16, 32), B = 0 (§3.1: B = 0 in all experiments)."""
+
+    name: Literal["lazy_streaming"] = "lazy_streaming"
+    sink: int = Field(4, ge=0)  # S
+    window: int = Field(2044, ge=1)  # W
+    extra: int = Field(0, ge=0)  # B: extra (non-core) soft capacity, eq. 2
+    compress_every: int = Field(32, ge=0)  # R: overflow allowance; 0 disables pruning
+    slack: int = Field(16, ge=0)  # σ: hard cap H = C + σ, eq. 7
+    max_drop: int = Field(32, ge=0)  # δ: most tokens dropped per prune event; 0 = no cap
+    rope: Rope = "original"
+
+
+def _drop_middle(view: StepView, sink: int, keep: int) -> Eviction:
+    """Per layer: keep the first `sink` and the most recent `keep - sink` live tokens."""
+    plan: Eviction = {}
+    for layer, lv in enumerate(view.layers):
+        n = lv.positions.numel()
+        if n > keep:
+            plan[layer] = lv.positions[sink: n - (keep - sink)]
+    return plan
+
+
+@dataclass
+class StreamingPolicy:
+    """StreamingLLM (Xiao et al.; 003_12df107fdefa535c.txt `AttentionSinkEviction`;
+    001_01037b507c6df960.txt App. A.1; 000_8900623ad98b28fb.txt §3.1 eq. 3).
+
+    Kept set I = {first `sink`} ∪ {last `window`} of the live tokens (000 eq. 3), applied
+    after every step, so a layer never holds more than sink + window after a plan (one
+    token evicted per decode step, 001 App. A.1). Agrees with kvpress
+    `StreamingLLMPress(n_sink=sink)` at compression ratio r on an n-token prefill when
+    window = int(n·(1-r)) - sink: it zeroes the scores of tokens [sink, sink + n_pruned)
+    and keeps the rest, i.e. the same first-sink + most-recent set (same for every head,
+    so layer level is exact)."""
+
+    config: StreamingConfig
+    name: str = "streaming"
+    needs: Needs = field(default_factory=Needs)
+
+    def step(self, view: StepView) -> Eviction:
+        c = self.config
+        return _drop_middle(view, c.sink, c.sink + c.window)
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        return min(seq_len, self.config.sink + self.config.window)
+
+
+def lazy_target(length: int, sink: int, window: int, extra: int, compress_every: int,
+                slack: int, max_drop: int) -> int | None:
+    """000 Algorithm 1 lines 1-16: the retained length L*_t, or None (no prune).
+
+    C0 = S + W (eq. 1), C = C0 + B (eq. 2), H = C + σ (eq. 7); prune only when R > 0
+    and overflow L - C >= R (eqs. 5-6); then L* = C if δ = 0 else
+    min(max(L - δ, C), H) (eq. 8)."""
+    c = sink + window + extra
+    h = c + slack
+    if compress_every == 0 or length <= c or length - c < compress_every:
+        return None
+    return c if max_drop == 0 else min(max(length - max_drop, c), h)
+
+
+@dataclass
+class LazyStreamingPolicy:
+    """Lazy Pruning + Slack + Max_Drop on top of StreamingLLM
+    (000_8900623ad98b28fb.txt §3.2-3.4, Algorithm 1, eqs. 5-8).
+
+    After every step, per layer with L live tokens: if `lazy_target` gives L*, keep the
+    first S and the most recent L* - S tokens (Alg. 1 line 17). Pruning is amortised
+    (only once the overflow reaches R) and staged (at most δ dropped per event, never
+    above H). Toy example (§3.4): (S, W, R, σ, δ) = (4, 2044, 32, 16, 32), L = 2090 ->
+    L* = min(max(2058, 2048), 2064) = 2058.
+
+    Bound after a plan: C + R - 1 tokens without a prune, L* <= H (δ > 0) or C (δ = 0)
+    with one, so max_live = min(seq_len, C + max(R - 1, σ if δ > 0 else 0)); unbounded
+    (seq_len) when R = 0. kvpress has no lazy/staged variant (nothing to compare)."""
+
+    config: LazyStreamingConfig
+    name: str = "lazy_streaming"
+    needs: Needs = field(default_factory=Needs)
+
+    def step(self, view: StepView) -> Eviction:
+        c = self.config
+        plan: Eviction = {}
+        for layer, lv in enumerate(view.layers):
+            n = lv.positions.numel()
+            target = lazy_target(n, c.sink, c.window, c.extra, c.compress_every, c.slack,
+                                 c.max_drop)
+            if target is not None and target < n:
+                plan[layer] = lv.positions[c.sink: n - (target - c.sink)]
+        return plan
+
+    def max_live(self, seq_len: int, prompt_len: int | None = None,
+                 block_size: int | None = None) -> int:
+        c = self.config
+        if c.compress_every == 0:
+            return seq_len
+        cap = c.sink + c.window + c.extra
+        over = max(c.compress_every - 1, c.slack if c.max_drop > 0 else 0)
+        return min(seq_len, cap + over)

@@ -1,0 +1,137 @@
+"""Eviction policies inside the engine: the real paged pool, continuous batching, a real
+model forward. The policies' own formulas are pinned by the test_policies_* unit tests;
+these tests pin what the engine does with their plans."""
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams
+from policies.catalog import build_policy
+from scheduler.llm import LLM
+from tests.tiny_models import make_tiny_model
+
+BS = 4
+LONG = 2000
+
+# Every policy at a budget small enough to evict within this test's lengths.
+POLICIES = [
+    {"name": "streaming", "sink": 4, "window": 60},
+    {"name": "streaming", "sink": 4, "window": 60, "rope": "shift"},
+    {"name": "lazy_streaming", "sink": 4, "window": 60, "compress_every": 16, "slack": 8, "max_drop": 16},
+    {"name": "paged_eviction", "budget": 64},
+    {"name": "knorm", "budget": 64, "window": 8},
+    {"name": "keydiff", "budget": 64, "window": 8},
+    {"name": "h2o", "budget": 64, "window": 16},
+    {"name": "tova", "budget": 64},
+    {"name": "snapkv", "budget": 32, "obs_window": 8},
+    {"name": "pyramid", "budget": 64, "obs_window": 8},
+    {"name": "lazy_eviction", "budget": 64, "window": 16},
+    {"name": "h2o", "budget": 0.25, "window": 16, "compact": True},
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), max_position_embeddings=4096)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(5, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_full_policy_equals_no_policy(model):
+    llm = LLM(model, num_blocks=400, block_size=BS)
+    prompts = [_prompt(i, 20 + 7 * i) for i in range(4)]
+    ids = [llm.engine.tokenizer.decode(p) for p in prompts]
+    assert ids  # the prompts are real token ids of the tiny vocabulary
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(f"none{i}", p, _greedy(30))
+        llm.engine.add_request(f"full{i}", p, _greedy(30), kv_policy={"name": "full"})
+    out: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for i in range(4):
+        assert out[f"none{i}"] == out[f"full{i}"]
+
+
+def test_mixed_batch_of_every_policy_stays_within_budget(model):
+    """All policies in one continuous batch for 2,000 generated tokens each: every
+    request's peak live tokens per layer respect its policy's bound (plus one step's
+    chunk), peak blocks follow, and the pool is empty and consistent at the end."""
+    llm = LLM(model, num_blocks=4000, block_size=BS, max_num_batched_tokens=64)
+    eng = llm.engine
+    layers = eng.model_config.num_layers
+    peaks: dict[str, int] = {}
+    blocks: dict[str, int] = {}
+    prompt_len = 100
+    for i, cfg in enumerate(POLICIES):
+        eng.add_request(f"p{i}", _prompt(i, prompt_len), _greedy(LONG), kv_policy=cfg)
+    finished = {}
+    steps = 0
+    while eng.has_unfinished():
+        outs = eng.step()
+        steps += 1
+        for r in eng.scheduler.running:
+            per_layer = max(r.cache.nblocks)
+            live = max(int((r.cache.slot_pos[lay] >= 0).sum()) for lay in range(layers))
+            peaks[r.request_id] = max(peaks.get(r.request_id, 0), live)
+            blocks[r.request_id] = max(blocks.get(r.request_id, 0), per_layer)
+        if steps % 50 == 0:
+            eng.check_invariants()
+        for o in outs:
+            if o.finished:
+                finished[o.request_id] = o
+    eng.check_invariants()
+    assert eng.pool.num_used == 0
+    total = prompt_len + LONG
+    for i, cfg in enumerate(POLICIES):
+        rid = f"p{i}"
+        bound = build_policy(cfg).max_live(total, prompt_len, BS)
+        assert bound < total, cfg  # the policy really evicts at this length
+        assert peaks[rid] <= bound + 64, (cfg, peaks[rid], bound)  # + one prefill chunk
+        # Dead slots pin at most a partly-used block at each end of the live range,
+        # unless the policy drops tokens from the middle (then compaction bounds it).
+        assert finished[rid].num_output_tokens == LONG
+        assert finished[rid].kv.evicted_tokens > 0, cfg
+    stats = eng.stats()
+    assert sum(stats.evicted_tokens_by_policy_total.values()) > 0
+    assert stats.freed_blocks_by_policy_total["streaming"] > 0
+
+
+@pytest.mark.parametrize("name", ["streaming", "lazy_streaming"])
+def test_rope_shift_generates_far_past_the_position_limit(tmp_path, name):
+    path = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
+    llm = LLM(path, num_blocks=200, block_size=BS)
+    cfg = {"name": name, "sink": 4, "window": 120, "rope": "shift"}
+    out = None
+    eng = llm.engine
+    eng.add_request("long", _prompt(0, 50), _greedy(4000), kv_policy=cfg)
+    peak_blocks = 0
+    n = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            n += len(o.new_token_ids)
+            out = o
+        r = eng.requests.get("long")
+        if r is not None and r.cache is not None:
+            peak_blocks = max(peak_blocks, r.cache.num_blocks)
+            assert int(r.cache.slot_pos.max()) < 512  # positions stay inside the model's range
+    assert n == 4000 and out.finish_reason == "length"
+    layers = eng.model_config.num_layers
+    assert peak_blocks <= layers * ((4 + 120 + 64) // BS + 3)
+    assert eng.pool.num_used == 0
+
+
+def test_original_rope_refuses_past_the_position_limit(tmp_path):
+    from scheduler.outputs import RequestRejected
+
+    path = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
+    llm = LLM(path, num_blocks=200, block_size=BS)
+    with pytest.raises(RequestRejected):
+        llm.engine.add_request("x", _prompt(0, 50), _greedy(1000),
+                               kv_policy={"name": "streaming", "window": 100})

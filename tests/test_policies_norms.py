@@ -1,0 +1,76 @@
+"""knorm and keydiff against kvpress's score formulas (KnormPress, KeyDiffPress),
+reconstructed here in plain torch on synthetic keys, plus their decode behaviour."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from policies.base import LayerView
+from policies.catalog import build_policy
+from tests.policy_views import Sim, arange, view
+
+
+def kvpress_knorm(keys_bhnd: torch.Tensor) -> torch.Tensor:
+    return -keys_bhnd.norm(dim=-1)  # KnormPress.score: [b, h, n]
+
+
+def kvpress_keydiff(keys_bhnd: torch.Tensor) -> torch.Tensor:
+    anchor = F.normalize(keys_bhnd, p=2, dim=-1).mean(dim=2, keepdim=True)
+    return -F.cosine_similarity(keys_bhnd, anchor, dim=-1)  # KeyDiffPress.score
+
+
+def kvpress_kept(scores: torch.Tensor, ratio: float) -> list[list[int]]:
+    """ScorerPress.compress: top int(n(1-r)) per kv head."""
+    n = scores.shape[-1]
+    idx = scores.topk(int(n * (1 - ratio)), dim=-1).indices[0]
+    return [sorted(row.tolist()) for row in idx]
+
+
+def our_kept(name: str, keys_nhd: torch.Tensor, budget: int) -> list[int]:
+    n = keys_nhd.shape[0]
+    p = build_policy({"name": name, "budget": budget})
+    lv = LayerView(positions=arange(n), key_norm=keys_nhd.norm(dim=-1), keys=keys_nhd)
+    plan = p.step(view([lv], n, n, n, True))
+    return [i for i in range(n) if i not in set(plan.get(0, torch.empty(0)).tolist())]
+
+
+@pytest.mark.parametrize("name,score", [("knorm", kvpress_knorm), ("keydiff", kvpress_keydiff)])
+@pytest.mark.parametrize("n,ratio,seed", [(64, 0.5, 0), (50, 0.3, 1), (37, 0.75, 2)])
+def test_one_kv_head_matches_kvpress_exactly(name, score, n, ratio, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n, 1, 16, generator=g) * torch.rand(n, 1, 1, generator=g) * 3
+    keys[:, :, 0] += 2.0  # a shared direction, so keydiff has something to find
+    theirs = kvpress_kept(score(keys.permute(1, 0, 2)[None]), ratio)[0]
+    assert our_kept(name, keys, int(n * (1 - ratio))) == theirs
+
+
+@pytest.mark.parametrize("name,score", [("knorm", kvpress_knorm), ("keydiff", kvpress_keydiff)])
+def test_several_kv_heads_rank_by_head_mean_of_kvpress_score(name, score):
+    g = torch.Generator().manual_seed(7)
+    n = 40
+    keys = torch.randn(n, 4, 8, generator=g) * torch.rand(n, 4, 1, generator=g)
+    s = score(keys.permute(1, 0, 2)[None])[0].mean(dim=0)  # [n]
+    theirs = sorted(s.topk(20).indices.tolist())
+    assert our_kept(name, keys, 20) == theirs
+
+
+def test_knorm_keeps_lowest_norms_and_protected_window():
+    n = 10
+    norms = torch.tensor([1.0, 9, 2, 8, 3, 7, 4, 6, 5, 10])[:, None]
+    p = build_policy({"name": "knorm", "budget": 5, "window": 2})
+    plan = p.step(view([LayerView(positions=arange(n), key_norm=norms)], n, n, n, True))
+    # window keeps 8, 9; then the 3 lowest norms among 0..7: positions 0, 2, 4
+    assert sorted(set(range(n)) - set(plan[0].tolist())) == [0, 2, 4, 8, 9]
+
+
+@pytest.mark.parametrize("name", ["knorm", "keydiff"])
+def test_decode_keeps_exactly_budget_one_per_step(name):
+    p = build_policy({"name": name, "budget": 12})
+    sim = Sim(p, num_layers=2)
+    assert sim.step(8, prompt_len=20) == {}  # prompt not complete: nothing
+    sim.step(12, prompt_len=20)
+    assert sim.counts() == [12, 12]
+    for _ in range(5):
+        plan = sim.step(1, prompt_len=20)
+        assert all(d.numel() == 1 for d in plan.values())
+        assert sim.counts() == [12, 12]
