@@ -142,19 +142,21 @@ class SeqCache:
             self.live += nl * n
             return slots
         need = [_blocks_for(b, s, n, bs) for b, s in zip(self.nblocks, self.next_slot)]
-        ids = self.pool.allocate(sum(need))
-        self.ensure_capacity(max(b + k for b, k in zip(self.nblocks, need)))
-        slots = torch.empty(nl, n, dtype=torch.int64)
-        off = 0
-        for layer in range(nl):
-            nb, k, nxt = self.nblocks[layer], need[layer], self.next_slot[layer]
-            self.table[layer, nb : nb + k] = ids[off : off + k]
-            off += k
-            self.nblocks[layer] = nb + k
-            j = torch.arange(nxt, nxt + n)
-            slots[layer] = self.table[layer, j // bs] * bs + j % bs
-            self.slot_pos[layer, nxt : nxt + n] = positions
-            self.next_slot[layer] = nxt + n
+        total = sum(need)
+        if total:
+            ids = self.pool.allocate(total)
+            self.ensure_capacity(max(b + k for b, k in zip(self.nblocks, need)))
+            off = 0
+            for layer, k in enumerate(need):  # only the layers whose tail block is full
+                if k:
+                    nb = self.nblocks[layer]
+                    self.table[layer, nb : nb + k] = ids[off : off + k]
+                    self.nblocks[layer] = nb + k
+                    off += k
+        j = torch.tensor(self.next_slot)[:, None] + torch.arange(n)  # [L, n]
+        slots = self.table.gather(1, j // bs) * bs + j % bs
+        self.slot_pos.scatter_(1, j, positions.to(torch.int64).expand(nl, n))
+        self.next_slot = [x + n for x in self.next_slot]
         self.live += nl * n
         return slots
 
@@ -165,11 +167,26 @@ class SeqCache:
         Returns the number of blocks freed. The tail block is kept while it still has
         room for appends, so a request never reallocates the block it is filling.
         """
-        pos = self.slot_pos[layer]
-        self.live -= int((pos[slots] >= 0).sum())
-        pos[slots] = -1
+        mask = torch.zeros_like(self.slot_pos, dtype=torch.bool)
+        mask[layer, slots] = True
+        return self.evict_mask(mask)
+
+    def evict_mask(self, dead: torch.Tensor) -> int:
+        """Mark every slot where `dead` [L, capacity slots] is True dead, in all layers
+        at once; free the blocks left with no live slot. Returns blocks freed."""
+        dead = dead & (self.slot_pos >= 0)
+        n = int(dead.sum())
+        if n == 0:
+            return 0
+        self.slot_pos[dead] = -1
+        self.live -= n
         self.uniform = False
-        return self._free_dead_blocks(layer)
+        # Only a block that just lost a slot can have become empty: check those first.
+        shape = (self.num_layers, self.table.shape[1], self.bs)
+        touched = dead.view(shape).any(dim=2) & ~(self.slot_pos.view(shape) >= 0).any(dim=2)
+        if not bool(touched.any()):
+            return 0
+        return self._free_dead_blocks()
 
     def drop_before(self, layer: int, min_pos: int) -> int:
         """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""
@@ -181,29 +198,38 @@ class SeqCache:
         pos[dead] = -1
         self.live -= ndead
         self.uniform = False
-        return self._free_dead_blocks(layer)
+        return self._free_dead_blocks([layer])
 
-    def _free_dead_blocks(self, layer: int) -> int:
-        nb, bs = self.nblocks[layer], self.bs
-        if nb == 0:
+    def _free_dead_blocks(self, layers: list[int] | None = None) -> int:
+        """Return blocks with no live slot to the pool (all layers checked in one op)."""
+        bs, cap = self.bs, self.table.shape[1]
+        held = torch.arange(cap)[None, :] < torch.tensor(self.nblocks)[:, None]  # [L, cap]
+        alive = (self.slot_pos.view(self.num_layers, cap, bs) >= 0).any(dim=2)
+        # The tail block still takes appends while it has room.
+        tail = torch.tensor([max(b - 1, 0) for b in self.nblocks])
+        room = torch.tensor([s < b * bs for s, b in zip(self.next_slot, self.nblocks)])
+        alive[torch.arange(self.num_layers)[room], tail[room]] = True
+        dead = held & ~alive
+        if layers is not None:
+            only = torch.zeros(self.num_layers, dtype=torch.bool)
+            only[layers] = True
+            dead &= only[:, None]
+        if not bool(dead.any()):
             return 0
-        alive = (self.slot_pos[layer, : nb * bs].view(nb, bs) >= 0).any(dim=1)
-        if self.next_slot[layer] < nb * bs:
-            alive[nb - 1] = True  # the tail block still takes appends
-        if bool(alive.all()):
-            return 0
-        dead_ids = self.table[layer, :nb][~alive]
-        keep = alive.nonzero().squeeze(1)
-        k = keep.numel()
-        self.table[layer, :k] = self.table[layer, keep]
-        self.table[layer, k:nb] = -1
-        pos = self.slot_pos[layer, : nb * bs].view(nb, bs)[keep].reshape(-1)
-        self.slot_pos[layer, : k * bs] = pos
-        self.slot_pos[layer, k * bs : nb * bs] = -1
-        self.next_slot[layer] -= (nb - k) * bs
-        self.nblocks[layer] = k
-        self.pool.release(dead_ids)
-        return int(dead_ids.numel())
+        freed = self.table[dead]
+        for layer in dead.any(dim=1).nonzero().squeeze(1).tolist():
+            nb = self.nblocks[layer]
+            keep = (held[layer] & ~dead[layer]).nonzero().squeeze(1)
+            k = keep.numel()
+            self.table[layer, :k] = self.table[layer, keep]
+            self.table[layer, k:nb] = -1
+            pos = self.slot_pos[layer].view(cap, bs)[keep].reshape(-1)
+            self.slot_pos[layer, : k * bs] = pos
+            self.slot_pos[layer, k * bs : nb * bs] = -1
+            self.next_slot[layer] -= (nb - k) * bs
+            self.nblocks[layer] = k
+        self.pool.release(freed)
+        return int(freed.numel())
 
     # ---- what policies see, and what only the pool may do -------------------------
     def live_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

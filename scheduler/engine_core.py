@@ -218,12 +218,12 @@ class EngineCore:
         for c in plan.chunks:
             c.request.num_computed += c.num_tokens
         self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
-        for c in plan.chunks:
-            self._trim_windows(c.request)
         outputs = self._advance(done, tokens, lp)
         t4 = time.perf_counter()
-        self._run_policies(plan.chunks, out.attention)
+        self._run_policies(plan.chunks, out.attention)  # the slot layout the forward saw
         t5 = time.perf_counter()
+        for c in plan.chunks:
+            self._trim_windows(c.request)
         if self.cost_model is not None and len(plan.chunks) == 1 and plan.chunks[0].num_tokens > 1:
             self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
         if self.on_step is not None:

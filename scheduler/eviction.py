@@ -32,9 +32,12 @@ def build_view(cache: SeqCache, needs: Needs, attention: list[torch.Tensor] | No
     k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
     v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
     layers = []
+    live = cache.slot_pos >= 0
     for layer in range(cache.num_layers):
-        idx, phys = cache.live_slots(layer)
+        idx = live[layer].nonzero().squeeze(1)
         lv = LayerView(positions=cache.slot_pos[layer, idx])
+        if needs.key_norm or needs.keys or needs.value_norm:
+            phys = cache.table[layer, idx // cache.bs] * cache.bs + idx % cache.bs
         if needs.attention and attention is not None:
             lv.attention = attention[layer][:, :, idx]
         if needs.key_norm or needs.keys:
@@ -54,15 +57,21 @@ def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,
     at once. `compact` then packs partly-dead blocks; `rotate` (RoPE shift) re-numbers
     the survivors 0..n-1 and re-rotates their keys."""
     out = Applied()
-    for layer, positions in plan.items():
-        if positions.numel() == 0:
-            continue
-        nb = cache.nblocks[layer]
-        pos = cache.slot_pos[layer, : nb * cache.bs]
-        idx = (torch.isin(pos, positions) & (pos >= 0)).nonzero().squeeze(1)
-        before = cache.live
-        out.freed_blocks += cache.evict(layer, idx)
-        out.evicted_slots += before - cache.live
+    plan = {layer: p for layer, p in plan.items() if p.numel()}
+    if not plan:
+        return out
+    first = next(iter(plan.values()))
+    pos = cache.slot_pos
+    if len(plan) == cache.num_layers and all(p is first or torch.equal(p, first) for p in plan.values()):
+        dead = torch.isin(pos, first)  # the same positions in every layer: one op
+    else:
+        dead = torch.zeros_like(pos, dtype=torch.bool)
+        for layer, positions in plan.items():
+            dead[layer] = torch.isin(pos[layer], positions)
+    before = cache.live
+    out.freed_blocks += cache.evict_mask(dead)
+    out.evicted_slots += before - cache.live
+    for layer in plan:
         if compact:
             out.freed_blocks += cache.compact(layer)
         if rotate is not None:

@@ -39,6 +39,7 @@ from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import TokenText, chat_body, completion_body
 from server.settings import ServerSettings
 from server.streaming import SSEResponse, stream_events
+from server.tenants import Tenant
 
 logger = logging.getLogger("kvserve.server")
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
@@ -68,8 +69,13 @@ async def _parse(request: Request, schema: type[BaseModel]) -> Any:
         raise bad_request("the request body is nested too deeply") from None
 
 
+def _tenant(request: Request) -> Tenant | None:
+    """The tenant whose API key the auth middleware matched (None without keys)."""
+    return request.scope.get("state", {}).get("tenant")
+
+
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, tenants=settings.tenant_names)
     pre = Preprocessor(engine, settings)
     started = int(time.time())
     token_text: list[TokenText] = []
@@ -141,7 +147,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         arrival = time.monotonic()
         req = await _parse(request, CompletionRequest)
         engine.check_admission(0, 0)
-        plan = await pre.completion(req)
+        plan = await pre.completion(req, _tenant(request))
         plan.arrival_time = arrival
         return await serve(request, plan)
 
@@ -150,7 +156,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         arrival = time.monotonic()
         req = await _parse(request, ChatCompletionRequest)
         engine.check_admission(0, 0)
-        plan = await pre.chat(req)
+        plan = await pre.chat(req, _tenant(request))
         plan.arrival_time = arrival
         return await serve(request, plan)
 
@@ -190,7 +196,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 "transformers": transformers.__version__}
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyAuth, api_key=settings.api_key)
+    app.add_middleware(APIKeyAuth, tenants=settings.tenants)
     app.add_middleware(HTTPMetrics, counter=metrics.http, routes=ROUTES)
     return app
 

@@ -74,8 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env KVSERVE_API_KEY)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several "
+                   "keys, each its own tenant (tenant0, tenant1, ... in order). Default: "
+                   "env KVSERVE_API_KEY, comma-separated")
+    s.add_argument("--tenant-quota", action="append", default=None, metavar="KEY=FRACTION",
+                   help="reserve FRACTION (0, 1] of the KV pool for the tenant of API key "
+                   "KEY (or its name, tenant0 ...); repeatable, fractions sum to <= 1, the "
+                   "rest is a shared burst pool")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the model directory's name)")
     s.add_argument("--max-queued-requests", type=int, default=1024)
@@ -87,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--access-log", action="store_true", help="uvicorn's per-request log")
     s.add_argument("--no-request-log", action="store_true",
                    help="drop the structured per-request line")
+    s.add_argument("--metrics-alias", choices=("vllm",), default=None,
+                   help="also export the metrics under vLLM's names (vllm:num_requests_"
+                   "waiting, vllm:kv_cache_usage_perc, ...) for routers and autoscalers "
+                   "that read them")
     g = sub.add_parser("generate", help="generate offline (no server)")
     _add_engine_args(g)
     g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -98,17 +108,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
+    """(API keys, {tenant name: quota}) from the arguments and KVSERVE_API_KEY; exits
+    with a message naming the bad entry."""
+    from server.tenants import make_tenants, parse_api_keys, parse_tenant_quotas
+
+    keys = parse_api_keys(a.api_key, os.environ.get("KVSERVE_API_KEY"))
+    try:
+        return keys, parse_tenant_quotas(a.tenant_quota, make_tenants(keys))
+    except ValueError as e:
+        sys.exit(f"kvserve: {e}")
+
+
 def _serve(a: argparse.Namespace) -> int:
     from scheduler.engine_core import EngineConfig
     from server.app import build_app
     from server.logs import configure_logging
     from server.settings import ServerSettings
 
+    keys, quotas = tenancy(a)
     configure_logging(a.log_level, a.log_format)
     model = _resolve_model(a.model)
     names = a.served_model_name or [
         "kvserve-demo" if a.model is None else Path(model).resolve().name]
-    engine = AsyncEngine.from_config(EngineConfig(model=model, **_engine_kwargs(a)),
+    engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
+                                                  **_engine_kwargs(a)),
                                      max_queued_requests=a.max_queued_requests,
                                      max_queued_tokens=a.max_queued_tokens)
     exit_code = 0
@@ -120,16 +144,22 @@ def _serve(a: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    settings = ServerSettings(served_model_names=names, model_path=model, api_key=a.api_key,
+    settings = ServerSettings(served_model_names=names, model_path=model, api_keys=keys,
                               max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,
                               request_log=not a.no_request_log, on_fatal=fatal)
     app = build_app(engine, settings)
+    if a.metrics_alias:
+        from server.metrics import add_metrics_alias
+
+        add_metrics_alias(app.state.metrics, engine, a.metrics_alias, names[0])
     config = uvicorn.Config(app, host=a.host, port=a.port, log_config=None,
                             access_log=a.access_log, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5)
     server = DrainingServer(config, engine, a.drain_timeout)
     logger.info("serving", extra={"fields": {"host": a.host, "port": a.port,
-                                             "model": model, "served_model_names": names}})
+                                             "model": model, "served_model_names": names,
+                                             "tenants": settings.tenant_names,
+                                             "tenant_quotas": quotas}})
     server.run()
     return exit_code
 

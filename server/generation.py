@@ -132,6 +132,7 @@ class Generation:
             "queue_s": round(min(sched) - p.arrival_time, 4) if sched else None,
             "ttft_s": round(min(firsts) - p.arrival_time, 4) if firsts else None,
             "e2e_s": round(now - p.arrival_time, 4), "stream": p.stream, "user": p.user,
+            "tenant": p.tenant,
         }
         request_log.info("request %s", self.status, extra={"fields": fields})
 

@@ -5,13 +5,14 @@ step histograms; an output listener (event loop) fills the per-request histogram
 the timestamps every RequestOutput carries; a collector turns the EngineStats snapshot
 the worker refreshes after each step into gauges and counters at scrape time, so a
 scrape never touches the (non-thread-safe) core. Labels are bounded: finish reasons,
-preemption modes, policy names, phases, block states; never request ids.
+preemption modes, policy names, phases, block states, the configured tenants' names
+(`tenant0`, ...); never request ids, never API keys.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -41,8 +42,9 @@ REJECT_REASONS = ("queue_full", "invalid", "unavailable")
 
 
 class EngineStatsCollector(Collector):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, tenants: Sequence[str] = ()) -> None:
         self.engine = engine
+        self.tenants = list(tenants)  # the only label values the tenant gauges take
 
     def collect(self) -> Iterable[Metric]:
         e = self.engine
@@ -65,6 +67,17 @@ class EngineStatsCollector(Collector):
         blocks.add_metric(["free"], s.blocks_free - s.blocks_cached_free)
         yield blocks
         yield gauge("kv_blocks_capacity", "KV pool capacity in blocks.", s.blocks_total)
+        used = GaugeMetricFamily(P + "tenant_kv_blocks", "KV blocks held by each tenant's "
+                                 "running requests (a tenant is an API key).",
+                                 labels=["tenant"])
+        quota = GaugeMetricFamily(P + "tenant_kv_blocks_quota", "KV blocks reserved for "
+                                  "each tenant by --tenant-quota (0: burst pool only).",
+                                  labels=["tenant"])
+        for t in self.tenants:
+            used.add_metric([t], s.tenant_blocks.get(t, 0))
+            quota.add_metric([t], e.tenant_quotas.get(t, 0.0) * s.blocks_total)
+        yield used
+        yield quota
         yield gauge("kv_live_slots", "Live token slots, summed over layers.", s.live_slots)
         yield gauge("kv_dead_slots", "Slots in used blocks that hold no live token (evicted "
                     "or not yet filled), summed over layers.",
@@ -109,12 +122,13 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, registry: CollectorRegistry | None = None,
+                 tenants: Sequence[str] = ()) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        r.register(EngineStatsCollector(engine))
+        r.register(EngineStatsCollector(engine, tenants))
 
         def hist(name: str, doc: str, buckets: tuple, labels: tuple = ()) -> Histogram:
             return Histogram(P + name, doc, labels, buckets=buckets, registry=r)
@@ -186,3 +200,90 @@ class ServerMetrics:
         if out.first_token_time is not None and out.num_output_tokens > 1:
             self.tpot.observe(max(0.0, now - out.first_token_time)
                               / (out.num_output_tokens - 1))
+
+
+# ---- --metrics-alias vllm -------------------------------------------------------------
+# kvserve family (without the prefix) -> the vLLM names it is also exported under. Both
+# the current and the older vLLM spellings, because routers and autoscalers read either
+# (the Gateway API Inference Extension's endpoint picker and llm-d read
+# num_requests_waiting/running and kv_cache_usage_perc; vLLM production-stack's router
+# and older dashboards gpu_cache_usage_perc and gpu_prefix_cache_*).
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "num_requests_swapped": ("num_requests_swapped",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "num_preemptions": ("num_preemptions",),  # vLLM's has no mode label: summed over it
+    "prefix_cache_queries": ("prefix_cache_queries", "gpu_prefix_cache_queries"),
+    "prefix_cache_hits": ("prefix_cache_hits", "gpu_prefix_cache_hits"),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "time_per_output_token_seconds": ("time_per_output_token_seconds",
+                                      "request_time_per_output_token_seconds"),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds",),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+}
+METRICS_ALIASES = ("vllm",)
+
+
+class VllmAliasCollector(Collector):
+    """The same numbers again under vLLM's `vllm:` names, each with vLLM's `model_name`
+    label, plus `vllm:cache_config_info` (block size and pool size in vLLM's units: one
+    vLLM block holds `block_size` tokens of every layer, a kvserve block one layer's).
+    Reads the same sources as the `kvserve_` series at scrape time; stores nothing."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, sources: Sequence[Collector]
+                 ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.sources = [EngineStatsCollector(engine), *sources]
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # names are derived at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        for src in self.sources:
+            for fam in src.collect():
+                short = fam.name.removeprefix(P)
+                for alias in VLLM_ALIASES.get(short, ()) if fam.name.startswith(P) else ():
+                    yield self._renamed(fam, "vllm:" + alias)
+        core = getattr(self.engine, "_core", None)  # set once loaded, then read-only
+        config = getattr(core, "config", None)
+        layers = getattr(getattr(core, "model_config", None), "num_layers", 0)
+        if config is not None and layers:
+            info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration "
+                                     "(vLLM's units).", labels=["block_size",
+                                     "num_gpu_blocks", "enable_prefix_caching", "model_name"])
+            info.add_metric([str(config.block_size),
+                             str(self.engine.stats.blocks_total // layers),
+                             str(bool(config.enable_prefix_caching)), self.model_name], 1)
+            yield info
+
+    def _renamed(self, fam: Metric, name: str) -> Metric:
+        out = Metric(name, fam.documentation, fam.type)
+        summed: dict[tuple, float] = {}
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "mode"}
+            labels["model_name"] = self.model_name
+            key = (name + s.name[len(fam.name):], tuple(sorted(labels.items())))
+            prev = summed.get(key)  # _created timestamps: the earliest, not a sum
+            summed[key] = (s.value if prev is None else min(prev, s.value)
+                           if s.name.endswith("_created") else prev + s.value)
+        for (sample_name, labels), value in summed.items():
+            out.add_sample(sample_name, dict(labels), value)
+        return out
+
+
+def add_metrics_alias(metrics: ServerMetrics, engine: AsyncEngine, alias: str,
+                      model_name: str) -> None:
+    """`--metrics-alias vllm`: also export the vLLM names routers and autoscalers read."""
+    if alias not in METRICS_ALIASES:
+        raise ValueError(f"unknown metrics alias {alias!r}; use one of {METRICS_ALIASES}")
+    hists = [metrics.ttft, metrics.tpot, metrics.itl, metrics.e2e, metrics.queue,
+             metrics.prompt_len, metrics.gen_len, metrics.success]
+    metrics.registry.register(VllmAliasCollector(engine, model_name, hists))

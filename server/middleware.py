@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Sequence
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import error_body
+from server.tenants import Tenant
 
 
 async def _send_error(send: Send, status: int, message: str, code: str,
@@ -63,14 +65,26 @@ class BodySizeLimit:
 
 class APIKeyAuth:
     """`Authorization: Bearer <key>` on /v1/*; probes and /metrics stay open so load
-    balancers and Prometheus need no secret."""
+    balancers and Prometheus need no secret.
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    With several keys, each is a tenant: the matching key's `Tenant` is recorded in
+    `scope["state"]["tenant"]` (`request.state.tenant`) for the handlers. Every key is
+    compared (constant time each), so timing does not tell which one came close.
+    """
+
+    def __init__(self, app: ASGIApp, tenants: Sequence[Tenant]) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.keys = [(t.key.encode(), t) for t in tenants]
+
+    def match(self, token: bytes) -> Tenant | None:
+        found = None
+        for key, tenant in self.keys:
+            if hmac.compare_digest(token, key) and found is None:
+                found = tenant
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.api_key is None or scope["type"] != "http"
+        if (not self.keys or scope["type"] != "http"
                 or not scope.get("path", "").startswith("/v1")
                 or scope.get("method") == "OPTIONS"):
             return await self.app(scope, receive, send)
@@ -79,10 +93,12 @@ class APIKeyAuth:
             if k == b"authorization":
                 auth = v
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        tenant = self.match(token.strip()) if scheme.lower() == b"bearer" else None
+        if tenant is None:
             return await _send_error(send, 401, "Incorrect or missing API key; send "
                                      "'Authorization: Bearer <key>'", "invalid_api_key",
                                      [(b"www-authenticate", b"Bearer")])
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 

@@ -23,6 +23,7 @@ from scheduler.async_engine import AsyncEngine, GenerationRequest
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.settings import ServerSettings
+from server.tenants import Tenant, effective_salt
 
 # Used only when the tokenizer ships no chat template (ChatML, the most common one).
 FALLBACK_CHAT_TEMPLATE = (
@@ -56,12 +57,15 @@ class Plan:
     num_prompt_tokens: int = 0  # counted once per distinct prompt (n samples share it)
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     user: str | None = None
+    tenant: str | None = None  # the API key's tenant name (quotas, metrics, logs)
+    cache_salt: str | None = None  # effective salt: key-derived + the request's cache_salt
     created: int = field(default_factory=lambda: int(time.time()))
     arrival_time: float = field(default_factory=time.monotonic)
 
     def engine_requests(self) -> list[GenerationRequest]:
         return [GenerationRequest(c.prompt_ids, c.params, c.request_id, self.priority,
-                                  self.policy, self.arrival_time) for c in self.choices]
+                                  self.policy, self.arrival_time, self.cache_salt, self.tenant)
+                for c in self.choices]
 
 
 class Preprocessor:
@@ -86,7 +90,7 @@ class Preprocessor:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # ---- per endpoint ----------------------------------------------------------------
-    async def completion(self, req: CompletionRequest) -> Plan:
+    async def completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
         _check_neutral(req)
         if req.best_of is not None and req.best_of != req.n:
@@ -99,13 +103,14 @@ class Preprocessor:
         prompts = await self._run(self._tokenize_prompts, req.prompt, req.echo)
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], policy, req.priority,
-                    req.stream, req.include_usage, req.echo, req.logprobs, user=req.user)
+                    req.stream, req.include_usage, req.echo, req.logprobs, user=req.user,
+                    **_tenancy(req, tenant))
         for p_idx, (ids, text) in enumerate(prompts):
             self._check_prompt(ids, "prompt")
             self._add_choices(plan, req, p_idx, ids, text, max_tokens, req.logprobs)
         return plan
 
-    async def chat(self, req: ChatCompletionRequest) -> Plan:
+    async def chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
         _check_neutral(req)
         if req.tools:
@@ -124,7 +129,8 @@ class Preprocessor:
                                   f"generate", "messages", "context_length_exceeded")
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], policy, req.priority,
-                    req.stream, req.include_usage, False, n_lp, user=req.user)
+                    req.stream, req.include_usage, False, n_lp, user=req.user,
+                    **_tenancy(req, tenant))
         if req.max_completion_tokens is not None:
             plan.max_tokens_param = "max_completion_tokens"
         self._add_choices(plan, req, 0, ids, "", max_tokens, n_lp)
@@ -195,6 +201,12 @@ class Preprocessor:
         except Exception as e:  # template errors (role order, ...) are the caller's input
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
         return tok.encode(text, add_special_tokens=False)
+
+
+def _tenancy(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant | None
+             ) -> dict[str, Any]:
+    return {"tenant": tenant.name if tenant else None,
+            "cache_salt": effective_salt(tenant, req.cache_salt)}
 
 
 def _check_neutral(req: CompletionRequest | ChatCompletionRequest) -> None:

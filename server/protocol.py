@@ -63,6 +63,9 @@ class _SamplingFields(_Base):
     user: str | None = Field(None, max_length=256)
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     kv_policy: StrictStr | dict[str, Any] | None = None
+    # Salts this request's prefix-cache keys (vLLM's name): only requests with the same
+    # salt (and, with API keys, the same key) share cached prefixes.
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     # Accepted for compatibility, but only their neutral values (checked in preprocess).
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)

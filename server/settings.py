@@ -5,15 +5,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from server.tenants import Tenant, make_tenants
+
 
 @dataclass
 class ServerSettings:
     served_model_names: list[str] = field(default_factory=lambda: ["kvserve"])
     model_path: str = ""
-    api_key: str | None = None
+    # API keys: each one is a tenant (`tenant0`, `tenant1`, ... in this order). `api_key`
+    # is the single-key form and goes first when both are given.
+    api_key: str | None = field(default=None, repr=False)
+    api_keys: list[str] = field(default_factory=list, repr=False)
     max_body_bytes: int = 8 * 2**20
     drain_timeout: float = 30.0
     request_log: bool = True  # one structured line per finished request
     # Called when the model fails to load in the background, so the CLI can exit
     # non-zero instead of serving 503s forever.
     on_fatal: Callable[[BaseException], None] | None = None
+    tenants: list[Tenant] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        keys = list(self.api_keys)
+        if self.api_key and self.api_key not in keys:
+            keys.insert(0, self.api_key)
+        self.tenants = make_tenants(keys)  # ValueError for empty or repeated keys
+
+    @property
+    def tenant_names(self) -> list[str]:
+        return [t.name for t in self.tenants]
