@@ -120,6 +120,7 @@ class EngineCore:
         self._policy_requests: dict[str, int] = {}
         self._policy_evicted: dict[str, int] = {}
         self._policy_freed: dict[str, int] = {}
+        self._policy_seconds: dict[str, float] = {}
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
@@ -270,23 +271,24 @@ class EngineCore:
             r = c.request
             if r.policy is None or r.cache is None:  # full cache, or finished this step
                 continue
+            t = time.perf_counter()
             first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
             r.prefill_done = r.prefill_done or first_full
             view = build_view(r.cache, r.policy.needs, attention.get(i), r.num_computed,
                               len(r.prompt_ids), c.num_tokens, first_full)
             plan = r.policy.step(view)
-            if not plan:
-                continue
-            rotate = self._rotate if r.rope_shift else None
-            applied = apply_eviction(r.cache, plan, compact=getattr(r.kv_policy, "compact", False),
-                                     rotate=rotate)
-            if rotate is not None:
-                r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
             name = r.policy_name
-            layers = self.model_config.num_layers
-            r.kv.evicted_tokens += applied.evicted_slots // layers
-            self._policy_evicted[name] = self._policy_evicted.get(name, 0) + applied.evicted_slots // layers
-            self._policy_freed[name] = self._policy_freed.get(name, 0) + applied.freed_blocks
+            if plan:
+                rotate = self._rotate if r.rope_shift else None
+                applied = apply_eviction(r.cache, plan, rotate=rotate,
+                                         compact=getattr(r.kv_policy, "compact", False))
+                if rotate is not None:
+                    r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
+                evicted = applied.evicted_slots // self.model_config.num_layers
+                r.kv.evicted_tokens += evicted
+                self._policy_evicted[name] = self._policy_evicted.get(name, 0) + evicted
+                self._policy_freed[name] = self._policy_freed.get(name, 0) + applied.freed_blocks
+            self._policy_seconds[name] = self._policy_seconds.get(name, 0.0) + time.perf_counter() - t
 
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -347,7 +349,8 @@ class EngineCore:
             tenant_blocks=self.scheduler.tenant_blocks(),
             requests_by_policy_total=dict(self._policy_requests),
             evicted_tokens_by_policy_total=dict(self._policy_evicted),
-            freed_blocks_by_policy_total=dict(self._policy_freed))
+            freed_blocks_by_policy_total=dict(self._policy_freed),
+            policy_seconds_total=dict(self._policy_seconds))
 
     def check_invariants(self) -> None:
         """Pool ref counts equal owners, nothing both free and owned, swap space exact."""

@@ -90,3 +90,4 @@ class EngineStats:
     requests_by_policy_total: dict[str, int] = field(default_factory=dict)
     evicted_tokens_by_policy_total: dict[str, int] = field(default_factory=dict)
     freed_blocks_by_policy_total: dict[str, int] = field(default_factory=dict)
+    policy_seconds_total: dict[str, float] = field(default_factory=dict)  # eviction time

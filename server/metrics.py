@@ -113,6 +113,8 @@ class EngineStatsCollector(Collector):
              "layers).", s.evicted_tokens_by_policy_total, "policy", policies),
             ("policy_freed_blocks", "Blocks freed by eviction, by kv_policy.",
              s.freed_blocks_by_policy_total, "policy", policies),
+            ("policy_seconds", "Seconds spent deciding and carrying out evictions, by "
+             "kv_policy.", s.policy_seconds_total, "policy", policies),
         ):
             # every known label value from the start, so rate() has a zero to start from
             fam = CounterMetricFamily(P + name, doc, labels=[label])

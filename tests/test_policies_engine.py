@@ -100,6 +100,7 @@ def test_mixed_batch_of_every_policy_stays_within_budget(model):
         assert finished[rid].kv.evicted_tokens > 0, cfg
     stats = eng.stats()
     assert sum(stats.evicted_tokens_by_policy_total.values()) > 0
+    assert set(stats.policy_seconds_total) == {c["name"] for c in POLICIES}
     assert stats.freed_blocks_by_policy_total["streaming"] > 0
 
 
