@@ -1,0 +1,217 @@
+"""What every offline benchmark in `loadtest/` shares: models, threads, the engine loop, outputs.
+
+Each benchmark (`bench_offline`, `bench_memory`, `bench_policies`) measures something
+different, but a number is only worth keeping if it can be reproduced and compared:
+the same random-weight model shapes, the same thread pinning, the environment
+fingerprint next to the number (`loadtest/fingerprint.py`), and one generated block per
+benchmark in docs/benchmarks.md that a rerun replaces without touching anything around it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+# Llama configs of the issues. 3m: ~3.8M parameters with tied embeddings. 160m: the
+# shape of JackFram/llama-160m (MHA, untied head). tiny: only for --quick.
+MODEL_CONFIGS: dict[str, dict[str, object]] = {
+    "3m": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=2, intermediate_size=688, vocab_size=4096,
+               tie_word_embeddings=True),
+    "160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=12, intermediate_size=3072, vocab_size=32000,
+                 tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=512,
+                 tie_word_embeddings=True),
+}
+FIRST_TOKEN_ID = 5  # ids below are the byte tokenizer's specials; prompts avoid them
+
+
+def build_model(name: str, path: str, seed: int = 0, max_positions: int = 2048) -> int:
+    """Save a random-weight LlamaForCausalLM (+ byte tokenizer) to `path`; returns #params.
+
+    transformers' own init (std 0.02) is fine here: only speed and memory are measured,
+    and greedy decoding of any weights exercises exactly the same kernels.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny_models import make_tokenizer
+
+    config = LlamaConfig(**MODEL_CONFIGS[name], max_position_embeddings=max_positions,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer().save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())  # tied weights count once
+
+
+def pin_threads(module: str, threads: int, argv: list[str] | None) -> None:
+    """Run with exactly `threads` OpenMP threads (re-executing the module if needed).
+
+    OpenMP sizes a thread's pool from the environment when that thread first runs a
+    parallel region; threads other than the main one (HF continuous batching's) are not
+    reached by torch.set_num_threads. Only a command-line run (argv None) re-executes.
+    """
+    if argv is None and os.environ.get("OMP_NUM_THREADS") != str(threads):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(threads)
+
+
+# ---- driving an EngineCore -----------------------------------------------------------
+
+@dataclass
+class Drive:
+    """One workload run to completion: per-request records, step stats, concurrency."""
+
+    wall_s: float
+    requests: dict[str, dict[str, float | int]]  # request id -> record (see `drive`)
+    steps: list = field(default_factory=list)  # StepStats of every step
+    max_running: int = 0
+    mean_running: float = 0.0
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(int(r["output_tokens"]) for r in self.requests.values())
+
+    def latencies(self, key: str = "e2e_s") -> list[float]:
+        return [float(r[key]) for r in self.requests.values()]
+
+
+def drive(engine, desc: str, progress: bool = True, collect: dict[str, list[int]] | None = None,
+          max_idle_steps: int = 10_000) -> Drive:
+    """Step `engine` until every submitted request finished.
+
+    Per request: TTFT (first_token_time - arrival_time) and end-to-end latency (the
+    moment its final output is seen - arrival_time), both time.monotonic() as the
+    engine stamps RequestOutput; output tokens, preemptions and the final KVUsage.
+    `collect` (request id -> list) receives the generated token ids of those requests.
+    """
+    steps: list = []
+    engine.on_step = steps.append
+    total = engine.num_waiting + engine.num_running + len(engine.scheduler.swapped)
+    recs: dict[str, dict] = {}
+    tokens: dict[str, int] = {}
+    running: list[int] = []
+    idle = 0
+    bar = tqdm(total=total, desc=desc, unit="req", disable=not progress, leave=False)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.monotonic()
+        running.append(engine.num_running)
+        idle = 0 if outs else idle + 1
+        if idle > max_idle_steps:
+            raise RuntimeError(f"{desc}: the engine made no progress for {idle} steps")
+        for o in outs:
+            tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
+            if collect is not None and o.request_id in collect:
+                collect[o.request_id] += o.new_token_ids
+            if o.finished:
+                kv = o.kv
+                recs[o.request_id] = {
+                    "prompt_tokens": o.num_prompt_tokens, "output_tokens": tokens[o.request_id],
+                    "ttft_s": (o.first_token_time or now) - o.arrival_time,
+                    "e2e_s": now - o.arrival_time, "preemptions": o.num_preemptions,
+                    "peak_live_tokens": kv.peak_live_tokens if kv else 0,
+                    "peak_blocks": kv.peak_blocks if kv else 0,
+                    "evicted_tokens": kv.evicted_tokens if kv else 0,
+                    "prefix_hit_tokens": kv.prefix_hit_tokens if kv else 0}
+                bar.update(1)
+    wall = time.perf_counter() - t0
+    bar.close()
+    engine.on_step = None
+    return Drive(wall, recs, steps, max(running, default=0),
+                 float(np.mean(running)) if running else 0.0)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """numpy's linear-interpolation percentile (as loadtest/metrics.py); None if empty."""
+    return float(np.percentile(values, q)) if values else None
+
+
+# ---- outputs -------------------------------------------------------------------------
+
+def update_doc(path: str, block: str, heading: str, begin: str, end: str) -> None:
+    """Replace one benchmark's generated block in a markdown file, keeping hand-written
+    notes around it; a missing block goes under its heading, a missing heading at the end."""
+    text = "# Benchmarks\n"
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    gen = f"{begin}\n{block}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + gen + text[text.index(end) + len(end):]
+    elif heading in text:
+        at = text.index(heading) + len(heading)
+        text = text[:at] + "\n\n" + gen + "\n" + text[at:]
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n{gen}\n"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin (generated) -->", f"<!-- {name}:end -->"
+
+
+def default_paths(args, name: str) -> None:
+    """--quick keeps the doc, the final JSON and the plot under --out; otherwise
+    docs/benchmarks.md, docs/results/<name>.json and docs/img/<name>.png."""
+    base = args.out if args.quick else None
+    args.doc = args.doc or (os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md")
+    args.results = args.results or (os.path.join(base, f"{name}.json") if base
+                                    else f"docs/results/{name}.json")
+    args.plot = args.plot or (os.path.join(base, f"{name}.png") if base else f"docs/img/{name}.png")
+
+
+def save_json(report: dict, out_dir: str, name: str, results: str) -> str:
+    """runs/<name>-<UTC stamp>.json, copied to the final results path; returns the first."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    os.makedirs(out_dir, exist_ok=True)
+    run_path = os.path.join(out_dir, f"{name}-{stamp}.json")
+    with open(run_path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.makedirs(os.path.dirname(results) or ".", exist_ok=True)
+    shutil.copyfile(run_path, results)
+    return run_path
+
+
+def environment_line(report: dict, results_link: str) -> str:
+    """'Measured <date> on <cpu> …' with the dirty-tree marker and the load average."""
+    fp = report["fingerprint"]
+    dirty = f" + local changes (diff {fp['git_diff_sha256']})" if fp["git_dirty"] else ""
+    return (f"Measured {fp['date_utc']} on {fp['cpu']} ({fp['cpu_count']} cores, "
+            f"{'/'.join(fp['cpu_simd'])}), {fp['torch_threads']} thread(s), torch {fp['torch']}, "
+            f"transformers {fp['transformers']}, commit {str(fp['git_commit'])[:10]}{dirty}; "
+            f"load average {fp['loadavg_at_start'][0]:.2f} at start, "
+            f"{fp['loadavg_at_end'][0]:.2f} at end. Full results: [{results_link}]({results_link}).")
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)

@@ -1,0 +1,166 @@
+"""The docs/benchmarks.md block and the figure of `loadtest.bench_policies`.
+
+Kept apart from the driver so the driver reads as the experiment; everything here is
+a pure function of the report dict (the JSON in docs/results/bench_policies.json).
+"""
+
+from __future__ import annotations
+
+from loadtest import bench_common as bc
+
+TARGET = 3.0  # issue 5: the best policies serve ≥ 3× full's output tokens/s
+
+
+def _f(x: float | None, fmt: str = ".1f", unit: str = "") -> str:
+    return "—" if x is None else f"{x:{fmt}}{unit}"
+
+
+def _params(kv: object) -> str:
+    if isinstance(kv, str):
+        return kv
+    return ", ".join(f"{k} {v}" for k, v in kv.items() if k != "name")  # type: ignore[union-attr]
+
+
+def _throughput(t: dict, st: dict) -> list[str]:
+    best = max((r["tok_s_vs_full"] or 0 for n, r in t["policies"].items() if n != "full"),
+               default=0.0)
+    lines = [
+        f"**Capacity and throughput.** {st['requests']} requests, prompt {st['prompt']} tokens, "
+        f"{st['gen']} generated each (EOS ignored, greedy); pool of {t['num_blocks']} blocks = "
+        f"{t['full_requests_fit']} full-cache requests of {t['context']} tokens; every policy at "
+        f"{t['budget_tokens']} tokens ({st['budget']:.0%} of {t['context']}). Best policy / full: "
+        f"{best:.2f}× output tokens/s ({'met' if best >= TARGET else 'MISSED'}: ≥ {TARGET:.0f}×).",
+        "",
+        "| policy | parameters | max concurrent | mean concurrent | output tok/s | × full "
+        "| × full per CPU-s | p99 e2e (s) | peak live tokens (mean / max) | preemptions "
+        "| policy share of step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in t["policies"].items():
+        ok = "" if r["all_lengths_ok"] else " (lengths differ!)"
+        lines.append(
+            f"| {name}{ok} | {_params(r['kv_policy'])} | {r['max_running']} "
+            f"| {r['mean_running']:.1f} | {r['tok_s']:.1f} | {_f(r['tok_s_vs_full'], '.2f', '×')} "
+            f"| {_f(r['tok_per_cpu_s_vs_full'], '.2f', '×')} | {_f(r['p99_e2e_s'])} "
+            f"| {r['mean_peak_live_tokens']:.0f} / {r['max_peak_live_tokens']} "
+            f"| {r['preemptions']} | {100 * r['policy_share']:.1f}% |")
+    return lines
+
+
+def _overhead(o: dict) -> list[str]:
+    lines = [
+        "", f"**Per-step overhead** with every policy at the same batch: {o['batch']} requests "
+        f"decoding (steps with all {o['batch']} running and no prefill), budget "
+        f"{o['budget_tokens']} tokens; `policy_seconds_total` is EngineStats' per-policy "
+        "eviction time over the whole run (prefill included).", "",
+        "| policy | steps | step ms | policy ms / step | policy share | µs / request / step "
+        "| forward share | policy_seconds_total |",
+        "|---|---|---|---|---|---|---|---|"]
+    for name, r in o["policies"].items():
+        lines.append(
+            f"| {name} | {r['steps']} | {r['mean_step_ms']:.2f} | {r['mean_policy_ms']:.2f} "
+            f"| {_f(100 * r['policy_share'] if r['policy_share'] is not None else None, '.1f', '%')} "
+            f"| {r['policy_us_per_request_step']:.0f} | {_f(r['forward_share'], '.0%')} "
+            f"| {r['policy_seconds_total']:.3f} |")
+    return lines
+
+
+def _quality(q: dict) -> list[str]:
+    if "skipped" in q:
+        return ["", f"**Quality**: {q['skipped']}."]
+    rows = q["rows"]
+    depths = list(rows[0]["needle_by_depth"])
+    nk = q["needle"]
+    full = rows[0]
+    lines = [
+        "", f"**Quality on the demo model** ({q['model']}). Perplexity: {q['windows']} held-out "
+        f"windows of {q['window']} tokens; the first {q['prompt']} are the prompt (one prefill "
+        f"chunk, then the policy acts), the other {q['scored_tokens']} in all are teacher-forced "
+        "one at a time through the bounded cache and scored (000 §4.1). Full-cache kvserve "
+        f"{full['ppl']:.3f} vs transformers {q['reference_ppl_transformers']:.3f} on the same "
+        f"tokens ({'agree' if q['full_matches_reference'] else 'DISAGREE'}). Needle "
+        f"(`engine.demo.evaluate.needle`): tasks {', '.join(nk['tasks'])}; prompt lengths "
+        f"{', '.join(map(str, nk['lengths']))}; {nk['trials']} trial(s) per cell; budget = the "
+        "fraction of each prompt; accuracy by depth over tasks and lengths (002 Table 1).", "",
+        "| policy | budget | PPL | PPL / full | needle mean | "
+        + " | ".join(f"depth {float(d):.0%}" for d in depths) + " |",
+        "|---|---|---|---|---|" + "---|" * len(depths)]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {r['budget']:.0%} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} "
+            f"| {r['needle_mean']:.0%} | "
+            + " | ".join(f"{r['needle_by_depth'][d]:.0%}" for d in depths) + " |")
+    return lines
+
+
+def render(report: dict) -> str:
+    st = report["settings"]
+    lines: list[str] = []
+    if "throughput" in report:
+        lines += _throughput(report["throughput"], st)
+    if "overhead" in report:
+        lines += _overhead(report["overhead"])
+    if "quality" in report:
+        lines += _quality(report["quality"])
+    model = f"{st['model']} ({report['params'] / 1e6:.2f}M params)" if "params" in report else "—"
+    lines += [
+        "", f"Random-weight model for throughput and overhead: {model}. Shortened from the issue "
+        f"(prompt 512 + gen 3584, pool of 8 × 4,096-token requests) to prompt {st['prompt']} + "
+        f"gen {st['gen']}, with the pool and budgets scaled to prompt + gen (same proportions: "
+        f"{st['fit']} full requests, {st['budget']:.0%} budget). This run took {report['bench_wall_s'] / 60:.1f} min.", "",
+        bc.environment_line(report, "results/bench_policies.json"), "",
+        "```bash", report["command"], "```", "", "![KV eviction policies](img/bench_policies.png)"]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Throughput bars, overhead bars, PPL per budget and the needle heatmap."""
+    plt = bc.pyplot()
+    q = report.get("quality", {})
+    has_q = bool(q.get("rows"))
+    fig, axes = plt.subplots(1, 4 if has_q else 2, figsize=(19 if has_q else 10, 4.2),
+                             squeeze=False)
+    ax = axes[0]
+    if "throughput" in report:
+        t = report["throughput"]["policies"]
+        bars = ax[0].bar(list(t), [r["tok_s"] for r in t.values()], color="#2a7ab9")
+        for b, r in zip(bars, t.values()):
+            ax[0].annotate(f"{r['tok_s_vs_full']:.1f}×\n{r['mean_running']:.0f}",
+                           (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                           va="bottom", fontsize=7)
+        ax[0].set_ylim(0, 1.2 * max(r["tok_s"] for r in t.values()))
+        ax[0].set_title("output tok/s (label: × full, mean concurrent)", fontsize=9)
+    if "overhead" in report:
+        o = report["overhead"]["policies"]
+        ax[1].bar(list(o), [100 * (r["policy_share"] or 0) for r in o.values()], color="#e08a3c")
+        ax[1].set_title(f"policy share of step time, {report['overhead']['batch']} decoding (%)",
+                        fontsize=9)
+    if has_q:
+        rows = q["rows"]
+        budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})
+        names = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+        by = {(r["policy"], r["budget"]): r for r in rows}
+        w = 0.8 / max(1, len(budgets))
+        for k, b in enumerate(budgets):
+            ax[2].bar([i + k * w for i in range(len(names))],
+                      [by[(n, b)]["ppl"] for n in names], w, label=f"{b:.0%} budget")
+        ax[2].axhline(rows[0]["ppl"], color="k", lw=1, ls="--", label="full")
+        ax[2].set_xticks([i + w * (len(budgets) - 1) / 2 for i in range(len(names))], names)
+        ax[2].legend(fontsize=7)
+        ax[2].set_title("held-out perplexity (demo model)", fontsize=9)
+        labels = [f"{r['policy']} {r['budget']:.0%}" for r in rows]
+        depths = list(rows[0]["needle_by_depth"])
+        grid = [[r["needle_by_depth"][d] for d in depths] for r in rows]
+        im = ax[3].imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax[3].set_yticks(range(len(labels)), labels, fontsize=6)
+        ax[3].set_xticks(range(len(depths)), [f"{float(d):.0%}" for d in depths])
+        ax[3].set_xlabel("needle depth")
+        ax[3].set_title("needle accuracy", fontsize=9)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax[3].text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=5,
+                           color="w" if v < 0.5 else "k")
+        fig.colorbar(im, ax=ax[3])
+    for a in ax[:3]:
+        a.tick_params(axis="x", labelrotation=60, labelsize=7)
+    bc.save_figure(fig, path)

@@ -1,0 +1,111 @@
+"""The offline benchmark end to end in --quick mode: it runs, and what it writes adds up.
+
+Speed is not asserted (a test cannot know the machine); the real numbers come from
+`python -m loadtest.bench_offline` and live in docs/benchmarks.md. Run as a subprocess
+because the script sets the OpenMP thread count in its environment before torch loads.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = str(tmp_path_factory.mktemp("bench"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_offline", "--quick", "--profile",
+         "--threads", "1", "--out", out],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = glob.glob(os.path.join(out, "bench_offline-*.json"))
+    assert len(runs) == 1, runs
+    with open(runs[0], encoding="utf-8") as f:
+        return out, json.load(f)
+
+
+@pytest.mark.timeout(150)
+def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> None:
+    out, report = quick_run
+    with open(os.path.join(out, "bench_offline.json"), encoding="utf-8") as f:
+        assert json.load(f) == report  # the committed copy is the run's JSON
+    fp = report["fingerprint"]
+    for key in ("cpu", "cpu_count", "torch", "transformers", "torch_threads", "git_commit",
+                "date_utc"):
+        assert key in fp, key
+    assert fp["torch_threads"] == 1 and fp["omp_num_threads_env"] == "1"
+
+    m = report["models"]["tiny"]
+    w = m["workload"]
+    assert w["num_requests"] == 8
+    assert w["prompt_min"] >= 4 and w["prompt_max"] <= 24
+    assert w["output_min"] >= 2 and w["output_max"] <= 12
+    for name, r in m["systems"].items():
+        assert "error" not in r, (name, r.get("error"))
+        assert r["ok"], f"{name} generated other lengths than requested"
+        assert len(r["wall_s"]) == len(r["cpu_s"]) == len(r["tok_s"]) == 1
+        # useful tokens/s is the requested output total over the wall time, nothing else
+        assert r["tok_s"][0] == pytest.approx(w["output_tokens"] / r["wall_s"][0])
+        assert r["tok_s_mean"] > 0
+    sys_ = m["systems"]
+    for other in ("hf_static", "hf_cb"):
+        for metric, tag in (("tok_s_mean", ""), ("tok_per_cpu_s_mean", "_cpu_time")):
+            expect = sys_["kvserve"][metric] / sys_[other][metric]
+            assert m["ratios"][f"kvserve_over_{other}{tag}"] == pytest.approx(expect)
+
+    steps = m["kvserve_step_overhead"]["all_steps"]
+    assert steps["steps"] > 0 and 0 <= steps["outside_forward_share"] < 1
+    prof = m["kvserve_profile"]
+    assert prof["plain_steps"]["steps"] == prof["steps_each"]  # every profiled step at 8 running
+    assert prof["cprofile_points"] and prof["torch_ops_top_self_cpu"]
+
+
+def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> None:
+    out, _ = quick_run
+    with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
+        doc = f.read()
+    assert "## Offline throughput (issue 2)" in doc
+    assert "| tiny |" in doc and "python -m loadtest.bench_offline --quick" in doc
+    with open(os.path.join(out, "bench_offline.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_update_doc_replaces_only_the_generated_block(tmp_path) -> None:
+    from loadtest.bench_offline import BEGIN, DOC_HEADING, END, update_doc
+
+    path = str(tmp_path / "benchmarks.md")
+    update_doc(path, "table v1")  # a fresh file gets the heading and the block
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert DOC_HEADING in text and "table v1" in text
+    notes = "\nHand-written method notes.\n"
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text.replace(END, END + notes) + "\n## Later section\n\nkept\n")
+    update_doc(path, "table v2")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    assert "table v2" in text and "table v1" not in text
+    assert notes in text and "## Later section\n\nkept" in text
+    assert text.count(BEGIN) == text.count(DOC_HEADING) == 1
+
+
+def test_from_json_redraws_without_measuring(quick_run: tuple[str, dict], tmp_path) -> None:
+    from loadtest.bench_offline import main
+
+    out, report = quick_run
+    src = glob.glob(os.path.join(out, "bench_offline-*.json"))[0]
+    doc, res, png = (str(tmp_path / n) for n in ("b.md", "r.json", "p.png"))
+    again = main(["--from-json", src, "--doc", doc, "--results", res, "--plot", png])
+    assert again == report
+    with open(doc, encoding="utf-8") as f:
+        assert "| tiny |" in f.read()
+    assert os.path.getsize(png) > 0 and os.path.exists(res)

@@ -1,0 +1,97 @@
+"""The policies benchmark end to end in --quick mode: it runs, and what it writes adds up.
+
+Speed is never asserted (a test cannot know the machine); the real numbers come from
+`python -m loadtest.bench_policies` and live in docs/benchmarks.md. A subprocess, because
+the script pins the OpenMP thread count in its environment before torch loads.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = str(tmp_path_factory.mktemp("bench"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_policies", "--quick", "--no-progress", "--out", out],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = glob.glob(os.path.join(out, "bench_policies-*.json"))
+    assert len(runs) == 1, runs
+    with open(runs[0], encoding="utf-8") as f:
+        return out, json.load(f)
+
+
+@pytest.mark.timeout(150)
+def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
+    out, report = quick_run
+    with open(os.path.join(out, "bench_policies.json"), encoding="utf-8") as f:
+        assert json.load(f) == report  # the committed copy is the run's JSON
+    fp, st = report["fingerprint"], report["settings"]
+    for key in ("cpu", "cpu_count", "torch", "git_commit", "date_utc", "loadavg_at_end"):
+        assert key in fp, key
+    assert fp["torch_threads"] == 1 and fp["omp_num_threads_env"] == "1"
+
+    t = report["throughput"]
+    ctx = st["prompt"] + st["gen"]
+    assert t["context"] == ctx and t["budget_tokens"] == round(st["budget"] * ctx)
+    assert t["num_blocks"] == st["fit"] * 2 * math.ceil(ctx / 16)  # tiny: 2 layers
+    assert list(t["policies"]) == ["full", *st["policies"]] and len(st["policies"]) == 10
+    for name, r in t["policies"].items():
+        assert r["all_lengths_ok"], name
+        assert r["output_tokens"] == st["requests"] * st["gen"]
+        assert r["tok_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
+        assert 0 < r["mean_running"] <= r["max_running"] <= st["requests"]
+        assert r["tok_s_vs_full"] == pytest.approx(r["tok_s"] / t["policies"]["full"]["tok_s"])
+        assert 0 < r["p50_e2e_s"] <= r["p99_e2e_s"]
+        assert 0 <= r["policy_share"] < 1
+    full = t["policies"]["full"]
+    assert full["max_peak_live_tokens"] == ctx - 1  # a full cache keeps every token
+    assert full["preemptions"] > 0  # the pool really is too small for a full cache
+    assert t["policies"]["streaming"]["max_peak_live_tokens"] < ctx - 1  # it evicts
+
+    o = report["overhead"]
+    for name, r in o["policies"].items():
+        assert r["steps"] > 0, name
+        assert 0 <= r["policy_share"] < 1 and r["mean_policy_ms"] <= r["mean_step_ms"]
+        assert (r["policy_seconds_total"] > 0) == (name != "full")
+
+
+@pytest.mark.timeout(150)
+def test_quality_rows_are_consistent(quick_run: tuple[str, dict]) -> None:
+    _, report = quick_run
+    q, st = report["quality"], report["settings"]
+    if "skipped" in q:  # no demo model in this checkout: the reason is recorded
+        assert "demo model" in q["skipped"]
+        return
+    rows = q["rows"]
+    assert (rows[0]["policy"], rows[0]["budget"]) == ("full", 1.0)
+    assert len(rows) == 1 + len(st["quality_budgets"]) * len(st["policies"])
+    # kvserve's full cache, teacher-forced step by step, equals one transformers forward
+    assert q["full_matches_reference"]
+    assert rows[0]["ppl"] == pytest.approx(q["reference_ppl_transformers"], rel=1e-3)
+    for r in rows:
+        assert r["ppl"] == pytest.approx(math.exp(r["nll"]))
+        by_depth = r["needle_by_depth"]
+        assert len(by_depth) == 5 and all(0 <= v <= 1 for v in by_depth.values())
+        assert r["needle_mean"] == pytest.approx(sum(by_depth.values()) / len(by_depth))
+
+
+def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> None:
+    out, _ = quick_run
+    with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
+        doc = f.read()
+    assert "## KV eviction policies under memory pressure (issue 5)" in doc
+    assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
+    with open(os.path.join(out, "bench_policies.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
