@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sample-seed", type=int, default=None)
+    b = sub.add_parser("bench", add_help=False,
+                       help="load generator: `kvserve bench serve|soak --help` (loadtest/)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -214,6 +217,11 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # everything after it is loadtest's (its own --help too)
+        from loadtest.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)

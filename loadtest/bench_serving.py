@@ -1,0 +1,323 @@
+"""Side-by-side serving benchmark: kvserve vs `transformers serve`, same model, same
+workload, one run on one machine (issue 8).
+
+Each system is started as a child process on a free loopback port with the same model
+directory and thread count, loaded by the same closed-loop client
+(`python -m loadtest`'s runner), then stopped. Parts:
+
+- `throughput`: chat-shaped synthetic prompts at each concurrency, every system;
+- `prefix`: shared system prompts, kvserve with prefix caching on vs off;
+- `policy`: a `kv_policy` mix vs all-`full` on a KV pool too small for the load.
+
+    python -m loadtest.bench_serving --models 160m,demo --concurrency 1,8,32,64 \\
+        --systems kvserve,transformers,transformers-cb --out runs/
+
+Writes runs/bench_serving-<timestamp>.json, docs/results/bench_serving.json, the
+"## Serving benchmarks (issue 8)" section of docs/benchmarks.md and
+docs/img/bench_serving_*.png (`--quick`: a tiny model, everything under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Any
+
+from loadtest.bench_serving_report import render, update_doc, write_plots
+from loadtest.client import ClientConfig
+from loadtest.report import environment
+from loadtest.runner import RunConfig, run_specs, run_sweep
+from loadtest.spawn import Spawned, free_port, kvserve_cmd, transformers_cmd
+from loadtest.workloads import (
+    LengthDist,
+    TextMaker,
+    WorkloadConfig,
+    build_requests,
+    load_tokenizer,
+    parse_policy_mix,
+)
+
+SYSTEMS = ("kvserve", "transformers", "transformers-cb")
+PARTS = ("throughput", "prefix", "policy")
+DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window": 64}], '
+               '[0.3, {"name": "snapkv", "budget": 64}]]')
+
+
+def prepare_model(name: str, cache: str) -> dict[str, Any]:
+    """`demo` (the bundled trained model) or a bench_offline config built (random
+    weights, saved once) under `cache`; returns its path and shape."""
+    if name == "demo":
+        from server.cli import DEMO_MODEL
+
+        path = str(DEMO_MODEL)
+    else:
+        from loadtest.bench_offline import MODEL_CONFIGS, build_model
+
+        if name not in MODEL_CONFIGS:
+            raise SystemExit(f"unknown model {name!r}: demo or one of {sorted(MODEL_CONFIGS)}")
+        path = os.path.join(cache, name)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            build_model(name, path)
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    return {"name": name, "path": path, "layers": cfg["num_hidden_layers"],
+            "max_model_len": cfg.get("max_position_embeddings", 2048),
+            "hidden_size": cfg["hidden_size"], "vocab_size": cfg["vocab_size"],
+            "kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads}
+
+
+def hf_cb_blocks(model: dict[str, Any], kv_memory: str, page: int = 256) -> int:
+    """HF continuous batching cache blocks (whole model, `page` tokens, float32) in the
+    same memory as kvserve's pool. Without a size HF takes most of the machine's RAM."""
+    from kvpool.pool import parse_bytes
+
+    per_block = model["layers"] * 2 * page * model["kv_heads"] * model["head_dim"] * 4
+    return max(2, parse_bytes(kv_memory) // per_block)
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.logs = os.path.join(a.out, "bench_serving_logs")
+        os.makedirs(self.logs, exist_ok=True)
+
+    def server(self, system: str, model: dict[str, Any], *extra: str) -> Spawned:
+        port = free_port()
+        if system == "kvserve":
+            cmd = kvserve_cmd(model["path"], port, "--max-num-seqs", str(self.a.max_seqs),
+                              "--max-num-batched-tokens", str(self.a.max_batched_tokens),
+                              *extra)
+            ready = "/ready"
+        else:
+            cb = system == "transformers-cb"
+            cmd = transformers_cmd(model["path"], port, cb, *(
+                ("--cb-num-blocks", str(hf_cb_blocks(model, self.a.kv_memory)),
+                 "--cb-max-batch-tokens", str(self.a.max_batched_tokens)) if cb else ()))
+            ready = "/health"
+        log = os.path.join(self.logs, f"{model['name']}-{system}-{port}.log")
+        print(f"starting {system} ({model['name']}) on port {port}", flush=True)
+        return Spawned(cmd, port, threads=self.a.threads, log_path=log,
+                       ready_path=ready).start(self.a.start_timeout)
+
+    def run_cfg(self, url: str, system: str) -> RunConfig:
+        backend = "openai" if system == "kvserve" else "transformers"
+        return RunConfig(base_url=url, client=ClientConfig(backend=backend, temperature=0.0),
+                         mode="closed", request_timeout=self.a.request_timeout,
+                         duration_limit=self.a.duration_limit, progress=not self.a.no_progress,
+                         percentiles=(50, 90, 99), scrape_metrics=system == "kvserve")
+
+    def workload(self, model: dict[str, Any], kind: str, prompt: LengthDist,
+                 output: LengthDist, n: int, **kw: Any) -> WorkloadConfig:
+        return WorkloadConfig(kind=kind, num_requests=n, seed=self.a.seed, prompt=prompt,
+                              output=output, max_model_len=model["max_model_len"], **kw)
+
+    async def warm(self, cfg: RunConfig, maker: TextMaker, model: dict[str, Any]) -> None:
+        """A few short requests (lazy initialisation, e.g. HF's continuous batching
+        manager) before anything is measured."""
+        w = self.workload(model, "synthetic", LengthDist(16, 0), LengthDist(4, 0), 4)
+        await run_specs(build_requests(replace(w, seed=self.a.seed + 99991), maker),
+                        replace(cfg, concurrency=2, progress=False))
+
+    async def levels(self, cfg: RunConfig, wl: WorkloadConfig, levels: list[float],
+                     maker: TextMaker, per_level: Any = None) -> list[dict[str, Any]]:
+        out = await run_sweep(wl, cfg, levels, per_level, maker, on_level=_print_level)
+        return [_compact(lv) for lv in out]
+
+    async def throughput(self, model: dict[str, Any], maker: TextMaker) -> dict[str, Any]:
+        a = self.a
+        wl = self.workload(model, "synthetic", LengthDist(a.prompt_len, 1.0, 8, a.max_prompt_len),
+                           LengthDist(a.output_len, 0.6, 8, a.max_output_len), a.num_prompts)
+        out = {}
+        for system in a.systems:
+            extra = ("--kv-cache-memory", a.kv_memory) if system == "kvserve" else ()
+            with self.server(system, model, *extra) as srv:
+                cfg = self.run_cfg(srv.url, system)
+                await self.warm(cfg, maker, model)
+                out[system] = await self.levels(
+                    cfg, wl, a.concurrency, maker,
+                    lambda c: max(a.num_prompts, int(a.waves * c)))
+        return {"workload": _describe(wl), "systems": out}
+
+    async def prefix(self, model: dict[str, Any], maker: TextMaker) -> dict[str, Any]:
+        a = self.a
+        wl = self.workload(model, "shared-prefix", LengthDist(a.prefix_user_len, 0.5, 4, 256),
+                           LengthDist(a.prefix_output_len, 0.5, 4, 128), a.prefix_requests,
+                           num_system_prompts=a.system_prompts, system_prompt_len=a.system_prompt_len)
+        out = {}
+        for label, extra in (("prefix caching on", ()), ("prefix caching off",
+                                                         ("--no-prefix-caching",))):
+            with self.server("kvserve", model, "--kv-cache-memory", a.kv_memory, *extra) as srv:
+                cfg = self.run_cfg(srv.url, "kvserve")
+                await self.warm(cfg, maker, model)
+                out[label] = (await self.levels(cfg, wl, [a.prefix_concurrency], maker))[0]
+        return {"workload": _describe(wl), "runs": out}
+
+    async def policy(self, model: dict[str, Any], maker: TextMaker) -> dict[str, Any]:
+        a = self.a
+        prompt = LengthDist(a.pressure_prompt_len, 0.3, 16, 2 * a.pressure_prompt_len)
+        output = LengthDist(a.pressure_output_len, 0.3, 8, 2 * a.pressure_output_len)
+        per_req = model["layers"] * math.ceil((a.pressure_prompt_len + a.pressure_output_len) / 16)
+        # the pool fits --pressure-fit full requests of median size; the biggest request
+        # (both lengths at their caps) must still fit alone
+        biggest = model["layers"] * math.ceil(2 * (a.pressure_prompt_len + a.pressure_output_len)
+                                              / 16)
+        blocks = max(per_req * a.pressure_fit, int(biggest * 1.1))
+        out: dict[str, Any] = {"num_blocks": blocks, "full_requests_that_fit": blocks / per_req}
+        for label, mix in (("all full", "full:1"), ("kv_policy mix", a.policy_mix)):
+            wl = self.workload(model, "synthetic", prompt, output, a.pressure_requests,
+                               policy_mix=parse_policy_mix(mix))
+            with self.server("kvserve", model, "--num-blocks", str(blocks),
+                             "--no-prefix-caching") as srv:
+                cfg = self.run_cfg(srv.url, "kvserve")
+                await self.warm(cfg, maker, model)
+                out[label] = (await self.levels(cfg, wl, [a.pressure_concurrency], maker))[0]
+                out[label]["workload"] = _describe(wl)
+        return out
+
+
+def _describe(wl: WorkloadConfig) -> dict[str, Any]:
+    return {"kind": wl.kind, "num_requests": wl.num_requests, "seed": wl.seed,
+            "prompt": vars(wl.prompt), "output": vars(wl.output),
+            "system_prompts": wl.num_system_prompts if wl.kind == "shared-prefix" else None,
+            "system_prompt_len": wl.system_prompt_len if wl.kind == "shared-prefix" else None,
+            "policy_mix": wl.policy_mix or None}
+
+
+def _compact(level: dict[str, Any]) -> dict[str, Any]:
+    """The summary, plus rounded TTFT / E2EL lists (ms) for the CDF plots."""
+    ok = [r for r in level["requests"] if r["status"] == "200"]
+    return {**level["summary"],
+            "ttft_list_ms": [round(r["ttft"] * 1000, 2) for r in ok if r["ttft"] is not None],
+            "e2el_list_ms": [round(r["e2el"] * 1000, 2) for r in ok if r["e2el"] is not None]}
+
+
+def _print_level(level: dict[str, Any]) -> None:
+    s = level["summary"]
+    print(f"  {s['label']:<18} ok {s['completed']:>4} fail {s['failed']:>3}  "
+          f"{s['output_throughput']:8.1f} out tok/s  TTFT p50 {s['ttft_ms']['median']:8.1f} "
+          f"p99 {s['ttft_ms']['p99']:8.1f} ms  TPOT p50 {s['tpot_ms']['median']:7.1f} ms",
+          flush=True)
+
+
+async def bench(a: argparse.Namespace) -> dict[str, Any]:
+    b = Bench(a)
+    report: dict[str, Any] = {
+        "benchmark": "bench_serving", "command": a.command,
+        "environment": {**environment(), "loadavg_at_start": os.getloadavg()},
+        "settings": {k: v for k, v in vars(a).items() if k not in ("command",)},
+        "models": {}}
+    for name in a.models:
+        model = prepare_model(name, a.model_cache)
+        maker = TextMaker(a.seed, load_tokenizer(model["path"]))
+        res: dict[str, Any] = {"model": model}
+        t0 = time.perf_counter()
+        for part in a.parts:
+            print(f"== {name}: {part}", flush=True)
+            res[part] = await getattr(b, part)(model, maker)
+        res["wall_s"] = time.perf_counter() - t0
+        report["models"][name] = res
+    report["environment"]["loadavg_at_end"] = os.getloadavg()
+    return report
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="160m,demo", help="comma list: demo, 160m, 3m, tiny")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS))
+    p.add_argument("--parts", default=",".join(PARTS), help="comma list of " + ",".join(PARTS))
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per level, at least")
+    p.add_argument("--waves", type=float, default=2.0, help="... and waves x concurrency")
+    p.add_argument("--prompt-len", type=float, default=100.0, help="log-normal median (sigma 1)")
+    p.add_argument("--output-len", type=float, default=64.0, help="log-normal median (sigma 0.6)")
+    p.add_argument("--max-prompt-len", type=int, default=512)
+    p.add_argument("--max-output-len", type=int, default=192)
+    p.add_argument("--threads", type=int, default=1, help="OMP threads of each server")
+    p.add_argument("--max-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-memory", default="2GiB",
+                   help="KV cache memory of kvserve and of HF continuous batching")
+    p.add_argument("--system-prompts", type=int, default=4)
+    p.add_argument("--system-prompt-len", type=int, default=384)
+    p.add_argument("--prefix-user-len", type=float, default=32.0)
+    p.add_argument("--prefix-output-len", type=float, default=32.0)
+    p.add_argument("--prefix-requests", type=int, default=64)
+    p.add_argument("--prefix-concurrency", type=int, default=8)
+    p.add_argument("--policy-mix", default=DEFAULT_MIX)
+    p.add_argument("--pressure-prompt-len", type=int, default=256)
+    p.add_argument("--pressure-output-len", type=int, default=128)
+    p.add_argument("--pressure-fit", type=int, default=8,
+                   help="the pool holds this many median-sized full requests")
+    p.add_argument("--pressure-requests", type=int, default=64)
+    p.add_argument("--pressure-concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--duration-limit", type=float, default=900.0, help="per level, seconds")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--model-cache", default="runs/models", help="where built models are kept")
+    p.add_argument("--out", default="runs/")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 2 levels, few short requests; outputs stay under --out")
+    p.add_argument("--doc", default=None)
+    p.add_argument("--results", default=None)
+    p.add_argument("--img-dir", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.models, a.concurrency, a.num_prompts, a.waves = "tiny", "1,4", 6, 1.0
+        a.prompt_len, a.output_len, a.max_prompt_len, a.max_output_len = 24, 8, 64, 16
+        a.system_prompts, a.system_prompt_len, a.prefix_user_len = 2, 64, 8
+        a.prefix_output_len, a.prefix_requests, a.prefix_concurrency = 4, 8, 4
+        a.pressure_prompt_len, a.pressure_output_len, a.pressure_fit = 48, 16, 2
+        a.pressure_requests, a.pressure_concurrency, a.kv_memory = 8, 4, "64MiB"
+        a.model_cache = os.path.join(a.out, "models")
+        a.policy_mix = ('[[0.5, "full"], [0.5, {"name": "streaming", "sink": 4, '
+                        '"window": 16}]]')
+    a.command = "python -m loadtest.bench_serving " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+    a.models = a.models.split(",")
+    a.systems = [s for s in a.systems.split(",") if s]
+    a.parts = [s for s in a.parts.split(",") if s]
+    bad = [s for s in a.systems if s not in SYSTEMS] + [s for s in a.parts if s not in PARTS]
+    if bad:
+        raise SystemExit(f"unknown system or part: {bad}")
+    a.concurrency = [int(x) for x in a.concurrency.split(",")]
+    base = a.out if a.quick else None
+    a.doc = a.doc or (os.path.join(a.out, "benchmarks.md") if base else "docs/benchmarks.md")
+    a.results = a.results or (os.path.join(a.out, "bench_serving.json") if base
+                              else "docs/results/bench_serving.json")
+    a.img_dir = a.img_dir or (a.out if base else "docs/img")
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    report = asyncio.run(bench(a))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_path = os.path.join(a.out, f"bench_serving-{stamp}.json")
+    with open(run_path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.makedirs(os.path.dirname(a.results) or ".", exist_ok=True)
+    if os.path.abspath(run_path) != os.path.abspath(a.results):
+        shutil.copyfile(run_path, a.results)
+    plots = write_plots(report, a.img_dir)
+    block = render(report, a.results, plots, a.doc)
+    update_doc(a.doc, block)
+    print(block.split("\n<!--")[0] if "<!--" in block else block)
+    print(f"wrote {run_path}, {a.results}, {a.doc}, " + ", ".join(plots), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
