@@ -69,6 +69,14 @@ def paged_attention(
     k = gather_blocks(k_cache, table)  # [B, S, Hkv, D]
     v = gather_blocks(v_cache, table)
     mask = visible_mask(slot_pos, q_pos, window)  # [B, Tq, S]
+    if not return_probs and tq == 1 and g > 1:
+        # Decode under GQA: the G query heads of a kv head become G query rows against
+        # that head's keys (same mask). CPU SDPA runs this ~2x faster than enable_gqa.
+        out = F.scaled_dot_product_attention(
+            q.view(b, hkv, g, d), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None], scale=scale,
+        )
+        return out.reshape(b, 1, hq, d), None
     if not return_probs:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
