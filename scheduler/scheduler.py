@@ -288,7 +288,8 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> Chunk:
         assert req.cache is not None
         start = req.num_computed
-        slots = req.cache.append(torch.arange(start, start + n) - req.pos_offset)
+        first = start - req.pos_offset
+        slots = req.cache.append(torch.arange(first, first + n))
         return Chunk(req, start, n, slots)
 
     # ---- after the forward ---------------------------------------------------------
