@@ -215,3 +215,14 @@ def save_figure(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
+
+
+def publish(report: dict, args, name: str, heading: str, render, plot) -> None:
+    """The common end of a benchmark run: JSON (runs/ and docs/results/), the doc's
+    generated block, the plot, and one line saying where they went."""
+    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
+    run_path = save_json(report, args.out, name, args.results)
+    begin, end = markers(name)
+    update_doc(args.doc, render(report), heading, begin, end)
+    plot(report, args.plot)
+    print(f"wrote {run_path}, {args.results}, {args.doc}, {args.plot}", flush=True)

@@ -206,14 +206,9 @@ def main(argv: list[str] | None = None) -> dict:
         report["quality"] = run_quality(args)
         report["quality"]["bench_wall_s"] = time.perf_counter() - t
     report["bench_wall_s"] = time.perf_counter() - t0
-    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
     from loadtest.bench_policies_report import plot, render
 
-    run_path = bc.save_json(report, args.out, NAME, args.results)
-    begin, end = bc.markers(NAME)
-    bc.update_doc(args.doc, render(report), DOC_HEADING, begin, end)
-    plot(report, args.plot)
-    print(f"wrote {run_path}, {args.results}, {args.doc}, {args.plot}", flush=True)
+    bc.publish(report, args, NAME, DOC_HEADING, render, plot)
     return report
 
 

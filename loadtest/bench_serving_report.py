@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from loadtest import bench_common
 from loadtest.report import _plt, _save, plot_cdfs, plot_sweep
 
 DOC_HEADING = "## Serving benchmarks (issue 8)"
@@ -147,21 +148,7 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
 
 def update_doc(path: str, block: str, begin: str = BEGIN, end: str = END) -> None:
     """Replace a generated block of this section, keeping everything else in the file."""
-    text = "# Benchmarks\n"
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    gen = f"{begin}\n{block}\n{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + gen + text[text.index(end) + len(end):]
-    elif DOC_HEADING in text:
-        at = text.index(DOC_HEADING) + len(DOC_HEADING)
-        text = text[:at] + "\n\n" + gen + "\n" + text[at:]
-    else:
-        text = text.rstrip("\n") + f"\n\n{DOC_HEADING}\n\n{gen}\n"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    bench_common.update_doc(path, block, DOC_HEADING, begin, end)
 
 
 def write_plots(report: dict[str, Any], img_dir: str) -> list[str]:
