@@ -18,11 +18,11 @@ from types import FrameType
 
 import uvicorn
 
-import engine as engine_pkg
+from engine.demo import DEMO_MODEL_DIR as DEMO_MODEL
+from engine.demo import DEMO_MODEL_NAME
 from scheduler.async_engine import AsyncEngine
 
 logger = logging.getLogger("kvserve.cli")
-DEMO_MODEL = Path(engine_pkg.__file__).resolve().parent / "demo" / "model"
 
 
 def _resolve_model(arg: str | None) -> str:
@@ -133,7 +133,7 @@ def _serve(a: argparse.Namespace) -> int:
     configure_logging(a.log_level, a.log_format)
     model = _resolve_model(a.model)
     names = a.served_model_name or [
-        "kvserve-demo" if a.model is None else Path(model).resolve().name]
+        DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
                                                   **_engine_kwargs(a)),
                                      max_queued_requests=a.max_queued_requests,

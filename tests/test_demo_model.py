@@ -141,6 +141,9 @@ def test_recall_documents_exact_length_and_answer():
             assert s.answer in tok.decode(s.ids[:s.prompt_len])
     f = gen.facts(rng, 300, 4)
     assert len(f.ids) == 300 and f.answer in tok.decode(f.ids[:f.prompt_len])
+    c = gen.copy(rng, 120)
+    body = c.ids[c.prompt_len:]
+    assert len(c.ids) == 120 and tok.decode(c.ids[:c.prompt_len]).endswith(tok.decode(body) + " Again:")
 
 
 class _OracleBackend:

@@ -190,6 +190,27 @@ class RecallGenerator:
         prompt = [self.bos_id, *filler_ids[:at], *needle, *filler_ids[at:], *question]
         return RecallSample(prompt + answer, len(prompt), key, depth, f"passkey/{filler}")
 
+    def copy(self, rng: np.random.Generator, total_len: int) -> RecallSample:
+        """Dense induction practice: random codes and words, then the same list again.
+
+        Every token of the repeat is predictable only by looking back, so this teaches the copy
+        (induction) mechanism that pass-key retrieval needs far faster than sparse needles do."""
+        head, again = self._enc(" Codes:"), self._enc(" Again:")
+        body: list[int] = []
+        budget = (total_len - 1 - len(head) - len(again)) // 2
+        while True:
+            if rng.random() < 0.6:
+                item = f" {int(rng.integers(10, 100000))}"
+            else:
+                item = f" {FACT_WORDS[int(rng.integers(len(FACT_WORDS)))]}"
+            ids = self._enc(item)
+            if len(body) + len(ids) > budget:
+                break
+            body += ids
+        pad = total_len - 1 - len(head) - len(again) - 2 * len(body)
+        prompt = [self.bos_id, *self._filler(rng, pad, "repeat"), *head, *body, *again]
+        return RecallSample(prompt + body, len(prompt), "", 0.0, "copy")
+
     def facts(self, rng: np.random.Generator, total_len: int, n_facts: int = 4,
               filler: str = "text") -> RecallSample:
         """``n_facts`` "The value of X is N." facts at random depths; asks for one of them."""

@@ -1,16 +1,25 @@
 """Train the embedded demo model on one CPU core and export it in Hugging Face format.
 
-    python -m engine.demo.train --out engine/demo/model --minutes 55
+    # stage 1: language + sparse recall (the committed model stopped it at step 1482, 40 min)
+    python -m engine.demo.train --out runs/stage1 --steps 2715 --stop-at-step 1482
+    # stage 2: retrieval (dense copy practice + packed recall docs), 57 min
+    python -m engine.demo.train --init-from runs/stage1 --stage2 --steps 2665 --out engine/demo/model
 
 Why it looks like this: an hour of one CPU core buys ~10M tokens, so the model is small
 (~3.8M parameters, 4 layers, GQA 8/2 heads) and trained with bf16 autocast (AMX/AVX-512 make it
-~1.7x faster than fp32 on this machine). A curriculum trains on 256-token rows first (cheap,
-where most language is learned) and 1,024-token rows later. A large share of the rows end in a
-synthetic recall document (pass key / key–value facts planted at a random depth, asked for at the
-end) so the model learns to retrieve from far back: that is what makes KV eviction measurable.
+~1.7x faster than fp32 here). Stage 1 trains on 256-token rows first (cheap, where most language
+is learned), then 1,024-token rows; 40–50% of rows end in a synthetic recall document (pass key /
+key–value facts planted at a random depth, asked for at the end).
+
+What we learned: with one sparse recall document per row (≈5 answer digits per 1,024 tokens)
+retrieval had not emerged after 6M tokens, so stage 2 adds dense induction practice (a random
+list of codes and words, then the same list again: every repeated token needs a look back) and
+packs several recall documents per row. Retrieval then appeared within ~100 steps. A single run
+with that mixture from the start is the obvious next recipe (untested here).
 
 With ``--minutes`` and no ``--steps`` a short calibration on a throwaway model decides the step
-count; the chosen count is recorded, and ``--steps N`` reproduces a run exactly (fixed seeds).
+count; the chosen count is recorded, and ``--steps N`` reproduces a run (fixed seeds; bf16 CPU
+kernels may differ across CPU generations, so bit-exactness needs the same hardware and torch).
 """
 
 from __future__ import annotations
@@ -71,6 +80,11 @@ class TrainConfig:
     minutes: float = 55.0
     log_every: int = 10
     checkpoint_minutes: float = 10.0
+    init_from: str = ""  # continue from an exported model (stage 2) instead of a fresh init
+    recall_packing: bool = False  # recall rows hold several recall documents back to back
+    stage: str = "1"
+    copy_share: float = 0.0  # of recall docs: dense induction practice (stage 2)
+    stop_at_step: int = 0  # end early (the schedule still spans `steps`): reproduces stage 1
     max_minutes_factor: float = 1.25  # stop early (and export) if the machine is slower than calibrated
 
 
@@ -79,6 +93,8 @@ def build_model(cfg: TrainConfig):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
+    if cfg.init_from:
+        return LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
     lc = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -108,26 +124,39 @@ class RowSampler:
         start = int(self.rng.integers(0, len(s) - n))
         return s[start:start + n].tolist()
 
-    def row(self, t: int, recall_fraction: float) -> tuple[list[int], list[float], int, int]:
-        """Returns ids (t+1), target weights (t), and the [start, end) answer target span."""
-        n = t + 1
-        if self.rng.random() >= recall_fraction:
-            return self.lm_window(n), [1.0] * t, 0, 0
+    def recall_doc(self, max_len: int):
+        """One recall document of random kind, filler, depth and length <= ``max_len``."""
         rng, cfg = self.rng, self.cfg
         filler = "text" if rng.random() < cfg.text_filler_share else "repeat"
-        if rng.random() < cfg.passkey_share:
-            length = int(rng.integers(min(64, n), n + 1))
-            s = self.gen.passkey(rng, length, float(rng.random()), filler)
-        else:
-            length = int(rng.integers(min(160, n), n + 1))
-            s = self.gen.facts(rng, length, int(rng.integers(2, 6)), filler)
-        prefix = self.lm_window(n - len(s.ids))
-        ids = prefix + s.ids
-        w = [1.0] * t
-        a0, a1 = len(prefix) + s.prompt_len - 1, len(ids) - 1
-        for j in range(a0, a1):
-            w[j] = cfg.answer_weight
-        return ids, w, a0, a1
+        if cfg.copy_share and rng.random() < cfg.copy_share:  # no draw in stage 1
+            return self.gen.copy(rng, int(rng.integers(min(32, max_len), min(256, max_len) + 1)))
+        if rng.random() < cfg.passkey_share or max_len < 160:
+            length = int(rng.integers(min(64, max_len), max_len + 1))
+            return self.gen.passkey(rng, length, float(rng.random()), filler)
+        length = int(rng.integers(min(160, max_len), max_len + 1))
+        return self.gen.facts(rng, length, int(rng.integers(2, 6)), filler)
+
+    def row(self, t: int, recall_fraction: float) -> tuple[list[int], list[float], list[tuple[int, int]]]:
+        """Returns ids (t+1), target weights (t), and the [start, end) answer target spans.
+
+        A recall row ends in one recall document (preceded by text), or with ``recall_packing``
+        is filled with several (more answer tokens per step: stage 2 teaches retrieval)."""
+        n = t + 1
+        if self.rng.random() >= recall_fraction:
+            return self.lm_window(n), [1.0] * t, []
+        docs = [self.recall_doc(n)]
+        if self.cfg.recall_packing:
+            while n - sum(len(d.ids) for d in docs) >= 64:
+                docs.append(self.recall_doc(n - sum(len(d.ids) for d in docs)))
+        ids = self.lm_window(n - sum(len(d.ids) for d in docs))
+        w, spans = [1.0] * t, []
+        for d in docs:
+            a0 = len(ids) + d.prompt_len - 1
+            ids += d.ids
+            spans.append((a0, len(ids) - 1))
+            for j in range(a0, len(ids) - 1):
+                w[j] = self.cfg.answer_weight
+        return ids, w, spans
 
     def batch(self, t: int, recall_fraction: float):
         bsz = max(1, self.cfg.tokens_per_step // t)
@@ -136,7 +165,8 @@ class RowSampler:
         w = torch.tensor([r[1] for r in rows], dtype=torch.float32)
         amask = torch.zeros(bsz, t, dtype=torch.bool)
         for i, r in enumerate(rows):
-            amask[i, r[2]:r[3]] = True
+            for a0, a1 in r[2]:
+                amask[i, a0:a1] = True
         return ids, w, amask
 
 
@@ -205,7 +235,8 @@ def export(model, tok, cfg: TrainConfig, out: Path, extra: dict) -> None:
     save_hf_tokenizer(tok, out, cfg.max_position_embeddings)
     GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0, do_sample=True,
                      temperature=0.7, top_p=0.9, max_new_tokens=128).save_pretrained(str(out))
-    (out / "training_config.json").write_text(
+    name = "training_config.json" if cfg.stage == "1" else f"training_config_stage{cfg.stage}.json"
+    (out / name).write_text(
         json.dumps({"name": DEMO_MODEL_NAME, "config": asdict(cfg), **extra}, indent=2) + "\n")
 
 
@@ -239,6 +270,42 @@ def plot_log(log_path: Path, png: Path, switch_tokens: int | None) -> None:
     plt.close(fig)
 
 
+def plot_stages(model_dir: Path, png: Path) -> None:
+    """One figure for the whole recipe: stage 1 (LM + sparse recall), then stage 2 (retrieval)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ax2 = ax.twinx()
+    offset = 0.0
+    for name, label, color in (("training_log.csv", "stage 1", "tab:blue"),
+                               ("training_log_stage2.csv", "stage 2", "tab:green")):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        rows = list(csv.DictReader(path.open()))
+        tok = [offset + int(r["tokens"]) / 1e6 for r in rows]
+        ax.plot(tok, [float(r["loss"]) for r in rows], color=color, label=f"{label} loss")
+        acc = [(t, float(r["answer_acc"])) for t, r in zip(tok, rows) if r["answer_acc"] != "nan"]
+        if acc:
+            ax2.plot(*zip(*acc), color=color, alpha=0.35, ls=":", label=f"{label} answer acc")
+        if offset:
+            ax.axvline(offset, color="gray", ls="--", lw=1)
+        offset = tok[-1] if tok else offset
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("train cross-entropy (nats/token)")
+    ax2.set_ylabel("recall answer token accuracy")
+    ax2.set_ylim(0, 1)
+    fig.legend(loc="upper right", fontsize=8)
+    ax.set_title(f"{DEMO_MODEL_NAME} training")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "engine/demo/model")
@@ -246,13 +313,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=0, help="fixed step count (reproduces a run)")
     ap.add_argument("--plot", type=Path, default=REPO_ROOT / "docs/img/demo-model-loss.png")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--init-from", default="", help="stage 2: continue from this exported model")
+    ap.add_argument("--stage2", action="store_true",
+                    help="retrieval stage: packed recall rows, 1024 tokens only, lower LR")
+    ap.add_argument("--stop-at-step", type=int, default=0,
+                    help="stop after this step, keeping the --steps schedule (stage 1 used 1482)")
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw the combined loss plot from the logs in --out and exit")
     args = ap.parse_args(argv)
-    cfg = TrainConfig(seed=args.seed, steps=args.steps, minutes=args.minutes)
+    if args.plot_only:
+        plot_stages(args.out, args.plot)
+        return
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, minutes=args.minutes,
+                      init_from=args.init_from, stop_at_step=args.stop_at_step)
+    if args.stage2:
+        cfg.stage, cfg.recall_packing, cfg.short_fraction = "2", True, 0.0
+        cfg.recall_fraction_long, cfg.lr, cfg.warmup_steps = 0.6, 1e-3, 20
+        cfg.copy_share, cfg.checkpoint_minutes = 0.4, 5.0
     torch.set_num_threads(cfg.threads)
     t_start = time.time()
 
     docs = load_corpus()
-    tok = train_tokenizer(d.text for d in docs if not d.heldout)
+    if cfg.init_from:  # the continued model keeps its tokenizer
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(cfg.init_from) / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(d.text for d in docs if not d.heldout)
     eos_id = tok.token_to_id(EOS)
     streams: dict[str, np.ndarray] = {}
     for src in cfg.source_weights:
@@ -273,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = make_optimizer(model, cfg)
     switch = int(cfg.steps * cfg.short_fraction)
     args.out.mkdir(parents=True, exist_ok=True)
-    log_path = args.out / "training_log.csv"
+    log_path = args.out / ("training_log.csv" if cfg.stage == "1" else f"training_log_stage{cfg.stage}.csv")
     extra = {"parameters": n_params, "corpus": corpus_manifest(docs),
              "train_tokens_per_source": {k: len(v) for k, v in streams.items()}}
     print(f"{n_params / 1e6:.2f}M parameters, {cfg.steps} steps (switch to "
@@ -306,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
                 f.flush()
                 bar.set_postfix(loss=f"{ml:.3f}", acc=f"{ma:.2f}", seq=t, refresh=False)
                 hist.clear()
+            if cfg.stop_at_step and step + 1 >= cfg.stop_at_step:
+                extra["stopped_at_step"] = step + 1
+                break
             if time.time() - t0 > cfg.minutes * 60 * cfg.max_minutes_factor:
                 print(f"time limit reached at step {step + 1}; stopping early", flush=True)
                 extra["stopped_early_at_step"] = step + 1
