@@ -226,3 +226,15 @@ def publish(report: dict, args, name: str, heading: str, render, plot) -> None:
     update_doc(args.doc, render(report), heading, begin, end)
     plot(report, args.plot)
     print(f"wrote {run_path}, {args.results}, {args.doc}, {args.plot}", flush=True)
+
+
+def add_run_args(p) -> None:
+    """Options every benchmark driver shares: threads, seed, where results go, --quick."""
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/")
+    p.add_argument("--quick", action="store_true", help="tiny model, short runs; outputs under --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--doc")
+    p.add_argument("--results")
+    p.add_argument("--plot")

@@ -185,14 +185,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool-fraction", type=float, default=1 / 3)
     p.add_argument("--watermarks", default="0.30,0.15,0.10,0.05,0.02")
     p.add_argument("--watermark-mode", default="recompute", choices=MODES)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/")
-    p.add_argument("--quick", action="store_true", help="tiny model, short runs; outputs under --out")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--doc")
-    p.add_argument("--results")
-    p.add_argument("--plot")
+    bc.add_run_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.prefix_model = a.pressure_model = "tiny"

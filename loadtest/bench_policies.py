@@ -157,14 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--needle-trials", type=int, default=2)
     p.add_argument("--needle-lengths", default="256,512,768")
     p.add_argument("--needle-tasks", default="passkey/text,passkey/repeat,facts/text")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/")
-    p.add_argument("--quick", action="store_true", help="tiny model, short runs; outputs under --out")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--doc")
-    p.add_argument("--results")
-    p.add_argument("--plot")
+    bc.add_run_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.requests, a.fit, a.prompt, a.gen = "tiny", 10, 3, 32, 64
