@@ -54,8 +54,12 @@ class BlockPool:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device)
+        # zero_() rather than torch.zeros: zeros may come from calloc, whose pages the OS
+        # maps only on first touch, so the process would creep up to the pool's size as
+        # blocks are first used (a soak would read that as a leak). Touch it all now:
+        # the pool's memory is reserved at start-up, as operators expect.
+        self.kv = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device).zero_()
         self.ref = torch.zeros(num_blocks, dtype=torch.int32)
         # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
