@@ -238,3 +238,12 @@ def add_run_args(p) -> None:
     p.add_argument("--doc")
     p.add_argument("--results")
     p.add_argument("--plot")
+
+
+def new_report(name: str, args, settings: tuple[str, ...]) -> dict:
+    """The head every benchmark JSON starts with: what ran, where, and with which knobs."""
+    from loadtest.fingerprint import fingerprint
+
+    return {"benchmark": name, "command": args.command,
+            "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
+            "settings": {k: getattr(args, k) for k in settings}}

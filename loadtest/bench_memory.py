@@ -36,7 +36,6 @@ from tqdm import tqdm
 
 from engine.sampling import SamplingParams
 from loadtest import bench_common as bc
-from loadtest.fingerprint import fingerprint
 from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.preemption import CostModel
 
@@ -203,13 +202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
-    report: dict = {"benchmark": NAME, "command": args.command,
-                    "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
-                    "settings": {k: getattr(args, k) for k in (
+    report = bc.new_report(NAME, args, (
                         "parts", "prefix_model", "prefix_tokens", "suffix_tokens",
                         "prefix_requests", "pressure_model", "requests", "prompt_range",
                         "output_range", "pool_fraction", "watermarks", "watermark_mode",
-                        "seed", "threads")}}
+                        "seed", "threads"))
     t0 = time.perf_counter()
     models = {args.prefix_model: "prefix" in args.parts,
               args.pressure_model: bool({"preemption", "watermark"} & set(args.parts))}

@@ -35,7 +35,6 @@ import time
 
 from engine.sampling import SamplingParams
 from loadtest import bench_common as bc
-from loadtest.fingerprint import fingerprint
 from loadtest.policy_eval import POLICIES, policy_config
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -177,13 +176,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
-    report: dict = {"benchmark": NAME, "command": args.command,
-                    "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
-                    "settings": {k: getattr(args, k) for k in (
+    report = bc.new_report(NAME, args, (
                         "model", "requests", "fit", "prompt", "gen", "budget", "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
-                        "needle_tasks", "demo_model", "threads")}}
+                        "needle_tasks", "demo_model", "threads"))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:
         if {"throughput", "overhead"} & set(args.parts):
