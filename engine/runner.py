@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model_config import ModelConfig
-from kvpool.attention import PAD_QUERY_POS
+from kvpool.attention import PAD_QUERY_POS, paged_attention
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 
@@ -131,10 +131,13 @@ class ModelRunner:
         buckets: dict[tuple[bool, bool], list[int]] = {}
         for i, s in enumerate(inputs):
             buckets.setdefault((len(s.token_ids) == 1, s.wants_attention), []).append(i)
+        # Only the torch path pads a group to its longest sequence; the kernels walk
+        # each sequence's own blocks, so they take a group whole.
+        pads = self.attention_fn is paged_attention
         groups = [
             _build_group(part, inputs, offsets, bs, want)
-            for (_, want), m in sorted(buckets.items())
-            for part in _split_by_length(m, inputs)
+            for (decode, want), m in sorted(buckets.items())
+            for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
         groups = [_to(g, dev) for g in groups]
         attention: dict[int, list[torch.Tensor]] = {

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from kvpool.attention import paged_attention
+from kvpool.cpu_attention import kernel_available, paged_attention_cpu
 
 try:  # CPU installs may lack triton: they still import this module and use torch.
     import triton
@@ -332,7 +333,10 @@ def paged_attention_triton(
 
 
 def select_attention(device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
-    """The attention function for tensors on `device`: Triton on CUDA, else torch."""
+    """The attention function for tensors on `device`: Triton on CUDA; on CPU the C++
+    decode kernel when it builds (kvpool/cpu_attention.py), else the torch path."""
     if device.type == "cuda" and triton is not None:
         return paged_attention_triton
+    if device.type == "cpu" and kernel_available():
+        return paged_attention_cpu
     return paged_attention

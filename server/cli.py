@@ -159,6 +159,11 @@ def _serve(a: argparse.Namespace) -> int:
                             access_log=a.access_log, timeout_graceful_shutdown=5,
                             timeout_keep_alive=5)
     server = DrainingServer(config, engine, a.drain_timeout)
+    from server.memwatch import MemoryWatch
+
+    watch = MemoryWatch.from_env()  # KVSERVE_MEMDEBUG: periodic memory diagnostics
+    if watch is not None:
+        watch.start()
     logger.info("serving", extra={"fields": {"host": a.host, "port": a.port,
                                              "model": model, "served_model_names": names,
                                              "tenants": settings.tenant_names,

@@ -1,0 +1,82 @@
+"""The CPU decode kernel (kvpool/csrc/paged_decode_cpu.cpp) against the torch path.
+
+The kernel is built once per test session (about 20 s; cached on disk afterwards). Cases
+cross what the kernel must get right: ragged lengths in one batch, GQA groups, evicted
+slots and -1 table columns, sliding windows, 16-bit caches, strided queries, attention
+mass for policies, and the fallback for prefill rows and for a missing compiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool import cpu_attention
+from kvpool.attention import paged_attention
+from kvpool.cpu_attention import paged_attention_cpu
+from tests.attention_cases import make_case
+
+pytestmark = pytest.mark.skipif(not cpu_attention.kernel_available(),
+                                reason="no C++ compiler for the CPU kernel")
+
+
+def check(case: dict, window: int | None = None, probs: bool = False,
+          atol: float = 1e-5) -> None:
+    out, mass = paged_attention_cpu(**case, window=window, return_probs=probs)
+    ref_case = {k: (v.float() if k in ("q", "k_cache", "v_cache") else v)
+                for k, v in case.items()}
+    ref, ref_mass = paged_attention(**ref_case, window=window, return_probs=probs)
+    assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
+    torch.testing.assert_close(out.float(), ref.float().nan_to_num(0.0), atol=atol, rtol=atol)
+    if probs:
+        assert mass.shape == ref_mass.shape and mass.dtype == torch.float32
+        torch.testing.assert_close(mass, ref_mass.nan_to_num(0.0), atol=atol, rtol=atol)
+    else:
+        assert mass is None
+
+
+@pytest.mark.parametrize(("hq", "hkv", "bs", "d"), [(4, 2, 4, 8), (8, 1, 8, 16), (3, 3, 16, 64),
+                                                    (6, 2, 16, 20)])
+@pytest.mark.parametrize("probs", [False, True])
+def test_decode_ragged_batch(hq: int, hkv: int, bs: int, d: int, probs: bool) -> None:
+    case = make_case([0, 3, 17, 40, 129], [1] * 5, hq=hq, hkv=hkv, bs=bs, d=d)
+    check(case, probs=probs)
+
+
+@pytest.mark.parametrize("window", [None, 1, 6])
+def test_evicted_slots_padded_table_and_window(window: int | None) -> None:
+    case = make_case([9, 30, 2], [1, 1, 1], evict={0: [0, 4, 5], 1: [1, 2, 3, 4, 29]},
+                     extra_blocks=2)
+    check(case, window=window, probs=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_caches_accumulate_in_fp32(dtype: torch.dtype) -> None:
+    check(make_case([31, 7], [1, 1], dtype=dtype), probs=True, atol=2e-2)
+
+
+def test_row_with_no_visible_slot_is_zero() -> None:
+    case = make_case([5, 5], [1, 1], evict={1: list(range(6))})
+    out, mass = paged_attention_cpu(**case, return_probs=True)
+    assert torch.all(out[1] == 0) and torch.all(mass[1] == 0)
+    assert torch.all(out[0] != 0)
+
+
+def test_prefill_rows_take_the_torch_path() -> None:
+    case = make_case([4, 0], [3, 5])
+    out, mass = paged_attention_cpu(**case, return_probs=True)
+    ref, ref_mass = paged_attention(**case, return_probs=True)
+    assert torch.equal(out, ref) and torch.equal(mass, ref_mass)
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+    case = make_case([4], [1])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        paged_attention_cpu(**{**case, "k_cache": case["k_cache"].double()})
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        paged_attention_cpu(**{**case, "q": case["q"][:, :, :3]})
+
+
+def test_disabled_by_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_CPU_KERNEL", "0")
+    assert cpu_attention._load() is False
