@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model_config import ModelConfig
-from kvpool.attention import PAD_QUERY_POS, paged_attention
+from kvpool.attention import PAD_QUERY_POS, causal_self_attention, paged_attention
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 
@@ -105,6 +105,19 @@ def _split_by_length(members: list[int], inputs: list[SeqInput]) -> list[list[in
     return out
 
 
+def _fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]:
+    """Inputs that are a prompt's first chunk with nothing else cached (no prefix hit),
+    needing no attention statistics and no sliding window shorter than the chunk: their
+    attention is plain causal self-attention over the chunk's own keys."""
+    limit = min((w for w in windows if w is not None), default=None)
+    return {
+        i for i, s in enumerate(inputs)
+        if len(s.token_ids) > 1 and s.start_pos == 0 and not s.wants_attention
+        and s.cache.live == len(s.token_ids) * s.cache.num_layers
+        and (limit is None or len(s.token_ids) <= limit)
+    }
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: BlockPool,
                  attention_fn: AttentionFn, device: torch.device) -> None:
@@ -128,9 +141,12 @@ class ModelRunner:
         positions = torch.cat(pos).to(dev)
         write_slots = torch.cat([s.slots for s in inputs], dim=1).to(dev)  # [L, T]
 
+        windows = cfg.sliding_windows
+        fresh = _fresh_prompts(inputs, windows)
         buckets: dict[tuple[bool, bool], list[int]] = {}
         for i, s in enumerate(inputs):
-            buckets.setdefault((len(s.token_ids) == 1, s.wants_attention), []).append(i)
+            if i not in fresh:
+                buckets.setdefault((len(s.token_ids) == 1, s.wants_attention), []).append(i)
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
@@ -145,12 +161,15 @@ class ModelRunner:
         }
         k_flat = self.pool.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v_flat = self.pool.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        windows = cfg.sliding_windows
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_flat[write_slots[layer]] = k.to(k_flat.dtype)
             v_flat[write_slots[layer]] = v.to(v_flat.dtype)
             out = torch.empty_like(q)
+            for i in fresh:
+                a, n = offsets[i], len(inputs[i].token_ids)
+                out[a : a + n] = causal_self_attention(q[a : a + n], k[a : a + n],
+                                                       v[a : a + n], self.scale)
             for g in groups:
                 o, probs = self.attention_fn(
                     q[g.q_index], self.pool.k_cache, self.pool.v_cache, g.tables[layer],

@@ -10,6 +10,10 @@ request of its batch; those extra tokens are waste and are not counted.
     python -m loadtest.bench_offline --models 3m,160m --threads 1 --repeats 3m=3,160m=1 \
         --requests 3m=64,160m=32 --profile --out runs/
 
+A model entry may name a dtype, `160m:bfloat16`, for all three systems alike (default
+float32): on CPUs with AMX, bf16 GEMMs are 4-7x faster than fp32 ones, which moves the
+bottleneck from the weights to attention and bookkeeping.
+
 Writes runs/bench_offline-<timestamp>.json, docs/results/bench_offline.json, the
 "## Offline throughput (issue 2)" section of docs/benchmarks.md and
 docs/img/bench_offline.png (`--quick` keeps all of them under --out instead).
@@ -98,13 +102,15 @@ class _Clock:
 
 
 class KVServe:
-    def __init__(self, path: str, kv_memory: str, max_seqs: int, max_batched: int) -> None:
+    def __init__(self, path: str, kv_memory: str, max_seqs: int, max_batched: int,
+                 dtype: str = "float32") -> None:
         from scheduler.llm import LLM
 
         # No prefix caching: the prompts share no prefixes, so the cache could only
         # replay the previous repeat's prompts, a hit the other systems never get.
         self.llm = LLM(path, kv_cache_memory=kv_memory, max_num_seqs=max_seqs,
-                       max_num_batched_tokens=max_batched, enable_prefix_caching=False)
+                       max_num_batched_tokens=max_batched, enable_prefix_caching=False,
+                       dtype=dtype)
         self.steps: list = []
         self.llm.engine.on_step = self.steps.append
 
@@ -122,10 +128,10 @@ class KVServe:
 class HFStatic:
     """`generate` on arrival-order batches, left padded, each to its longest request."""
 
-    def __init__(self, path: str, batch_size: int) -> None:
+    def __init__(self, path: str, batch_size: int, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.model.generation_config.eos_token_id = None  # EOS ignored, as for the others
         self.batch_size = batch_size
         self.gen = GenerationConfig
@@ -159,10 +165,10 @@ class HFContinuous:
     on the manager it wraps is the per-request equivalent of what kvserve gets.
     """
 
-    def __init__(self, path: str, max_seqs: int, max_batched: int) -> None:
+    def __init__(self, path: str, max_seqs: int, max_batched: int, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
         self.model.generation_config.eos_token_id = None
         self.max_seqs, self.max_batched = max_seqs, max_batched
         self.error: str | None = None
@@ -238,8 +244,11 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def bench_model(name: str, args: argparse.Namespace) -> dict[str, object]:
-    repeats, requests = args.repeats[name], args.requests[name]
+def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
+    """One model entry, `name` or `name:dtype`, through all three systems."""
+    repeats, requests = args.repeats[entry], args.requests[entry]
+    name, _, dtype = entry.partition(":")
+    dtype = dtype or "float32"
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as path:
         params = build_model(name, path)
         vocab = int(MODEL_CONFIGS[name]["vocab_size"])
@@ -247,9 +256,10 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, object]:
         warm = Workload.draw(4, (8, 24), (4, 8), vocab, args.seed + 1)
         print(f"[{name}] {params / 1e6:.2f}M params; workload {w.summary()}", flush=True)
         systems = {
-            "kvserve": KVServe(path, args.kv_memory, args.max_seqs, args.max_batched_tokens),
-            "hf_static": HFStatic(path, args.static_batch),
-            "hf_cb": HFContinuous(path, args.max_seqs, args.max_batched_tokens),
+            "kvserve": KVServe(path, args.kv_memory, args.max_seqs, args.max_batched_tokens,
+                               dtype),
+            "hf_static": HFStatic(path, args.static_batch, dtype),
+            "hf_cb": HFContinuous(path, args.max_seqs, args.max_batched_tokens, dtype),
         }
         results: dict[str, dict] = {s: {"wall_s": [], "cpu_s": [], "ok": True} for s in SYSTEMS}
         errors: dict[str, str] = {}
@@ -293,7 +303,8 @@ def bench_model(name: str, args: argparse.Namespace) -> dict[str, object]:
             for other in ("hf_static", "hf_cb"):
                 o = results[other].get(metric)
                 ratios[f"kvserve_over_{other}{tag}"] = kv / o if kv and o else None
-        out = {"params": params, "config": MODEL_CONFIGS[name], "workload": w.summary(),
+        out = {"params": params, "config": MODEL_CONFIGS[name], "dtype": dtype,
+               "workload": w.summary(),
                "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
                "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
         if args.profile:
@@ -314,6 +325,7 @@ _PROFILE_POINTS = (
     ("  model forward (decoder layers)", "engine/models/llama.py", "forward"),
     ("    attention callback (KV write + paged attention)", "engine/runner.py", "attn"),
     ("      paged_attention (gather + sdpa)", "kvpool/attention.py", "paged_attention"),
+    ("      paged_attention_cpu (decode kernel)", "kvpool/cpu_attention.py", "paged_attention_cpu"),
     ("sample", "engine/sampler.py", "sample"),
     ("advance (append tokens, stop checks, outputs)", "scheduler/engine_core.py", "_advance"),
 )
@@ -418,17 +430,17 @@ def render_table(report: dict) -> str:
     fp, st = report["fingerprint"], report["settings"]
     seqs = st["max_seqs"]
     lines = [
-        "| model | params | requests × repeats | kvserve tok/s | HF static tok/s | HF CB tok/s "
+        "| model | dtype | params | requests × repeats | kvserve tok/s | HF static tok/s | HF CB tok/s "
         f"| kvserve / HF static (≥ 3×) | kvserve / HF CB (≥ 2.5×) "
         f"| outside forward, {seqs} decoding (< 10%) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
         s, r = m["systems"], m["ratios"]
         prof, timed, _ = _overheads(m, seqs)
         at = prof.get("outside_forward_share", timed.get("outside_forward_share"))
         lines.append(
-            f"| {name} | {m['params'] / 1e6:.2f}M "
+            f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} | {m['params'] / 1e6:.2f}M "
             f"| {m['workload']['num_requests']} × {len(s['kvserve'].get('wall_s', []))} "
             f"| {_fmt_tps(s['kvserve'])} | {_fmt_tps(s['hf_static'])} | {_fmt_tps(s['hf_cb'])} "
             f"| {_fmt_ratio(r['kvserve_over_hf_static'], TARGETS['hf_static'])} "
@@ -445,7 +457,7 @@ def render_table(report: dict) -> str:
         f"| steps with {seqs} decoding in timed run | outside forward there "
         "| outside forward, all timed steps | preemptions | CPU / wall: kvserve, static, CB "
         "| per CPU-second: kvserve / static, kvserve / CB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
         prof, timed, allv = _overheads(m, seqs)
@@ -519,14 +531,15 @@ def plot(report: dict, path: str) -> None:
                 text += f"\nkvserve {means[0] / v:.2f}×"
             ax.annotate(text, (b.get_x() + b.get_width() / 2, v + sd), ha="center",
                         va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
-        ax.set_title(f"{name}: {m['params'] / 1e6:.1f}M params, "
+        ax.set_title(f"{name.partition(':')[0]} {m.get('dtype', 'float32')}: "
+                     f"{m['params'] / 1e6:.1f}M params, "
                      f"{m['workload']['num_requests']} requests × {len(s['kvserve']['wall_s'])}",
                      fontsize=9)
         ax.set_ylabel("useful output tokens / s (mean ± std)")
         ax.set_ylim(0, max(x + y for x, y in zip(means, stds)) * 1.3 or 1)
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"Offline throughput, {report['settings']['threads']} CPU thread(s), "
-                 f"fp32 (higher is better)", fontsize=10)
+    fig.suptitle(f"Offline throughput, {report['settings']['threads']} CPU thread(s) "
+                 f"(higher is better)", fontsize=10)
     save_figure(fig, path)
 
 
@@ -554,7 +567,9 @@ def _per_model(spec: str, models: list[str], default: int) -> dict[str, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="3m,160m", help="comma list of: " + ",".join(MODEL_CONFIGS))
+    p.add_argument("--models", default="3m,160m",
+                   help="comma list of NAME or NAME:DTYPE (float32, bfloat16), NAME one of: "
+                   + ",".join(MODEL_CONFIGS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", default="3m=3,160m=1",
                    help="an int for every model, or per model: 3m=3,160m=1 (others: 1)")

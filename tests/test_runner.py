@@ -59,3 +59,37 @@ def test_sliding_window_frees_blocks_outside_every_window(tmp_path):
     # 24 visible tokens need at most 7 blocks of 4 per layer (+1 being filled), not 40.
     assert out.kv.peak_blocks <= layers * 8
     assert llm.engine.pool.num_used == 0
+
+
+def test_fresh_prompt_fast_path_equals_paged_attention(llama):
+    """A prompt's first chunk with nothing cached takes plain causal SDPA; it must give
+    what the paged path gives for the same chunk (which the bystander-free first test
+    pins against transformers), and only such chunks may take it."""
+    from engine.runner import _fresh_prompts
+    from kvpool.attention import causal_self_attention, paged_attention
+
+    llm = LLM(llama, num_blocks=64, block_size=4)
+    eng = llm.engine
+    cfg = eng.model_config
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(11, cfg.num_heads, cfg.head_dim, generator=g)
+    k = torch.randn(11, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    v = torch.randn(11, cfg.num_kv_heads, cfg.head_dim, generator=g)
+    cache = SeqCache(eng.pool, cfg.num_layers)
+    slots = cache.append(torch.arange(11))[0]
+    eng.pool.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[slots] = k
+    eng.pool.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[slots] = v
+    nb = cache.max_blocks
+    ref, _ = paged_attention(q[None], eng.pool.k_cache, eng.pool.v_cache,
+                             cache.table[0:1, :nb], cache.slot_pos[0:1, : nb * 4],
+                             torch.arange(11)[None], cfg.head_dim**-0.5)
+    got = causal_self_attention(q, k, v, cfg.head_dim**-0.5)
+    torch.testing.assert_close(got, ref[0], atol=1e-5, rtol=1e-5)
+
+    fresh = SeqInput([5] * 11, 0, slots, cache, True)
+    other = SeqCache(eng.pool, cfg.num_layers)
+    stats = SeqInput([5] * 6, 0, other.append(torch.arange(6)), other, True, True)
+    assert _fresh_prompts([fresh, stats], [None] * cfg.num_layers) == {0}
+    assert _fresh_prompts([fresh], [8] * cfg.num_layers) == set()  # window < chunk
+    later = SeqInput([5] * 3, 11, cache.append(torch.arange(11, 14)), cache, True)
+    assert _fresh_prompts([later], [None] * cfg.num_layers) == set()  # cached prefix
