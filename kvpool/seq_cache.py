@@ -35,6 +35,9 @@ class SeqCache:
         self.uniform = True  # every layer holds the same slots (no eviction yet)
         self.live = 0  # live slots summed over layers
         self.swapped = False  # table holds host swap-space ids instead of pool ids
+        # Decode hot path: first slot id of the tail block in every layer, [L, 1], and the
+        # table (object, version) it was read from; any write to the table invalidates it.
+        self._tail: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
 
     # ---- sizes -------------------------------------------------------------------
     @property
@@ -119,6 +122,22 @@ class SeqCache:
         self.table, self.slot_pos = table, pos
 
     # ---- growth ------------------------------------------------------------------
+    def append_token(self, position: int) -> torch.Tensor:
+        """`append` of one token (a decode step), returning its slots [L, 1]: two tensor
+        ops while every layer has room in its tail block, instead of a gather and a
+        scatter. Called once per running request per step, so it is worth the cache."""
+        nb, nxt, bs = self.nblocks[0], self.next_slot[0], self.bs
+        if not self.uniform or nxt >= nb * bs:
+            return self.append(torch.tensor([position]))
+        t = self._tail
+        if t is None or t[0] is not self.table or t[1] != self.table._version or t[2] != nb:
+            base = self.table[:, nb - 1 : nb] * bs
+            self._tail = t = (self.table, self.table._version, nb, base)
+        self.slot_pos.select(1, nxt).fill_(position)
+        self.next_slot = [nxt + 1] * self.num_layers
+        self.live += self.num_layers
+        return t[3] + (nxt - (nb - 1) * bs)
+
     def append(self, positions: torch.Tensor) -> torch.Tensor:
         """Give n new tokens (original `positions`, [n]) a slot in every layer.
 
@@ -180,16 +199,19 @@ class SeqCache:
     def evict_mask(self, dead: torch.Tensor) -> int:
         """Mark every slot where `dead` [L, capacity slots] is True dead, in all layers
         at once; free the blocks left with no live slot. Returns blocks freed."""
-        dead = dead & (self.slot_pos >= 0)
+        # Only the held columns can hold live slots (the table has spare capacity).
+        width = max(self.nblocks, default=0) * self.bs
+        pos = self.slot_pos[:, :width]
+        dead = dead[:, :width] & (pos >= 0)
         n = int(dead.sum())
         if n == 0:
             return 0
-        self.slot_pos[dead] = -1
+        pos.masked_fill_(dead, -1)  # cheaper than boolean index assignment
         self.live -= n
         self.uniform = False
         # Only a block that just lost a slot can have become empty: check those first.
-        shape = (self.num_layers, self.table.shape[1], self.bs)
-        touched = dead.view(shape).any(dim=2) & ~(self.slot_pos.view(shape) >= 0).any(dim=2)
+        shape = (self.num_layers, width // self.bs, self.bs)
+        touched = dead.view(shape).any(dim=2) & ~(pos.view(shape) >= 0).any(dim=2)
         if not bool(touched.any()):
             return 0
         return self._free_dead_blocks()

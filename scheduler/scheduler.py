@@ -289,7 +289,8 @@ class Scheduler:
         assert req.cache is not None
         start = req.num_computed
         first = start - req.pos_offset
-        slots = req.cache.append(torch.arange(first, first + n))
+        slots = (req.cache.append_token(first) if n == 1
+                 else req.cache.append(torch.arange(first, first + n)))
         return Chunk(req, start, n, slots)
 
     # ---- after the forward ---------------------------------------------------------

@@ -82,3 +82,26 @@ def test_eviction_frees_whole_blocks_and_keeps_positions():
 
 # The randomized invariant test (thousands of scheduler steps with arrivals, aborts,
 # preemptions, swaps and prefix hits) is tests/test_memory.py::test_randomized_stress_keeps_invariants.
+
+
+def test_append_token_equals_append_and_sees_table_writes() -> None:
+    """The decode fast path gives the slots `append` would, across block boundaries, and
+    never serves a tail block id the table no longer holds (copy-on-write, compaction)."""
+    pool = BlockPool(400, 4, 2, 8)
+    fast, ref = SeqCache(pool, 3), SeqCache(pool, 3)
+    fast.append(torch.arange(5))
+    ref.append(torch.arange(5))
+    for pos in range(5, 40):
+        got = fast.append_token(pos)
+        want = ref.append(torch.tensor([pos]))
+        # Same layout relative to each cache's own blocks.
+        assert torch.equal(got, fast.table[:, pos // 4, None] * 4 + pos % 4)
+        assert torch.equal(want, ref.table[:, pos // 4, None] * 4 + pos % 4)
+        assert torch.equal(fast.slot_pos, ref.slot_pos) and fast.live == ref.live
+        if pos == 21:  # the tail block is replaced in place, as copy-on-write does
+            new, old = pool.allocate(3), fast.table[:, 5].clone()
+            fast.table[:, 5] = new
+            pool.release(old)
+    fast.release()
+    ref.release()
+    assert pool.num_free == 400
