@@ -20,8 +20,11 @@ from policies.base import (
     Needs,
     StepView,
     align,
+    align_rows,
+    drop_index_rows,
     edge_mask,
     evict_except,
+    evict_except_rows,
     head_mean,
     is_active,
     prefill_envelope,
@@ -74,6 +77,9 @@ class H2OPolicy:
             self._acc += [None] * (view.num_layers - len(self._acc))
         budget = resolve_budget(self.config.budget, view.seq_len)
         active = is_active(view)
+        rows = self._step_rows(view, budget, active)
+        if rows is not None:
+            return rows
         plan: Eviction = {}
         for layer, lv in enumerate(view.layers):
             assert lv.attention is not None
@@ -88,6 +94,27 @@ class H2OPolicy:
                 keep = ~torch.isin(pos, drop)
                 pos, acc = pos[keep], acc[keep]
             self._pos[layer], self._acc[layer] = pos, acc
+        return plan
+
+    def _step_rows(self, view: StepView, budget: int, active: bool) -> Eviction | None:
+        """`step` for all layers at once when every layer holds the same count now and
+        held the same count before (decode after the prompt's plan: C + 1 and C);
+        None otherwise. Same arithmetic per row as the per-layer loop."""
+        pos, att = view.stacked("positions"), view.stacked("attention")
+        old = self._pos[: view.num_layers]
+        if pos is None or att is None or any(p is None for p in old) or \
+                len({p.numel() for p in old}) != 1 or old[0].numel() == 0:
+            return None
+        acc = align_rows(torch.stack(old), torch.stack(self._acc[: view.num_layers]), pos)
+        acc += att.sum(dim=(1, 2)).to(acc.dtype)
+        n = pos.shape[1]
+        plan: Eviction = {}
+        if active and n > budget:
+            drop = drop_index_rows(acc, budget, min(self.config.window, budget))
+            plan = dict(enumerate(pos.gather(1, drop).unbind(0)))
+            keep = torch.ones_like(acc, dtype=torch.bool).scatter_(1, drop, False)
+            pos, acc = pos[keep].view(len(old), -1), acc[keep].view(len(old), -1)
+        self._pos[: len(old)], self._acc[: len(old)] = list(pos.unbind(0)), list(acc.unbind(0))
         return plan
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
@@ -116,6 +143,12 @@ class TOVAPolicy:
         if not is_active(view):
             return {}
         budget = resolve_budget(self.config.budget, view.seq_len)
+        att = view.stacked("attention")
+        if att is not None and view.lengths[0] > budget:  # same n everywhere: one sort
+            pos = view.stacked("positions")
+            assert pos is not None
+            scores = head_mean(att[:, -1:])[:, 0]
+            return dict(enumerate(evict_except_rows(scores, pos, budget, 1).unbind(0)))
         plan: Eviction = {}
         for layer, lv in enumerate(view.layers):
             n = lv.positions.numel()
@@ -125,6 +158,12 @@ class TOVAPolicy:
             scores = head_mean(lv.attention[-1:])[0]
             plan[layer] = evict_except(scores, lv.positions, budget, edge_mask(n, 0, 1))
         return plan
+
+    def idle(self, view: StepView) -> bool:
+        """TOVA keeps no state: nothing to do before the prompt is complete or while
+        every layer is within the budget (H2O has no `idle`: it accumulates every step)."""
+        budget = resolve_budget(self.config.budget, view.seq_len)
+        return not is_active(view) or all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

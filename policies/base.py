@@ -54,10 +54,34 @@ class StepView:
     prefill_done: bool  # this step computed the last prompt token (first time only)
     block_size: int
     layers: list[LayerView] = field(default_factory=list)
+    # Live tokens per layer (before this step's plan). The engine fills it before any
+    # layer view is built, so that `idle` can decide from sizes alone.
+    lengths: list[int] = field(default_factory=list)
+
+    # [L, n, ...] copies of LayerView fields when every layer holds n tokens (`stacked`);
+    # the engine pre-fills them from its one gather for all layers.
+    stacks: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.lengths and self.layers:
+            self.lengths = [lv.positions.numel() for lv in self.layers]
+
+    def stacked(self, name: str) -> torch.Tensor | None:
+        """LayerView field `name` of every layer as one [L, n, ...] tensor, or None when
+        layers hold different counts: lets a policy score and select for all layers in
+        one op each instead of a loop of small per-layer ops."""
+        if not self.layers or len(set(self.lengths)) != 1:
+            return None
+        if name not in self.stacks:
+            parts = [getattr(lv, name) for lv in self.layers]
+            if any(p is None for p in parts):
+                return None
+            self.stacks[name] = torch.stack(parts)
+        return self.stacks[name]
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers)
+        return len(self.lengths) or len(self.layers)
 
 
 class Policy(Protocol):
@@ -67,6 +91,13 @@ class Policy(Protocol):
     def step(self, view: StepView) -> Eviction:
         """Called after every step that computed tokens of this request."""
         ...
+
+    # Optional: `idle(view) -> bool`, given a view whose `layers` are not built yet (only
+    # the step's sizes and `lengths`): True only when `step` would return no plan *and*
+    # leave the policy's state unchanged, so the engine may skip building the view. A
+    # policy that accumulates statistics every step (h2o, pyramid, lazy_eviction) has
+    # none. Building a view costs more than most plans (tests/test_policies_idle.py
+    # checks every `idle` against `step`).
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -135,9 +166,10 @@ def align(old_pos: torch.Tensor | None, old_val: torch.Tensor | None,
 
 def head_mean(attention: torch.Tensor) -> torch.Tensor:
     """[Tq, Hkv, n] mass summed per kv group -> [Tq, n] probability averaged over all
-    query heads (each row sums to 1): every query row of the view sums to H = Hkv*G."""
-    total = attention.sum(dim=(1, 2), keepdim=False).clamp_min(1e-30)
-    return attention.sum(dim=1) / total[:, None]
+    query heads (each row sums to 1): every query row of the view sums to H = Hkv*G.
+    Leading dims (layers stacked by `StepView.stacked`) are kept."""
+    total = attention.sum(dim=(-2, -1), keepdim=False).clamp_min(1e-30)
+    return attention.sum(dim=-2) / total[..., None]
 
 
 def evict_except(scores: torch.Tensor, positions: torch.Tensor, keep: int,
@@ -149,6 +181,32 @@ def evict_except(scores: torch.Tensor, positions: torch.Tensor, keep: int,
         return keep_top(scores, positions, keep)
     free = ~protected
     return keep_top(scores[free], positions[free], max(0, keep - int(protected.sum())))
+
+
+def drop_index_rows(scores: torch.Tensor, keep: int, last: int = 0) -> torch.Tensor:
+    """`evict_except` for L layers at once ([L, n] scores, the same n and `keep` < n in
+    every layer) with the `last` most recent tokens protected (`edge_mask(n, 0, last)`,
+    last <= keep): [L, n - keep] ascending indices to drop, row l the tokens that
+    evict_except drops on layer l (the same stable sort, one op for all rows)."""
+    free = scores.shape[1] - last
+    order = torch.sort(scores[:, :free], dim=1, descending=True, stable=True).indices
+    return order[:, keep - last:].sort(dim=1).values
+
+
+def evict_except_rows(scores: torch.Tensor, positions: torch.Tensor, keep: int,
+                      last: int = 0) -> torch.Tensor:
+    """`drop_index_rows` as positions ([L, n] ascending per row): [L, n - keep]."""
+    return positions.gather(1, drop_index_rows(scores, keep, last))
+
+
+def align_rows(old_pos: torch.Tensor, old_val: torch.Tensor, new_pos: torch.Tensor,
+               fill: float = 0.0) -> torch.Tensor:
+    """`align` of L layers at once: [L, m] positions and values -> [L, n] values at
+    `new_pos` (m > 0; every row ascending), one searchsorted for all rows."""
+    new_pos = new_pos.contiguous()
+    idx = torch.searchsorted(old_pos, new_pos).clamp_(max=old_pos.shape[1] - 1)
+    hit = old_pos.gather(1, idx) == new_pos
+    return torch.where(hit, old_val.gather(1, idx), torch.tensor(fill, dtype=old_val.dtype))
 
 
 def edge_mask(n: int, first: int, last: int) -> torch.Tensor:

@@ -24,11 +24,11 @@ from pydantic import Field
 
 from policies.base import (
     Eviction,
-    LayerView,
     Needs,
     StepView,
     edge_mask,
     evict_except,
+    evict_except_rows,
     is_active,
     prefill_envelope,
     resolve_budget,
@@ -49,30 +49,47 @@ class KeyDiffConfig(EvictingPolicyConfig):
 
 
 def knorm_scores(key_norm: torch.Tensor) -> torch.Tensor:
-    """kvpress `KnormPress.score` = -‖k‖₂ per head ([n, Hkv]); mean over kv heads."""
-    return -key_norm.mean(dim=1)
+    """kvpress `KnormPress.score` = -‖k‖₂ per head ([..., n, Hkv]); mean over kv heads."""
+    return -key_norm.mean(dim=-1)
 
 
 def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
     """kvpress `KeyDiffPress.score`: anchor = mean over tokens of the L2-normalised keys
     (per head); score = -cos(k_i, anchor), so keys most aligned with the mean direction
-    (the most redundant) score lowest. keys [n, Hkv, D] -> [n], mean over kv heads."""
-    anchor = F.normalize(keys, p=2, dim=-1).mean(dim=0, keepdim=True)
-    return -F.cosine_similarity(keys, anchor, dim=-1).mean(dim=1)
+    (the most redundant) score lowest. keys [..., n, Hkv, D] -> [..., n], mean over kv
+    heads (leading dims: layers scored at once)."""
+    anchor = F.normalize(keys, p=2, dim=-1).mean(dim=-3, keepdim=True)
+    return -F.cosine_similarity(keys, anchor, dim=-1).mean(dim=-1)
 
 
-def _unstructured(view: StepView, budget_cfg: int | float, window: int,
-                  score: Callable[[LayerView], torch.Tensor]) -> Eviction:
+def _idle(view: StepView, budget_cfg: int | float) -> bool:
+    """`_unstructured` plans nothing: prompt incomplete or every layer within budget."""
+    budget = resolve_budget(budget_cfg, view.seq_len)
+    return not is_active(view) or all(n <= budget for n in view.lengths)
+
+
+def _unstructured(view: StepView, budget_cfg: int | float, window: int, stat: str,
+                  score: Callable[[torch.Tensor], torch.Tensor]) -> Eviction:
+    """Per layer, drop the lowest `score(LayerView.<stat>)` down to the budget, the recent
+    `window` protected; one sort for all layers when they hold the same count (decode,
+    after the prompt's plan: every layer holds C + 1)."""
     if not is_active(view):
         return {}
     budget = resolve_budget(budget_cfg, view.seq_len)
+    stats = view.stacked(stat)
+    n = view.lengths[0] if view.lengths else 0
+    if stats is not None and n > budget:  # every layer holds n: score and select at once
+        pos = view.stacked("positions")
+        assert pos is not None
+        drop = evict_except_rows(score(stats), pos, budget, min(window, budget))
+        return dict(enumerate(drop.unbind(0)))
     plan: Eviction = {}
     for layer, lv in enumerate(view.layers):
         n = lv.positions.numel()
         if n <= budget:
             continue
         protected = edge_mask(n, 0, min(window, budget))
-        plan[layer] = evict_except(score(lv), lv.positions, budget, protected)
+        plan[layer] = evict_except(score(getattr(lv, stat)), lv.positions, budget, protected)
     return plan
 
 
@@ -92,11 +109,10 @@ class KnormPolicy:
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True))
 
     def step(self, view: StepView) -> Eviction:
-        def score(lv: LayerView) -> torch.Tensor:
-            assert lv.key_norm is not None
-            return knorm_scores(lv.key_norm)
+        return _unstructured(view, self.config.budget, self.config.window, "key_norm", knorm_scores)
 
-        return _unstructured(view, self.config.budget, self.config.window, score)
+    def idle(self, view: StepView) -> bool:
+        return _idle(view, self.config.budget)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -120,11 +136,10 @@ class KeyDiffPolicy:
     needs: Needs = field(default_factory=lambda: Needs(keys=True))
 
     def step(self, view: StepView) -> Eviction:
-        def score(lv: LayerView) -> torch.Tensor:
-            assert lv.keys is not None
-            return keydiff_scores(lv.keys)
+        return _unstructured(view, self.config.budget, self.config.window, "keys", keydiff_scores)
 
-        return _unstructured(view, self.config.budget, self.config.window, score)
+    def idle(self, view: StepView) -> bool:
+        return _idle(view, self.config.budget)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

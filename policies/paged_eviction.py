@@ -85,6 +85,20 @@ class PagedEvictionPolicy:
                     plan[layer] = lv.positions[drop]
         return plan
 
+    def idle(self, view: StepView) -> bool:
+        """`step` plans nothing: before the prompt is complete; at its end when every
+        layer is within the budget; in decode when no layer above the budget fills a
+        block this step (Alg. 3 acts only on "L % B == 0"), i.e. most decode steps."""
+        self.block_size = view.block_size
+        budget = resolve_budget(self.config.budget, view.seq_len)
+        if view.prefill_done:
+            return all(n <= budget for n in view.lengths)
+        if view.seq_len <= view.prompt_len:
+            return True
+        bs = view.block_size
+        return all(n <= budget or n // bs - (n - view.num_new) // bs <= 0 or n < bs
+                   for n in view.lengths)
+
     @staticmethod
     def _block_drops(scores: torch.Tensor, n: int, num_new: int, bs: int,
                      budget: int) -> torch.Tensor | None:

@@ -129,6 +129,11 @@ class SnapKVPolicy:
         self._acc.clear()
         return plan
 
+    def idle(self, view: StepView) -> bool:
+        """After the prompt was compressed SnapKV never acts again (decode tokens are
+        never evicted) and observes nothing."""
+        return self._done
+
     def _select(self, positions: torch.Tensor, acc: torch.Tensor, prompt: int,
                 budget: int) -> torch.Tensor:
         c = self.config

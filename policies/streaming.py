@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import torch
 from pydantic import Field
 
 from policies.base import Eviction, Needs, StepView
@@ -49,12 +50,18 @@ class LazyStreamingConfig(EvictingPolicyConfig):
 
 
 def _drop_middle(view: StepView, sink: int, keep: int) -> Eviction:
-    """Per layer: keep the first `sink` and the most recent `keep - sink` live tokens."""
+    """Per layer: keep the first `sink` and the most recent `keep - sink` live tokens.
+
+    Layers that share one positions tensor (the engine's view when every layer holds
+    the same tokens) share one plan tensor, which the engine applies in one op."""
     plan: Eviction = {}
+    last: tuple[torch.Tensor, torch.Tensor] | None = None
     for layer, lv in enumerate(view.layers):
         n = lv.positions.numel()
         if n > keep:
-            plan[layer] = lv.positions[sink: n - (keep - sink)]
+            if last is None or last[0] is not lv.positions:
+                last = (lv.positions, lv.positions[sink: n - (keep - sink)])
+            plan[layer] = last[1]
     return plan
 
 
@@ -78,6 +85,10 @@ class StreamingPolicy:
     def step(self, view: StepView) -> Eviction:
         c = self.config
         return _drop_middle(view, c.sink, c.sink + c.window)
+
+    def idle(self, view: StepView) -> bool:
+        """No layer holds more than sink + window: `step` keeps everything."""
+        return max(view.lengths, default=0) <= self.config.sink + self.config.window
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -120,13 +131,27 @@ class LazyStreamingPolicy:
     def step(self, view: StepView) -> Eviction:
         c = self.config
         plan: Eviction = {}
+        last: tuple[torch.Tensor, torch.Tensor] | None = None
         for layer, lv in enumerate(view.layers):
-            n = lv.positions.numel()
-            target = lazy_target(n, c.sink, c.window, c.extra, c.compress_every, c.slack,
-                                 c.max_drop)
-            if target is not None and target < n:
-                plan[layer] = lv.positions[c.sink: n - (target - c.sink)]
+            target = self._target(lv.positions.numel())
+            if target is not None:
+                if last is None or last[0] is not lv.positions:  # shared by layers: once
+                    n = lv.positions.numel()
+                    last = (lv.positions, lv.positions[c.sink: n - (target - c.sink)])
+                plan[layer] = last[1]
         return plan
+
+    def _target(self, n: int) -> int | None:
+        """L* for a layer of n live tokens when it prunes (L* < n), else None."""
+        c = self.config
+        target = lazy_target(n, c.sink, c.window, c.extra, c.compress_every, c.slack,
+                             c.max_drop)
+        return target if target is not None and target < n else None
+
+    def idle(self, view: StepView) -> bool:
+        """No layer's overflow reached R (Alg. 1 lines 1-16): nothing to prune, which is
+        most steps — the point of lazy pruning."""
+        return all(self._target(n) is None for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -24,7 +24,7 @@ from kvpool.triton_attention import select_attention
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer
-from scheduler.eviction import apply_eviction, build_view
+from scheduler.eviction import apply_eviction, run_policy
 from scheduler.outputs import (
     EngineStats,
     RequestOutput,
@@ -274,9 +274,8 @@ class EngineCore:
             t = time.perf_counter()
             first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
             r.prefill_done = r.prefill_done or first_full
-            view = build_view(r.cache, r.policy.needs, attention.get(i), r.num_computed,
+            plan = run_policy(r.cache, r.policy, attention.get(i), r.num_computed,
                               len(r.prompt_ids), c.num_tokens, first_full)
-            plan = r.policy.step(view)
             name = r.policy_name
             if plan:
                 rotate = self._rotate if r.rope_shift else None

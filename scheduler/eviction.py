@@ -5,6 +5,11 @@ a policy sees (`StepView`: live positions and the statistics it declared) and tu
 answer (positions to drop, per layer) back into pool operations: dead slots, freed
 blocks, optional compaction, and re-numbered positions with re-rotated keys for
 `rope: "shift"`.
+
+This runs for every request with a policy on every engine step, so it is written as a
+fixed number of tensor ops per request whatever the number of layers (all layers' live
+slots, positions and gathered K/V in one op each) rather than a Python loop of small
+ops per layer: the per-op overhead, not the arithmetic, is what a step pays here.
 """
 
 from __future__ import annotations
@@ -15,9 +20,21 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.seq_cache import SeqCache
-from policies.base import Eviction, LayerView, Needs, StepView
+from policies.base import Eviction, LayerView, Needs, Policy, StepView
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_LAYER_SHIFT = 40  # plan keys: layer << 40 | position (positions stay far below 2**40)
+
+
+_SMALL_PLAN = 8  # up to this many positions a broadcast compare beats torch.isin's sort
+
+
+def _member(values: torch.Tensor, test: torch.Tensor) -> torch.Tensor:
+    """torch.isin(values, test), by direct comparison when `test` is tiny (a decode
+    step usually drops one token per layer)."""
+    if test.numel() <= _SMALL_PLAN:
+        return (values[..., None] == test).any(dim=-1)
+    return torch.isin(values, test)
 
 
 @dataclass
@@ -26,29 +43,102 @@ class Applied:
     freed_blocks: int = 0
 
 
+def _live(cache: SeqCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_pos, live mask) restricted to the slots any layer has appended so far."""
+    sp = cache.slot_pos[:, : max(cache.next_slot, default=0)]
+    return sp, sp >= 0
+
+
+def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
+                prefill_done: bool,
+                live: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
+    """A `StepView` without layers: the step's sizes and each layer's live count
+    (`lengths`), enough for `Policy.idle` to say whether a full view is worth building.
+    `live`: `_live(cache)` if the caller already has it."""
+    if cache.uniform:  # no eviction yet: every layer holds the same slots
+        lengths = [cache.live // cache.num_layers] * cache.num_layers
+    else:
+        lengths = (live or _live(cache))[1].sum(dim=1).tolist()
+    return StepView(seq_len=seq_len, prompt_len=prompt_len, num_new=num_new,
+                    prefill_done=prefill_done, block_size=cache.bs, lengths=lengths)
+
+
+def fill_view(view: StepView, cache: SeqCache, needs: Needs,
+              attention: list[torch.Tensor] | None,
+              live_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
+    """Add every layer's live positions and the statistics `needs` declares.
+
+    When every layer holds the same slots (no eviction yet, or position-only plans that
+    are identical per layer) the layers share one positions tensor, so a policy can
+    compute a position-only plan once (`is` identity) and `apply_eviction` apply it in
+    one op. When every layer holds the same count, the [L, n, ...] tensors of the one
+    gather are handed on as `view.stacks` for policies that select for all layers at
+    once (`StepView.stacked`)."""
+    sp, live = live_mask or _live(cache)
+    nl, bs, lengths = cache.num_layers, cache.bs, view.lengths
+    even = len(set(lengths)) == 1
+    same = cache.uniform or (even and bool((sp == sp[:1]).all()))
+    if same:
+        idx0 = live[0].nonzero().squeeze(1)
+        idx = [idx0] * nl
+        positions = [sp[0].index_select(0, idx0)] * nl
+        live = live[:1].expand(nl, -1)
+    else:
+        slot_idx = live.nonzero(as_tuple=True)[1]
+        idx = list(slot_idx.split(lengths))
+        flat = sp[live]
+        positions = list(flat.split(lengths))
+    if even and nl:
+        view.stacks["positions"] = positions[0].expand(nl, -1) if same else flat.view(nl, -1)
+    gathered: dict[str, torch.Tensor] = {}
+    if needs.key_norm or needs.keys or needs.value_norm:
+        # Physical slot of every (layer, live slot), then one gather for all layers.
+        width = sp.shape[1]
+        slots = (cache.table[:, : -(-width // bs), None] * bs + torch.arange(bs)).view(nl, -1)
+        phys = slots[:, :width][live]
+        pool = cache.pool
+        if needs.key_norm or needs.keys:
+            k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
+            k = k_flat.index_select(0, phys.to(k_flat.device)).float().cpu()
+            if needs.key_norm:
+                gathered["key_norm"] = torch.linalg.vector_norm(k, dim=-1)
+            if needs.keys:
+                gathered["keys"] = k
+        if needs.value_norm:
+            v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
+            v = v_flat.index_select(0, phys.to(v_flat.device)).float()
+            gathered["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
+    split = {name: t.split(lengths) for name, t in gathered.items()}
+    if even and nl:
+        view.stacks.update({name: t.view(nl, -1, *t.shape[1:]) for name, t in gathered.items()})
+    layers = []
+    for layer in range(nl):
+        lv = LayerView(positions=positions[layer])
+        if needs.attention and attention is not None:
+            lv.attention = attention[layer][:, :, idx[layer]]
+        for name, parts in split.items():
+            setattr(lv, name, parts[layer])
+        layers.append(lv)
+    view.layers = layers
+    return view
+
+
 def build_view(cache: SeqCache, needs: Needs, attention: list[torch.Tensor] | None,
                seq_len: int, prompt_len: int, num_new: int, prefill_done: bool) -> StepView:
-    pool = cache.pool
-    k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
-    v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
-    layers = []
-    live = cache.slot_pos >= 0
-    for layer in range(cache.num_layers):
-        idx = live[layer].nonzero().squeeze(1)
-        lv = LayerView(positions=cache.slot_pos[layer, idx])
-        if needs.key_norm or needs.keys or needs.value_norm:
-            phys = cache.table[layer, idx // cache.bs] * cache.bs + idx % cache.bs
-        if needs.attention and attention is not None:
-            lv.attention = attention[layer][:, :, idx]
-        if needs.key_norm or needs.keys:
-            k = k_flat[phys.to(k_flat.device)].float().cpu()
-            lv.key_norm = k.norm(dim=-1) if needs.key_norm else None
-            lv.keys = k if needs.keys else None
-        if needs.value_norm:
-            lv.value_norm = v_flat[phys.to(v_flat.device)].float().norm(dim=-1).cpu()
-        layers.append(lv)
-    return StepView(seq_len=seq_len, prompt_len=prompt_len, num_new=num_new,
-                    prefill_done=prefill_done, block_size=cache.bs, layers=layers)
+    return fill_view(step_header(cache, seq_len, prompt_len, num_new, prefill_done),
+                     cache, needs, attention)
+
+
+def run_policy(cache: SeqCache, policy: Policy, attention: list[torch.Tensor] | None,
+               seq_len: int, prompt_len: int, num_new: int, prefill_done: bool) -> Eviction:
+    """The policy's plan for this step; no view is built when the policy says from the
+    step's sizes alone that it would neither act nor update its statistics (`idle`)."""
+    live = None if cache.uniform else _live(cache)
+    view = step_header(cache, seq_len, prompt_len, num_new, prefill_done, live)
+    idle = getattr(policy, "idle", None)
+    if idle is not None and idle(view):
+        return {}
+    return policy.step(fill_view(view, cache, policy.needs, attention, live))
 
 
 def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,
@@ -61,13 +151,18 @@ def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,
     if not plan:
         return out
     first = next(iter(plan.values()))
-    pos = cache.slot_pos
+    # Only the held columns can be live (evict_mask reads this width of `dead`).
+    pos = cache.slot_pos[:, : max(cache.nblocks, default=0) * cache.bs]
+    sizes = {p.numel() for p in plan.values()}
     if len(plan) == cache.num_layers and all(p is first or torch.equal(p, first) for p in plan.values()):
-        dead = torch.isin(pos, first)  # the same positions in every layer: one op
-    else:
-        dead = torch.zeros_like(pos, dtype=torch.bool)
-        for layer, positions in plan.items():
-            dead[layer] = torch.isin(pos[layer], positions)
+        dead = _member(pos, first)  # the same positions in every layer: one op
+    elif len(plan) == cache.num_layers and len(sizes) == 1 and first.numel() <= _SMALL_PLAN:
+        # one row of drops per layer (decode of a scoring policy): compare, no isin
+        dead = (pos[:, :, None] == torch.stack([plan[layer] for layer in range(cache.num_layers)])[:, None, :]).any(dim=2)
+    else:  # one isin over (layer, position) keys instead of one per layer
+        rows = torch.arange(cache.num_layers, dtype=torch.int64)[:, None] << _LAYER_SHIFT
+        keys = torch.cat([p.to(torch.int64) + (layer << _LAYER_SHIFT) for layer, p in plan.items()])
+        dead = torch.isin(pos + rows, keys)
     before = cache.live
     out.freed_blocks += cache.evict_mask(dead)
     out.evicted_slots += before - cache.live
