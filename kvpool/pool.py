@@ -64,7 +64,15 @@ class BlockPool:
         # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached: OrderedDict[int, None] = OrderedDict()  # free but hashed, LRU first
-        self.groups: dict[int, torch.Tensor] = {}  # prefix hash -> block ids [L]
+        # prefix hash -> block ids [L]. Plain tuples, not tensors, on purpose: groups
+        # live for minutes (until their blocks are recycled) and up to num_blocks / L of
+        # them accumulate. A small tensor per group is three C++ allocations (TensorImpl,
+        # storage, data) on the engine thread's malloc arena, scattered between each
+        # step's short-lived activation buffers; every one of them pins the freed buffers
+        # around it, so glibc cannot hand that memory back and the process grew by ~20%
+        # RSS over a 10-minute soak while the cache filled (docs/memory.md, "Process
+        # memory"). Tuples of small ints live in CPython's own pools instead.
+        self.groups: dict[int, tuple[int, ...]] = {}
         self.hash_of: dict[int, int] = {}  # block id -> prefix hash
 
     @staticmethod
@@ -132,26 +140,28 @@ class BlockPool:
     # ---- prefix cache ----------------------------------------------------------------
     def register(self, h: int, ids: torch.Tensor) -> None:
         """Publish a computed, immutable group of blocks under prefix hash h."""
-        if h in self.groups or any(int(b) in self.hash_of for b in ids):
+        group = tuple(ids.tolist())
+        if h in self.groups or any(b in self.hash_of for b in group):
             return
-        self.groups[h] = ids.clone()
-        for b in ids.tolist():
+        self.groups[h] = group
+        for b in group:
             self.hash_of[b] = h
 
     def acquire(self, h: int) -> torch.Tensor | None:
-        """Take a reference on the blocks cached under h (None on a miss)."""
-        ids = self.groups.get(h)
-        if ids is None:
+        """Take a reference on the blocks cached under h (None on a miss); returns a new
+        tensor of their ids, the caller's to keep or drop."""
+        group = self.groups.get(h)
+        if group is None:
             return None
-        for b in ids.tolist():
+        for b in group:
             self._cached.pop(b, None)
+        ids = torch.tensor(group, dtype=torch.int64)
         self.incref(ids)
         return ids
 
     def forget(self, h: int) -> None:
         """Drop a cached group (recycled, or about to be written: copy-on-write)."""
-        ids = self.groups.pop(h)
-        for b in ids.tolist():
+        for b in self.groups.pop(h):
             del self.hash_of[b]
             if b in self._cached:
                 del self._cached[b]

@@ -1,21 +1,26 @@
 """Memory diagnostics: where does the process's RSS go?
 
-`KVSERVE_MEMDEBUG=SECONDS` (optionally `SECONDS,tracemalloc`) starts a daemon thread
-that logs, every SECONDS, one `memwatch` line (logger `kvserve.memory`, level warning so
-it shows under `--log-level warning`) with:
+`KVSERVE_MEMDEBUG=SECONDS[,tracemalloc][,trim]` starts a daemon thread that logs, every
+SECONDS, one `memwatch` line (logger `kvserve.memory`, level warning so it shows under
+`--log-level warning`) with:
 
 - `rss_mib`: the process's resident set (/proc/self/status);
 - glibc's view of the C heap (`mallinfo2`, all arenas): `heap_in_use_mib` (what
   malloc handed out and was not freed), `heap_free_mib` (freed but still held by
-  malloc: fragmentation and untrimmed arena tops), `mmap_mib` (large allocations served
-  by mmap, returned to the OS on free), `arenas` (how many malloc arenas exist);
-- `gc_objects` and the object types whose count grew most since the last line;
+  malloc: fragmentation and untrimmed arena tops), `heap_mib` (both), `mmap_mib` (large
+  allocations served by mmap, returned to the OS on free), and `arenas`: [MiB held,
+  MiB free] per malloc arena, the main thread's first (each thread that allocates,
+  e.g. the engine worker, gets an arena of its own);
+- `gc_objects` (frozen start-up objects excluded) and the types whose count grew most;
 - with `tracemalloc`: the Python heap's traced size and the source lines whose
-  allocations grew most (tracemalloc slows Python code down; for diagnosis only).
+  allocations grew most (tracemalloc slows Python code down; for diagnosis only);
+- with `trim`: `malloc_trim(0)` after each line, its duration and the RSS after it —
+  how much of the RSS was memory the program had already freed.
 
 This separates a Python-level leak (object counts and traced bytes climb) from native
 growth (heap_in_use climbs with flat Python counts) and from allocator retention
-(heap_free climbs: memory freed by the program but not given back to the OS).
+(heap_free climbs: memory freed by the program but not given back to the OS). Why it
+exists: docs/memory.md, "Process memory".
 """
 
 from __future__ import annotations
@@ -66,19 +71,19 @@ def rss_bytes() -> int | None:
     return None
 
 
-def malloc_stats() -> dict[str, float]:
+def malloc_stats() -> dict[str, Any]:
     """glibc heap totals over all arenas in MiB (empty without glibc's mallinfo2)."""
     fn = getattr(LIBC, "mallinfo2", None)
     if fn is None:
         return {}
     fn.restype = _MallInfo2
     m = fn()
-    out = {"heap_in_use_mib": (m.uordblks) / MIB, "heap_free_mib": m.fordblks / MIB,
-           "mmap_mib": m.hblkhd / MIB, "heap_mib": m.arena / MIB}
-    out = {k: round(v, 1) for k, v in out.items()}
+    raw = {"heap_in_use_mib": m.uordblks, "heap_free_mib": m.fordblks, "mmap_mib": m.hblkhd,
+           "heap_mib": m.arena}
+    out: dict[str, Any] = {k: round(v / MIB, 1) for k, v in raw.items()}
     arenas = arena_stats()
     if arenas is not None:
-        out["arenas"] = arenas  # type: ignore[assignment]
+        out["arenas"] = arenas
     return out
 
 
