@@ -35,8 +35,9 @@ def check(case: dict, window: int | None = None, probs: bool = False,
         assert mass is None
 
 
+# 32, 64 and 128 take the kernel's compile-time head-dim paths; the others its generic one.
 @pytest.mark.parametrize(("hq", "hkv", "bs", "d"), [(4, 2, 4, 8), (8, 1, 8, 16), (3, 3, 16, 64),
-                                                    (6, 2, 16, 20)])
+                                                    (6, 2, 16, 20), (4, 2, 16, 32), (2, 1, 8, 128)])
 @pytest.mark.parametrize("probs", [False, True])
 def test_decode_ragged_batch(hq: int, hkv: int, bs: int, d: int, probs: bool) -> None:
     case = make_case([0, 3, 17, 40, 129], [1] * 5, hq=hq, hkv=hkv, bs=bs, d=d)

@@ -27,12 +27,14 @@ inline const float* row(const T* src, float* buf, int64_t n) {
 }
 
 // One job per sequence, all heads together: a slot's K (then V) row for every head is
-// one contiguous read, and the visible-slot list is built once.
-template <typename T>
+// one contiguous read, and the visible-slot list is built once. DC is the head dim when
+// known at compile time (0: read it at run time): fixed trip counts let the compiler
+// keep a head's dot product and output row in vector registers.
+template <typename T, int64_t DC>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t B = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv;
   const int64_t NB = table.size(1), S = NB * bs, row_len = Hkv * D;
   const T* qd = q.data_ptr<T>();
@@ -141,7 +143,12 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale, window, out, mp);
+    switch (q.size(2)) {
+      case 32: decode<scalar_t, 32>(q, k_cache, v_cache, t, p, qp, scale, window, out, mp); break;
+      case 64: decode<scalar_t, 64>(q, k_cache, v_cache, t, p, qp, scale, window, out, mp); break;
+      case 128: decode<scalar_t, 128>(q, k_cache, v_cache, t, p, qp, scale, window, out, mp); break;
+      default: decode<scalar_t, 0>(q, k_cache, v_cache, t, p, qp, scale, window, out, mp);
+    }
   });
   return {out, mass};
 }
