@@ -5,7 +5,8 @@ axis (the model has no batch dimension). Attention is the only part that needs t
 which token belongs to which request; it runs per *group* — decode rows (one query
 each) and prefill chunks (padded to the longest) — and within a group every sequence is
 attended in the same tensor call. Requests whose policy needs attention statistics go
-into their own groups, so nobody else pays for the explicit softmax.
+into their own groups, so nobody else pays for the explicit softmax. A prompt's first
+chunk with nothing cached before it needs no pool read at all: plain causal SDPA.
 """
 
 from __future__ import annotations

@@ -76,12 +76,14 @@ def prepare_model(name: str, cache: str) -> dict[str, Any]:
             "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads}
 
 
-def hf_cb_blocks(model: dict[str, Any], kv_memory: str, page: int = 256) -> int:
-    """HF continuous batching cache blocks (whole model, `page` tokens, float32) in the
-    same memory as kvserve's pool. Without a size HF takes most of the machine's RAM."""
+def hf_cb_blocks(model: dict[str, Any], kv_memory: str, page: int = 256,
+                 dtype: str = "float32") -> int:
+    """HF continuous batching cache blocks (whole model, `page` tokens) in the same
+    memory as kvserve's pool. Without a size HF takes most of the machine's RAM."""
     from kvpool.pool import parse_bytes
 
-    per_block = model["layers"] * 2 * page * model["kv_heads"] * model["head_dim"] * 4
+    elem = 4 if dtype == "float32" else 2
+    per_block = model["layers"] * 2 * page * model["kv_heads"] * model["head_dim"] * elem
     return max(2, parse_bytes(kv_memory) // per_block)
 
 
@@ -96,12 +98,12 @@ class Bench:
         if system == "kvserve":
             cmd = kvserve_cmd(model["path"], port, "--max-num-seqs", str(self.a.max_seqs),
                               "--max-num-batched-tokens", str(self.a.max_batched_tokens),
-                              *extra)
+                              "--dtype", self.a.dtype, *extra)
             ready = "/ready"
         else:
             cb = system == "transformers-cb"
-            cmd = transformers_cmd(model["path"], port, cb, *(
-                ("--cb-num-blocks", str(hf_cb_blocks(model, self.a.kv_memory)),
+            cmd = transformers_cmd(model["path"], port, cb, self.a.dtype, *(
+                ("--cb-num-blocks", str(hf_cb_blocks(model, self.a.kv_memory, dtype=self.a.dtype)),
                  "--cb-max-batch-tokens", str(self.a.max_batched_tokens)) if cb else ()))
             ready = "/health"
         log = os.path.join(self.logs, f"{model['name']}-{system}-{port}.log")
@@ -243,6 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=192)
     p.add_argument("--threads", type=int, default=1, help="OMP threads of each server")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="model (and KV) dtype of every server")
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-memory", default="2GiB",

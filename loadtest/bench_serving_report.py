@@ -136,7 +136,8 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
                    f"{st['pressure_concurrency']}; mix `{st['policy_mix']}`.")
     out.append("")
     out.append(f"Measured {env['date_utc']} on {env['cpu']} ({env['cpu_count']} cores), "
-               f"{st['threads']} thread(s) per server, torch {env['torch']}, transformers "
+               f"{st['threads']} thread(s) per server, {st.get('dtype', 'float32')} weights "
+               f"and KV cache on every server, torch {env['torch']}, transformers "
                f"{env['transformers']}, commit {str(env['git_commit'])[:10]}"
                f"{' (dirty)' if env.get('git_dirty') else ''}; load average "
                f"{env['loadavg_at_start'][0]:.2f} at start, {env['loadavg_at_end'][0]:.2f} at "

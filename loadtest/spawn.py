@@ -26,12 +26,12 @@ def kvserve_cmd(model: str, port: int, *extra: str) -> list[str]:
 
 
 def transformers_cmd(model: str, port: int, continuous_batching: bool = False,
-                     *extra: str) -> list[str]:
+                     dtype: str = "float32", *extra: str) -> list[str]:
     """`transformers serve` pinned to one local model directory, on the CPU."""
     exe = os.path.join(os.path.dirname(sys.executable), "transformers")
     cb = ["--continuous-batching"] if continuous_batching else []
     return [exe, "serve", model, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-            "--dtype", "float32", "--log-level", "warning", *cb, *extra]
+            "--dtype", dtype, "--log-level", "warning", *cb, *extra]
 
 
 def read_rss_bytes(pid: int) -> int | None:
