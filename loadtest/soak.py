@@ -33,7 +33,7 @@ import httpx
 from loadtest import prom
 from loadtest.client import ClientConfig, RequestResult, first_model, send
 from loadtest.report import environment, write_json
-from loadtest.spawn import Spawned, free_port, kvserve_cmd, read_rss_bytes
+from loadtest.spawn import Spawned, free_port, kvserve_cmd
 from loadtest.workloads import (
     LengthDist,
     TextMaker,
@@ -42,6 +42,7 @@ from loadtest.workloads import (
     load_tokenizer,
     parse_policy_mix,
 )
+from server.memwatch import rss_bytes
 
 DEFAULT_MIX = ('[[0.6, "full"], [0.2, {"name": "streaming", "sink": 4, "window": 32}], '
                '[0.2, {"name": "snapkv", "budget": 24, "obs_window": 8}]]')
@@ -82,7 +83,7 @@ class Soak:
 
     def rss_now(self) -> int | None:
         if self.pid is not None:
-            return read_rss_bytes(self.pid)
+            return rss_bytes(self.pid)
         s = prom.scrape(self.url)
         v = prom.value(s, "process_resident_memory_bytes") if s else None
         return int(v) if v is not None else None

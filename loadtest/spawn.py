@@ -34,18 +34,6 @@ def transformers_cmd(model: str, port: int, continuous_batching: bool = False,
             "--dtype", dtype, "--log-level", "warning", *cb, *extra]
 
 
-def read_rss_bytes(pid: int) -> int | None:
-    """Resident set size of a process (Linux /proc), or None."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class Spawned:
     """A server child process. `ready_path` is polled until it answers 200."""
 

@@ -59,10 +59,10 @@ def _libc() -> Any | None:
 LIBC = _libc()
 
 
-def rss_bytes() -> int | None:
-    """This process's resident set size, or None off Linux."""
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """Resident set size of a process (this one by default), or None off Linux."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1]) * 1024
