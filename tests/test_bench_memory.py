@@ -7,28 +7,18 @@ count in its environment before torch loads.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.bench_quick import run_quick
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_memory", "--quick", "--no-progress", "--out", out],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = glob.glob(os.path.join(out, "bench_memory-*.json"))
-    assert len(runs) == 1, runs
-    with open(runs[0], encoding="utf-8") as f:
-        return out, json.load(f)
+    return out, run_quick("bench_memory", out, "--no-progress")
 
 
 @pytest.mark.timeout(150)
