@@ -52,19 +52,23 @@ DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window":
 
 
 def prepare_model(name: str, cache: str) -> dict[str, Any]:
-    """`demo` (the bundled trained model) or a bench_offline config built (random
-    weights, saved once) under `cache`; returns its path and shape."""
+    """`demo` (the bundled trained model) or a bench_common config built (random
+    weights, saved once) under `cache`; returns its path and shape. The tokenizer of a
+    cached model is rewritten every time, so one saved by an older build (the byte
+    tokenizer, whose random tokens rarely decode to text) is not measured with."""
     if name == "demo":
         from server.cli import DEMO_MODEL
 
         path = str(DEMO_MODEL)
     else:
-        from loadtest.bench_offline import MODEL_CONFIGS, build_model
+        from loadtest.bench_common import MODEL_CONFIGS, build_model, save_tokenizer
 
         if name not in MODEL_CONFIGS:
             raise SystemExit(f"unknown model {name!r}: demo or one of {sorted(MODEL_CONFIGS)}")
         path = os.path.join(cache, name)
-        if not os.path.exists(os.path.join(path, "config.json")):
+        if os.path.exists(os.path.join(path, "config.json")):
+            save_tokenizer(name, path)
+        else:
             build_model(name, path)
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
