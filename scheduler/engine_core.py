@@ -142,14 +142,19 @@ class EngineCore:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                 f"exceeds the model's context length {self.max_model_len}", "max_tokens")
         bs = self.pool.block_size
+        layers = self.model_config.num_layers
         peak = total - 1  # the last sampled token is never fed back: it needs no slot
+        reserve = 0
         if policy is not None and hasattr(policy, "max_live"):
+            live = policy.max_live(total, len(prompt_ids), bs)
             # Eviction runs after each chunk, so the peak is the bound plus one chunk
             # (and a partly dead block).
             chunk = min(self.config.max_num_batched_tokens, len(prompt_ids))
-            bound = policy.max_live(total, len(prompt_ids), bs) + chunk + 2 * bs
-            peak = min(peak, bound)
-        layers = self.model_config.num_layers
+            peak = min(peak, live + chunk + 2 * bs)
+            if live + 1 < total - 1:
+                # Steady state in decode: the bound plus the step's new token, in blocks
+                # with one partly dead block at the old edge of the kept window.
+                reserve = layers * (-(-(live + 1) // bs) + 1)
         need = layers * -(-peak // bs)
         usable = self.pool.num_blocks - self.scheduler.watermark_blocks
         if layers * -(-len(prompt_ids) // bs) > usable and policy is None:
@@ -166,7 +171,8 @@ class EngineCore:
                       arrival_time if arrival_time is not None else time.monotonic(),
                       priority=priority, kv_policy=config, policy_name=config.name,
                       policy=policy, rope_shift=rope_shift, tenant=tenant,
-                      block_hashes=block_hashes(prompt_ids, bs, cache_salt))
+                      block_hashes=block_hashes(prompt_ids, bs, cache_salt),
+                      reserve_blocks=reserve)
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req

@@ -35,6 +35,10 @@ class Request:
     prefill_done: bool = False  # the last prompt token's K/V were computed
     tenant: str | None = None  # quota accounting (the API key's tenant)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache keys of the prompt
+    # Blocks (all layers) a request whose policy bounds its cache may grow to once its
+    # prompt is in; admission keeps them free for it. 0: unbounded (admitted on what it
+    # needs now, as vLLM does; it preempts or is preempted when it grows).
+    reserve_blocks: int = 0
     registered: int = 0  # prompt blocks published to (or taken from) the prefix cache
     resume_mark: int = 0  # len(output_ids) when last resumed (thrash protection)
     output_ids: list[int] = field(default_factory=list)

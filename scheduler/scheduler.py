@@ -9,6 +9,10 @@ planning, so a plan never asks the pool for more than it has.
 Memory management follows 003_12df107fdefa535c.txt:
 - watermark admission: a waiting request is admitted only if its blocks fit while
   leaving `watermark` of the pool in reserve; running requests may grow into it;
+- reservation for bounded requests: a request whose `kv_policy` bounds its cache
+  (`Request.reserve_blocks`, from the policy's `max_live`) is admitted only if it can
+  grow to that bound, and the growth still ahead of running bounded requests is kept
+  free for them; unbounded (`full`) requests are admitted on what they need now;
 - preemption when a running request cannot grow: the victim is the lowest-priority,
   most recently arrived running request (never one resumed that has not yet produced a
   token, unless nothing else is left); it is swapped to host or dropped for
@@ -159,9 +163,10 @@ class Scheduler:
         if self.swapped:  # resume the swapped before admitting anyone new
             return Plan(chunks, preempted)
         i = 0
+        reserved = self._reserved()
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
-            n = self._admit(req, budget)
+            n = self._admit(req, budget, reserved)
             if n == OVER_QUOTA:  # only this tenant waits; others may still start
                 i += 1
                 continue
@@ -170,11 +175,32 @@ class Scheduler:
             self.waiting.pop(i)
             chunks.append(self._chunk(req, n))
             budget -= n
+            reserved += self._ahead(req)
         return Plan(chunks, preempted)
 
-    def _admit(self, req: Request, budget: int) -> int:
+    def _ahead(self, req: Request) -> int:
+        """Blocks a bounded request may still grow into (0 for unbounded ones)."""
+        if not req.reserve_blocks or req.cache is None:
+            return 0
+        return max(0, req.reserve_blocks - req.cache.num_blocks)
+
+    def _reserved(self) -> int:
+        """Blocks the running bounded requests may still grow into.
+
+        Why: a request whose policy bounds its cache (streaming at a 25% budget, ...)
+        has a known steady-state size, so admitting it only when that size fits means it
+        never forces a preemption by growing; counting only what it holds now would
+        admit more than the pool can carry and recompute the newest ones later (each
+        a long re-prefill)."""
+        return sum(self._ahead(r) for r in self.running)
+
+    def _admit(self, req: Request, budget: int, reserved: int = 0) -> int:
         """Set up a waiting request's cache (prefix hits included) if it may start now;
-        returns the tokens to compute this step (0: memory is short; OVER_QUOTA)."""
+        returns the tokens to compute this step (0: memory is short; OVER_QUOTA).
+
+        Beside this step's blocks and the watermark, the blocks running bounded requests
+        may still grow into (`reserved`) and this request's own growth to its bound stay
+        free; with nothing running a request starts whatever its bound."""
         cache = SeqCache(self.pool, self.num_layers,
                          capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1)
         # A policy that scores the prompt by attention must see the prompt's queries, so
@@ -196,7 +222,10 @@ class Scheduler:
         computed = len(hits) * self.pool.block_size
         n = min(req.num_tokens - computed, budget)
         need = cache.blocks_needed(n)
-        if self.pool.num_free - need < self.watermark_blocks:
+        ahead = max(0, req.reserve_blocks - cache.num_blocks - need) if req.reserve_blocks else 0
+        if not self.running:
+            ahead = reserved = 0
+        if self.pool.num_free - need - ahead - reserved < self.watermark_blocks:
             cache.release()
             return 0
         if not self._quota_ok(req, need + cache.num_blocks):

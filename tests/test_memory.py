@@ -1,5 +1,6 @@
 """Memory management: watermark, swap/recompute preemption, prefix caching, tenants."""
 
+import json
 import random
 
 import pytest
@@ -130,6 +131,65 @@ def test_watermark_admission_and_refusal(llama):
     assert eng.num_running == 1 and eng.num_waiting == 1
     while eng.has_unfinished():
         eng.step()
+
+
+BOUNDED = [
+    {"name": "streaming", "sink": 4, "window": 60},
+    {"name": "lazy_streaming", "sink": 4, "window": 60, "compress_every": 16, "slack": 8,
+     "max_drop": 16},
+    {"name": "paged_eviction", "budget": 64},
+]
+
+
+@pytest.mark.parametrize("cfg", BOUNDED, ids=lambda c: c["name"])
+def test_bounded_requests_reserve_their_growth(llama, cfg):
+    """Requests whose policy bounds their cache are admitted only when they can grow to
+    the bound: under pressure none is preempted, none outgrows its reservation, and as
+    many run at once as the pool holds bounds (counting only their prompts would admit
+    all 12 and preempt when they grow)."""
+    layers = _layers(llama)
+    bs, n = 4, 12
+    probe = LLM(llama, num_blocks=10_000, block_size=bs).engine
+    probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=cfg)
+    reserve = probe.requests["probe"].reserve_blocks
+    assert 0 < reserve < layers * (24 + 200) // bs  # bounded well below the full cache
+    fits = 4
+    eng = LLM(llama, num_blocks=fits * reserve + layers * 8, block_size=bs, watermark=0.0).engine
+    for i in range(n):
+        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max(most, eng.num_running)
+        for r in eng.scheduler.running:
+            assert r.cache.num_blocks <= r.reserve_blocks, (r.request_id, r.cache.num_blocks)
+    assert sum(eng.stats().preemptions_total.values()) == 0
+    assert most == fits
+    assert eng.pool.num_used == 0
+
+
+def test_unbounded_requests_are_admitted_on_what_they_need_now(llama):
+    """`full` requests reserve nothing: a pool holding 2 complete caches admits more than 2
+    at once (their prompts fit) and preempts when they grow, as vLLM does."""
+    layers = _layers(llama)
+    eng = LLM(llama, num_blocks=2 * layers * (24 + 200) // 4, block_size=4, watermark=0.0).engine
+    for i in range(6):
+        eng.add_request(f"r{i}", _prompt(i, 24), _long())
+    assert all(r.reserve_blocks == 0 for r in eng.requests.values())
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max(most, eng.num_running)
+    assert most > 2 and sum(eng.stats().preemptions_total.values()) > 0
+
+
+def _layers(path) -> int:
+    with open(f"{path}/config.json") as f:
+        return json.load(f)["num_hidden_layers"]
+
+
+def _long() -> SamplingParams:
+    return SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, detokenize=False)
 
 
 def test_tenant_quota_with_burst_pool(llama):
