@@ -125,9 +125,12 @@ class SeqCache:
     def append_token(self, position: int) -> torch.Tensor:
         """`append` of one token (a decode step), returning its slots [L, 1]: two tensor
         ops while every layer has room in its tail block, instead of a gather and a
-        scatter. Called once per running request per step, so it is worth the cache."""
-        nb, nxt, bs = self.nblocks[0], self.next_slot[0], self.bs
-        if not self.uniform or nxt >= nb * bs:
+        scatter. Called once per running request per step, so it is worth the cache.
+        Layers evicted alike (streaming-style plans drop the same positions everywhere)
+        stay aligned — same blocks held, same next slot — and take this path too."""
+        nb, nxt, bs, nl = self.nblocks[0], self.next_slot[0], self.bs, self.num_layers
+        aligned = self.uniform or (self.nblocks.count(nb) == nl and self.next_slot.count(nxt) == nl)
+        if not aligned or nxt >= nb * bs:
             return self.append(torch.tensor([position]))
         t = self._tail
         if t is None or t[0] is not self.table or t[1] != self.table._version or t[2] != nb:

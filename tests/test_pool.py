@@ -105,3 +105,35 @@ def test_append_token_equals_append_and_sees_table_writes() -> None:
     fast.release()
     ref.release()
     assert pool.num_free == 400
+
+
+def test_append_token_after_alike_eviction_matches_append() -> None:
+    """Streaming-style plans drop the same positions in every layer: the layers stay
+    aligned and take the fast path, giving the slots and positions `append` gives; a
+    layer evicted on its own sends it back to the general path."""
+    pool = BlockPool(400, 4, 2, 8)
+    fast, ref = SeqCache(pool, 3), SeqCache(pool, 3)
+    for c in (fast, ref):
+        c.append(torch.arange(10))
+        c.evict_mask(torch.isin(c.slot_pos, torch.arange(2, 7)))  # every layer alike
+    assert not fast.uniform
+    general: list[int] = []
+    plain = fast.append
+    fast.append = lambda p: general.append(int(p[0])) or plain(p)  # type: ignore[method-assign]
+    for pos in range(10, 30):
+        if pos == 20:
+            assert general == [12, 16]  # aligned: only a full tail block needs `append`  # layer 1 alone loses a whole block: no longer aligned
+            for c in (fast, ref):
+                assert c.evict(1, torch.arange(8, 12)) == 1
+        got = fast.append_token(pos)
+        want = ref.append(torch.tensor([pos]))
+        slot = [int((fast.slot_pos[layer] == pos).nonzero()) for layer in range(3)]
+        assert got.flatten().tolist() == [int(fast.table[layer, s // 4]) * 4 + s % 4
+                                          for layer, s in enumerate(slot)]
+        assert torch.equal(fast.slot_pos, ref.slot_pos) and fast.live == ref.live
+        assert fast.nblocks == ref.nblocks and fast.next_slot == ref.next_slot
+        assert got.shape == want.shape == (3, 1)
+    assert general == [12, 16, *range(20, 30)]
+    fast.release()
+    ref.release()
+    assert pool.num_free == 400
