@@ -33,6 +33,9 @@ class SeqCache:
         self.nblocks = [0] * num_layers  # blocks held per layer
         self.next_slot = [0] * num_layers  # slots appended per layer (live or dead)
         self.uniform = True  # every layer holds the same slots (no eviction yet)
+        # Every layer holds the same positions in the same logical slots (evicted alike,
+        # as position-only policies do): per-layer sizes are then all live // layers.
+        self.alike = True
         self.live = 0  # live slots summed over layers
         self.swapped = False  # table holds host swap-space ids instead of pool ids
         # Decode hot path: first slot id of the tail block in every layer, [L, 1], and the
@@ -199,9 +202,10 @@ class SeqCache:
         mask[layer, slots] = True
         return self.evict_mask(mask)
 
-    def evict_mask(self, dead: torch.Tensor) -> int:
+    def evict_mask(self, dead: torch.Tensor, alike: bool = False) -> int:
         """Mark every slot where `dead` [L, capacity slots] is True dead, in all layers
-        at once; free the blocks left with no live slot. Returns blocks freed."""
+        at once; free the blocks left with no live slot. Returns blocks freed. `alike`:
+        the caller knows every row of `dead` is the same (the layers stay alike)."""
         # Only the held columns can hold live slots (the table has spare capacity).
         width = max(self.nblocks, default=0) * self.bs
         pos = self.slot_pos[:, :width]
@@ -212,6 +216,7 @@ class SeqCache:
         pos.masked_fill_(dead, -1)  # cheaper than boolean index assignment
         self.live -= n
         self.uniform = False
+        self.alike = self.alike and alike
         # Only a block that just lost a slot can have become empty: check those first.
         shape = (self.num_layers, width // self.bs, self.bs)
         touched = dead.view(shape).any(dim=2) & ~(pos.view(shape) >= 0).any(dim=2)
@@ -228,7 +233,7 @@ class SeqCache:
             return 0
         pos[dead] = -1
         self.live -= ndead
-        self.uniform = False
+        self.uniform = self.alike = False
         return self._free_dead_blocks([layer])
 
     def _free_dead_blocks(self, layers: list[int] | None = None) -> int:
@@ -281,6 +286,7 @@ class SeqCache:
         want = -(-n // bs)
         if n == self.next_slot[layer] or want > self.pool.num_free:
             return 0
+        self.alike = False  # one layer at a time
         new = self.pool.allocate(want) if want else torch.empty(0, dtype=torch.int64)
         dst = (new[:, None] * bs + torch.arange(bs)).reshape(-1)[:n]
         flat = self.pool.kv.view(2, -1, *self.pool.kv.shape[3:])
@@ -308,6 +314,7 @@ class SeqCache:
         moved = old != new
         if not bool(moved.any()):
             return
+        self.alike = False  # one layer at a time
         self._make_writable(layer, (idx[moved] // self.bs).unique())
         _, phys = self.live_slots(layer)
         k = self.pool.k_cache.view(-1, *self.pool.k_cache.shape[2:])
@@ -338,7 +345,7 @@ class SeqCache:
         self.slot_pos.fill_(-1)
         self.nblocks = [0] * self.num_layers
         self.next_slot = [0] * self.num_layers
-        self.uniform = True
+        self.uniform = self.alike = True
         self.live = 0
 
     def discard_swapped(self, swap) -> None:

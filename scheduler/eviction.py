@@ -55,7 +55,7 @@ def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
     """A `StepView` without layers: the step's sizes and each layer's live count
     (`lengths`), enough for `Policy.idle` to say whether a full view is worth building.
     `live`: `_live(cache)` if the caller already has it."""
-    if cache.uniform:  # no eviction yet: every layer holds the same slots
+    if cache.alike:  # every layer holds the same slots (no eviction yet, or alike)
         lengths = [cache.live // cache.num_layers] * cache.num_layers
     else:
         lengths = (live or _live(cache))[1].sum(dim=1).tolist()
@@ -77,7 +77,7 @@ def fill_view(view: StepView, cache: SeqCache, needs: Needs,
     sp, live = live_mask or _live(cache)
     nl, bs, lengths = cache.num_layers, cache.bs, view.lengths
     even = len(set(lengths)) == 1
-    same = cache.uniform or (even and bool((sp == sp[:1]).all()))
+    same = cache.alike or (even and bool((sp == sp[:1]).all()))
     if same:
         idx0 = live[0].nonzero().squeeze(1)
         idx = [idx0] * nl
@@ -133,7 +133,7 @@ def run_policy(cache: SeqCache, policy: Policy, attention: list[torch.Tensor] | 
                seq_len: int, prompt_len: int, num_new: int, prefill_done: bool) -> Eviction:
     """The policy's plan for this step; no view is built when the policy says from the
     step's sizes alone that it would neither act nor update its statistics (`idle`)."""
-    live = None if cache.uniform else _live(cache)
+    live = None if cache.alike else _live(cache)
     view = step_header(cache, seq_len, prompt_len, num_new, prefill_done, live)
     idle = getattr(policy, "idle", None)
     if idle is not None and idle(view):
@@ -154,8 +154,10 @@ def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,
     # Only the held columns can be live (evict_mask reads this width of `dead`).
     pos = cache.slot_pos[:, : max(cache.nblocks, default=0) * cache.bs]
     sizes = {p.numel() for p in plan.values()}
+    alike = False
     if len(plan) == cache.num_layers and all(p is first or torch.equal(p, first) for p in plan.values()):
         dead = _member(pos, first)  # the same positions in every layer: one op
+        alike = cache.alike  # and the same slots, if they were before
     elif len(plan) == cache.num_layers and len(sizes) == 1 and first.numel() <= _SMALL_PLAN:
         # one row of drops per layer (decode of a scoring policy): compare, no isin
         dead = (pos[:, :, None] == torch.stack([plan[layer] for layer in range(cache.num_layers)])[:, None, :]).any(dim=2)
@@ -164,7 +166,7 @@ def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,
         keys = torch.cat([p.to(torch.int64) + (layer << _LAYER_SHIFT) for layer, p in plan.items()])
         dead = torch.isin(pos + rows, keys)
     before = cache.live
-    out.freed_blocks += cache.evict_mask(dead)
+    out.freed_blocks += cache.evict_mask(dead, alike)
     out.evicted_slots += before - cache.live
     for layer in plan:
         if compact:

@@ -81,6 +81,9 @@ def test_mixed_batch_of_every_policy_stays_within_budget(model):
             blocks[r.request_id] = max(blocks.get(r.request_id, 0), per_layer)
         if steps % 50 == 0:
             eng.check_invariants()
+            for r in eng.scheduler.running:  # `alike` caches really hold one layout
+                sp = r.cache.slot_pos
+                assert not r.cache.alike or bool((sp == sp[:1]).all()), r.request_id
         for o in outs:
             if o.finished:
                 finished[o.request_id] = o
