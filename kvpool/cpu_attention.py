@@ -6,6 +6,9 @@ copying every sequence's blocks into a padded tensor (`gather_blocks`) and build
 mask, once per layer per step — 28-37% of a decode step in the issue-2 profile. The
 kernel walks each sequence's block table, skips invisible slots, and keeps one softmax
 per (sequence, kv head) in fp32, so ragged lengths cost nothing and no copy is made.
+Built with -march=native, it takes an AVX-512 path where the CPU has one (head dims
+16/32/64/128: 16 slots' scores per step, GQA heads sharing each K and V load, rows
+prefetched ahead) and a portable loop elsewhere; the same source builds on both.
 
 Prefill chunks (many queries per sequence) stay on the torch path, where SDPA's matrix
 products pay off. The build needs a C++ compiler (torch.utils.cpp_extension, cached
