@@ -8,7 +8,9 @@ A full-cache request holds `num_layers` blocks per logical block of tokens.
 
 from __future__ import annotations
 
+import ctypes
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -26,6 +28,32 @@ def parse_bytes(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse a byte size from {text!r} (e.g. '2GiB', '512MB')")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back a large, not yet touched CPU tensor with 2 MiB pages.
+
+    Why: decode reads blocks scattered over the whole pool, and with 4 KiB pages nearly
+    every block is a TLB miss (measured: the CPU decode kernel ~10% faster on a 3m-model
+    batch with huge pages). Where transparent huge pages are `madvise`-only (a common
+    default) the pool must ask; `always` needs nothing and `never` ignores it. Best
+    effort: returns whether the kernel accepted the advice."""
+    if t.device.type != "cpu" or sys.platform != "linux" or t.nbytes < 2 * _HUGE_PAGE:
+        return False
+    start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (t.data_ptr() + t.nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                            _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class PoolExhausted(RuntimeError):
@@ -59,7 +87,9 @@ class BlockPool:
         # blocks are first used (a soak would read that as a leak). Touch it all now:
         # the pool's memory is reserved at start-up, as operators expect.
         self.kv = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim,
-                              dtype=dtype, device=device).zero_()
+                              dtype=dtype, device=device)
+        advise_huge_pages(self.kv)
+        self.kv.zero_()
         self.ref = torch.zeros(num_blocks, dtype=torch.int32)
         # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))

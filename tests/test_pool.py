@@ -1,5 +1,7 @@
 """Block pool and per-request slot lists: accounting and invariants."""
 
+import os
+
 import pytest
 import torch
 
@@ -153,3 +155,32 @@ def test_alike_flag_tracks_layers_evicted_the_same() -> None:
     assert not c.alike
     c.release()
     assert c.alike and pool.num_free == 400
+
+
+def _anon_huge_kib(addr: int) -> int:
+    """AnonHugePages of the mapping that holds `addr` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_mode() -> str:
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(path):
+        return "never"
+    with open(path) as f:
+        return f.read().split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="no transparent huge pages here")
+def test_pool_memory_is_backed_by_huge_pages() -> None:
+    pool = BlockPool(4096, 16, 2, 64)  # 64 MiB of K/V
+    assert pool.kv.nbytes == 64 << 20
+    assert _anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2) >= 16 << 10
