@@ -251,6 +251,13 @@ def save_json(report: dict, out_dir: str, name: str, results: str) -> str:
     return run_path
 
 
+def links(report: dict, name: str) -> tuple[str, str]:
+    """(results JSON, plot) as the doc links them: where `publish` wrote them, relative
+    to the doc, else the default docs/ layout."""
+    got = report.get("links", {})
+    return got.get("results", f"results/{name}.json"), got.get("plot", f"img/{name}.png")
+
+
 def environment_line(report: dict, results_link: str) -> str:
     """'Measured <date> on <cpu> …' with the dirty-tree marker and the load average."""
     fp = report["fingerprint"]
@@ -282,6 +289,9 @@ def publish(report: dict, args, name: str, heading: str, render, plot) -> None:
     """The common end of a benchmark run: JSON (runs/ and docs/results/), the doc's
     generated block, the plot, and one line saying where they went."""
     report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
+    here = os.path.dirname(os.path.abspath(args.doc))
+    report["links"] = {k: os.path.relpath(os.path.abspath(v), here)
+                       for k, v in (("results", args.results), ("plot", args.plot))}
     run_path = save_json(report, args.out, name, args.results)
     begin, end = markers(name)
     update_doc(args.doc, render(report), heading, begin, end)

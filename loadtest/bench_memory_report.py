@@ -100,8 +100,9 @@ def render(report: dict) -> str:
         lines += _pressure(report["pressure"], params[st["pressure_model"]], st)
     lines += ["", "Latency: end to end per request (submission → final output seen); all "
               "requests arrive at once, so it includes queueing. Random-weight models, greedy.",
-              "", bc.environment_line(report, "results/bench_memory.json"), "",
-              "```bash", report["command"], "```", "", "![memory management](img/bench_memory.png)"]
+              "", bc.environment_line(report, bc.links(report, "bench_memory")[0]), "",
+              "```bash", report["command"], "```", "",
+              f"![memory management]({bc.links(report, 'bench_memory')[1]})"]
     return "\n".join(lines)
 
 

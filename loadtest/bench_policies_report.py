@@ -103,13 +103,19 @@ def render(report: dict) -> str:
     if "quality" in report:
         lines += _quality(report["quality"])
     model = f"{st['model']} ({report['params'] / 1e6:.2f}M params)" if "params" in report else "—"
+    if (st["prompt"], st["gen"]) == (512, 3584):
+        size = "At the issue's lengths (prompt 512 + gen 3584, pool of 8 × 4,096-token requests)."
+    else:
+        size = (f"Shortened from the issue (prompt 512 + gen 3584, pool of 8 × 4,096-token "
+                f"requests) to prompt {st['prompt']} + gen {st['gen']}, with the pool and budgets "
+                f"scaled to prompt + gen (same proportions: {st['fit']} full requests, "
+                f"{st['budget']:.0%} budget).")
+    results, plot_path = bc.links(report, "bench_policies")
     lines += [
-        "", f"Random-weight model for throughput and overhead: {model}. Shortened from the issue "
-        f"(prompt 512 + gen 3584, pool of 8 × 4,096-token requests) to prompt {st['prompt']} + "
-        f"gen {st['gen']}, with the pool and budgets scaled to prompt + gen (same proportions: "
-        f"{st['fit']} full requests, {st['budget']:.0%} budget). This run took {report['bench_wall_s'] / 60:.1f} min.", "",
-        bc.environment_line(report, "results/bench_policies.json"), "",
-        "```bash", report["command"], "```", "", "![KV eviction policies](img/bench_policies.png)"]
+        "", f"Random-weight model for throughput and overhead: {model}. {size} This run took "
+        f"{report['bench_wall_s'] / 60:.1f} min.", "",
+        bc.environment_line(report, results), "",
+        "```bash", report["command"], "```", "", f"![KV eviction policies]({plot_path})"]
     return "\n".join(lines)
 
 
