@@ -15,6 +15,7 @@ import torch
 from engine.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
+_NO_ROWS = torch.empty(0)  # placeholder parameters of an all-greedy batch
 
 
 @dataclass
@@ -34,9 +35,15 @@ class SamplingBatch:
     @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SamplingBatch:
         temps = [p.temperature for p in params]
+        lps = [p.logprobs for p in params if p.logprobs is not None]
+        if not any(temps):
+            # Every row greedy (the common offline case): `sample` reads no parameter
+            # tensor, so none is built — six small tensors a step saved.
+            none = _NO_ROWS
+            return SamplingBatch(none, none, none, none, none, none, all_greedy=True,
+                                 needs_sort=False, max_logprobs=max(lps) if lps else None)
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
-        lps = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingBatch(
             temperature=torch.tensor(temps, dtype=torch.float32),
             top_p=torch.tensor(top_p, dtype=torch.float32),

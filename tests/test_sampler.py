@@ -20,6 +20,18 @@ def test_greedy_and_degenerate_truncations_equal_argmax():
     assert torch.equal(sample(logits, _batch(params)), logits.argmax(-1))
 
 
+def test_all_greedy_batch_builds_no_parameter_tensors():
+    """Every row greedy: no per-row parameter tensor is built, the tokens are the argmax,
+    and the largest logprobs request still reaches the engine."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=0, logprobs=k) for k in (None, 2, 5, None)]
+    b = _batch(params)
+    assert b.all_greedy and b.max_logprobs == 5 and b.seed.numel() == 0
+    assert torch.equal(sample(logits, b), logits.argmax(-1))
+    mixed = _batch([SamplingParams(temperature=0), SamplingParams(temperature=0.5)])
+    assert not mixed.all_greedy and mixed.seed.numel() == 2
+
+
 def test_seeded_rows_do_not_depend_on_batch_neighbours():
     torch.manual_seed(1)
     logits = torch.randn(4, 100)
