@@ -163,7 +163,7 @@ class Scheduler:
         if self.swapped:  # resume the swapped before admitting anyone new
             return Plan(chunks, preempted)
         i = 0
-        reserved = self._reserved()
+        reserved = self._reserved() if self.waiting else 0  # a loop over running: only if needed
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             n = self._admit(req, budget, reserved)
