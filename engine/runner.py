@@ -30,7 +30,9 @@ class SeqInput:
 
     token_ids: list[int]  # the tokens computed this step (a prefill chunk or one token)
     start_pos: int  # original position of token_ids[0]
-    slots: torch.Tensor  # [L, n] pool slots to write K/V to (from SeqCache.append)
+    # Pool slots to write K/V to: [L, n] from SeqCache.append, or a decode token's one
+    # slot per layer from SeqCache.append_token.
+    slots: torch.Tensor | list[int]
     cache: SeqCache
     wants_logits: bool  # the chunk reaches the end of the known tokens
     wants_attention: bool = False  # return per-slot attention mass (eviction policies)
@@ -53,6 +55,9 @@ class _Group:
     tables: torch.Tensor  # [L, B, NB]
     slot_pos: torch.Tensor  # [L, B, NB*bs]
     want_probs: bool
+    # Decode rows of the whole step in input order (a decode-only step with one group):
+    # attention takes q as it is and its output is the layer's, no gather or scatter.
+    whole: bool = False
 
 
 def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
@@ -106,6 +111,15 @@ def _split_by_length(members: list[int], inputs: list[SeqInput]) -> list[list[in
     return out
 
 
+def _write_slots(inputs: list[SeqInput]) -> torch.Tensor:
+    """[L, T] pool slots of the packed token axis; a decode-only step (the common one)
+    becomes one tensor from the requests' int slots."""
+    if all(isinstance(s.slots, list) for s in inputs):
+        return torch.tensor([s.slots for s in inputs]).t()
+    return torch.cat([torch.tensor(s.slots)[:, None] if isinstance(s.slots, list) else s.slots
+                      for s in inputs], dim=1)
+
+
 def _fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]:
     """Inputs that are a prompt's first chunk with nothing else cached (no prefix hit),
     needing no attention statistics and no sliding window shorter than the chunk: their
@@ -140,7 +154,7 @@ class ModelRunner:
             pos.append(torch.arange(s.start_pos, s.start_pos + len(s.token_ids)))
         input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
         positions = torch.cat(pos).to(dev)
-        write_slots = torch.cat([s.slots for s in inputs], dim=1).to(dev)  # [L, T]
+        write_slots = _write_slots(inputs).to(dev)  # [L, T]
 
         windows = cfg.sliding_windows
         fresh = _fresh_prompts(inputs, windows)
@@ -157,6 +171,9 @@ class ModelRunner:
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
         groups = [_to(g, dev) for g in groups]
+        if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
+                and groups[0].q_index.shape[1] == 1):
+            groups[0].whole = True
         attention: dict[int, list[torch.Tensor]] = {
             i: [] for i, s in enumerate(inputs) if s.wants_attention
         }
@@ -166,17 +183,22 @@ class ModelRunner:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_flat[write_slots[layer]] = k.to(k_flat.dtype)
             v_flat[write_slots[layer]] = v.to(v_flat.dtype)
-            out = torch.empty_like(q)
+            whole = bool(groups) and groups[0].whole
+            out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
                 out[a : a + n] = causal_self_attention(q[a : a + n], k[a : a + n],
                                                        v[a : a + n], self.scale)
             for g in groups:
                 o, probs = self.attention_fn(
-                    q[g.q_index], self.pool.k_cache, self.pool.v_cache, g.tables[layer],
-                    g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs,
+                    q[:, None] if whole else q[g.q_index], self.pool.k_cache,
+                    self.pool.v_cache, g.tables[layer], g.slot_pos[layer], g.q_pos,
+                    self.scale, windows[layer], g.want_probs,
                 )
-                out[g.q_index[g.valid]] = o[g.valid]
+                if whole:
+                    out = o[:, 0]
+                else:
+                    out[g.q_index[g.valid]] = o[g.valid]
                 if probs is not None:
                     for row, i in enumerate(g.members):
                         n = len(inputs[i].token_ids)
@@ -188,7 +210,9 @@ class ModelRunner:
         # tables) outlive the step and are updated in place later.
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, attn)
-            logits = self.model.compute_logits(hidden[torch.tensor(last, dtype=torch.int64, device=dev)])
+            if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)
+                hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
+            logits = self.model.compute_logits(hidden)
         return StepOutput(logits=logits.float().cpu(), attention=attention)
 
 

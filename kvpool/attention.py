@@ -58,6 +58,12 @@ def paged_attention(
     (original token position of each slot, -1 when empty or evicted);
     q_pos: [B, Tq] (PAD_QUERY_POS for padding rows).
 
+    The caches may hold another floating dtype than q: a pool narrower than the model
+    (`kv_cache_dtype`, e.g. bf16 under an fp32 model) halves the bytes decode reads. The
+    gathered keys and values are cast to q's dtype (the gather copies anyway), so a
+    narrow pool rounds what is stored but never the maths: that runs in q's dtype (SDPA)
+    or in fp32 (`return_probs`).
+
     Returns out [B, Tq, Hq, D] in q's dtype and, when `return_probs`, the attention
     probability of every slot summed over the query heads of its kv group:
     [B, Tq, Hkv, NB*block_size] float32 (zero on invisible slots). Eviction policies
@@ -69,6 +75,8 @@ def paged_attention(
     k = gather_blocks(k_cache, table)  # [B, S, Hkv, D]
     v = gather_blocks(v_cache, table)
     mask = visible_mask(slot_pos, q_pos, window)  # [B, Tq, S]
+    if not return_probs:  # SDPA wants one dtype; no copy when the pool's is q's
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if not return_probs and tq == 1 and g > 1:
         # Decode under GQA: the G query heads of a kv head become G query rows against
         # that head's keys (same mask). CPU SDPA runs this ~2x faster than enable_gqa.
@@ -101,8 +109,10 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """A prompt chunk with nothing cached before it attends only to its own keys:
     q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] by plain causal SDPA (the fused kernel,
     no block gather, no [T, S] mask). About half of a 3M model's prefill time went to
-    gathering and masking before this existed."""
+    gathering and masking before this existed. k/v in another dtype (read back from a
+    narrower pool) are cast to q's, as in `paged_attention`."""
     g = q.shape[1] // k.shape[1]
+    k, v = k.to(q.dtype), v.to(q.dtype)
     # 4-D inputs: with 3-D ones CPU SDPA leaves its fused kernel (~3x slower).
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                          v.transpose(0, 1)[None], is_causal=True,

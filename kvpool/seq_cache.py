@@ -38,9 +38,9 @@ class SeqCache:
         self.alike = True
         self.live = 0  # live slots summed over layers
         self.swapped = False  # table holds host swap-space ids instead of pool ids
-        # Decode hot path: first slot id of the tail block in every layer, [L, 1], and the
-        # table (object, version) it was read from; any write to the table invalidates it.
-        self._tail: tuple[torch.Tensor, int, int, torch.Tensor] | None = None
+        # Decode hot path: first slot id of the tail block in every layer, and the table
+        # (object, version) it was read from; any write to the table invalidates it.
+        self._tail: tuple[torch.Tensor, int, int, list[int]] | None = None
 
     # ---- sizes -------------------------------------------------------------------
     @property
@@ -125,24 +125,34 @@ class SeqCache:
         self.table, self.slot_pos = table, pos
 
     # ---- growth ------------------------------------------------------------------
-    def append_token(self, position: int) -> torch.Tensor:
-        """`append` of one token (a decode step), returning its slots [L, 1]: two tensor
-        ops while every layer has room in its tail block, instead of a gather and a
-        scatter. Called once per running request per step, so it is worth the cache.
-        Layers evicted alike (streaming-style plans drop the same positions everywhere)
-        stay aligned — same blocks held, same next slot — and take this path too."""
+    def append_token(self, position: int) -> list[int]:
+        """`append` of one token (a decode step), returning its slot in each layer as
+        ints: while every layer has room in its tail block that is one tensor op (the
+        position) and a few int adds, instead of a gather and a scatter — called once
+        per running request per step, and the runner turns all requests' slots into
+        one tensor. Layers evicted alike (streaming-style plans drop the same positions
+        everywhere) stay aligned — same blocks held, same next slot — and take this
+        path too."""
         nb, nxt, bs, nl = self.nblocks[0], self.next_slot[0], self.bs, self.num_layers
         aligned = self.uniform or (self.nblocks.count(nb) == nl and self.next_slot.count(nxt) == nl)
-        if not aligned or nxt >= nb * bs:
-            return self.append(torch.tensor([position]))
+        if not aligned:
+            return self.append(torch.tensor([position])).view(-1).tolist()
+        if nxt >= nb * bs:  # every tail block is full: one new block per layer
+            ids = self.pool.allocate(nl)  # raises PoolExhausted before any change
+            self.ensure_capacity(nb + 1)
+            self.table[:, nb] = ids
+            self.nblocks = [nb + 1] * nl
+            nb += 1
+            self._tail = (self.table, self.table._version, nb, (ids * bs).tolist())
         t = self._tail
         if t is None or t[0] is not self.table or t[1] != self.table._version or t[2] != nb:
-            base = self.table[:, nb - 1 : nb] * bs
-            self._tail = t = (self.table, self.table._version, nb, base)
+            bases = (self.table[:, nb - 1] * bs).tolist()
+            self._tail = t = (self.table, self.table._version, nb, bases)
         self.slot_pos.select(1, nxt).fill_(position)
-        self.next_slot = [nxt + 1] * self.num_layers
-        self.live += self.num_layers
-        return t[3] + (nxt - (nb - 1) * bs)
+        self.next_slot = [nxt + 1] * nl
+        self.live += nl
+        off = nxt - (nb - 1) * bs
+        return [b + off for b in t[3]]
 
     def append(self, positions: torch.Tensor) -> torch.Tensor:
         """Give n new tokens (original `positions`, [n]) a slot in every layer.

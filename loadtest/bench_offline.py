@@ -331,19 +331,22 @@ _PROFILE_POINTS = (
 )
 
 
-def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16) -> dict[str, object]:
+def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16,
+                   plain_steps: int = 96) -> dict[str, object]:
     """Profile decode steps with exactly `max_seqs` requests running.
 
     The timed workload has that state only briefly (short requests finish while long
     prompts are still prefilling), so this drives the engine by hand: the same prompts,
     each asking for enough tokens to outlive the profile, stepped until all decode. Then
-    `steps` plain steps (StepStats), `steps` under cProfile (Python call tree) and
-    `steps` under torch.profiler (which aten ops); the requests are aborted afterwards.
+    `plain_steps` plain steps (StepStats: the table's share; many, because the share of
+    a 15 ms step moves by ~1 pp between runs of 16), `steps` under cProfile (Python call
+    tree) and `steps` under torch.profiler (which aten ops); the requests are aborted
+    afterwards.
     """
     from engine.sampling import SamplingParams
 
     eng = kv.llm.engine
-    n = 3 * steps + 64  # enough that nobody finishes: prefill steps + three profiled runs
+    n = plain_steps + 2 * steps + 64  # nobody finishes: prefill steps + three profiled runs
     ids = [f"profile-{i}" for i in range(max_seqs)]
     for rid, p in zip(ids, w.prompts[:max_seqs]):
         eng.add_request(rid, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True,
@@ -352,7 +355,7 @@ def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16) -> 
     while not kv.steps or kv.steps[-1].num_prefill_tokens or kv.steps[-1].num_seqs < max_seqs:
         eng.step()
     kv.steps.clear()
-    for _ in range(steps):
+    for _ in range(plain_steps):
         eng.step()
     plain = step_overhead(list(kv.steps), max_seqs)[f"decode_{max_seqs}_running"]
     prof = cProfile.Profile()
@@ -378,7 +381,8 @@ def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16) -> 
         eng.abort_request(rid)
     kv.steps.clear()
     return {
-        "running": max_seqs, "steps_each": steps, "plain_steps": plain,
+        "running": max_seqs, "steps_each": steps, "plain_steps_each": plain_steps,
+        "plain_steps": plain,
         "cprofile_ms_per_step": 1e3 * total / steps, "cprofile_points": points,
         "cprofile_top_tottime": [
             {"func": f"{os.path.relpath(k[0]) if k[0].startswith('/') else k[0]}:{k[1]}({k[2]})",

@@ -42,10 +42,11 @@ NAME = "bench_policies"
 DOC_HEADING = "## KV eviction policies under memory pressure (issue 5)"
 
 
-def _engine(path: str, num_blocks: int, max_seqs: int) -> EngineCore:
+def _engine(path: str, num_blocks: int, max_seqs: int, kv_dtype: str) -> EngineCore:
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
-                                   max_num_batched_tokens=2048, enable_prefix_caching=False))
+                                   max_num_batched_tokens=2048, enable_prefix_caching=False,
+                                   kv_cache_dtype=kv_dtype))
 
 
 def _submit(eng: EngineCore, n: int, prompt: int, gen: int, vocab: int, kv: object,
@@ -67,7 +68,7 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
                  "full_requests_fit": blocks // (layers * math.ceil(ctx / 16)), "policies": {}}
     for name in ("full", *args.policies):
         kv = policy_config(name, budget)
-        eng = _engine(path, blocks, args.requests)
+        eng = _engine(path, blocks, args.requests, args.kv_cache_dtype)
         _submit(eng, 2, 16, 4, vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
         _submit(eng, args.requests, args.prompt, args.gen, vocab, kv, args.seed, name)
@@ -107,7 +108,7 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     blocks = n * layers * (math.ceil((args.prompt + steps) / 16) + 2)
     out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget, "policies": {}}
     for name in ("full", *args.policies):
-        eng = _engine(path, blocks, n)
+        eng = _engine(path, blocks, n, args.kv_cache_dtype)
         kv = policy_config(name, budget)
         _submit(eng, n, args.prompt, steps, vocab, kv, args.seed, name)
         d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
@@ -146,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=512, help="issue: 3584 (= 4096 - 512)")
     p.add_argument("--budget", type=float, default=0.25, help="of prompt + gen")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="pool dtype for parts 1-2 (auto: the model's fp32; bfloat16 halves "
+                        "the K/V bytes a decode step reads)")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-steps", type=int, default=64)
     p.add_argument("--demo-model", default="engine/demo/model")
@@ -177,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "prompt", "gen", "budget", "policies", "seed",
+                        "model", "requests", "fit", "prompt", "gen", "budget", "kv_cache_dtype",
+                        "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
                         "needle_tasks", "demo_model", "threads"))

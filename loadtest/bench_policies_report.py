@@ -21,12 +21,18 @@ def _params(kv: object) -> str:
     return ", ".join(f"{k} {v}" for k, v in kv.items() if k != "name")  # type: ignore[union-attr]
 
 
+def _kv_dtype(st: dict) -> str:
+    dt = st.get("kv_cache_dtype", "auto")  # reports from before the option: the model's
+    return "K/V in the model's dtype" if dt == "auto" else f"K/V stored as {dt}"
+
+
 def _throughput(t: dict, st: dict) -> list[str]:
     best = max((r["tok_s_vs_full"] or 0 for n, r in t["policies"].items() if n != "full"),
                default=0.0)
     lines = [
         f"**Capacity and throughput.** {st['requests']} requests, prompt {st['prompt']} tokens, "
-        f"{st['gen']} generated each (EOS ignored, greedy); pool of {t['num_blocks']} blocks = "
+        f"{st['gen']} generated each (EOS ignored, greedy); pool of {t['num_blocks']} blocks "
+        f"({_kv_dtype(st)}) = "
         f"{t['full_requests_fit']} full-cache requests of {t['context']} tokens; every policy at "
         f"{t['budget_tokens']} tokens ({st['budget']:.0%} of {t['context']}). Best policy / full: "
         f"{best:.2f}× output tokens/s ({'met' if best >= TARGET else 'MISSED'}: ≥ {TARGET:.0f}×).",

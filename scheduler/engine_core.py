@@ -45,6 +45,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class EngineConfig:
     model: str
     dtype: str = "auto"  # auto = the checkpoint's dtype
+    kv_cache_dtype: str = "auto"  # auto = the model's dtype; narrower halves K/V bytes
     device: str = "auto"  # auto = cuda when available
     block_size: int = 16
     num_blocks: int | None = None  # wins over kv_cache_memory
@@ -71,14 +72,20 @@ class EngineCore:
         dev = config.device
         self.device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available()
                                    else ("cpu" if dev == "auto" else dev))
-        if config.dtype != "auto" and config.dtype not in _DTYPES:
-            raise ValueError(f"unknown dtype {config.dtype!r}; use one of {sorted(_DTYPES)}")
+        for name in ("dtype", "kv_cache_dtype"):
+            value = getattr(config, name)
+            if value != "auto" and value not in _DTYPES:
+                raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(_DTYPES)}")
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        kv_dtype = next(self.model.parameters()).dtype
+        # The pool may be narrower than the model (vLLM's --kv-cache-dtype): K/V are
+        # rounded once when written and widened to fp32 inside attention, so decode reads
+        # half the bytes of an fp32 pool.
+        kv_dtype = (next(self.model.parameters()).dtype if config.kv_cache_dtype == "auto"
+                    else _DTYPES[config.kv_cache_dtype])
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:

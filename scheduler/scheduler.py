@@ -47,7 +47,7 @@ class Chunk:
     request: Request
     start: int  # first token (by count of tokens computed) computed this step
     num_tokens: int
-    slots: torch.Tensor  # [L, num_tokens]
+    slots: torch.Tensor | list[int]  # [L, num_tokens]; a decode token's: one per layer
 
     @property
     def completes(self) -> bool:

@@ -39,6 +39,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help=f"checkpoint directory (default {DEMO_MODEL})")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model's dtype) | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
@@ -58,8 +60,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(dtype=a.dtype, device=a.device, block_size=a.block_size,
-                num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
+    return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device,
+                block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
                 max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 max_model_len=a.max_model_len, seed=a.seed,
                 default_kv_policy=a.default_kv_policy, preemption_mode=a.preemption_mode,

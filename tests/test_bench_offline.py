@@ -54,7 +54,7 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
     steps = m["kvserve_step_overhead"]["all_steps"]
     assert steps["steps"] > 0 and 0 <= steps["outside_forward_share"] < 1
     prof = m["kvserve_profile"]
-    assert prof["plain_steps"]["steps"] == prof["steps_each"]  # every profiled step at 8 running
+    assert prof["plain_steps"]["steps"] == prof["plain_steps_each"]  # every plain step at 8 running
     assert prof["cprofile_points"] and prof["torch_ops_top_self_cpu"]
 
 

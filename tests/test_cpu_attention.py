@@ -2,13 +2,16 @@
 
 The kernel is built once per test session (about 20 s; cached on disk afterwards). Cases
 cross what the kernel must get right: ragged lengths in one batch, GQA groups, evicted
-slots and -1 table columns, sliding windows, 16-bit caches, strided queries, attention
-mass for policies, and the fallback for prefill rows and for a missing compiler.
+slots and -1 table columns, sliding windows, 16-bit caches (under 16-bit queries, and
+under fp32 ones: a pool narrower than the model), strided queries, attention mass for
+policies, and the fallback for prefill rows and for a missing compiler. Last, the torch
+path itself over a narrow pool: it is the fallback, so those tests run without a compiler.
 
 With AVX-512 the kernel has a vector path for head dims 16/32/64/128 (query heads taken
 1, 2 or 4 at a time by GQA group) and a portable one for the rest, so the semantic cases
 run at d=8 (portable) and at vector-path shapes, including the 3m benchmark's (8 query
-heads, 2 kv heads, d=32, blocks of 16).
+heads, 2 kv heads, d=32, blocks of 16). 16-bit K rows are read in chunks of 16 / GC
+values when GC heads share them, so the GQA shapes cover every chunk width (4, 8, 16).
 """
 
 from __future__ import annotations
@@ -16,17 +19,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool import cpu_attention
-from kvpool.attention import paged_attention
+from kvpool import cpu_attention, native
+from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.cpu_attention import paged_attention_cpu
 from tests.attention_cases import make_case
 
-pytestmark = pytest.mark.skipif(not cpu_attention.kernel_available(),
-                                reason="no C++ compiler for the CPU kernel")
+needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
+                                  reason="no C++ compiler for the CPU kernel")
 
 
 def check(case: dict, window: int | None = None, probs: bool = False,
           atol: float = 1e-5) -> None:
+    """The kernel against the torch path run in fp32 on the same (widened) cache values."""
     out, mass = paged_attention_cpu(**case, window=window, return_probs=probs)
     ref_case = {k: (v.float() if k in ("q", "k_cache", "v_cache") else v)
                 for k, v in case.items()}
@@ -41,6 +45,7 @@ def check(case: dict, window: int | None = None, probs: bool = False,
 
 
 # 32, 64 and 128 take the kernel's compile-time head-dim paths; the others its generic one.
+@needs_kernel
 @pytest.mark.parametrize(("hq", "hkv", "bs", "d"), [(4, 2, 4, 8), (8, 1, 8, 16), (3, 3, 16, 64),
                                                     (6, 2, 16, 20), (4, 2, 16, 32), (2, 1, 8, 128)])
 @pytest.mark.parametrize("probs", [False, True])
@@ -54,6 +59,7 @@ def test_decode_ragged_batch(hq: int, hkv: int, bs: int, d: int, probs: bool) ->
 SHAPES = [(4, 2, 8, 4), (8, 2, 32, 16), (4, 4, 64, 16), (4, 2, 32, 8)]
 
 
+@needs_kernel
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
 @pytest.mark.parametrize("window", [None, 1, 6, 40])
 def test_evicted_slots_padded_table_and_window(hq: int, hkv: int, d: int, bs: int,
@@ -65,6 +71,7 @@ def test_evicted_slots_padded_table_and_window(hq: int, hkv: int, d: int, bs: in
     check(case, window=window, probs=True)
 
 
+@needs_kernel
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
 def test_invisible_slots_are_never_read(hq: int, hkv: int, d: int, bs: int) -> None:
     """Evicted slots, a last block's unwritten tail and unused blocks may hold anything
@@ -90,6 +97,7 @@ def test_invisible_slots_are_never_read(hq: int, hkv: int, d: int, bs: int) -> N
     assert torch.equal(out, ref) and torch.equal(mass, ref_mass)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 8), (8, 2, 32), (2, 2, 64)])
 def test_half_caches_accumulate_in_fp32(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
@@ -97,6 +105,7 @@ def test_half_caches_accumulate_in_fp32(dtype: torch.dtype, hq: int, hkv: int, d
     check(case, probs=True, atol=2e-2)
 
 
+@needs_kernel
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
 def test_row_with_no_visible_slot_is_zero(hq: int, hkv: int, d: int, bs: int) -> None:
     case = make_case([5, 5], [1, 1], evict={1: list(range(6))}, hq=hq, hkv=hkv, d=d, bs=bs)
@@ -105,6 +114,7 @@ def test_row_with_no_visible_slot_is_zero(hq: int, hkv: int, d: int, bs: int) ->
     assert torch.all(out[0] != 0)
 
 
+@needs_kernel
 def test_prefill_rows_take_the_torch_path() -> None:
     case = make_case([4, 0], [3, 5])
     out, mass = paged_attention_cpu(**case, return_probs=True)
@@ -112,14 +122,138 @@ def test_prefill_rows_take_the_torch_path() -> None:
     assert torch.equal(out, ref) and torch.equal(mass, ref_mass)
 
 
+def narrow_pool(case: dict, dtype: torch.dtype) -> dict:
+    """The case with its caches rounded to `dtype` and q left as it is."""
+    return {**case, "k_cache": case["k_cache"].to(dtype), "v_cache": case["v_cache"].to(dtype)}
+
+
+# (hq, hkv, d, bs) -> heads per K load (GC) and 16-bit chunk width (16 / GC) with AVX-512:
+# portable (d=8, d=20); d=16 G=4 (GC 4, chunks of 4) with blocks of 8; d=32 G=4 (GC 4,
+# the 3m shape); d=32 G=2 (GC 2, chunks of 8); d=32 G=3 (GC 1, whole rows); d=64 G=2
+# (GC 2); d=128 MHA.
+MIXED_SHAPES = [(4, 2, 8, 4), (6, 2, 20, 16), (8, 2, 16, 8), (8, 2, 32, 16), (4, 2, 32, 16),
+                (6, 2, 32, 16), (4, 2, 64, 16), (2, 2, 128, 8)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), MIXED_SHAPES)
+@pytest.mark.parametrize(("window", "probs"), [(None, False), (None, True), (7, True)])
+def test_fp32_queries_over_a_narrow_pool(kv_dtype: torch.dtype, hq: int, hkv: int, d: int,
+                                         bs: int, window: int | None, probs: bool) -> None:
+    """fp32 q over a bf16/fp16 pool (`kv_cache_dtype`): the kernel widens each K/V value
+    exactly and computes in fp32, so it matches the fp32 torch path on the widened
+    caches as tightly as the all-fp32 kernel does; output stays fp32. Odd lengths,
+    evicted slots, a -1 table tail and lengths across several 16-slot tiles."""
+    evict = {0: [0, 4, 5], 1: [1, 2, 3, 29], 3: [*range(10, 30), 50, 90]}
+    case = make_case([9, 30, 0, 99], [1] * 4, evict=evict, extra_blocks=2, hq=hq, hkv=hkv,
+                     d=d, bs=bs)
+    check(narrow_pool(case, kv_dtype), window=window, probs=probs)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.bfloat16, torch.float16),
+                                                   (torch.float16, torch.bfloat16),
+                                                   (torch.float64, torch.float32)])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 8), (8, 2, 32)])
+def test_other_dtype_pairs(q_dtype: torch.dtype, kv_dtype: torch.dtype, hq: int, hkv: int,
+                           d: int) -> None:
+    """q's dtype is a run-time switch in the kernel, so every pair works; the output is
+    rounded to q's dtype once, at the end."""
+    case = make_case([31, 7, 60], [1, 1, 1], hq=hq, hkv=hkv, d=d, bs=16)
+    case = narrow_pool({**case, "q": case["q"].to(q_dtype)}, kv_dtype)
+    check(case, probs=True, atol=1e-2 if q_dtype.itemsize == 2 else 1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float32, torch.float32),
+                                                   (torch.float32, torch.bfloat16),
+                                                   (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(4, 2, 8, 4), (8, 2, 32, 16)])
+def test_narrow_pool_invisible_slots_and_empty_rows(q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                                                    hq: int, hkv: int, d: int, bs: int) -> None:
+    """NaN in slots nobody sees does not leak out, and a sequence that sees no slot gets
+    zeros in q's dtype, whatever the pool's dtype."""
+    case = make_case([40, 5], [1, 1], evict={0: [3, 17, 18, 33], 1: list(range(6))},
+                     extra_blocks=1, hq=hq, hkv=hkv, d=d, bs=bs)
+    case = narrow_pool({**case, "q": case["q"].to(q_dtype)}, kv_dtype)
+    ref, ref_mass = paged_attention_cpu(**case, return_probs=True)
+    dirty = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+    live = {int(blk) for blk in case["table"][0] if blk >= 0}
+    for blk in set(range(case["k_cache"].shape[0])) - live:
+        dirty["k_cache"][blk] = float("nan")
+        dirty["v_cache"][blk] = float("nan")
+    for s in (3, 17, 18, 33):
+        blk = int(case["table"][0, s // bs])
+        dirty["k_cache"][blk, s % bs] = float("nan")
+        dirty["v_cache"][blk, s % bs] = float("nan")
+    out, mass = paged_attention_cpu(**dirty, return_probs=True)
+    assert out.dtype == q_dtype
+    assert torch.equal(out, ref) and torch.equal(mass, ref_mass)
+    assert torch.all(out[1] == 0) and torch.all(mass[1] == 0) and torch.all(out[0] != 0)
+
+
+@needs_kernel
 def test_bad_inputs_raise_clear_errors() -> None:
     case = make_case([4], [1])
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        paged_attention_cpu(**{**case, "k_cache": case["k_cache"].double()})
+    with pytest.raises(RuntimeError, match="k_cache and v_cache must share a dtype"):
+        paged_attention_cpu(**{**case, "k_cache": case["k_cache"].bfloat16()})
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16, float16 or float64"):
+        paged_attention_cpu(**narrow_pool(case, torch.int32))
+    with pytest.raises(RuntimeError, match="must be float32, bfloat16, float16 or float64"):
+        paged_attention_cpu(**{**case, "q": case["q"].to(torch.int32)})
+    with pytest.raises(RuntimeError, match="share a head dim"):
+        paged_attention_cpu(**{**case, "q": case["q"][..., :4]})
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         paged_attention_cpu(**{**case, "q": case["q"][:, :, :3]})
 
 
 def test_disabled_by_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_CPU_KERNEL", "0")
-    assert cpu_attention._load() is False
+    assert native.build("kvserve_paged_decode_cpu", cpu_attention._SOURCE, [], []) is False
+
+
+def widened(case: dict) -> dict:
+    """The case with its caches widened to fp32: the values a narrow pool holds, exactly."""
+    return {**case, "k_cache": case["k_cache"].float(), "v_cache": case["v_cache"].float()}
+
+
+# (prefixes, chunks, hq, hkv, probs) -> the torch path's branches
+TORCH_BRANCHES = [
+    ([9, 30, 0], [1, 1, 1], 8, 2, False),  # decode under GQA: heads folded into query rows
+    ([9, 30, 0], [1, 1, 1], 4, 4, False),  # decode without GQA: plain SDPA
+    ([0, 5, 9], [3, 6, 1], 8, 2, False),   # prefill chunks over a cached prefix: enable_gqa
+    ([9, 30, 0], [1, 1, 1], 8, 2, True),   # explicit softmax (attention mass)
+    ([0, 5, 9], [3, 6, 1], 8, 2, True),
+]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("prefixes", "chunks", "hq", "hkv", "probs"), TORCH_BRANCHES)
+@pytest.mark.parametrize("window", [None, 4])
+def test_torch_path_over_a_narrow_pool(kv_dtype: torch.dtype, prefixes: list[int],
+                                       chunks: list[int], hq: int, hkv: int, probs: bool,
+                                       window: int | None) -> None:
+    """SDPA refuses keys in another dtype than the queries; the torch path casts what it
+    gathers to q's dtype, so it gives bit for bit what it gives on caches widened first."""
+    case = narrow_pool(make_case(prefixes, chunks, hq=hq, hkv=hkv, evict={1: [2, 3, 7]},
+                                 extra_blocks=1), kv_dtype)
+    out, mass = paged_attention(**case, window=window, return_probs=probs)
+    ref, ref_mass = paged_attention(**widened(case), window=window, return_probs=probs)
+    assert out.dtype == torch.float32
+    # Padded rows under a window see nothing: NaN in the explicit-softmax branch.
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    if probs:
+        torch.testing.assert_close(mass, ref_mass, rtol=0, atol=0, equal_nan=True)
+    else:
+        assert mass is None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_causal_self_attention_over_narrow_keys(kv_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(11, h, 16, generator=g) for h in (8, 2, 2))
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    out = causal_self_attention(q, k, v, 0.25)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, causal_self_attention(q, k.float(), v.float(), 0.25))

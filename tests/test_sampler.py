@@ -1,5 +1,6 @@
 """Batched sampling: greedy, truncations, seeded reproducibility, the right distribution."""
 
+import pytest
 import torch
 
 from engine.sampler import SamplingBatch, sample, top_logprobs, uniform_noise
@@ -79,3 +80,42 @@ def test_top_logprobs():
     assert torch.allclose(chosen, torch.stack([ref[0, 1], ref[1, 2]]))
     assert ids.tolist() == [[0, 1], [2, 0]] or ids.tolist() == [[0, 1], [2, 1]]
     assert torch.allclose(vals[:, 0], ref.max(-1).values)
+
+
+def test_greedy_op_equals_torch_max_on_ties_nans_and_odd_vocabularies():
+    """The C++ greedy op must give torch.max's index: first of tied maxima, first NaN,
+    index 0 for a row of -inf, any vocabulary size (vector body plus scalar tail), and
+    a non-contiguous input."""
+    from engine.sampler import _GREEDY_SOURCE, greedy_tokens
+    from kvpool.native import load_ops
+
+    if not load_ops("kvserve_greedy_cpu", _GREEDY_SOURCE, ["-O3", "-march=native"]):
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(0)
+    for vocab in (1, 7, 16, 17, 4096, 32000, 32003):
+        x = torch.randn(9, vocab, generator=g)
+        if vocab > 20:
+            x[1, 3] = x[1, 19] = x[1].max() + 1  # tie: the first wins
+            x[2, 18] = float("nan")
+            x[2, 5] = float("nan")  # two NaNs: the first wins
+            x[3] = float("-inf")
+            x[4, vocab - 1] = 1e9  # the maximum in the scalar tail
+            x[5, 0] = float("inf")
+        want = x.max(dim=-1).indices
+        got = torch.ops.kvserve_sampling.greedy(x)
+        assert torch.equal(got, want), vocab
+        assert torch.equal(greedy_tokens(x), want)
+    wide = torch.randn(6, 64, generator=g)
+    assert torch.equal(greedy_tokens(wide[:, ::2]), wide[:, ::2].max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvserve_sampling.greedy(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_greedy_tokens_without_the_op_use_torch(monkeypatch):
+    from engine import sampler
+    from kvpool import native
+
+    monkeypatch.setattr(native, "_loaded", {"kvserve_greedy_cpu": False})
+    x = torch.randn(4, 100)
+    assert torch.equal(sampler.greedy_tokens(x), x.max(dim=-1).indices)
+    assert torch.equal(sampler.greedy_tokens(x.double()), x.double().max(dim=-1).indices)

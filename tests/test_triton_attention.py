@@ -105,6 +105,29 @@ def test_half_inputs_cast_on_load(dtype: torch.dtype) -> None:
     check(make_case([5, 0], [1, 3], dtype=dtype), probs=True, atol=atol)
 
 
+def narrow_pool(case: dict, dtype: torch.dtype) -> dict:
+    """The case with its caches rounded to `dtype` and q left fp32 (`kv_cache_dtype`)."""
+    return {**case, "k_cache": case["k_cache"].to(dtype), "v_cache": case["v_cache"].to(dtype)}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_fp32_queries_over_a_narrow_pool(kv_dtype: torch.dtype) -> None:
+    """fp32 q over a bf16/fp16 pool: K/V are widened exactly on load and the dots stay
+    IEEE, so the result is the fp32 reference's on the widened caches to fp32 rounding,
+    and out stays fp32. (On GPU this also holds the wrapper to IEEE dots for fp32 q:
+    tf32 would round q's mantissa and miss 1e-5; the interpreter ignores precision.)"""
+    evict = {0: [1, 2, 6, 8, 9, 10, 11], 1: [0, 3, 4]}
+    decode = make_case([13, 9, 0], [1, 1, 1], extra_blocks=2, evict=evict, hq=8, hkv=2)
+    check(narrow_pool(decode, kv_dtype), probs=True, atol=1e-5)
+    check(narrow_pool(decode, kv_dtype), window=5, atol=1e-5)
+    prefill = make_case([0, 5, 9], [3, 6, 1], hq=6, hkv=2, evict={2: [1, 4]})
+    check(narrow_pool(prefill, kv_dtype), probs=True, atol=1e-5)
+    check(narrow_pool(prefill, kv_dtype), window=4, probs=True, atol=1e-5)
+    long = make_case([149, 36], [1, 1], bs=8, hq=4, hkv=2)
+    check(narrow_pool(long, kv_dtype), num_splits=3, atol=1e-5)
+    check(narrow_pool(long, kv_dtype), num_splits=3, window=70, probs=True, atol=1e-5)
+
+
 def test_row_with_no_visible_slot_is_zero() -> None:
     """A query before every cached position sees nothing: zeros, as SDPA gives."""
     case = make_case([0], [1])

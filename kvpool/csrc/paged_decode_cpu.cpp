@@ -14,6 +14,13 @@
 // blocks lie anywhere, so the hardware prefetcher cannot follow): ~2.2x the previous
 // kernel at the 3m model's 64-sequence decode step. Other CPUs and head dims take the
 // portable loop at the end.
+//
+// Dtypes: the caches may be narrower than q (an fp32 model over a bf16 or fp16 pool,
+// `--kv-cache-dtype`), since decode is bound by the bytes of K/V it reads. The maths is
+// fp32 throughout: 16-bit rows are widened as they are loaded (bf16 is the top half of an
+// fp32: a shift). The kernel is compiled once per cache dtype (`Batch<TKV>`); q and out
+// are touched once per sequence, so their dtype is a run-time switch (`QueryIO`) and any
+// model dtype runs over any pool dtype without multiplying the instantiations.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -31,14 +39,57 @@
 
 namespace {
 
-template <typename T>
-struct Batch {  // one call's inputs, raw
-  const T *q, *k, *v;
-  T* out;
+// q and out, in the model's dtype. Read and written once per sequence, next to a pass
+// over all its K/V rows, so a switch on the dtype there costs nothing measurable.
+struct QueryIO {
+  const void* q;  // [B, Hq, D], strides s0 and s1, unit last stride
+  void* out;      // [B, Hq, D], contiguous
+  at::ScalarType dtype;
+  int64_t s0, s1, Hq, D;
+  float scale;
+
+  template <typename F>
+  void with_type(F f) const {  // dtype checked by paged_decode
+    switch (dtype) {
+      case at::kFloat: return f(float{});
+      case at::kBFloat16: return f(at::BFloat16{});
+      case at::kHalf: return f(at::Half{});
+      default: return f(double{});
+    }
+  }
+  // dst[h * D + x] = q[b, h, x] * scale, in fp32.
+  void read(int64_t b, float* dst) const {
+    with_type([&](auto t) {
+      const auto* src = static_cast<const decltype(t)*>(q) + b * s0;
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t x = 0; x < D; ++x)
+          dst[h * D + x] = static_cast<float>(src[h * s1 + x]) * scale;
+    });
+  }
+  // out[b, h, x] = src[h * D + x] * (inv ? inv[h] : 1), rounded to the model's dtype.
+  void write(int64_t b, const float* src, const float* inv) const {
+    with_type([&](auto t) {
+      using TQ = decltype(t);
+      TQ* dst = static_cast<TQ*>(out) + b * Hq * D;
+      for (int64_t h = 0; h < Hq; ++h) {
+        const float f = inv ? inv[h] : 1.f;
+        for (int64_t x = 0; x < D; ++x) dst[h * D + x] = static_cast<TQ>(src[h * D + x] * f);
+      }
+    });
+  }
+  void zero(int64_t b) const {  // a sequence that sees no slot
+    const size_t row = Hq * D * c10::elementSize(dtype);
+    std::memset(static_cast<char*>(out) + b * row, 0, row);
+  }
+};
+
+template <typename TKV>
+struct Batch {  // one call's inputs, raw; TKV is the caches' element type
+  QueryIO io;
+  const TKV *k, *v;
   float* mass;  // [B, Hkv, S] or nullptr when not requested
   const int64_t *table, *slot_pos, *q_pos;
-  int64_t B, Hq, Hkv, G, D, bs, NB, S, row_len, qs0, qs1, window;
-  float scale;
+  int64_t B, Hq, Hkv, G, D, bs, NB, S, row_len, window;
 };
 
 struct Scratch {  // per thread, reused across its sequences
@@ -46,14 +97,14 @@ struct Scratch {  // per thread, reused across its sequences
   std::vector<float> qf, sc, tmp;
 };
 
-template <typename T>
-using SeqFn = void (*)(const Batch<T>&, int64_t, Scratch&);  // one sequence
+template <typename TKV>
+using SeqFn = void (*)(const Batch<TKV>&, int64_t, Scratch&);  // one sequence
 
 // Visible slots of sequence b in table order: where the slot's K/V row starts in the
 // cache (element offset) and its logical index. Every slot is written and the count
 // advances only for visible ones: no per-slot branch.
-template <typename T>
-int64_t visible_slots(const Batch<T>& a, int64_t b, int64_t* phys, int64_t* logical) {
+template <typename TKV>
+int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* logical) {
   const int64_t qp = a.q_pos[b];
   const int64_t lo = (a.window > 0 && qp >= a.window) ? qp - a.window + 1 : 0;
   int64_t n = 0;
@@ -72,8 +123,8 @@ int64_t visible_slots(const Batch<T>& a, int64_t b, int64_t* phys, int64_t* logi
 
 // Attention mass, only when asked for: probability per slot summed over each kv group's
 // heads, head hq's probabilities being p[hq * stride + i] * (norm ? norm[hq] : 1).
-template <typename T>
-void write_mass(const Batch<T>& a, int64_t b, const int64_t* logical, int64_t n,
+template <typename TKV>
+void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t n,
                 const float* p, int64_t stride, const float* norm) {
   for (int64_t h = 0; h < a.Hkv; ++h) {
     float* mrow = a.mass + (b * a.Hkv + h) * a.S;
@@ -87,18 +138,22 @@ void write_mass(const Batch<T>& a, int64_t b, const int64_t* logical, int64_t n,
 }
 
 #ifdef KVSERVE_AVX512
+// 16 lanes of bf16 or fp16 widened to fp32.
+template <typename T>
+inline __m512 widen16(__m256i h) {
+  if constexpr (std::is_same_v<T, at::BFloat16>)  // bf16 is the top half of an fp32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else
+    return _mm512_cvtph_ps(h);
+}
+
 // 16 elements of T widened to fp32.
 template <typename T>
 inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float>)
     return _mm512_loadu_ps(p);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<T, at::BFloat16>)  // bf16 is the top half of an fp32
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    else
-      return _mm512_cvtph_ps(h);
-  }
+  else
+    return widen16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // exp for x <= 0 (softmax after subtracting the max): Cephes' expf polynomial, ~1 ulp.
@@ -120,13 +175,23 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// A chunk of R consecutive fp32 values repeated 16 / R times (R = 16: a plain load).
+// A chunk of R consecutive values, widened to fp32 and repeated 16 / R times (R = 16: a
+// plain load). The repeat is a broadcast load, before widening for 16-bit values.
 template <typename T, int R>
 inline __m512 load_bcast(const T* p) {
-  static_assert(R == 16 || std::is_same_v<T, float>, "16-bit caches take whole rows");
-  if constexpr (R == 16) return load16(p);
-  else if constexpr (R == 8) return _mm512_broadcast_f32x8(_mm256_loadu_ps(p));
-  else return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+  if constexpr (R == 16) {
+    return load16(p);
+  } else if constexpr (std::is_same_v<T, float>) {
+    if constexpr (R == 8) return _mm512_broadcast_f32x8(_mm256_loadu_ps(p));
+    else return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+  } else if constexpr (R == 8) {
+    const __m128i chunk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return widen16<T>(_mm256_broadcastsi128_si256(chunk));
+  } else {
+    int64_t chunk;  // 4 values
+    std::memcpy(&chunk, p, sizeof chunk);
+    return widen16<T>(_mm256_set1_epi64x(chunk));
+  }
 }
 
 constexpr int fold_index(int h, int i) { return (i / h) % 2 == 0 ? i + h : 16 + i - h; }
@@ -206,28 +271,25 @@ inline void prefetch(const void* p, int64_t bytes) {
 }
 
 // One sequence, head dim D = 16 * NV, query heads taken GC at a time (GC divides G).
-template <typename T, int NV, int GC>
-void decode_seq_avx512(const Batch<T>& a, int64_t b, Scratch& w) {
+template <typename TKV, int NV, int GC>
+void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   constexpr int64_t D = 16 * NV;
   constexpr int R = 16 / GC, J = NV * GC;
   const int64_t Hq = a.Hq, G = a.G, rl = a.row_len;
   const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
-  T* orow = a.out + b * Hq * D;
-  if (n == 0) {
-    std::fill(orow, orow + Hq * D, static_cast<T>(0));
-    return;
-  }
+  if (n == 0) return a.io.zero(b);
   float* qf = w.qf.data();  // per chunk of GC heads, J vectors laid out for tile_scores
+  a.io.read(b, w.tmp.data());
   for (int64_t hq = 0; hq < Hq; ++hq)
     for (int64_t x = 0; x < D; ++x)
-      qf[((hq / GC * J) + x / R) * 16 + (hq % GC) * R + x % R] =
-          static_cast<float>(a.q[b * a.qs0 + hq * a.qs1 + x]) * a.scale;
+      qf[((hq / GC * J) + x / R) * 16 + (hq % GC) * R + x % R] = w.tmp[hq * D + x];
   const int64_t np = (n + 15) / 16 * 16;  // score rows padded to whole tiles
   float* sc = w.sc.data();                // [Hq][np]
   const int64_t* phys = w.phys.data();
   // The V rows ride along into L2 when they all fit there (3m: ~10% faster); a 160m
   // sequence's V (MBs) would only push out its own first rows.
-  const int64_t row_bytes = rl * sizeof(T), v_ahead = n * row_bytes <= (256 << 10) ? row_bytes : 0;
+  const int64_t row_bytes = rl * sizeof(TKV);
+  const int64_t v_ahead = n * row_bytes <= (256 << 10) ? row_bytes : 0;
   for (int64_t t = 0; t < np; t += 16) {
     for (int s = 0; s < 16; ++s) {  // the next tile's rows
       const int64_t next = phys[std::min(t + 16 + s, n - 1)];
@@ -239,7 +301,7 @@ void decode_seq_avx512(const Batch<T>& a, int64_t b, Scratch& w) {
     // last tile repeats its last slot and masks those lanes.
     bool contiguous = n - t >= 16;
     for (int s = 1; s < 16 && contiguous; ++s) contiguous = phys[t + s] == phys[t] + s * rl;
-    const T* rows[16];
+    const TKV* rows[16];
     for (int s = 0; s < 16; ++s) rows[s] = a.k + phys[std::min(t + s, n - 1)];
     const __mmask16 live = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
     for (int64_t h = 0, hq = 0; h < a.Hkv; ++h) {
@@ -248,9 +310,9 @@ void decode_seq_avx512(const Batch<T>& a, int64_t b, Scratch& w) {
         __m512 qv[J], s[GC];
         for (int j = 0; j < J; ++j) qv[j] = _mm512_loadu_ps(qf + (hq / GC * J + j) * 16);
         if (contiguous)
-          tile_scores<T, NV, GC>([&](int i) { return rows[0] + i * rl + off; }, qv, s);
+          tile_scores<TKV, NV, GC>([&](int i) { return rows[0] + i * rl + off; }, qv, s);
         else
-          tile_scores<T, NV, GC>([&](int i) { return rows[i] + off; }, qv, s);
+          tile_scores<TKV, NV, GC>([&](int i) { return rows[i] + off; }, qv, s);
         for (int c = 0; c < GC; ++c)  // masked lanes: exp gives ~0, and they are never read
           _mm512_storeu_ps(sc + (hq + c) * np + t,
                            _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), s[c]));
@@ -289,7 +351,7 @@ void decode_seq_avx512(const Batch<T>& a, int64_t b, Scratch& w) {
     for (int64_t i = t0; i < t1; ++i)  // the next tile's rows, while this one is summed
       prefetch(a.v + phys[std::min(i + PT, n - 1)], row_bytes);
     for (int64_t h = 0, hq = 0; h < a.Hkv; ++h) {
-      const T* vh = a.v + h * D;
+      const TKV* vh = a.v + h * D;
       for (int64_t g = 0; g < G; g += GC, hq += GC) {
         __m512 acc[U][GC][NV];
         for (int u = 0; u < U; ++u)
@@ -316,47 +378,33 @@ void decode_seq_avx512(const Batch<T>& a, int64_t b, Scratch& w) {
       }
     }
   }
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    const float* o = ob + hq * D;
-    if constexpr (std::is_same_v<T, float>) {
-      for (int x = 0; x < NV; ++x)
-        _mm512_storeu_ps(orow + hq * D + 16 * x,
-                         _mm512_mul_ps(_mm512_loadu_ps(o + 16 * x), _mm512_set1_ps(inv[hq])));
-    } else {
-      for (int64_t x = 0; x < D; ++x) orow[hq * D + x] = static_cast<T>(o[x] * inv[hq]);
-    }
-  }
+  a.io.write(b, ob, inv);
   if (a.mass != nullptr) write_mass(a, b, w.logical.data(), n, sc, np, inv);
 }
 
-// Query heads per chunk: fp32 GQA groups of up to 4 heads, within 8 query vectors (and
-// 8 accumulators) in registers; 16-bit rows are widened whole, so one head at a time.
-template <typename T, int NV>
-SeqFn<T> pick_seq(int64_t G) {
-  constexpr bool f32 = std::is_same_v<T, float>;
-  constexpr int G4 = f32 && 4 * NV <= 8 ? 4 : 1, G2 = f32 && 2 * NV <= 8 ? 2 : 1;
-  if (G % G4 == 0) return decode_seq_avx512<T, NV, G4>;
-  if (G % G2 == 0) return decode_seq_avx512<T, NV, G2>;
-  return decode_seq_avx512<T, NV, 1>;
+// Query heads per chunk: GQA groups of up to 4 heads, within 8 query vectors (and 8
+// accumulators) in registers: 4 at d <= 32, 2 at d = 64, 1 at d = 128. 16-bit caches
+// too (K chunks broadcast, then widened): at the 3m shape ~20% faster than one head at
+// a time, since each K row is loaded and widened once for the group.
+template <typename TKV, int NV>
+SeqFn<TKV> pick_seq(int64_t G) {
+  constexpr int G4 = 4 * NV <= 8 ? 4 : 1, G2 = 2 * NV <= 8 ? 2 : 1;
+  if (G4 > 1 && G % G4 == 0) return decode_seq_avx512<TKV, NV, G4>;
+  if (G2 > 1 && G % G2 == 0) return decode_seq_avx512<TKV, NV, G2>;
+  return decode_seq_avx512<TKV, NV, 1>;
 }
 #endif  // KVSERVE_AVX512
 
 // Portable path: per visible slot, a dot product per head; softmax; weighted V rows.
-template <typename T>
-void decode_seq_portable(const Batch<T>& a, int64_t b, Scratch& w) {
+template <typename TKV>
+void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
   const int64_t Hq = a.Hq, G = a.G, D = a.D, rl = a.row_len;
   const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
-  T* orow = a.out + b * Hq * D;
-  if (n == 0) {
-    std::fill(orow, orow + Hq * D, static_cast<T>(0));
-    return;
-  }
+  if (n == 0) return a.io.zero(b);
   float *qf = w.qf.data(), *sc = w.sc.data(), *buf = w.tmp.data(), *acc = buf + rl;
-  for (int64_t hq = 0; hq < Hq; ++hq)
-    for (int64_t x = 0; x < D; ++x)
-      qf[hq * D + x] = static_cast<float>(a.q[b * a.qs0 + hq * a.qs1 + x]) * a.scale;
-  auto widen = [&](const T* src) {  // fp32 rows are used in place, 16-bit ones widened
-    if constexpr (std::is_same_v<T, float>) return src;
+  a.io.read(b, qf);
+  auto widen = [&](const TKV* src) {  // fp32 rows are used in place, others widened
+    if constexpr (std::is_same_v<TKV, float>) return src;
     for (int64_t x = 0; x < rl; ++x) buf[x] = static_cast<float>(src[x]);
     return static_cast<const float*>(buf);
   };
@@ -387,29 +435,30 @@ void decode_seq_portable(const Batch<T>& a, int64_t b, Scratch& w) {
       for (int64_t x = 0; x < D; ++x) ah[x] += p * vh[x];
     }
   }
-  for (int64_t x = 0; x < Hq * D; ++x) orow[x] = static_cast<T>(acc[x]);
+  a.io.write(b, acc, nullptr);
   if (a.mass != nullptr) write_mass(a, b, w.logical.data(), n, sc, n, nullptr);
 }
 
-template <typename T>
+template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
-  const Batch<T> a{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                   out.data_ptr<T>(), mass, table.data_ptr<int64_t>(),
-                   slot_pos.data_ptr<int64_t>(), q_pos.data_ptr<int64_t>(),
-                   B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, Hkv * D, q.stride(0), q.stride(1),
-                   window, static_cast<float>(scale)};
+  const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
+                   Hq, D, static_cast<float>(scale)};
+  const Batch<TKV> a{io, k_cache.data_ptr<TKV>(), v_cache.data_ptr<TKV>(), mass,
+                     table.data_ptr<int64_t>(), slot_pos.data_ptr<int64_t>(),
+                     q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
+                     Hkv * D, window};
   // The vector path takes the usual head dims, whole vectors of 16 (NV of them).
-  SeqFn<T> seq = decode_seq_portable<T>;
+  SeqFn<TKV> seq = decode_seq_portable<TKV>;
 #ifdef KVSERVE_AVX512
-  if constexpr (!std::is_same_v<T, double>) {
-    if (D == 16) seq = pick_seq<T, 1>(a.G);
-    if (D == 32) seq = pick_seq<T, 2>(a.G);
-    if (D == 64) seq = pick_seq<T, 4>(a.G);
-    if (D == 128) seq = pick_seq<T, 8>(a.G);
+  if constexpr (!std::is_same_v<TKV, double>) {
+    if (D == 16) seq = pick_seq<TKV, 1>(a.G);
+    if (D == 32) seq = pick_seq<TKV, 2>(a.G);
+    if (D == 64) seq = pick_seq<TKV, 4>(a.G);
+    if (D == 128) seq = pick_seq<TKV, 8>(a.G);
   }
 #endif
   const int64_t S = a.S;
@@ -420,15 +469,23 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
+bool is_float_type(at::ScalarType t) {  // what QueryIO and the dispatch below take
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
+}
+
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& table,
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool return_probs) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must share a dtype");
+  TORCH_CHECK(is_float_type(q.scalar_type()) && is_float_type(k_cache.scalar_type()),
+              "q and the caches must be float32, bfloat16, float16 or float64 (got ",
+              q.scalar_type(), " and ", k_cache.scalar_type(), ")");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share a head dim");
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
   const at::Tensor t = table.contiguous(), p = slot_pos.contiguous(), qp = q_pos.contiguous();
@@ -439,9 +496,9 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
       ? at::zeros({q.size(0), k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale, window, out, mp);
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
+                                  [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
+                                                         window, out, mp); });
   return {out, mass};
 }
 
