@@ -40,9 +40,15 @@ MODEL_CONFIGS: dict[str, dict[str, object]] = {
                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                  tie_word_embeddings=True),
 }
-# Ids 0-4 are the specials of tests/tiny_models.py (the configs' pad/bos/eos are 0/1/2), 5 is
-# <unk>; every id from FIRST_TOKEN_ID up is one printable word. Prompts of random ids avoid
-# the specials.
+# Specials shared by the benchmark tokenizer and the test models' (tests/tiny_models.py):
+# the configs' pad/bos/eos are ids 0/1/2, and the chat template is ChatML.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Ids 0-4 are those specials, 5 is <unk>; every id from FIRST_TOKEN_ID up is one printable
+# word. Prompts of random ids avoid the specials.
 FIRST_TOKEN_ID = 6
 UNK_TOKEN = "<unk>"
 # The WordPiece decoder joins a token to the previous one without a space only if it starts
@@ -96,8 +102,6 @@ def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from tests.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS
 
     specials = [*SPECIAL_TOKENS, UNK_TOKEN]
     assert len(specials) == FIRST_TOKEN_ID

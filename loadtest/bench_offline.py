@@ -303,8 +303,13 @@ def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
             for other in ("hf_static", "hf_cb"):
                 o = results[other].get(metric)
                 ratios[f"kvserve_over_{other}{tag}"] = kv / o if kv and o else None
+        gflop = workload_gflop(MODEL_CONFIGS[name], w)
+        for r in results.values():
+            if r["wall_s"]:
+                r["gflops"] = gflop / (sum(r["wall_s"]) / len(r["wall_s"]))
         out = {"params": params, "config": MODEL_CONFIGS[name], "dtype": dtype,
-               "workload": w.summary(),
+               "workload": w.summary(), "workload_gflop": gflop,
+               "gemm_peak_gflops": gemm_peak_gflops(MODEL_CONFIGS[name], dtype),
                "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
                "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
         if args.profile:
@@ -312,6 +317,40 @@ def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
                                args.seed)
             out["kvserve_profile"] = profile_decode(systems["kvserve"], pw, args.max_seqs)
         return out
+
+
+# ---- how much of the machine each system uses ------------------------------------------
+
+def workload_gflop(cfg: dict[str, object], w: Workload) -> float:
+    """Forward GFLOP the workload needs, whatever serves it: every prompt token and every
+    output token but the last goes through the layers once (2 FLOP per weight of the
+    linears), each sampled token through the LM head, and each token attends its
+    context (QK and PV: 4 × heads × head_dim per cached token per layer). Padding and
+    tokens generated past a request's length are not counted: this is useful work."""
+    h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    hd = h // heads
+    linear = layers * (2 * h * heads * hd + 2 * h * kv_heads * hd + 3 * h * int(cfg["intermediate_size"]))
+    flop = 0.0
+    for prompt, out in zip(w.prompts, w.output_lens):
+        n = len(prompt) + out - 1  # tokens through the layers
+        flop += 2 * linear * n + 2 * h * int(cfg["vocab_size"]) * out
+        flop += 4 * heads * hd * layers * n * (n + 1) / 2
+    return flop / 1e9
+
+
+def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> float:
+    """This machine's matmul rate at the model's MLP shape (2048 tokens, one thread as
+    the systems run): the ceiling any of them can reach on the linears."""
+    dt = getattr(torch, dtype)
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    a, b = torch.randn(2048, h, dtype=dt), torch.randn(h, inter, dtype=dt)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048 * h * inter / best / 1e9
 
 
 # ---- where kvserve's decode step goes ------------------------------------------------
@@ -477,6 +516,29 @@ def render_table(report: dict) -> str:
             f"| {_pct(allv.get('outside_forward_share'))} | {m['kvserve_preemptions']} "
             f"| {', '.join(cpu)} | {_fmt_ratio(r['kvserve_over_hf_static_cpu_time'], 3.0)}, "
             f"{_fmt_ratio(r['kvserve_over_hf_cb_cpu_time'], 2.5)} |")
+    lines += [
+        "",
+        "Share of the machine: the forward FLOPs the workload needs (useful work only: no "
+        "padding, no tokens past a request's length) over each system's wall time, against "
+        "this machine's matmul rate at the model's MLP shape on the same thread count. The "
+        "last column is the rate HF CB × 2.5 would take.",
+        "",
+        "| model | dtype | workload GFLOP | GEMM peak GFLOP/s | kvserve | HF static | HF CB "
+        "| HF CB × 2.5 needs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in report["models"].items():
+        if "gemm_peak_gflops" not in m:  # reports from before this table
+            continue
+        peak = m["gemm_peak_gflops"]
+        cells = []
+        for k in SYSTEMS:
+            g = m["systems"][k].get("gflops")
+            cells.append(f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "—")
+        cb = m["systems"]["hf_cb"].get("gflops")
+        need = f"{2.5 * cb:.1f} ({250 * cb / peak:.0f}%)" if cb else "—"
+        lines.append(f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} "
+                     f"| {m['workload_gflop']:.0f} | {peak:.1f} | {' | '.join(cells)} | {need} |")
     for name, m in report["models"].items():
         for sys_name, r in m["systems"].items():
             if r.get("error"):

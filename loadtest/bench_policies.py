@@ -49,10 +49,20 @@ def _engine(path: str, num_blocks: int, max_seqs: int, kv_dtype: str) -> EngineC
                                    kv_cache_dtype=kv_dtype))
 
 
-def _submit(eng: EngineCore, n: int, prompt: int, gen: int, vocab: int, kv: object,
+def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
+    """Tokens each request generates: all `gen` (the issue's lockstep workload), or drawn
+    uniformly from gen × [1 - spread, 1 + spread] (same seed for every policy), so
+    requests finish at different times and continuous batching refills their places."""
+    if spread <= 0:
+        return [gen] * n
+    rng = random.Random(seed + 7)
+    return [max(1, round(gen * rng.uniform(1 - spread, 1 + spread))) for _ in range(n)]
+
+
+def _submit(eng: EngineCore, prompt: int, gens: list[int], vocab: int, kv: object,
             seed: int, tag: str) -> None:
     rng = random.Random(seed)
-    for i in range(n):
+    for i, gen in enumerate(gens):
         eng.add_request(f"{tag}-{i}", [rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(prompt)],
                         SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True,
                                        detokenize=False), kv_policy=kv)
@@ -64,14 +74,15 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
     ctx = args.prompt + args.gen
     blocks = args.fit * layers * math.ceil(ctx / 16)
     budget = round(args.budget * ctx)
+    gens = gen_lengths(args.requests, args.gen, args.gen_spread, args.seed)
     out: dict = {"context": ctx, "num_blocks": blocks, "budget_tokens": budget,
                  "full_requests_fit": blocks // (layers * math.ceil(ctx / 16)), "policies": {}}
     for name in ("full", *args.policies):
         kv = policy_config(name, budget)
         eng = _engine(path, blocks, args.requests, args.kv_cache_dtype)
-        _submit(eng, 2, 16, 4, vocab, kv, args.seed + 1, "warm")  # kernels, allocator
+        _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
-        _submit(eng, args.requests, args.prompt, args.gen, vocab, kv, args.seed, name)
+        _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
         c0 = time.process_time()
         d = bc.drive(eng, f"throughput {name}", progress=not args.no_progress)
         cpu = time.process_time() - c0
@@ -81,7 +92,8 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
         r = {"kv_policy": kv, "wall_s": d.wall_s, "cpu_s": cpu, "output_tokens": d.output_tokens,
              "tok_s": d.output_tokens / d.wall_s, "tok_per_cpu_s": d.output_tokens / cpu,
              "max_running": d.max_running, "mean_running": d.mean_running, "steps": len(d.steps),
-             "all_lengths_ok": all(x["output_tokens"] == args.gen for x in recs),
+             "all_lengths_ok": all(d.requests[f"{name}-{i}"]["output_tokens"] == g
+                                   for i, g in enumerate(gens)),
              "p50_e2e_s": bc.pct(d.latencies(), 50), "p99_e2e_s": bc.pct(d.latencies(), 99),
              "mean_peak_live_tokens": sum(x["peak_live_tokens"] for x in recs) / len(recs),
              "max_peak_live_tokens": max(x["peak_live_tokens"] for x in recs),
@@ -110,7 +122,7 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     for name in ("full", *args.policies):
         eng = _engine(path, blocks, n, args.kv_cache_dtype)
         kv = policy_config(name, budget)
-        _submit(eng, n, args.prompt, steps, vocab, kv, args.seed, name)
+        _submit(eng, args.prompt, [steps] * n, vocab, kv, args.seed, name)
         d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
         sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
         tot, pol = sum(s.total_s for s in sel), sum(s.policy_s for s in sel)
@@ -146,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fit", type=int, default=8, help="full-cache requests the pool holds")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=512, help="issue: 3584 (= 4096 - 512)")
+    p.add_argument("--gen-spread", type=float, default=0.0,
+                   help="draw each request's length from gen × [1 - s, 1 + s] (0: all equal)")
     p.add_argument("--budget", type=float, default=0.25, help="of prompt + gen")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="pool dtype for parts 1-2 (auto: the model's fp32; bfloat16 halves "
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "prompt", "gen", "budget", "kv_cache_dtype",
+                        "model", "requests", "fit", "prompt", "gen", "gen_spread", "budget", "kv_cache_dtype",
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
@@ -190,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:
         if {"throughput", "overhead"} & set(args.parts):
             report["params"] = bc.build_model(args.model, path, max_positions=max(
-                4096, args.prompt + args.gen))
+                4096, args.prompt + max(gen_lengths(args.requests, args.gen, args.gen_spread,
+                                                    args.seed))))
         for part, fn in (("throughput", run_throughput), ("overhead", run_overhead)):
             if part in args.parts:
                 t = time.perf_counter()

@@ -26,12 +26,20 @@ def _kv_dtype(st: dict) -> str:
     return "K/V in the model's dtype" if dt == "auto" else f"K/V stored as {dt}"
 
 
+def _gen(st: dict) -> str:
+    spread = st.get("gen_spread", 0.0)  # reports from before the option: all equal
+    if not spread:
+        return f"{st['gen']} generated each"
+    lo, hi = round(st["gen"] * (1 - spread)), round(st["gen"] * (1 + spread))
+    return f"{lo}–{hi} generated (uniform, mean ≈ {st['gen']})"
+
+
 def _throughput(t: dict, st: dict) -> list[str]:
     best = max((r["tok_s_vs_full"] or 0 for n, r in t["policies"].items() if n != "full"),
                default=0.0)
     lines = [
         f"**Capacity and throughput.** {st['requests']} requests, prompt {st['prompt']} tokens, "
-        f"{st['gen']} generated each (EOS ignored, greedy); pool of {t['num_blocks']} blocks "
+        f"{_gen(st)} (EOS ignored, greedy); pool of {t['num_blocks']} blocks "
         f"({_kv_dtype(st)}) = "
         f"{t['full_requests_fit']} full-cache requests of {t['context']} tokens; every policy at "
         f"{t['budget_tokens']} tokens ({st['budget']:.0%} of {t['context']}). Best policy / full: "

@@ -260,9 +260,11 @@ class VllmAliasCollector(Collector):
         if config is not None and layers:
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration "
                                      "(vLLM's units).", labels=["block_size",
-                                     "num_gpu_blocks", "enable_prefix_caching", "model_name"])
+                                     "num_gpu_blocks", "cache_dtype", "enable_prefix_caching",
+                                     "model_name"])
             info.add_metric([str(config.block_size),
                              str(self.engine.stats.blocks_total // layers),
+                             str(getattr(config, "kv_cache_dtype", "auto")),
                              str(bool(config.enable_prefix_caching)), self.model_name], 1)
             yield info
 

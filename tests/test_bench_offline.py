@@ -51,6 +51,12 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
             expect = sys_["kvserve"][metric] / sys_[other][metric]
             assert m["ratios"][f"kvserve_over_{other}{tag}"] == pytest.approx(expect)
 
+    # Useful work over wall time, against the machine's matmul rate.
+    assert m["workload_gflop"] > 0 and m["gemm_peak_gflops"] > 0
+    for r in sys_.values():
+        mean_wall = sum(r["wall_s"]) / len(r["wall_s"])
+        assert r["gflops"] == pytest.approx(m["workload_gflop"] / mean_wall)
+
     steps = m["kvserve_step_overhead"]["all_steps"]
     assert steps["steps"] > 0 and 0 <= steps["outside_forward_share"] < 1
     prof = m["kvserve_profile"]
@@ -98,3 +104,15 @@ def test_from_json_redraws_without_measuring(quick_run: tuple[str, dict], tmp_pa
     with open(doc, encoding="utf-8") as f:
         assert "| tiny |" in f.read()
     assert os.path.getsize(png) > 0 and os.path.exists(res)
+
+
+def test_workload_gflop_counts_linears_head_and_attention() -> None:
+    """One request, prompt 3 + 2 outputs, on a 1-layer model: 4 tokens through the
+    layer, 2 through the head, attention over 1 + 2 + 3 + 4 cached tokens."""
+    from loadtest.bench_offline import Workload, workload_gflop
+
+    cfg = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, intermediate_size=16, vocab_size=10)
+    linear = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16  # q+o, k+v (one kv head of dim 4), MLP
+    want = 2 * linear * 4 + 2 * 8 * 10 * 2 + 4 * 8 * 1 * (1 + 2 + 3 + 4)
+    assert workload_gflop(cfg, Workload([[7, 8, 9]], [2])) * 1e9 == pytest.approx(want)

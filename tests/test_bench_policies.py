@@ -85,3 +85,13 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
     with open(os.path.join(out, "bench_policies.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
+    from loadtest.bench_policies import gen_lengths
+
+    assert gen_lengths(5, 100, 0.0, 0) == [100] * 5  # the lockstep workload
+    a = gen_lengths(200, 1000, 0.5, 3)
+    assert a == gen_lengths(200, 1000, 0.5, 3)  # every policy gets the same lengths
+    assert min(a) >= 500 and max(a) <= 1500 and len(set(a)) > 100
+    assert abs(sum(a) / len(a) - 1000) < 60

@@ -96,14 +96,15 @@ def test_alias_mirrors_the_kvserve_values() -> None:
 def test_cache_config_info_in_vllm_units() -> None:
     engine = fake_engine(EngineStats(blocks_total=96))
     engine._core = SimpleNamespace(  # what the engine thread sets once loaded
-        config=SimpleNamespace(block_size=16, enable_prefix_caching=True),
+        config=SimpleNamespace(block_size=16, enable_prefix_caching=True,
+                               kv_cache_dtype="bfloat16"),
         model_config=SimpleNamespace(num_layers=4))
     metrics = ServerMetrics(engine)
     add_metrics_alias(metrics, engine, "vllm", "m")
     smp = samples(generate_latest(metrics.registry).decode())
     # a vLLM block holds block_size tokens of every layer: 96 per-layer blocks / 4 layers
     assert value(smp, "vllm:cache_config_info", block_size="16", num_gpu_blocks="24",
-                 enable_prefix_caching="True") == 1
+                 enable_prefix_caching="True", cache_dtype="bfloat16") == 1
 
 
 def test_unknown_alias_is_refused() -> None:

@@ -334,6 +334,11 @@ def test_bench_serving_report(tmp_path: Any) -> None:
     assert "| m | transformers-cb | 32 | 2.25× | 200 vs 100 | MISSED |" in block
     assert "| m | transformers | 8 | 3.00× | 50.0 vs 500 |  |" in block
     assert "](img/bench_serving_m.png)" in block
+    # A level where some streams never carried text: its TTFT percentile says so.
+    systems["transformers"][1]["ttft_list_ms"] = [2000.0] * 3
+    flagged = render(report, str(tmp_path / "r.json"), plots, str(doc))
+    assert "| m | transformers | 32 | 4.50× | 200 vs 2,000 (of 3/32) | met |" in flagged
+    systems["transformers"][1]["ttft_list_ms"] = [2000.0] * 32
     update_doc(str(doc), block)
     text = doc.read_text()
     assert "keep me" in text and "notes" in text and "old" not in text

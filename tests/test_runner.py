@@ -93,3 +93,37 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
     assert _fresh_prompts([fresh], [8] * cfg.num_layers) == set()  # window < chunk
     later = SeqInput([5] * 3, 11, cache.append(torch.arange(11, 14)), cache, True)
     assert _fresh_prompts([later], [None] * cfg.num_layers) == set()  # cached prefix
+
+
+@pytest.mark.parametrize("kv_policy", ["full", {"name": "h2o", "budget": 24, "window": 4}])
+def test_decode_only_steps_agree_across_attention_paths(llama, kv_policy):
+    """A decode-only step hands the whole token axis to attention (no gather or scatter);
+    the C++ kernel and the torch path must then give the same tokens, and for h2o (every
+    request wants attention mass) the same evictions."""
+    from kvpool.attention import paged_attention
+    from kvpool.cpu_attention import kernel_available, paged_attention_cpu
+
+    if not kernel_available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in (7, 19, 30, 41)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, detokenize=False)
+    results = []
+    for fn in (paged_attention_cpu, paged_attention):
+        llm = LLM(llama, num_blocks=400, block_size=4, default_kv_policy=kv_policy if
+                  isinstance(kv_policy, str) else "full")
+        llm.engine.runner.attention_fn = fn
+        for i, p in enumerate(prompts):
+            llm.engine.add_request(f"r{i}", p, params, kv_policy=kv_policy)
+        tokens: dict[str, list[int]] = {}
+        evicted: dict[str, int] = {}
+        while llm.engine.has_unfinished():
+            for o in llm.engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    evicted[o.request_id] = o.kv.evicted_tokens
+        results.append((tokens, evicted))
+        assert llm.engine.pool.num_used == 0
+    assert results[0] == results[1]
+    if kv_policy != "full":
+        assert all(n > 0 for n in results[0][1].values())

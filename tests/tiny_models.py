@@ -16,14 +16,11 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from loadtest.bench_common import CHAT_TEMPLATE, SPECIAL_TOKENS
+
 # Token ids 0..4 are specials, 5..260 the 256 bytes: vocab_size = 261 for every family.
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "llama_tied")
 
