@@ -20,6 +20,12 @@ over an hour at 1 thread on CPU; the defaults shorten gen to 512 and scale the p
 the budgets with prompt + gen, which keeps the proportions (8 full requests, 25%
 budget); `--gen 3584` runs the issue's size.
 
+Variants of part 1, each a question the default leaves open: `--kv-cache-dtype bfloat16`
+(half the K/V bytes per decode step for everyone), `--full-max-seqs 8` (`full` at the
+batch that fits, never preempted, instead of admitted as memory allows and recomputed),
+`--gen-spread 0.5` (lengths drawn around `--gen`, so requests do not finish in lockstep
+waves and continuous batching refills their places).
+
     python -m loadtest.bench_policies --out runs/
 """
 
@@ -79,7 +85,8 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
                  "full_requests_fit": blocks // (layers * math.ceil(ctx / 16)), "policies": {}}
     for name in ("full", *args.policies):
         kv = policy_config(name, budget)
-        eng = _engine(path, blocks, args.requests, args.kv_cache_dtype)
+        seqs = args.full_max_seqs if name == "full" and args.full_max_seqs else args.requests
+        eng = _engine(path, blocks, seqs, args.kv_cache_dtype)
         _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
         _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
@@ -158,6 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fit", type=int, default=8, help="full-cache requests the pool holds")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=512, help="issue: 3584 (= 4096 - 512)")
+    p.add_argument("--full-max-seqs", type=int, default=0,
+                   help="max_num_seqs for `full` (0: --requests, admitted as memory allows; "
+                        "--fit: full at the batch that fits, never preempted)")
     p.add_argument("--gen-spread", type=float, default=0.0,
                    help="draw each request's length from gen × [1 - s, 1 + s] (0: all equal)")
     p.add_argument("--budget", type=float, default=0.25, help="of prompt + gen")
@@ -195,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "prompt", "gen", "gen_spread", "budget", "kv_cache_dtype",
+                        "model", "requests", "fit", "full_max_seqs", "prompt", "gen", "gen_spread", "budget", "kv_cache_dtype",
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",

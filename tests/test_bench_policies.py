@@ -95,3 +95,21 @@ def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
     assert a == gen_lengths(200, 1000, 0.5, 3)  # every policy gets the same lengths
     assert min(a) >= 500 and max(a) <= 1500 and len(set(a)) > 100
     assert abs(sum(a) / len(a) - 1000) < 60
+
+
+@pytest.mark.timeout(150)
+def test_full_at_its_fit_and_spread_lengths(tmp_path) -> None:
+    """`--full-max-seqs` caps full at the batch that fits (no preemption then), and
+    `--gen-spread` gives every request its own seeded length, all generated exactly."""
+    from loadtest.bench_policies import gen_lengths
+
+    report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts", "throughput",
+                       "--policies", "streaming", "--full-max-seqs", "3", "--gen-spread", "0.3")
+    st, t = report["settings"], report["throughput"]
+    assert st["full_max_seqs"] == 3 and st["gen_spread"] == 0.3
+    want = sum(gen_lengths(st["requests"], st["gen"], 0.3, st["seed"]))
+    for r in t["policies"].values():
+        assert r["all_lengths_ok"] and r["output_tokens"] == want
+    full = t["policies"]["full"]
+    assert full["max_running"] <= 3 and full["preemptions"] == 0
+    assert t["policies"]["streaming"]["max_running"] > 3
