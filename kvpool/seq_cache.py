@@ -164,12 +164,6 @@ class SeqCache:
         n, bs, nl = positions.numel(), self.bs, self.num_layers
         if self.uniform:
             nb, nxt = self.nblocks[0], self.next_slot[0]
-            if n == 1 and nxt < nb * bs:  # the decode hot path: room in the tail block
-                slots = self.table[:, nxt // bs, None] * bs + nxt % bs
-                self.slot_pos[:, nxt] = positions
-                self.next_slot = [nxt + 1] * nl
-                self.live += nl
-                return slots
             k = _blocks_for(nb, nxt, n, bs)
             if k:
                 ids = self.pool.allocate(nl * k)
