@@ -20,11 +20,16 @@ over an hour at 1 thread on CPU; the defaults shorten gen to 512 and scale the p
 the budgets with prompt + gen, which keeps the proportions (8 full requests, 25%
 budget); `--gen 3584` runs the issue's size.
 
+`full` runs three ways side by side, so a policy's gain is read against the best way to
+run without one: `full` as the engine admits it by default (optimistic, a preempted
+request comes back once it can finish), `full:vllm` (vLLM's rule: a preempted request
+comes back on what it needs now, `reserve_preempted=False`) and `full:fit` (at most
+`--fit` running, never preempted); `--baselines` picks the extra two.
+
 Variants of part 1, each a question the default leaves open: `--kv-cache-dtype bfloat16`
-(half the K/V bytes per decode step for everyone), `--full-max-seqs 8` (`full` at the
-batch that fits, never preempted, instead of admitted as memory allows and recomputed),
-`--gen-spread 0.5` (lengths drawn around `--gen`, so requests do not finish in lockstep
-waves and continuous batching refills their places).
+(half the K/V bytes per decode step for everyone), `--gen-spread 0.5` (lengths drawn
+around `--gen`, so requests do not finish in lockstep waves and continuous batching
+refills their places).
 
     python -m loadtest.bench_policies --out runs/
 """
@@ -48,11 +53,15 @@ NAME = "bench_policies"
 DOC_HEADING = "## KV eviction policies under memory pressure (issue 5)"
 
 
-def _engine(path: str, num_blocks: int, max_seqs: int, kv_dtype: str) -> EngineCore:
+BASELINES = ("vllm", "fit")  # the extra ways to run `full`: names "full:<way>"
+
+
+def _engine(path: str, num_blocks: int, max_seqs: int, kv_dtype: str,
+            reserve_preempted: bool = True) -> EngineCore:
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                   kv_cache_dtype=kv_dtype))
+                                   kv_cache_dtype=kv_dtype, reserve_preempted=reserve_preempted))
 
 
 def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
@@ -83,10 +92,12 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
     gens = gen_lengths(args.requests, args.gen, args.gen_spread, args.seed)
     out: dict = {"context": ctx, "num_blocks": blocks, "budget_tokens": budget,
                  "full_requests_fit": blocks // (layers * math.ceil(ctx / 16)), "policies": {}}
-    for name in ("full", *args.policies):
-        kv = policy_config(name, budget)
-        seqs = args.full_max_seqs if name == "full" and args.full_max_seqs else args.requests
-        eng = _engine(path, blocks, seqs, args.kv_cache_dtype)
+    runs = ["full", *(f"full:{b}" for b in args.baselines), *args.policies]
+    for name in runs:
+        base, _, way = name.partition(":")
+        kv = policy_config(base, budget)
+        eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
+                      args.kv_cache_dtype, reserve_preempted=way != "vllm")
         _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
         _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
@@ -111,9 +122,11 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
               f"{r['mean_running']:.1f} running, {r['preemptions']} preemptions, "
               f"{d.wall_s:.1f} s (CPU {cpu:.1f} s)", flush=True)
     full = out["policies"]["full"]
+    best = max(r["tok_s"] for n, r in out["policies"].items() if n.startswith("full"))
     for r in out["policies"].values():
         for k in ("tok_s", "tok_per_cpu_s", "max_running", "mean_running"):
             r[f"{k}_vs_full"] = r[k] / full[k] if full[k] else None
+        r["tok_s_vs_best_full"] = r["tok_s"] / best
     return out
 
 
@@ -165,9 +178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fit", type=int, default=8, help="full-cache requests the pool holds")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=512, help="issue: 3584 (= 4096 - 512)")
-    p.add_argument("--full-max-seqs", type=int, default=0,
-                   help="max_num_seqs for `full` (0: --requests, admitted as memory allows; "
-                        "--fit: full at the batch that fits, never preempted)")
+    p.add_argument("--baselines", default=",".join(BASELINES),
+                   help="extra ways to run full beside the default: vllm (a preempted "
+                        "request comes back on what it needs now), fit (at most --fit "
+                        "running); empty: none")
     p.add_argument("--gen-spread", type=float, default=0.0,
                    help="draw each request's length from gen × [1 - s, 1 + s] (0: all equal)")
     p.add_argument("--budget", type=float, default=0.25, help="of prompt + gen")
@@ -194,6 +208,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
+    a.baselines = [x for x in a.baselines.split(",") if x]
+    if set(a.baselines) - set(BASELINES):
+        p.error(f"--baselines: choose from {', '.join(BASELINES)}")
     a.quality_budgets = [float(x) for x in a.quality_budgets.split(",")]
     a.needle_lengths = [int(x) for x in a.needle_lengths.split(",")]
     a.needle_tasks = a.needle_tasks.split(",")
@@ -205,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "full_max_seqs", "prompt", "gen", "gen_spread", "budget", "kv_cache_dtype",
+                        "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "kv_cache_dtype",
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",

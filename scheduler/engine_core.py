@@ -57,6 +57,9 @@ class EngineConfig:
     default_kv_policy: str = "full"  # for requests that name none
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     preemption_mode: str = "recompute"  # swap | recompute | auto
+    # A preempted request comes back only once its growth to max_tokens fits, so it is
+    # preempted at most once (False: vLLM's behaviour, back on what it needs now).
+    reserve_preempted: bool = True
     swap_space: str | int = "1GiB"  # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     tenant_quotas: dict[str, float] | None = None  # tenant -> fraction of the pool
@@ -113,7 +116,8 @@ class EngineCore:
                 cost = calibrate(self.runner, self.pool, self.swap, mc.num_layers)
         self.cost_model = cost
         memory = MemoryConfig(config.watermark, config.preemption_mode,
-                              config.enable_prefix_caching, dict(quotas))
+                              config.enable_prefix_caching, dict(quotas),
+                              config.reserve_preempted)
         self.scheduler = Scheduler(self.pool, mc.num_layers, config.max_num_seqs,
                                    config.max_num_batched_tokens, memory, self.swap, cost)
         self.requests: dict[str, Request] = {}
@@ -179,7 +183,7 @@ class EngineCore:
                       priority=priority, kv_policy=config, policy_name=config.name,
                       policy=policy, rope_shift=rope_shift, tenant=tenant,
                       block_hashes=block_hashes(prompt_ids, bs, cache_salt),
-                      reserve_blocks=reserve)
+                      reserve_blocks=reserve, peak_blocks=need)
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req

@@ -39,6 +39,9 @@ class Request:
     # prompt is in; admission keeps them free for it. 0: unbounded (admitted on what it
     # needs now, as vLLM does; it preempts or is preempted when it grows).
     reserve_blocks: int = 0
+    # The most blocks (all layers) it can ever hold: prompt + max_tokens, or its policy's
+    # peak. Once preempted, a request is reserved this much (MemoryConfig.reserve_preempted).
+    peak_blocks: int = 0
     registered: int = 0  # prompt blocks published to (or taken from) the prefix cache
     resume_mark: int = 0  # len(output_ids) when last resumed (thrash protection)
     output_ids: list[int] = field(default_factory=list)

@@ -14,9 +14,15 @@ Memory management follows 003_12df107fdefa535c.txt:
   grow to that bound, and the growth still ahead of running bounded requests is kept
   free for them; unbounded (`full`) requests are admitted on what they need now;
 - preemption when a running request cannot grow: the victim is the lowest-priority,
-  most recently arrived running request (never one resumed that has not yet produced a
-  token, unless nothing else is left); it is swapped to host or dropped for
-  recompute (`swap` | `recompute` | `auto` by cost model);
+  most recently arrived running request, one without a reservation first (never one
+  resumed that has not yet produced a token, unless nothing else is left); it is
+  swapped to host or dropped for recompute (`swap` | `recompute` | `auto` by cost model);
+- no thrash: a preempted request is from then on reserved its peak (`peak_blocks`:
+  prompt + max_tokens), so it comes back only once it can finish and is not preempted
+  again. Admission stays optimistic until memory actually runs short (vLLM's), but a
+  long generation is recomputed once instead of over and over: with all-`full` requests
+  of 4,096 tokens in a pool for 8, the optimistic rule recomputed 523 times for 64
+  requests (docs/benchmarks.md, issue 5). `reserve_preempted=False` restores vLLM's;
 - prefix caching: full prompt blocks are looked up by chain hash and shared;
 - tenant quotas: a tenant's blocks stay within its share plus what is left of the
   shared burst pool.
@@ -67,6 +73,7 @@ class MemoryConfig:
     preemption_mode: str = "recompute"  # swap | recompute | auto
     enable_prefix_caching: bool = True
     tenant_quotas: dict[str, float] = field(default_factory=dict)
+    reserve_preempted: bool = True  # a preempted request waits until its peak fits
 
 
 def _key(r: Request) -> tuple[bool, int, float]:
@@ -150,20 +157,23 @@ class Scheduler:
                 budget -= n
         if preempted:  # memory is short: bring nobody in this step
             return Plan(chunks, preempted)
+        reserved = self._reserved() if self.waiting or self.swapped else 0  # only if needed
         while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.swapped[0]
             assert req.cache is not None
             n = min(req.num_tokens - req.num_computed, budget)
-            if req.cache.num_blocks + req.cache.blocks_needed(n) > self.pool.num_free:
+            need = req.cache.num_blocks + req.cache.blocks_needed(n)
+            growth = max(0, req.reserve_blocks - need) + reserved if self.running else 0
+            if need + growth > self.pool.num_free:
                 break
             self.swapped.pop(0)
             self._resume(req, swap_in=True)
             chunks.append(self._chunk(req, n))
             budget -= n
+            reserved += self._ahead(req)
         if self.swapped:  # resume the swapped before admitting anyone new
             return Plan(chunks, preempted)
         i = 0
-        reserved = self._reserved() if self.waiting else 0  # a loop over running: only if needed
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             n = self._admit(req, budget, reserved)
@@ -270,10 +280,17 @@ class Scheduler:
         self.running.append(req)
 
     def _victim(self, queue: list[Request]) -> Request | None:
-        """Lowest priority, newest; skip requests resumed without progress since."""
+        """Lowest priority, then one whose growth nobody reserved, then newest; skip
+        requests resumed without progress since.
+
+        Why unreserved first: a reserved request (bounded policy, or preempted before)
+        was admitted on the promise that its growth fits; the request that outgrew the
+        plan is the one admitted on what it needed at the time."""
         candidates = [r for r in queue if r.num_preemptions == 0 or len(r.output_ids) > r.resume_mark]
         pool = candidates or queue
-        return max(pool, key=_key) if pool else None
+        if not pool:
+            return None
+        return max(pool, key=lambda r: (*_key(r)[:2], r.reserve_blocks == 0, r.arrival_time))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -281,6 +298,8 @@ class Scheduler:
         assert req.cache is not None
         mode = self._mode(req)
         req.num_preemptions += 1
+        if self.mem.reserve_preempted:
+            req.reserve_blocks = max(req.reserve_blocks, req.peak_blocks)
         self.preemptions[mode] += 1
         if mode == "swap":
             assert self.swap is not None

@@ -54,6 +54,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"),
                    default="recompute")
     g.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out blocks")
+    g.add_argument("--no-reserve-preempted", action="store_true",
+                   help="a preempted request comes back on what it needs now (vLLM), "
+                        "not once its growth to max_tokens fits")
     g.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of blocks kept free when admitting")
     g.add_argument("--no-prefix-caching", action="store_true")
@@ -66,6 +69,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_model_len=a.max_model_len, seed=a.seed,
                 default_kv_policy=a.default_kv_policy, preemption_mode=a.preemption_mode,
                 swap_space=a.swap_space, watermark=a.watermark,
+                reserve_preempted=not a.no_reserve_preempted,
                 enable_prefix_caching=not a.no_prefix_caching)
 
 

@@ -36,7 +36,8 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     ctx = st["prompt"] + st["gen"]
     assert t["context"] == ctx and t["budget_tokens"] == round(st["budget"] * ctx)
     assert t["num_blocks"] == st["fit"] * 2 * math.ceil(ctx / 16)  # tiny: 2 layers
-    assert list(t["policies"]) == ["full", *st["policies"]] and len(st["policies"]) == 10
+    assert list(t["policies"]) == ["full", "full:vllm", "full:fit", *st["policies"]]
+    assert len(st["policies"]) == 10
     for name, r in t["policies"].items():
         assert r["all_lengths_ok"], name
         assert r["output_tokens"] == st["requests"] * st["gen"]
@@ -48,6 +49,14 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     full = t["policies"]["full"]
     assert full["max_peak_live_tokens"] == ctx - 1  # a full cache keeps every token
     assert full["preemptions"] > 0  # the pool really is too small for a full cache
+    # a preempted request comes back only once it can finish: recomputed at most once
+    assert full["preemptions"] <= st["requests"]
+    assert t["policies"]["full:vllm"]["preemptions"] >= full["preemptions"]
+    fit = t["policies"]["full:fit"]
+    assert fit["max_running"] <= st["fit"] and fit["preemptions"] == 0
+    fastest = max(r["tok_s"] for n, r in t["policies"].items() if n.startswith("full"))
+    for r in t["policies"].values():
+        assert r["tok_s_vs_best_full"] == pytest.approx(r["tok_s"] / fastest)
     assert t["policies"]["streaming"]["max_peak_live_tokens"] < ctx - 1  # it evicts
 
     o = report["overhead"]
@@ -98,18 +107,17 @@ def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_full_at_its_fit_and_spread_lengths(tmp_path) -> None:
-    """`--full-max-seqs` caps full at the batch that fits (no preemption then), and
-    `--gen-spread` gives every request its own seeded length, all generated exactly."""
+def test_spread_lengths_and_no_baselines(tmp_path) -> None:
+    """`--gen-spread` gives every request its own seeded length, all generated exactly;
+    `--baselines ''` runs `full` the default way only."""
     from loadtest.bench_policies import gen_lengths
 
     report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts", "throughput",
-                       "--policies", "streaming", "--full-max-seqs", "3", "--gen-spread", "0.3")
+                       "--policies", "streaming", "--baselines", "", "--gen-spread", "0.3")
     st, t = report["settings"], report["throughput"]
-    assert st["full_max_seqs"] == 3 and st["gen_spread"] == 0.3
+    assert st["baselines"] == [] and st["gen_spread"] == 0.3
+    assert list(t["policies"]) == ["full", "streaming"]
     want = sum(gen_lengths(st["requests"], st["gen"], 0.3, st["seed"]))
     for r in t["policies"].values():
         assert r["all_lengths_ok"] and r["output_tokens"] == want
-    full = t["policies"]["full"]
-    assert full["max_running"] <= 3 and full["preemptions"] == 0
-    assert t["policies"]["streaming"]["max_running"] > 3
+    assert t["policies"]["streaming"]["max_running"] > st["fit"]

@@ -168,19 +168,50 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     assert eng.pool.num_used == 0
 
 
-def test_unbounded_requests_are_admitted_on_what_they_need_now(llama):
+@pytest.mark.parametrize("reserve", [True, False], ids=["reserve_preempted", "vllm"])
+def test_unbounded_requests_are_admitted_on_what_they_need_now(llama, reserve):
     """`full` requests reserve nothing: a pool holding 2 complete caches admits more than 2
-    at once (their prompts fit) and preempts when they grow, as vLLM does."""
+    at once (their prompts fit) and preempts when they grow, as vLLM does. Once
+    preempted, a request is reserved its peak (prompt + max_tokens), so it comes back
+    only when it can finish and is never preempted again; vLLM's rule
+    (`reserve_preempted=False`) re-admits it on what it needs now, and the same
+    requests are recomputed over and over."""
     layers = _layers(llama)
-    eng = LLM(llama, num_blocks=2 * layers * (24 + 200) // 4, block_size=4, watermark=0.0).engine
+    eng = LLM(llama, num_blocks=2 * layers * (24 + 200) // 4, block_size=4, watermark=0.0,
+              reserve_preempted=reserve).engine
+    reqs = []
     for i in range(6):
         eng.add_request(f"r{i}", _prompt(i, 24), _long())
-    assert all(r.reserve_blocks == 0 for r in eng.requests.values())
+        reqs.append(eng.requests[f"r{i}"])
+    assert all(r.reserve_blocks == 0 for r in reqs)
+    assert all(r.peak_blocks == layers * -(-(24 + 200 - 1) // 4) for r in reqs)
     most = 0
     while eng.has_unfinished():
         eng.step()
         most = max(most, eng.num_running)
-    assert most > 2 and sum(eng.stats().preemptions_total.values()) > 0
+        for r in eng.scheduler.running:
+            if reserve and r.num_preemptions:
+                assert r.reserve_blocks == r.peak_blocks
+    preemptions = sum(eng.stats().preemptions_total.values())
+    assert most > 2 and preemptions > 0
+    worst = max(r.num_preemptions for r in reqs)
+    if reserve:
+        assert worst == 1 and preemptions <= len(reqs) - 2
+    else:
+        assert worst > 1
+    assert eng.pool.num_used == 0
+
+
+def test_victim_is_unreserved_before_newer_reserved():
+    """A request whose growth was reserved (bounded policy, or preempted before) is kept
+    over an unreserved one of the same priority, even a newer one; priority still
+    comes first."""
+    sched = Scheduler(BlockPool(40, 4, 1, 2), 1, 8, 64)
+    old_full = Request("old_full", [1] * 4, GREEDY, 0, arrival_time=1.0)
+    new_bounded = Request("new_bounded", [1] * 4, GREEDY, 0, arrival_time=2.0, reserve_blocks=3)
+    assert sched._victim([old_full, new_bounded]) is old_full
+    low = Request("low", [1] * 4, GREEDY, 0, arrival_time=0.5, priority=1, reserve_blocks=3)
+    assert sched._victim([old_full, new_bounded, low]) is low
 
 
 def _layers(path) -> int:
