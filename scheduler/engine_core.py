@@ -304,6 +304,12 @@ class EngineCore:
                 r.kv.evicted_tokens += evicted
                 self._policy_evicted[name] = self._policy_evicted.get(name, 0) + evicted
                 self._policy_freed[name] = self._policy_freed.get(name, 0) + applied.freed_blocks
+            if r.reserve_blocks and r.cache.num_blocks > r.reserve_blocks:
+                # Scattered survivors pin partly dead blocks: pack them, in place, so the
+                # request stays within the memory admission reserved for it (instead of
+                # preempting someone when the pool is full).
+                freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
+                self._policy_freed[name] = self._policy_freed.get(name, 0) + freed
             self._policy_seconds[name] = self._policy_seconds.get(name, 0.0) + time.perf_counter() - t
 
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,40 @@ def test_compaction_packs_survivors_and_keeps_their_data():
     pool.check_invariants([c.owned_blocks()])
 
 
+def test_compaction_needs_no_free_block():
+    """Compaction packs in place: with the pool exhausted it still frees the blocks its
+    survivors no longer need (what keeps a scattered policy within its reservation)."""
+    pool, c = _filled()
+    other = pool.allocate(pool.num_free)  # someone else holds the rest of the pool
+    keep = [1, 2, 6, 11]
+    applied = apply_eviction(c, {0: torch.tensor([p for p in range(12) if p not in keep])})
+    assert applied.freed_blocks == 0 and c.nblocks == [3]  # every block keeps a survivor
+    assert pool.num_free == 0
+    assert c.compact(0) == 2 and c.nblocks == [1] and pool.num_free == 2
+    assert _kv_by_position(c) == {p: float(p) for p in keep}
+    assert c.compact(0) == 0  # no hole left
+    pool.check_invariants([c.owned_blocks(), other])
+
+
+def test_compaction_copies_a_shared_block_before_writing_it():
+    """A block shared through the prefix cache is copied before survivors move into it:
+    the other holder's K/V stay as they were."""
+    pool, a = _filled(n=8)
+    pool.register(123, a.table[:, 0])
+    b = SeqCache(pool, 1)
+    b.adopt([pool.acquire(123)])
+    slots = b.append(torch.arange(4, 12))[0]
+    val = torch.arange(4, 12, dtype=torch.float32)[:, None, None].expand(8, H, D)
+    pool.k_cache.view(-1, H, D)[slots] = val
+    pool.v_cache.view(-1, H, D)[slots] = -val
+    shared = int(a.table[0, 0])
+    apply_eviction(b, {0: torch.tensor([1, 2, 5, 6, 9])})
+    assert b.compact(0) == 1 and int(b.table[0, 0]) != shared
+    assert _kv_by_position(b) == {p: float(p) for p in [0, 3, 4, 7, 8, 10, 11]}
+    assert _kv_by_position(a) == {p: float(p) for p in range(8)}  # untouched
+    pool.check_invariants([a.owned_blocks(), b.owned_blocks()])
+
+
 def test_renumber_rerotates_keys_as_if_written_at_the_new_positions():
     cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=D)
     rope = RotaryEmbedding(cfg, D, 64)

@@ -138,6 +138,10 @@ BOUNDED = [
     {"name": "lazy_streaming", "sink": 4, "window": 60, "compress_every": 16, "slack": 8,
      "max_drop": 16},
     {"name": "paged_eviction", "budget": 64},
+    # scattered survivors: kept within the reservation by in-place compaction
+    {"name": "knorm", "budget": 64},
+    {"name": "tova", "budget": 64},
+    {"name": "h2o", "budget": 64, "window": 8},
 ]
 
 
