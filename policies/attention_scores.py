@@ -144,7 +144,7 @@ class TOVAPolicy:
             return {}
         budget = resolve_budget(self.config.budget, view.seq_len)
         att = view.stacked("attention")
-        if att is not None and view.lengths[0] > budget:  # same n everywhere: one sort
+        if att is not None and view.lengths[0] > budget:  # same n everywhere: one selection
             pos = view.stacked("positions")
             assert pos is not None
             scores = head_mean(att[:, -1:])[:, 0]

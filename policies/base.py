@@ -124,8 +124,35 @@ def keep_top(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Ten
     n = positions.numel()
     if k >= n:
         return positions[:0]
-    order = torch.sort(scores, descending=True, stable=True).indices
-    return positions[order[k:]].sort().values
+    return positions[lowest_index_rows(scores[None], n - k)[0]].sort().values
+
+
+# Up to this many drops per row a partial top-k plus a tie count beats a full stable sort
+# (about 10x on a thousand scores); beyond it (the prompt's one big plan) we sort.
+_TOPK_MAX = 64
+
+
+def lowest_index_rows(scores: torch.Tensor, d: int) -> torch.Tensor:
+    """[L, m] scores -> [L, d] ascending indices of the d lowest per row, ties toward the
+    later index: exactly the last d of a stable descending sort (what `keep_top` drops).
+
+    Decode drops a token or a few per step, so this is a top-k for the d-th lowest value
+    t, every score < t, and of the scores == t the last ones — a handful of cheap ops
+    instead of a stable sort of the whole row. A NaN among the d lowest (sort and top-k
+    may order NaN differently) falls back to the sort."""
+    m = scores.shape[1]
+    if 0 < d <= min(_TOPK_MAX, m - 1):
+        low = torch.topk(scores, d, dim=1, largest=False).values
+        if not bool(torch.isnan(low).any()):
+            t = low[:, d - 1 :]
+            below = scores < t
+            tied = scores == t
+            wanted = d - below.sum(dim=1, keepdim=True)  # ties to drop, from the end
+            from_end = tied.flip(1).cumsum(dim=1).flip(1)
+            drop = below | (tied & (from_end <= wanted))
+            return drop.nonzero()[:, 1].view(scores.shape[0], d)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    return order[:, m - d :].sort(dim=1).values
 
 
 # ---- helpers shared by several policies ------------------------------------------------
@@ -157,11 +184,29 @@ def align(old_pos: torch.Tensor | None, old_val: torch.Tensor | None,
         shape = (new_pos.numel(), *(() if old_val is None else old_val.shape[1:]))
         dtype = torch.float32 if old_val is None else old_val.dtype
         return torch.full(shape, fill, dtype=dtype)
+    if _appended(old_pos, new_pos):
+        return _extend(old_val, new_pos.shape[-1], fill, dim=0)
     idx = torch.searchsorted(old_pos, new_pos).clamp_(max=old_pos.numel() - 1)
     hit = old_pos[idx] == new_pos
     out = torch.full((new_pos.numel(), *old_val.shape[1:]), fill, dtype=old_val.dtype)
     out[hit] = old_val[idx[hit]]
     return out
+
+
+def _appended(old_pos: torch.Tensor, new_pos: torch.Tensor) -> bool:
+    """`new_pos` is `old_pos` followed by new tokens only (along the last dim): the
+    usual decode step once our own plan was carried out. Then `align` is a plain
+    append — no searchsorted, which costs as much as a sort on a thousand tokens."""
+    m = old_pos.shape[-1]
+    return m <= new_pos.shape[-1] and torch.equal(new_pos[..., :m], old_pos)
+
+
+def _extend(old_val: torch.Tensor, n: int, fill: float, dim: int) -> torch.Tensor:
+    """`old_val` followed by `fill` up to n entries along `dim` (what `align` gives for
+    appended positions: every old one hit, in order; every new one missed)."""
+    shape = list(old_val.shape)
+    shape[dim] = n - shape[dim]
+    return torch.cat([old_val, torch.full(shape, fill, dtype=old_val.dtype)], dim=dim)
 
 
 def head_mean(attention: torch.Tensor) -> torch.Tensor:
@@ -183,14 +228,28 @@ def evict_except(scores: torch.Tensor, positions: torch.Tensor, keep: int,
     return keep_top(scores[free], positions[free], max(0, keep - int(protected.sum())))
 
 
+def evict_except_index(scores: torch.Tensor, keep: int, first: int = 0,
+                       last: int = 0) -> torch.Tensor:
+    """`evict_except(scores, positions, keep, edge_mask(n, first, last))` as ascending
+    indices into the n tokens (positions ascending) instead of positions, so a policy
+    drops them from its own per-token state by index rather than by a search."""
+    n = scores.numel()
+    lo = min(first, n)
+    hi = max(lo, n - last if last > 0 else n)  # the unprotected tokens: [lo, hi)
+    protected = n - (hi - lo)
+    d = (hi - lo) - (keep if protected == 0 else max(0, keep - protected))
+    if d <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    return lowest_index_rows(scores[None, lo:hi], d)[0] + lo
+
+
 def drop_index_rows(scores: torch.Tensor, keep: int, last: int = 0) -> torch.Tensor:
     """`evict_except` for L layers at once ([L, n] scores, the same n and `keep` < n in
     every layer) with the `last` most recent tokens protected (`edge_mask(n, 0, last)`,
     last <= keep): [L, n - keep] ascending indices to drop, row l the tokens that
-    evict_except drops on layer l (the same stable sort, one op for all rows)."""
+    evict_except drops on layer l (the same selection, one op each for all rows)."""
     free = scores.shape[1] - last
-    order = torch.sort(scores[:, :free], dim=1, descending=True, stable=True).indices
-    return order[:, keep - last:].sort(dim=1).values
+    return lowest_index_rows(scores[:, :free], free - (keep - last))
 
 
 def evict_except_rows(scores: torch.Tensor, positions: torch.Tensor, keep: int,
@@ -203,6 +262,8 @@ def align_rows(old_pos: torch.Tensor, old_val: torch.Tensor, new_pos: torch.Tens
                fill: float = 0.0) -> torch.Tensor:
     """`align` of L layers at once: [L, m] positions and values -> [L, n] values at
     `new_pos` (m > 0; every row ascending), one searchsorted for all rows."""
+    if _appended(old_pos, new_pos):
+        return _extend(old_val, new_pos.shape[1], fill, dim=1)
     new_pos = new_pos.contiguous()
     idx = torch.searchsorted(old_pos, new_pos).clamp_(max=old_pos.shape[1] - 1)
     hit = old_pos.gather(1, idx) == new_pos

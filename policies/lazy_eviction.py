@@ -20,6 +20,8 @@ from policies.base import (
     Needs,
     StepView,
     align,
+    align_rows,
+    drop_index_rows,
     edge_mask,
     evict_except,
     head_mean,
@@ -97,6 +99,9 @@ class LazyEvictionPolicy:
         if decide:
             self._epoch = epoch
         budget = resolve_budget(c.budget, view.seq_len)
+        rows = self._step_rows(view, t_now, decide, budget)
+        if rows is not None:
+            return rows
         plan: Eviction = {}
         for layer, lv in enumerate(view.layers):
             assert lv.attention is not None
@@ -116,24 +121,73 @@ class LazyEvictionPolicy:
             self._pos[layer], self._ts[layer], self._mri[layer] = pos[kept], ts[kept], mri[kept]
         return plan
 
+    def _step_rows(self, view: StepView, t_now: int, decide: bool,
+                   budget: int) -> Eviction | None:
+        """`step` for all layers at once ([L, n] state, one op per stage instead of one
+        per layer) when every layer holds the same count — always, unless the engine
+        carried out a plan differently: every layer holds max(B, W) after a decision and
+        gains the same new tokens. None otherwise. The same elementwise arithmetic per
+        row as the per-layer loop, so the same TS, MRI and kept sets."""
+        pos, att = view.stacked("positions"), view.stacked("attention")
+        if pos is None or att is None:
+            return None
+        nl = pos.shape[0]
+        old = [self._pos.get(layer) for layer in range(nl)]
+        if any(p is None for p in old) or len({p.numel() for p in old}) != 1:
+            ts = torch.stack([align(self._pos.get(layer), self._ts.get(layer), pos[layer],
+                                    fill=math.nan) for layer in range(nl)])
+            mri = torch.stack([align(self._pos.get(layer), self._mri.get(layer), pos[layer],
+                                     fill=0) for layer in range(nl)])
+        else:
+            old_pos = torch.stack(old)
+            ts = align_rows(old_pos, torch.stack([self._ts[layer] for layer in range(nl)]),
+                            pos, fill=math.nan)
+            mri = align_rows(old_pos, torch.stack([self._mri[layer] for layer in range(nl)]),
+                             pos, fill=0)
+        ts, mri = self._tracked(pos, att, ts, mri, view.seq_len - view.num_new,
+                                view.prompt_len)
+        n = pos.shape[1]
+        recent = min(self.config.window, n)
+        keep = max(budget, recent)
+        plan: Eviction = {}
+        if decide and n > budget and keep < n:
+            drop = drop_index_rows(importance(t_now, ts, mri), keep, recent)
+            plan = dict(enumerate(pos.gather(1, drop).unbind(0)))
+            kept = torch.ones_like(pos, dtype=torch.bool).scatter_(1, drop, False)
+            pos, ts, mri = (x[kept].view(nl, -1) for x in (pos, ts, mri))
+        self._pos.update(enumerate(pos.unbind(0)))
+        self._ts.update(enumerate(ts.unbind(0)))
+        self._mri.update(enumerate(mri.unbind(0)))
+        return plan
+
     def _track(self, layer: int, pos: torch.Tensor, attention: torch.Tensor, q0: int,
                prompt: int) -> None:
-        born = pos - prompt + 1  # time of the query that created each token
         ts = align(self._pos.get(layer), self._ts.get(layer), pos, fill=math.nan)
         mri = align(self._pos.get(layer), self._mri.get(layer), pos, fill=0)
+        ts, mri = self._tracked(pos, attention, ts, mri, q0, prompt)
+        self._pos[layer], self._ts[layer], self._mri[layer] = pos, ts, mri
+
+    def _tracked(self, pos: torch.Tensor, attention: torch.Tensor, ts: torch.Tensor,
+                 mri: torch.Tensor, q0: int, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrence Interval Tracking over this step's query rows: (TS, MRI) aligned to
+        `pos` (NaN TS: new token) -> updated. One layer (pos [n], attention [Tq, Hkv, n])
+        or all layers stacked (a leading L on every argument)."""
+        born = pos - prompt + 1  # time of the query that created each token
         ts = torch.where(torch.isnan(ts), born.double(), ts.double())
         mri = mri.long()
-        tq = attention.shape[0]
+        tq = attention.shape[-3]
         qpos = q0 + torch.arange(tq)
         t = (qpos - prompt + 1).double()[:, None]  # [Tq, 1]
-        act = (head_mean(attention) >= self.config.alpha) & (pos[None, :] <= qpos[:, None])
-        stamp = torch.where(act, t, torch.full_like(t, -math.inf))  # [Tq, n]
-        last = torch.cummax(stamp, dim=0).values  # latest activation up to each row
-        prev = torch.cat([ts[None], torch.maximum(last[:-1], ts[None])], dim=0)
+        act = (head_mean(attention) >= self.config.alpha) & \
+            (pos.unsqueeze(-2) <= qpos[:, None])
+        stamp = torch.where(act, t, torch.full_like(t, -math.inf))  # [..., Tq, n]
+        last = torch.cummax(stamp, dim=-2).values  # latest activation up to each row
+        first = ts.unsqueeze(-2)
+        prev = torch.cat([first, torch.maximum(last[..., :-1, :], first)], dim=-2)
         gap = torch.where(act, t - prev, torch.zeros_like(prev))
-        mri = torch.maximum(mri, gap.max(dim=0).values.long())
-        ts = torch.maximum(ts, last[-1])
-        self._pos[layer], self._ts[layer], self._mri[layer] = pos, ts, mri
+        mri = torch.maximum(mri, gap.max(dim=-2).values.long())
+        ts = torch.maximum(ts, last[..., -1, :])
+        return ts, mri
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

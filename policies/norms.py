@@ -71,7 +71,7 @@ def _idle(view: StepView, budget_cfg: int | float) -> bool:
 def _unstructured(view: StepView, budget_cfg: int | float, window: int, stat: str,
                   score: Callable[[torch.Tensor], torch.Tensor]) -> Eviction:
     """Per layer, drop the lowest `score(LayerView.<stat>)` down to the budget, the recent
-    `window` protected; one sort for all layers when they hold the same count (decode,
+    `window` protected; one selection for all layers when they hold the same count (decode,
     after the prompt's plan: every layer holds C + 1)."""
     if not is_active(view):
         return {}

@@ -18,8 +18,7 @@ from policies.base import (
     Needs,
     StepView,
     align,
-    edge_mask,
-    evict_except,
+    evict_except_index,
     is_active,
     prefill_envelope,
     resolve_budget,
@@ -120,9 +119,9 @@ class PyramidPolicy:
                 continue
             keep = budgets[layer]
             edge = int(keep // (2 * c.omega))
-            drop = evict_except(self.scores(layer), pos, keep, edge_mask(n, edge, edge))
-            plan[layer] = drop
-            kept = ~torch.isin(pos, drop)
+            drop = evict_except_index(self.scores(layer), keep, edge, edge)
+            plan[layer] = pos[drop]
+            kept = torch.ones(n, dtype=torch.bool).index_fill_(0, drop, False)
             self._pos[layer], self._rows[layer] = pos[kept], rows[kept]
         return plan
 
