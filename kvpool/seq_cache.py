@@ -228,6 +228,24 @@ class SeqCache:
             return 0
         return self._free_dead_blocks()
 
+    def evict_slots(self, slots: torch.Tensor) -> int:
+        """`evict_mask` for d live logical slots per layer ([L, d], distinct in each row):
+        a decode step of a scoring policy drops a token or a few per layer, so writing
+        them and checking only their blocks costs a few ops instead of mask-wide ones."""
+        nl, d = slots.shape
+        if d == 0:
+            return 0
+        self.slot_pos.scatter_(1, slots, -1)
+        self.live -= nl * d
+        # Layers holding the same slots that drop the same ones stay alike (streaming).
+        self.alike = self.alike and bool((slots == slots[:1]).all())
+        self.uniform = False
+        cols = (slots // self.bs)[:, :, None].expand(nl, d, self.bs)
+        touched = self.slot_pos.view(nl, -1, self.bs).gather(1, cols)
+        if bool((touched >= 0).any(dim=2).all()):
+            return 0  # every block that lost a slot still has a live one
+        return self._free_dead_blocks()
+
     def drop_before(self, layer: int, min_pos: int) -> int:
         """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""
         pos = self.slot_pos[layer]

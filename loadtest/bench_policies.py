@@ -131,18 +131,23 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
 
 
 def run_overhead(path: str, args: argparse.Namespace) -> dict:
-    """Same batch for everyone: `--overhead-batch` requests, prompt `--prompt`, budget as
-    in part 1, decoding `--overhead-steps` tokens in a pool large enough for all."""
+    """Same batch for everyone: `--overhead-batch` requests, budget as in part 1,
+    decoding `--overhead-steps` tokens in a pool large enough for all. Prompts are
+    longer than the budget (`--prompt`, or budget + 1 if that is more), so every
+    measured step is one at the budget — part 1's steady state, where a scoring policy
+    plans on every step — not a warm-up in which it has nothing to evict."""
     cfg = bc.MODEL_CONFIGS[args.model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     n, steps = args.overhead_batch, args.overhead_steps
     budget = round(args.budget * (args.prompt + args.gen))
-    blocks = n * layers * (math.ceil((args.prompt + steps) / 16) + 2)
-    out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget, "policies": {}}
+    prompt = max(args.prompt, budget + 1)
+    blocks = n * layers * (math.ceil((prompt + steps) / 16) + 2)
+    out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget,
+                 "prompt": prompt, "policies": {}}
     for name in ("full", *args.policies):
         eng = _engine(path, blocks, n, args.kv_cache_dtype)
         kv = policy_config(name, budget)
-        _submit(eng, args.prompt, [steps] * n, vocab, kv, args.seed, name)
+        _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
         d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
         sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
         tot, pol = sum(s.total_s for s in sel), sum(s.policy_s for s in sel)

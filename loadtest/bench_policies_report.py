@@ -80,7 +80,8 @@ def _overhead(o: dict) -> list[str]:
     lines = [
         "", f"**Per-step overhead** with every policy at the same batch: {o['batch']} requests "
         f"decoding (steps with all {o['batch']} running and no prefill), budget "
-        f"{o['budget_tokens']} tokens; `policy_seconds_total` is EngineStats' per-policy "
+        f"{o['budget_tokens']} tokens, prompts of {o.get('prompt', 'the part-1')} tokens "
+        "(every step at the budget); `policy_seconds_total` is EngineStats' per-policy "
         "eviction time over the whole run (prefill included).", "",
         "| policy | steps | step ms | policy ms / step | policy share | µs / request / step "
         "| forward share | policy_seconds_total |",

@@ -15,7 +15,9 @@ length is asked for through its `generation_config` field instead).
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,26 @@ import httpx
 from loadtest.workloads import RequestSpec
 
 BACKENDS = ("openai", "transformers")
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of an event stream, ended only by CRLF, CR or LF (the SSE spec's line
+    ends, what the OpenAI SDK splits on). httpx's `aiter_lines` splits like
+    `str.splitlines`, also at U+2028, U+2029, U+0085 and a few control characters, which
+    JSON leaves raw inside strings unless ASCII-escaped: a generated token that decodes
+    to one would cut a `data:` line in two (seen with random-weight models)."""
+    buf = ""
+    async for chunk in chunks:
+        buf += chunk
+        held = buf.endswith("\r")  # maybe the first half of a CRLF split across chunks
+        *lines, buf = _EOL.split(buf[:-1] if held else buf)
+        buf += "\r" if held else ""
+        for line in lines:
+            yield line
+    if buf:
+        yield buf.removesuffix("\r")
 
 
 @dataclass
@@ -154,7 +176,7 @@ async def send(client: httpx.AsyncClient, url: str, spec: RequestSpec, cfg: Clie
                 res.error = (await r.aread()).decode(errors="replace")[:300]
                 res.e2el = time.perf_counter() - t0
                 return res
-            async for line in r.aiter_lines():
+            async for line in sse_lines(r.aiter_text()):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from policies.base import (
+    BatchView,
     Eviction,
     Needs,
     StepView,
@@ -117,6 +118,34 @@ class H2OPolicy:
         self._pos[: len(old)], self._acc[: len(old)] = list(pos.unbind(0)), list(acc.unbind(0))
         return plan
 
+    @staticmethod
+    def step_batch(policies: list[H2OPolicy], view: BatchView) -> list[torch.Tensor] | None:
+        """`_step_rows` for R requests at once (rows r·L + l): their states must hold
+        the same count in every layer (decode at the budget: C before the step's new
+        token, C + 1 with it)."""
+        budget, nl = view.budget(policies[0].config.budget), view.num_layers
+        if budget is None or view.attention is None:
+            return None
+        old = [x for p in policies for x in p._pos[:nl]]
+        if len(old) != len(policies) * nl or any(x is None for x in old) or \
+                len({x.numel() for x in old}) != 1 or old[0].numel() == 0:
+            return None
+        acc_old = torch.stack([x for p in policies for x in p._acc[:nl]])
+        acc = align_rows(torch.stack(old), acc_old, view.positions)
+        acc += view.attention.sum(dim=1).to(acc.dtype)
+        pos, rows = view.positions, len(old)
+        if pos.shape[1] > budget:
+            drop = drop_index_rows(acc, budget, min(policies[0].config.window, budget))
+            keep = torch.ones_like(acc, dtype=torch.bool).scatter_(1, drop, False)
+            pos, acc = pos[keep].view(rows, -1), acc[keep].view(rows, -1)
+        else:
+            drop = pos.new_empty((rows, 0))
+        pos_rows, acc_rows = pos.unbind(0), acc.unbind(0)
+        for r, p in enumerate(policies):
+            p._pos[:nl] = pos_rows[r * nl:(r + 1) * nl]
+            p._acc[:nl] = acc_rows[r * nl:(r + 1) * nl]
+        return view.per_request(drop)
+
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
         return prefill_envelope(seq_len, prompt_len,
@@ -158,6 +187,16 @@ class TOVAPolicy:
             scores = head_mean(lv.attention[-1:])[0]
             plan[layer] = evict_except(scores, lv.positions, budget, edge_mask(n, 0, 1))
         return plan
+
+    @staticmethod
+    def step_batch(policies: list[TOVAPolicy], view: BatchView) -> list[torch.Tensor] | None:
+        """`step` for R requests at once: the same score and selection per row."""
+        budget = view.budget(policies[0].config.budget)
+        if budget is None or view.attention is None:
+            return None
+        if view.positions.shape[1] <= budget:
+            return view.per_request(view.positions.new_empty((view.positions.shape[0], 0)))
+        return view.per_request(drop_index_rows(head_mean(view.attention[:, None])[:, 0], budget, 1))
 
     def idle(self, view: StepView) -> bool:
         """TOVA keeps no state: nothing to do before the prompt is complete or while

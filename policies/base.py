@@ -84,6 +84,37 @@ class StepView:
         return len(self.lengths) or len(self.layers)
 
 
+@dataclass
+class BatchView:
+    """One decode step of R requests under the same policy class and config, every
+    (request, layer) holding the same n live tokens: row r·L + l is layer l of request
+    r. What a decode step of a scoring policy looks like once the prompt is planned
+    (every layer at C + 1), so the policy can score and select for all requests in one
+    op per stage (`step_batch`) instead of a few dozen small ops per request.
+
+    Row fields are the `StepView.stacked` ones with a leading R·L instead of L, and
+    `attention` is the single query's mass ([R·L, Hkv, n], `LayerView.attention[0]`)."""
+
+    seq_len: list[int]  # per request, as StepView.seq_len
+    prompt_len: list[int]
+    num_layers: int
+    positions: torch.Tensor  # [R·L, n] int64, ascending per row
+    attention: torch.Tensor | None = None  # [R·L, Hkv, n] float32
+    key_norm: torch.Tensor | None = None  # [R·L, n, Hkv] float32
+    value_norm: torch.Tensor | None = None
+    keys: torch.Tensor | None = None  # [R·L, n, Hkv, D] float32
+
+    def per_request(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """[R·L, ...] rows -> R tensors of [L, ...] (what `step_batch` returns)."""
+        return list(rows.split(self.num_layers))
+
+    def budget(self, budget: int | float) -> int | None:
+        """The budget every member resolves to, or None when they differ (a ratio on
+        different lengths): a batch selects one count for all rows."""
+        values = {resolve_budget(budget, s) for s in self.seq_len}
+        return values.pop() if len(values) == 1 else None
+
+
 class Policy(Protocol):
     name: str
     needs: Needs  # may be narrowed by `step` (e.g. snapkv stops needing attention)
@@ -98,6 +129,13 @@ class Policy(Protocol):
     # policy that accumulates statistics every step (h2o, pyramid, lazy_eviction) has
     # none. Building a view costs more than most plans (tests/test_policies_idle.py
     # checks every `idle` against `step`).
+
+    # Optional: `step_batch(policies, view: BatchView) -> list[Tensor] | None`, a
+    # staticmethod taking this class's policies of R requests with equal configs: per
+    # request, [L, d] ascending indices into each layer's n tokens to drop (d may be 0),
+    # the same tokens `step` would drop on that request's own view, with each policy's
+    # state updated as `step` would. None (nothing changed) sends every member down
+    # `step` instead.
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -16,6 +16,7 @@ import torch
 from pydantic import Field
 
 from policies.base import (
+    BatchView,
     Eviction,
     Needs,
     StepView,
@@ -40,7 +41,7 @@ class LazyEvictionConfig(EvictingPolicyConfig):
     alpha: float = Field(5e-4, gt=0.0, le=1.0)  # α: attention that counts as "important"
 
 
-def importance(t: int, ts: torch.Tensor, mri: torch.Tensor) -> torch.Tensor:
+def importance(t: int | torch.Tensor, ts: torch.Tensor, mri: torch.Tensor) -> torch.Tensor:
     """Eq. 2 as printed: I = H1 + H2 if MRI != 0 else H1, with
     H1 = 2σ(-(t - TS)/MRI) and H2 = 2σ(-1/(MRI - 1)).
 
@@ -167,19 +168,73 @@ class LazyEvictionPolicy:
         ts, mri = self._tracked(pos, attention, ts, mri, q0, prompt)
         self._pos[layer], self._ts[layer], self._mri[layer] = pos, ts, mri
 
+    @staticmethod
+    def step_batch(policies: list[LazyEvictionPolicy],
+                   view: BatchView) -> list[torch.Tensor] | None:
+        """`_step_rows` for R requests at once (rows r·L + l): tracking for all rows in
+        one pass; each member decides on its own clock (t = kW), and the members that
+        decide select together. Their states must hold the same count in every layer."""
+        c, nl = policies[0].config, view.num_layers
+        budget = view.budget(c.budget)
+        if budget is None or view.attention is None:
+            return None
+        old = [p._pos.get(layer) for p in policies for layer in range(nl)]
+        if any(x is None for x in old) or len({x.numel() for x in old}) != 1:
+            return None
+        old_pos = torch.stack(old)
+        ts = align_rows(old_pos, torch.stack([p._ts[lay] for p in policies for lay in range(nl)]),
+                        view.positions, fill=math.nan)
+        mri = align_rows(old_pos, torch.stack([p._mri[lay] for p in policies for lay in range(nl)]),
+                         view.positions, fill=0)
+        rows = torch.tensor([[s - 1, p] for s, p in zip(view.seq_len, view.prompt_len)])
+        rows = rows.repeat_interleave(nl, dim=0)  # [R·L, 2]: (q0, prompt_len) per row
+        ts, mri = policies[0]._tracked(view.positions, view.attention[:, None], ts, mri,
+                                       rows[:, :1], rows[:, 1:])
+        pos, n = view.positions, view.positions.shape[1]
+        recent = min(c.window, n)
+        keep = max(budget, recent)
+        t_now = [s - p for s, p in zip(view.seq_len, view.prompt_len)]
+        epochs = [t // c.window if t >= c.window else 0 for t in t_now]
+        decide = [e > p._epoch for e, p in zip(epochs, policies)]
+        for e, p, d in zip(epochs, policies, decide):
+            if d:
+                p._epoch = e
+        drops = [pos.new_empty((nl, 0))] * len(policies)
+        pos_rows, ts_rows, mri_rows = list(pos.unbind(0)), list(ts.unbind(0)), list(mri.unbind(0))
+        who = [r for r, d in enumerate(decide) if d]
+        if who and n > budget and keep < n:
+            sel = torch.tensor([r * nl + lay for r in who for lay in range(nl)])
+            t = torch.tensor([t_now[r] for r in who]).repeat_interleave(nl)[:, None]
+            drop = drop_index_rows(importance(t, ts[sel], mri[sel]), keep, recent)
+            kept = torch.ones((sel.numel(), n), dtype=torch.bool).scatter_(1, drop, False)
+            for full, rows_ in ((pos, pos_rows), (ts, ts_rows), (mri, mri_rows)):
+                left = full[sel][kept].view(sel.numel(), -1).unbind(0)
+                for j, row in enumerate(sel.tolist()):
+                    rows_[row] = left[j]
+            for j, r in enumerate(who):
+                drops[r] = drop[j * nl:(j + 1) * nl]
+        for r, p in enumerate(policies):
+            span = range(r * nl, (r + 1) * nl)
+            p._pos.update(zip(range(nl), (pos_rows[i] for i in span)))
+            p._ts.update(zip(range(nl), (ts_rows[i] for i in span)))
+            p._mri.update(zip(range(nl), (mri_rows[i] for i in span)))
+        return drops
+
     def _tracked(self, pos: torch.Tensor, attention: torch.Tensor, ts: torch.Tensor,
-                 mri: torch.Tensor, q0: int, prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 mri: torch.Tensor, q0: int | torch.Tensor,
+                 prompt: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recurrence Interval Tracking over this step's query rows: (TS, MRI) aligned to
-        `pos` (NaN TS: new token) -> updated. One layer (pos [n], attention [Tq, Hkv, n])
-        or all layers stacked (a leading L on every argument)."""
+        `pos` (NaN TS: new token) -> updated. One layer (pos [n], attention [Tq, Hkv, n]),
+        all layers stacked (a leading L on every argument), or rows of several requests
+        (q0 and prompt then [rows, 1] tensors)."""
         born = pos - prompt + 1  # time of the query that created each token
         ts = torch.where(torch.isnan(ts), born.double(), ts.double())
         mri = mri.long()
         tq = attention.shape[-3]
-        qpos = q0 + torch.arange(tq)
-        t = (qpos - prompt + 1).double()[:, None]  # [Tq, 1]
+        qpos = q0 + torch.arange(tq)  # [Tq], or [rows, Tq]
+        t = (qpos - prompt + 1).double()[..., None]  # [..., Tq, 1]
         act = (head_mean(attention) >= self.config.alpha) & \
-            (pos.unsqueeze(-2) <= qpos[:, None])
+            (pos.unsqueeze(-2) <= qpos[..., None])
         stamp = torch.where(act, t, torch.full_like(t, -math.inf))  # [..., Tq, n]
         last = torch.cummax(stamp, dim=-2).values  # latest activation up to each row
         first = ts.unsqueeze(-2)

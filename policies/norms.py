@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from policies.base import (
+    BatchView,
     Eviction,
     Needs,
     StepView,
+    drop_index_rows,
     edge_mask,
     evict_except,
     evict_except_rows,
@@ -57,9 +59,16 @@ def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
     """kvpress `KeyDiffPress.score`: anchor = mean over tokens of the L2-normalised keys
     (per head); score = -cos(k_i, anchor), so keys most aligned with the mean direction
     (the most redundant) score lowest. keys [..., n, Hkv, D] -> [..., n], mean over kv
-    heads (leading dims: layers scored at once)."""
-    anchor = F.normalize(keys, p=2, dim=-1).mean(dim=-3, keepdim=True)
-    return -F.cosine_similarity(keys, anchor, dim=-1).mean(dim=-1)
+    heads (leading dims: layers or (request, layer) rows scored at once).
+
+    The cosine reuses the normalised keys the anchor needs — a dot with the normalised
+    anchor, as `F.cosine_similarity` computes it (norms clamped at its eps 1e-8) — in
+    one batched matmul instead of cosine_similarity's broadcast passes (2x faster;
+    within 2e-7 of it)."""
+    unit = F.normalize(keys, p=2, dim=-1)
+    anchor = unit.mean(dim=-3)  # [..., Hkv, D]
+    anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(1e-8)
+    return -torch.einsum("...nhd,...hd->...nh", unit, anchor).mean(dim=-1)
 
 
 def _idle(view: StepView, budget_cfg: int | float) -> bool:
@@ -93,6 +102,19 @@ def _unstructured(view: StepView, budget_cfg: int | float, window: int, stat: st
     return plan
 
 
+def _unstructured_batch(policies: list, view: BatchView, stat: str,
+                        score: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
+    """`_unstructured` for R requests at once (equal configs): the same score and
+    selection on every (request, layer) row."""
+    c = policies[0].config
+    budget, stats = view.budget(c.budget), getattr(view, stat)
+    if budget is None or stats is None:
+        return None
+    if view.positions.shape[1] <= budget:
+        return view.per_request(view.positions.new_empty((view.positions.shape[0], 0)))
+    return view.per_request(drop_index_rows(score(stats), budget, min(c.window, budget)))
+
+
 @dataclass
 class KnormPolicy:
     """Inverse key L2-norm (001_01037b507c6df960.txt §4.1, §5.2 baseline, App. A.2; Devoto
@@ -110,6 +132,10 @@ class KnormPolicy:
 
     def step(self, view: StepView) -> Eviction:
         return _unstructured(view, self.config.budget, self.config.window, "key_norm", knorm_scores)
+
+    @staticmethod
+    def step_batch(policies: list[KnormPolicy], view: BatchView) -> list[torch.Tensor] | None:
+        return _unstructured_batch(policies, view, "key_norm", knorm_scores)
 
     def idle(self, view: StepView) -> bool:
         return _idle(view, self.config.budget)
@@ -137,6 +163,10 @@ class KeyDiffPolicy:
 
     def step(self, view: StepView) -> Eviction:
         return _unstructured(view, self.config.budget, self.config.window, "keys", keydiff_scores)
+
+    @staticmethod
+    def step_batch(policies: list[KeyDiffPolicy], view: BatchView) -> list[torch.Tensor] | None:
+        return _unstructured_batch(policies, view, "keys", keydiff_scores)
 
     def idle(self, view: StepView) -> bool:
         return _idle(view, self.config.budget)

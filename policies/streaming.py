@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from policies.base import Eviction, Needs, StepView
+from policies.base import BatchView, Eviction, Needs, StepView
 from policies.config import EvictingPolicyConfig
 
 Rope = Literal["original", "shift"]
@@ -85,6 +85,15 @@ class StreamingPolicy:
     def step(self, view: StepView) -> Eviction:
         c = self.config
         return _drop_middle(view, c.sink, c.sink + c.window)
+
+    @staticmethod
+    def step_batch(policies: list[StreamingPolicy], view: BatchView) -> list[torch.Tensor]:
+        """`step` for R requests at once: every row drops the same indices, sink up to
+        the window."""
+        c = policies[0].config
+        rows, n = view.positions.shape
+        drop = torch.arange(c.sink, max(c.sink, n - c.window)).expand(rows, -1)
+        return view.per_request(drop)
 
     def idle(self, view: StepView) -> bool:
         """No layer holds more than sink + window: `step` keeps everything."""

@@ -23,8 +23,9 @@ from kvpool.swap import SwapSpace
 from kvpool.triton_attention import select_attention
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
+from scheduler.batched_eviction import Member, batch_key, run_batch
 from scheduler.detokenizer import Detokenizer
-from scheduler.eviction import apply_eviction, run_policy
+from scheduler.eviction import apply_eviction, fill_view, live_layout, step_header
 from scheduler.outputs import (
     EngineStats,
     RequestOutput,
@@ -63,6 +64,9 @@ class EngineConfig:
     swap_space: str | int = "1GiB"  # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     tenant_quotas: dict[str, float] | None = None  # tenant -> fraction of the pool
+    # Decode steps of scoring policies at their budget run as one batch per policy and
+    # config (scheduler/batched_eviction.py); False: every request alone (same plans).
+    batch_policies: bool = True
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -283,7 +287,10 @@ class EngineCore:
         return outputs
 
     def _run_policies(self, chunks: list[Chunk], attention: dict[int, list[torch.Tensor]]) -> None:
-        """Let each running request's policy look at its cache and carry out its plan."""
+        """Let each running request's policy look at its cache and carry out its plan:
+        decode steps at the budget in batches (`scheduler/batched_eviction.py`), the
+        rest one request at a time."""
+        groups: dict[tuple, list[tuple[Request, Member]]] = {}
         for i, c in enumerate(chunks):
             r = c.request
             if r.policy is None or r.cache is None:  # full cache, or finished this step
@@ -291,26 +298,64 @@ class EngineCore:
             t = time.perf_counter()
             first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
             r.prefill_done = r.prefill_done or first_full
-            plan = run_policy(r.cache, r.policy, attention.get(i), r.num_computed,
-                              len(r.prompt_ids), c.num_tokens, first_full)
-            name = r.policy_name
-            if plan:
-                rotate = self._rotate if r.rope_shift else None
-                applied = apply_eviction(r.cache, plan, rotate=rotate,
-                                         compact=getattr(r.kv_policy, "compact", False))
-                if rotate is not None:
-                    r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-                evicted = applied.evicted_slots // self.model_config.num_layers
-                r.kv.evicted_tokens += evicted
-                self._policy_evicted[name] = self._policy_evicted.get(name, 0) + evicted
-                self._policy_freed[name] = self._policy_freed.get(name, 0) + applied.freed_blocks
-            if r.reserve_blocks and r.cache.num_blocks > r.reserve_blocks:
-                # Scattered survivors pin partly dead blocks: pack them, in place, so the
-                # request stays within the memory admission reserved for it (instead of
-                # preempting someone when the pool is full).
-                freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
-                self._policy_freed[name] = self._policy_freed.get(name, 0) + freed
-            self._policy_seconds[name] = self._policy_seconds.get(name, 0.0) + time.perf_counter() - t
+            live = None if r.cache.alike else live_layout(r.cache)
+            header = step_header(r.cache, r.num_computed, len(r.prompt_ids), c.num_tokens,
+                                 first_full, live)
+            idle = getattr(r.policy, "idle", None)
+            compact = getattr(r.kv_policy, "compact", False)
+            if idle is None or not idle(header):
+                key = batch_key(r.policy, r.kv_policy, header, r.rope_shift, compact) \
+                    if self.config.batch_policies else None
+                if key is not None:
+                    groups.setdefault(key, []).append(
+                        (r, Member(r.cache, r.policy, header, attention.get(i))))
+                    continue
+                plan = r.policy.step(fill_view(header, r.cache, r.policy.needs,
+                                               attention.get(i), live))
+                if plan:
+                    rotate = self._rotate if r.rope_shift else None
+                    applied = apply_eviction(r.cache, plan, rotate=rotate, compact=compact)
+                    if rotate is not None:
+                        r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
+                    self._count_eviction(r, applied.evicted_slots, applied.freed_blocks)
+            self._after_policy(r, time.perf_counter() - t)
+        for members in groups.values():
+            t = time.perf_counter()
+            drops = run_batch([m for _, m in members]) if len(members) > 1 else None
+            if drops is None:  # declined, or alone: the per-request path (same plan)
+                for r, m in members:
+                    plan = r.policy.step(fill_view(m.header, r.cache, r.policy.needs, m.attention))
+                    if plan:
+                        applied = apply_eviction(r.cache, plan)
+                        self._count_eviction(r, applied.evicted_slots, applied.freed_blocks)
+            else:
+                for (r, _), slots in zip(members, drops):
+                    freed = r.cache.evict_slots(slots)
+                    self._count_eviction(r, slots.numel(), freed)
+            share = (time.perf_counter() - t) / len(members)
+            for r, _ in members:
+                self._after_policy(r, share)
+
+    def _count_eviction(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
+        name = r.policy_name
+        evicted = evicted_slots // self.model_config.num_layers
+        r.kv.evicted_tokens += evicted
+        self._policy_evicted[name] = self._policy_evicted.get(name, 0) + evicted
+        self._policy_freed[name] = self._policy_freed.get(name, 0) + freed_blocks
+
+    def _after_policy(self, r: Request, seconds: float) -> None:
+        """Keep a request within its reservation; account the policy's time."""
+        t = time.perf_counter()
+        name = r.policy_name
+        assert r.cache is not None
+        if r.reserve_blocks and r.cache.num_blocks > r.reserve_blocks:
+            # Scattered survivors pin partly dead blocks: pack them, in place, so the
+            # request stays within the memory admission reserved for it (instead of
+            # preempting someone when the pool is full).
+            freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
+            self._policy_freed[name] = self._policy_freed.get(name, 0) + freed
+        seconds += time.perf_counter() - t
+        self._policy_seconds[name] = self._policy_seconds.get(name, 0.0) + seconds
 
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.seq_cache import SeqCache
-from policies.base import Eviction, LayerView, Needs, Policy, StepView
+from policies.base import Eviction, LayerView, Needs, StepView
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _LAYER_SHIFT = 40  # plan keys: layer << 40 | position (positions stay far below 2**40)
@@ -43,8 +43,9 @@ class Applied:
     freed_blocks: int = 0
 
 
-def _live(cache: SeqCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot_pos, live mask) restricted to the slots any layer has appended so far."""
+def live_layout(cache: SeqCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_pos, live mask) restricted to the slots any layer has appended so far: what
+    `step_header` and `fill_view` share, so the engine computes it once per step."""
     sp = cache.slot_pos[:, : max(cache.next_slot, default=0)]
     return sp, sp >= 0
 
@@ -54,11 +55,11 @@ def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
                 live: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
     """A `StepView` without layers: the step's sizes and each layer's live count
     (`lengths`), enough for `Policy.idle` to say whether a full view is worth building.
-    `live`: `_live(cache)` if the caller already has it."""
+    `live`: `live_layout(cache)` if the caller already has it."""
     if cache.alike:  # every layer holds the same slots (no eviction yet, or alike)
         lengths = [cache.live // cache.num_layers] * cache.num_layers
     else:
-        lengths = (live or _live(cache))[1].sum(dim=1).tolist()
+        lengths = (live or live_layout(cache))[1].sum(dim=1).tolist()
     return StepView(seq_len=seq_len, prompt_len=prompt_len, num_new=num_new,
                     prefill_done=prefill_done, block_size=cache.bs, lengths=lengths)
 
@@ -74,7 +75,7 @@ def fill_view(view: StepView, cache: SeqCache, needs: Needs,
     one op. When every layer holds the same count, the [L, n, ...] tensors of the one
     gather are handed on as `view.stacks` for policies that select for all layers at
     once (`StepView.stacked`)."""
-    sp, live = live_mask or _live(cache)
+    sp, live = live_mask or live_layout(cache)
     nl, bs, lengths = cache.num_layers, cache.bs, view.lengths
     even = len(set(lengths)) == 1
     same = cache.alike or (even and bool((sp == sp[:1]).all()))
@@ -127,18 +128,6 @@ def build_view(cache: SeqCache, needs: Needs, attention: list[torch.Tensor] | No
                seq_len: int, prompt_len: int, num_new: int, prefill_done: bool) -> StepView:
     return fill_view(step_header(cache, seq_len, prompt_len, num_new, prefill_done),
                      cache, needs, attention)
-
-
-def run_policy(cache: SeqCache, policy: Policy, attention: list[torch.Tensor] | None,
-               seq_len: int, prompt_len: int, num_new: int, prefill_done: bool) -> Eviction:
-    """The policy's plan for this step; no view is built when the policy says from the
-    step's sizes alone that it would neither act nor update its statistics (`idle`)."""
-    live = None if cache.alike else _live(cache)
-    view = step_header(cache, seq_len, prompt_len, num_new, prefill_done, live)
-    idle = getattr(policy, "idle", None)
-    if idle is not None and idle(view):
-        return {}
-    return policy.step(fill_view(view, cache, policy.needs, attention, live))
 
 
 def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,

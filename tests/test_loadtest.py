@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from loadtest import prom
-from loadtest.client import ClientConfig
+from loadtest.client import ClientConfig, sse_lines
 from loadtest.metrics import format_summary, parse_goodput, summarize
 from loadtest.runner import RunConfig, arrival_times, run_level, run_specs
 from loadtest.workloads import (
@@ -343,3 +343,24 @@ def test_bench_serving_report(tmp_path: Any) -> None:
     text = doc.read_text()
     assert "keep me" in text and "notes" in text and "old" not in text
     assert text.index("## Later") > text.index(END) > text.index("| m | transformers | 32")
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 100])
+def test_sse_lines_split_only_at_cr_lf(cut: int) -> None:
+    """Text a model generated may hold U+2028, U+2029 or U+0085 raw inside a JSON string
+    (JSON escapes only controls below U+0020): those, and \\x1c, end no SSE line
+    (str.splitlines would cut there); CRLF, CR and LF do,
+    wherever the chunks happen to be cut, a CRLF split across two chunks included."""
+    text = 'data: {"t": "a\u2028b\u2029c\x85d"}\r\n\r\ndata: [DONE]\rla\x1cst\nx\r'
+    chunks = [text[i:i + cut] for i in range(0, len(text), cut)]
+
+    async def gen():
+        for c in chunks:
+            yield c
+
+    async def collect() -> list[str]:
+        return [line async for line in sse_lines(gen())]
+
+    lines = asyncio.run(collect())
+    assert lines == ['data: {"t": "a\u2028b\u2029c\x85d"}', "", "data: [DONE]", "la\x1cst", "x"]
+    assert json.loads(lines[0][5:])["t"] == "a\u2028b\u2029c\x85d"

@@ -1,0 +1,177 @@
+"""Batched decode-step eviction (scheduler/batched_eviction.py) against the per-request
+path it replaces: the same kept positions in every layer of every request after every
+step, the same tokens, the same accounting — on a real model forward, with requests of
+several policies, configs and budgets in one continuous batch."""
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams
+from kvpool.pool import BlockPool
+from kvpool.seq_cache import SeqCache
+from scheduler import engine_core
+from scheduler.llm import LLM
+from tests.tiny_models import make_tiny_model
+
+BS = 4
+
+# Three requests share each of the first configs (so they batch); the others differ in
+# budget or window (their own groups), resolve a ratio differently per length (the
+# policy declines the batch), or compact (never batched).
+CONFIGS = [
+    *[{"name": "h2o", "budget": 32, "window": 8}] * 3,
+    *[{"name": "tova", "budget": 32}] * 3,
+    *[{"name": "knorm", "budget": 32, "window": 4}] * 3,
+    *[{"name": "keydiff", "budget": 32}] * 3,
+    *[{"name": "lazy_eviction", "budget": 32, "window": 8}] * 3,
+    *[{"name": "streaming", "sink": 4, "window": 28}] * 2,
+    {"name": "h2o", "budget": 40, "window": 4},
+    {"name": "tova", "budget": 24},
+    {"name": "knorm", "budget": 0.3},
+    {"name": "knorm", "budget": 0.3},
+    {"name": "keydiff", "budget": 32, "compact": True},
+    {"name": "streaming", "sink": 4, "window": 28, "rope": "shift"},
+    {"name": "lazy_eviction", "budget": 0.5, "window": 10},
+    {"name": "full"},
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"), max_position_embeddings=1024)
+
+
+def _live_positions(llm: LLM) -> dict[str, list[list[int]]]:
+    out = {}
+    for r in llm.engine.scheduler.running:
+        sp = r.cache.slot_pos
+        out[r.request_id] = [sorted(sp[layer][sp[layer] >= 0].tolist()) for layer in range(sp.shape[0])]
+    return out
+
+
+def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypatch):
+    batched: dict[str, int] = {}  # policy name -> members stepped in a batch
+    real = engine_core.run_batch
+
+    def counting(members):
+        drops = real(members)
+        if drops is not None:
+            name = members[0].policy.name
+            batched[name] = batched.get(name, 0) + len(members)
+        return drops
+
+    monkeypatch.setattr(engine_core, "run_batch", counting)
+    llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
+                batch_policies=batched) for batched in (True, False)]
+    gen = torch.Generator().manual_seed(0)
+    for i, cfg in enumerate(CONFIGS):
+        prompt = torch.randint(5, 250, (40 + 3 * i,), generator=gen).tolist()
+        for llm in llms:
+            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=90, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    tokens: list[dict[str, list[int]]] = [{}, {}]
+    steps = 0
+    while llms[0].engine.has_unfinished():
+        for llm, got in zip(llms, tokens):
+            for o in llm.engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+        assert _live_positions(llms[0]) == _live_positions(llms[1]), steps
+        if steps % 20 == 0:
+            llms[0].engine.check_invariants()
+    assert not llms[1].engine.has_unfinished()
+    assert tokens[0] == tokens[1]
+    a, b = (llm.engine.stats() for llm in llms)
+    assert a.evicted_tokens_by_policy_total == b.evicted_tokens_by_policy_total
+    assert a.freed_blocks_by_policy_total == b.freed_blocks_by_policy_total
+    for llm in llms:
+        llm.engine.check_invariants()
+        assert llm.engine.pool.num_used == 0
+    # The batches really ran, for every policy class with a batched step.
+    assert {n for n, k in batched.items() if k > 40} == {
+        "h2o", "tova", "knorm", "keydiff", "lazy_eviction", "streaming"}, batched
+
+
+def _cache(num_layers: int = 3, n: int = 30) -> SeqCache:
+    c = SeqCache(BlockPool(64, BS, 2, 8), num_layers)
+    c.append(torch.arange(n))
+    return c
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_evict_slots_equals_evict_mask(seed):
+    """Dropping d logical slots per layer by index leaves the cache exactly as the mask
+    path does: slot positions, tables, sizes, freed blocks (tail block kept)."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = _cache(), _cache()
+    for _ in range(4):
+        live = a.slot_pos >= 0
+        d = int(torch.randint(1, 4, (), generator=g))
+        rows = []
+        for layer in range(a.num_layers):
+            idx = live[layer].nonzero().squeeze(1)
+            rows.append(idx[torch.randperm(idx.numel(), generator=g)[:d]].sort().values)
+        slots = torch.stack(rows)
+        mask = torch.zeros_like(b.slot_pos, dtype=torch.bool).scatter_(1, slots, True)
+        assert a.evict_slots(slots) == b.evict_mask(mask)
+        assert torch.equal(a.slot_pos, b.slot_pos) and torch.equal(a.table, b.table)
+        assert (a.nblocks, a.next_slot, a.live) == (b.nblocks, b.next_slot, b.live)
+        assert (a.uniform, a.alike) == (b.uniform, b.alike) == (False, False)
+        assert a.pool.num_free == b.pool.num_free
+    assert a.evict_slots(torch.empty(a.num_layers, 0, dtype=torch.int64)) == 0
+
+
+def test_evict_slots_frees_a_block_emptied_by_the_drop():
+    c = _cache(num_layers=2, n=12)
+    before = c.pool.num_free
+    # Slot 0 of each layer, then the rest of block 0 of layer 0 only.
+    assert c.evict_slots(torch.tensor([[0], [0]])) == 0
+    assert c.evict_slots(torch.tensor([[1, 2, 3], [4, 5, 6]])) == 1
+    assert c.nblocks == [2, 3] and c.pool.num_free == before + 1
+    assert c.slot_pos[0, :8].tolist() == list(range(4, 12))
+
+
+def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch):
+    """Requests that arrive steps apart share a batch whenever their layers hold the same
+    count, although their clocks differ: lazy_eviction members then decide at different
+    steps (some rows select, others only track) and score with their own t."""
+    mixed = {"steps": 0}
+    real = engine_core.run_batch
+
+    def spying(members):
+        if members[0].policy.name == "lazy_eviction":
+            w = members[0].policy.config.window
+            ts = [m.header.seq_len - m.header.prompt_len for m in members]
+            decide = {t >= w and t // w > m.policy._epoch for t, m in zip(ts, members)}
+            if len(set(ts)) > 1 and decide == {True, False}:
+                mixed["steps"] += 1
+        return real(members)
+
+    monkeypatch.setattr(engine_core, "run_batch", spying)
+    llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
+                batch_policies=batched) for batched in (True, False)]
+    gen = torch.Generator().manual_seed(1)
+    # (arrival step, prompt length, config): 40 + t and 44 + (t - 4) hold the same count;
+    # the one arriving at step 8 decides together with the first at t = 8 vs 16.
+    arrivals = [(0, 40, {"name": "lazy_eviction", "budget": 32, "window": 8, "alpha": 0.03}),
+                (4, 44, {"name": "lazy_eviction", "budget": 32, "window": 8, "alpha": 0.03}),
+                (6, 46, {"name": "lazy_eviction", "budget": 32, "window": 8, "alpha": 0.03}),
+                (8, 32, {"name": "lazy_eviction", "budget": 32, "window": 8, "alpha": 0.03}),
+                (10, 34, {"name": "lazy_eviction", "budget": 32, "window": 8, "alpha": 0.03}),
+                (0, 50, {"name": "h2o", "budget": 32, "window": 8}),
+                (9, 37, {"name": "h2o", "budget": 32, "window": 8})]
+    prompts = [torch.randint(5, 250, (n,), generator=gen).tolist() for _, n, _ in arrivals]
+    tokens: list[dict[str, list[int]]] = [{}, {}]
+    for step in range(80):
+        for i, (at, _, cfg) in enumerate(arrivals):
+            if at == step:
+                for llm in llms:
+                    llm.engine.add_request(f"r{i}", prompts[i], SamplingParams(
+                        max_tokens=60, temperature=0, ignore_eos=True, detokenize=False),
+                        kv_policy=cfg)
+        for llm, got in zip(llms, tokens):
+            for o in llm.engine.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert _live_positions(llms[0]) == _live_positions(llms[1]), step
+    assert tokens[0] == tokens[1] and all(len(v) == 60 for v in tokens[0].values())
+    assert mixed["steps"] > 0
