@@ -29,7 +29,9 @@ comes back on what it needs now, `reserve_preempted=False`) and `full:fit` (at m
 Variants of part 1, each a question the default leaves open: `--kv-cache-dtype bfloat16`
 (half the K/V bytes per decode step for everyone), `--gen-spread 0.5` (lengths drawn
 around `--gen`, so requests do not finish in lockstep waves and continuous batching
-refills their places).
+refills their places), `--policies h2o,h2o:unbatched` (a policy also run with every
+request's policy stepped alone, `batch_policies=False`: what the batched decode step
+buys, on the same machine in the same run).
 
     python -m loadtest.bench_policies --out runs/
 """
@@ -57,11 +59,12 @@ BASELINES = ("vllm", "fit")  # the extra ways to run `full`: names "full:<way>"
 
 
 def _engine(path: str, num_blocks: int, max_seqs: int, kv_dtype: str,
-            reserve_preempted: bool = True) -> EngineCore:
+            reserve_preempted: bool = True, batch_policies: bool = True) -> EngineCore:
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                   kv_cache_dtype=kv_dtype, reserve_preempted=reserve_preempted))
+                                   kv_cache_dtype=kv_dtype, reserve_preempted=reserve_preempted,
+                                   batch_policies=batch_policies))
 
 
 def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
@@ -97,7 +100,8 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
         base, _, way = name.partition(":")
         kv = policy_config(base, budget)
         eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
-                      args.kv_cache_dtype, reserve_preempted=way != "vllm")
+                      args.kv_cache_dtype, reserve_preempted=way != "vllm",
+                      batch_policies=way != "unbatched")
         _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
         _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
@@ -144,7 +148,7 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     blocks = n * layers * (math.ceil((prompt + steps) / 16) + 2)
     out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget,
                  "prompt": prompt, "policies": {}}
-    for name in ("full", *args.policies):
+    for name in ("full", *_plain(args.policies)):
         eng = _engine(path, blocks, n, args.kv_cache_dtype)
         kv = policy_config(name, budget)
         _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
@@ -161,6 +165,11 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     return out
 
 
+def _plain(names: list[str]) -> list[str]:
+    """Policies without a `:<way>` (ways only change how part 1 runs them)."""
+    return [n for n in names if ":" not in n]
+
+
 def run_quality(args: argparse.Namespace) -> dict:
     if not os.path.exists(os.path.join(args.demo_model, "model.safetensors")):
         msg = (f"skipped: no demo model at {args.demo_model} (train it with "
@@ -169,7 +178,8 @@ def run_quality(args: argparse.Namespace) -> dict:
         return {"skipped": msg}
     from loadtest.policy_eval import evaluate_quality
 
-    return evaluate_quality(args, progress=not args.no_progress)
+    return evaluate_quality(argparse.Namespace(**{**vars(args), "policies": _plain(args.policies)}),
+                            progress=not args.no_progress)
 
 
 # ---- main --------------------------------------------------------------------------
@@ -213,6 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
+    bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES
+           or x.partition(":")[2] not in ("", "unbatched")]
+    if bad:
+        p.error(f"--policies: unknown {', '.join(bad)} (a policy, or <policy>:unbatched)")
     a.baselines = [x for x in a.baselines.split(",") if x]
     if set(a.baselines) - set(BASELINES):
         p.error(f"--baselines: choose from {', '.join(BASELINES)}")

@@ -66,6 +66,8 @@ def _throughput(t: dict, st: dict) -> list[str]:
     for name, r in t["policies"].items():
         ok = "" if r["all_lengths_ok"] else " (lengths differ!)"
         params = _FULL_WAYS.get(name, _params(r["kv_policy"]))
+        if name.endswith(":unbatched"):
+            params += "; each request's policy stepped alone (`batch_policies=False`)"
         lines.append(
             f"| {name}{ok} | {params} | {r['max_running']} "
             f"| {r['mean_running']:.1f} | {r['tok_s']:.1f} | {_f(r['tok_s_vs_full'], '.2f', '×')} "

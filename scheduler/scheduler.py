@@ -12,7 +12,9 @@ Memory management follows 003_12df107fdefa535c.txt:
 - reservation for bounded requests: a request whose `kv_policy` bounds its cache
   (`Request.reserve_blocks`, from the policy's `max_live`) is admitted only if it can
   grow to that bound, and the growth still ahead of running bounded requests is kept
-  free for them; unbounded (`full`) requests are admitted on what they need now;
+  free for them; unbounded (`full`) requests are admitted on what they need now; when
+  the newcomer and every running request are reserved, no watermark is kept (there is
+  no unaccounted growth for it to absorb);
 - preemption when a running request cannot grow: the victim is the lowest-priority,
   most recently arrived running request, one without a reservation first (never one
   resumed that has not yet produced a token, unless nothing else is left); it is
@@ -235,7 +237,13 @@ class Scheduler:
         ahead = max(0, req.reserve_blocks - cache.num_blocks - need) if req.reserve_blocks else 0
         if not self.running:
             ahead = reserved = 0
-        if self.pool.num_free - need - ahead - reserved < self.watermark_blocks:
+        # The watermark is headroom for growth nobody accounted for; when this request
+        # and every running one have their growth reserved, there is none (a pool of
+        # exactly k reserved requests then runs k, not k - 1).
+        floor = self.watermark_blocks
+        if req.reserve_blocks and all(r.reserve_blocks for r in self.running):
+            floor = 0
+        if self.pool.num_free - need - ahead - reserved < floor:
             cache.release()
             return 0
         if not self._quota_ok(req, need + cache.num_blocks):

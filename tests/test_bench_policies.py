@@ -121,3 +121,30 @@ def test_spread_lengths_and_no_baselines(tmp_path) -> None:
     for r in t["policies"].values():
         assert r["all_lengths_ok"] and r["output_tokens"] == want
     assert t["policies"]["streaming"]["max_running"] > st["fit"]
+
+
+@pytest.mark.timeout(150)
+def test_unbatched_variant_runs_beside_the_batched_policy(tmp_path) -> None:
+    """`<policy>:unbatched` runs the same policy with every request stepped alone
+    (`batch_policies=False`) in the same run; the batched step keeps the same tokens,
+    so both rows generate the same output and hold the same live tokens."""
+    report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts",
+                       "throughput", "--baselines", "", "--policies", "h2o,h2o:unbatched")
+    rows = report["throughput"]["policies"]
+    assert list(rows) == ["full", "h2o", "h2o:unbatched"]
+    a, b = rows["h2o"], rows["h2o:unbatched"]
+    assert a["kv_policy"] == b["kv_policy"] and a["all_lengths_ok"] and b["all_lengths_ok"]
+    assert a["max_peak_live_tokens"] == b["max_peak_live_tokens"]
+    assert a["preemptions"] == b["preemptions"]  # same kept tokens: same scheduling
+    doc = (tmp_path / "benchmarks.md").read_text()
+    assert "h2o:unbatched | budget" in doc and "`batch_policies=False`" in doc
+
+
+def test_unknown_policy_variant_is_refused() -> None:
+    from loadtest.bench_policies import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--policies", "h2o:fast"])
+    with pytest.raises(SystemExit):
+        parse_args(["--policies", "nope"])
+    assert parse_args(["--policies", "tova,tova:unbatched"]).policies == ["tova", "tova:unbatched"]

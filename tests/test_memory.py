@@ -172,6 +172,47 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     assert eng.pool.num_used == 0
 
 
+def test_no_watermark_when_every_request_is_reserved(llama):
+    """A pool of exactly `fits` reservations runs `fits` bounded requests at once although
+    a watermark is set: with every growth reserved there is none for it to absorb. With
+    an unreserved (`full`) request running, the watermark applies again."""
+    layers = _layers(llama)
+    cfg = {"name": "streaming", "sink": 4, "window": 60}
+    probe = LLM(llama, num_blocks=10_000, block_size=4).engine
+    probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=cfg)
+    reserve = probe.requests["probe"].reserve_blocks
+    fits = 4
+    eng = LLM(llama, num_blocks=fits * reserve + layers, block_size=4, watermark=0.1).engine
+    assert eng.scheduler.watermark_blocks > layers  # the last one would be refused by it
+    for i in range(8):
+        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        most = max(most, eng.num_running)
+    assert most == fits and sum(eng.stats().preemptions_total.values()) == 0
+
+    # Room for `full`'s whole cache (28 tokens) and `fits` reservations, not for the
+    # watermark besides: while the unreserved `full` runs, one bounded request waits.
+    full_peak = layers * 7
+    eng = LLM(llama, num_blocks=fits * reserve + full_peak + layers, block_size=4,
+              watermark=0.1).engine
+    assert eng.scheduler.watermark_blocks > 2 * layers
+    eng.add_request("full", _prompt(9, 24), SamplingParams(max_tokens=4, temperature=0,
+                                                           ignore_eos=True, detokenize=False))
+    eng.step()
+    for i in range(8):
+        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+    eng.step()
+    assert "full" in eng.requests and eng.num_running - 1 == fits - 1
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        if "full" not in eng.requests:
+            most = max(most, eng.num_running)
+    assert most == fits  # once `full` is gone, every running request is reserved
+
+
 @pytest.mark.parametrize("reserve", [True, False], ids=["reserve_preempted", "vllm"])
 def test_unbounded_requests_are_admitted_on_what_they_need_now(llama, reserve):
     """`full` requests reserve nothing: a pool holding 2 complete caches admits more than 2
