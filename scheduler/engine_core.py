@@ -21,6 +21,7 @@ from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.swap import SwapSpace
 from kvpool.triton_attention import select_attention
+from policies.base import StepView
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.batched_eviction import Member, batch_key, run_batch
@@ -302,32 +303,22 @@ class EngineCore:
             header = step_header(r.cache, r.num_computed, len(r.prompt_ids), c.num_tokens,
                                  first_full, live)
             idle = getattr(r.policy, "idle", None)
-            compact = getattr(r.kv_policy, "compact", False)
             if idle is None or not idle(header):
-                key = batch_key(r.policy, r.kv_policy, header, r.rope_shift, compact) \
+                key = batch_key(r.policy, r.kv_policy, header, r.rope_shift,
+                                getattr(r.kv_policy, "compact", False)) \
                     if self.config.batch_policies else None
                 if key is not None:
                     groups.setdefault(key, []).append(
                         (r, Member(r.cache, r.policy, header, attention.get(i))))
                     continue
-                plan = r.policy.step(fill_view(header, r.cache, r.policy.needs,
-                                               attention.get(i), live))
-                if plan:
-                    rotate = self._rotate if r.rope_shift else None
-                    applied = apply_eviction(r.cache, plan, rotate=rotate, compact=compact)
-                    if rotate is not None:
-                        r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-                    self._count_eviction(r, applied.evicted_slots, applied.freed_blocks)
+                self._step_alone(r, header, attention.get(i), live)
             self._after_policy(r, time.perf_counter() - t)
         for members in groups.values():
             t = time.perf_counter()
             drops = run_batch([m for _, m in members]) if len(members) > 1 else None
             if drops is None:  # declined, or alone: the per-request path (same plan)
                 for r, m in members:
-                    plan = r.policy.step(fill_view(m.header, r.cache, r.policy.needs, m.attention))
-                    if plan:
-                        applied = apply_eviction(r.cache, plan)
-                        self._count_eviction(r, applied.evicted_slots, applied.freed_blocks)
+                    self._step_alone(r, m.header, m.attention)
             else:
                 for (r, _), slots in zip(members, drops):
                     freed = r.cache.evict_slots(slots)
@@ -335,6 +326,20 @@ class EngineCore:
             share = (time.perf_counter() - t) / len(members)
             for r, _ in members:
                 self._after_policy(r, share)
+
+    def _step_alone(self, r: Request, header: StepView, attention: list[torch.Tensor] | None,
+                    live: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One request's view, plan and its execution (`scheduler/eviction.py`)."""
+        assert r.cache is not None and r.policy is not None
+        plan = r.policy.step(fill_view(header, r.cache, r.policy.needs, attention, live))
+        if not plan:
+            return
+        rotate = self._rotate if r.rope_shift else None
+        applied = apply_eviction(r.cache, plan, rotate=rotate,
+                                 compact=getattr(r.kv_policy, "compact", False))
+        if rotate is not None:
+            r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
+        self._count_eviction(r, applied.evicted_slots, applied.freed_blocks)
 
     def _count_eviction(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
         name = r.policy_name
@@ -348,10 +353,10 @@ class EngineCore:
         t = time.perf_counter()
         name = r.policy_name
         assert r.cache is not None
-        if r.reserve_blocks and r.cache.num_blocks > r.reserve_blocks:
+        if r.reserve_blocks and r.cache.num_blocks + r.cache.blocks_needed(1) > r.reserve_blocks:
             # Scattered survivors pin partly dead blocks: pack them, in place, so the
-            # request stays within the memory admission reserved for it (instead of
-            # preempting someone when the pool is full).
+            # request's next token fits in the memory admission reserved for it
+            # (instead of preempting someone when every block is reserved).
             freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
             self._policy_freed[name] = self._policy_freed.get(name, 0) + freed
         seconds += time.perf_counter() - t

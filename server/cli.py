@@ -60,6 +60,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of blocks kept free when admitting")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-batch-policies", action="store_true",
+                   help="step every request's kv_policy alone (same plans, slower): "
+                        "decode steps at the budget are otherwise batched per policy")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -70,7 +73,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 default_kv_policy=a.default_kv_policy, preemption_mode=a.preemption_mode,
                 swap_space=a.swap_space, watermark=a.watermark,
                 reserve_preempted=not a.no_reserve_preempted,
-                enable_prefix_caching=not a.no_prefix_caching)
+                enable_prefix_caching=not a.no_prefix_caching,
+                batch_policies=not a.no_batch_policies)
 
 
 def build_parser() -> argparse.ArgumentParser:

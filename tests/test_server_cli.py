@@ -111,3 +111,13 @@ def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path) -> 
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_engine_flags_reach_the_engine_config() -> None:
+    from server.cli import _engine_kwargs, build_parser
+
+    on = _engine_kwargs(build_parser().parse_args(["serve"]))
+    off = _engine_kwargs(build_parser().parse_args(
+        ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05"]))
+    assert (on["batch_policies"], on["reserve_preempted"]) == (True, True)
+    assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
