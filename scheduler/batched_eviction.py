@@ -24,6 +24,7 @@ import torch
 
 from kvpool.seq_cache import SeqCache
 from policies.base import BatchView, Policy, StepView
+from scheduler.eviction import gather_stats, live_layout
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Member:
     policy: Policy
     header: StepView  # `eviction.step_header` of this step
     attention: list[torch.Tensor] | None  # per layer [1, Hkv, S] (runner output)
+    live: tuple[torch.Tensor, torch.Tensor] | None = None  # `live_layout`, if computed
 
 
 def batch_key(policy: Policy, config: Hashable, header: StepView, rope_shift: bool,
@@ -55,9 +57,8 @@ def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:
     needs = members[0].policy.needs
     idxs, positions, att, phys = [], [], [], []
     for m in members:
-        width = max(m.cache.next_slot, default=0)
-        sp = m.cache.slot_pos[:, :width]
-        idx = (sp >= 0).nonzero()[:, 1].view(nl, n)
+        sp, live = m.live or live_layout(m.cache)
+        idx = live.nonzero()[:, 1].view(nl, n)
         idxs.append(idx)
         positions.append(sp.gather(1, idx))
         if needs.attention and m.attention is not None:
@@ -72,19 +73,8 @@ def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:
     if att:
         view.attention = torch.cat(att)
     if phys:
-        flat = torch.cat(phys).view(-1)
-        pool = first.pool
-        if needs.key_norm or needs.keys:
-            k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
-            k = k_flat.index_select(0, flat.to(k_flat.device)).float().cpu()
-            if needs.key_norm:
-                view.key_norm = torch.linalg.vector_norm(k, dim=-1).view(rows, n, -1)
-            if needs.keys:
-                view.keys = k.view(rows, n, *k.shape[1:])
-        if needs.value_norm:
-            v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
-            v = v_flat.index_select(0, flat.to(v_flat.device)).float()
-            view.value_norm = torch.linalg.vector_norm(v, dim=-1).cpu().view(rows, n, -1)
+        for name, t in gather_stats(first.pool, torch.cat(phys).view(-1), needs).items():
+            setattr(view, name, t.view(rows, n, *t.shape[1:]))
     return view, idxs
 
 

@@ -309,7 +309,7 @@ class EngineCore:
                     if self.config.batch_policies else None
                 if key is not None:
                     groups.setdefault(key, []).append(
-                        (r, Member(r.cache, r.policy, header, attention.get(i))))
+                        (r, Member(r.cache, r.policy, header, attention.get(i), live)))
                     continue
                 self._step_alone(r, header, attention.get(i), live)
             self._after_policy(r, time.perf_counter() - t)

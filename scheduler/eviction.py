@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from policies.base import Eviction, LayerView, Needs, StepView
 
@@ -48,6 +49,25 @@ def live_layout(cache: SeqCache) -> tuple[torch.Tensor, torch.Tensor]:
     `step_header` and `fill_view` share, so the engine computes it once per step."""
     sp = cache.slot_pos[:, : max(cache.next_slot, default=0)]
     return sp, sp >= 0
+
+
+def gather_stats(pool: BlockPool, phys: torch.Tensor, needs: Needs) -> dict[str, torch.Tensor]:
+    """The key/value statistics `needs` declares for physical slots `phys` ([m]), one
+    gather from the pool each: {"key_norm", "value_norm": [m, Hkv], "keys": [m, Hkv, D]},
+    float32 on the CPU, whatever the pool's dtype and device."""
+    out: dict[str, torch.Tensor] = {}
+    if needs.key_norm or needs.keys:
+        k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
+        k = k_flat.index_select(0, phys.to(k_flat.device)).float().cpu()
+        if needs.key_norm:
+            out["key_norm"] = torch.linalg.vector_norm(k, dim=-1)
+        if needs.keys:
+            out["keys"] = k
+    if needs.value_norm:
+        v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
+        v = v_flat.index_select(0, phys.to(v_flat.device)).float()
+        out["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
+    return out
 
 
 def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
@@ -96,19 +116,7 @@ def fill_view(view: StepView, cache: SeqCache, needs: Needs,
         # Physical slot of every (layer, live slot), then one gather for all layers.
         width = sp.shape[1]
         slots = (cache.table[:, : -(-width // bs), None] * bs + torch.arange(bs)).view(nl, -1)
-        phys = slots[:, :width][live]
-        pool = cache.pool
-        if needs.key_norm or needs.keys:
-            k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
-            k = k_flat.index_select(0, phys.to(k_flat.device)).float().cpu()
-            if needs.key_norm:
-                gathered["key_norm"] = torch.linalg.vector_norm(k, dim=-1)
-            if needs.keys:
-                gathered["keys"] = k
-        if needs.value_norm:
-            v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
-            v = v_flat.index_select(0, phys.to(v_flat.device)).float()
-            gathered["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
+        gathered = gather_stats(cache.pool, slots[:, :width][live], needs)
     split = {name: t.split(lengths) for name, t in gathered.items()}
     if even and nl:
         view.stacks.update({name: t.view(nl, -1, *t.shape[1:]) for name, t in gathered.items()})
