@@ -58,6 +58,11 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     for r in t["policies"].values():
         assert r["tok_s_vs_best_full"] == pytest.approx(r["tok_s"] / fastest)
     assert t["policies"]["streaming"]["max_peak_live_tokens"] < ctx - 1  # it evicts
+    c = t["ceiling"]  # the pool packed with budget-sized requests: more than full can hold
+    assert c["requests"] == t["num_blocks"] // (2 * math.ceil(t["budget_tokens"] / 16)) > st["fit"]
+    assert c["tok_s_vs_full"] == pytest.approx(c["tok_s"] / full["tok_s"])
+    assert c["tok_s_vs_best_full"] == pytest.approx(c["tok_s"] / fastest)
+    assert c["kv_share_of_step"] == pytest.approx(1 - c["tok_s"] / c["tok_s_no_kv"])
 
     o = report["overhead"]
     for name, r in o["policies"].items():
@@ -92,6 +97,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
         doc = f.read()
     assert "## KV eviction policies under memory pressure (issue 5)" in doc
     assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
+    assert "**Ceiling on this machine.**" in doc
     with open(os.path.join(out, "bench_policies.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
