@@ -16,8 +16,8 @@ both must be measured at the *same* budget, through the engine's own code paths.
   half of each window is prefilled as one chunk, as the scheduler would, so prompt-scoring
   policies (snapkv, pyramid) compress it exactly as in serving; then every continuation
   token is forced. Forwards go through `engine.runner.execute` and eviction through
-  `EngineCore._run_policies` (build_view / policy.step / apply_eviction in
-  scheduler/eviction.py): nothing here re-implements a policy or its bookkeeping.
+  `EngineCore.policies.run` (scheduler/policy_runner.py, the engine's own eviction
+  step): nothing here re-implements a policy or its bookkeeping.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ class KVServeBackend:
                 for row, (i, c) in enumerate(zip(live, chunks)):
                     c.request.num_computed += c.num_tokens
                     logps[i].append(float(lp[row, windows[i][prompt_len + j]]))
-                eng._run_policies(chunks, out.attention)  # the engine's own eviction step
+                eng.policies.run(chunks, out.attention)  # the engine's own eviction step
         finally:
             for r in reqs:
                 r.cache.release()

@@ -21,12 +21,9 @@ from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.swap import SwapSpace
 from kvpool.triton_attention import select_attention
-from policies.base import StepView
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
-from scheduler.batched_eviction import Member, batch_key, run_batch
 from scheduler.detokenizer import Detokenizer
-from scheduler.eviction import apply_eviction, fill_view, live_layout, step_header
 from scheduler.outputs import (
     EngineStats,
     RequestOutput,
@@ -34,6 +31,7 @@ from scheduler.outputs import (
     StepStats,
     TokenLogprob,
 )
+from scheduler.policy_runner import PolicyRunner
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
 from scheduler.request import Request
@@ -133,10 +131,7 @@ class EngineCore:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._default_policy = parse_kv_policy(config.default_kv_policy)
-        self._policy_requests: dict[str, int] = {}
-        self._policy_evicted: dict[str, int] = {}
-        self._policy_freed: dict[str, int] = {}
-        self._policy_seconds: dict[str, float] = {}
+        self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies)
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
@@ -193,7 +188,7 @@ class EngineCore:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         self.requests[request_id] = req
         self.scheduler.add(req)
-        self._policy_requests[config.name] = self._policy_requests.get(config.name, 0) + 1
+        self.policies.admitted(config.name)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -243,7 +238,7 @@ class EngineCore:
         self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
         outputs = self._advance(done, tokens, lp)
         t4 = time.perf_counter()
-        self._run_policies(plan.chunks, out.attention)  # the slot layout the forward saw
+        self.policies.run(plan.chunks, out.attention)  # the slot layout the forward saw
         t5 = time.perf_counter()
         for c in plan.chunks:
             self._trim_windows(c.request)
@@ -286,81 +281,6 @@ class EngineCore:
                 del self.requests[r.request_id]
             outputs.append(self._output(r, text))
         return outputs
-
-    def _run_policies(self, chunks: list[Chunk], attention: dict[int, list[torch.Tensor]]) -> None:
-        """Let each running request's policy look at its cache and carry out its plan:
-        decode steps at the budget in batches (`scheduler/batched_eviction.py`), the
-        rest one request at a time."""
-        groups: dict[tuple, list[tuple[Request, Member]]] = {}
-        for i, c in enumerate(chunks):
-            r = c.request
-            if r.policy is None or r.cache is None:  # full cache, or finished this step
-                continue
-            t = time.perf_counter()
-            first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
-            r.prefill_done = r.prefill_done or first_full
-            live = None if r.cache.alike else live_layout(r.cache)
-            header = step_header(r.cache, r.num_computed, len(r.prompt_ids), c.num_tokens,
-                                 first_full, live)
-            idle = getattr(r.policy, "idle", None)
-            if idle is None or not idle(header):
-                key = batch_key(r.policy, r.kv_policy, header, r.rope_shift,
-                                getattr(r.kv_policy, "compact", False)) \
-                    if self.config.batch_policies else None
-                if key is not None:
-                    groups.setdefault(key, []).append(
-                        (r, Member(r.cache, r.policy, header, attention.get(i), live)))
-                    continue
-                self._step_alone(r, header, attention.get(i), live)
-            self._after_policy(r, time.perf_counter() - t)
-        for members in groups.values():
-            t = time.perf_counter()
-            drops = run_batch([m for _, m in members]) if len(members) > 1 else None
-            if drops is None:  # declined, or alone: the per-request path (same plan)
-                for r, m in members:
-                    self._step_alone(r, m.header, m.attention)
-            else:
-                for (r, _), slots in zip(members, drops):
-                    freed = r.cache.evict_slots(slots)
-                    self._count_eviction(r, slots.numel(), freed)
-            share = (time.perf_counter() - t) / len(members)
-            for r, _ in members:
-                self._after_policy(r, share)
-
-    def _step_alone(self, r: Request, header: StepView, attention: list[torch.Tensor] | None,
-                    live: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """One request's view, plan and its execution (`scheduler/eviction.py`)."""
-        assert r.cache is not None and r.policy is not None
-        plan = r.policy.step(fill_view(header, r.cache, r.policy.needs, attention, live))
-        if not plan:
-            return
-        rotate = self._rotate if r.rope_shift else None
-        applied = apply_eviction(r.cache, plan, rotate=rotate,
-                                 compact=getattr(r.kv_policy, "compact", False))
-        if rotate is not None:
-            r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-        self._count_eviction(r, applied.evicted_slots, applied.freed_blocks)
-
-    def _count_eviction(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
-        name = r.policy_name
-        evicted = evicted_slots // self.model_config.num_layers
-        r.kv.evicted_tokens += evicted
-        self._policy_evicted[name] = self._policy_evicted.get(name, 0) + evicted
-        self._policy_freed[name] = self._policy_freed.get(name, 0) + freed_blocks
-
-    def _after_policy(self, r: Request, seconds: float) -> None:
-        """Keep a request within its reservation; account the policy's time."""
-        t = time.perf_counter()
-        name = r.policy_name
-        assert r.cache is not None
-        if r.reserve_blocks and r.cache.num_blocks + r.cache.blocks_needed(1) > r.reserve_blocks:
-            # Scattered survivors pin partly dead blocks: pack them, in place, so the
-            # request's next token fits in the memory admission reserved for it
-            # (instead of preempting someone when every block is reserved).
-            freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
-            self._policy_freed[name] = self._policy_freed.get(name, 0) + freed
-        seconds += time.perf_counter() - t
-        self._policy_seconds[name] = self._policy_seconds.get(name, 0.0) + seconds
 
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -419,10 +339,10 @@ class EngineCore:
             prefix_cache_queries_total=self.scheduler.prefix_queries,
             prefix_cache_hits_total=self.scheduler.prefix_hits,
             tenant_blocks=self.scheduler.tenant_blocks(),
-            requests_by_policy_total=dict(self._policy_requests),
-            evicted_tokens_by_policy_total=dict(self._policy_evicted),
-            freed_blocks_by_policy_total=dict(self._policy_freed),
-            policy_seconds_total=dict(self._policy_seconds))
+            requests_by_policy_total=dict(self.policies.requests),
+            evicted_tokens_by_policy_total=dict(self.policies.evicted_tokens),
+            freed_blocks_by_policy_total=dict(self.policies.freed_blocks),
+            policy_seconds_total=dict(self.policies.seconds))
 
     def check_invariants(self) -> None:
         """Pool ref counts equal owners, nothing both free and owned, swap space exact."""

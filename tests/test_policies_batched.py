@@ -9,7 +9,7 @@ import torch
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
-from scheduler import engine_core
+from scheduler import policy_runner
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 
@@ -51,7 +51,7 @@ def _live_positions(llm: LLM) -> dict[str, list[list[int]]]:
 
 def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypatch):
     batched: dict[str, int] = {}  # policy name -> members stepped in a batch
-    real = engine_core.run_batch
+    real = policy_runner.run_batch
 
     def counting(members):
         drops = real(members)
@@ -60,7 +60,7 @@ def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypat
             batched[name] = batched.get(name, 0) + len(members)
         return drops
 
-    monkeypatch.setattr(engine_core, "run_batch", counting)
+    monkeypatch.setattr(policy_runner, "run_batch", counting)
     llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
                 batch_policies=batched) for batched in (True, False)]
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +136,7 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
     count, although their clocks differ: lazy_eviction members then decide at different
     steps (some rows select, others only track) and score with their own t."""
     mixed = {"steps": 0}
-    real = engine_core.run_batch
+    real = policy_runner.run_batch
 
     def spying(members):
         if members[0].policy.name == "lazy_eviction":
@@ -147,7 +147,7 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
                 mixed["steps"] += 1
         return real(members)
 
-    monkeypatch.setattr(engine_core, "run_batch", spying)
+    monkeypatch.setattr(policy_runner, "run_batch", spying)
     llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
                 batch_policies=batched) for batched in (True, False)]
     gen = torch.Generator().manual_seed(1)

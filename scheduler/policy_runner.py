@@ -1,0 +1,117 @@
+"""Running the running requests' `kv_policy` after each step, and what it cost.
+
+Why a module of its own: the engine step only needs "let every policy act on the slot
+layout the forward saw"; how that is split between the batched decode step
+(`scheduler/batched_eviction.py`) and one request at a time (`scheduler/eviction.py`),
+how a request is kept within its reservation, and the per-policy counters behind
+`EngineStats` and the Prometheus metrics all live here. The offline perplexity
+protocol (`loadtest/policy_eval.py`) calls the same `run`, so it evicts exactly as
+serving does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from policies.base import StepView
+from scheduler.batched_eviction import Member, batch_key, run_batch
+from scheduler.eviction import apply_eviction, fill_view, live_layout, step_header
+from scheduler.request import Request
+from scheduler.scheduler import Chunk
+
+# keys [n, Hkv, D], position deltas [n] -> keys re-rotated by the deltas (`rope: "shift"`)
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PolicyRunner:
+    num_layers: int
+    rotate: Rotate
+    batch: bool = True  # EngineConfig.batch_policies
+    # Per policy name, cumulative since start (EngineStats' *_by_policy_total).
+    requests: dict[str, int] = field(default_factory=dict)
+    evicted_tokens: dict[str, int] = field(default_factory=dict)
+    freed_blocks: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def admitted(self, name: str) -> None:
+        self.requests[name] = self.requests.get(name, 0) + 1
+
+    def run(self, chunks: list[Chunk], attention: dict[int, list[torch.Tensor]]) -> None:
+        """Let each running request's policy look at its cache and carry out its plan:
+        decode steps at the budget in batches, the rest one request at a time.
+        `attention` maps a chunk's index to its per-layer attention mass (runner output)."""
+        groups: dict[tuple, list[tuple[Request, Member]]] = {}
+        for i, c in enumerate(chunks):
+            r = c.request
+            if r.policy is None or r.cache is None:  # full cache, or finished this step
+                continue
+            t = time.perf_counter()
+            first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
+            r.prefill_done = r.prefill_done or first_full
+            live = None if r.cache.alike else live_layout(r.cache)
+            header = step_header(r.cache, r.num_computed, len(r.prompt_ids), c.num_tokens,
+                                 first_full, live)
+            idle = getattr(r.policy, "idle", None)
+            if idle is None or not idle(header):
+                key = batch_key(r.policy, r.kv_policy, header, r.rope_shift,
+                                getattr(r.kv_policy, "compact", False)) if self.batch else None
+                if key is not None:
+                    groups.setdefault(key, []).append(
+                        (r, Member(r.cache, r.policy, header, attention.get(i), live)))
+                    continue
+                self._step_alone(r, header, attention.get(i), live)
+            self._after(r, time.perf_counter() - t)
+        for members in groups.values():
+            t = time.perf_counter()
+            drops = run_batch([m for _, m in members]) if len(members) > 1 else None
+            if drops is None:  # declined, or alone: the per-request path (same plan)
+                for r, m in members:
+                    self._step_alone(r, m.header, m.attention)
+            else:
+                for (r, _), slots in zip(members, drops):
+                    assert r.cache is not None
+                    freed = r.cache.evict_slots(slots)
+                    self._count(r, slots.numel(), freed)
+            share = (time.perf_counter() - t) / len(members)
+            for r, _ in members:
+                self._after(r, share)
+
+    def _step_alone(self, r: Request, header: StepView, attention: list[torch.Tensor] | None,
+                    live: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """One request's view, plan and its execution (`scheduler/eviction.py`)."""
+        assert r.cache is not None and r.policy is not None
+        plan = r.policy.step(fill_view(header, r.cache, r.policy.needs, attention, live))
+        if not plan:
+            return
+        rotate = self.rotate if r.rope_shift else None
+        applied = apply_eviction(r.cache, plan, rotate=rotate,
+                                 compact=getattr(r.kv_policy, "compact", False))
+        if rotate is not None:
+            r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
+        self._count(r, applied.evicted_slots, applied.freed_blocks)
+
+    def _count(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
+        name = r.policy_name
+        evicted = evicted_slots // self.num_layers
+        r.kv.evicted_tokens += evicted
+        self.evicted_tokens[name] = self.evicted_tokens.get(name, 0) + evicted
+        self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed_blocks
+
+    def _after(self, r: Request, seconds: float) -> None:
+        """Keep a request within its reservation; account the policy's time."""
+        t = time.perf_counter()
+        name = r.policy_name
+        assert r.cache is not None
+        if r.reserve_blocks and r.cache.num_blocks + r.cache.blocks_needed(1) > r.reserve_blocks:
+            # Scattered survivors pin partly dead blocks: pack them, in place, so the
+            # request's next token fits in the memory admission reserved for it
+            # (instead of preempting someone when every block is reserved).
+            freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
+            self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed
+        seconds += time.perf_counter() - t
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
