@@ -30,6 +30,7 @@ from policies.base import (
     is_active,
     prefill_envelope,
     resolve_budget,
+    without_rows,
 )
 from policies.config import Budget, EvictingPolicyConfig
 
@@ -113,8 +114,7 @@ class H2OPolicy:
         if active and n > budget:
             drop = drop_index_rows(acc, budget, min(self.config.window, budget))
             plan = dict(enumerate(pos.gather(1, drop).unbind(0)))
-            keep = torch.ones_like(acc, dtype=torch.bool).scatter_(1, drop, False)
-            pos, acc = pos[keep].view(len(old), -1), acc[keep].view(len(old), -1)
+            pos, acc = without_rows(drop, pos, acc)
         self._pos[: len(old)], self._acc[: len(old)] = list(pos.unbind(0)), list(acc.unbind(0))
         return plan
 
@@ -136,8 +136,7 @@ class H2OPolicy:
         pos, rows = view.positions, len(old)
         if pos.shape[1] > budget:
             drop = drop_index_rows(acc, budget, min(policies[0].config.window, budget))
-            keep = torch.ones_like(acc, dtype=torch.bool).scatter_(1, drop, False)
-            pos, acc = pos[keep].view(rows, -1), acc[keep].view(rows, -1)
+            pos, acc = without_rows(drop, pos, acc)
         else:
             drop = pos.new_empty((rows, 0))
         pos_rows, acc_rows = pos.unbind(0), acc.unbind(0)

@@ -33,6 +33,9 @@ class Needs:
     key_norm: bool = False  # ‖K‖₂ per live token and kv head
     value_norm: bool = False  # ‖V‖₂ per live token and kv head
     keys: bool = False  # the key vectors themselves (as stored: rotated)
+    # ‖K‖₂ of this step's new tokens only: for a policy that keeps each token's norm from
+    # the step that computed it (a stored key never changes), so a step costs O(new).
+    new_key_norm: bool = False
 
 
 @dataclass
@@ -44,6 +47,8 @@ class LayerView:
     key_norm: torch.Tensor | None = None  # [n, Hkv] float32
     value_norm: torch.Tensor | None = None  # [n, Hkv] float32
     keys: torch.Tensor | None = None  # [n, Hkv, D] float32
+    # [num_new, Hkv] float32: the norms of the newest num_new positions (this step's)
+    new_key_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -103,6 +108,7 @@ class BatchView:
     key_norm: torch.Tensor | None = None  # [R·L, n, Hkv] float32
     value_norm: torch.Tensor | None = None
     keys: torch.Tensor | None = None  # [R·L, n, Hkv, D] float32
+    new_key_norm: torch.Tensor | None = None  # [R·L, 1, Hkv] float32: the newest token's
 
     def per_request(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """[R·L, ...] rows -> R tensors of [L, ...] (what `step_batch` returns)."""
@@ -288,6 +294,18 @@ def drop_index_rows(scores: torch.Tensor, keep: int, last: int = 0) -> torch.Ten
     evict_except drops on layer l (the same selection, one op each for all rows)."""
     free = scores.shape[1] - last
     return lowest_index_rows(scores[:, :free], free - (keep - last))
+
+
+def without_rows(drop: torch.Tensor, *rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each [R, n] tensor without its row's [R, d] dropped indices (ascending, as
+    `drop_index_rows` gives them): [R, n - d] each, order kept. The j-th kept index is
+    j plus the number of drops i with drop[i] - i <= j — one searchsorted for all rows,
+    then a gather per tensor, instead of a boolean mask's nonzero and copy per tensor."""
+    r, d = drop.shape
+    n = rows[0].shape[1]
+    kept = torch.arange(n - d).expand(r, -1).contiguous()
+    kept += torch.searchsorted((drop - torch.arange(d)).contiguous(), kept, right=True)
+    return [x.gather(1, kept) for x in rows]
 
 
 def evict_except_rows(scores: torch.Tensor, positions: torch.Tensor, keep: int,

@@ -27,6 +27,7 @@ from policies.base import (
     evict_except,
     head_mean,
     resolve_budget,
+    without_rows,
 )
 from policies.config import Budget, EvictingPolicyConfig
 
@@ -154,8 +155,7 @@ class LazyEvictionPolicy:
         if decide and n > budget and keep < n:
             drop = drop_index_rows(importance(t_now, ts, mri), keep, recent)
             plan = dict(enumerate(pos.gather(1, drop).unbind(0)))
-            kept = torch.ones_like(pos, dtype=torch.bool).scatter_(1, drop, False)
-            pos, ts, mri = (x[kept].view(nl, -1) for x in (pos, ts, mri))
+            pos, ts, mri = without_rows(drop, pos, ts, mri)
         self._pos.update(enumerate(pos.unbind(0)))
         self._ts.update(enumerate(ts.unbind(0)))
         self._mri.update(enumerate(mri.unbind(0)))
@@ -206,11 +206,10 @@ class LazyEvictionPolicy:
             sel = torch.tensor([r * nl + lay for r in who for lay in range(nl)])
             t = torch.tensor([t_now[r] for r in who]).repeat_interleave(nl)[:, None]
             drop = drop_index_rows(importance(t, ts[sel], mri[sel]), keep, recent)
-            kept = torch.ones((sel.numel(), n), dtype=torch.bool).scatter_(1, drop, False)
-            for full, rows_ in ((pos, pos_rows), (ts, ts_rows), (mri, mri_rows)):
-                left = full[sel][kept].view(sel.numel(), -1).unbind(0)
+            left = without_rows(drop, pos[sel], ts[sel], mri[sel])
+            for part, rows_ in zip(left, (pos_rows, ts_rows, mri_rows)):
                 for j, row in enumerate(sel.tolist()):
-                    rows_[row] = left[j]
+                    rows_[row] = part[j]
             for j, r in enumerate(who):
                 drops[r] = drop[j * nl:(j + 1) * nl]
         for r, p in enumerate(policies):

@@ -27,13 +27,17 @@ from policies.base import (
     Eviction,
     Needs,
     StepView,
+    align,
+    align_rows,
     drop_index_rows,
     edge_mask,
     evict_except,
+    evict_except_index,
     evict_except_rows,
     is_active,
     prefill_envelope,
     resolve_budget,
+    without_rows,
 )
 from policies.config import Budget, EvictingPolicyConfig
 
@@ -124,21 +128,90 @@ class KnormPolicy:
     Agrees with kvpress `KnormPress` (score -‖k‖, keep the top int(n·(1-r))) on the same
     keys at layer level when budget = int(n·(1-r)) and window = 0; with several kv heads
     ours ranks by the head-mean of kvpress's score. Bound: min(seq_len, C) once the prompt
-    is complete (nothing is evicted before)."""
+    is complete (nothing is evicted before).
+
+    A stored key never changes, so neither does its score: the first plan scores every
+    live token (`Needs.key_norm`), and from then on the policy keeps each layer's kept
+    positions and scores and asks only for the norms of each step's new tokens
+    (`Needs.new_key_norm`), which makes a decode step O(new tokens) instead of a gather
+    of every live key. The kept sets are the same (tests/test_policies_norms.py)."""
 
     config: KnormConfig
     name: str = "knorm"
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True))
+    _pos: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, kept
+    _score: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def step(self, view: StepView) -> Eviction:
-        return _unstructured(view, self.config.budget, self.config.window, "key_norm", knorm_scores)
+        if not is_active(view):
+            return {}
+        pos, scores = self._scored(view)
+        budget = resolve_budget(self.config.budget, view.seq_len)
+        window = min(self.config.window, budget)
+        plan: Eviction = {}
+        if len({p.numel() for p in pos}) == 1:  # every layer holds n: select at once
+            p, s = torch.stack(pos), torch.stack(scores)
+            if p.shape[1] > budget:
+                drop = drop_index_rows(s, budget, window)
+                plan = dict(enumerate(p.gather(1, drop).unbind(0)))
+                p, s = without_rows(drop, p, s)
+            pos, scores = list(p.unbind(0)), list(s.unbind(0))
+        else:
+            for layer, (p, s) in enumerate(zip(pos, scores)):
+                if p.numel() > budget:
+                    drop = evict_except_index(s, budget, 0, window)
+                    plan[layer] = p[drop]
+                    p, s = without_rows(drop[None], p[None], s[None])
+                    pos[layer], scores[layer] = p[0], s[0]
+        self._pos, self._score = pos, scores
+        self.needs = Needs(new_key_norm=True)
+        return plan
+
+    def _scored(self, view: StepView) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's live positions and their scores: from the view's norms when it
+        has every token's, else the kept scores followed by this step's new ones (the
+        newest positions)."""
+        pos = [lv.positions for lv in view.layers]
+        if view.layers[0].key_norm is not None:
+            return pos, [knorm_scores(lv.key_norm) for lv in view.layers]
+        scores = []
+        for layer, lv in enumerate(view.layers):
+            assert lv.new_key_norm is not None
+            s = align(self._pos[layer], self._score[layer], lv.positions, float("nan"))
+            k = lv.new_key_norm.shape[0]
+            s[s.numel() - k:] = knorm_scores(lv.new_key_norm)
+            scores.append(s)
+        return pos, scores
 
     @staticmethod
     def step_batch(policies: list[KnormPolicy], view: BatchView) -> list[torch.Tensor] | None:
-        return _unstructured_batch(policies, view, "key_norm", knorm_scores)
+        """`step` for R requests at once; members share their mode (batch_key groups by
+        `needs`): all score every token, or all extend their kept scores by one."""
+        if view.new_key_norm is None:
+            return _unstructured_batch(policies, view, "key_norm", knorm_scores)
+        c, nl = policies[0].config, view.num_layers
+        budget = view.budget(c.budget)
+        old = [x for p in policies for x in p._pos[:nl]]
+        if budget is None or len({x.numel() for x in old}) != 1:
+            return None
+        scores = align_rows(torch.stack(old), torch.stack([x for p in policies for x in p._score]),
+                            view.positions, float("nan"))
+        scores[:, -1] = knorm_scores(view.new_key_norm[:, 0])
+        pos = view.positions
+        if pos.shape[1] > budget:
+            drop = drop_index_rows(scores, budget, min(c.window, budget))
+            pos, scores = without_rows(drop, pos, scores)
+        else:
+            drop = pos.new_empty((pos.shape[0], 0))
+        pos_rows, score_rows = pos.unbind(0), scores.unbind(0)
+        for r, p in enumerate(policies):
+            p._pos, p._score = list(pos_rows[r * nl:(r + 1) * nl]), list(score_rows[r * nl:(r + 1) * nl])
+        return view.per_request(drop)
 
     def idle(self, view: StepView) -> bool:
-        return _idle(view, self.config.budget)
+        """Before the first plan as `_idle`; after it never, since every new token's
+        norm must be recorded when it is computed (a ratio budget may grow past n)."""
+        return not self._pos and _idle(view, self.config.budget)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -18,13 +18,13 @@ takes the per-request path.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
 from kvpool.seq_cache import SeqCache
-from policies.base import BatchView, Policy, StepView
-from scheduler.eviction import gather_stats, live_layout
+from policies.base import BatchView, Needs, Policy, StepView
+from scheduler.eviction import gather_stats, live_layout, physical_slots
 
 
 @dataclass
@@ -40,22 +40,23 @@ def batch_key(policy: Policy, config: Hashable, header: StepView, rope_shift: bo
               compact: bool) -> tuple | None:
     """The group a request's step may join, or None for the per-request path: a
     decode step after the prompt, every layer at the same live count, a policy class
-    with `step_batch`, no re-rotation or compaction to carry out."""
+    with `step_batch`, no re-rotation or compaction to carry out. Members also share
+    what they need now (knorm asks for every norm once, then for the new token's)."""
     lengths = header.lengths
     if (header.num_new != 1 or header.seq_len <= header.prompt_len or rope_shift or compact
             or not hasattr(type(policy), "step_batch") or not lengths
             or lengths.count(lengths[0]) != len(lengths)):
         return None
-    return type(policy), config, lengths[0]
+    return type(policy), config, lengths[0], astuple(policy.needs)
 
 
 def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:
     """The members' stacked view and, per member, the logical slot of each row token
     ([L, n]): what a drop index maps back to."""
     first = members[0].cache
-    nl, bs, n = first.num_layers, first.bs, members[0].header.lengths[0]
+    nl, n = first.num_layers, members[0].header.lengths[0]
     needs = members[0].policy.needs
-    idxs, positions, att, phys = [], [], [], []
+    idxs, positions, att, phys, newest = [], [], [], [], []
     for m in members:
         sp, live = m.live or live_layout(m.cache)
         idx = live.nonzero()[:, 1].view(nl, n)
@@ -65,7 +66,9 @@ def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:
             a = torch.stack(m.attention)[:, 0]  # [L, Hkv, S]
             att.append(a.gather(2, idx[:, None, :].expand(nl, a.shape[1], n)))
         if needs.key_norm or needs.keys or needs.value_norm:
-            phys.append(m.cache.table.gather(1, idx // bs) * bs + idx % bs)
+            phys.append(physical_slots(m.cache, idx))
+        if needs.new_key_norm:  # a decode step: the one new token is each row's last
+            newest.append(physical_slots(m.cache, idx[:, -1:]))
     view = BatchView(seq_len=[m.header.seq_len for m in members],
                      prompt_len=[m.header.prompt_len for m in members], num_layers=nl,
                      positions=torch.cat(positions))
@@ -75,6 +78,9 @@ def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:
     if phys:
         for name, t in gather_stats(first.pool, torch.cat(phys).view(-1), needs).items():
             setattr(view, name, t.view(rows, n, *t.shape[1:]))
+    if newest:
+        norms = gather_stats(first.pool, torch.cat(newest).view(-1), Needs(key_norm=True))
+        view.new_key_norm = norms["key_norm"].view(rows, 1, -1)
     return view, idxs
 
 

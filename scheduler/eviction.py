@@ -70,6 +70,12 @@ def gather_stats(pool: BlockPool, phys: torch.Tensor, needs: Needs) -> dict[str,
     return out
 
 
+def physical_slots(cache: SeqCache, idx: torch.Tensor) -> torch.Tensor:
+    """[L, k] logical slots of each layer -> [L, k] physical slots of the pool."""
+    bs = cache.bs
+    return cache.table.gather(1, idx // bs) * bs + idx % bs
+
+
 def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
                 prefill_done: bool,
                 live: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
@@ -117,7 +123,14 @@ def fill_view(view: StepView, cache: SeqCache, needs: Needs,
         width = sp.shape[1]
         slots = (cache.table[:, : -(-width // bs), None] * bs + torch.arange(bs)).view(nl, -1)
         gathered = gather_stats(cache.pool, slots[:, :width][live], needs)
-    split = {name: t.split(lengths) for name, t in gathered.items()}
+    sizes = {name: lengths for name in gathered}
+    if needs.new_key_norm and nl:
+        k = min(view.num_new, *lengths)  # this step's tokens: the last live slots
+        last = torch.stack([i[i.numel() - k:] for i in idx])  # [L, k]
+        gathered["new_key_norm"] = gather_stats(
+            cache.pool, physical_slots(cache, last).view(-1), Needs(key_norm=True))["key_norm"]
+        sizes["new_key_norm"] = [k] * nl
+    split = {name: t.split(sizes[name]) for name, t in gathered.items()}
     if even and nl:
         view.stacks.update({name: t.view(nl, -1, *t.shape[1:]) for name, t in gathered.items()})
     layers = []

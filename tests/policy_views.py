@@ -68,6 +68,8 @@ class Sim:
             k, v = self.keys[layer, pos], self.values[layer, pos]
             if needs.key_norm:
                 lv.key_norm = k.norm(dim=-1)
+            if needs.new_key_norm:
+                lv.new_key_norm = self.keys[layer, new].norm(dim=-1)
             if needs.value_norm:
                 lv.value_norm = v.norm(dim=-1)
             if needs.keys:

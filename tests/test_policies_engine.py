@@ -137,3 +137,45 @@ def test_original_rope_refuses_past_the_position_limit(tmp_path):
     with pytest.raises(RequestRejected):
         llm.engine.add_request("x", _prompt(0, 50), _greedy(1000),
                                kv_policy={"name": "streaming", "window": 100})
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "per-request"])
+def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched):
+    """knorm in the engine keeps, in every layer, the tokens whose keys *in the pool*
+    have the lowest head-mean norm. After its first plan it reads only the new tokens'
+    norms (`Needs.new_key_norm`) and keeps the others' from earlier steps, alone and in
+    a batch of requests, so a wrong slot or a stale score shows up here as a kept token
+    with a larger norm than a dropped one."""
+    from policies.base import Needs
+    from scheduler.eviction import gather_stats
+
+    llm = LLM(model, num_blocks=600, block_size=BS, batch_policies=batched)
+    eng, budget, window = llm.engine, 24, 4
+    for i in range(3):
+        eng.add_request(f"k{i}", _prompt(40 + i, 30 + 5 * i), _greedy(60),
+                        kv_policy={"name": "knorm", "budget": budget, "window": window})
+    norm: dict[tuple[str, int, int], float] = {}  # (request, layer, position) -> mean ‖K‖
+    seen: dict[tuple[str, int], set[int]] = {}
+    checked = 0
+    while eng.has_unfinished():
+        eng.step()
+        for r in eng.scheduler.running:
+            sp = r.cache.slot_pos
+            for layer in range(sp.shape[0]):
+                idx = (sp[layer] >= 0).nonzero().squeeze(1)
+                pos = sp[layer, idx].tolist()
+                phys = r.cache.table[layer, idx // BS] * BS + idx % BS
+                k = gather_stats(eng.pool, phys, Needs(key_norm=True))["key_norm"].mean(dim=-1).tolist()
+                norm.update({(r.request_id, layer, p): x for p, x in zip(pos, k)})
+                before = seen.get((r.request_id, layer), set())
+                seen[(r.request_id, layer)] = set(pos)
+                dropped = [norm[(r.request_id, layer, p)] for p in before - set(pos)]
+                if not r.prefill_done or not dropped:
+                    continue
+                assert len(pos) == budget
+                kept = [norm[(r.request_id, layer, p)] for p in sorted(pos)[:-window]]
+                assert max(kept) <= min(dropped) + 1e-6, (r.request_id, layer)
+                checked += 1
+    assert checked > 100
+    assert build_policy({"name": "knorm"}).needs.key_norm  # the first plan reads every norm
+    eng.check_invariants()

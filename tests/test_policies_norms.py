@@ -74,3 +74,33 @@ def test_decode_keeps_exactly_budget_one_per_step(name):
         plan = sim.step(1, prompt_len=20)
         assert all(d.numel() == 1 for d in plan.values())
         assert sim.counts() == [12, 12]
+
+
+class Stateless:
+    """knorm as it would plan with every live token's norm on every step: a fresh
+    policy per step (no kept scores), always asking for `key_norm`."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.cfg, self.needs = cfg, build_policy(cfg).needs
+
+    def step(self, v):
+        return build_policy(self.cfg).step(v)
+
+
+@pytest.mark.parametrize("cfg", [{"name": "knorm", "budget": 20, "window": 3},
+                                 {"name": "knorm", "budget": 0.4}, {"name": "knorm", "budget": 40}],
+                         ids=["tokens", "ratio", "budget-above-prompt"])
+def test_knorm_kept_scores_plan_as_if_every_norm_were_read(cfg):
+    """After its first plan knorm reads only the new tokens' norms and keeps the rest
+    from earlier steps; the plans must be those of scoring every live key again, also
+    when a layer loses tokens the policy did not choose (a sliding-window trim)."""
+    cached = build_policy(cfg)
+    a, b = Sim(cached, seed=5), Sim(Stateless(cfg), seed=5)
+    for t, n in enumerate([12, 12, 6] + [1] * 70):
+        if t == 40:  # another mechanism drops layer 0's oldest token in both
+            for sim in (a, b):
+                sim.live[0] = sim.live[0][1:]
+        assert {k: v.tolist() for k, v in a.step(n, 30).items()} == \
+            {k: v.tolist() for k, v in b.step(n, 30).items()}, t
+        assert a.counts() == b.counts()
+    assert cached.needs.new_key_norm and not cached.needs.key_norm  # it did switch
