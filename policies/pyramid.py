@@ -6,6 +6,7 @@ and at every decode step.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
@@ -45,17 +46,28 @@ def layer_budgets(total: int, seq_len: int, num_layers: int, beta: int,
     C_1 >= n - window then C_1 = n - window, C_L = 2C - C_1; if not n >= C_1 >= C_L >=
     window, every layer gets C (kvpress falls back to SnapKV's uniform budget). Exact
     rational arithmetic and round-half-even make the total exactly L·C."""
+    # From s* on (C_1 = 2C - C/β below n - window, no clamp) n no longer matters: one
+    # cache entry serves every later step of every request with these parameters.
+    s_star = 2 * total - -(-total // beta) + window + 1
+    return list(_layer_budgets(total, min(seq_len, s_star), num_layers, beta, window))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_budgets(total: int, seq_len: int, num_layers: int, beta: int,
+                   window: int) -> tuple[int, ...]:
+    """Cached: every decode step of every pyramid request asks, and the Fraction
+    arithmetic was a tenth of pyramid's step."""
     if num_layers == 1:
-        return [total]
+        return (total,)
     c_min = Fraction(total, beta)
     c_max = 2 * total - c_min
     if c_max >= seq_len - window:
         c_max = Fraction(seq_len - window)
         c_min = 2 * total - c_max
     if not (seq_len >= c_max >= c_min >= window):
-        return [total] * num_layers
+        return (total,) * num_layers
     step = (c_max - c_min) / (num_layers - 1)
-    return [round(c_max - layer * step) for layer in range(num_layers)]
+    return tuple(round(c_max - layer * step) for layer in range(num_layers))
 
 
 @dataclass

@@ -122,3 +122,15 @@ def test_decode_keeps_layer_budgets_with_a_sliding_window():
             edge = c_l // 8
             assert live[:edge].tolist() == list(range(edge))  # sinks stay
             assert live[-edge:].tolist() == list(range(sim.seq_len - edge, sim.seq_len))
+
+
+def test_budgets_past_the_clamp_do_not_depend_on_the_length():
+    """layer_budgets folds every length past s* = 2C - ceil(C/β) + window + 1 into one
+    cache entry: the uncached formula must agree at and around that point."""
+    from policies.pyramid import _layer_budgets
+
+    for total, beta, window, layers in [(1024, 20, 32, 4), (100, 3, 8, 5), (777, 20, 64, 13)]:
+        s_star = 2 * total - -(-total // beta) + window + 1
+        for n in range(s_star - 3, s_star + 40):
+            assert layer_budgets(total, n, layers, beta, window) == \
+                list(_layer_budgets.__wrapped__(total, n, layers, beta, window)), (total, n)
