@@ -25,9 +25,11 @@ import torch
 Eviction = dict[int, torch.Tensor]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Needs:
-    """Statistics a policy asks for; the engine computes only these, only for it."""
+    """Statistics a policy asks for; the engine computes only these, only for it.
+    Frozen (a policy that changes what it needs assigns a new one), so it can be part
+    of a batch's key."""
 
     attention: bool = False  # attention mass of this step's queries over live tokens
     key_norm: bool = False  # ‖K‖₂ per live token and kv head

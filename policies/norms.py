@@ -186,17 +186,23 @@ class KnormPolicy:
     @staticmethod
     def step_batch(policies: list[KnormPolicy], view: BatchView) -> list[torch.Tensor] | None:
         """`step` for R requests at once; members share their mode (batch_key groups by
-        `needs`): all score every token, or all extend their kept scores by one."""
-        if view.new_key_norm is None:
-            return _unstructured_batch(policies, view, "key_norm", knorm_scores)
+        `needs`): all score every token (their first plan, when the prompt was within
+        the budget), or all extend their kept scores by the new token's."""
         c, nl = policies[0].config, view.num_layers
         budget = view.budget(c.budget)
-        old = [x for p in policies for x in p._pos[:nl]]
-        if budget is None or len({x.numel() for x in old}) != 1:
+        if budget is None:
             return None
-        scores = align_rows(torch.stack(old), torch.stack([x for p in policies for x in p._score]),
-                            view.positions, float("nan"))
-        scores[:, -1] = knorm_scores(view.new_key_norm[:, 0])
+        if view.new_key_norm is None:
+            if view.key_norm is None:
+                return None
+            scores = knorm_scores(view.key_norm)
+        else:
+            old = [x for p in policies for x in p._pos[:nl]]
+            if len({x.numel() for x in old}) != 1:
+                return None
+            scores = align_rows(torch.stack(old), torch.stack([x for p in policies for x in p._score]),
+                                view.positions, float("nan"))
+            scores[:, -1] = knorm_scores(view.new_key_norm[:, 0])
         pos = view.positions
         if pos.shape[1] > budget:
             drop = drop_index_rows(scores, budget, min(c.window, budget))
@@ -206,6 +212,7 @@ class KnormPolicy:
         pos_rows, score_rows = pos.unbind(0), scores.unbind(0)
         for r, p in enumerate(policies):
             p._pos, p._score = list(pos_rows[r * nl:(r + 1) * nl]), list(score_rows[r * nl:(r + 1) * nl])
+            p.needs = Needs(new_key_norm=True)
         return view.per_request(drop)
 
     def idle(self, view: StepView) -> bool:

@@ -18,7 +18,7 @@ takes the per-request path.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +47,7 @@ def batch_key(policy: Policy, config: Hashable, header: StepView, rope_shift: bo
             or not hasattr(type(policy), "step_batch") or not lengths
             or lengths.count(lengths[0]) != len(lengths)):
         return None
-    return type(policy), config, lengths[0], astuple(policy.needs)
+    return type(policy), config, lengths[0], policy.needs
 
 
 def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:

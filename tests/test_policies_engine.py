@@ -139,8 +139,9 @@ def test_original_rope_refuses_past_the_position_limit(tmp_path):
                                kv_policy={"name": "streaming", "window": 100})
 
 
+@pytest.mark.parametrize("budget", [24, 48], ids=["first-plan-at-prefill", "first-plan-in-decode"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "per-request"])
-def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched):
+def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
     """knorm in the engine keeps, in every layer, the tokens whose keys *in the pool*
     have the lowest head-mean norm. After its first plan it reads only the new tokens'
     norms (`Needs.new_key_norm`) and keeps the others' from earlier steps, alone and in
@@ -150,9 +151,9 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched):
     from scheduler.eviction import gather_stats
 
     llm = LLM(model, num_blocks=600, block_size=BS, batch_policies=batched)
-    eng, budget, window = llm.engine, 24, 4
+    eng, window = llm.engine, 4
     for i in range(3):
-        eng.add_request(f"k{i}", _prompt(40 + i, 30 + 5 * i), _greedy(60),
+        eng.add_request(f"k{i}", _prompt(40 + i, (30, 30, 36)[i]), _greedy(60),
                         kv_policy={"name": "knorm", "budget": budget, "window": window})
     norm: dict[tuple[str, int, int], float] = {}  # (request, layer, position) -> mean ‖K‖
     seen: dict[tuple[str, int], set[int]] = {}
@@ -173,6 +174,7 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched):
                 if not r.prefill_done or not dropped:
                     continue
                 assert len(pos) == budget
+                assert r.policy.needs == Needs(new_key_norm=True)  # it reads new norms only
                 kept = [norm[(r.request_id, layer, p)] for p in sorted(pos)[:-window]]
                 assert max(kept) <= min(dropped) + 1e-6, (r.request_id, layer)
                 checked += 1
