@@ -27,7 +27,8 @@ comes back on what it needs now, `reserve_preempted=False`) and `full:fit` (at m
 `--fit` running, never preempted); `--baselines` picks the extra two.
 
 Variants of part 1, each a question the default leaves open: `--kv-cache-dtype bfloat16`
-(half the K/V bytes per decode step for everyone), `--gen-spread 0.5` (lengths drawn
+(half the K/V bytes per decode step for everyone), `--dtype bfloat16` (weights in
+bf16: less per-token compute, which no policy saves, so a higher ceiling), `--gen-spread 0.5` (lengths drawn
 around `--gen`, so requests do not finish in lockstep waves and continuous batching
 refills their places), `--policies h2o,h2o:unbatched` (a policy also run with every
 request's policy stepped alone, `batch_policies=False`: what the batched decode step
@@ -58,12 +59,13 @@ DOC_HEADING = "## KV eviction policies under memory pressure (issue 5)"
 BASELINES = ("vllm", "fit")  # the extra ways to run `full`: names "full:<way>"
 
 
-def _engine(path: str, num_blocks: int, max_seqs: int, kv_dtype: str,
+def _engine(path: str, num_blocks: int, max_seqs: int, args: argparse.Namespace,
             reserve_preempted: bool = True, batch_policies: bool = True) -> EngineCore:
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                   kv_cache_dtype=kv_dtype, reserve_preempted=reserve_preempted,
+                                   dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                   reserve_preempted=reserve_preempted,
                                    batch_policies=batch_policies))
 
 
@@ -100,7 +102,7 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
         base, _, way = name.partition(":")
         kv = policy_config(base, budget)
         eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
-                      args.kv_cache_dtype, reserve_preempted=way != "vllm",
+                      args, reserve_preempted=way != "vllm",
                       batch_policies=way != "unbatched")
         _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
@@ -141,8 +143,7 @@ def _decode_rate(path: str, args: argparse.Namespace, n: int, prompt: int) -> fl
     vocab = int(bc.MODEL_CONFIGS[args.model]["vocab_size"])
     layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
     steps = args.overhead_steps
-    eng = _engine(path, n * layers * (math.ceil((prompt + steps) / 16) + 1), n,
-                  args.kv_cache_dtype)
+    eng = _engine(path, n * layers * (math.ceil((prompt + steps) / 16) + 1), n, args)
     _submit(eng, prompt, [steps] * n, vocab, "full", args.seed + 2, f"ceiling-{prompt}")
     d = bc.drive(eng, f"ceiling {n} x {prompt}", progress=False)
     sel = [s.total_s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
@@ -190,7 +191,7 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget,
                  "prompt": prompt, "policies": {}}
     for name in ("full", *_plain(args.policies)):
-        eng = _engine(path, blocks, n, args.kv_cache_dtype)
+        eng = _engine(path, blocks, n, args)
         kv = policy_config(name, budget)
         _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
         d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
@@ -244,6 +245,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="pool dtype for parts 1-2 (auto: the model's fp32; bfloat16 halves "
                         "the K/V bytes a decode step reads)")
+    p.add_argument("--dtype", default="auto",
+                   help="model weights for parts 1-2 (auto: the checkpoint's fp32; bfloat16 "
+                        "halves the per-token compute where the CPU has bf16 dot products)")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-steps", type=int, default=64)
     p.add_argument("--demo-model", default="engine/demo/model")
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "kv_cache_dtype",
+                        "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",

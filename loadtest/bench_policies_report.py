@@ -23,7 +23,9 @@ def _params(kv: object) -> str:
 
 def _kv_dtype(st: dict) -> str:
     dt = st.get("kv_cache_dtype", "auto")  # reports from before the option: the model's
-    return "K/V in the model's dtype" if dt == "auto" else f"K/V stored as {dt}"
+    kv = "K/V in the model's dtype" if dt == "auto" else f"K/V stored as {dt}"
+    weights = st.get("dtype", "auto")  # reports from before the option: the checkpoint's
+    return kv if weights == "auto" else f"{kv}, weights in {weights}"
 
 
 def _gen(st: dict) -> str:

@@ -155,6 +155,11 @@ class Policy(Protocol):
         also holds that step's new tokens: the engine adds one chunk to this bound."""
         ...
 
+    # Optional: `max_live_total(seq_len, prompt_len, block_size, num_layers) -> int`,
+    # the most live tokens summed over all layers, for a policy whose layers hold
+    # different counts (pyramid): admission reserves by it when it is below
+    # num_layers · max_live (blocks are fungible across layers).
+
 
 def resolve_budget(budget: int | float, length: int) -> int:
     """A budget is a token count (int >= 1) or a ratio of `length` (float in (0, 1])."""

@@ -142,3 +142,12 @@ class PyramidPolicy:
         total = resolve_budget(self.config.budget, seq_len)
         top = max(total, round(2 * total - Fraction(total, self.config.beta)))
         return prefill_envelope(seq_len, prompt_len, top)
+
+    def max_live_total(self, seq_len: int, prompt_len: int | None, block_size: int | None,
+                       num_layers: int) -> int:
+        """Most live tokens summed over the layers: L·C (eq. 1, Σ C_l = L·C at every
+        length), although one layer alone may hold up to 2C - C/β (`max_live`). What
+        admission reserves, since blocks are fungible across layers: reserving
+        L · max_live would hold about twice the memory the pyramid ever uses."""
+        return num_layers * prefill_envelope(seq_len, prompt_len,
+                                             resolve_budget(self.config.budget, seq_len))

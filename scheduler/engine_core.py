@@ -164,8 +164,13 @@ class EngineCore:
             peak = min(peak, live + chunk + 2 * bs)
             if live + 1 < total - 1:
                 # Steady state in decode: the bound plus the step's new token, in blocks
-                # with one partly dead block at the old edge of the kept window.
+                # with one partly dead block at the old edge of the kept window; or, for
+                # layers of different bounds (pyramid), the same from the sum over layers:
+                # Σ_l ceil((n_l + 1) / bs) + 1 <= ceil(Σ_l n_l / bs) + 2L.
                 reserve = layers * (-(-(live + 1) // bs) + 1)
+                if hasattr(policy, "max_live_total"):
+                    summed = policy.max_live_total(total, len(prompt_ids), bs, layers)
+                    reserve = min(reserve, -(-summed // bs) + 2 * layers)
         need = layers * -(-peak // bs)
         usable = self.pool.num_blocks - self.scheduler.watermark_blocks
         if layers * -(-len(prompt_ids) // bs) > usable and policy is None:

@@ -115,13 +115,15 @@ def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
 @pytest.mark.timeout(150)
 def test_spread_lengths_and_no_baselines(tmp_path) -> None:
     """`--gen-spread` gives every request its own seeded length, all generated exactly;
-    `--baselines ''` runs `full` the default way only."""
+    `--baselines ''` runs `full` the default way only; `--dtype` sets the weights'."""
     from loadtest.bench_policies import gen_lengths
 
     report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts", "throughput",
-                       "--policies", "streaming", "--baselines", "", "--gen-spread", "0.3")
+                       "--policies", "streaming", "--baselines", "", "--gen-spread", "0.3",
+                       "--dtype", "bfloat16")
     st, t = report["settings"], report["throughput"]
-    assert st["baselines"] == [] and st["gen_spread"] == 0.3
+    assert st["baselines"] == [] and st["gen_spread"] == 0.3 and st["dtype"] == "bfloat16"
+    assert "weights in bfloat16" in (tmp_path / "benchmarks.md").read_text()
     assert list(t["policies"]) == ["full", "streaming"]
     want = sum(gen_lengths(st["requests"], st["gen"], 0.3, st["seed"]))
     for r in t["policies"].values():

@@ -142,6 +142,8 @@ BOUNDED = [
     {"name": "knorm", "budget": 64},
     {"name": "tova", "budget": 64},
     {"name": "h2o", "budget": 64, "window": 8},
+    # layers of different budgets (2C - C/β at the bottom): reserved by their sum, L·C
+    {"name": "pyramid", "budget": 64, "obs_window": 8},
 ]
 
 
@@ -158,6 +160,9 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=cfg)
     reserve = probe.requests["probe"].reserve_blocks
     assert 0 < reserve < layers * (24 + 200) // bs  # bounded well below the full cache
+    if cfg["name"] == "pyramid":  # the same memory as a uniform budget of 64
+        probe.add_request("tova", _prompt(0, 24), _long(), kv_policy={"name": "tova", "budget": 64})
+        assert reserve == probe.requests["tova"].reserve_blocks
     fits = 4
     # Exactly `fits` reservations and no spare block (every request reserved: no
     # watermark either): a request must never need a block beyond its reservation.

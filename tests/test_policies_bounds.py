@@ -68,5 +68,9 @@ def check(policy, sim, prompt, total, bs, layers):
     assert max(counts) <= bound, (s, counts, bound)
     assert bound <= policy.max_live(total, prompt, bs)
     assert bound <= policy.max_live(s, None, bs) <= s
-    if policy.name == "pyramid" and s >= prompt:
-        assert all(c <= b for c, b in zip(counts, policy.budgets(s, layers)))
+    if policy.name == "pyramid":
+        summed = policy.max_live_total(s, prompt, bs, layers)
+        assert sum(counts) <= summed <= policy.max_live_total(total, prompt, bs, layers)
+        assert summed <= layers * bound
+        if s >= prompt:
+            assert all(c <= b for c, b in zip(counts, policy.budgets(s, layers)))
