@@ -12,25 +12,21 @@ serving does.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from policies.base import StepView
 from scheduler.batched_eviction import Member, batch_key, run_batch
-from scheduler.eviction import apply_eviction, fill_view, live_layout, step_header
+from scheduler.eviction import Rotate, apply_eviction, fill_view, live_layout, step_header
 from scheduler.request import Request
 from scheduler.scheduler import Chunk
-
-# keys [n, Hkv, D], position deltas [n] -> keys re-rotated by the deltas (`rope: "shift"`)
-Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
 class PolicyRunner:
     num_layers: int
-    rotate: Rotate
+    rotate: Rotate  # re-rotates kept keys for `rope: "shift"` (the model's RoPE)
     batch: bool = True  # EngineConfig.batch_policies
     # Per policy name, cumulative since start (EngineStats' *_by_policy_total).
     requests: dict[str, int] = field(default_factory=dict)
