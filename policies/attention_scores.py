@@ -28,6 +28,7 @@ from policies.base import (
     evict_except_rows,
     head_mean,
     is_active,
+    keep_rows,
     prefill_envelope,
     resolve_budget,
     without_rows,
@@ -133,16 +134,10 @@ class H2OPolicy:
         acc_old = torch.stack([x for p in policies for x in p._acc[:nl]])
         acc = align_rows(torch.stack(old), acc_old, view.positions)
         acc += view.attention.sum(dim=1).to(acc.dtype)
-        pos, rows = view.positions, len(old)
-        if pos.shape[1] > budget:
-            drop = drop_index_rows(acc, budget, min(policies[0].config.window, budget))
-            pos, acc = without_rows(drop, pos, acc)
-        else:
-            drop = pos.new_empty((rows, 0))
-        pos_rows, acc_rows = pos.unbind(0), acc.unbind(0)
-        for r, p in enumerate(policies):
-            p._pos[:nl] = pos_rows[r * nl:(r + 1) * nl]
-            p._acc[:nl] = acc_rows[r * nl:(r + 1) * nl]
+        window = min(policies[0].config.window, budget)
+        drop, (pos, acc) = keep_rows(acc, budget, window, view.positions, acc)
+        for p, kept, sums in zip(policies, view.per_request(pos), view.per_request(acc)):
+            p._pos[:nl], p._acc[:nl] = kept.unbind(0), sums.unbind(0)
         return view.per_request(drop)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,

@@ -315,6 +315,17 @@ def without_rows(drop: torch.Tensor, *rows: torch.Tensor) -> list[torch.Tensor]:
     return [x.gather(1, kept) for x in rows]
 
 
+def keep_rows(scores: torch.Tensor, keep: int, last: int,
+              *rows: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The [R, d] indices `drop_index_rows` drops (d = 0 when rows hold <= keep) and each
+    of `rows` without them: the select-and-forget step of a policy that keeps per-token
+    state beside its positions, for all rows of a batch at once (h2o, knorm)."""
+    if scores.shape[1] <= keep:
+        return torch.empty((scores.shape[0], 0), dtype=torch.int64), list(rows)
+    drop = drop_index_rows(scores, keep, last)
+    return drop, without_rows(drop, *rows)
+
+
 def evict_except_rows(scores: torch.Tensor, positions: torch.Tensor, keep: int,
                       last: int = 0) -> torch.Tensor:
     """`drop_index_rows` as positions ([L, n] ascending per row): [L, n - keep]."""

@@ -35,6 +35,7 @@ from policies.base import (
     evict_except_index,
     evict_except_rows,
     is_active,
+    keep_rows,
     prefill_envelope,
     resolve_budget,
     without_rows,
@@ -203,15 +204,10 @@ class KnormPolicy:
             scores = align_rows(torch.stack(old), torch.stack([x for p in policies for x in p._score]),
                                 view.positions, float("nan"))
             scores[:, -1] = knorm_scores(view.new_key_norm[:, 0])
-        pos = view.positions
-        if pos.shape[1] > budget:
-            drop = drop_index_rows(scores, budget, min(c.window, budget))
-            pos, scores = without_rows(drop, pos, scores)
-        else:
-            drop = pos.new_empty((pos.shape[0], 0))
-        pos_rows, score_rows = pos.unbind(0), scores.unbind(0)
-        for r, p in enumerate(policies):
-            p._pos, p._score = list(pos_rows[r * nl:(r + 1) * nl]), list(score_rows[r * nl:(r + 1) * nl])
+        drop, (pos, scores) = keep_rows(scores, budget, min(c.window, budget),
+                                        view.positions, scores)
+        for p, kept, s in zip(policies, view.per_request(pos), view.per_request(scores)):
+            p._pos, p._score = list(kept.unbind(0)), list(s.unbind(0))
             p.needs = Needs(new_key_norm=True)
         return view.per_request(drop)
 
