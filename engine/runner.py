@@ -30,9 +30,9 @@ class SeqInput:
 
     token_ids: list[int]  # the tokens computed this step (a prefill chunk or one token)
     start_pos: int  # original position of token_ids[0]
-    # Pool slots to write K/V to: [L, n] from SeqCache.append, or a decode token's one
-    # slot per layer from SeqCache.append_token.
-    slots: torch.Tensor | list[int]
+    # Pool slots to write K/V to: [L, n] from SeqCache.append; None for a decode token
+    # whose slots are a column of the step's `decode_slots` (in input order).
+    slots: torch.Tensor | None
     cache: SeqCache
     wants_logits: bool  # the chunk reaches the end of the known tokens
     wants_attention: bool = False  # return per-slot attention mass (eviction policies)
@@ -61,28 +61,26 @@ class _Group:
 
 
 def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
-                 bs: int, want_probs: bool) -> _Group:
+                 want_probs: bool) -> _Group:
     seqs = [inputs[i] for i in members]
-    nb = max(s.cache.max_blocks for s in seqs)
-    for s in seqs:
-        s.cache.ensure_capacity(nb)
-    # Columns past a sequence's own blocks are -1 in its table and slot positions, so
-    # a plain stack pads correctly.
-    tables = torch.stack([s.cache.table[:, :nb] for s in seqs], dim=1)
-    slot_pos = torch.stack([s.cache.slot_pos[:, : nb * bs] for s in seqs], dim=1)
+    tables = seqs[0].cache.tables
+    assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
+    # The members' rows of the shared tables: one gather each, whatever their number.
+    table, slot_pos = tables.rows_of([s.cache for s in seqs],
+                                     max(s.cache.max_blocks for s in seqs))
     lens = [len(s.token_ids) for s in seqs]
     tq = max(lens)
     if tq == 1:  # decode: no padding
         q_index = torch.tensor([offsets[i] for i in members], dtype=torch.int64)[:, None]
         q_pos = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
-        return _Group(members, q_index, valid, q_pos, tables, slot_pos, want_probs)
+        return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs)
     ar = torch.arange(tq)
     valid = ar[None, :] < torch.tensor(lens)[:, None]
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
     starts = torch.tensor([s.start_pos for s in seqs])[:, None]
     q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
-    return _Group(members, q_index, valid, q_pos, tables, slot_pos, want_probs)
+    return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs)
 
 
 # Attention cost is (sequences × the group's longest context): a group is split when the
@@ -111,13 +109,21 @@ def _split_by_length(members: list[int], inputs: list[SeqInput]) -> list[list[in
     return out
 
 
-def _write_slots(inputs: list[SeqInput]) -> torch.Tensor:
-    """[L, T] pool slots of the packed token axis; a decode-only step (the common one)
-    becomes one tensor from the requests' int slots."""
-    if all(isinstance(s.slots, list) for s in inputs):
-        return torch.tensor([s.slots for s in inputs]).t()
-    return torch.cat([torch.tensor(s.slots)[:, None] if isinstance(s.slots, list) else s.slots
-                      for s in inputs], dim=1)
+def _write_slots(inputs: list[SeqInput], offsets: list[int], total: int, num_layers: int,
+                 decode_slots: torch.Tensor | None) -> torch.Tensor:
+    """[L, T] pool slots of the packed token axis: the decode tokens' come as one
+    [L, D] tensor from the scheduler (a decode-only step uses it as it is)."""
+    if decode_slots is not None and decode_slots.shape[1] == len(inputs) == total:
+        return decode_slots
+    out = torch.empty(num_layers, total, dtype=torch.int64)
+    cols = [offsets[i] for i, s in enumerate(inputs) if s.slots is None]
+    if cols:
+        assert decode_slots is not None and decode_slots.shape[1] == len(cols)
+        out[:, cols] = decode_slots
+    for i, s in enumerate(inputs):
+        if s.slots is not None:
+            out[:, offsets[i] : offsets[i] + len(s.token_ids)] = s.slots
+    return out
 
 
 def _fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]:
@@ -143,18 +149,25 @@ class ModelRunner:
         self.device = device
         self.scale = config.head_dim**-0.5
 
-    def execute(self, inputs: list[SeqInput]) -> StepOutput:
-        cfg, bs, dev = self.config, self.pool.block_size, self.device
-        offsets, ids, pos = [], [], []
+    def execute(self, inputs: list[SeqInput],
+                decode_slots: torch.Tensor | None = None) -> StepOutput:
+        """`decode_slots`: [L, D] slots of the inputs whose `slots` is None, in order."""
+        cfg, dev = self.config, self.device
+        offsets: list[int] = []
+        ids: list[int] = []
+        pos: list[int] = []
         total = 0
         for s in inputs:
             offsets.append(total)
-            total += len(s.token_ids)
+            n = len(s.token_ids)
+            total += n
             ids.extend(s.token_ids)
-            pos.append(torch.arange(s.start_pos, s.start_pos + len(s.token_ids)))
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.cat(pos).to(dev)
-        write_slots = _write_slots(inputs).to(dev)  # [L, T]
+            pos.extend(range(s.start_pos, s.start_pos + n))
+        # The step's inputs: host lists to tensors, one copy each to the device.
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        positions = torch.tensor(pos, dtype=torch.int64).to(dev)
+        write_slots = _write_slots(inputs, offsets, total, cfg.num_layers,
+                                   decode_slots).to(dev)  # [L, T]
 
         windows = cfg.sliding_windows
         fresh = _fresh_prompts(inputs, windows)
@@ -166,7 +179,7 @@ class ModelRunner:
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
         groups = [
-            _build_group(part, inputs, offsets, bs, want)
+            _build_group(part, inputs, offsets, want)
             for (decode, want), m in sorted(buckets.items())
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]

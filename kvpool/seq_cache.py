@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvpool.pool import BlockPool
+from kvpool.tables import SlotTables
 
 
 def _blocks_for(nblocks: int, next_slot: int, n: int, bs: int) -> int:
@@ -23,13 +24,17 @@ def _blocks_for(nblocks: int, next_slot: int, n: int, bs: int) -> int:
 
 
 class SeqCache:
-    def __init__(self, pool: BlockPool, num_layers: int, capacity_blocks: int = 4) -> None:
+    def __init__(self, pool: BlockPool, num_layers: int, capacity_blocks: int = 4,
+                 tables: SlotTables | None = None) -> None:
+        """`tables`: the engine's shared `SlotTables` (this cache is one row of it);
+        a cache made alone (tests, tools) gets tables of its own."""
         self.pool = pool
         self.num_layers = num_layers
         self.bs = pool.block_size
-        cap = max(1, capacity_blocks)
-        self.table = torch.full((num_layers, cap), -1, dtype=torch.int64)
-        self.slot_pos = torch.full((num_layers, cap * self.bs), -1, dtype=torch.int64)
+        self.tables = tables if tables is not None else SlotTables(num_layers, self.bs, 1)
+        assert self.tables.num_layers == num_layers and self.tables.bs == self.bs
+        self._row: int | None = None
+        self.ensure_capacity(max(1, capacity_blocks))
         self.nblocks = [0] * num_layers  # blocks held per layer
         self.next_slot = [0] * num_layers  # slots appended per layer (live or dead)
         self.uniform = True  # every layer holds the same slots (no eviction yet)
@@ -38,9 +43,34 @@ class SeqCache:
         self.alike = True
         self.live = 0  # live slots summed over layers
         self.swapped = False  # table holds host swap-space ids instead of pool ids
-        # Decode hot path: first slot id of the tail block in every layer, and the table
-        # (object, version) it was read from; any write to the table invalidates it.
-        self._tail: tuple[torch.Tensor, int, int, list[int]] | None = None
+
+    # ---- the row ---------------------------------------------------------------------
+    @property
+    def row(self) -> int:
+        """This cache's row of the shared tables (taken on first use, given back by
+        `release`)."""
+        if self._row is None:
+            self._row = self.tables.acquire_row()
+        return self._row
+
+    @property
+    def table(self) -> torch.Tensor:
+        """[L, W] block ids, -1 past the held blocks (a view of the shared tables)."""
+        row = self.row  # first: taking a row may grow the tables
+        return self.tables.table[:, row]
+
+    @property
+    def slot_pos(self) -> torch.Tensor:
+        """[L, W * bs] original position of every logical slot, -1 = empty or evicted."""
+        row = self.row
+        return self.tables.slot_pos[:, row]
+
+    @property
+    def aligned(self) -> bool:
+        """Every layer holds the same number of blocks and slots (the next token lands in
+        the same logical slot everywhere): a decode append is then plain int arithmetic."""
+        nb, nxt, nl = self.nblocks[0], self.next_slot[0], self.num_layers
+        return self.uniform or (self.nblocks.count(nb) == nl and self.next_slot.count(nxt) == nl)
 
     # ---- sizes -------------------------------------------------------------------
     @property
@@ -113,47 +143,10 @@ class SeqCache:
         return moved
 
     def ensure_capacity(self, blocks: int) -> None:
-        """Grow the table so that `table[:, :blocks]` is a valid (-1 padded) view."""
-        cap = self.table.shape[1]
-        if blocks <= cap:
-            return
-        new_cap = max(blocks, 2 * cap)
-        table = torch.full((self.num_layers, new_cap), -1, dtype=torch.int64)
-        table[:, :cap] = self.table
-        pos = torch.full((self.num_layers, new_cap * self.bs), -1, dtype=torch.int64)
-        pos[:, : cap * self.bs] = self.slot_pos
-        self.table, self.slot_pos = table, pos
+        """Make `table[:, :blocks]` a valid (-1 padded) view."""
+        self.tables.ensure_width(blocks)
 
     # ---- growth ------------------------------------------------------------------
-    def append_token(self, position: int) -> list[int]:
-        """`append` of one token (a decode step), returning its slot in each layer as
-        ints: while every layer has room in its tail block that is one tensor op (the
-        position) and a few int adds, instead of a gather and a scatter — called once
-        per running request per step, and the runner turns all requests' slots into
-        one tensor. Layers evicted alike (streaming-style plans drop the same positions
-        everywhere) stay aligned — same blocks held, same next slot — and take this
-        path too."""
-        nb, nxt, bs, nl = self.nblocks[0], self.next_slot[0], self.bs, self.num_layers
-        aligned = self.uniform or (self.nblocks.count(nb) == nl and self.next_slot.count(nxt) == nl)
-        if not aligned:
-            return self.append(torch.tensor([position])).view(-1).tolist()
-        if nxt >= nb * bs:  # every tail block is full: one new block per layer
-            ids = self.pool.allocate(nl)  # raises PoolExhausted before any change
-            self.ensure_capacity(nb + 1)
-            self.table[:, nb] = ids
-            self.nblocks = [nb + 1] * nl
-            nb += 1
-            self._tail = (self.table, self.table._version, nb, (ids * bs).tolist())
-        t = self._tail
-        if t is None or t[0] is not self.table or t[1] != self.table._version or t[2] != nb:
-            bases = (self.table[:, nb - 1] * bs).tolist()
-            self._tail = t = (self.table, self.table._version, nb, bases)
-        self.slot_pos.select(1, nxt).fill_(position)
-        self.next_slot = [nxt + 1] * nl
-        self.live += nl
-        off = nxt - (nb - 1) * bs
-        return [b + off for b in t[3]]
-
     def append(self, positions: torch.Tensor) -> torch.Tensor:
         """Give n new tokens (original `positions`, [n]) a slot in every layer.
 
@@ -375,8 +368,9 @@ class SeqCache:
         a swapped cache must be swapped in or dropped with `discard_swapped` instead."""
         assert not self.swapped, "release() of a swapped cache"
         self.pool.release(self.owned_blocks())
-        self.table.fill_(-1)
-        self.slot_pos.fill_(-1)
+        if self._row is not None:
+            self.tables.release_row(self._row)  # -1 filled
+            self._row = None
         self.nblocks = [0] * self.num_layers
         self.next_slot = [0] * self.num_layers
         self.uniform = self.alike = True
@@ -386,6 +380,5 @@ class SeqCache:
         """A swapped request was aborted: free its host blocks."""
         swap.release(self._held())
         self.swapped = False
-        self.table.fill_(-1)
-        self.nblocks = [0] * self.num_layers
+        self.nblocks = [0] * self.num_layers  # nothing of the pool's is held
         self.release()

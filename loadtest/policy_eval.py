@@ -159,7 +159,8 @@ class KVServeBackend:
                         seed=0, arrival_time=0.0, kv_policy=cfg, policy_name=cfg.name,
                         policy=build_policy(cfg) if cfg.name != "full" else None,
                         rope_shift=getattr(cfg, "rope", "original") == "shift")
-            r.cache = SeqCache(eng.pool, layers, capacity_blocks=-(-len(w) // bs) + 1)
+            r.cache = SeqCache(eng.pool, layers, capacity_blocks=-(-len(w) // bs) + 1,
+                               tables=sched.tables)
             reqs.append(r)
         logps: list[list[float]] = [[] for _ in windows]
         try:

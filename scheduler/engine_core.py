@@ -227,7 +227,7 @@ class EngineCore:
                                    c.start - r.pos_offset, c.slots, r.cache, c.completes,
                                    r.policy is not None and r.policy.needs.attention))
         t1 = time.perf_counter()
-        out = self.runner.execute(inputs)
+        out = self.runner.execute(inputs, plan.decode_slots)
         t2 = time.perf_counter()
         done = [c for c in plan.chunks if c.completes]
         reqs = [c.request for c in done]

@@ -41,6 +41,7 @@ import torch
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.swap import SwapSpace
+from kvpool.tables import SlotTables
 from policies.catalog import build_policy
 from scheduler.preemption import CostModel
 from scheduler.request import Request, Status
@@ -55,7 +56,9 @@ class Chunk:
     request: Request
     start: int  # first token (by count of tokens computed) computed this step
     num_tokens: int
-    slots: torch.Tensor | list[int]  # [L, num_tokens]; a decode token's: one per layer
+    # [L, num_tokens] pool slots to write K/V to; None for a decode token, whose slots
+    # are the plan's `decode_slots` column (all decode tokens get theirs in one batch).
+    slots: torch.Tensor | None
 
     @property
     def completes(self) -> bool:
@@ -67,6 +70,8 @@ class Chunk:
 class Plan:
     chunks: list[Chunk]
     preempted: list[Request]
+    # [L, D] slots of the D decode chunks (those with `slots` None), in chunk order.
+    decode_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,6 +99,8 @@ class Scheduler:
         self.swap = swap
         self.cost = cost
         self.watermark_blocks = int(self.mem.watermark * pool.num_blocks)
+        # Every cache is a row of these (kvpool/tables.py); they grow as needed.
+        self.tables = SlotTables(num_layers, pool.block_size, rows=min(max_num_seqs, 16))
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -141,12 +148,15 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         preempted: list[Request] = []
+        decoding: list[Request] = []  # their blocks are counted in `pending`, taken below
+        pending = 0
         queue = sorted(self.running, key=_key)
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget)
             assert req.cache is not None
-            while req.cache.blocks_needed(n) > self.pool.num_free:
+            need = req.cache.blocks_needed(n)
+            while need + pending > self.pool.num_free:
                 victim = self._victim(queue) or req
                 if victim is not req:
                     queue.remove(victim)
@@ -155,10 +165,16 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                chunks.append(self._chunk(req, n))
+                if n == 1:
+                    decoding.append(req)
+                    pending += need
+                    chunks.append(Chunk(req, req.num_computed, 1, None))
+                else:
+                    chunks.append(self._chunk(req, n))
                 budget -= n
+        plan = Plan(chunks, preempted, self._append_decode(decoding))
         if preempted:  # memory is short: bring nobody in this step
-            return Plan(chunks, preempted)
+            return plan
         reserved = self._reserved() if self.waiting or self.swapped else 0  # only if needed
         while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.swapped[0]
@@ -174,7 +190,7 @@ class Scheduler:
             budget -= n
             reserved += self._ahead(req)
         if self.swapped:  # resume the swapped before admitting anyone new
-            return Plan(chunks, preempted)
+            return plan
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
@@ -188,7 +204,7 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             budget -= n
             reserved += self._ahead(req)
-        return Plan(chunks, preempted)
+        return plan
 
     def _ahead(self, req: Request) -> int:
         """Blocks a bounded request may still grow into (0 for unbounded ones)."""
@@ -214,7 +230,8 @@ class Scheduler:
         may still grow into (`reserved`) and this request's own growth to its bound stay
         free; with nothing running a request starts whatever its bound."""
         cache = SeqCache(self.pool, self.num_layers,
-                         capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1)
+                         capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1,
+                         tables=self.tables)
         # A policy that scores the prompt by attention must see the prompt's queries, so
         # it computes its prompt (and still publishes it) instead of taking hits.
         scores_prompt = req.policy is not None and req.policy.needs.attention
@@ -345,9 +362,16 @@ class Scheduler:
         assert req.cache is not None
         start = req.num_computed
         first = start - req.pos_offset
-        slots = (req.cache.append_token(first) if n == 1
-                 else req.cache.append(torch.arange(first, first + n)))
-        return Chunk(req, start, n, slots)
+        return Chunk(req, start, n, req.cache.append(torch.arange(first, first + n)))
+
+    def _append_decode(self, reqs: list[Request]) -> torch.Tensor | None:
+        """Every decode token's slots in one batch (`SlotTables.append_decode`): the
+        ops do not grow with the number of decoding requests."""
+        if not reqs:
+            return None
+        caches = [r.cache for r in reqs]
+        return self.tables.append_decode(self.pool, caches,  # type: ignore[arg-type]
+                                         [r.num_computed - r.pos_offset for r in reqs])
 
     # ---- after the forward ---------------------------------------------------------
     def publish(self, chunks: list[Chunk]) -> None:

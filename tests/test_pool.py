@@ -7,6 +7,7 @@ import torch
 
 from kvpool.pool import BlockPool, PoolExhausted, parse_bytes
 from kvpool.seq_cache import SeqCache
+from kvpool.tables import SlotTables
 
 
 def test_parse_bytes():
@@ -86,57 +87,65 @@ def test_eviction_frees_whole_blocks_and_keeps_positions():
 # preemptions, swaps and prefix hits) is tests/test_memory.py::test_randomized_stress_keeps_invariants.
 
 
-def test_append_token_equals_append_and_sees_table_writes() -> None:
-    """The decode fast path gives the slots `append` would, across block boundaries, and
-    never serves a tail block id the table no longer holds (copy-on-write, compaction)."""
+def _decode(pool: BlockPool, caches: list[SeqCache], positions: list[int]) -> torch.Tensor:
+    return caches[0].tables.append_decode(pool, caches, positions)
+
+
+def test_append_decode_equals_append_and_sees_table_writes() -> None:
+    """The batched decode append gives every cache the slots `append` would, across block
+    boundaries, and reads the table as it is now (copy-on-write, compaction)."""
     pool = BlockPool(400, 4, 2, 8)
-    fast, ref = SeqCache(pool, 3), SeqCache(pool, 3)
-    fast.append(torch.arange(5))
-    ref.append(torch.arange(5))
-    for pos in range(5, 40):
-        got = fast.append_token(pos)
-        want = ref.append(torch.tensor([pos]))
-        # Same layout relative to each cache's own blocks.
-        assert got == (fast.table[:, pos // 4] * 4 + pos % 4).tolist()
-        assert torch.equal(want, ref.table[:, pos // 4, None] * 4 + pos % 4)
-        assert torch.equal(fast.slot_pos, ref.slot_pos) and fast.live == ref.live
-        if pos == 21:  # the tail block is replaced in place, as copy-on-write does
-            new, old = pool.allocate(3), fast.table[:, 5].clone()
-            fast.table[:, 5] = new
+    tables = SlotTables(3, 4, rows=1)  # rows grow on demand
+    fast = [SeqCache(pool, 3, tables=tables) for _ in range(2)]
+    ref = [SeqCache(pool, 3) for _ in range(2)]
+    for c, n in zip(fast + ref, [5, 7, 5, 7]):
+        c.append(torch.arange(n))
+    for step in range(35):
+        pos = [5 + step, 7 + step]
+        got = _decode(pool, fast, pos)
+        assert got.shape == (3, 2)
+        for i, p in enumerate(pos):
+            want = ref[i].append(torch.tensor([p]))
+            assert torch.equal(want, ref[i].table[:, p // 4, None] * 4 + p % 4)
+            # Same layout relative to each cache's own blocks.
+            assert got[:, i].tolist() == (fast[i].table[:, p // 4] * 4 + p % 4).tolist()
+            w = fast[i].max_blocks * 4  # the tables' widths differ; what is held not
+            assert torch.equal(fast[i].slot_pos[:, :w], ref[i].slot_pos[:, :w])
+            assert fast[i].live == ref[i].live and fast[i].nblocks == ref[i].nblocks
+        if step == 16:  # the tail block is replaced in place, as copy-on-write does
+            new, old = pool.allocate(3), fast[0].table[:, 5].clone()
+            fast[0].table[:, 5] = new
             pool.release(old)
-    fast.release()
-    ref.release()
+    for c in fast + ref:
+        c.release()
     assert pool.num_free == 400
+    assert sorted(tables._free_rows) == list(range(tables.table.shape[1]))
 
 
-def test_append_token_after_alike_eviction_matches_append() -> None:
+def test_append_decode_after_alike_eviction_matches_append() -> None:
     """Streaming-style plans drop the same positions in every layer: the layers stay
-    aligned and take the fast path, giving the slots and positions `append` gives; a
-    layer evicted on its own sends it back to the general path."""
+    aligned (one slot index for all); a layer evicted on its own makes the cache take
+    per-layer slots. Both give the slots and positions `append` gives."""
     pool = BlockPool(400, 4, 2, 8)
     fast, ref = SeqCache(pool, 3), SeqCache(pool, 3)
     for c in (fast, ref):
         c.append(torch.arange(10))
         c.evict_mask(torch.isin(c.slot_pos, torch.arange(2, 7)))  # every layer alike
-    assert not fast.uniform
-    general: list[int] = []
-    plain = fast.append
-    fast.append = lambda p: general.append(int(p[0])) or plain(p)  # type: ignore[method-assign]
+    assert not fast.uniform and fast.aligned
     for pos in range(10, 30):
         if pos == 20:
-            assert general == []  # aligned: new tail blocks too (12, 16) stay on the fast path
             # layer 1 alone loses a whole block: no longer aligned
             for c in (fast, ref):
                 assert c.evict(1, torch.arange(8, 12)) == 1
-        got = fast.append_token(pos)
+            assert not fast.aligned
+        got = _decode(pool, [fast], [pos])
         want = ref.append(torch.tensor([pos]))
         slot = [int((fast.slot_pos[layer] == pos).nonzero()) for layer in range(3)]
-        assert got == [int(fast.table[layer, s // 4]) * 4 + s % 4
-                       for layer, s in enumerate(slot)]
+        assert got[:, 0].tolist() == [int(fast.table[layer, s // 4]) * 4 + s % 4
+                                      for layer, s in enumerate(slot)]
         assert torch.equal(fast.slot_pos, ref.slot_pos) and fast.live == ref.live
         assert fast.nblocks == ref.nblocks and fast.next_slot == ref.next_slot
-        assert len(got) == 3 and want.shape == (3, 1)
-    assert general == list(range(20, 30))
+        assert want.shape == (3, 1)
     fast.release()
     ref.release()
     assert pool.num_free == 400
@@ -187,16 +196,20 @@ def test_pool_memory_is_backed_by_huge_pages() -> None:
     assert _anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2) >= 16 << 10
 
 
-def test_append_token_on_an_exhausted_pool_changes_nothing() -> None:
-    """The fast path's new tail block comes from the pool before anything is written, so
-    a pool that cannot supply it leaves the cache as it was (the scheduler then preempts)."""
-    pool = BlockPool(6, 4, 2, 8)
-    c = SeqCache(pool, 3)
-    c.append(torch.arange(4))
+def test_append_decode_on_an_exhausted_pool_changes_nothing() -> None:
+    """The new tail blocks come from the pool before anything is written, so a pool that
+    cannot supply them leaves every cache as it was (the scheduler then preempts)."""
+    pool = BlockPool(12, 4, 2, 8)
+    tables = SlotTables(3, 4)
+    a, c = SeqCache(pool, 3, tables=tables), SeqCache(pool, 3, tables=tables)
+    a.append(torch.arange(3))  # room in its tail
+    c.append(torch.arange(4))  # needs a block per layer
     pool.allocate(pool.num_free - 2)  # two left, three layers need one each
-    before = (list(c.nblocks), list(c.next_slot), c.slot_pos.clone(), c.table.clone(), c.live)
+    before = [(list(x.nblocks), list(x.next_slot), x.slot_pos.clone(), x.table.clone(), x.live)
+              for x in (a, c)]
     with pytest.raises(PoolExhausted):
-        c.append_token(4)
-    assert (list(c.nblocks), list(c.next_slot), c.live) == (before[0], before[1], before[4])
-    assert torch.equal(c.slot_pos, before[2]) and torch.equal(c.table, before[3])
+        tables.append_decode(pool, [a, c], [3, 4])
+    for x, b in zip((a, c), before):
+        assert (list(x.nblocks), list(x.next_slot), x.live) == (b[0], b[1], b[4])
+        assert torch.equal(x.slot_pos, b[2]) and torch.equal(x.table, b[3])
     assert pool.num_free == 2

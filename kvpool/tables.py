@@ -1,0 +1,137 @@
+"""Every running request's block tables and slot positions, in two shared tensors.
+
+Why: a decode step used to read each request's own small tensors (its table, its slot
+positions) and write each request's new token into them one op at a time, so the
+number of torch ops in a step grew with the batch — the host cost that dominates a
+step on a GPU (shared/gpu/README.md: ~490 launches at 64 requests). Here every cache
+is a *row* of
+
+    table[L, R, W]          block id of logical block j of (layer, row), -1 = none
+    slot_pos[L, R, W * bs]  original position of logical slot s, -1 = empty / evicted
+
+so a step reads the rows it runs with one `index_select` each, and `append_decode`
+gives every decoding request its next slot with a fixed number of ops whatever the
+batch.
+
+Positions are per (row, layer, logical slot), not per physical slot: a block shared
+through the prefix cache is one block in several rows, and a policy's eviction inside it
+must change only its own request's view (eviction is a mark, not a copy). A
+`[num_blocks, block_size]` position per physical slot would make it everyone's.
+
+Rows and width grow by doubling (a copy, rare), so memory follows the concurrency and
+context actually seen rather than `max_num_seqs × max_model_len`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvpool.pool import BlockPool
+    from kvpool.seq_cache import SeqCache
+
+
+class SlotTables:
+    def __init__(self, num_layers: int, block_size: int, rows: int = 4,
+                 width_blocks: int = 4) -> None:
+        self.num_layers = num_layers
+        self.bs = block_size
+        self.table = torch.full((num_layers, max(1, rows), max(1, width_blocks)), -1,
+                                dtype=torch.int64)
+        self.slot_pos = torch.full((num_layers, max(1, rows), max(1, width_blocks) * block_size),
+                                   -1, dtype=torch.int64)
+        self._free_rows = list(range(self.table.shape[1] - 1, -1, -1))
+
+    @property
+    def width(self) -> int:
+        """Blocks a row can hold per layer before the tensors grow."""
+        return self.table.shape[2]
+
+    # ---- rows ------------------------------------------------------------------------
+    def acquire_row(self) -> int:
+        if not self._free_rows:
+            old = self.table.shape[1]
+            self._grow(rows=2 * old)
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def release_row(self, row: int) -> None:
+        self.table[:, row].fill_(-1)
+        self.slot_pos[:, row].fill_(-1)
+        self._free_rows.append(row)
+
+    def ensure_width(self, blocks: int) -> None:
+        if blocks > self.width:
+            self._grow(width=max(blocks, 2 * self.width))
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        nl, r, w = self.table.shape
+        rows, width = rows or r, width or w
+        table = torch.full((nl, rows, width), -1, dtype=torch.int64)
+        table[:, :r, :w] = self.table
+        pos = torch.full((nl, rows, width * self.bs), -1, dtype=torch.int64)
+        pos[:, :r, : w * self.bs] = self.slot_pos
+        self.table, self.slot_pos = table, pos
+
+    # ---- what a step reads -----------------------------------------------------------
+    def rows_of(self, caches: list[SeqCache], nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tables [L, B, nb], slot positions [L, B, nb * bs]) of the caches' rows: one
+        gather each, whatever B. Columns past a row's blocks are -1, so rows of
+        different lengths pad correctly."""
+        self.ensure_width(nb)
+        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        return (self.table[:, :, :nb].index_select(1, rows),
+                self.slot_pos[:, :, : nb * self.bs].index_select(1, rows))
+
+    def append_decode(self, pool: BlockPool, caches: list[SeqCache],
+                      positions: list[int]) -> torch.Tensor:
+        """Give each cache's next token (original position `positions[i]`) a slot in
+        every layer; returns the physical slots [L, B] to write K/V to.
+
+        The caller has checked that the pool holds the blocks this needs
+        (`SeqCache.blocks_needed(1)` summed): they are taken in one allocation. Python
+        does the per-request arithmetic on ints; the tensors see one allocation, one
+        table write, one position write and one gather."""
+        nl, bs = self.num_layers, self.bs
+        b = len(caches)
+        need = sum(c.blocks_needed(1) for c in caches)
+        ids = pool.allocate(need) if need else None  # raises before anything changes
+        new_l: list[int] = []  # (layer, row, column) of each new block
+        new_r: list[int] = []
+        new_c: list[int] = []
+        slot_rows: list[int] = []
+        slot_idx: list[list[int]] = [[0] * b for _ in range(nl)]  # [L][B] logical slots
+        for i, c in enumerate(caches):
+            row = c.row
+            slot_rows.append(row)
+            if c.aligned:
+                nb, nxt = c.nblocks[0], c.next_slot[0]
+                if nxt >= nb * bs:
+                    new_l.extend(range(nl))
+                    new_r.extend([row] * nl)
+                    new_c.extend([nb] * nl)
+                    c.nblocks = [nb + 1] * nl
+                c.next_slot = [nxt + 1] * nl
+                for layer in range(nl):
+                    slot_idx[layer][i] = nxt
+            else:
+                for layer in range(nl):
+                    nb, nxt = c.nblocks[layer], c.next_slot[layer]
+                    if nxt >= nb * bs:
+                        new_l.append(layer)
+                        new_r.append(row)
+                        new_c.append(nb)
+                        c.nblocks[layer] = nb + 1
+                    c.next_slot[layer] = nxt + 1
+                    slot_idx[layer][i] = nxt
+            c.live += nl
+        self.ensure_width(max((c.max_blocks for c in caches), default=1))
+        if ids is not None:
+            self.table[new_l, new_r, new_c] = ids
+        rows = torch.tensor(slot_rows, dtype=torch.int64)
+        idx = torch.tensor(slot_idx, dtype=torch.int64)  # [L, B]
+        layers = torch.arange(nl)[:, None]
+        self.slot_pos[layers, rows, idx] = torch.tensor(positions, dtype=torch.int64)
+        return self.table[layers, rows, idx // bs] * bs + idx % bs
