@@ -40,7 +40,7 @@ class SeqInput:
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # [N, V] float32, one row per SeqInput with wants_logits
+    logits: torch.Tensor  # [N, V] float32 on the model's device, a row per wants_logits
     # seq index -> per-layer attention mass [Tq, Hkv, S] for inputs that asked; S indexes
     # that layer's slots in table order (slot j = table[j // bs] at offset j % bs).
     attention: dict[int, list[torch.Tensor]] = field(default_factory=dict)
@@ -164,10 +164,10 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
         # The step's inputs: host lists to tensors, one copy each to the device.
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
-        positions = torch.tensor(pos, dtype=torch.int64).to(dev)
+        input_ids = torch.tensor(ids, dtype=torch.int64)
+        positions = torch.tensor(pos, dtype=torch.int64)
         write_slots = _write_slots(inputs, offsets, total, cfg.num_layers,
-                                   decode_slots).to(dev)  # [L, T]
+                                   decode_slots)  # [L, T]
 
         windows = cfg.sliding_windows
         fresh = _fresh_prompts(inputs, windows)
@@ -183,7 +183,14 @@ class ModelRunner:
             for (decode, want), m in sorted(buckets.items())
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
-        groups = [_to(g, dev) for g in groups]
+        if dev.type != "cpu":  # every host-built input in one host-to-device copy
+            flat = [input_ids, positions, write_slots]
+            for g in groups:
+                flat += [g.q_index, g.valid, g.q_pos, g.tables, g.slot_pos]
+            up = upload(flat, dev)
+            input_ids, positions, write_slots = up[:3]
+            groups = [_Group(g.members, *up[3 + 5 * j : 8 + 5 * j], g.want_probs)
+                      for j, g in enumerate(groups)]
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
@@ -226,11 +233,22 @@ class ModelRunner:
             if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)
                 hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
             logits = self.model.compute_logits(hidden)
-        return StepOutput(logits=logits.float().cpu(), attention=attention)
+        # Logits stay on the model's device: sampling runs there and only the ids come
+        # back (engine.sampler.to_host).
+        return StepOutput(logits=logits.float(), attention=attention)
 
 
-def _to(g: _Group, dev: torch.device) -> _Group:
-    if dev.type == "cpu":
-        return g
-    return _Group(g.members, g.q_index.to(dev), g.valid.to(dev), g.q_pos.to(dev),
-                  g.tables.to(dev), g.slot_pos.to(dev), g.want_probs)
+def upload(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Integer and bool host tensors -> the same tensors on `device`, through one int64
+    buffer and one copy (a step's inputs and attention metadata; on a GPU each separate
+    copy is a launch and a synchronisation point)."""
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+    if torch.device(device).type == "cuda":  # pinned: an asynchronous copy, no sync
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    out = []
+    for part, t in zip(flat.split([t.numel() for t in tensors]), tensors):
+        part = part.view(t.shape)
+        out.append(part.bool() if t.dtype == torch.bool else part.to(t.dtype))
+    return out

@@ -34,9 +34,13 @@ class SamplingBatch:
     all_greedy: bool
     needs_sort: bool  # some row uses top-k or top-p
     max_logprobs: int | None  # largest top-N asked for in the batch (None: nobody)
+    needs_min_p: bool = False  # some row uses min-p (decided here: no device sync later)
 
     @staticmethod
-    def build(params: list[SamplingParams], seeds: list[int], steps: list[int]) -> SamplingBatch:
+    def build(params: list[SamplingParams], seeds: list[int], steps: list[int],
+              device: torch.device | str = "cpu") -> SamplingBatch:
+        """`device`: where the logits are; the parameters go there in one copy, so
+        sampling never waits on the host."""
         temps = [p.temperature for p in params]
         lps = [p.logprobs for p in params if p.logprobs is not None]
         if not any(temps):
@@ -47,16 +51,18 @@ class SamplingBatch:
                                  needs_sort=False, max_logprobs=max(lps) if lps else None)
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        # One float64 host tensor (exact for ids, seeds and steps < 2**53), one copy.
+        packed = torch.tensor([temps, top_p, top_k, min_p, seeds, steps],
+                              dtype=torch.float64).to(device)
+        f32, i64 = packed[[0, 1, 3]].float(), packed[[2, 4, 5]].long()
         return SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32),
-            top_p=torch.tensor(top_p, dtype=torch.float32),
-            top_k=torch.tensor(top_k, dtype=torch.int64),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            seed=torch.tensor(seeds, dtype=torch.int64),
-            step=torch.tensor(steps, dtype=torch.int64),
+            temperature=f32[0], top_p=f32[1], top_k=i64[0], min_p=f32[2],
+            seed=i64[1], step=i64[2],
             all_greedy=all(t == 0.0 for t in temps),
             needs_sort=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
             max_logprobs=max(lps) if lps else None,
+            needs_min_p=any(m > 0 for m in min_p),
         )
 
 
@@ -73,7 +79,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, V] uniforms in (0, 1), a pure function of (seed, step, token id)."""
     row = _mix32(_mix32(seed) ^ (_mix32(step + 0x27D4EB2F)))
-    x = _mix32(row[:, None] + torch.arange(vocab, dtype=torch.int64) * 0x61C88647)
+    ids = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    x = _mix32(row[:, None] + ids * 0x61C88647)
     return (x.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
 
 
@@ -98,13 +105,13 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if b.needs_sort:
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1])[None, :]
+        rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
         drop = (b.top_k[:, None] > 0) & (rank >= b.top_k[:, None])
         # top-p: drop a token when the mass before it already reaches top_p (the first
         # token is therefore always kept).
         drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= b.top_p[:, None]
         probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
-    if bool((b.min_p > 0).any()):
+    if b.needs_min_p:
         floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) samples i with prob ∝ p_i.
@@ -122,3 +129,23 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, n: int
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     top = logp.topk(n, dim=-1) if n > 0 else (logp[:, :0], logp[:, :0].long())
     return chosen, top[1], top[0]
+
+
+def to_host(tokens: torch.Tensor,
+            logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+            ) -> tuple[list[int], tuple[list[float], list[list[int]], list[list[float]]] | None]:
+    """The step's one device-to-host transfer: the sampled ids and, when some row asked,
+    their logprobs and top-N, packed into one float64 tensor (ids are exact below 2**53).
+
+    Why one: on a GPU every `.tolist()` or `.cpu()` is a synchronisation; the logits
+    ([B, V]) never leave the device, only what the requests asked for."""
+    if logprobs is None:
+        return tokens.tolist(), None
+    chosen, ids, vals = logprobs
+    n = ids.shape[1]
+    packed = torch.cat([tokens[:, None].double(), chosen[:, None].double(), ids.double(),
+                        vals.double()], dim=1).cpu()
+    host = packed.tolist()
+    return ([int(r[0]) for r in host],
+            ([r[1] for r in host], [[int(x) for x in r[2 : 2 + n]] for r in host],
+             [r[2 + n :] for r in host]))

@@ -177,7 +177,7 @@ class KVServeBackend:
                              c.start - c.request.pos_offset, c.slots, c.request.cache, True,
                              c.request.policy is not None and c.request.policy.needs.attention)
                     for c in chunks])
-                lp = torch.log_softmax(out.logits, dim=-1)
+                lp = torch.log_softmax(out.logits, dim=-1).cpu()
                 for row, (i, c) in enumerate(zip(live, chunks)):
                     c.request.num_computed += c.num_tokens
                     logps[i].append(float(lp[row, windows[i][prompt_len + j]]))

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from engine.loader import load_model
 from engine.runner import ModelRunner, SeqInput
-from engine.sampler import SamplingBatch, sample, top_logprobs
+from engine.sampler import SamplingBatch, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.swap import SwapSpace
@@ -232,11 +232,12 @@ class EngineCore:
         done = [c for c in plan.chunks if c.completes]
         reqs = [c.request for c in done]
         batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
-                                    [len(r.output_ids) for r in reqs])
-        tokens = sample(out.logits, batch).tolist()
+                                    [len(r.output_ids) for r in reqs], out.logits.device)
+        ids = sample(out.logits, batch)  # on the model's device
         lp = None
         if batch.max_logprobs is not None:
-            lp = top_logprobs(out.logits, torch.tensor(tokens), batch.max_logprobs)
+            lp = top_logprobs(out.logits, ids, batch.max_logprobs)
+        tokens, lp = to_host(ids, lp)  # the step's one device-to-host copy
         t3 = time.perf_counter()
         for c in plan.chunks:
             c.request.num_computed += c.num_tokens
@@ -257,7 +258,7 @@ class EngineCore:
         return outputs
 
     def _advance(self, done: list[Chunk], tokens: list[int],
-                 lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                 lp: tuple[list[float], list[list[int]], list[list[float]]] | None
                  ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
@@ -270,8 +271,8 @@ class EngineCore:
             self._generation_tokens += 1
             if lp is not None and r.params.logprobs is not None:
                 k = r.params.logprobs
-                top = list(zip(lp[1][row, :k].tolist(), lp[2][row, :k].tolist()))
-                r.pending_logprobs.append(TokenLogprob(tok, float(lp[0][row]), top))
+                top = list(zip(lp[1][row][:k], lp[2][row][:k]))
+                r.pending_logprobs.append(TokenLogprob(tok, lp[0][row], top))
             r.pending_ids.append(tok)
             text, finish = self._check_stop(r, tok)
             kv = r.kv
