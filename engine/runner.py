@@ -39,11 +39,29 @@ class SeqInput:
 
 
 @dataclass
+class AttentionMass:
+    """One input's attention mass, kept as its group's whole tensor and a row, so a
+    group of any size costs one stack and one copy, and a batched consumer selects its
+    rows in one op.
+
+    `group`: [L, B, Tq, Hkv, S] float32 on the host: for each layer, row and query, the
+    probability of every slot summed over its kv group's query heads; S indexes the
+    row's slots in table order (slot j = table[j // bs] at offset j % bs)."""
+
+    group: torch.Tensor
+    row: int
+    num_tokens: int  # the input's queries (the first Tq of its row)
+
+    def layers(self) -> torch.Tensor:
+        """[L, num_tokens, Hkv, S]: this input's mass, indexable by layer."""
+        return self.group[:, self.row, : self.num_tokens]
+
+
+@dataclass
 class StepOutput:
     logits: torch.Tensor  # [N, V] float32 on the model's device, a row per wants_logits
-    # seq index -> per-layer attention mass [Tq, Hkv, S] for inputs that asked; S indexes
-    # that layer's slots in table order (slot j = table[j // bs] at offset j % bs).
-    attention: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    # seq index -> attention mass, for the inputs that asked (wants_attention)
+    attention: dict[int, AttentionMass] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,9 +212,7 @@ class ModelRunner:
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
-        attention: dict[int, list[torch.Tensor]] = {
-            i: [] for i, s in enumerate(inputs) if s.wants_attention
-        }
+        mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
         k_flat = self.pool.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v_flat = self.pool.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
@@ -209,7 +225,7 @@ class ModelRunner:
                 a, n = offsets[i], len(inputs[i].token_ids)
                 out[a : a + n] = causal_self_attention(q[a : a + n], k[a : a + n],
                                                        v[a : a + n], self.scale)
-            for g in groups:
+            for j, g in enumerate(groups):
                 o, probs = self.attention_fn(
                     q[:, None] if whole else q[g.q_index], self.pool.k_cache,
                     self.pool.v_cache, g.tables[layer], g.slot_pos[layer], g.q_pos,
@@ -220,9 +236,7 @@ class ModelRunner:
                 else:
                     out[g.q_index[g.valid]] = o[g.valid]
                 if probs is not None:
-                    for row, i in enumerate(g.members):
-                        n = len(inputs[i].token_ids)
-                        attention[i].append(probs[row, :n].cpu())
+                    mass[j].append(probs)
             return out
 
         last = [offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(inputs) if s.wants_logits]
@@ -233,6 +247,11 @@ class ModelRunner:
             if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)
                 hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
             logits = self.model.compute_logits(hidden)
+            attention: dict[int, AttentionMass] = {}
+            for j, layers in mass.items():  # one stack and one copy per group
+                stacked = torch.stack(layers).cpu()
+                for row, i in enumerate(groups[j].members):
+                    attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids))
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
         return StepOutput(logits=logits.float(), attention=attention)

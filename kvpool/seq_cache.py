@@ -41,7 +41,7 @@ class SeqCache:
         # Every layer holds the same positions in the same logical slots (evicted alike,
         # as position-only policies do): per-layer sizes are then all live // layers.
         self.alike = True
-        self.live = 0  # live slots summed over layers
+        self.layer_live = [0] * num_layers  # live slots per layer
         self.swapped = False  # table holds host swap-space ids instead of pool ids
 
     # ---- the row ---------------------------------------------------------------------
@@ -73,6 +73,11 @@ class SeqCache:
         return self.uniform or (self.nblocks.count(nb) == nl and self.next_slot.count(nxt) == nl)
 
     # ---- sizes -------------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        """Live slots summed over layers."""
+        return sum(self.layer_live)
+
     @property
     def num_blocks(self) -> int:
         """Blocks held in all layers together."""
@@ -110,7 +115,7 @@ class SeqCache:
         self.slot_pos[:, : k * bs] = torch.arange(k * bs)
         self.nblocks = [k] * self.num_layers
         self.next_slot = [k * bs] * self.num_layers
-        self.live = self.num_layers * k * bs
+        self.layer_live = [k * bs] * self.num_layers
 
     def swap_out(self, swap) -> int:
         """Copy every held block to host swap space and free it on the device; returns
@@ -167,7 +172,7 @@ class SeqCache:
             slots = self.table[:, j // bs] * bs + j % bs
             self.slot_pos[:, nxt : nxt + n] = positions
             self.next_slot = [nxt + n] * nl
-            self.live += nl * n
+            self.layer_live = [x + n for x in self.layer_live]
             return slots
         need = [_blocks_for(b, s, n, bs) for b, s in zip(self.nblocks, self.next_slot)]
         total = sum(need)
@@ -185,7 +190,7 @@ class SeqCache:
         slots = self.table.gather(1, j // bs) * bs + j % bs
         self.slot_pos.scatter_(1, j, positions.to(torch.int64).expand(nl, n))
         self.next_slot = [x + n for x in self.next_slot]
-        self.live += nl * n
+        self.layer_live = [x + n for x in self.layer_live]
         return slots
 
     # ---- shrinking -----------------------------------------------------------------
@@ -211,7 +216,10 @@ class SeqCache:
         if n == 0:
             return 0
         pos.masked_fill_(dead, -1)  # cheaper than boolean index assignment
-        self.live -= n
+        if alike and self.alike:  # the same live slots lose the same ones
+            self.layer_live = [x - n // self.num_layers for x in self.layer_live]
+        else:
+            self.layer_live = [x - k for x, k in zip(self.layer_live, dead.sum(dim=1).tolist())]
         self.uniform = False
         self.alike = self.alike and alike
         # Only a block that just lost a slot can have become empty: check those first.
@@ -224,20 +232,9 @@ class SeqCache:
     def evict_slots(self, slots: torch.Tensor) -> int:
         """`evict_mask` for d live logical slots per layer ([L, d], distinct in each row):
         a decode step of a scoring policy drops a token or a few per layer, so writing
-        them and checking only their blocks costs a few ops instead of mask-wide ones."""
-        nl, d = slots.shape
-        if d == 0:
-            return 0
-        self.slot_pos.scatter_(1, slots, -1)
-        self.live -= nl * d
-        # Layers holding the same slots that drop the same ones stay alike (streaming).
-        self.alike = self.alike and bool((slots == slots[:1]).all())
-        self.uniform = False
-        cols = (slots // self.bs)[:, :, None].expand(nl, d, self.bs)
-        touched = self.slot_pos.view(nl, -1, self.bs).gather(1, cols)
-        if bool((touched >= 0).any(dim=2).all()):
-            return 0  # every block that lost a slot still has a live one
-        return self._free_dead_blocks()
+        them and checking only their blocks costs a few ops instead of mask-wide ones.
+        (`SlotTables.evict_slots` does it for many caches at once.)"""
+        return self.tables.evict_slots(self.pool, [self], slots[None])[0]
 
     def drop_before(self, layer: int, min_pos: int) -> int:
         """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""
@@ -247,40 +244,13 @@ class SeqCache:
         if ndead == 0:
             return 0
         pos[dead] = -1
-        self.live -= ndead
+        self.layer_live[layer] -= ndead
         self.uniform = self.alike = False
         return self._free_dead_blocks([layer])
 
     def _free_dead_blocks(self, layers: list[int] | None = None) -> int:
         """Return blocks with no live slot to the pool (all layers checked in one op)."""
-        bs, cap = self.bs, self.table.shape[1]
-        held = torch.arange(cap)[None, :] < torch.tensor(self.nblocks)[:, None]  # [L, cap]
-        alive = (self.slot_pos.view(self.num_layers, cap, bs) >= 0).any(dim=2)
-        # The tail block still takes appends while it has room.
-        tail = torch.tensor([max(b - 1, 0) for b in self.nblocks])
-        room = torch.tensor([s < b * bs for s, b in zip(self.next_slot, self.nblocks)])
-        alive[torch.arange(self.num_layers)[room], tail[room]] = True
-        dead = held & ~alive
-        if layers is not None:
-            only = torch.zeros(self.num_layers, dtype=torch.bool)
-            only[layers] = True
-            dead &= only[:, None]
-        if not bool(dead.any()):
-            return 0
-        freed = self.table[dead]
-        for layer in dead.any(dim=1).nonzero().squeeze(1).tolist():
-            nb = self.nblocks[layer]
-            keep = (held[layer] & ~dead[layer]).nonzero().squeeze(1)
-            k = keep.numel()
-            self.table[layer, :k] = self.table[layer, keep]
-            self.table[layer, k:nb] = -1
-            pos = self.slot_pos[layer].view(cap, bs)[keep].reshape(-1)
-            self.slot_pos[layer, : k * bs] = pos
-            self.slot_pos[layer, k * bs : nb * bs] = -1
-            self.next_slot[layer] -= (nb - k) * bs
-            self.nblocks[layer] = k
-        self.pool.release(freed)
-        return int(freed.numel())
+        return self.tables.free_dead_blocks(self.pool, [self], layers)[0]
 
     # ---- what policies see, and what only the pool may do -------------------------
     def live_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,7 +344,7 @@ class SeqCache:
         self.nblocks = [0] * self.num_layers
         self.next_slot = [0] * self.num_layers
         self.uniform = self.alike = True
-        self.live = 0
+        self.layer_live = [0] * self.num_layers
 
     def discard_swapped(self, swap) -> None:
         """A swapped request was aborted: free its host blocks."""

@@ -126,7 +126,7 @@ class SlotTables:
                         c.nblocks[layer] = nb + 1
                     c.next_slot[layer] = nxt + 1
                     slot_idx[layer][i] = nxt
-            c.live += nl
+            c.layer_live = [x + 1 for x in c.layer_live]
         self.ensure_width(max((c.max_blocks for c in caches), default=1))
         if ids is not None:
             self.table[new_l, new_r, new_c] = ids
@@ -135,3 +135,70 @@ class SlotTables:
         layers = torch.arange(nl)[:, None]
         self.slot_pos[layers, rows, idx] = torch.tensor(positions, dtype=torch.int64)
         return self.table[layers, rows, idx // bs] * bs + idx % bs
+
+    # ---- what eviction changes -------------------------------------------------------
+    def evict_slots(self, pool: BlockPool, caches: list[SeqCache],
+                    slots: torch.Tensor) -> list[int]:
+        """Mark d live logical slots per (cache, layer) dead — `slots` [R, L, d], distinct
+        in each row — and free the blocks that leaves without a live slot; returns the
+        blocks freed per cache. A decode step of a scoring policy drops a token or a few
+        per layer in every member: a fixed number of ops for all of them."""
+        r, nl, d = slots.shape
+        if d == 0:
+            return [0] * r
+        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)[:, None, None]
+        layers = torch.arange(nl)[None, :, None]
+        self.slot_pos[layers, rows, slots] = -1
+        # Layers holding the same slots that drop the same ones stay alike (streaming).
+        same = (slots == slots[:, :1]).flatten(1).all(dim=1).tolist()
+        for c, alike in zip(caches, same):
+            c.layer_live = [x - d for x in c.layer_live]
+            c.alike = c.alike and alike
+            c.uniform = False
+        blocks = self.slot_pos.view(nl, self.slot_pos.shape[1], -1, self.bs)
+        touched = blocks[layers, rows, slots // self.bs]  # [R, L, d, bs]
+        emptied = (~(touched >= 0).any(dim=3)).flatten(1).any(dim=1).tolist()
+        hit = [c for c, e in zip(caches, emptied) if e]
+        freed = iter(self.free_dead_blocks(pool, hit) if hit else [])
+        return [next(freed) if e else 0 for e in emptied]
+
+    def free_dead_blocks(self, pool: BlockPool, caches: list[SeqCache],
+                         layers: list[int] | None = None) -> list[int]:
+        """Return every block of `caches` (only `layers`, if given) with no live slot to
+        the pool and close the gaps in their tables, keeping the order of the rest;
+        returns the blocks freed per cache. A tail block with room for appends stays."""
+        nl, bs, w = self.num_layers, self.bs, self.width
+        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        nb = torch.tensor([c.nblocks for c in caches], dtype=torch.int64).t()  # [L, R]
+        nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()
+        table = self.table.index_select(1, rows)  # [L, R, W]
+        pos = self.slot_pos.index_select(1, rows).view(nl, len(caches), w, bs)
+        cols = torch.arange(w)
+        held = cols < nb[..., None]
+        alive = (pos >= 0).any(dim=3)
+        # The tail block still takes appends while it has room.
+        alive |= (cols == (nb - 1).clamp(min=0)[..., None]) & (nxt < nb * bs)[..., None]
+        dead = held & ~alive
+        if layers is not None:
+            only = torch.zeros(nl, dtype=torch.bool)
+            only[layers] = True
+            dead &= only[:, None, None]
+        ndead = dead.sum(dim=2)  # [L, R]
+        counts = ndead.t().tolist()
+        if not any(map(any, counts)):
+            return [0] * len(caches)
+        pool.release(table[dead])
+        # Kept columns first, in order; the freed ones and the spare ones after them.
+        kept = held & ~dead
+        order = torch.where(kept, cols, w + cols).argsort(dim=2)
+        k = kept.sum(dim=2, keepdim=True)
+        beyond = cols >= k
+        table = table.gather(2, order).masked_fill_(beyond, -1)
+        pos = pos.gather(2, order[..., None].expand(-1, -1, -1, bs))
+        pos.masked_fill_(beyond[..., None], -1)
+        self.table.index_copy_(1, rows, table)
+        self.slot_pos.index_copy_(1, rows, pos.view(nl, len(caches), w * bs))
+        for c, per_layer in zip(caches, counts):
+            c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
+            c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
+        return [sum(x) for x in counts]

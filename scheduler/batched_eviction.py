@@ -22,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.runner import AttentionMass
 from kvpool.seq_cache import SeqCache
 from policies.base import BatchView, Needs, Policy, StepView
-from scheduler.eviction import gather_stats, live_layout, physical_slots
+from scheduler.eviction import gather_stats
 
 
 @dataclass
@@ -32,8 +33,7 @@ class Member:
     cache: SeqCache
     policy: Policy
     header: StepView  # `eviction.step_header` of this step
-    attention: list[torch.Tensor] | None  # per layer [1, Hkv, S] (runner output)
-    live: tuple[torch.Tensor, torch.Tensor] | None = None  # `live_layout`, if computed
+    attention: AttentionMass | None  # the runner's output for this request
 
 
 def batch_key(policy: Policy, config: Hashable, header: StepView, rope_shift: bool,
@@ -50,45 +50,75 @@ def batch_key(policy: Policy, config: Hashable, header: StepView, rope_shift: bo
     return type(policy), config, lengths[0], policy.needs
 
 
-def build_batch(members: list[Member]) -> tuple[BatchView, list[torch.Tensor]]:
-    """The members' stacked view and, per member, the logical slot of each row token
-    ([L, n]): what a drop index maps back to."""
+def _member_major(t: torch.Tensor) -> torch.Tensor:
+    """[L, R, ...] -> [R·L, ...] (row r·L + l, the BatchView order)."""
+    return t.transpose(0, 1).reshape(-1, *t.shape[2:])
+
+
+def _attention(members: list[Member], idx: torch.Tensor) -> torch.Tensor:
+    """The members' mass at their live slots, [R·L, Hkv, n]: one row select per group
+    tensor of the runner (usually one), one gather."""
+    nl, n = members[0].cache.num_layers, idx.shape[1]
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for i, m in enumerate(members):
+        assert m.attention is not None
+        g = groups.setdefault(id(m.attention.group), (m.attention.group, [], []))
+        g[1].append(m.attention.row)
+        g[2].append(i)
+    parts, order = [], []
+    for group, rows, which in groups.values():
+        sel = group[:, :, 0].index_select(1, torch.tensor(rows))  # [L, r, Hkv, S]
+        parts.append(_member_major(sel))
+        order += which
+    a = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if order != sorted(order):  # back to member order
+        rank = torch.tensor(order).argsort()
+        a = a.view(len(members), nl, *a.shape[1:]).index_select(0, rank).view(a.shape)
+    return a.gather(2, idx[:, None, :].expand(-1, a.shape[1], n))
+
+
+def build_batch(members: list[Member]) -> tuple[BatchView, torch.Tensor]:
+    """The members' stacked view and the logical slot of each row token ([R·L, n]):
+    what a drop index maps back to. A fixed number of ops whatever R: the members'
+    rows of the shared tables are read with one gather each."""
     first = members[0].cache
-    nl, n = first.num_layers, members[0].header.lengths[0]
+    tables, nl, bs = first.tables, first.num_layers, first.bs
+    n = members[0].header.lengths[0]
     needs = members[0].policy.needs
-    idxs, positions, att, phys, newest = [], [], [], [], []
-    for m in members:
-        sp, live = m.live or live_layout(m.cache)
-        idx = live.nonzero()[:, 1].view(nl, n)
-        idxs.append(idx)
-        positions.append(sp.gather(1, idx))
-        if needs.attention and m.attention is not None:
-            a = torch.stack(m.attention)[:, 0]  # [L, Hkv, S]
-            att.append(a.gather(2, idx[:, None, :].expand(nl, a.shape[1], n)))
-        if needs.key_norm or needs.keys or needs.value_norm:
-            phys.append(physical_slots(m.cache, idx))
-        if needs.new_key_norm:  # a decode step: the one new token is each row's last
-            newest.append(physical_slots(m.cache, idx[:, -1:]))
+    rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
+    width = max(max(m.cache.next_slot) for m in members)
+    sp = tables.slot_pos[:, :, :width].index_select(1, rows)  # [L, R, width]
+    sp = _member_major(sp)  # [R·L, width]
+    idx = (sp >= 0).nonzero()[:, 1].view(-1, n)  # every row holds exactly n live
     view = BatchView(seq_len=[m.header.seq_len for m in members],
                      prompt_len=[m.header.prompt_len for m in members], num_layers=nl,
-                     positions=torch.cat(positions))
-    rows = view.positions.shape[0]
-    if att:
-        view.attention = torch.cat(att)
-    if phys:
-        for name, t in gather_stats(first.pool, torch.cat(phys).view(-1), needs).items():
-            setattr(view, name, t.view(rows, n, *t.shape[1:]))
-    if newest:
-        norms = gather_stats(first.pool, torch.cat(newest).view(-1), Needs(key_norm=True))
-        view.new_key_norm = norms["key_norm"].view(rows, 1, -1)
-    return view, idxs
+                     positions=sp.gather(1, idx))
+    if needs.attention and all(m.attention is not None for m in members):
+        view.attention = _attention(members, idx)
+    if needs.key_norm or needs.keys or needs.value_norm or needs.new_key_norm:
+        nb = -(-width // bs)
+        table = _member_major(tables.table[:, :, :nb].index_select(1, rows))  # [R·L, nb]
+        phys = table.gather(1, idx // bs) * bs + idx % bs
+        rows_n = phys.shape[0]
+        if needs.key_norm or needs.keys or needs.value_norm:
+            for name, t in gather_stats(first.pool, phys.view(-1), needs).items():
+                setattr(view, name, t.view(rows_n, n, *t.shape[1:]))
+        if needs.new_key_norm:  # a decode step: the one new token is each row's last
+            norms = gather_stats(first.pool, phys[:, -1], Needs(key_norm=True))
+            view.new_key_norm = norms["key_norm"].view(rows_n, 1, -1)
+    return view, idx
 
 
 def run_batch(members: list[Member]) -> list[torch.Tensor] | None:
     """Every member's drops as logical slots ([L, d] each; d may be 0), or None when
     the policy declines the batch (nothing changed: run each member alone)."""
-    view, idxs = build_batch(members)
+    view, idx = build_batch(members)
     drops = type(members[0].policy).step_batch([m.policy for m in members], view)
     if drops is None:
         return None
-    return [idx.gather(1, d) for idx, d in zip(idxs, drops)]
+    nl = view.num_layers
+    per_member = idx.view(len(members), nl, -1)
+    if len({d.shape[1] for d in drops}) == 1:  # one gather for all
+        d = torch.stack(drops)
+        return list(per_member.gather(2, d).unbind(0))
+    return [i.gather(1, d) for i, d in zip(per_member, drops)]

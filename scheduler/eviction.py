@@ -77,21 +77,17 @@ def physical_slots(cache: SeqCache, idx: torch.Tensor) -> torch.Tensor:
 
 
 def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
-                prefill_done: bool,
-                live: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
+                prefill_done: bool) -> StepView:
     """A `StepView` without layers: the step's sizes and each layer's live count
     (`lengths`), enough for `Policy.idle` to say whether a full view is worth building.
-    `live`: `live_layout(cache)` if the caller already has it."""
-    if cache.alike:  # every layer holds the same slots (no eviction yet, or alike)
-        lengths = [cache.live // cache.num_layers] * cache.num_layers
-    else:
-        lengths = (live or live_layout(cache))[1].sum(dim=1).tolist()
+    Plain ints (the cache counts its live slots per layer): no tensor op per request."""
     return StepView(seq_len=seq_len, prompt_len=prompt_len, num_new=num_new,
-                    prefill_done=prefill_done, block_size=cache.bs, lengths=lengths)
+                    prefill_done=prefill_done, block_size=cache.bs,
+                    lengths=list(cache.layer_live))
 
 
 def fill_view(view: StepView, cache: SeqCache, needs: Needs,
-              attention: list[torch.Tensor] | None,
+              attention: torch.Tensor | list[torch.Tensor] | None,
               live_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
     """Add every layer's live positions and the statistics `needs` declares.
 
@@ -145,7 +141,7 @@ def fill_view(view: StepView, cache: SeqCache, needs: Needs,
     return view
 
 
-def build_view(cache: SeqCache, needs: Needs, attention: list[torch.Tensor] | None,
+def build_view(cache: SeqCache, needs: Needs, attention: torch.Tensor | list[torch.Tensor] | None,
                seq_len: int, prompt_len: int, num_new: int, prefill_done: bool) -> StepView:
     return fill_view(step_header(cache, seq_len, prompt_len, num_new, prefill_done),
                      cache, needs, attention)

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.runner import AttentionMass
 from policies.base import StepView
 from scheduler.batched_eviction import Member, batch_key, run_batch
-from scheduler.eviction import Rotate, apply_eviction, fill_view, live_layout, step_header
+from scheduler.eviction import Rotate, apply_eviction, fill_view, step_header
 from scheduler.request import Request
 from scheduler.scheduler import Chunk
 
@@ -37,10 +38,10 @@ class PolicyRunner:
     def admitted(self, name: str) -> None:
         self.requests[name] = self.requests.get(name, 0) + 1
 
-    def run(self, chunks: list[Chunk], attention: dict[int, list[torch.Tensor]]) -> None:
+    def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan:
         decode steps at the budget in batches, the rest one request at a time.
-        `attention` maps a chunk's index to its per-layer attention mass (runner output)."""
+        `attention` maps a chunk's index to its attention mass (runner output)."""
         groups: dict[tuple, list[tuple[Request, Member]]] = {}
         for i, c in enumerate(chunks):
             r = c.request
@@ -49,18 +50,17 @@ class PolicyRunner:
             t = time.perf_counter()
             first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
             r.prefill_done = r.prefill_done or first_full
-            live = None if r.cache.alike else live_layout(r.cache)
             header = step_header(r.cache, r.num_computed, len(r.prompt_ids), c.num_tokens,
-                                 first_full, live)
+                                 first_full)
             idle = getattr(r.policy, "idle", None)
             if idle is None or not idle(header):
                 key = batch_key(r.policy, r.kv_policy, header, r.rope_shift,
                                 getattr(r.kv_policy, "compact", False)) if self.batch else None
                 if key is not None:
                     groups.setdefault(key, []).append(
-                        (r, Member(r.cache, r.policy, header, attention.get(i), live)))
+                        (r, Member(r.cache, r.policy, header, attention.get(i))))
                     continue
-                self._step_alone(r, header, attention.get(i), live)
+                self._step_alone(r, header, attention.get(i))
             self._after(r, time.perf_counter() - t)
         for members in groups.values():
             t = time.perf_counter()
@@ -69,19 +69,32 @@ class PolicyRunner:
                 for r, m in members:
                     self._step_alone(r, m.header, m.attention)
             else:
-                for (r, _), slots in zip(members, drops):
-                    assert r.cache is not None
-                    freed = r.cache.evict_slots(slots)
-                    self._count(r, slots.numel(), freed)
+                self._evict_batch([r for r, _ in members], drops)
             share = (time.perf_counter() - t) / len(members)
             for r, _ in members:
                 self._after(r, share)
 
-    def _step_alone(self, r: Request, header: StepView, attention: list[torch.Tensor] | None,
-                    live: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _evict_batch(self, reqs: list[Request], drops: list[torch.Tensor]) -> None:
+        """Carry out a batch's drops ([L, d] logical slots per member), members of equal
+        d together (one set of ops each; lazy clocks make d 0 for most of them)."""
+        by_d: dict[int, list[int]] = {}
+        for j, d in enumerate(drops):
+            by_d.setdefault(d.shape[1], []).append(j)
+        for d, which in by_d.items():
+            if d == 0:
+                continue
+            caches = [reqs[j].cache for j in which]
+            slots = torch.stack([drops[j] for j in which])
+            freed = caches[0].tables.evict_slots(caches[0].pool, caches, slots)
+            for j, f in zip(which, freed):
+                self._count(reqs[j], d * self.num_layers, f)
+
+    def _step_alone(self, r: Request, header: StepView,
+                    attention: AttentionMass | None) -> None:
         """One request's view, plan and its execution (`scheduler/eviction.py`)."""
         assert r.cache is not None and r.policy is not None
-        plan = r.policy.step(fill_view(header, r.cache, r.policy.needs, attention, live))
+        mass = attention.layers() if attention is not None else None
+        plan = r.policy.step(fill_view(header, r.cache, r.policy.needs, mass))
         if not plan:
             return
         rotate = self.rotate if r.rope_shift else None

@@ -33,7 +33,7 @@ def test_attention_mass_matches_transformers_eager(llama):
     bystander = SeqInput(prompt[:5], 0, other.append(torch.arange(5)), other, True)
     out = eng.runner.execute([rest, bystander])
     assert set(out.attention) == {0}
-    mass = out.attention[0]
+    mass = out.attention[0].layers()
     assert len(mass) == cfg.num_layers
 
     hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32,
