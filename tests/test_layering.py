@@ -1,11 +1,13 @@
 """Imports point one way (docs/architecture.md): server -> scheduler -> engine -> kvpool,
-with policies beside kvpool; loadtest is a client on top that nothing below imports.
-Read from the sources with `ast`, so a lazy import inside a function counts as much as
-one at the top of a module."""
+with policies beside kvpool; loadtest is a client on top that nothing below imports, and
+the demo model's training and evaluation code (demo_model/, not installed) is no part of
+the runtime either. Read from the sources with `ast`, so a lazy import inside a function
+counts as much as one at the top of a module."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ ALLOWED = {
     "scheduler": {"engine", "kvpool", "policies"},
     "server": {"scheduler", "engine", "kvpool", "policies"},
 }
-FIRST_PARTY = {*ALLOWED, "loadtest", "tests"}
+FIRST_PARTY = {*ALLOWED, "loadtest", "demo_model", "tests"}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -45,3 +47,12 @@ def test_kvserve_has_no_bench_subcommand() -> None:
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve"])
+
+
+def test_the_installed_packages_are_the_runtime_and_loadtest() -> None:
+    """pyproject installs the runtime packages and loadtest (a client shipped with it);
+    demo_model/ needs a checkout, and only the checkpoint stays under engine/demo/."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    installed = set(re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools]", 1)[1]))
+    assert installed == {*ALLOWED, "loadtest"}
+    assert sorted(p.name for p in (ROOT / "engine" / "demo").glob("*.py")) == ["__init__.py"]
