@@ -1,4 +1,4 @@
-"""`python -m loadtest` (= `kvserve bench serve`): load any OpenAI-compatible server.
+"""`python -m loadtest` (or `python -m loadtest serve`): load any OpenAI-compatible server.
 
     python -m loadtest --base-url http://127.0.0.1:8000 --concurrency 1,8,32 \\
         --num-prompts 64 --goodput ttft:500 tpot:100 --result-json runs/serve.json

@@ -40,6 +40,7 @@ buys, on the same machine in the same run).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import random
@@ -213,9 +214,14 @@ def _plain(names: list[str]) -> list[str]:
 
 
 def run_quality(args: argparse.Namespace) -> dict:
+    msg = None
     if not os.path.exists(os.path.join(args.demo_model, "model.safetensors")):
         msg = (f"skipped: no demo model at {args.demo_model} (train it with "
-               "`python -m engine.demo.train`)")
+               "`python -m demo_model.train`)")
+    elif importlib.util.find_spec("demo_model") is None:  # not installed: a checkout's
+        msg = ("skipped: the demo model's evaluation harness (demo_model/) is not "
+               "installed; run from a kvserve checkout")
+    if msg is not None:
         print(f"[quality] {msg}", flush=True)
         return {"skipped": msg}
     from loadtest.policy_eval import evaluate_quality

@@ -131,7 +131,7 @@ def _quality(q: dict) -> list[str]:
         "one at a time through the bounded cache and scored (000 §4.1). Full-cache kvserve "
         f"{full['ppl']:.3f} vs transformers {q['reference_ppl_transformers']:.3f} on the same "
         f"tokens ({'agree' if q['full_matches_reference'] else 'DISAGREE'}). Needle "
-        f"(`engine.demo.evaluate.needle`): tasks {', '.join(nk['tasks'])}; prompt lengths "
+        f"(`demo_model.evaluate.needle`): tasks {', '.join(nk['tasks'])}; prompt lengths "
         f"{', '.join(map(str, nk['lengths']))}; {nk['trials']} trial(s) per cell; budget = the "
         "fraction of each prompt; accuracy by depth over tasks and lengths (002 Table 1).", "",
         "| policy | budget | PPL | PPL / full | needle mean | "

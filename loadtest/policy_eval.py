@@ -1,4 +1,4 @@
-"""Every `kv_policy` at one KV budget, and a kvserve backend for `engine.demo.evaluate`.
+"""Every `kv_policy` at one KV budget, and a kvserve backend for `demo_model.evaluate`.
 
 Why: a policy's throughput gain means nothing without what it costs in quality, and
 both must be measured at the *same* budget, through the engine's own code paths.
@@ -9,7 +9,7 @@ both must be measured at the *same* budget, through the engine's own code paths.
   streaming family (003; 000 Alg. 1 with C = S + W), h2o's recent window at 003's
   ratio (128 of 1024 = 1/8).
 - `KVServeBackend`: the demo harness's `Backend` (`generate`) on an `EngineCore`, every
-  request under one policy, so `engine.demo.evaluate.needle` runs unchanged; and
+  request under one policy, so `demo_model.evaluate.needle` runs unchanged; and
   `score_continuations`, the teacher-forced perplexity protocol of
   000_8900623ad98b28fb.txt §4.1 (StreamingLLM-style: tokens fed one at a time through
   the bounded cache, the log-probability of each next token accumulated). The prompt
@@ -44,7 +44,7 @@ SINK = 4
 
 
 def load_data(model_dir: str):
-    """`engine.demo.evaluate.EvalData` without the training-split unigram counts (which
+    """`demo_model.evaluate.EvalData` without the training-split unigram counts (which
     tokenise the whole 9 MB training corpus and are only needed for bits-per-byte
     baselines): held-out documents, tokenizer and the needle generator, built exactly as
     `load_eval_data` builds them."""
@@ -53,9 +53,9 @@ def load_data(model_dir: str):
     import numpy as np
     from tokenizers import Tokenizer
 
-    from engine.demo.data import RecallGenerator, load_corpus
-    from engine.demo.evaluate import EvalData
-    from engine.demo.tokenizer import EOS
+    from demo_model.data import RecallGenerator, load_corpus
+    from demo_model.evaluate import EvalData
+    from demo_model.tokenizer import EOS
 
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     bos = tok.token_to_id(EOS)
@@ -81,7 +81,7 @@ def ppl_windows(data, n: int, length: int) -> list[list[int]]:
 
 
 class NeedleReplay:
-    """Runs `engine.demo.evaluate.needle` unchanged but batched: a first pass records
+    """Runs `demo_model.evaluate.needle` unchanged but batched: a first pass records
     its prompts (answering nothing), the caller generates them all at once, a second
     pass replays the answers in order and scores them with the harness's own rule."""
 
@@ -113,7 +113,7 @@ def policy_config(name: str, budget: int) -> dict[str, Any] | str:
 
 
 class KVServeBackend:
-    """`engine.demo.evaluate.Backend` over kvserve, every request under `kv_policy`."""
+    """`demo_model.evaluate.Backend` over kvserve, every request under `kv_policy`."""
 
     def __init__(self, engine, kv_policy: Any = "full") -> None:
         self.engine = engine
@@ -203,7 +203,7 @@ def evaluate_quality(args, progress: bool = True) -> dict:
     """Part 3 of bench_policies: PPL and needle accuracy per policy × budget (module doc)."""
     from tqdm import tqdm
 
-    from engine.demo.evaluate import TransformersBackend, needle
+    from demo_model.evaluate import TransformersBackend, needle
     from scheduler.engine_core import EngineConfig, EngineCore
 
     data = load_data(args.demo_model)

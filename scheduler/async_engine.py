@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.sampling import SamplingParams
+from policies.config import parse_kv_policy
 from scheduler.async_stream import (
     Admission,
     EngineError,
@@ -33,6 +34,7 @@ from scheduler.async_stream import (
     RequestStream,
     StepListener,
 )
+from scheduler.limits import fit_max_tokens, shifts_rope
 from scheduler.outputs import EngineStats, RequestOutput, RequestRejected
 
 logger = logging.getLogger("kvserve.engine")
@@ -201,12 +203,11 @@ class AsyncEngine:
         Raises EngineUnavailable, QueueFull or RequestRejected; nothing stays queued then.
         """
         for r in requests:
-            total = len(r.prompt_ids) + r.params.max_tokens
-            if self.loaded and total > self.max_model_len:
-                raise RequestRejected(
-                    f"prompt ({len(r.prompt_ids)} tokens) + max_tokens ({r.params.max_tokens})"
-                    f" = {total} exceeds the model's context length {self.max_model_len}",
-                    "max_tokens")
+            if self.loaded:  # the core's own rule, checked before anything is queued
+                policy = parse_kv_policy(r.kv_policy if r.kv_policy is not None
+                                         else self.default_kv_policy)
+                fit_max_tokens(len(r.prompt_ids), r.params.max_tokens, self.max_model_len,
+                               rope_shift=shifts_rope(policy))
             if r.request_id in self._live:
                 raise RequestRejected(f"duplicate request id {r.request_id!r}", "request_id")
         self.check_admission(len(requests), sum(len(r.prompt_ids) for r in requests))

@@ -24,6 +24,7 @@ from kvpool.triton_attention import select_attention
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer
+from scheduler.limits import fit_max_tokens, shifts_rope
 from scheduler.outputs import (
     EngineStats,
     RequestOutput,
@@ -146,12 +147,10 @@ class EngineCore:
             raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
         config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
         policy = build_policy(config) if config.name != "full" else None
-        rope_shift = getattr(config, "rope", "original") == "shift"
+        rope_shift = shifts_rope(config)
+        fit_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len,
+                       rope_shift=rope_shift)  # scheduler/limits.py: the one context rule
         total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len and not (rope_shift and len(prompt_ids) <= self.max_model_len):
-            raise RequestRejected(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model's context length {self.max_model_len}", "max_tokens")
         bs = self.pool.block_size
         layers = self.model_config.num_layers
         peak = total - 1  # the last sampled token is never fed back: it needs no slot

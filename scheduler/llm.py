@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from engine.sampling import SamplingParams
+from policies.config import parse_kv_policy
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
 from scheduler.outputs import KVUsage, TokenLogprob
 
 
@@ -32,18 +34,33 @@ class LLM:
     def generate(self, prompts: Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[Completion]:
-        """Run every prompt to completion under continuous batching; results in input order."""
-        params = params or SamplingParams()
+        """Run every prompt to completion under continuous batching; results in input order.
+
+        With no `params`, each prompt gets the completions default: 16 new tokens, fewer
+        if the context has less room (`scheduler/limits.py`, as over HTTP). A prompt the
+        engine refuses (RequestRejected: prompt + max_tokens past the context, ...)
+        raises before anything runs, and none of the batch stays queued.
+        """
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if params is None:
+            rope_shift = shifts_rope(parse_kv_policy(self.engine.config.default_kv_policy))
+            params = [SamplingParams(max_tokens=fit_max_tokens(
+                len(p), None, self.engine.max_model_len, rope_shift=rope_shift,
+                default=DEFAULT_MAX_TOKENS)) for p in ids]
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         order: dict[str, int] = {}
-        for i, (p, sp) in enumerate(zip(ids, plist)):
-            rid = f"offline-{self._next_id}"
-            self._next_id += 1
-            order[rid] = i
-            self.engine.add_request(rid, p, sp)
+        try:
+            for i, (p, sp) in enumerate(zip(ids, plist)):
+                rid = f"offline-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(rid, p, sp)  # checks the context (fit_max_tokens)
+                order[rid] = i
+        except Exception:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         tokens: list[list[int]] = [[] for _ in ids]
         texts = [""] * len(ids)
         lps: list[list[TokenLogprob] | None] = [None] * len(ids)

@@ -3,6 +3,9 @@
 SIGTERM (and a first Ctrl-C) drains instead of stopping: `/ready` turns 503 at once so
 a load balancer stops routing, requests in flight finish for up to `--drain-timeout`
 seconds, then the process exits 0. A second signal exits at once.
+
+Benchmarks are not a subcommand: they run as `python -m loadtest ...`, a client on top
+of the server that this package never imports (docs/loadtest.md).
 """
 
 from __future__ import annotations
@@ -115,9 +118,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sample-seed", type=int, default=None)
-    b = sub.add_parser("bench", add_help=False,
-                       help="load generator: `kvserve bench serve|soak --help` (loadtest/)")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -232,12 +232,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # everything after it is loadtest's (its own --help too)
-        from loadtest.__main__ import main as bench_main
-
-        return bench_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "serve":
         return _serve(args)
     return _generate(args)

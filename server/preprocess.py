@@ -1,7 +1,8 @@
 """A validated request body -> the engine requests it stands for (a `Plan`).
 
 Everything that could make the engine fail on user input is checked here (token ids
-outside the vocabulary, prompts longer than the context, unsupported fields), so a bad
+outside the vocabulary, prompt + max_tokens against the context by the engine's own rule
+in `scheduler/limits.py`, unsupported fields), so a bad
 request becomes a 400 naming its field instead of an error inside a shared batch step.
 Tokenization runs on its own single thread: chat templates and long prompts would
 otherwise stall the event loop, and one thread means the tokenizer is never used
@@ -20,6 +21,8 @@ from typing import Any, Literal
 from engine.sampling import SamplingParams
 from policies.config import KVPolicyConfig, parse_kv_policy
 from scheduler.async_engine import AsyncEngine, GenerationRequest
+from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
+from scheduler.outputs import RequestRejected
 from server.errors import APIError, bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.settings import ServerSettings
@@ -101,12 +104,13 @@ class Preprocessor:
             raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
         policy = self._policy(req.kv_policy)
         prompts = await self._run(self._tokenize_prompts, req.prompt, req.echo)
-        max_tokens = req.max_tokens if req.max_tokens is not None else 16
         plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], policy, req.priority,
                     req.stream, req.include_usage, req.echo, req.logprobs, user=req.user,
                     **_tenancy(req, tenant))
         for p_idx, (ids, text) in enumerate(prompts):
             self._check_prompt(ids, "prompt")
+            max_tokens = self._max_tokens(ids, req.max_tokens, policy, "prompt", "max_tokens",
+                                          DEFAULT_MAX_TOKENS)
             self._add_choices(plan, req, p_idx, ids, text, max_tokens, req.logprobs)
         return plan
 
@@ -121,12 +125,9 @@ class Preprocessor:
         policy = self._policy(req.kv_policy)
         ids = await self._run(self._render_chat, req)
         self._check_prompt(ids, "messages")
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        if max_tokens is None:
-            max_tokens = self.engine.max_request_tokens - len(ids)
-            if max_tokens < 1:
-                raise bad_request(f"the conversation ({len(ids)} tokens) leaves no room to "
-                                  f"generate", "messages", "context_length_exceeded")
+        max_tokens = self._max_tokens(
+            ids, req.max_completion_tokens or req.max_tokens, policy, "messages",
+            "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], policy, req.priority,
                     req.stream, req.include_usage, False, n_lp, user=req.user,
@@ -141,6 +142,19 @@ class Preprocessor:
         """The request's policy, or the server's default (`--default-kv-policy`), parsed
         here so that usage and logs name it; KVPolicyError -> 400."""
         return parse_kv_policy(value if value is not None else self.engine.default_kv_policy)
+
+    def _max_tokens(self, ids: list[int], requested: int | None, policy: KVPolicyConfig,
+                    prompt_param: str, max_tokens_param: str, default: int | None = None
+                    ) -> int:
+        """The engine's context rule (`scheduler/limits.py`): the default when the client
+        gave none, or a 400 naming the field the client used."""
+        try:
+            return fit_max_tokens(len(ids), requested, self.engine.max_model_len,
+                                  rope_shift=shifts_rope(policy), default=default,
+                                  capacity=self.engine.max_request_tokens)
+        except RequestRejected as e:
+            param = max_tokens_param if e.param == "max_tokens" else prompt_param
+            raise bad_request(str(e), param, "context_length_exceeded") from None
 
     def _add_choices(self, plan: Plan, req: CompletionRequest | ChatCompletionRequest,
                      p_idx: int, ids: list[int], text: str, max_tokens: int,
@@ -171,11 +185,6 @@ class Preprocessor:
         vocab = self.engine.vocab_size
         if any(t >= vocab for t in ids):
             raise bad_request(f"prompt token ids must be < vocab size {vocab}", param)
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise bad_request(f"the prompt has {len(ids)} tokens; the model's context length "
-                              f"is {limit}, which leaves no room to generate", param,
-                              "context_length_exceeded")
 
     def _tokenize_prompts(self, prompt: Any, echo: bool) -> list[tuple[list[int], str]]:
         tok = self.engine.tokenizer
@@ -186,8 +195,8 @@ class Preprocessor:
         if prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         limit, vocab = self.engine.max_model_len, self.engine.vocab_size
-        # decode only for echo, and only prompts that will pass _check_prompt
-        return [(list(p), tok.decode(p) if echo and len(p) < limit and max(p) < vocab else "")
+        # decode only for echo, and only prompts that may pass _check_prompt and _max_tokens
+        return [(list(p), tok.decode(p) if echo and len(p) <= limit and max(p) < vocab else "")
                 for p in prompt]
 
     def _render_chat(self, req: ChatCompletionRequest) -> list[int]:

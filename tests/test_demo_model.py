@@ -1,4 +1,5 @@
-"""The committed demo model (engine/demo/model) and the code that builds and evaluates it.
+"""The committed demo model (engine/demo/model) and the code that builds and evaluates it
+(demo_model/: corpus, tokenizer, training, evaluation harness).
 
 Fast by design (no training): load with transformers and with kvserve's loader, compare logits,
 round-trip the tokenizer, and smoke-test the data / tokenizer / evaluation helpers on tiny input.
@@ -15,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from demo_model.data import RecallGenerator, is_heldout, source_files
+from demo_model.evaluate import EvalData, heldout_lm, needle
+from demo_model.tokenizer import CHAT_TEMPLATE, EOS, save_hf_tokenizer, train_tokenizer
 from engine.demo import DEMO_MODEL_DIR
-from engine.demo.data import RecallGenerator, is_heldout, source_files
-from engine.demo.evaluate import EvalData, heldout_lm, needle
-from engine.demo.tokenizer import CHAT_TEMPLATE, EOS, save_hf_tokenizer, train_tokenizer
 
 MODEL_DIR = Path(os.environ.get("KVSERVE_DEMO_MODEL_DIR", DEMO_MODEL_DIR))
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

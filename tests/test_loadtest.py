@@ -1,4 +1,4 @@
-"""The load generator (`python -m loadtest`, `kvserve bench serve`) against a real kvserve
+"""The load generator (`python -m loadtest`, `python -m loadtest serve`) against a real kvserve
 on 127.0.0.1: every arrival mode for a few seconds, with the numbers checked against
 each other (usage vs streamed tokens vs the server's own counters, ordered percentiles,
 goodput <= throughput), failures counted by status, a short soak with disconnects and
@@ -207,16 +207,16 @@ def test_policy_mix_parsing() -> None:
 
 def test_cli_sweep_policy_mix_json_and_plots(server: ServerThread, model_dir: str,
                                              tmp_path: Any, capsys: Any) -> None:
-    from server.cli import main as kvserve_main
+    from loadtest.__main__ import main as loadtest_main
 
     out = tmp_path / "r.json"
     mix = '[[0.5, "full"], [0.5, {"name": "streaming", "sink": 2, "window": 8}]]'
-    rc = kvserve_main(["bench", "serve", "--base-url", server.url, "--concurrency", "1,3",
-                       "--num-prompts", "6", "--prompt-len-median", "24",
-                       "--output-len-median", "12", "--max-model-len", str(CONTEXT),
-                       "--tokenizer", model_dir, "--logprobs", "0", "--kv-policy-mix", mix,
-                       "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out),
-                       "--plots", str(tmp_path / "p"), "--no-progress"])
+    rc = loadtest_main(["serve", "--base-url", server.url, "--concurrency", "1,3",
+                        "--num-prompts", "6", "--prompt-len-median", "24",
+                        "--output-len-median", "12", "--max-model-len", str(CONTEXT),
+                        "--tokenizer", model_dir, "--logprobs", "0", "--kv-policy-mix", mix,
+                        "--goodput", "ttft:60000", "tpot:60000", "--result-json", str(out),
+                        "--plots", str(tmp_path / "p"), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
     assert text.count("============ Serving Benchmark Result ============") == 2

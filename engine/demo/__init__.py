@@ -4,11 +4,9 @@ Why it exists: ``kvserve serve`` must work offline with no weights downloaded, a
 eviction policies can only be compared on a model whose attention has learned something
 (random weights tell nothing about which tokens matter). See ``docs/demo-model.md``.
 
-Modules:
-- ``data``: the training corpus (exactly which stdlib text) and synthetic long-range recall docs.
-- ``tokenizer``: byte-level BPE (~4k vocab) saved in Hugging Face format.
-- ``train``: builds and trains the model, exports it to ``engine/demo/model``.
-- ``evaluate``: held-out bits per byte and needle-in-a-haystack, with a pluggable backend.
+Only what the runtime needs lives here: the checkpoint directory ``model/`` (package data,
+served by default) and its name. How it was made (corpus, tokenizer, training, the
+evaluation harness) is the top-level ``demo_model`` package, which is not installed.
 """
 
 from pathlib import Path

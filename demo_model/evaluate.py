@@ -1,12 +1,12 @@
 """Evaluation harness for the demo model (and for comparing KV eviction policies on it).
 
-    python -m engine.demo.evaluate --model engine/demo/model --out engine/demo/model
+    python -m demo_model.evaluate --model engine/demo/model --out engine/demo/model
 
 Two measurements, both through a small pluggable ``Backend`` so that a kvserve backend (with an
 eviction policy active) can be compared with the full-cache transformers reference:
 
 1. Held-out language modelling with teacher forcing: bits per byte and perplexity on the held-out
-   stdlib documents (see ``engine.demo.data``), against a unigram baseline (token frequencies of
+   stdlib documents (see ``demo_model.data``), against a unigram baseline (token frequencies of
    the training split, add-one smoothed) and a byte-unigram baseline.
 2. Needle in a haystack: "The pass key is NNNNN. Remember it." planted at depths 0–100% in
    haystacks of 256/512/768 prompt tokens (768 = 75% of the 1,024 context), asked for at the end,
@@ -39,9 +39,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from demo_model.data import ANSWER, RecallGenerator, load_corpus
+from demo_model.tokenizer import EOS
 from engine.demo import DEMO_MODEL_DIR
-from engine.demo.data import ANSWER, RecallGenerator, load_corpus
-from engine.demo.tokenizer import EOS
 
 DEPTHS: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
 LENGTHS: tuple[int, ...] = (256, 512, 768)

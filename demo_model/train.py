@@ -1,9 +1,9 @@
 """Train the embedded demo model on one CPU core and export it in Hugging Face format.
 
     # stage 1: language + sparse recall (the committed model stopped it at step 1482, 40 min)
-    python -m engine.demo.train --out runs/stage1 --steps 2715 --stop-at-step 1482
+    python -m demo_model.train --out runs/stage1 --steps 2715 --stop-at-step 1482
     # stage 2: retrieval (dense copy practice + packed recall docs), 57 min
-    python -m engine.demo.train --init-from runs/stage1 --stage2 --steps 2665 --out engine/demo/model
+    python -m demo_model.train --init-from runs/stage1 --stage2 --steps 2665 --out engine/demo/model
 
 Why it looks like this: an hour of one CPU core buys ~10M tokens, so the model is small
 (~3.8M parameters, 4 layers, GQA 8/2 heads) and trained with bf16 autocast (AMX/AVX-512 make it
@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from demo_model.data import RecallGenerator, corpus_manifest, load_corpus
+from demo_model.tokenizer import EOS, save_hf_tokenizer, train_tokenizer
 from engine.demo import DEMO_MODEL_NAME
-from engine.demo.data import RecallGenerator, corpus_manifest, load_corpus
-from engine.demo.tokenizer import EOS, save_hf_tokenizer, train_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass

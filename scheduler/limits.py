@@ -1,0 +1,59 @@
+"""Prompt + max_tokens against the context: the one rule, for every way in.
+
+The HTTP layer (`server/preprocess.py`, before anything is queued), `AsyncEngine.submit`,
+`EngineCore.add_request` and the offline `LLM.generate` all call `fit_max_tokens`, so a
+request is never accepted by one of them and refused by another.
+
+The rule:
+- the prompt must leave room for one token in the context (`max_model_len`);
+- prompt + max_tokens must fit the context, except for a `kv_policy` with
+  `rope: "shift"` (StreamingLLM with position shift): it renumbers the kept tokens after
+  each eviction, so it may generate past `max_position_embeddings`; only its prompt has
+  to fit (all of the context, not one less);
+- no max_tokens from the client: `default` (completions: OpenAI's 16), or with no
+  default all that is left of the context (chat), in both cases at most what is left of
+  `capacity` (the context or the whole KV pool, the smaller) — never past the context,
+  even under rope shift: only a client that asks gets an unbounded-length request.
+
+Whether the KV pool can hold the request is not decided here: that depends on the
+policy's bound and is `EngineCore.add_request`'s reservation arithmetic.
+"""
+
+from __future__ import annotations
+
+from scheduler.outputs import RequestRejected
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+def shifts_rope(kv_policy: object) -> bool:
+    """True for a validated `kv_policy` config with `rope: "shift"`."""
+    return getattr(kv_policy, "rope", "original") == "shift"
+
+
+def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, *,
+                   rope_shift: bool = False, default: int | None = None,
+                   capacity: int | None = None) -> int:
+    """The max_tokens a request runs with (`max_tokens` itself when given).
+
+    Raises RequestRejected whose `param` is "prompt" when the prompt alone leaves no room
+    to generate, "max_tokens" when prompt + max_tokens passes the context.
+    """
+    if prompt_len > max_model_len or (prompt_len == max_model_len and not rope_shift):
+        raise RequestRejected(
+            f"the prompt has {prompt_len} tokens; the model's context length is "
+            f"{max_model_len}, which leaves no room to generate", "prompt")
+    if max_tokens is None:
+        limit = max_model_len if capacity is None else min(capacity, max_model_len)
+        room = limit - prompt_len
+        if room < 1:
+            raise RequestRejected(
+                f"the prompt ({prompt_len} tokens) leaves no room to generate within "
+                f"{limit} tokens (the context or the whole KV pool)", "prompt")
+        return room if default is None else min(default, room)
+    total = prompt_len + max_tokens
+    if total > max_model_len and not rope_shift:
+        raise RequestRejected(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"the model's context length {max_model_len}", "max_tokens")
+    return max_tokens

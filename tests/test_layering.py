@@ -1,0 +1,58 @@
+"""Imports point one way (docs/architecture.md): server -> scheduler -> engine -> kvpool,
+with policies beside kvpool; loadtest is a client on top that nothing below imports, and
+the demo model's training and evaluation code (demo_model/, not installed) is no part of
+the runtime either. Read from the sources with `ast`, so a lazy import inside a function
+counts as much as one at the top of a module."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# package -> the first-party packages it may import
+ALLOWED = {
+    "kvpool": set(),
+    "policies": set(),
+    "engine": {"kvpool"},
+    "scheduler": {"engine", "kvpool", "policies"},
+    "server": {"scheduler", "engine", "kvpool", "policies"},
+}
+FIRST_PARTY = {*ALLOWED, "loadtest", "demo_model", "tests"}
+
+
+def imported_packages(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & FIRST_PARTY
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_runtime_packages_import_only_layers_below(package: str) -> None:
+    bad = {str(f.relative_to(ROOT)): sorted(imported_packages(f) - ALLOWED[package] - {package})
+           for f in sorted((ROOT / package).rglob("*.py"))}
+    assert not {f: p for f, p in bad.items() if p}, "imports against the layering"
+
+
+def test_kvserve_has_no_bench_subcommand() -> None:
+    """Benchmarks are `python -m loadtest`: the server's CLI never reaches into loadtest."""
+    from server.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve"])
+
+
+def test_the_installed_packages_are_the_runtime_and_loadtest() -> None:
+    """pyproject installs the runtime packages and loadtest (a client shipped with it);
+    demo_model/ needs a checkout, and only the checkpoint stays under engine/demo/."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    installed = set(re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools]", 1)[1]))
+    assert installed == {*ALLOWED, "loadtest"}
+    assert sorted(p.name for p in (ROOT / "engine" / "demo").glob("*.py")) == ["__init__.py"]
