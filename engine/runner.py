@@ -213,12 +213,10 @@ class ModelRunner:
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
-        k_flat = self.pool.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v_flat = self.pool.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        pool = self.pool
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_flat[write_slots[layer]] = k.to(k_flat.dtype)
-            v_flat[write_slots[layer]] = v.to(v_flat.dtype)
+            pool.write(write_slots[layer], k, v)
             whole = bool(groups) and groups[0].whole
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
@@ -226,10 +224,10 @@ class ModelRunner:
                 out[a : a + n] = causal_self_attention(q[a : a + n], k[a : a + n],
                                                        v[a : a + n], self.scale)
             for j, g in enumerate(groups):
-                o, probs = self.attention_fn(
-                    q[:, None] if whole else q[g.q_index], self.pool.k_cache,
-                    self.pool.v_cache, g.tables[layer], g.slot_pos[layer], g.q_pos,
-                    self.scale, windows[layer], g.want_probs,
+                o, probs = pool.attend(
+                    self.attention_fn, q[:, None] if whole else q[g.q_index],
+                    g.tables[layer], g.slot_pos[layer], g.q_pos, self.scale,
+                    windows[layer], g.want_probs,
                 )
                 if whole:
                     out = o[:, 0]

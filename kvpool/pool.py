@@ -90,6 +90,7 @@ class BlockPool:
                               dtype=dtype, device=device)
         advise_huge_pages(self.kv)
         self.kv.zero_()
+        self._flat = self.kv.view(2, -1, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
         self.ref = torch.zeros(num_blocks, dtype=torch.int32)
         # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -117,6 +118,40 @@ class BlockPool:
     @property
     def v_cache(self) -> torch.Tensor:
         return self.kv[1]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (K and V, one layer)."""
+        return self.kv[:, 0].numel() * self.kv.element_size()
+
+    # ---- what the runner and the policies' bridge do with the tensors ---------------
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V [T, Hkv, D] at physical slots [T] (rounded to the pool's dtype)."""
+        self._flat[0][slots] = k.to(self.kv.dtype)
+        self._flat[1][slots] = v.to(self.kv.dtype)
+
+    def attend(self, fn, q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`fn(q, k_cache, v_cache, *args)`: one of kvpool's paged attention functions
+        (torch, C++ or Triton, same contract) over this pool's blocks."""
+        return fn(q, self.k_cache, self.v_cache, *args)
+
+    def gather_stats(self, phys: torch.Tensor, key_norm: bool = False, keys: bool = False,
+                     value_norm: bool = False) -> dict[str, torch.Tensor]:
+        """Key/value statistics of physical slots `phys` ([m]), one gather each:
+        {"key_norm", "value_norm": [m, Hkv], "keys": [m, Hkv, D]}, float32 on the CPU
+        (where the policies run), whatever the pool's dtype and device."""
+        out: dict[str, torch.Tensor] = {}
+        flat = self._flat
+        if key_norm or keys:
+            k = flat[0].index_select(0, phys.to(flat.device)).float().cpu()
+            if key_norm:
+                out["key_norm"] = torch.linalg.vector_norm(k, dim=-1)
+            if keys:
+                out["keys"] = k
+        if value_norm:
+            v = flat[1].index_select(0, phys.to(flat.device)).float()
+            out["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
+        return out
 
     @property
     def num_free(self) -> int:

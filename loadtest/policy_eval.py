@@ -33,7 +33,6 @@ import torch
 
 from engine.runner import SeqInput
 from engine.sampling import SamplingParams
-from kvpool.seq_cache import SeqCache
 from loadtest.bench_common import drive
 from policies.catalog import CATALOG, build_policy
 from policies.config import parse_kv_policy
@@ -151,7 +150,6 @@ class KVServeBackend:
         """Per window, the natural-log probabilities of tokens prompt_len..end given all
         before them, under the policy (module docstring); windows run side by side."""
         eng, sched = self.engine, self.engine.scheduler
-        layers, bs = eng.model_config.num_layers, eng.pool.block_size
         reqs = []
         for i, w in enumerate(windows):
             cfg = parse_kv_policy(self.kv_policy)
@@ -159,8 +157,7 @@ class KVServeBackend:
                         seed=0, arrival_time=0.0, kv_policy=cfg, policy_name=cfg.name,
                         policy=build_policy(cfg) if cfg.name != "full" else None,
                         rope_shift=getattr(cfg, "rope", "original") == "shift")
-            r.cache = SeqCache(eng.pool, layers, capacity_blocks=-(-len(w) // bs) + 1,
-                               tables=sched.tables)
+            r.cache = eng.kv.new_cache(len(w))
             reqs.append(r)
         logps: list[list[float]] = [[] for _ in windows]
         try:

@@ -18,6 +18,7 @@ from engine.loader import load_model
 from engine.runner import ModelRunner, SeqInput
 from engine.sampler import SamplingBatch, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
+from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.swap import SwapSpace
 from kvpool.triton_attention import select_attention
@@ -114,16 +115,17 @@ class EngineCore:
         self.swap = None
         cost = None
         if config.preemption_mode != "recompute":
-            per_block = self.pool.kv[:, 0].numel() * self.pool.kv.element_size()
-            self.swap = SwapSpace(self.pool, max(1, parse_bytes(config.swap_space) // per_block))
+            blocks = max(1, parse_bytes(config.swap_space) // self.pool.block_bytes)
+            self.swap = SwapSpace(self.pool, blocks)
             if config.preemption_mode == "auto":
                 cost = calibrate(self.runner, self.pool, self.swap, mc.num_layers)
         self.cost_model = cost
-        memory = MemoryConfig(config.watermark, config.preemption_mode,
-                              config.enable_prefix_caching, dict(quotas),
-                              config.reserve_preempted)
-        self.scheduler = Scheduler(self.pool, mc.num_layers, config.max_num_seqs,
-                                   config.max_num_batched_tokens, memory, self.swap, cost)
+        self.kv = KVCacheManager(self.pool, mc.num_layers, watermark=config.watermark,
+                                 enable_prefix_caching=config.enable_prefix_caching,
+                                 swap=self.swap, rows=min(config.max_num_seqs, 16))
+        memory = MemoryConfig(config.preemption_mode, dict(quotas), config.reserve_preempted)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs,
+                                   config.max_num_batched_tokens, memory, cost)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._eos = set(mc.eos_token_ids)
@@ -152,29 +154,13 @@ class EngineCore:
                        rope_shift=rope_shift)  # scheduler/limits.py: the one context rule
         total = len(prompt_ids) + params.max_tokens
         bs = self.pool.block_size
-        layers = self.model_config.num_layers
-        peak = total - 1  # the last sampled token is never fed back: it needs no slot
-        reserve = 0
-        if policy is not None and hasattr(policy, "max_live"):
-            live = policy.max_live(total, len(prompt_ids), bs)
-            # Eviction runs after each chunk, so the peak is the bound plus one chunk
-            # (and a partly dead block).
-            chunk = min(self.config.max_num_batched_tokens, len(prompt_ids))
-            peak = min(peak, live + chunk + 2 * bs)
-            if live + 1 < total - 1:
-                # Steady state in decode: the bound plus the step's new token, in blocks
-                # with one partly dead block at the old edge of the kept window; or, for
-                # layers of different bounds (pyramid), the same from the sum over layers:
-                # Σ_l ceil((n_l + 1) / bs) + 1 <= ceil(Σ_l n_l / bs) + 2L.
-                reserve = layers * (-(-(live + 1) // bs) + 1)
-                if hasattr(policy, "max_live_total"):
-                    summed = policy.max_live_total(total, len(prompt_ids), bs, layers)
-                    reserve = min(reserve, -(-summed // bs) + 2 * layers)
-        need = layers * -(-peak // bs)
-        usable = self.pool.num_blocks - self.scheduler.watermark_blocks
-        if layers * -(-len(prompt_ids) // bs) > usable and policy is None:
+        reserve, need = self.kv.reservation(policy, len(prompt_ids), total,
+                                            self.config.max_num_batched_tokens)
+        usable = self.pool.num_blocks - self.kv.watermark_blocks
+        prompt_blocks = self.kv.blocks_for(len(prompt_ids))
+        if prompt_blocks > usable and policy is None:
             raise RequestRejected(
-                f"the prompt alone needs {layers * -(-len(prompt_ids) // bs)} KV blocks; "
+                f"the prompt alone needs {prompt_blocks} KV blocks; "
                 f"only {usable} can ever be admitted (pool minus watermark reserve)", "prompt")
         if need > self.pool.num_blocks:
             raise RequestRejected(
@@ -351,7 +337,6 @@ class EngineCore:
 
     def check_invariants(self) -> None:
         """Pool ref counts equal owners, nothing both free and owned, swap space exact."""
-        self.pool.check_invariants(self.scheduler.owned_blocks())
-        if self.swap is not None:
-            held = sum(r.cache._held().numel() for r in self.scheduler.swapped)
-            assert held == self.swap.num_used, "swap space accounting"
+        sched = self.scheduler
+        self.kv.check_invariants([r.cache for r in sched.running if r.cache is not None],
+                                 [r.cache for r in sched.swapped if r.cache is not None])

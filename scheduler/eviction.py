@@ -52,22 +52,8 @@ def live_layout(cache: SeqCache) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def gather_stats(pool: BlockPool, phys: torch.Tensor, needs: Needs) -> dict[str, torch.Tensor]:
-    """The key/value statistics `needs` declares for physical slots `phys` ([m]), one
-    gather from the pool each: {"key_norm", "value_norm": [m, Hkv], "keys": [m, Hkv, D]},
-    float32 on the CPU, whatever the pool's dtype and device."""
-    out: dict[str, torch.Tensor] = {}
-    if needs.key_norm or needs.keys:
-        k_flat = pool.k_cache.view(-1, *pool.k_cache.shape[2:])
-        k = k_flat.index_select(0, phys.to(k_flat.device)).float().cpu()
-        if needs.key_norm:
-            out["key_norm"] = torch.linalg.vector_norm(k, dim=-1)
-        if needs.keys:
-            out["keys"] = k
-    if needs.value_norm:
-        v_flat = pool.v_cache.view(-1, *pool.v_cache.shape[2:])
-        v = v_flat.index_select(0, phys.to(v_flat.device)).float()
-        out["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
-    return out
+    """The statistics `needs` declares for physical slots `phys` (`BlockPool.gather_stats`)."""
+    return pool.gather_stats(phys, needs.key_norm, needs.keys, needs.value_norm)
 
 
 def physical_slots(cache: SeqCache, idx: torch.Tensor) -> torch.Tensor:

@@ -38,10 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.pool import BlockPool
-from kvpool.seq_cache import SeqCache
-from kvpool.swap import SwapSpace
-from kvpool.tables import SlotTables
+from kvpool.manager import KVCacheManager
 from policies.catalog import build_policy
 from scheduler.preemption import CostModel
 from scheduler.request import Request, Status
@@ -76,9 +73,10 @@ class Plan:
 
 @dataclass
 class MemoryConfig:
-    watermark: float = 0.01
+    """The scheduler's memory rules (the watermark and prefix caching are the
+    `KVCacheManager`'s: they describe memory, not order)."""
+
     preemption_mode: str = "recompute"  # swap | recompute | auto
-    enable_prefix_caching: bool = True
     tenant_quotas: dict[str, float] = field(default_factory=dict)
     reserve_preempted: bool = True  # a preempted request waits until its peak fits
 
@@ -88,19 +86,17 @@ def _key(r: Request) -> tuple[bool, int, float]:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, num_layers: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, memory: MemoryConfig | None = None,
-                 swap: SwapSpace | None = None, cost: CostModel | None = None) -> None:
-        self.pool = pool
-        self.num_layers = num_layers
+    """Order and token budget; every block it needs goes through `kv`."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 memory: MemoryConfig | None = None, cost: CostModel | None = None) -> None:
+        self.kv = kv
+        self.pool = kv.pool  # read-only here: free and total counts
+        self.num_layers = kv.num_layers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.mem = memory or MemoryConfig()
-        self.swap = swap
         self.cost = cost
-        self.watermark_blocks = int(self.mem.watermark * pool.num_blocks)
-        # Every cache is a row of these (kvpool/tables.py); they grow as needed.
-        self.tables = SlotTables(num_layers, pool.block_size, rows=min(max_num_seqs, 16))
         self.waiting: list[Request] = []  # sorted by _key
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -123,18 +119,12 @@ class Scheduler:
                 break
         self._unpend(req)
         if req.cache is not None:
-            if req.cache.swapped:
-                req.cache.discard_swapped(self.swap)
-            else:
-                req.cache.release()
+            self.kv.release(req.cache)
             req.cache = None
         req.status = Status.FINISHED
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    def owned_blocks(self) -> list[torch.Tensor]:
-        return [r.cache.owned_blocks() for r in self.running if r.cache is not None]
 
     def tenant_blocks(self) -> dict[str, int]:
         used: dict[str, int] = {}
@@ -229,24 +219,17 @@ class Scheduler:
         Beside this step's blocks and the watermark, the blocks running bounded requests
         may still grow into (`reserved`) and this request's own growth to its bound stay
         free; with nothing running a request starts whatever its bound."""
-        cache = SeqCache(self.pool, self.num_layers,
-                         capacity_blocks=-(-req.num_tokens // self.pool.block_size) + 1,
-                         tables=self.tables)
         # A policy that scores the prompt by attention must see the prompt's queries, so
         # it computes its prompt (and still publishes it) instead of taking hits.
         scores_prompt = req.policy is not None and req.policy.needs.attention
-        hashes = req.block_hashes if self.mem.enable_prefix_caching and not scores_prompt else []
-        hits: list[torch.Tensor] = []
-        for h in hashes:
-            ids = self.pool.acquire(h)
-            if ids is None:
-                break
-            hits.append(ids)
+        hashes = req.block_hashes if self.kv.prefix_caching and not scores_prompt else []
+        hits = self.kv.lookup(hashes)
         if len(hits) < len(hashes) and hashes[len(hits)] in self.pending:
             # Another request (e.g. a sibling sample of n > 1) is computing this very
             # prefix right now: wait one prefill and share it instead of duplicating.
-            self._drop(hits)
+            self.kv.drop(hits)
             return 0
+        cache = self.kv.new_cache(req.num_tokens)
         cache.adopt(hits)
         computed = len(hits) * self.pool.block_size
         n = min(req.num_tokens - computed, budget)
@@ -257,14 +240,14 @@ class Scheduler:
         # The watermark is headroom for growth nobody accounted for; when this request
         # and every running one have their growth reserved, there is none (a pool of
         # exactly k reserved requests then runs k, not k - 1).
-        floor = self.watermark_blocks
+        floor = self.kv.watermark_blocks
         if req.reserve_blocks and all(r.reserve_blocks for r in self.running):
             floor = 0
         if self.pool.num_free - need - ahead - reserved < floor:
-            cache.release()
+            self.kv.release(cache)
             return 0
         if not self._quota_ok(req, need + cache.num_blocks):
-            cache.release()
+            self.kv.release(cache)
             return OVER_QUOTA
         req.cache = cache
         req.num_computed = computed
@@ -277,10 +260,6 @@ class Scheduler:
             self.pending[h] = self.pending.get(h, 0) + 1
         self._resume(req, swap_in=False)
         return n
-
-    def _drop(self, hits: list[torch.Tensor]) -> None:
-        for ids in hits:
-            self.pool.release(ids)
 
     def _quota_ok(self, req: Request, blocks: int) -> bool:
         quotas = self.mem.tenant_quotas
@@ -295,9 +274,9 @@ class Scheduler:
 
     def _resume(self, req: Request, swap_in: bool) -> None:
         if swap_in:
-            assert req.cache is not None and self.swap is not None
+            assert req.cache is not None
             t = time.perf_counter()
-            moved = req.cache.swap_in(self.swap)
+            moved = self.kv.swap_in(req.cache)
             if self.cost is not None:
                 self.cost.observe_copy(moved, time.perf_counter() - t)
         req.status = Status.RUNNING
@@ -327,16 +306,15 @@ class Scheduler:
             req.reserve_blocks = max(req.reserve_blocks, req.peak_blocks)
         self.preemptions[mode] += 1
         if mode == "swap":
-            assert self.swap is not None
             t = time.perf_counter()
-            moved = req.cache.swap_out(self.swap)
+            moved = self.kv.swap_out(req.cache)
             if self.cost is not None:
                 self.cost.observe_copy(moved, time.perf_counter() - t)
             req.status = Status.WAITING
             self.swapped.append(req)
             self.swapped.sort(key=_key)
             return
-        req.cache.release()
+        self.kv.release(req.cache)
         req.cache = None
         req.num_computed = 0
         req.window_trimmed = 0
@@ -348,15 +326,12 @@ class Scheduler:
 
     def _mode(self, req: Request) -> str:
         mode = self.mem.preemption_mode
-        if mode == "recompute" or self.swap is None:
-            return "recompute"
         assert req.cache is not None
-        fits = req.cache.num_blocks <= self.swap.num_free
-        if not fits:
+        if mode == "recompute" or not self.kv.can_swap_out(req.cache):
             return "recompute"
         if mode == "swap" or self.cost is None:
             return "swap"
-        return self.cost.choose(req.cache.num_blocks * self.swap.bytes_per_block, req.num_computed)
+        return self.cost.choose(req.cache.num_blocks * self.pool.block_bytes, req.num_computed)
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         assert req.cache is not None
@@ -370,14 +345,14 @@ class Scheduler:
         if not reqs:
             return None
         caches = [r.cache for r in reqs]
-        return self.tables.append_decode(self.pool, caches,  # type: ignore[arg-type]
-                                         [r.num_computed - r.pos_offset for r in reqs])
+        return self.kv.append_decode(caches,  # type: ignore[arg-type]
+                                     [r.num_computed - r.pos_offset for r in reqs])
 
     # ---- after the forward ---------------------------------------------------------
     def publish(self, chunks: list[Chunk]) -> None:
         """Register prompt blocks computed this step in the prefix cache (only while
         every layer still holds every token: an evicted block is no one's prefix)."""
-        if not self.mem.enable_prefix_caching:
+        if not self.kv.prefix_caching:
             return
         for c in chunks:
             r = c.request
@@ -388,9 +363,8 @@ class Scheduler:
                 r.registered = len(r.block_hashes)
                 continue
             upto = min(r.num_computed // self.pool.block_size, len(r.block_hashes))
-            for i in range(r.registered, upto):
-                h = r.block_hashes[i]
-                self.pool.register(h, r.cache.table[:, i])
+            self.kv.publish(r.cache, r.block_hashes, r.registered, upto)
+            for h in r.block_hashes[r.registered:upto]:
                 self._pending_done(h)
             r.registered = max(r.registered, upto)
 

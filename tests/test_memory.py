@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
+from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool
 from kvpool.swap import SwapSpace
 from scheduler.llm import LLM
@@ -40,8 +41,9 @@ def test_randomized_stress_keeps_invariants(mode):
     layers, bs = 3, 4
     pool = BlockPool(150, bs, 1, 2)
     swap = SwapSpace(pool, 90) if mode == "swap" else None
-    sched = Scheduler(pool, layers, max_num_seqs=10, max_num_batched_tokens=40,
-                      memory=MemoryConfig(watermark=0.02, preemption_mode=mode), swap=swap)
+    kv = KVCacheManager(pool, layers, watermark=0.02, swap=swap)
+    sched = Scheduler(kv, max_num_seqs=10, max_num_batched_tokens=40,
+                      memory=MemoryConfig(preemption_mode=mode))
     prefixes = [_prompt(s, 24) for s in range(4)]
     live: list[Request] = []
     finished = 0
@@ -69,9 +71,7 @@ def test_randomized_stress_keeps_invariants(mode):
                     sched.remove(r)
                     live.remove(r)
                     finished += 1
-        pool.check_invariants(sched.owned_blocks())
-        if swap is not None:
-            assert swap.num_used == sum(r.cache._held().numel() for r in sched.swapped)
+        kv.check_invariants([r.cache for r in sched.running], [r.cache for r in sched.swapped])
         for r in sched.running:
             assert r.cache.live == layers * r.num_computed
     assert finished > 500
@@ -191,7 +191,7 @@ def test_no_watermark_when_every_request_is_reserved(llama):
     reserve = probe.requests["probe"].reserve_blocks
     fits = 4
     eng = LLM(llama, num_blocks=fits * reserve + layers, block_size=4, watermark=0.1).engine
-    assert eng.scheduler.watermark_blocks > layers  # the last one would be refused by it
+    assert eng.kv.watermark_blocks > layers  # the last one would be refused by it
     for i in range(8):
         eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
     most = 0
@@ -205,7 +205,7 @@ def test_no_watermark_when_every_request_is_reserved(llama):
     full_peak = layers * 7
     eng = LLM(llama, num_blocks=fits * reserve + full_peak + layers, block_size=4,
               watermark=0.1).engine
-    assert eng.scheduler.watermark_blocks > 2 * layers
+    assert eng.kv.watermark_blocks > 2 * layers
     eng.add_request("full", _prompt(9, 24), SamplingParams(max_tokens=4, temperature=0,
                                                            ignore_eos=True, detokenize=False))
     eng.step()
@@ -259,7 +259,7 @@ def test_victim_is_unreserved_before_newer_reserved():
     """A request whose growth was reserved (bounded policy, or preempted before) is kept
     over an unreserved one of the same priority, even a newer one; priority still
     comes first."""
-    sched = Scheduler(BlockPool(40, 4, 1, 2), 1, 8, 64)
+    sched = Scheduler(KVCacheManager(BlockPool(40, 4, 1, 2), 1), 8, 64)
     old_full = Request("old_full", [1] * 4, GREEDY, 0, arrival_time=1.0)
     new_bounded = Request("new_bounded", [1] * 4, GREEDY, 0, arrival_time=2.0, reserve_blocks=3)
     assert sched._victim([old_full, new_bounded]) is old_full
@@ -307,8 +307,7 @@ def test_cost_model_choice_and_crossover():
 
 
 def test_thrash_protection_and_starvation_order():
-    pool = BlockPool(40, 4, 1, 2)
-    sched = Scheduler(pool, 1, 8, 64)
+    sched = Scheduler(KVCacheManager(BlockPool(40, 4, 1, 2), 1), 8, 64)
     fresh = Request("fresh", [1] * 4, GREEDY, 0, arrival_time=2.0)
     resumed = Request("resumed", [1] * 4, GREEDY, 0, arrival_time=3.0, num_preemptions=1)
     resumed.resume_mark = 0  # resumed, no token since

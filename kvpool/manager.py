@@ -1,0 +1,129 @@
+"""The KV-cache manager: the one object through which the scheduler touches KV memory.
+
+vLLM v1 splits the same way (`kv_cache_manager` over a metadata-only `block_pool`): the
+scheduler decides *who* runs and *how many* tokens; this module decides what that
+costs in blocks and carries it out. It owns the `BlockPool` (device blocks, free list,
+prefix groups), the `SlotTables` every request's cache is a row of, the host
+`SwapSpace`, and the arithmetic of reservations. Nothing outside kvpool reads the
+pool's tensors: the runner writes and attends through `BlockPool.write`/`attend`, the
+policies' bridge reads statistics through `BlockPool.gather_stats`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from kvpool.pool import BlockPool
+from kvpool.seq_cache import SeqCache
+from kvpool.swap import SwapSpace
+from kvpool.tables import SlotTables
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, num_layers: int, *, watermark: float = 0.01,
+                 enable_prefix_caching: bool = True, swap: SwapSpace | None = None,
+                 rows: int = 16) -> None:
+        self.pool = pool
+        self.num_layers = num_layers
+        self.block_size = pool.block_size
+        self.watermark_blocks = int(watermark * pool.num_blocks)
+        self.prefix_caching = enable_prefix_caching
+        self.swap = swap
+        # Every cache is a row of these (kvpool/tables.py); they grow as needed.
+        self.tables = SlotTables(num_layers, pool.block_size, rows=rows)
+
+    # ---- sizes ---------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks (all layers) that `tokens` tokens of a full cache hold."""
+        return self.num_layers * -(-tokens // self.block_size)
+
+    def reservation(self, policy: Any | None, prompt_len: int, total: int,
+                    max_chunk: int) -> tuple[int, int]:
+        """(reserve, peak) in blocks over all layers for a request of `total` tokens.
+
+        `peak`: the most it can ever hold — prompt + max_tokens, or under a policy that
+        bounds its cache, the bound plus one prefill chunk (eviction runs after each
+        chunk) and a partly dead block. `reserve`: the steady-state size admission keeps
+        free for a bounded request (0: unbounded, admitted on what it needs now)."""
+        bs, layers = self.block_size, self.num_layers
+        peak = total - 1  # the last sampled token is never fed back: it needs no slot
+        reserve = 0
+        if policy is not None and hasattr(policy, "max_live"):
+            live = policy.max_live(total, prompt_len, bs)
+            peak = min(peak, live + min(max_chunk, prompt_len) + 2 * bs)
+            if live + 1 < total - 1:
+                # Steady state in decode: the bound plus the step's new token, in blocks
+                # with one partly dead block at the old edge of the kept window; or, for
+                # layers of different bounds (pyramid), the same from the sum over layers:
+                # Σ_l ceil((n_l + 1) / bs) + 1 <= ceil(Σ_l n_l / bs) + 2L.
+                reserve = layers * (-(-(live + 1) // bs) + 1)
+                if hasattr(policy, "max_live_total"):
+                    summed = policy.max_live_total(total, prompt_len, bs, layers)
+                    reserve = min(reserve, -(-summed // bs) + 2 * layers)
+        return reserve, self.blocks_for(peak)
+
+    # ---- caches --------------------------------------------------------------------
+    def new_cache(self, tokens: int) -> SeqCache:
+        """An empty cache (a row of the shared tables) with room for `tokens`."""
+        return SeqCache(self.pool, self.num_layers, -(-tokens // self.block_size) + 1,
+                        tables=self.tables)
+
+    def append_decode(self, caches: list[SeqCache], positions: list[int]) -> torch.Tensor:
+        """Every decoding cache's next slot in one batch: [L, B] physical slots."""
+        return self.tables.append_decode(self.pool, caches, positions)
+
+    def release(self, cache: SeqCache) -> None:
+        """Give back everything a cache holds (device blocks, or swap space)."""
+        if cache.swapped:
+            assert self.swap is not None
+            cache.discard_swapped(self.swap)
+        else:
+            cache.release()
+
+    def swap_out(self, cache: SeqCache) -> int:
+        assert self.swap is not None
+        return cache.swap_out(self.swap)
+
+    def swap_in(self, cache: SeqCache) -> int:
+        assert self.swap is not None
+        return cache.swap_in(self.swap)
+
+    def can_swap_out(self, cache: SeqCache) -> bool:
+        return self.swap is not None and cache.num_blocks <= self.swap.num_free
+
+    # ---- prefix cache --------------------------------------------------------------
+    def lookup(self, hashes: list[int]) -> list[torch.Tensor]:
+        """Take a reference on the cached groups of the longest prefix of `hashes`."""
+        hits: list[torch.Tensor] = []
+        for h in hashes if self.prefix_caching else []:
+            ids = self.pool.acquire(h)
+            if ids is None:
+                break
+            hits.append(ids)
+        return hits
+
+    def drop(self, hits: list[torch.Tensor]) -> None:
+        for ids in hits:
+            self.pool.release(ids)
+
+    def publish(self, cache: SeqCache, hashes: list[int], start: int, end: int) -> None:
+        """Register prompt blocks start..end-1 of a cache whose every layer still holds
+        every token (an evicted block is no one's prefix)."""
+        for i in range(start, end):
+            self.pool.register(hashes[i], cache.table[:, i])
+
+    # ---- accounting ----------------------------------------------------------------
+    def check_invariants(self, running: Iterable[SeqCache],
+                         swapped: Iterable[SeqCache]) -> None:
+        """Pool ref counts equal owners, nothing both free and owned, swap space exact."""
+        self.pool.check_invariants(c.owned_blocks() for c in running)
+        if self.swap is not None:
+            held = sum(c._held().numel() for c in swapped)
+            assert held == self.swap.num_used, "swap space accounting"
