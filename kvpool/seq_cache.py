@@ -259,45 +259,11 @@ class SeqCache:
         idx = (self.slot_pos[layer, : nb * self.bs] >= 0).nonzero().squeeze(1)
         return idx, self.table[layer, idx // self.bs] * self.bs + idx % self.bs
 
-    def compact(self, layer: int) -> int:
-        """Pack a layer's live tokens, in order, into its first blocks and free the rest
-        (Lazy Pruning's amortisation, 000_8900623ad98b28fb.txt §3: many partly-dead
-        blocks become full ones; PagedEviction, 001_01037b507c6df960.txt Alg. 2-3, needs
-        kept order and physical blocks aligned). Returns blocks freed.
-
-        In place, so it needs no free block: it is what keeps a scattered-eviction policy
-        within its reservation when the pool is full (`EngineCore` compacts a request
-        that outgrows it). Tokens only move to lower slots, and the one gather reads
-        every source before the scatter writes, so overlapping moves are safe. A block
-        shared through the prefix cache is copied first (copy-on-write); if the pool
-        cannot lend those copies, nothing happens."""
-        nb, bs = self.nblocks[layer], self.bs
-        idx, _ = self.live_slots(layer)
-        n = idx.numel()
-        if n == self.next_slot[layer]:
-            return 0  # no hole
-        target = torch.arange(n)
-        moved = idx != target
-        cols = (target[moved] // bs).unique()
-        shared = int((self.pool.ref[self.table[layer, cols]] > 1).sum())
-        if shared > self.pool.num_free:
-            return 0
-        self.alike = False  # one layer at a time
-        self._make_writable(layer, cols)
-        _, phys = self.live_slots(layer)  # after copy-on-write
-        want = -(-n // bs)
-        dst = self.table[layer, target[moved] // bs] * bs + target[moved] % bs
-        flat = self.pool.kv.view(2, -1, *self.pool.kv.shape[3:])
-        flat[:, dst.to(flat.device)] = flat[:, phys[moved].to(flat.device)]
-        pos = self.slot_pos[layer, idx].clone()
-        freed = self.table[layer, want:nb].clone()
-        self.table[layer, want:nb] = -1
-        self.slot_pos[layer, : nb * bs] = -1
-        self.slot_pos[layer, :n] = pos
-        self.nblocks[layer] = want
-        self.next_slot[layer] = n
-        self.pool.release(freed)
-        return nb - want
+    def compact(self, layer: int | None = None) -> int:
+        """Pack a layer's live tokens (every layer's, with None), in order, into its
+        first blocks and free the rest; returns blocks freed (`SlotTables.compact`,
+        which packs many caches at once)."""
+        return self.tables.compact(self.pool, [self], None if layer is None else [layer])[0]
 
     def renumber(self, layer: int, rotate) -> None:
         """Re-number a layer's live positions to 0..n-1 and re-rotate their stored keys

@@ -202,3 +202,97 @@ class SlotTables:
             c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
             c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
         return [sum(x) for x in counts]
+
+    def compact(self, pool: BlockPool, caches: list[SeqCache],
+                layers: list[int] | None = None) -> list[int]:
+        """Pack every (cache, layer)'s live tokens, in order, into its first blocks and
+        free the rest (all layers, or only `layers`); returns blocks freed per cache.
+        Lazy Pruning's amortisation (000_8900623ad98b28fb.txt §3: partly dead blocks
+        become full ones) and PagedEviction's kept order aligned with physical blocks
+        (001_01037b507c6df960.txt Alg. 2-3).
+
+        In place, so it needs no free block: it is what keeps a scattered-eviction
+        policy within its reservation when the pool is full. Tokens only move to lower
+        slots, and the one gather reads every source before the scatter writes, so
+        overlapping moves are safe; one gather and one scatter move the tokens of every
+        (cache, layer) at once. A destination block shared through the prefix cache is
+        copied first (copy-on-write), and a published one unpublished; when the pool
+        cannot lend the copies, the caches that need them are left as they are."""
+        nl, bs, w = self.num_layers, self.bs, self.width
+        s_len = w * bs
+        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()  # [L, R]
+        sp = self.slot_pos.index_select(1, rows)  # [L, R, S]
+        live = sp >= 0
+        n = live.sum(dim=2)
+        hole = n != nxt
+        if layers is not None:
+            only = torch.zeros(nl, dtype=torch.bool)
+            only[layers] = True
+            hole &= only[:, None]
+        ar = torch.arange(s_len)
+        order = torch.where(live, ar, s_len + ar).argsort(dim=2)  # live first, in order
+        moved = (ar < n[..., None]) & (order != ar) & hole[..., None]
+        table = self.table.index_select(1, rows)  # [L, R, W]
+        dst_col = (ar // bs).expand_as(sp)
+        dest = moved.view(*moved.shape[:2], w, bs).any(dim=3)  # [L, R, W] columns written
+        if self._copy_on_write(pool, caches, table, dest, hole):
+            table = self.table.index_select(1, rows)  # the copies' ids
+        moved &= hole[..., None]
+        counts = hole.t().tolist()
+        if not any(map(any, counts)):
+            return [0] * len(caches)
+        src = table.gather(2, order // bs) * bs + order % bs
+        dst = table.gather(2, dst_col) * bs + ar % bs
+        flat = pool.kv.view(2, -1, *pool.kv.shape[3:])
+        flat[:, dst[moved].to(flat.device)] = flat[:, src[moved].to(flat.device)]
+        keep = ar < torch.where(hole, n, nxt)[..., None]
+        sp = torch.where(hole[..., None], sp.gather(2, order), sp).masked_fill_(~keep, -1)
+        want = torch.where(hole, -(-n // bs), torch.tensor([c.nblocks for c in caches]).t())
+        gone = torch.arange(w) >= want[..., None]
+        pool.release(table[gone & (table >= 0)])
+        self.table.index_copy_(1, rows, table.masked_fill(gone, -1))
+        self.slot_pos.index_copy_(1, rows, sp)
+        freed = []
+        for c, h, nb, k, size in zip(caches, counts, want.t().tolist(), n.t().tolist(),
+                                     [c.nblocks for c in caches]):
+            if any(h):
+                c.alike = False  # layers are packed each on their own
+            c.next_slot = [k_ if h_ else s_ for k_, h_, s_ in zip(k, h, c.next_slot)]
+            c.nblocks = nb
+            freed.append(sum(size) - sum(nb))
+        return freed
+
+    def _copy_on_write(self, pool: BlockPool, caches: list[SeqCache], table: torch.Tensor,
+                       dest: torch.Tensor, hole: torch.Tensor) -> bool:
+        """Make the blocks a compaction writes (`dest` columns of the caches' `table`
+        rows, [L, R, W]) writable: a block another request holds gets a private copy, a
+        published one leaves the prefix cache. Clears `hole` for the caches whose copies
+        the pool cannot lend. Returns whether any table entry changed."""
+        blocks = table[dest]
+        if blocks.numel() == 0:
+            return False
+        cand = blocks.unique()
+        refs = pool.ref[cand].tolist()
+        ids = cand.tolist()
+        shared = {b for b, r in zip(ids, refs) if r > 1}
+        for b in ids:
+            if b not in shared and b in pool.hash_of:
+                pool.forget(pool.hash_of[b])
+        if not shared:
+            return False
+        where = (torch.isin(table, torch.tensor(sorted(shared))) & dest).nonzero().tolist()
+        if len(where) > pool.num_free:  # the pool cannot lend the copies
+            for layer, r, _ in where:
+                hole[layer, r] = False
+            return False
+        for layer, r, col in where:
+            b = int(table[layer, r, col])
+            if int(pool.ref[b]) > 1:  # still shared (an earlier copy may have been ours)
+                new = pool.allocate(1)
+                pool.kv[:, new] = pool.kv[:, b : b + 1]
+                self.table[layer, caches[r].row, col] = new[0]
+                pool.release(torch.tensor([b]))
+            elif b in pool.hash_of:
+                pool.forget(pool.hash_of[b])
+        return True

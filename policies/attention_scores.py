@@ -136,8 +136,9 @@ class H2OPolicy:
         acc += view.attention.sum(dim=1).to(acc.dtype)
         window = min(policies[0].config.window, budget)
         drop, (pos, acc) = keep_rows(acc, budget, window, view.positions, acc)
-        for p, kept, sums in zip(policies, view.per_request(pos), view.per_request(acc)):
-            p._pos[:nl], p._acc[:nl] = kept.unbind(0), sums.unbind(0)
+        pos_rows, acc_rows = pos.unbind(0), acc.unbind(0)  # one op each, whatever R
+        for r, p in enumerate(policies):
+            p._pos[:nl], p._acc[:nl] = pos_rows[r * nl:(r + 1) * nl], acc_rows[r * nl:(r + 1) * nl]
         return view.per_request(drop)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,

@@ -208,10 +208,10 @@ class LazyEvictionPolicy:
             drop = drop_index_rows(importance(t, ts[sel], mri[sel]), keep, recent)
             left = without_rows(drop, pos[sel], ts[sel], mri[sel])
             for part, rows_ in zip(left, (pos_rows, ts_rows, mri_rows)):
-                for j, row in enumerate(sel.tolist()):
-                    rows_[row] = part[j]
-            for j, r in enumerate(who):
-                drops[r] = drop[j * nl:(j + 1) * nl]
+                for row, kept in zip(sel.tolist(), part.unbind(0)):  # one op for all
+                    rows_[row] = kept
+            for r, d in zip(who, drop.view(len(who), nl, -1).unbind(0)):
+                drops[r] = d
         for r, p in enumerate(policies):
             span = range(r * nl, (r + 1) * nl)
             p._pos.update(zip(range(nl), (pos_rows[i] for i in span)))

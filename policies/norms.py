@@ -206,8 +206,10 @@ class KnormPolicy:
             scores[:, -1] = knorm_scores(view.new_key_norm[:, 0])
         drop, (pos, scores) = keep_rows(scores, budget, min(c.window, budget),
                                         view.positions, scores)
-        for p, kept, s in zip(policies, view.per_request(pos), view.per_request(scores)):
-            p._pos, p._score = list(kept.unbind(0)), list(s.unbind(0))
+        pos_rows, score_rows = pos.unbind(0), scores.unbind(0)  # one op each, whatever R
+        for r, p in enumerate(policies):
+            p._pos = list(pos_rows[r * nl:(r + 1) * nl])
+            p._score = list(score_rows[r * nl:(r + 1) * nl])
             p.needs = Needs(new_key_norm=True)
         return view.per_request(drop)
 

@@ -160,9 +160,9 @@ def apply_eviction(cache: SeqCache, plan: Eviction, *, compact: bool = False,
     before = cache.live
     out.freed_blocks += cache.evict_mask(dead, alike)
     out.evicted_slots += before - cache.live
-    for layer in plan:
-        if compact:
-            out.freed_blocks += cache.compact(layer)
-        if rotate is not None:
+    if compact:  # every planned layer in one pass
+        out.freed_blocks += cache.tables.compact(cache.pool, [cache], list(plan))[0]
+    if rotate is not None:
+        for layer in plan:
             cache.renumber(layer, rotate)
     return out

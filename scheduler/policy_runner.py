@@ -34,6 +34,7 @@ class PolicyRunner:
     evicted_tokens: dict[str, int] = field(default_factory=dict)
     freed_blocks: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    _to_compact: list[Request] = field(default_factory=list)  # this step's, see _after
 
     def admitted(self, name: str) -> None:
         self.requests[name] = self.requests.get(name, 0) + 1
@@ -73,6 +74,7 @@ class PolicyRunner:
             share = (time.perf_counter() - t) / len(members)
             for r, _ in members:
                 self._after(r, share)
+        self._compact()
 
     def _evict_batch(self, reqs: list[Request], drops: list[torch.Tensor]) -> None:
         """Carry out a batch's drops ([L, d] logical slots per member), members of equal
@@ -112,15 +114,25 @@ class PolicyRunner:
         self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed_blocks
 
     def _after(self, r: Request, seconds: float) -> None:
-        """Keep a request within its reservation; account the policy's time."""
-        t = time.perf_counter()
-        name = r.policy_name
+        """Account the policy's time; note a request about to outgrow its reservation."""
         assert r.cache is not None
         if r.reserve_blocks and r.cache.num_blocks + r.cache.blocks_needed(1) > r.reserve_blocks:
-            # Scattered survivors pin partly dead blocks: pack them, in place, so the
-            # request's next token fits in the memory admission reserved for it
-            # (instead of preempting someone when every block is reserved).
-            freed = sum(r.cache.compact(layer) for layer in range(r.cache.num_layers))
-            self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed
-        seconds += time.perf_counter() - t
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+            self._to_compact.append(r)
+        self.seconds[r.policy_name] = self.seconds.get(r.policy_name, 0.0) + seconds
+
+    def _compact(self) -> None:
+        """Scattered survivors pin partly dead blocks: pack them, in place and for every
+        noted request at once (`SlotTables.compact`), so each one's next token fits in
+        the memory admission reserved for it (instead of preempting someone when every
+        block is reserved)."""
+        reqs, self._to_compact = self._to_compact, []
+        if not reqs:
+            return
+        t = time.perf_counter()
+        caches = [r.cache for r in reqs]
+        freed = caches[0].tables.compact(caches[0].pool, caches)  # type: ignore[union-attr]
+        share = (time.perf_counter() - t) / len(reqs)
+        for r, f in zip(reqs, freed):
+            name = r.policy_name
+            self.freed_blocks[name] = self.freed_blocks.get(name, 0) + f
+            self.seconds[name] = self.seconds.get(name, 0.0) + share

@@ -6,6 +6,7 @@ from transformers import LlamaConfig
 from engine.rope import RotaryEmbedding
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
+from kvpool.tables import SlotTables
 from policies.base import Needs
 from scheduler.eviction import apply_eviction, build_view
 
@@ -115,3 +116,39 @@ def test_view_gives_live_positions_and_only_the_statistics_asked_for():
     assert torch.equal(view.layers[1].attention, mass[1][:, :, 2:])
     assert torch.allclose(view.layers[1].key_norm[:, 0], torch.arange(2, 12.0) * D**0.5)
     assert view.layers[0].value_norm is None and view.layers[0].keys is None
+
+
+def test_batched_compaction_packs_every_cache_and_layer_at_once():
+    """`SlotTables.compact` over several caches of one table: each (cache, layer) ends as
+    compacting it alone would leave it — survivors in order with their K/V, emptied
+    blocks freed — a cache without holes is untouched, and a shared block is copied
+    before it is written while its other holder keeps it."""
+    pool = BlockPool(64, BS, H, D)
+    tables = SlotTables(2, BS)
+    caches = [SeqCache(pool, 2, tables=tables) for _ in range(3)]
+    for i, c in enumerate(caches):
+        slots = c.append(torch.arange(12))
+        for layer in range(2):
+            val = (100 * i + 10 * layer + torch.arange(12, dtype=torch.float32))
+            pool.k_cache.view(-1, H, D)[slots[layer]] = val[:, None, None].expand(12, H, D)
+            pool.v_cache.view(-1, H, D)[slots[layer]] = -val[:, None, None].expand(12, H, D)
+    holder = SeqCache(pool, 2)  # shares cache 1's first block in layer 1
+    pool.register(7, caches[1].table[:, 0])
+    holder.adopt([pool.acquire(7)])
+    shared = int(caches[1].table[1, 0])
+    kept = {0: ([1, 5, 6, 11], [0, 3, 4, 9, 10]), 1: ([2, 3], [1, 7, 8])}  # cache 2: no hole
+    for i, (k0, k1) in kept.items():
+        apply_eviction(caches[i], {0: torch.tensor([p for p in range(12) if p not in k0]),
+                                   1: torch.tensor([p for p in range(12) if p not in k1])})
+    before = [_kv_by_position(c, layer) for c in caches for layer in range(2)]
+    blocks = [c.num_blocks for c in caches]
+    freed = tables.compact(pool, caches)
+    assert freed == [blocks[0] - 3, blocks[1] - 2, 0]
+    assert caches[0].nblocks == [1, 2] and caches[0].next_slot == [4, 5]
+    assert caches[1].nblocks == [1, 1] and caches[1].next_slot == [2, 3]
+    assert caches[2].nblocks == [3, 3] and caches[2].next_slot == [12, 12]
+    assert [_kv_by_position(c, layer) for c in caches for layer in range(2)] == before
+    assert int(caches[1].table[1, 0]) != shared  # written: copied first
+    assert _kv_by_position(holder, 1) == {p: 110.0 + p for p in range(4)}
+    assert tables.compact(pool, caches) == [0, 0, 0]
+    pool.check_invariants([c.owned_blocks() for c in [*caches, holder]])
