@@ -75,9 +75,11 @@ class KVCacheManager:
         return SeqCache(self.pool, self.num_layers, -(-tokens // self.block_size) + 1,
                         tables=self.tables)
 
-    def append_decode(self, caches: list[SeqCache], positions: list[int]) -> torch.Tensor:
-        """Every decoding cache's next slot in one batch: [L, B] physical slots."""
-        return self.tables.append_decode(self.pool, caches, positions)
+    def append_decode(self, caches: list[SeqCache], positions: list[int],
+                      need: int | None = None) -> torch.Tensor:
+        """Every decoding cache's next slot in one batch: [L, B] physical slots (`need`:
+        the blocks that takes, if the caller counted them)."""
+        return self.tables.append_decode(self.pool, caches, positions, need)
 
     def release(self, cache: SeqCache) -> None:
         """Give back everything a cache holds (device blocks, or swap space)."""

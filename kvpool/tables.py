@@ -86,55 +86,60 @@ class SlotTables:
                 self.slot_pos[:, :, : nb * self.bs].index_select(1, rows))
 
     def append_decode(self, pool: BlockPool, caches: list[SeqCache],
-                      positions: list[int]) -> torch.Tensor:
+                      positions: list[int], need: int | None = None) -> torch.Tensor:
         """Give each cache's next token (original position `positions[i]`) a slot in
         every layer; returns the physical slots [L, B] to write K/V to.
 
-        The caller has checked that the pool holds the blocks this needs
-        (`SeqCache.blocks_needed(1)` summed): they are taken in one allocation. Python
-        does the per-request arithmetic on ints; the tensors see one allocation, one
-        table write, one position write and one gather."""
+        The caller has checked that the pool holds the blocks this needs (`need`, the
+        caches' `blocks_needed(1)` summed, if it has it): they are taken in one
+        allocation. Python does the per-request arithmetic on ints; the tensors see one
+        allocation, one table write, one position write and one gather."""
         nl, bs = self.num_layers, self.bs
-        b = len(caches)
-        need = sum(c.blocks_needed(1) for c in caches)
+        if need is None:
+            need = sum(c.blocks_needed(1) for c in caches)
         ids = pool.allocate(need) if need else None  # raises before anything changes
         new_l: list[int] = []  # (layer, row, column) of each new block
         new_r: list[int] = []
         new_c: list[int] = []
-        slot_rows: list[int] = []
-        slot_idx: list[list[int]] = [[0] * b for _ in range(nl)]  # [L][B] logical slots
+        rows: list[int] = []
+        first: list[int] = []  # the slot index of layer 0 (of every layer if aligned)
+        uneven: dict[int, list[int]] = {}  # column -> per-layer slot indices
+        layers = range(nl)
         for i, c in enumerate(caches):
             row = c.row
-            slot_rows.append(row)
+            rows.append(row)
             if c.aligned:
                 nb, nxt = c.nblocks[0], c.next_slot[0]
                 if nxt >= nb * bs:
-                    new_l.extend(range(nl))
+                    new_l.extend(layers)
                     new_r.extend([row] * nl)
                     new_c.extend([nb] * nl)
                     c.nblocks = [nb + 1] * nl
                 c.next_slot = [nxt + 1] * nl
-                for layer in range(nl):
-                    slot_idx[layer][i] = nxt
+                first.append(nxt)
             else:
-                for layer in range(nl):
+                for layer in layers:
                     nb, nxt = c.nblocks[layer], c.next_slot[layer]
                     if nxt >= nb * bs:
                         new_l.append(layer)
                         new_r.append(row)
                         new_c.append(nb)
                         c.nblocks[layer] = nb + 1
-                    c.next_slot[layer] = nxt + 1
-                    slot_idx[layer][i] = nxt
+                uneven[i] = list(c.next_slot)
+                c.next_slot = [x + 1 for x in c.next_slot]
+                first.append(uneven[i][0])
             c.layer_live = [x + 1 for x in c.layer_live]
-        self.ensure_width(max((c.max_blocks for c in caches), default=1))
+        self.ensure_width(max(max(c.nblocks) for c in caches))
         if ids is not None:
             self.table[new_l, new_r, new_c] = ids
-        rows = torch.tensor(slot_rows, dtype=torch.int64)
-        idx = torch.tensor(slot_idx, dtype=torch.int64)  # [L, B]
-        layers = torch.arange(nl)[:, None]
-        self.slot_pos[layers, rows, idx] = torch.tensor(positions, dtype=torch.int64)
-        return self.table[layers, rows, idx // bs] * bs + idx % bs
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        idx = torch.tensor(first, dtype=torch.int64).expand(nl, -1)  # [L, B]
+        if uneven:
+            idx = idx.clone()
+            idx[:, list(uneven)] = torch.tensor(list(uneven.values()), dtype=torch.int64).t()
+        lay = torch.arange(nl)[:, None]
+        self.slot_pos[lay, row_t, idx] = torch.tensor(positions, dtype=torch.int64)
+        return self.table[lay, row_t, idx // bs] * bs + idx % bs
 
     # ---- what eviction changes -------------------------------------------------------
     def evict_slots(self, pool: BlockPool, caches: list[SeqCache],

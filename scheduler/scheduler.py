@@ -162,7 +162,7 @@ class Scheduler:
                 else:
                     chunks.append(self._chunk(req, n))
                 budget -= n
-        plan = Plan(chunks, preempted, self._append_decode(decoding))
+        plan = Plan(chunks, preempted, self._append_decode(decoding, pending))
         if preempted:  # memory is short: bring nobody in this step
             return plan
         reserved = self._reserved() if self.waiting or self.swapped else 0  # only if needed
@@ -339,14 +339,15 @@ class Scheduler:
         first = start - req.pos_offset
         return Chunk(req, start, n, req.cache.append(torch.arange(first, first + n)))
 
-    def _append_decode(self, reqs: list[Request]) -> torch.Tensor | None:
-        """Every decode token's slots in one batch (`SlotTables.append_decode`): the
-        ops do not grow with the number of decoding requests."""
+    def _append_decode(self, reqs: list[Request], need: int) -> torch.Tensor | None:
+        """Every decode token's slots in one batch (`SlotTables.append_decode`; `need`:
+        the blocks counted while planning): the ops do not grow with the number of
+        decoding requests."""
         if not reqs:
             return None
         caches = [r.cache for r in reqs]
         return self.kv.append_decode(caches,  # type: ignore[arg-type]
-                                     [r.num_computed - r.pos_offset for r in reqs])
+                                     [r.num_computed - r.pos_offset for r in reqs], need)
 
     # ---- after the forward ---------------------------------------------------------
     def publish(self, chunks: list[Chunk]) -> None:
