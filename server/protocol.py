@@ -162,3 +162,31 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("requires logprobs to be true")
         return v
 
+
+class TokenizeCompletionRequest(_Base):
+    """`POST /tokenize` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: Annotated[StrictStr, Field(max_length=4_000_000)]
+    add_special_tokens: StrictBool = True  # BOS etc., as /v1/completions encodes a prompt
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Base):
+    """`POST /tokenize` with messages (vLLM's shape): the ids /v1/chat/completions would
+    run, so `count` is the chat request's `usage.prompt_tokens`."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    # The chat template writes its own special tokens; True adds the tokenizer's on top.
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Base):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: TokenIds
