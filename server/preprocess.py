@@ -47,6 +47,7 @@ class Choice:
     params: SamplingParams
     request_id: str
     echo_text: str = ""  # the prompt text, prepended to the output when echo is on
+    prompt_index: int = 0  # which prompt of a batch (the n samples of one prompt share it)
 
 
 @dataclass
@@ -170,7 +171,7 @@ class Preprocessor:
             except ValueError as e:
                 raise bad_request(str(e), str(e).split(" ")[0]) from None
             plan.choices.append(Choice(index, ids, params, f"{plan.id}-{index}",
-                                       text if plan.echo else ""))
+                                       text if plan.echo else "", p_idx))
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:

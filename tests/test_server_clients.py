@@ -1,9 +1,11 @@
 """Real clients, unchanged: what the official `openai` client and vLLM-speaking tools ask
-for beyond generation. `client.models.retrieve` and vLLM's `/tokenize` and `/detokenize`,
-on a real uvicorn (127.0.0.1, ephemeral port)."""
+for beyond generation. `client.models.retrieve`, vLLM's `/tokenize` and `/detokenize`,
+and `usage.prompt_tokens_details.cached_tokens` from the prefix cache, on a real uvicorn
+(127.0.0.1, ephemeral port)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -141,3 +143,51 @@ def test_tokenize_errors(http: httpx.Client, path: str, body: dict, status: int,
                          param: str) -> None:
     assert _error(http.post(path, json=body), status)["param"] == param
 
+
+# ---- usage.prompt_tokens_details.cached_tokens ------------------------------------------
+def _long_prompt() -> str:
+    """Unique (no earlier test cached it) and many blocks long."""
+    return f"{uuid.uuid4().hex} " + "the prefix cache " * 5
+
+
+def test_cached_tokens_completions(client: openai.OpenAI) -> None:
+    prompt = _long_prompt()
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=NOEOS)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                       extra_body=NOEOS)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    assert cached == second.usage.model_extra["kv_cache"]["prefix_hit_tokens"]
+    assert cached % 16 == 0  # whole blocks (block_size 16)
+    # streaming: the final usage chunk carries it too
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, extra_body=NOEOS))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_cached_tokens_chat_stream_and_not(client: openai.OpenAI) -> None:
+    msgs = [{"role": "user", "content": _long_prompt()}]
+    first = list(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, extra_body=NOEOS))
+    assert first[-1].usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                           extra_body=NOEOS)
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens
+
+
+def test_cached_tokens_count_each_prompt_once(client: openai.OpenAI) -> None:
+    """n samples of a new prompt: the later samples share what the first computed, but
+    none of the prompt was cached when the request came in."""
+    prompt = _long_prompt()
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3,
+                                  extra_body=NOEOS)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.usage.model_extra["kv_cache"]["prefix_hit_tokens"] > 0  # the siblings' hits
+    again = client.completions.create(model=MODEL, prompt=[prompt, prompt], max_tokens=2, n=2,
+                                      extra_body=NOEOS)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached <= again.usage.prompt_tokens
+    assert cached % 2 == 0 and cached // 2 <= again.usage.prompt_tokens // 2
