@@ -83,7 +83,9 @@ def default_kv_policy(value: str) -> Any:
 
 def check_port_free(host: str, port: int) -> None:
     """Bind (host, port) as uvicorn will, and let go: a port in use is then a clear
-    one-line error before the model loads, not a uvicorn traceback after it."""
+    one-line error at once. Without it, uvicorn runs the lifespan (which starts loading
+    the model) before it binds, and a failed bind then waits for the whole load before
+    it exits with status 1."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
