@@ -1,30 +1,39 @@
 # Two entry points for a fresh machine: `make serve` and `make test`.
 # Both create .venv and install what is missing. The CPU torch wheel is installed
 # first and pinned, so nothing pulls PyPI's multi-GB CUDA build (see README).
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-TORCH  ?= torch==2.13.0
-STAMP  := $(VENV)/.kvserve-installed
+# `make serve` installs the runtime only (no Triton, no test tools); `make test` adds
+# the dev extra on top.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+TORCH     ?= torch==2.13.0
+RUNTIME   := $(VENV)/.kvserve-runtime
+DEV       := $(VENV)/.kvserve-dev
 
-.PHONY: install serve test lint clean
+.PHONY: install install-dev serve test lint clean
 
-$(STAMP): pyproject.toml
+$(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e . "$(TORCH)"
+	touch $(RUNTIME)
+
+$(DEV): $(RUNTIME)
 	$(PY) -m pip install -q -e ".[dev]" "$(TORCH)"
-	touch $(STAMP)
+	touch $(DEV)
 
-install: $(STAMP)
+install: $(RUNTIME)
 
-serve: $(STAMP)
+install-dev: $(DEV)
+
+serve: $(RUNTIME)
 	$(VENV)/bin/kvserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(DEV)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q $(ARGS)
 
-lint: $(STAMP)
+lint: $(DEV)
 	$(VENV)/bin/ruff check .
 
 clean:

@@ -8,10 +8,13 @@ fails loudly instead of generating garbage.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import re
+import threading
+from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
@@ -24,6 +27,37 @@ from engine.models import build_model
 _IGNORED = re.compile(r"\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")
 # transformers 5 renames Pythia's `embed_out` to `lm_head` in memory; accept either on disk.
 _RENAMES = {"GPTNeoXForCausalLM": {"lm_head.weight": "embed_out.weight"}}
+
+
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
+             "dirac_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+             "kaiming_normal_", "orthogonal_", "sparse_")
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """torch.nn.init's functions as no-ops while the model is built on the meta device.
+
+    Why: meta tensors hold no values, so initializing them is pointless, and under a
+    device context torch routes `init.normal_` & co. through `torch._refs`, which imports
+    torch._dynamo, which imports Triton whenever it is installed: on a CPU server that
+    added ~1 s of start-up and ~30 lines of "nanobind: leaked ..." at exit. Every
+    parameter is then loaded from the checkpoint (a missing one is an error), so no
+    initial value is ever used. (transformers' `no_init_weights` does the same.)"""
+    with _init_lock:
+        saved = {n: getattr(nn.init, n) for n in _INIT_FNS if hasattr(nn.init, n)}
+        try:
+            for n in saved:
+                setattr(nn.init, n, _keep)
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(nn.init, n, fn)
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -69,7 +103,7 @@ def load_model(
     """Model in eval mode with weights in `dtype` (None = the checkpoint's) on `device`."""
     config = load_model_config(path)
     dtype = dtype or config.dtype
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = build_model(config)
     weights = _read_weights(path, config, dtype, device)
 

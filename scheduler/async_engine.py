@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling import SamplingParams
 from policies.config import parse_kv_policy
@@ -37,6 +37,9 @@ from scheduler.async_stream import (
 from scheduler.limits import fit_max_tokens, shifts_rope
 from scheduler.outputs import EngineStats, RequestOutput, RequestRejected
 
+if TYPE_CHECKING:
+    from scheduler.warmup import Warmup
+
 logger = logging.getLogger("kvserve.engine")
 
 CoreFactory = Callable[[StepListener], Any]  # (on_step) -> EngineCore
@@ -46,8 +49,12 @@ __all__ = ["AsyncEngine", "EngineError", "EngineUnavailable", "GenerationRequest
 
 class AsyncEngine:
     def __init__(self, core_factory: CoreFactory, *, max_queued_requests: int = 1024,
-                 max_queued_tokens: int = 1 << 20) -> None:
+                 max_queued_tokens: int = 1 << 20, warmup: bool = True) -> None:
         self._factory = core_factory
+        # Run scheduler/warmup.py between loading and ready (False: tests of the loading
+        # sequence itself, or a core that is not an EngineCore).
+        self.warmup = warmup
+        self.warmup_report: Warmup | None = None
         self.admission = Admission(max_queued_requests, max_queued_tokens)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-engine")
         self._core: Any = None
@@ -55,7 +62,8 @@ class AsyncEngine:
         self.max_model_len = 0
         self.vocab_size = 0
         self.max_request_tokens = 0  # min(context, whole pool) in tokens
-        self.default_kv_policy: str = "full"  # the core's policy for requests naming none
+        # the core's policy for requests naming none: a name, an object or a parsed config
+        self.default_kv_policy: Any = "full"
         self.tenant_quotas: dict[str, float] = {}  # the core's, tenant -> pool fraction
         self.stats = EngineStats()  # refreshed by the worker after every core call
         self.load_error: BaseException | None = None
@@ -72,10 +80,10 @@ class AsyncEngine:
         self.listeners = Listeners()
 
     @classmethod
-    def from_config(cls, config: Any, **limits: int) -> AsyncEngine:
+    def from_config(cls, config: Any, **options: Any) -> AsyncEngine:
         from scheduler.engine_core import EngineCore
 
-        return cls(lambda on_step: EngineCore(config, on_step=on_step), **limits)
+        return cls(lambda on_step: EngineCore(config, on_step=on_step), **options)
 
     # ---- lifecycle -----------------------------------------------------------------
     @property
@@ -131,13 +139,18 @@ class AsyncEngine:
 
     def _load(self) -> None:
         core = self._factory(self.listeners.on_step)
+        if self.warmup:
+            from scheduler.warmup import warm_up  # imports torch: not at CLI start-up
+
+            self.warmup_report = warm_up(core)
         self.tokenizer = copy.deepcopy(core.tokenizer)
+        self.tokenizer.encode("warm up")  # the copy's first call pays its own set-up
         self.max_model_len = int(core.max_model_len)
         self.vocab_size = int(core.model_config.vocab_size)
         config = getattr(core, "config", None)
         self.default_kv_policy = getattr(config, "default_kv_policy", None) or "full"
         self.tenant_quotas = dict(getattr(config, "tenant_quotas", None) or {})
-        self.stats = core.stats()
+        self.stats = self._stats(core)
         cap = self.max_model_len
         block_size = getattr(config, "block_size", None)
         layers = getattr(core.model_config, "num_layers", None)
@@ -339,7 +352,7 @@ class AsyncEngine:
             except Exception as e:
                 results.append(e)
         self._core_busy = core.has_unfinished()
-        self.stats = core.stats()
+        self.stats = self._stats(core)
         return results
 
     def _step(self) -> list[RequestOutput]:
@@ -348,4 +361,11 @@ class AsyncEngine:
             return core.step()
         finally:
             self._core_busy = core.has_unfinished()
-            self.stats = core.stats()
+            self.stats = self._stats(core)
+
+    def _stats(self, core: Any) -> EngineStats:
+        """The core's stats, counters since the warm-up (its requests are no client's)."""
+        stats = core.stats()
+        if self.warmup_report is not None:
+            stats = stats.since(self.warmup_report.baseline)
+        return stats

@@ -18,10 +18,10 @@ from engine.loader import load_model
 from engine.runner import ModelRunner, SeqInput
 from engine.sampler import SamplingBatch, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
+from kvpool.attention_select import select_attention
 from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.swap import SwapSpace
-from kvpool.triton_attention import select_attention
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer

@@ -6,7 +6,7 @@ responses and Prometheus samples without the scheduler knowing about either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class RequestRejected(ValueError):
@@ -91,3 +91,22 @@ class EngineStats:
     evicted_tokens_by_policy_total: dict[str, int] = field(default_factory=dict)
     freed_blocks_by_policy_total: dict[str, int] = field(default_factory=dict)
     policy_seconds_total: dict[str, float] = field(default_factory=dict)  # eviction time
+
+    # The cumulative fields (`blocks_total` is the pool's size, not a counter).
+    COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "preemptions_total",
+                "swap_bytes_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                "requests_by_policy_total", "evicted_tokens_by_policy_total",
+                "freed_blocks_by_policy_total", "policy_seconds_total")
+
+    def since(self, base: EngineStats) -> EngineStats:
+        """These stats with `base`'s counters taken off: what happened after `base` was
+        read. The server's warm-up runs requests through the engine before it is ready;
+        they are no client's and must not show in the Prometheus counters."""
+        diff = {}
+        for name in self.COUNTERS:
+            now, before = getattr(self, name), getattr(base, name)
+            if isinstance(now, dict):
+                diff[name] = {k: v - before.get(k, 0) for k, v in now.items()}
+            else:
+                diff[name] = now - before
+        return replace(self, **diff)

@@ -35,7 +35,13 @@ from server.generation import ClientDisconnected, Generation
 from server.metrics import ServerMetrics
 from server.middleware import APIKeyAuth, BodySizeLimit, HTTPMetrics
 from server.preprocess import Plan, Preprocessor
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from server.responses import TokenText, chat_body, completion_body
 from server.settings import ServerSettings
 from server.streaming import SSEResponse, stream_events
@@ -43,7 +49,9 @@ from server.tenants import Tenant
 
 logger = logging.getLogger("kvserve.server")
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
-          "/metrics", "/version"}
+          "/metrics", "/version", "/tokenize", "/detokenize"}
+# Paths with an id in them share one metrics label each.
+ROUTE_PREFIXES = {"/v1/models/": "/v1/models/{model}"}
 
 
 def kvserve_version() -> str:
@@ -53,14 +61,19 @@ def kvserve_version() -> str:
         return "0.1.0+source"
 
 
-async def _parse(request: Request, schema: type[BaseModel]) -> Any:
+async def _json(request: Request) -> Any:
     raw = await request.body()
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}"[:500]) from None
+
+
+async def _parse(request: Request, schema: type[BaseModel], data: Any = None) -> Any:
+    if data is None:
+        data = await _json(request)
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -160,12 +173,38 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         plan.arrival_time = arrival
         return await serve(request, plan)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": started, "owned_by": "kvserve",
+                "root": settings.model_path, "max_model_len": engine.max_model_len or None}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": name, "object": "model", "created": started, "owned_by": "kvserve",
-                 "root": settings.model_path, "max_model_len": engine.max_model_len or None}
-                for name in settings.served_model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(n) for n in settings.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        """`client.models.retrieve(id)`; `:path` because served names may hold a `/`
+        (`org/model`, as Hugging Face ids do)."""
+        if model_id not in settings.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist. Served models: "
+                           f"{', '.join(settings.served_model_names)}", param="model",
+                           code="model_not_found")
+        return model_card(model_id)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        data = await _json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        req = await _parse(request, TokenizeChatRequest if chat else TokenizeCompletionRequest,
+                           data)
+        engine.check_admission(0, 0)
+        return await pre.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = await _parse(request, DetokenizeRequest)
+        engine.check_admission(0, 0)
+        return await pre.detokenize(req)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -197,7 +236,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyAuth, tenants=settings.tenants)
-    app.add_middleware(HTTPMetrics, counter=metrics.http, routes=ROUTES)
+    app.add_middleware(HTTPMetrics, counter=metrics.http, routes=ROUTES,
+                       prefixes=ROUTE_PREFIXES)
     return app
 
 

@@ -6,18 +6,27 @@ seconds, then the process exits 0. A second signal exits at once.
 
 Benchmarks are not a subcommand: they run as `python -m loadtest ...`, a client on top
 of the server that this package never imports (docs/loadtest.md).
+
+Exit status: 0 after a drain; 2 for anything wrong on the command line or in the
+environment that can be found before the model loads (a bad option value, a bad
+`--default-kv-policy`, a missing model directory, a port already taken, bad tenant
+quotas), always with one line `kvserve: error: ...` on stderr and before minutes are
+spent loading a model; 1 when the model fails to load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any, NoReturn
 
 import uvicorn
 
@@ -26,6 +35,24 @@ from engine.demo import DEMO_MODEL_NAME
 from scheduler.async_engine import AsyncEngine
 
 logger = logging.getLogger("kvserve.cli")
+USAGE_ERROR = 2  # argparse's status for a bad command line; ours for every start-up check
+
+
+def fail(message: str) -> NoReturn:
+    """One line on stderr and exit 2: a start-up error the user fixes on the command line
+    (or in the environment), found before any model is loaded."""
+    print(f"kvserve: error: {' '.join(message.split())}", file=sys.stderr)
+    raise SystemExit(USAGE_ERROR)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except where there is none to show (None, False):
+    those options' help says what happens without them."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "%(default)" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
 
 
 def _resolve_model(arg: str | None) -> str:
@@ -33,36 +60,88 @@ def _resolve_model(arg: str | None) -> str:
     if not path.is_dir():
         hint = ("the bundled demo model is not there (it is built separately)"
                 if arg is None else "no such directory")
-        sys.exit(f"kvserve: model {str(path)!r}: {hint}; pass --model DIR (a Hugging Face "
-                 "checkpoint directory with config.json, weights and tokenizer)")
+        fail(f"--model {str(path)!r}: {hint}; pass --model DIR (a Hugging Face "
+             "checkpoint directory with config.json, weights and tokenizer)")
     return str(path)
+
+
+def default_kv_policy(value: str) -> Any:
+    """`--default-kv-policy`: a policy name or a JSON `kv_policy` object, checked exactly
+    as a request's `kv_policy` is (policies/config.py), so a typo stops the server at
+    once instead of failing every request that names no policy."""
+    from policies.config import KVPolicyError, parse_kv_policy
+
+    text = value.strip()
+    parsed: Any = text
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except ValueError as e:
+            fail(f"--default-kv-policy is not valid JSON: {e}")
+    try:
+        return parse_kv_policy(parsed)
+    except KVPolicyError as e:
+        fail(f"--default-kv-policy: {e}")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind (host, port) as uvicorn will, and let go: a port in use is then a clear
+    one-line error at once. Without it, uvicorn runs the lifespan (which starts loading
+    the model) before it binds, and a failed bind then waits for the whole load before
+    it exits with status 1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
+             "or stop what is using it")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help=f"checkpoint directory (default {DEMO_MODEL})")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    g.add_argument("--model", default=None,
+                   help="a local Hugging Face checkpoint directory (config.json, "
+                   f"*.safetensors, tokenizer files); without it, the demo model {DEMO_MODEL}")
+    g.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto (the checkpoint's) | float32 | "
+                   "bfloat16 | float16")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the model's dtype) | float32 | bfloat16 | float16")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB")
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--default-kv-policy", default="full",
-                   help="kv_policy for requests that name none")
+                   help="KV pool: auto (the model's dtype) | float32 | bfloat16 | float16")
+    g.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | "
+                   "cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="KV pool size in blocks (a block holds one layer's K/V for "
+                   "--block-size tokens); wins over --kv-cache-memory")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes, e.g. 2GiB; without it (and without "
+                   "--num-blocks) 512MiB")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences in one running batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens one engine step computes (prefill chunks + decodes)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length; without it, the model's max_position_embeddings")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds the seeds drawn for requests that send none")
+    g.add_argument("--default-kv-policy", default="full", metavar="NAME|JSON",
+                   help="kv_policy for requests that name none: a policy name or a JSON "
+                   "object, e.g. '{\"name\": \"streaming\", \"window\": 1024}' "
+                   "(checked at start-up)")
     g.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"),
-                   default="recompute")
+                   default="recompute", help="what a preempted request loses: its KV "
+                   "(recomputed later) or nothing (swapped to host memory); auto picks per "
+                   "request by measured cost")
     g.add_argument("--swap-space", default="1GiB", help="host memory for swapped-out blocks")
     g.add_argument("--no-reserve-preempted", action="store_true",
                    help="a preempted request comes back on what it needs now (vLLM), "
                         "not once its growth to max_tokens fits")
     g.add_argument("--watermark", type=float, default=0.01,
                    help="fraction of blocks kept free when admitting")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="do not share computed prompt blocks between requests")
     g.add_argument("--no-batch-policies", action="store_true",
                    help="step every request's kv_policy alone (same plans, slower): "
                         "decode steps at the budget are otherwise batched per policy")
@@ -83,12 +162,13 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       formatter_class=HelpFormatter)
     _add_engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several "
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; repeat for several "
                    "keys, each its own tenant (tenant0, tenant1, ... in order). Default: "
                    "env KVSERVE_API_KEY, comma-separated")
     s.add_argument("--tenant-quota", action="append", default=None, metavar="KEY=FRACTION",
@@ -97,12 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "rest is a shared burst pool")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the model directory's name)")
-    s.add_argument("--max-queued-requests", type=int, default=1024)
-    s.add_argument("--max-queued-tokens", type=int, default=1 << 20)
-    s.add_argument("--drain-timeout", type=float, default=30.0)
-    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
-    s.add_argument("--log-level", default="info")
-    s.add_argument("--log-format", choices=("json", "text"), default="json")
+    s.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting for their first token before new ones get 429")
+    s.add_argument("--max-queued-tokens", type=int, default=1 << 20,
+                   help="prompt tokens waiting for their first token before new requests "
+                   "get 429")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds requests in flight may run after SIGTERM")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                   help="largest request body; bigger ones get 413")
+    s.add_argument("--log-level", default="info", help="debug | info | warning | error")
+    s.add_argument("--log-format", choices=("json", "text"), default="json",
+                   help="one JSON object per line, or plain text")
     s.add_argument("--access-log", action="store_true", help="uvicorn's per-request log")
     s.add_argument("--no-request-log", action="store_true",
                    help="drop the structured per-request line")
@@ -110,14 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also export the metrics under vLLM's names (vllm:num_requests_"
                    "waiting, vllm:kv_cache_usage_perc, ...) for routers and autoscalers "
                    "that read them")
-    g = sub.add_parser("generate", help="generate offline (no server)")
+    g = sub.add_parser("generate", help="generate offline (no server)",
+                       formatter_class=HelpFormatter)
     _add_engine_args(g)
-    g.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--prompt", action="append", required=True,
+                   help="prompt text; repeat for a batch")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--sample-seed", type=int, default=None,
+                   help="sampling seed; without it, one is drawn from --seed")
     return parser
 
 
@@ -130,7 +219,7 @@ def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
     try:
         return keys, parse_tenant_quotas(a.tenant_quota, make_tenants(keys))
     except ValueError as e:
-        sys.exit(f"kvserve: {e}")
+        fail(str(e))
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -140,8 +229,10 @@ def _serve(a: argparse.Namespace) -> int:
     from server.settings import ServerSettings
 
     keys, quotas = tenancy(a)
-    configure_logging(a.log_level, a.log_format)
+    a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     model = _resolve_model(a.model)
+    check_port_free(a.host, a.port)
+    configure_logging(a.log_level, a.log_format)
     names = a.served_model_name or [
         DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
@@ -219,6 +310,7 @@ def _generate(a: argparse.Namespace) -> int:
     from engine.sampling import SamplingParams
     from scheduler.llm import LLM
 
+    a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     model = _resolve_model(a.model)
     llm = LLM(model, **_engine_kwargs(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,

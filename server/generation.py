@@ -27,6 +27,7 @@ class ClientDisconnected(Exception):
 class ChoiceState:
     index: int
     text: str = ""
+    prompt_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
@@ -40,7 +41,8 @@ class Generation:
     def __init__(self, plan: Plan, stream: RequestStream) -> None:
         self.plan = plan
         self.stream = stream
-        self.choices = {c.request_id: ChoiceState(c.index, c.echo_text) for c in plan.choices}
+        self.choices = {c.request_id: ChoiceState(c.index, c.echo_text, c.prompt_index)
+                        for c in plan.choices}
         self.status = "running"
         self._logged = False
 
@@ -98,6 +100,18 @@ class Generation:
             self.status = "aborted"
         self.log()
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted like `prompt_tokens`: once
+        per distinct prompt. Its n samples each report their own hits, and all but the
+        first usually hit what the first computed, so a prompt counts the fewest hits
+        among its samples: what was already cached when the request came in (OpenAI's
+        meaning, the part of the prompt that was not computed for this request)."""
+        fewest: dict[int, int] = {}
+        for c in self.choices.values():
+            hits = c.kv.prefix_hit_tokens if c.kv is not None else 0
+            fewest[c.prompt_index] = min(hits, fewest.get(c.prompt_index, hits))
+        return sum(fewest.values())
+
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
         kv = [c.kv for c in self.choices.values() if c.kv is not None]
@@ -105,6 +119,7 @@ class Generation:
             "prompt_tokens": self.plan.num_prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.plan.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
             "kv_cache": {
                 "policy": self.plan.policy.name,
                 "peak_live_tokens": sum(k.peak_live_tokens for k in kv),

@@ -63,9 +63,16 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
 
+def _protected(path: str) -> bool:
+    """The API (/v1/*, /tokenize, /detokenize) needs a key; probes, /metrics and
+    /version do not. vLLM leaves /tokenize open; here it is API work like any other, and
+    clients that use it (through the `openai` client's key) send the key anyway."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
 class APIKeyAuth:
-    """`Authorization: Bearer <key>` on /v1/*; probes and /metrics stay open so load
-    balancers and Prometheus need no secret.
+    """`Authorization: Bearer <key>` on the API (`_protected`); probes and /metrics stay
+    open so load balancers and Prometheus need no secret.
 
     With several keys, each is a tenant: the matching key's `Tenant` is recorded in
     `scope["state"]["tenant"]` (`request.state.tenant`) for the handlers. Every key is
@@ -85,7 +92,7 @@ class APIKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (not self.keys or scope["type"] != "http"
-                or not scope.get("path", "").startswith("/v1")
+                or not _protected(scope.get("path", ""))
                 or scope.get("method") == "OPTIONS"):
             return await self.app(scope, receive, send)
         auth = b""
@@ -106,16 +113,25 @@ class HTTPMetrics:
     """Count responses by route and status code; unknown paths share one label value so
     a scanner cannot blow up the series count."""
 
-    def __init__(self, app: ASGIApp, counter: object, routes: set[str]) -> None:
+    def __init__(self, app: ASGIApp, counter: object, routes: set[str],
+                 prefixes: dict[str, str] | None = None) -> None:
         self.app = app
         self.counter = counter
         self.routes = routes
+        self.prefixes = prefixes or {}  # path prefix -> its label (`/v1/models/{model}`)
+
+    def route(self, path: str) -> str:
+        if path in self.routes:
+            return path
+        for prefix, label in self.prefixes.items():
+            if path.startswith(prefix):
+                return label
+        return "other"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        route = path if path in self.routes else "other"
+        route = self.route(scope.get("path", ""))
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":

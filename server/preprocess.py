@@ -24,7 +24,14 @@ from scheduler.async_engine import AsyncEngine, GenerationRequest
 from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
 from scheduler.outputs import RequestRejected
 from server.errors import APIError, bad_request
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from server.settings import ServerSettings
 from server.tenants import Tenant, effective_salt
 
@@ -43,6 +50,7 @@ class Choice:
     params: SamplingParams
     request_id: str
     echo_text: str = ""  # the prompt text, prepended to the output when echo is on
+    prompt_index: int = 0  # which prompt of a batch (the n samples of one prompt share it)
 
 
 @dataclass
@@ -177,7 +185,7 @@ class Preprocessor:
             except ValueError as e:
                 raise bad_request(str(e), str(e).split(" ")[0]) from None
             plan.choices.append(Choice(index, ids, params, f"{plan.id}-{index}",
-                                       text if plan.echo else ""))
+                                       text if plan.echo else "", p_idx))
 
     def _check_prompt(self, ids: list[int], param: str) -> None:
         if not ids:
@@ -200,16 +208,54 @@ class Preprocessor:
                 for p in prompt]
 
     def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        return self._render_messages(req.messages, req.add_generation_prompt)
+
+    def _render_messages(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                         continue_final_message: bool = False,
+                         add_special_tokens: bool = False) -> list[int]:
         tok = self.engine.tokenizer
         msgs = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-                for m in req.messages]
+                for m in messages]
         template = None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        extra = {"continue_final_message": True} if continue_final_message else {}
         try:
             text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=add_generation_prompt,
+                                           **extra)
         except Exception as e:  # template errors (role order, ...) are the caller's input
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
-        return tok.encode(text, add_special_tokens=False)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    # ---- /tokenize and /detokenize (vLLM's extension endpoints) ---------------------
+    async def tokenize(self, req: TokenizeCompletionRequest | TokenizeChatRequest
+                       ) -> dict[str, Any]:
+        """The ids a completion or chat request would run, without running it: clients
+        count tokens against `max_model_len` before they send."""
+        self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            if req.continue_final_message and req.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot "
+                                  "both be true", "continue_final_message")
+            ids = await self._run(self._render_messages, req.messages,
+                                  req.add_generation_prompt, req.continue_final_message,
+                                  req.add_special_tokens)
+        else:
+            ids = await self._run(self._encode, req.prompt, req.add_special_tokens)
+        strs = None
+        if req.return_token_strs:
+            strs = await self._run(self.engine.tokenizer.convert_ids_to_tokens, ids)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len,
+                "tokens": ids, "token_strs": strs}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        vocab = self.engine.vocab_size
+        if any(t >= vocab for t in req.tokens):
+            raise bad_request(f"token ids must be < vocab size {vocab}", "tokens")
+        return {"prompt": await self._run(self.engine.tokenizer.decode, req.tokens)}
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _tenancy(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant | None

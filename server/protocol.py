@@ -4,6 +4,12 @@ Bounds live here, not deeper, so that any body that passes validation can be run
 engine without surprises (no NaN temperature, no seed torch cannot take, no n that
 floods the queue). Unknown top-level fields are ignored, like OpenAI-compatible servers
 do for fields of newer API versions; unknown fields inside `kv_policy` are an error.
+
+Scalars are strict, as OpenAI's API is: an integer field takes a JSON integer only (not
+`"4"`, `5.5`, `5.0` or `true`), a number field an integer or a float (not a string), a
+boolean field `true`/`false` only. Lax coercion would run a request other than the one
+sent (`"max_tokens": "4"` silently accepted by us, rejected by OpenAI) and hide client
+bugs until the client meets a stricter server.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Strict,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationInfo,
@@ -26,6 +34,7 @@ MAX_N = 128
 MAX_STOP = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]]
+Number = Annotated[float, Strict()]  # a JSON integer or float, never a string or a bool
 
 
 class _Base(BaseModel):
@@ -41,35 +50,35 @@ class _Base(BaseModel):
 
 
 class StreamOptions(_Base):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _SamplingFields(_Base):
     """Fields shared by both endpoints."""
 
     model: str | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=INT64_MAX)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    max_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
+    temperature: Number = Field(1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(0, ge=-1, le=INT64_MAX)
+    min_p: Number = Field(0.0, ge=0.0, le=1.0)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    seed: StrictInt | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = Field(None, max_length=256)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     user: str | None = Field(None, max_length=256)
-    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    priority: StrictInt = Field(0, ge=-(2**31), le=2**31 - 1)
     kv_policy: StrictStr | dict[str, Any] | None = None
     # Salts this request's prefix-cache keys (vLLM's name): only requests with the same
     # salt (and, with API keys, the same key) share cached prefixes.
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     # Accepted for compatibility, but only their neutral values (checked in preprocess).
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Number] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -104,9 +113,9 @@ class CompletionRequest(_SamplingFields):
              | Annotated[TokenIds, Field(min_length=1)]
              | Annotated[list[Annotated[TokenIds, Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_N)])
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
 
@@ -139,12 +148,12 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -152,3 +161,32 @@ class ChatCompletionRequest(_SamplingFields):
         if v is not None and not info.data.get("logprobs"):
             raise ValueError("requires logprobs to be true")
         return v
+
+
+class TokenizeCompletionRequest(_Base):
+    """`POST /tokenize` with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: Annotated[StrictStr, Field(max_length=4_000_000)]
+    add_special_tokens: StrictBool = True  # BOS etc., as /v1/completions encodes a prompt
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Base):
+    """`POST /tokenize` with messages (vLLM's shape): the ids /v1/chat/completions would
+    run, so `count` is the chat request's `usage.prompt_tokens`."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    # The chat template writes its own special tokens; True adds the tokenizer's on top.
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Base):
+    """`POST /detokenize` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: TokenIds

@@ -1,6 +1,8 @@
 """Shared pytest setup."""
 
+import atexit
 import os
+import sys
 
 import torch
 
@@ -8,6 +10,23 @@ import torch
 # imports triton (kvpool.triton_attention decorates its kernels at import time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+
+def _quiet_triton_teardown() -> None:
+    """Triton's nanobind extension prints ~30 lines of "nanobind: leaked ..." when the
+    interpreter finalizes (a known Triton issue; Triton silences its own workers the same
+    way). Tests import Triton (its interpreter tests, and torch's meta-device paths
+    when transformers builds the tiny models); kvserve itself does not on CPU
+    (tests/test_install.py). Runs after pytest's last line, so no test output is lost."""
+    if "triton" in sys.modules:
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+
+atexit.register(_quiet_triton_teardown)
 
 # Test models are tiny: a second OpenMP thread only adds synchronisation, and on a busy
 # 2-core machine it makes every op wait for a descheduled thread.

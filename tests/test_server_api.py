@@ -211,12 +211,22 @@ def test_metrics_parse_and_documented_names_exist(server: ServerThread) -> None:
 
 
 def test_api_doc_covers_every_field() -> None:
-    from server.protocol import ChatCompletionRequest, CompletionRequest
+    from server.protocol import (
+        ChatCompletionRequest,
+        CompletionRequest,
+        DetokenizeRequest,
+        TokenizeChatRequest,
+        TokenizeCompletionRequest,
+    )
 
     doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
     fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    for schema in (TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest):
+        fields |= set(schema.model_fields)
     fields |= {"include_usage", "kv_cache", "peak_live_tokens", "peak_blocks",
-               "evicted_tokens", "prefix_hit_tokens"}
+               "evicted_tokens", "prefix_hit_tokens", "prompt_tokens_details",
+               "cached_tokens", "count", "max_model_len", "token_strs",
+               "GET /v1/models/{id}", "POST /tokenize", "POST /detokenize"}
     missing = sorted(f for f in fields if f"`{f}`" not in doc)
     assert not missing, missing
     assert doc.count("curl ") >= 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from engine.sampling import SamplingParams
+from policies.config import known_policies
 from scheduler.llm import LLM
 from server.cli import main
 from tests.tiny_models import make_tiny_model
@@ -37,10 +39,91 @@ def test_generate_matches_offline(model_dir: str, capsys: pytest.CaptureFixture)
     assert out == ref.text + "\n"
 
 
-def test_missing_model_is_a_clear_error() -> None:
+def test_missing_model_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", "/nonexistent/model"])
-    assert "--model" in str(exc.value.code)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error: --model") and err.count("\n") == 1, err
+
+
+def _run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+BAD_POLICIES = [
+    ("nope", "unknown kv_policy 'nope'"),
+    ('{"name": "streaming", "windw": 8}', "windw"),
+    ('{"name": "streaming", "window": 0}', "window"),
+    ('{"name": "streaming",', "not valid JSON"),
+    ('{"window": 8}', "name"),
+]
+
+
+def test_bad_default_kv_policy_exits_2_before_loading() -> None:
+    # checked before the model directory is even looked at, so before anything loads
+    p = _run_cli("serve", "--model", "/nonexistent/model", "--default-kv-policy", "nope")
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert lines == ["kvserve: error: --default-kv-policy: unknown kv_policy 'nope'; known "
+                     f"policies: {', '.join(known_policies())}"], lines
+    assert p.stdout == ""
+
+
+@pytest.mark.parametrize(("value", "message"), BAD_POLICIES)
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_bad_default_kv_policy_messages(command: str, value: str, message: str,
+                                        capsys: pytest.CaptureFixture) -> None:
+    extra = ["--prompt", "x"] if command == "generate" else []
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--model", "/nonexistent/model", "--default-kv-policy", value, *extra])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvserve: error: --default-kv-policy"), lines
+    assert message in lines[0]
+
+
+def test_default_kv_policy_takes_a_name_or_an_object() -> None:
+    from policies.config import parse_kv_policy
+    from server.cli import default_kv_policy
+
+    assert default_kv_policy("streaming") == parse_kv_policy("streaming")
+    obj = default_kv_policy(' {"name": "streaming", "sink": 2, "window": 64} ')
+    assert obj == parse_kv_policy({"name": "streaming", "sink": 2, "window": 64})
+
+
+def test_port_in_use_exits_2_before_loading(model_dir: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        p = _run_cli("serve", "--model", model_dir, "--port", str(port))
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"kvserve: error: cannot listen on "
+                                                   f"127.0.0.1:{port}"), lines
+    assert "model loaded" not in p.stderr and time.monotonic() - t0 < 30
+
+
+def test_every_option_has_help_and_shows_its_default(capsys: pytest.CaptureFixture) -> None:
+    from server.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in ("serve", "generate"):
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        for action in subparsers.choices[name]._actions:
+            if action.dest == "help":
+                continue
+            assert action.help and len(action.help) > 8, (name, action.option_strings)
+            if action.default not in (None, False):
+                assert f"(default: {action.default})" in text, (name, action.option_strings)
 
 
 def _free_port() -> int:
@@ -121,3 +204,53 @@ def test_engine_flags_reach_the_engine_config() -> None:
         ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05"]))
     assert (on["batch_policies"], on["reserve_preempted"]) == (True, True)
     assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
+
+
+def test_warm_up_before_ready(tmp_path: Path) -> None:
+    """The demo model served by the CLI: every native op is loaded and a request has run
+    before /ready says 200, so the first client's TTFT is like the tenth's; the warm-up
+    leaves no trace in the metrics."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 180
+        with httpx.Client(base_url=url, timeout=60) as c:
+            while True:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()
+                assert time.monotonic() < deadline, "server did not become ready"
+                try:
+                    if c.get("/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)
+            metrics = c.get("/metrics").text
+            for name in ("kvserve_prompt_tokens_total", "kvserve_generation_tokens_total",
+                         "kvserve_prefix_cache_queries_total"):
+                assert f"{name} 0.0" in metrics, name
+            assert "kvserve_engine_step_seconds_count 0.0" in metrics
+            for i in range(10):
+                r = c.post("/v1/completions", json={"prompt": f"The os module {i}",
+                                                    "max_tokens": 4})
+                assert r.status_code == 200, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    lines = [json.loads(x) for x in (tmp_path / "server.log").read_text().splitlines()
+             if x.startswith("{")]
+    msgs = [x.get("msg", "") for x in lines]
+    loaded = msgs.index("model loaded")  # what turns /ready to 200
+    warm = msgs.index("warmed up")
+    assert warm < loaded and lines[warm]["steps"] >= 2
+    assert all(i < loaded for i, m in enumerate(msgs) if m.startswith("loading C++ ops"))
+    ttft = [x["ttft_s"] for x in lines if x.get("logger") == "kvserve.request"]
+    assert len(ttft) == 10 and ttft[0] <= 3 * ttft[9], ttft

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import random
 import time
+import types
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -118,6 +120,59 @@ def test_completion_400(http: httpx.Client, body: dict, param: str) -> None:
 @pytest.mark.parametrize(("body", "param"), CHAT_400, ids=lambda x: str(x)[:40])
 def test_chat_400(http: httpx.Client, body: dict, param: str) -> None:
     assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+def _leaf_types(annotation: Any) -> set[Any]:
+    """The types a field takes: Optional, unions and Annotated constraints unwrapped."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return set().union(*(_leaf_types(a) for a in typing.get_args(annotation)))
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _leaf_types(typing.get_args(annotation)[0])
+    return {annotation}
+
+
+def _scalar_fields(schema: type, kind: type) -> list[str]:
+    return sorted(name for name, f in schema.model_fields.items()
+                  if _leaf_types(f.annotation) - {type(None)} == {kind})
+
+
+# What OpenAI answers 400 to and lax pydantic would coerce: strings for numbers, floats
+# (even integral ones) and booleans for integers, numbers and strings for booleans.
+BAD_SCALARS = {int: ["4", 5.5, 5.0, True], float: ["0.5", True], bool: ["true", 1, 0]}
+
+
+@pytest.mark.parametrize("kind", [int, float, bool], ids=lambda k: k.__name__)
+def test_scalar_fields_are_strict(http: httpx.Client, kind: type) -> None:
+    from server.protocol import ChatCompletionRequest, CompletionRequest
+
+    endpoints = [("/v1/completions", CompletionRequest, {"prompt": "x", "max_tokens": 1}),
+                 ("/v1/chat/completions", ChatCompletionRequest,
+                  {"messages": MSG, "max_tokens": 1})]
+    checked = 0
+    for path, schema, base in endpoints:
+        names = _scalar_fields(schema, kind)
+        assert names, schema  # the introspection finds the fields it should
+        for name in names:
+            for value in BAD_SCALARS[kind]:
+                err = assert_error(http.post(path, json={**base, name: value}), 400, name)
+                assert name in err["message"], err
+                checked += 1
+    expected_ints = {"max_tokens", "top_k", "n", "seed", "priority", "logprobs", "best_of",
+                     "max_completion_tokens", "top_logprobs"}
+    if kind is int:
+        found = set(_scalar_fields(CompletionRequest, int)) | set(
+            _scalar_fields(ChatCompletionRequest, int))
+        assert found == expected_ints
+    assert checked > 10
+    body = {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}
+    assert_error(http.post("/v1/completions", json=body), 400, "stream_options.include_usage")
+
+
+def test_strict_scalars_still_take_what_openai_takes(http: httpx.Client) -> None:
+    """A JSON integer is a valid number (temperature 0, top_p 1), and null is unset."""
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 0, "top_p": 1, "min_p": 0,
+            "seed": -3, "n": 1, "logprobs": None, "stream": False, "echo": False}
+    assert http.post("/v1/completions", json=body).status_code == 200
 
 
 def test_bad_json_unknown_model_routes(http: httpx.Client) -> None:

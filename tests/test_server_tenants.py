@@ -221,12 +221,13 @@ def test_api_keys_and_quotas_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--api-key", "a", "--api-key", "a"], "repeats an earlier key"),
     (["--api-key", ""], "empty"),
 ])
-def test_tenant_quota_errors(argv: list[str], message: str,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tenant_quota_errors(argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch,
+                             capsys: pytest.CaptureFixture) -> None:
     monkeypatch.delenv("KVSERVE_API_KEY", raising=False)
     # checked before the model is looked at or loaded
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", "/nonexistent/model", *argv])
-    text = str(exc.value.code)
-    assert text.startswith("kvserve: ") and message in text, text
+    assert exc.value.code == 2  # server/cli.py: every start-up error exits 2
+    text = capsys.readouterr().err
+    assert text.startswith("kvserve: error: ") and message in text, text
     assert "secret-typo" not in text

@@ -1,0 +1,86 @@
+"""Warm-up before the server reports ready: pay every first-use cost before a client does.
+
+Why: `/ready` tells a load balancer to route traffic here, so whatever is still lazy at
+that moment lands on the first client's TTFT. On CPU the lazy part is large: the greedy
+argmax op (`engine/csrc/greedy_cpu.cpp`) is built on its first call (~10-25 s on a
+machine that has not cached it; a dlopen otherwise), and the first forward pays for
+oneDNN primitive creation, allocator growth and the tokenizer's first decode. On CUDA
+the Triton kernels compile on their first launch for each shape family.
+
+So the engine first loads every native op explicitly, then runs two tiny requests
+through the ordinary `add_request`/`step` path (one prefill and one decode step: the
+paged decode kernel; one greedy and one top-k/top-p row with logprobs: every sampling
+branch). Both have fixed seeds, so the core's seed generator draws nothing and a
+client's unseeded request gets the same seed with or without a warm-up. The counters
+those requests move are taken off by the caller (`EngineStats.since`), and the step
+listener is detached meanwhile, so metrics start at zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.sampler import greedy_tokens
+from engine.sampling import SamplingParams
+from kvpool.cpu_attention import kernel_available
+from scheduler.outputs import EngineStats
+
+logger = logging.getLogger("kvserve.engine")
+
+WARMUP_PREFIX = "kvserve-warmup-"
+MAX_STEPS = 64  # two requests of 2 tokens need 2 steps; more means something is stuck
+
+
+@dataclass
+class Warmup:
+    seconds: float = 0.0
+    native_ops: dict[str, bool] = field(default_factory=dict)  # op -> loaded
+    steps: int = 0
+    baseline: EngineStats = field(default_factory=EngineStats)  # stats after the warm-up
+
+
+def load_native_ops(device: torch.device) -> dict[str, bool]:
+    """Build (or load from the on-disk cache) every C++ op this device uses."""
+    if device.type != "cpu":
+        return {}
+    greedy_tokens(torch.zeros(1, 2))  # builds/loads kvserve_greedy_cpu on its first call
+    return {"paged_decode_cpu": kernel_available(),
+            "greedy_cpu": hasattr(torch.ops, "kvserve_sampling")
+            and hasattr(torch.ops.kvserve_sampling, "greedy")}
+
+
+def warm_up(core: Any) -> Warmup:
+    """Load the native ops and run two tiny requests to completion on `core`.
+
+    Raises what the core raises: a forward that fails here would fail every request,
+    and the server should then fail to start rather than report ready."""
+    t0 = time.perf_counter()
+    ops = load_native_ops(getattr(core, "device", torch.device("cpu")))
+    vocab = int(core.model_config.vocab_size)
+    prompt = [t % vocab for t in (1, 2, 3)]
+    params = [SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True),
+              SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=8, min_p=0.01,
+                             seed=0, ignore_eos=True, logprobs=1)]
+    ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(params))]
+    on_step = getattr(core, "on_step", None)
+    core.on_step = None  # step histograms are for clients' steps
+    steps = 0
+    try:
+        for rid, p in zip(ids, params):
+            core.add_request(rid, prompt, p, kv_policy="full")
+        while core.has_unfinished() and steps < MAX_STEPS:
+            core.step()
+            steps += 1
+    finally:
+        for rid in ids:  # no-op for finished requests; frees the blocks of stuck ones
+            core.abort_request(rid)
+        core.on_step = on_step
+    w = Warmup(time.perf_counter() - t0, ops, steps, core.stats())
+    logger.info("warmed up", extra={"fields": {"warmup_s": round(w.seconds, 3),
+                                               "native_ops": ops, "steps": steps}})
+    return w
