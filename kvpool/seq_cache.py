@@ -6,8 +6,14 @@ offset `j % bs`). Eviction marks slots dead (`slot_pos = -1`) without moving dat
 block whose slots are all dead is returned to the pool at once and its column removed
 from that layer's table. Every layer has its own table because policies keep different
 tokens (and pyramid budgets different counts) per layer. A full-cache request keeps all
-layers identical (`uniform`); then sizes are plain ints and appending is a handful of
-tensor ops whatever the number of layers — this is the per-step hot path.
+layers identical (`uniform`).
+
+The table and positions are this request's *row* of the engine's shared `SlotTables`
+(kvpool/tables.py), so a step handles every request's row with batched ops; the sizes
+(blocks, appended and live slots per layer) are plain ints here, so deciding what to do
+costs no tensor op. Operations on one request (a prefill chunk, a per-request policy
+plan, swap) live here; those of a whole batch in `SlotTables`, which this class also
+calls for its own row so that each mechanism has one implementation.
 """
 
 from __future__ import annotations
