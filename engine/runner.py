@@ -17,11 +17,25 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.model_config import ModelConfig
+from engine.sampler import TokenScores, score_tokens, scores_to_host
 from kvpool.attention import PAD_QUERY_POS, causal_self_attention, paged_attention
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+# Scored rows' logits are computed this many [rows x vocab] elements at a time (64 MiB of
+# fp32), so a long prompt chunk never holds a [chunk, vocab] tensor.
+_SCORE_ELEMS = 1 << 24
+
+
+@dataclass
+class PromptScoring:
+    """Score the chunk's own next tokens (prompt logprobs): rows `offset ..
+    offset + len(targets) - 1` of the chunk, row j's target being the token after it."""
+
+    offset: int  # first row of the chunk to score
+    targets: list[int]  # the token each scored row predicts (the prompt's next tokens)
+    top_n: int  # alternatives per row
 
 
 @dataclass
@@ -36,6 +50,7 @@ class SeqInput:
     cache: SeqCache
     wants_logits: bool  # the chunk reaches the end of the known tokens
     wants_attention: bool = False  # return per-slot attention mass (eviction policies)
+    score: PromptScoring | None = None  # prompt logprobs of this chunk's rows
 
 
 @dataclass
@@ -62,6 +77,8 @@ class StepOutput:
     logits: torch.Tensor  # [N, V] float32 on the model's device, a row per wants_logits
     # seq index -> attention mass, for the inputs that asked (wants_attention)
     attention: dict[int, AttentionMass] = field(default_factory=dict)
+    # seq index -> its scored rows (SeqInput.score), on the host
+    scores: dict[int, TokenScores] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,6 +203,8 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.int64)
         write_slots = _write_slots(inputs, offsets, total, cfg.num_layers,
                                    decode_slots)  # [L, T]
+        scored = [i for i, s in enumerate(inputs) if s.score is not None]
+        score_rows, score_targets = _score_rows(inputs, offsets, scored)
 
         windows = cfg.sliding_windows
         fresh = _fresh_prompts(inputs, windows)
@@ -202,12 +221,12 @@ class ModelRunner:
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
-            flat = [input_ids, positions, write_slots]
+            flat = [input_ids, positions, write_slots, score_rows, score_targets]
             for g in groups:
                 flat += [g.q_index, g.valid, g.q_pos, g.tables, g.slot_pos]
             up = upload(flat, dev)
-            input_ids, positions, write_slots = up[:3]
-            groups = [_Group(g.members, *up[3 + 5 * j : 8 + 5 * j], g.want_probs)
+            input_ids, positions, write_slots, score_rows, score_targets = up[:5]
+            groups = [_Group(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs)
                       for j, g in enumerate(groups)]
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
@@ -242,6 +261,8 @@ class ModelRunner:
         # tables) outlive the step and are updated in place later.
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, attn)
+            scores = (self._score(hidden, score_rows, score_targets, inputs, scored)
+                      if scored else {})
             if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)
                 hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
             logits = self.model.compute_logits(hidden)
@@ -252,7 +273,46 @@ class ModelRunner:
                     attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids))
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
-        return StepOutput(logits=logits.float(), attention=attention)
+        return StepOutput(logits=logits.float(), attention=attention, scores=scores)
+
+    def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+               inputs: list[SeqInput], scored: list[int]) -> dict[int, TokenScores]:
+        """Prompt logprobs of the scored rows: logits, log-softmax, the target's logprob
+        and rank and the top-N, all on the model's device, a slice of rows at a time;
+        only those numbers come to the host, in one copy for the whole step (a second
+        device-to-host copy beside `engine.sampler.to_host`, in steps that score)."""
+        n = max(inputs[i].score.top_n for i in scored)  # type: ignore[union-attr]
+        step = max(1, _SCORE_ELEMS // self.config.vocab_size)
+        packed = torch.cat([
+            score_tokens(self.model.compute_logits(hidden[rows[a : a + step]]).float(),
+                         targets[a : a + step], n)
+            for a in range(0, rows.shape[0], step)])
+        host = scores_to_host(packed, n)
+        out, a = {}, 0
+        for i in scored:
+            sc = inputs[i].score
+            assert sc is not None
+            b = a + len(sc.targets)
+            k = sc.top_n
+            out[i] = TokenScores(host.logprob[a:b], host.rank[a:b],
+                                 [t[:k] for t in host.top_ids[a:b]],
+                                 [t[:k] for t in host.top_logprobs[a:b]])
+            a = b
+        return out
+
+
+def _score_rows(inputs: list[SeqInput], offsets: list[int], scored: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed token axis' rows to score and their target tokens, input order."""
+    rows: list[int] = []
+    targets: list[int] = []
+    for i in scored:
+        sc = inputs[i].score
+        assert sc is not None
+        a = offsets[i] + sc.offset
+        rows.extend(range(a, a + len(sc.targets)))
+        targets.extend(sc.targets)
+    return torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)
 
 
 def upload(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:

@@ -149,3 +149,39 @@ def to_host(tokens: torch.Tensor,
     return ([int(r[0]) for r in host],
             ([r[1] for r in host], [[int(x) for x in r[2 : 2 + n]] for r in host],
              [r[2 + n :] for r in host]))
+
+
+@dataclass
+class TokenScores:
+    """Host lists for scored rows (prompt logprobs), one entry per row."""
+
+    logprob: list[float]  # the target token's logprob
+    rank: list[int]  # its rank in the row's distribution, 1 = most likely (ties share)
+    top_ids: list[list[int]]  # the top-n ids, best first
+    top_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.logprob)
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, 2 + 2n] float64 on the logits' device: per row the target's logprob, its rank
+    (how many tokens are at least as likely, itself included: vLLM's rank), the top-n
+    ids and their logprobs. Packed so that all rows of a step come to the host in one
+    copy (`scores_to_host`). logits: [R, V] float32; targets: [R] int64."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, targets[:, None])
+    rank = (logp >= chosen).sum(dim=-1, keepdim=True)
+    parts = [chosen.double(), rank.double()]
+    if n > 0:
+        top = logp.topk(n, dim=-1)
+        parts += [top.indices.double(), top.values.double()]
+    return torch.cat(parts, dim=1)
+
+
+def scores_to_host(packed: torch.Tensor, n: int) -> TokenScores:
+    """`score_tokens` rows (concatenated) -> host lists: one device-to-host copy."""
+    host = packed.cpu().tolist()
+    return TokenScores([r[0] for r in host], [int(r[1]) for r in host],
+                       [[int(x) for x in r[2 : 2 + n]] for r in host],
+                       [r[2 + n :] for r in host])

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.loader import load_model
-from engine.runner import ModelRunner, SeqInput
-from engine.sampler import SamplingBatch, sample, to_host, top_logprobs
+from engine.runner import ModelRunner, PromptScoring, SeqInput
+from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.attention_select import select_attention
 from kvpool.manager import KVCacheManager
@@ -152,7 +152,9 @@ class EngineCore:
         rope_shift = shifts_rope(config)
         fit_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len,
                        rope_shift=rope_shift)  # scheduler/limits.py: the one context rule
-        total = len(prompt_ids) + params.max_tokens
+        # max_tokens 0 (scoring) still holds every prompt token: count it like 1 (the
+        # last sampled token is never fed back, so it needs no slot).
+        total = len(prompt_ids) + max(params.max_tokens, 1)
         bs = self.pool.block_size
         reserve, need = self.kv.reservation(policy, len(prompt_ids), total,
                                             self.config.max_num_batched_tokens)
@@ -176,6 +178,8 @@ class EngineCore:
                       reserve_blocks=reserve, peak_blocks=need)
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.policies.admitted(config.name)
@@ -209,12 +213,20 @@ class EngineCore:
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
-                                   c.start - r.pos_offset, c.slots, r.cache, c.completes,
-                                   r.policy is not None and r.policy.needs.attention))
+                                   c.start - r.pos_offset, c.slots, r.cache,
+                                   c.completes and r.params.max_tokens > 0,
+                                   r.policy is not None and r.policy.needs.attention,
+                                   _prompt_scoring(r, c)))
         t1 = time.perf_counter()
         out = self.runner.execute(inputs, plan.decode_slots)
         t2 = time.perf_counter()
-        done = [c for c in plan.chunks if c.completes]
+        for i, scores in out.scores.items():
+            _add_prompt_logprobs(plan.chunks[i].request, scores)
+        # Chunks that reach the end of their known tokens: a token is sampled for each,
+        # except for scoring requests (max_tokens 0), which finish after their prefill.
+        done = [c for c in plan.chunks if c.completes and c.request.params.max_tokens > 0]
+        scored = [c.request for c in plan.chunks
+                  if c.completes and c.request.params.max_tokens == 0]
         reqs = [c.request for c in done]
         batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
                                     [len(r.output_ids) for r in reqs], out.logits.device)
@@ -227,7 +239,7 @@ class EngineCore:
         for c in plan.chunks:
             c.request.num_computed += c.num_tokens
         self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
-        outputs = self._advance(done, tokens, lp)
+        outputs = self._advance(done, tokens, lp) + self._finish_scored(scored)
         t4 = time.perf_counter()
         self.policies.run(plan.chunks, out.attention)  # the slot layout the forward saw
         t5 = time.perf_counter()
@@ -273,6 +285,23 @@ class EngineCore:
             outputs.append(self._output(r, text))
         return outputs
 
+    def _finish_scored(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Scoring requests (max_tokens 0) whose prefill is done: finished with "length"
+        and no token sampled; their output carries the prompt logprobs."""
+        outputs = []
+        for r in reqs:
+            self._prompt_tokens += len(r.prompt_ids)
+            kv, cache = r.kv, r.cache
+            assert cache is not None
+            kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
+            kv.peak_live_tokens = max(kv.peak_live_tokens,
+                                      cache.live // self.model_config.num_layers)
+            r.finish_reason = "length"
+            self.scheduler.remove(r)
+            del self.requests[r.request_id]
+            outputs.append(self._output(r, ""))
+        return outputs
+
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self.model.rotary.rotate(keys, delta, scaled=False)
@@ -300,6 +329,10 @@ class EngineCore:
         r.window_trimmed = min_pos
 
     def _output(self, r: Request, text: str) -> RequestOutput:
+        prompt_lps = None
+        if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
+            assert not r.scoring_prompt, "a request's first output follows its prefill"
+            prompt_lps, r.prompt_logprobs_sent = r.prompt_logprobs, True
         out = RequestOutput(
             request_id=r.request_id, new_token_ids=r.pending_ids,
             new_text=text, logprobs=r.pending_logprobs if r.params.logprobs is not None else None,
@@ -307,7 +340,7 @@ class EngineCore:
             num_prompt_tokens=len(r.prompt_ids), num_output_tokens=len(r.output_ids),
             kv=r.kv if r.finish_reason is not None else None, arrival_time=r.arrival_time,
             first_scheduled_time=r.first_scheduled_time, first_token_time=r.first_token_time,
-            num_preemptions=r.num_preemptions)
+            num_preemptions=r.num_preemptions, prompt_logprobs=prompt_lps)
         r.pending_ids, r.pending_logprobs = [], []
         return out
 
@@ -340,3 +373,27 @@ class EngineCore:
         sched = self.scheduler
         self.kv.check_invariants([r.cache for r in sched.running if r.cache is not None],
                                  [r.cache for r in sched.swapped if r.cache is not None])
+
+
+def _prompt_scoring(r: Request, c: Chunk) -> PromptScoring | None:
+    """The rows of this chunk whose prompt logprobs are still owed: row j (token index
+    j) predicts prompt token j + 1. Rows scored before a recompute are not scored again,
+    and the last prompt token's row predicts the first output (sampling's, not ours)."""
+    if not r.scoring_prompt:
+        return None
+    assert r.prompt_logprobs is not None and r.params.prompt_logprobs is not None
+    lo = max(c.start, len(r.prompt_logprobs) - 1)
+    hi = min(c.start + c.num_tokens, len(r.prompt_ids) - 1)
+    if lo >= hi:
+        return None
+    return PromptScoring(lo - c.start, r.prompt_ids[lo + 1 : hi + 1], r.params.prompt_logprobs)
+
+
+def _add_prompt_logprobs(r: Request, s: TokenScores) -> None:
+    """Append one chunk's scored rows, in prompt order, to the request's list."""
+    assert r.prompt_logprobs is not None
+    first = len(r.prompt_logprobs)
+    for k in range(len(s)):
+        r.prompt_logprobs.append(TokenLogprob(
+            r.prompt_ids[first + k], s.logprob[k], list(zip(s.top_ids[k], s.top_logprobs[k])),
+            s.rank[k]))

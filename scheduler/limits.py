@@ -5,7 +5,9 @@ The HTTP layer (`server/preprocess.py`, before anything is queued), `AsyncEngine
 request is never accepted by one of them and refused by another.
 
 The rule:
-- the prompt must leave room for one token in the context (`max_model_len`);
+- the prompt must leave room for one token in the context (`max_model_len`), unless
+  max_tokens is 0 (a scoring request: prompt logprobs, nothing generated), whose prompt
+  may fill the context;
 - prompt + max_tokens must fit the context, except for a `kv_policy` with
   `rope: "shift"` (StreamingLLM with position shift): it renumbers the kept tokens after
   each eviction, so it may generate past `max_position_embeddings`; only its prompt has
@@ -39,7 +41,8 @@ def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, 
     Raises RequestRejected whose `param` is "prompt" when the prompt alone leaves no room
     to generate, "max_tokens" when prompt + max_tokens passes the context.
     """
-    if prompt_len > max_model_len or (prompt_len == max_model_len and not rope_shift):
+    if prompt_len > max_model_len or (prompt_len == max_model_len and not rope_shift
+                                      and max_tokens != 0):
         raise RequestRejected(
             f"the prompt has {prompt_len} tokens; the model's context length is "
             f"{max_model_len}, which leaves no room to generate", "prompt")

@@ -23,6 +23,8 @@ class Completion:
     logprobs: list[TokenLogprob] | None
     kv: KVUsage | None
     num_preemptions: int
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -64,6 +66,7 @@ class LLM:
         tokens: list[list[int]] = [[] for _ in ids]
         texts = [""] * len(ids)
         lps: list[list[TokenLogprob] | None] = [None] * len(ids)
+        prompt_lps: list[list[TokenLogprob | None] | None] = [None] * len(ids)
         results: list[Completion | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), disable=not progress, desc="generate", unit="req")
         while self.engine.has_unfinished():
@@ -73,9 +76,12 @@ class LLM:
                 texts[i] += out.new_text
                 if out.logprobs is not None:
                     lps[i] = (lps[i] or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 if out.finished:
                     results[i] = Completion(ids[i], tokens[i], texts[i], out.finish_reason or "",
-                                            lps[i], out.kv, out.num_preemptions)
+                                            lps[i], out.kv, out.num_preemptions,
+                                            prompt_lps[i])
                     bar.update(1)
         bar.close()
         return [r for r in results if r is not None]

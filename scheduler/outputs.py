@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # the token's rank in its distribution (1 = most likely); prompt only
 
 
 @dataclass
@@ -51,6 +52,9 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # left the waiting queue
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the
+    # first, which nothing predicts), on the request's first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

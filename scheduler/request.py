@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from engine.sampling import SamplingParams
 from kvpool.seq_cache import SeqCache
 from scheduler.detokenizer import Detokenizer
-from scheduler.outputs import KVUsage
+from scheduler.outputs import KVUsage, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -60,6 +60,17 @@ class Request:
     # Outputs not yet reported upward (token ids and their logprobs).
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)
+    # With params.prompt_logprobs: one entry per prompt token scored so far ([None] for
+    # the first). It only grows: a recompute after preemption scores from where it is.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False  # handed upward with the first output
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: the prompt's positions
+        must run through the model, so the prefix cache is not read."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,11 @@ class ChoiceState:
     prompt_index: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # prompt logprobs (echo with logprobs, or prompt_logprobs): one per prompt token,
+    # None for the first; they come with the choice's first engine output
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    echo_len: int = 0  # characters of echoed prompt text at the start of `text`
     finish_reason: str | None = None
     num_output_tokens: int = 0
     kv: KVUsage | None = None
@@ -41,7 +46,9 @@ class Generation:
     def __init__(self, plan: Plan, stream: RequestStream) -> None:
         self.plan = plan
         self.stream = stream
-        self.choices = {c.request_id: ChoiceState(c.index, c.echo_text, c.prompt_index)
+        self.choices = {c.request_id: ChoiceState(c.index, c.echo_text, c.prompt_index,
+                                                  prompt_ids=c.prompt_ids,
+                                                  echo_len=len(c.echo_text))
                         for c in plan.choices}
         self.status = "running"
         self._logged = False
@@ -59,6 +66,8 @@ class Generation:
             st.token_ids += out.new_token_ids
             if out.logprobs is not None:
                 st.logprobs = (st.logprobs or []) + out.logprobs
+            if out.prompt_logprobs is not None:
+                st.prompt_logprobs = out.prompt_logprobs
             st.num_output_tokens = out.num_output_tokens
             st.first_scheduled_time = out.first_scheduled_time
             st.first_token_time = out.first_token_time

@@ -65,6 +65,8 @@ class Plan:
     include_usage: bool = False
     echo: bool = False
     num_logprobs: int | None = None  # top-N per token when logprobs were asked for
+    # vLLM's `prompt_logprobs` field: top-N per prompt token in choices[].prompt_logprobs
+    num_prompt_logprobs: int | None = None
     num_prompt_tokens: int = 0  # counted once per distinct prompt (n samples share it)
     max_tokens_param: str = "max_tokens"  # the field the client used, for error messages
     user: str | None = None
@@ -108,18 +110,27 @@ class Preprocessor:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens 0 is only allowed with echo (it scores the prompt "
+                              "without generating)", "max_tokens")
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs are not available when stream is true (use "
+                              "echo with logprobs)", "prompt_logprobs")
         policy = self._policy(req.kv_policy)
         prompts = await self._run(self._tokenize_prompts, req.prompt, req.echo)
         plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], policy, req.priority,
                     req.stream, req.include_usage, req.echo, req.logprobs, user=req.user,
-                    **_tenancy(req, tenant))
+                    num_prompt_logprobs=req.prompt_logprobs, **_tenancy(req, tenant))
+        # echo with logprobs returns the prompt's logprobs too (top-N as asked for the
+        # generated tokens); prompt_logprobs asks for them on its own.
+        asked = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs)
+                 if n is not None]
+        prompt_lp = max(asked) if asked else None
         for p_idx, (ids, text) in enumerate(prompts):
             self._check_prompt(ids, "prompt")
             max_tokens = self._max_tokens(ids, req.max_tokens, policy, "prompt", "max_tokens",
                                           DEFAULT_MAX_TOKENS)
-            self._add_choices(plan, req, p_idx, ids, text, max_tokens, req.logprobs)
+            self._add_choices(plan, req, p_idx, ids, text, max_tokens, req.logprobs, prompt_lp)
         return plan
 
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Plan:
@@ -130,6 +141,9 @@ class Preprocessor:
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise bad_request("only response_format type 'text' is supported",
                               "response_format")
+        if req.max_tokens == 0:
+            raise bad_request("max_tokens 0 is only allowed for completions with echo",
+                              "max_tokens")
         policy = self._policy(req.kv_policy)
         ids = await self._run(self._render_chat, req)
         self._check_prompt(ids, "messages")
@@ -166,7 +180,7 @@ class Preprocessor:
 
     def _add_choices(self, plan: Plan, req: CompletionRequest | ChatCompletionRequest,
                      p_idx: int, ids: list[int], text: str, max_tokens: int,
-                     n_lp: int | None) -> None:
+                     n_lp: int | None, prompt_lp: int | None = None) -> None:
         vocab = self.engine.vocab_size
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= vocab for t in stop_ids):
@@ -181,7 +195,8 @@ class Preprocessor:
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=top_k, min_p=req.min_p, seed=seed, stop=req.stop_list,
                     stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-                    logprobs=None if n_lp is None else min(n_lp, vocab))
+                    logprobs=None if n_lp is None else min(n_lp, vocab),
+                    prompt_logprobs=None if prompt_lp is None else min(prompt_lp, vocab))
             except ValueError as e:
                 raise bad_request(str(e), str(e).split(" ")[0]) from None
             plan.choices.append(Choice(index, ids, params, f"{plan.id}-{index}",

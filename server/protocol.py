@@ -59,7 +59,8 @@ class _SamplingFields(_Base):
     model: str | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
+    # 0 only for completions with echo (score the prompt; preprocess checks it)
+    max_tokens: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1, le=INT64_MAX)
@@ -115,6 +116,8 @@ class CompletionRequest(_SamplingFields):
                          Field(min_length=1, max_length=MAX_N)])
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
+    # vLLM's extension: per choice, every prompt token's logprob, rank and top-N
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: StrictInt | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 

@@ -30,6 +30,18 @@ class TokenText:
         return s
 
 
+def _top_dict(tt: TokenText, top: list[tuple[int, float]]) -> dict[str, float] | None:
+    """Legacy `top_logprobs` entry, keyed by token text: where two tokens decode to the
+    same text (byte tokens of one character, both U+FFFD) the likelier one is kept, so
+    the entry's max is still the position's most likely token."""
+    if not top:
+        return None
+    out: dict[str, float] = {}
+    for t, v in top:
+        out.setdefault(tt(t), _finite(v))
+    return out
+
+
 def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """Legacy completions format; `offset` is where these tokens' text starts."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -37,11 +49,72 @@ def completion_logprobs(tt: TokenText, lps: list[TokenLogprob], offset: int) -> 
         s = tt(lp.token_id)
         tokens.append(s)
         token_lps.append(_finite(lp.logprob))
-        tops.append({tt(t): _finite(v) for t, v in lp.top} if lp.top else None)
+        tops.append(_top_dict(tt, lp.top))
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(tt: TokenText, prompt_ids: list[int], lps: list[TokenLogprob | None],
+                  n: int) -> dict[str, Any]:
+    """The prompt's share of the legacy format, for echo: what `completion_logprobs`
+    gives a generated token, with the top-N that `logprobs` asked for. The first prompt
+    token has no logprob (nothing predicts it): `null` and a `null` top entry, as OpenAI
+    and vLLM return it. Offsets add up the tokens' decoded lengths from 0, as vLLM's do
+    (a special token such as BOS counts its decoded text even where the echoed prompt
+    string has none)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for tid, lp in zip(prompt_ids, lps):
+        s = tt(tid)
+        tokens.append(s)
+        token_lps.append(None if lp is None else _finite(lp.logprob))
+        tops.append(None if lp is None else _top_dict(tt, lp.top[:n]))
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def joined(first: dict[str, Any], then: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects as one (the prompt's, then the generated tokens')."""
+    return {k: first[k] + then[k] for k in first}
+
+
+def vllm_prompt_logprobs(tt: TokenText, lps: list[TokenLogprob | None], n: int
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first prompt token, then per
+    token a dict token id -> {logprob, rank, decoded_token}: the prompt token itself
+    first (its rank in the distribution), then the top-N (ranks 1..N) not already in it."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                "decoded_token": tt(lp.token_id)}}
+        for rank, (t, v) in enumerate(lp.top[:n], 1):
+            d.setdefault(str(t), {"logprob": _finite(v), "rank": rank,
+                                  "decoded_token": tt(t)})
+        out.append(d)
+    return out
+
+
+def end_offset(lp: dict[str, Any]) -> int:
+    """Where the text after a legacy logprobs object's last token starts."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else 0
+
+
+def choice_logprobs(gen: Generation, c: ChoiceState, tt: TokenText,
+                    lps: list[TokenLogprob] | None, with_prompt: bool) -> dict[str, Any]:
+    """A completion choice's legacy logprobs for `lps`; `with_prompt` (echo) puts the
+    prompt's first, and the generated tokens' offsets go on from the prompt's."""
+    if not with_prompt:
+        return completion_logprobs(tt, lps or [], 0)
+    prompt = echo_logprobs(tt, c.prompt_ids, c.prompt_logprobs or [],
+                           gen.plan.num_logprobs or 0)
+    return joined(prompt, completion_logprobs(tt, lps or [], end_offset(prompt)))
 
 
 def _chat_token(tt: TokenText, token_id: int, logprob: float) -> dict[str, Any]:
@@ -65,9 +138,13 @@ def completion_body(gen: Generation, choices: list[ChoiceState], tt: TokenText
     for c in choices:
         lp = None
         if p.num_logprobs is not None:
-            lp = completion_logprobs(tt, c.logprobs or [], 0)
-        out.append({"index": c.index, "text": c.text, "logprobs": lp,
-                    "finish_reason": c.finish_reason})
+            lp = choice_logprobs(gen, c, tt, c.logprobs, p.echo)
+        choice = {"index": c.index, "text": c.text, "logprobs": lp,
+                  "finish_reason": c.finish_reason}
+        if p.num_prompt_logprobs is not None:  # vLLM's extension, only when asked
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(tt, c.prompt_logprobs or [],
+                                                             p.num_prompt_logprobs)
+        out.append(choice)
     return {"id": p.id, "object": "text_completion", "created": p.created, "model": p.model,
             "choices": out, "usage": gen.usage(), "system_fingerprint": None}
 

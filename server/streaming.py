@@ -20,7 +20,13 @@ from starlette.types import Receive, Scope, Send
 
 from server.errors import error_body, map_exception
 from server.generation import ChoiceState, Generation
-from server.responses import TokenText, chat_logprobs, completion_logprobs
+from server.responses import (
+    TokenText,
+    chat_logprobs,
+    choice_logprobs,
+    completion_logprobs,
+    end_offset,
+)
 
 DONE = "data: [DONE]\n\n"
 logger = logging.getLogger("kvserve.server")
@@ -58,6 +64,9 @@ class _Chunker:
         self.include_usage = p.include_usage
         self.want_lp = p.num_logprobs is not None
         self.offsets: dict[int, int] = {}  # completions: text offset per choice
+        # echo with logprobs: choices whose prompt is still to be echoed. It goes out with
+        # the choice's first delta, which brings the prompt logprobs (vLLM does the same).
+        self.echo_pending: set[int] = set()
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
         body = {**self.base, "choices": choices}
@@ -73,19 +82,29 @@ class _Chunker:
                 out.append(self.chunk([{"index": c.index, "delta": {"role": "assistant",
                                         "content": ""}, "logprobs": None,
                                         "finish_reason": None}]))
+            elif self.gen.plan.echo and self.want_lp:
+                self.echo_pending.add(c.index)
             elif c.text:
                 out.append(self.chunk([{"index": c.index, "text": c.text, "logprobs": None,
                                         "finish_reason": None}]))
-            self.offsets[c.index] = len(c.text)
+            self.offsets[c.index] = 0 if c.index in self.echo_pending else len(c.text)
         return out
 
     def delta(self, st: ChoiceState, text: str, lps: list | None) -> str | None:
-        if not text and not (self.want_lp and lps):
+        echo = st.index in self.echo_pending
+        if not text and not (self.want_lp and lps) and not echo:
             return None
         lp = None
         if self.want_lp:
             if self.chat:
                 lp = chat_logprobs(self.tt, lps or [])
+            elif echo:  # the prompt and its logprobs, then this delta's tokens
+                self.echo_pending.discard(st.index)
+                lp = choice_logprobs(self.gen, st, self.tt, lps, True)
+                text = st.text[: st.echo_len] + text
+                self.offsets[st.index] = end_offset(lp)
+                return self.chunk([{"index": st.index, "text": text, "logprobs": lp,
+                                    "finish_reason": None}])
             else:
                 lp = completion_logprobs(self.tt, lps or [], self.offsets[st.index])
         self.offsets[st.index] = self.offsets.get(st.index, 0) + len(text)

@@ -75,7 +75,9 @@ COMPLETION_400 = [
     ({"prompt": "x", "priority": "high"}, "priority"),
     ({"prompt": "x", "stream": "maybe"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),
     ({"prompt": "x", "presence_penalty": 1}, "presence_penalty"),
     ({"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
     ({"prompt": "x", "kv_policy": "nope"}, "kv_policy"),
@@ -107,6 +109,8 @@ CHAT_400 = [
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MSG, "max_completion_tokens": 10**9}, "max_completion_tokens"),
     ({"messages": MSG, "max_tokens": 10**9}, "max_tokens"),
+    ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MSG, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "a" * 300}]}, "messages"),
     ({"messages": MSG, "kv_policy": {"name": "full", "sink": -1}}, "kv_policy.sink"),
 ]
@@ -158,7 +162,7 @@ def test_scalar_fields_are_strict(http: httpx.Client, kind: type) -> None:
                 assert name in err["message"], err
                 checked += 1
     expected_ints = {"max_tokens", "top_k", "n", "seed", "priority", "logprobs", "best_of",
-                     "max_completion_tokens", "top_logprobs"}
+                     "max_completion_tokens", "top_logprobs", "prompt_logprobs"}
     if kind is int:
         found = set(_scalar_fields(CompletionRequest, int)) | set(
             _scalar_fields(ChatCompletionRequest, int))
