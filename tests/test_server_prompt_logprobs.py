@@ -14,11 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from scheduler.async_engine import AsyncEngine
-from scheduler.engine_core import EngineConfig
-from server.app import build_app
-from server.settings import ServerSettings
 from server.testing import ServerThread
+from tests.live_server import openai_client, tiny_server
 from tests.tiny_models import make_tiny_model
 
 MODEL = "tiny"
@@ -32,16 +29,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[ServerThread]:
-    engine = AsyncEngine.from_config(EngineConfig(model=model_dir, num_blocks=512,
-                                                  block_size=4))
-    app = build_app(engine, ServerSettings(served_model_names=[MODEL], model_path=model_dir))
-    with ServerThread(app) as s:
+    with tiny_server(model_dir, (MODEL,), block_size=4) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server: ServerThread) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,31 @@
+"""A tiny model served by a real uvicorn on loopback, shared by the API test modules (so
+each one states only what differs: the served names and the engine's settings)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import openai
+
+from scheduler.async_engine import AsyncEngine
+from scheduler.engine_core import EngineConfig
+from server.app import build_app
+from server.settings import ServerSettings
+from server.testing import ServerThread
+
+
+@contextmanager
+def tiny_server(model_dir: str, names: tuple[str, ...] = ("tiny",),
+                **engine: object) -> Iterator[ServerThread]:
+    """`model_dir` served under `names` (127.0.0.1, ephemeral port); `engine`:
+    EngineConfig fields (default a 512-block pool)."""
+    config = EngineConfig(model=model_dir, **{"num_blocks": 512, **engine})  # type: ignore[arg-type]
+    app = build_app(AsyncEngine.from_config(config),
+                    ServerSettings(served_model_names=list(names), model_path=model_dir))
+    with ServerThread(app) as s:
+        yield s
+
+
+def openai_client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
