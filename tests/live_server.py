@@ -3,9 +3,13 @@ each one states only what differs: the served names and the engine's settings)."
 
 from __future__ import annotations
 
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
 import openai
 
 from scheduler.async_engine import AsyncEngine
@@ -29,3 +33,19 @@ def tiny_server(model_dir: str, names: tuple[str, ...] = ("tiny",),
 
 def openai_client(server: ServerThread) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180.0) -> None:
+    """Poll a spawned `kvserve serve`'s /ready until 200; fail with its log if the
+    process exits first or the time runs out."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=10) as c:
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "server did not become ready"
+            try:
+                if c.get("/ready").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +20,7 @@ from scheduler.async_engine import AsyncEngine
 from scheduler.outputs import EngineStats
 from server.cli import build_parser
 from server.metrics import VLLM_ALIASES, ServerMetrics, add_metrics_alias
+from tests.live_server import wait_ready
 from tests.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,17 +141,8 @@ def test_kvserve_serve_metrics_alias_vllm(tmp_path: Path) -> None:
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 120
+        wait_ready(proc, url, tmp_path / "server.log", 120)
         with httpx.Client(base_url=url, timeout=30) as c:
-            while True:
-                assert proc.poll() is None, log.seek(0) or log.read()
-                try:
-                    if c.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "server did not become ready"
-                time.sleep(0.1)
             r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200, r.text
             smp = samples(c.get("/metrics").text)

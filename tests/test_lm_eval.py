@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from tests.live_server import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-3
@@ -82,20 +82,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    with httpx.Client(base_url=url, timeout=10) as c:
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if c.get("/ready").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-
-
 def _samples(out: Path, task: str) -> list[dict[str, Any]]:
     [path] = out.rglob(f"samples_{task}_*.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -124,7 +110,7 @@ def test_lm_eval_local_completions_matches_transformers(tmp_path: Path) -> None:
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
-        _wait_ready(proc, url, log_path)
+        wait_ready(proc, url, log_path)
         tasks = _tasks(tmp_path)
         out = tmp_path / "out"
         # The README's command, with the tasks above (no hub: datasets and the hub offline)

@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 from policies.config import known_policies
 from scheduler.llm import LLM
 from server.cli import main
+from tests.live_server import wait_ready
 from tests.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,17 +143,8 @@ def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path) -> 
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        deadline = time.monotonic() + 120
+        wait_ready(proc, url, tmp_path / "server.log", 120)
         with httpx.Client(base_url=url, timeout=10) as c:
-            while True:
-                assert proc.poll() is None, (tmp_path / "server.log").read_text()
-                assert time.monotonic() < deadline, "server did not become ready"
-                try:
-                    if c.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.1)
 
             events: list[str] = []
             first = threading.Event()
@@ -218,17 +210,8 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 180
+        wait_ready(proc, url, tmp_path / "server.log")
         with httpx.Client(base_url=url, timeout=60) as c:
-            while True:
-                assert proc.poll() is None, (tmp_path / "server.log").read_text()
-                assert time.monotonic() < deadline, "server did not become ready"
-                try:
-                    if c.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
             metrics = c.get("/metrics").text
             for name in ("kvserve_prompt_tokens_total", "kvserve_generation_tokens_total",
                          "kvserve_prefix_cache_queries_total"):
