@@ -44,13 +44,6 @@ class Applied:
     freed_blocks: int = 0
 
 
-def live_layout(cache: SeqCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot_pos, live mask) restricted to the slots any layer has appended so far: what
-    `step_header` and `fill_view` share, so the engine computes it once per step."""
-    sp = cache.slot_pos[:, : max(cache.next_slot, default=0)]
-    return sp, sp >= 0
-
-
 def gather_stats(pool: BlockPool, phys: torch.Tensor, needs: Needs) -> dict[str, torch.Tensor]:
     """The statistics `needs` declares for physical slots `phys` (`BlockPool.gather_stats`)."""
     return pool.gather_stats(phys, needs.key_norm, needs.keys, needs.value_norm)
@@ -73,8 +66,7 @@ def step_header(cache: SeqCache, seq_len: int, prompt_len: int, num_new: int,
 
 
 def fill_view(view: StepView, cache: SeqCache, needs: Needs,
-              attention: torch.Tensor | list[torch.Tensor] | None,
-              live_mask: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepView:
+              attention: torch.Tensor | list[torch.Tensor] | None) -> StepView:
     """Add every layer's live positions and the statistics `needs` declares.
 
     When every layer holds the same slots (no eviction yet, or position-only plans that
@@ -83,7 +75,8 @@ def fill_view(view: StepView, cache: SeqCache, needs: Needs,
     one op. When every layer holds the same count, the [L, n, ...] tensors of the one
     gather are handed on as `view.stacks` for policies that select for all layers at
     once (`StepView.stacked`)."""
-    sp, live = live_mask or live_layout(cache)
+    sp = cache.slot_pos[:, : max(cache.next_slot, default=0)]  # the slots appended so far
+    live = sp >= 0
     nl, bs, lengths = cache.num_layers, cache.bs, view.lengths
     even = len(set(lengths)) == 1
     same = cache.alike or (even and bool((sp == sp[:1]).all()))
