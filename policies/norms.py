@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -40,19 +40,25 @@ from policies.base import (
     resolve_budget,
     without_rows,
 )
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+
+_WINDOW_HELP = "Most recent tokens never evicted (part of the budget)."
 
 
 class KnormConfig(EvictingPolicyConfig):
     name: Literal["knorm"] = "knorm"
-    budget: Budget = 1024  # 001's headline budget
-    window: int = Field(0, ge=0)  # most recent tokens never evicted
+    budget: Budget = budget_field(1024)  # 001's headline budget at 4096
+    window: int = Field(0, ge=0, description=_WINDOW_HELP)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 class KeyDiffConfig(EvictingPolicyConfig):
     name: Literal["keydiff"] = "keydiff"
-    budget: Budget = 1024
-    window: int = Field(0, ge=0)
+    budget: Budget = budget_field(1024)
+    window: int = Field(0, ge=0, description=_WINDOW_HELP)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 def knorm_scores(key_norm: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,13 @@ table for all heads, so a token is kept or dropped for every head at once).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 
 from policies.base import Eviction, Needs, StepView, keep_top, prefill_envelope, resolve_budget
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 
 
 class PagedEvictionConfig(EvictingPolicyConfig):
@@ -25,8 +26,12 @@ class PagedEvictionConfig(EvictingPolicyConfig):
     tokens *after* the prefill eviction, which in this engine is compaction."""
 
     name: Literal["paged_eviction"] = "paged_eviction"
-    budget: Budget = 1024
-    compact: bool = True
+    budget: Budget = budget_field(1024)
+    compact: bool = Field(True, description=(
+        "Pack the kept prompt tokens into whole blocks after the prefill plan (Alg. 2 "
+        "line 13), so decode drops whole blocks."))
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 def token_scores(value_norm: torch.Tensor, key_norm: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,7 @@ class EngineCore:
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
         config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
+        config = config.for_context(self.max_model_len)  # defaults that fit this model
         policy = build_policy(config) if config.name != "full" else None
         rope_shift = shifts_rope(config)
         fit_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len,
