@@ -69,6 +69,24 @@ class KVCacheManager:
                     reserve = min(reserve, -(-summed // bs) + 2 * layers)
         return reserve, self.blocks_for(peak)
 
+    def prefill_chunk(self, policy: Any | None, prompt_len: int, max_chunk: int) -> int:
+        """Longest prefill chunk for a request under `policy` (`max_chunk`: the step's
+        token budget).
+
+        Why: a policy that evicts between prompt chunks bounds memory only if the
+        chunks are bounded too; with the whole step budget as one chunk, a streaming
+        request with a 64-token window held its whole 300-token prompt (issue 20). Its
+        chunks are as long as the bound, at least a block: live tokens never exceed the
+        bound plus one chunk, at most twice the bound. A policy that keeps the prompt
+        whole until it ends (its `max_live` during the prompt is the prompt so far)
+        gains nothing from short chunks and keeps the step budget."""
+        if policy is None or not hasattr(policy, "max_live") or prompt_len < 2:
+            return max_chunk
+        during = policy.max_live(prompt_len - 1, prompt_len, self.block_size)
+        if during >= prompt_len - 1:
+            return max_chunk
+        return max(self.block_size, min(max_chunk, during))
+
     # ---- caches --------------------------------------------------------------------
     def new_cache(self, tokens: int) -> SeqCache:
         """An empty cache (a row of the shared tables) with room for `tokens`."""

@@ -157,8 +157,8 @@ class EngineCore:
         # last sampled token is never fed back, so it needs no slot).
         total = len(prompt_ids) + max(params.max_tokens, 1)
         bs = self.pool.block_size
-        reserve, need = self.kv.reservation(policy, len(prompt_ids), total,
-                                            self.config.max_num_batched_tokens)
+        chunk = self.kv.prefill_chunk(policy, len(prompt_ids), self.config.max_num_batched_tokens)
+        reserve, need = self.kv.reservation(policy, len(prompt_ids), total, chunk)
         usable = self.pool.num_blocks - self.kv.watermark_blocks
         prompt_blocks = self.kv.blocks_for(len(prompt_ids))
         if prompt_blocks > usable and policy is None:
@@ -176,7 +176,7 @@ class EngineCore:
                       priority=priority, kv_policy=config, policy_name=config.name,
                       policy=policy, rope_shift=rope_shift, tenant=tenant,
                       block_hashes=block_hashes(prompt_ids, bs, cache_salt),
-                      reserve_blocks=reserve, peak_blocks=need)
+                      reserve_blocks=reserve, peak_blocks=need, max_chunk=chunk)
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         if params.prompt_logprobs is not None:
@@ -213,6 +213,11 @@ class EngineCore:
             r = c.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+            # The peak is now, with this step's slots taken and its plan not yet run.
+            kv, cache = r.kv, r.cache
+            assert cache is not None
+            kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
+            kv.peak_live_tokens = max(kv.peak_live_tokens, cache.live // cache.num_layers)
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
                                    c.start - r.pos_offset, c.slots, r.cache,
                                    c.completes and r.params.max_tokens > 0,
@@ -273,10 +278,6 @@ class EngineCore:
                 r.pending_logprobs.append(TokenLogprob(tok, lp[0][row], top))
             r.pending_ids.append(tok)
             text, finish = self._check_stop(r, tok)
-            kv = r.kv
-            kv.peak_blocks = max(kv.peak_blocks, r.cache.num_blocks)
-            kv.peak_live_tokens = max(kv.peak_live_tokens,
-                                      r.cache.live // self.model_config.num_layers)
             if finish is not None:
                 r.finish_reason = finish
                 if r.detok is not None:
@@ -292,11 +293,6 @@ class EngineCore:
         outputs = []
         for r in reqs:
             self._prompt_tokens += len(r.prompt_ids)
-            kv, cache = r.kv, r.cache
-            assert cache is not None
-            kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
-            kv.peak_live_tokens = max(kv.peak_live_tokens,
-                                      cache.live // self.model_config.num_layers)
             r.finish_reason = "length"
             self.scheduler.remove(r)
             del self.requests[r.request_id]
