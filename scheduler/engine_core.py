@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+from engine.cpu_linear import pack_linears
 from engine.loader import load_model
 from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
@@ -68,6 +69,9 @@ class EngineConfig:
     # Decode steps of scoring policies at their budget run as one batch per policy and
     # config (scheduler/batched_eviction.py); False: every request alone (same plans).
     batch_policies: bool = True
+    # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
+    # False keeps torch's dense F.linear (for comparison).
+    cpu_prepack: bool = True
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -86,6 +90,8 @@ class EngineCore:
                 raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(_DTYPES)}")
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
+        if self.device.type == "cpu" and config.cpu_prepack:
+            pack_linears(self.model)  # oneDNN's layout for every weight: faster GEMMs
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
