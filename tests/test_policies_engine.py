@@ -188,8 +188,10 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
     {"name": "streaming", "sink": 4, "window": 16, "rope": "shift"},
     {"name": "lazy_streaming", "sink": 4, "window": 16, "compress_every": 8, "slack": 4,
      "max_drop": 8},
+    {"name": "knorm", "budget": 20, "window": 4},
+    {"name": "paged_eviction", "budget": 20},
 ])
-def test_streaming_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
+def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
     """A prompt 20x the window never holds more than sink + window + one chunk (+ one
     block) live tokens, at any step, prefill included (issue 20): its chunks are no
     longer than the bound, and the policy evicts after each. Before, the whole prompt
@@ -215,8 +217,9 @@ def test_streaming_prefill_is_bounded_from_the_first_prompt_token(model, kv_poli
 
 
 def test_policies_that_keep_the_prompt_whole_keep_the_step_budget(model):
-    """h2o, snapkv ... score the whole prompt at its end: short chunks would only cost
-    throughput, so their chunk stays the step budget and admission reserves the prompt."""
+    """h2o, snapkv ... score the whole prompt at its end (their scores change as queries
+    arrive): short chunks would only cost throughput, so their chunk stays the step
+    budget and admission reserves the prompt."""
     llm = LLM(model, num_blocks=400, block_size=BS, max_num_batched_tokens=512)
     for i, kv_policy in enumerate([{"name": "h2o", "budget": 16},
                                    {"name": "snapkv", "budget": 16}, None]):
