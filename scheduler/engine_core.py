@@ -164,6 +164,14 @@ class EngineCore:
         total = len(prompt_ids) + max(params.max_tokens, 1)
         bs = self.pool.block_size
         chunk = self.kv.prefill_chunk(policy, len(prompt_ids), self.config.max_num_batched_tokens)
+        if rope_shift and policy is not None:  # the most tokens a step ever holds
+            bound = policy.max_live(total, len(prompt_ids), bs)
+            span = max(min(len(prompt_ids), bound + chunk), min(total - 1, bound + 1))
+            if span > self.max_model_len:
+                raise RequestRejected(
+                    f"under rope shift this kv_policy uses positions up to {span} (its "
+                    f"bound plus one prefill chunk), past the model's context length "
+                    f"{self.max_model_len}; lower its window", "kv_policy")
         reserve, need = self.kv.reservation(policy, len(prompt_ids), total, chunk)
         usable = self.pool.num_blocks - self.kv.watermark_blocks
         prompt_blocks = self.kv.blocks_for(len(prompt_ids))
