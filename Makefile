@@ -9,7 +9,7 @@ TORCH     ?= torch==2.13.0
 RUNTIME   := $(VENV)/.kvserve-runtime
 DEV       := $(VENV)/.kvserve-dev
 
-.PHONY: install install-dev serve test lint clean
+.PHONY: install install-dev serve test lint clean kvpress-venv
 
 $(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +35,14 @@ test: $(DEV)
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
+
+# kvpress (the eviction methods' reference implementations) pins an older transformers:
+# its own venv, for loadtest/kvpress_reference.py (docs/policies.md, "Agreement with kvpress").
+KVPRESS_VENV ?= .venv-kvpress
+kvpress-venv:
+	test -x $(KVPRESS_VENV)/bin/python || python3 -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(KVPRESS_VENV)/bin/python -m pip install -q "kvpress==0.5.5" "$(TORCH)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
