@@ -166,6 +166,7 @@ class EngineCore:
         chunk = self.kv.prefill_chunk(policy, len(prompt_ids), self.config.max_num_batched_tokens)
         if rope_shift and policy is not None:  # the most tokens a step ever holds
             bound = policy.max_live(total, len(prompt_ids), bs)
+            chunk = min(chunk, max(bs, self.max_model_len - bound))  # positions in range
             span = max(min(len(prompt_ids), bound + chunk), min(total - 1, bound + 1))
             if span > self.max_model_len:
                 raise RequestRejected(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
+from kvpool.manager import MIN_PREFILL_CHUNK
 from policies.catalog import build_policy
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -184,25 +185,25 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
 
 
 @pytest.mark.parametrize("kv_policy", [
-    {"name": "streaming", "sink": 4, "window": 16},
-    {"name": "streaming", "sink": 4, "window": 16, "rope": "shift"},
-    {"name": "lazy_streaming", "sink": 4, "window": 16, "compress_every": 8, "slack": 4,
+    {"name": "streaming", "sink": 4, "window": 60},
+    {"name": "streaming", "sink": 4, "window": 60, "rope": "shift"},
+    {"name": "lazy_streaming", "sink": 4, "window": 60, "compress_every": 8, "slack": 4,
      "max_drop": 8},
-    {"name": "knorm", "budget": 20, "window": 4},
-    {"name": "paged_eviction", "budget": 20},
+    {"name": "knorm", "budget": 64, "window": 4},
+    {"name": "paged_eviction", "budget": 64},
 ])
 def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
-    """A prompt 20x the window never holds more than sink + window + one chunk (+ one
-    block) live tokens, at any step, prefill included (issue 20): its chunks are no
-    longer than the bound, and the policy evicts after each. Before, the whole prompt
-    was one chunk of the step budget and sat in the cache until its prefill ended."""
-    llm = LLM(model, num_blocks=400, block_size=BS)
+    """A prompt 20x the bound never holds more than the bound + one chunk (+ one block)
+    live tokens, at any step, prefill included (issue 20): its chunks are the larger of
+    the bound and MIN_PREFILL_CHUNK, and the policy evicts after each. Before, the whole
+    prompt was one chunk of the step budget and sat in the cache until it ended."""
+    llm = LLM(model, num_blocks=2000, block_size=BS, max_num_batched_tokens=2048)
     core = llm.engine
-    prompt = _prompt(7, 20 * 16)
+    prompt = _prompt(7, 20 * 64)
     core.add_request("r", prompt, _greedy(24), kv_policy=kv_policy)
     req = core.requests["r"]
     bound = build_policy(kv_policy).max_live(len(prompt) - 1, len(prompt), BS)
-    assert req.max_chunk == bound < len(prompt)  # chunks as long as the bound
+    assert bound < len(prompt) and req.max_chunk == max(bound, MIN_PREFILL_CHUNK) < 2048
     steps, kv = 0, None
     while core.has_unfinished():
         for o in core.step():
@@ -210,10 +211,10 @@ def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
         steps += 1
         core.check_invariants()
     assert kv is not None and kv.evicted_tokens > 0
-    assert steps == -(-len(prompt) // bound) + 23  # prompt chunks, then one token a step
-    assert kv.peak_live_tokens <= bound + req.max_chunk + BS
+    assert steps == -(-len(prompt) // req.max_chunk) + 23  # prompt chunks, then a token a step
+    assert kv.peak_live_tokens <= bound + req.max_chunk + BS < len(prompt) / 3
     # The reservation admission made matches: bound + chunk, not the whole prompt.
-    assert req.peak_blocks < core.kv.blocks_for(len(prompt))
+    assert req.peak_blocks < core.kv.blocks_for(len(prompt)) / 3
 
 
 def test_policies_that_keep_the_prompt_whole_keep_the_step_budget(model):
