@@ -26,7 +26,7 @@ from kvpool.swap import SwapSpace
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer
-from scheduler.limits import fit_max_tokens, shifts_rope
+from scheduler.limits import fit_max_tokens, fit_shifted_positions, shifts_rope
 from scheduler.outputs import (
     EngineStats,
     RequestOutput,
@@ -164,15 +164,9 @@ class EngineCore:
         total = len(prompt_ids) + max(params.max_tokens, 1)
         bs = self.pool.block_size
         chunk = self.kv.prefill_chunk(policy, len(prompt_ids), self.config.max_num_batched_tokens)
-        if rope_shift and policy is not None:  # the most tokens a step ever holds
-            bound = policy.max_live(total, len(prompt_ids), bs)
-            chunk = min(chunk, max(bs, self.max_model_len - bound))  # positions in range
-            span = max(min(len(prompt_ids), bound + chunk), min(total - 1, bound + 1))
-            if span > self.max_model_len:
-                raise RequestRejected(
-                    f"under rope shift this kv_policy uses positions up to {span} (its "
-                    f"bound plus one prefill chunk), past the model's context length "
-                    f"{self.max_model_len}; lower its window", "kv_policy")
+        if rope_shift and policy is not None:
+            chunk = fit_shifted_positions(policy.max_live(total, len(prompt_ids), bs), chunk,
+                                          len(prompt_ids), total, self.max_model_len, bs)
         reserve, need = self.kv.reservation(policy, len(prompt_ids), total, chunk)
         usable = self.pool.num_blocks - self.kv.watermark_blocks
         prompt_blocks = self.kv.blocks_for(len(prompt_ids))

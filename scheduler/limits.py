@@ -12,8 +12,7 @@ The rule:
   `rope: "shift"` (StreamingLLM with position shift): it renumbers the kept tokens after
   each eviction, and prefills its prompt in chunks no longer than its bound, so neither
   its prompt nor its generation is limited by `max_position_embeddings` (what is: the
-  positions it ever uses, its bound plus one chunk, which `EngineCore.add_request`
-  checks against the context); such a prompt past the context needs an explicit
+  positions it ever uses, its bound plus one chunk: `fit_shifted_positions`); such a prompt past the context needs an explicit
   max_tokens;
 - no max_tokens from the client: `default` (completions: OpenAI's 16), or with no
   default all that is left of the context (chat), in both cases at most what is left of
@@ -34,6 +33,25 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 def shifts_rope(kv_policy: object) -> bool:
     """True for a validated `kv_policy` config with `rope: "shift"`."""
     return getattr(kv_policy, "rope", "original") == "shift"
+
+
+def fit_shifted_positions(bound: int, chunk: int, prompt_len: int, total: int,
+                          max_model_len: int, block_size: int) -> int:
+    """The prefill chunk of a `rope: "shift"` request whose policy keeps at most `bound`
+    tokens (a step's budget `chunk` otherwise): no longer than the context leaves beside
+    the bound, so every position it is given stays inside the context.
+
+    Raises RequestRejected ("kv_policy") when even that cannot hold: the most tokens a
+    step holds — bound + one chunk in prefill, bound + the new token in decode — pass
+    the context (a window as wide as the context)."""
+    chunk = min(chunk, max(block_size, max_model_len - bound))
+    span = max(min(prompt_len, bound + chunk), min(total - 1, bound + 1))
+    if span > max_model_len:
+        raise RequestRejected(
+            f"under rope shift this kv_policy holds up to {span} tokens in a step (its "
+            f"bound plus one prefill chunk), past the model's context length "
+            f"{max_model_len}; lower its window", "kv_policy")
+    return chunk
 
 
 def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, *,
