@@ -6,7 +6,8 @@ after every parallel region, so each intra-op thread keeps a core busy between o
 the HTTP side waits for a time slice: on 2 cores, 4 concurrent requests took 1.8-2.1x
 the time of one (5-7x beside another busy process). With passive waiting a finished
 intra-op thread sleeps at once, and one thread per physical core is then the fastest
-setting we measured (docs/benchmarks.md, "CPU threads"). Pinning each intra-op thread
+setting we measured (docs/benchmarks.md, "CPU threads"). In a container the count is
+capped by the cgroup's CPU limit. Pinning each intra-op thread
 to one core was slower as soon as another process used that core (a pinned thread
 cannot move away), so pinning is opt-in (`--cpu-bind`), not the default.
 
@@ -32,7 +33,7 @@ class CpuThreads:
     threads: int
     source: str  # "default" (physical cores), "--cpu-threads", "OMP_NUM_THREADS"
     bind: list[int] | None  # CPUs the process is confined to; None: left as it was
-    physical_cores: int  # in the CPUs the process may run on
+    physical_cores: int  # in the CPUs the process may run on, at most its cgroup's limit
     wait_policy: str  # OMP_WAIT_POLICY as applied ("PASSIVE" unless the user set one)
     applied_before_torch: bool = True
 
@@ -58,6 +59,16 @@ def physical_cores(cpus: list[int]) -> int:
         except OSError:
             cores.add(("cpu", str(cpu)))  # no topology (containers, non-Linux): one each
     return max(1, len(cores))
+
+
+def cpu_quota(path: Path = Path("/sys/fs/cgroup/cpu.max")) -> int | None:
+    """The CPUs a cgroup v2 limit allows, rounded up (a container's CPU limit: its
+    affinity still lists every CPU of the node), or None without a limit."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else max(1, -(-int(quota) // int(period)))
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -87,6 +98,8 @@ def plan(threads: int | None, bind: str | None) -> CpuThreads:
                              f"this process (it may use {format_cpu_list(cpus)})")
         cpus = chosen
     cores = physical_cores(cpus)
+    quota = cpu_quota()
+    cores = min(cores, quota) if quota else cores
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
     if threads is not None:
         if threads < 1:
@@ -107,15 +120,20 @@ def apply(choice: CpuThreads) -> CpuThreads:
     if choice.bind is not None:
         os.sched_setaffinity(0, choice.bind)
     before_torch = "torch" not in sys.modules
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(choice.threads)
-    os.environ["OMP_WAIT_POLICY"] = choice.wait_policy
-    os.environ.setdefault("KMP_BLOCKTIME", "0")  # the same for Intel's OpenMP runtime
+    os.environ.update(environment(choice))
     import torch
 
     torch.set_num_threads(choice.threads)
     if not before_torch:
         choice = CpuThreads(**{**asdict(choice), "applied_before_torch": False})
     return choice
+
+
+def environment(choice: CpuThreads) -> dict[str, str]:
+    """The variables OpenMP (GNU's, and Intel's: KMP_BLOCKTIME) and MKL read at load."""
+    n = str(choice.threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": choice.wait_policy,
+            "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME", "0")}
 
 
 def format_cpu_list(cpus: list[int]) -> str:

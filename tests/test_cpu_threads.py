@@ -19,7 +19,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.cpu_threads import allowed_cpus, format_cpu_list, parse_cpu_list, physical_cores
+from engine.cpu_threads import (
+    allowed_cpus,
+    cpu_quota,
+    format_cpu_list,
+    parse_cpu_list,
+    physical_cores,
+)
 from loadtest.spawn import free_port
 from server.cli import main
 from tests.live_server import wait_ready
@@ -36,6 +42,16 @@ def test_cpu_lists_round_trip() -> None:
     for bad in ("", "a", "3-1", "1-", "-2"):
         with pytest.raises(ValueError):
             parse_cpu_list(bad)
+
+
+def test_a_container_cpu_limit_caps_the_default(tmp_path: Path) -> None:
+    """A pod limited to 2.5 CPUs still sees every CPU of its node in its affinity."""
+    limit = tmp_path / "cpu.max"
+    limit.write_text("250000 100000\n")
+    assert cpu_quota(limit) == 3
+    limit.write_text("max 100000\n")
+    assert cpu_quota(limit) is None
+    assert cpu_quota(tmp_path / "missing") is None
 
 
 @pytest.mark.parametrize("args, message", [
