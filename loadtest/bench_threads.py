@@ -101,7 +101,10 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"| {label} | {q['one_best_s']:.3f} | {q['four_best_s']:.3f} "
                      f"| {q['ratio']:.2f}× | {b['one_best_s']:.3f} | {b['four_best_s']:.3f} "
                      f"| {b['ratio']:.2f}× |")
-    lines += ["", f"{os.path.basename(st['model'])}, {st['max_tokens']} tokens per request, "
+    from server.cli import DEMO_MODEL
+
+    model = "the demo model" if st["model"] == str(DEMO_MODEL) else st["model"]
+    lines += ["", f"{model}, {st['max_tokens']} tokens per request, "
               f"greedy; best of {st['repeats']} after a warm-up. Default here: "
               f"{fp['physical_cores']} thread(s), one per physical core, passive waiting. "
               f"Measured {fp['date_utc']} on {fp['cpu']} ({fp['cpu_count']} CPUs), commit "

@@ -106,7 +106,7 @@ async def _completions(url: str, n: int) -> float:
         return time.perf_counter() - t0
 
 
-def _four_over_one(url: str, repeats: int = 5) -> tuple[float, float]:
+def _four_over_one(url: str, repeats: int = 7) -> tuple[float, float]:
     """Best of `repeats` for one request alone and for four at once (after a warm-up):
     the best is what the server can do, the rest is whatever else ran on the machine."""
     asyncio.run(_completions(url, 4))
