@@ -32,6 +32,7 @@ from tests.live_server import wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ("The os module", "import sys", "def read(path):", "class Path:")
+BOUND = 1.5  # four concurrent requests against one (issue 22)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
 
 
@@ -106,14 +107,17 @@ async def _completions(url: str, n: int) -> float:
         return time.perf_counter() - t0
 
 
-def _four_over_one(url: str, repeats: int = 7) -> tuple[float, float]:
-    """Best of `repeats` for one request alone and for four at once (after a warm-up):
-    the best is what the server can do, the rest is whatever else ran on the machine."""
+def _four_over_one(url: str, least: int = 5, most: int = 15) -> tuple[float, float]:
+    """Best time of one request alone and of four at once (after a warm-up), taking
+    pairs until the bests are within the bound or `most` pairs ran: the best is what
+    the server can do, the rest is whatever else ran on the (shared) machine."""
     asyncio.run(_completions(url, 4))
     one, four = [], []
-    for _ in range(repeats):
+    for i in range(most):
         one.append(asyncio.run(_completions(url, 1)))
         four.append(asyncio.run(_completions(url, 4)))
+        if i + 1 >= least and min(four) <= BOUND * min(one):
+            break
     return min(one), min(four)
 
 
@@ -138,10 +142,10 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
         assert cpu["threads"] == physical_cores(allowed_cpus()), cpu
         assert cpu["wait_policy"] == "PASSIVE" and cpu["bind"] is None, cpu
         one, four = _four_over_one(url)
-        assert four <= 1.5 * one, f"quiet: one {one:.3f} s, four {four:.3f} s"
+        assert four <= BOUND * one, f"quiet: one {one:.3f} s, four {four:.3f} s"
         with busy_core():
             one, four = _four_over_one(url)
-        assert four <= 1.5 * one, f"beside a busy process: one {one:.3f} s, four {four:.3f} s"
+        assert four <= BOUND * one, f"beside a busy process: one {one:.3f} s, four {four:.3f} s"
 
 
 def test_thread_options_override_the_default(tmp_path: Path) -> None:
