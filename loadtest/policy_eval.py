@@ -152,7 +152,7 @@ class KVServeBackend:
         eng, sched = self.engine, self.engine.scheduler
         reqs = []
         for i, w in enumerate(windows):
-            cfg = parse_kv_policy(self.kv_policy)
+            cfg = parse_kv_policy(self.kv_policy).for_context(eng.max_model_len)
             r = Request(f"score-{i}", list(w[:prompt_len]), SamplingParams(max_tokens=len(w)),
                         seed=0, arrival_time=0.0, kv_policy=cfg, policy_name=cfg.name,
                         policy=build_policy(cfg) if cfg.name != "full" else None,

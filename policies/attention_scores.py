@@ -10,7 +10,7 @@ exactly min(n, C) tokens after every plan, C = resolve_budget(budget, seq_len).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -33,20 +33,27 @@ from policies.base import (
     resolve_budget,
     without_rows,
 )
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 
 
 class H2OConfig(EvictingPolicyConfig):
     """003 `H2OEviction(budget, recent_window=128)`; budget 1024 as in 003's comparison."""
 
     name: Literal["h2o"] = "h2o"
-    budget: Budget = 1024
-    window: int = Field(128, ge=0)  # recent tokens always kept (part of the budget)
+    budget: Budget = budget_field(1024)
+    window: int = Field(128, ge=0, description=(
+        "Most recent tokens always kept, part of the budget; the rest are the heaviest "
+        "hitters by cumulative attention."))
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {
+        "budget": ContextDefault(0.25), "window": ContextDefault(1 / 32)}
 
 
 class TOVAConfig(EvictingPolicyConfig):
     name: Literal["tova"] = "tova"
-    budget: Budget = 1024
+    budget: Budget = budget_field(1024)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 @dataclass

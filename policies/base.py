@@ -214,6 +214,24 @@ def is_active(view: StepView) -> bool:
     return view.prefill_done or view.seq_len > view.prompt_len
 
 
+def prompt_budget(budget: int | float, view: StepView) -> int:
+    """C during a prompt and after it: resolved on the whole prompt length while the
+    prompt is still being computed (so every prompt chunk aims at the C the prompt's end
+    will have), on the sequence length from then on."""
+    return resolve_budget(budget, max(view.seq_len, view.prompt_len))
+
+
+def chunked_envelope(budget: int | float, seq_len: int, prompt_len: int | None,
+                     over: int = 0) -> int:
+    """`max_live` of a policy that evicts down to C after every prompt chunk and keeps
+    at most C + `over` tokens in decode (C = `prompt_budget`): bounded from the first
+    prompt token on. A ratio budget with an unknown prompt length bounds nothing."""
+    if prompt_len is None and isinstance(budget, float):
+        return seq_len
+    c = resolve_budget(budget, max(seq_len, prompt_len or 0))
+    return min(seq_len, c + (over if prompt_len is None or seq_len > prompt_len else 0))
+
+
 def prefill_envelope(seq_len: int, prompt_len: int | None, after: int) -> int:
     """`max_live` of a policy that evicts nothing before the prompt is complete and at
     most `after` live tokens from then on: intermediate prefill chunks keep up to

@@ -45,8 +45,54 @@ CATALOG: dict[str, tuple[type[KVPolicyConfig], type]] = {
     "lazy_eviction": (LazyEvictionConfig, LazyEvictionPolicy),
 }
 
+# What each keeps, in a user's words (GET /v1/kv_policies; docs/policies.md has the rest).
+SUMMARIES: dict[str, str] = {
+    "full": "Keeps every token (no eviction).",
+    "streaming": "StreamingLLM: the first `sink` tokens plus the most recent `window`.",
+    "lazy_streaming": "StreamingLLM pruned lazily: only once the overflow reaches "
+                      "`compress_every`, at most `max_drop` tokens at a time.",
+    "paged_eviction": "PagedEviction: drops the tokens, then whole blocks, with the lowest "
+                      "‖V‖/‖K‖, down to `budget`.",
+    "knorm": "Keeps the `budget` tokens with the lowest key norm.",
+    "keydiff": "Keeps the `budget` tokens whose keys differ most from the mean key.",
+    "h2o": "Heavy hitters: the `budget` tokens with the most cumulative attention, the "
+           "recent `window` included.",
+    "tova": "Keeps the `budget` tokens the current query attends to most.",
+    "snapkv": "Compresses the prompt once, to `budget` tokens, by the attention of its "
+              "last `obs_window` queries.",
+    "pyramid": "Per-layer budgets in a pyramid (more below, fewer above) averaging "
+               "`budget`, by observation-window attention.",
+    "lazy_eviction": "Every `window` decode steps, keeps the recent `window` and the "
+                     "tokens whose attention recurs, down to `budget`.",
+}
+
 for _name, (_config_cls, _) in CATALOG.items():
     register_policy_config(_name, _config_cls)
+
+
+def describe_policies(max_model_len: int | None = None) -> list[dict[str, Any]]:
+    """Every policy with its parameters — JSON-schema type and bounds, meaning, and the
+    default a request gets on a model of `max_model_len` positions (the class default
+    when None) with the rule behind it — for `GET /v1/kv_policies` and docs/api.md, so a
+    user can see what `"kv_policy": "h2o"` will keep before sending it."""
+    out = []
+    for name, (config_cls, policy_cls) in CATALOG.items():
+        config = config_cls()
+        if max_model_len is not None:
+            config = config.for_context(max_model_len)
+        props = config_cls.model_json_schema()["properties"]
+        params = {}
+        for field, schema in props.items():
+            if field == "name":
+                continue
+            rule = config_cls.CONTEXT_DEFAULTS.get(field)
+            params[field] = {**{k: v for k, v in schema.items() if k != "title"},
+                             "default": getattr(config, field),
+                             "default_rule": rule.rule() if rule else None}
+        paper = (policy_cls.__doc__ or "").strip().split("\n\n")[0]
+        out.append({"name": name, "description": SUMMARIES[name],
+                    "reference": " ".join(paper.split()), "parameters": params})
+    return out
 
 
 def build_policy(config: KVPolicyConfig | str | Mapping[str, Any] | None) -> Policy:

@@ -8,9 +8,36 @@ config class here; `parse_kv_policy` then accepts it by name or as an object.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    ValidationError,
+    WithJsonSchema,
+)
+
+# The context the class defaults are written for (003's comparison: budget 1024 of 4096).
+REFERENCE_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class ContextDefault:
+    """A parameter's default as a share of the model's context: `fraction` ×
+    max_model_len, less the value of parameter `minus` if given, at least 1."""
+
+    fraction: float
+    minus: str | None = None
+
+    def value(self, max_model_len: int, config: BaseModel) -> int:
+        less = int(getattr(config, self.minus)) if self.minus else 0
+        return max(1, round(self.fraction * max_model_len) - less)
+
+    def rule(self) -> str:
+        return f"{self.fraction:g} × max_model_len" + (f" − {self.minus}" if self.minus else "")
 
 
 class KVPolicyError(ValueError):
@@ -28,6 +55,22 @@ class KVPolicyConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
+
+    # Parameters whose default follows the model's context, so that a policy named
+    # without parameters acts on every model: an absolute default (1024 tokens) is a
+    # no-op on a model of 1024 positions. The class defaults are these rules at
+    # REFERENCE_CONTEXT (tests/test_policies_config.py checks they agree); the engine
+    # applies them to the served model (`for_context`).
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {}
+
+    def for_context(self, max_model_len: int) -> KVPolicyConfig:
+        """This config with every context-relative parameter the client did not give
+        set for a model of `max_model_len` positions. Idempotent: a parameter set here
+        counts as given."""
+        update = {name: rule.value(max_model_len, self)
+                  for name, rule in self.CONTEXT_DEFAULTS.items()
+                  if name not in self.model_fields_set}
+        return self.model_copy(update=update) if update else self
 
 
 class FullPolicyConfig(KVPolicyConfig):
@@ -57,11 +100,19 @@ Budget = Annotated[int | float, PlainValidator(_budget), WithJsonSchema(
                {"type": "number", "exclusiveMinimum": 0, "maximum": 1}]})]
 
 
+def budget_field(default: int | float, what: str = "Tokens kept per layer") -> Any:
+    """The `budget` parameter of a policy, described once for every policy listing."""
+    return Field(default, description=f"{what}: a token count (integer), or a ratio of "
+                 "the sequence (number in (0, 1]).")
+
+
 class EvictingPolicyConfig(KVPolicyConfig):
     """Base of every config that evicts: `compact` asks the engine to pack a layer's
     live tokens into as few blocks as they need after each plan (read by the engine)."""
 
-    compact: bool = False
+    compact: bool = Field(False, description=(
+        "Pack each layer's live tokens into as few blocks as they need after every "
+        "plan, so scattered evictions return whole blocks to the pool."))
 
 
 POLICY_CONFIGS: dict[str, type[KVPolicyConfig]] = {"full": FullPolicyConfig}

@@ -29,7 +29,7 @@ from policies.base import (
     resolve_budget,
     without_rows,
 )
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, EvictingPolicyConfig, budget_field
 
 
 class LazyEvictionConfig(EvictingPolicyConfig):
@@ -37,9 +37,13 @@ class LazyEvictionConfig(EvictingPolicyConfig):
     (DS-Llama-8B, App. C / Table 10)."""
 
     name: Literal["lazy_eviction"] = "lazy_eviction"
-    budget: Budget = 0.5  # B: tokens, or ratio of the sequence (the paper's r)
-    window: int = Field(25, ge=1)  # W: eviction period and recent tokens kept
-    alpha: float = Field(5e-4, gt=0.0, le=1.0)  # α: attention that counts as "important"
+    # A ratio already: it follows every model's context without a rule.
+    budget: Budget = budget_field(0.5, "B: tokens kept per layer at each decision (the "
+                                  "paper's r as a ratio)")
+    window: int = Field(25, ge=1, description=(
+        "W: eviction period in decode steps, and recent tokens always kept."))
+    alpha: float = Field(5e-4, gt=0.0, le=1.0, description=(
+        "α: the head-averaged attention from which a token counts as activated."))
 
 
 def importance(t: int | torch.Tensor, ts: torch.Tensor, mri: torch.Tensor) -> torch.Tensor:

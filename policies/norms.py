@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from policies.base import (
     StepView,
     align,
     align_rows,
+    chunked_envelope,
     drop_index_rows,
     edge_mask,
     evict_except,
@@ -37,22 +38,29 @@ from policies.base import (
     is_active,
     keep_rows,
     prefill_envelope,
+    prompt_budget,
     resolve_budget,
     without_rows,
 )
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+
+_WINDOW_HELP = "Most recent tokens never evicted (part of the budget)."
 
 
 class KnormConfig(EvictingPolicyConfig):
     name: Literal["knorm"] = "knorm"
-    budget: Budget = 1024  # 001's headline budget
-    window: int = Field(0, ge=0)  # most recent tokens never evicted
+    budget: Budget = budget_field(1024)  # 001's headline budget at 4096
+    window: int = Field(0, ge=0, description=_WINDOW_HELP)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 class KeyDiffConfig(EvictingPolicyConfig):
     name: Literal["keydiff"] = "keydiff"
-    budget: Budget = 1024
-    window: int = Field(0, ge=0)
+    budget: Budget = budget_field(1024)
+    window: int = Field(0, ge=0, description=_WINDOW_HELP)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 def knorm_scores(key_norm: torch.Tensor) -> torch.Tensor:
@@ -135,7 +143,15 @@ class KnormPolicy:
     live token (`Needs.key_norm`), and from then on the policy keeps each layer's kept
     positions and scores and asks only for the norms of each step's new tokens
     (`Needs.new_key_norm`), which makes a decode step O(new tokens) instead of a gather
-    of every live key. The kept sets are the same (tests/test_policies_norms.py)."""
+    of every live key. The kept sets are the same (tests/test_policies_norms.py).
+
+    Bounded prefill: it evicts after every prompt chunk too, down to the C the prompt's
+    end will have (`prompt_budget`), so its memory is bounded from the first prompt token
+    (`chunked_envelope`; the scheduler then prefills in chunks of about C). The kept set
+    at the end of the prompt is the one a single whole-prompt plan keeps: a score never
+    changes, and a token outside the top C - window of the older tokens seen so far is
+    outside it for any superset; the recent window of an earlier chunk only holds tokens
+    older than the final window (tests/test_policies_norms.py checks it)."""
 
     config: KnormConfig
     name: str = "knorm"
@@ -144,10 +160,8 @@ class KnormPolicy:
     _score: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def step(self, view: StepView) -> Eviction:
-        if not is_active(view):
-            return {}
         pos, scores = self._scored(view)
-        budget = resolve_budget(self.config.budget, view.seq_len)
+        budget = prompt_budget(self.config.budget, view)
         window = min(self.config.window, budget)
         plan: Eviction = {}
         if len({p.numel() for p in pos}) == 1:  # every layer holds n: select at once
@@ -214,14 +228,15 @@ class KnormPolicy:
         return view.per_request(drop)
 
     def idle(self, view: StepView) -> bool:
-        """Before the first plan as `_idle`; after it never, since every new token's
-        norm must be recorded when it is computed (a ratio budget may grow past n)."""
-        return not self._pos and _idle(view, self.config.budget)
+        """Before the first plan while every layer is within the budget; after it never,
+        since every new token's norm must be recorded when it is computed (a ratio
+        budget may grow past n)."""
+        budget = prompt_budget(self.config.budget, view)
+        return not self._pos and all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        return prefill_envelope(seq_len, prompt_len,
-                                resolve_budget(self.config.budget, seq_len))
+        return chunked_envelope(self.config.budget, seq_len, prompt_len)
 
 
 @dataclass

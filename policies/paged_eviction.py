@@ -11,12 +11,20 @@ table for all heads, so a token is kept or dropped for every head at once).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
+from pydantic import Field
 
-from policies.base import Eviction, Needs, StepView, keep_top, prefill_envelope, resolve_budget
-from policies.config import Budget, EvictingPolicyConfig
+from policies.base import (
+    Eviction,
+    Needs,
+    StepView,
+    chunked_envelope,
+    keep_top,
+    prompt_budget,
+)
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 
 
 class PagedEvictionConfig(EvictingPolicyConfig):
@@ -25,8 +33,12 @@ class PagedEvictionConfig(EvictingPolicyConfig):
     tokens *after* the prefill eviction, which in this engine is compaction."""
 
     name: Literal["paged_eviction"] = "paged_eviction"
-    budget: Budget = 1024
-    compact: bool = True
+    budget: Budget = budget_field(1024)
+    compact: bool = Field(True, description=(
+        "Pack the kept prompt tokens into whole blocks after the prefill plan (Alg. 2 "
+        "line 13), so decode drops whole blocks."))
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 def token_scores(value_norm: torch.Tensor, key_norm: torch.Tensor) -> torch.Tensor:
@@ -38,8 +50,12 @@ def token_scores(value_norm: torch.Tensor, key_norm: torch.Tensor) -> torch.Tens
 class PagedEvictionPolicy:
     """PagedEviction (001_01037b507c6df960.txt §4.2-4.3, Algorithms 1-3).
 
-    Prefill (Alg. 2), on the step with `prefill_done`: drop the lowest-S_i tokens of
-    each layer down to C = resolve_budget(budget, seq_len) (E = L - C tokens).
+    Prefill (Alg. 2): drop the lowest-S_i tokens of each layer down to C (E = L - C
+    tokens), C = resolve_budget(budget, prompt_len). Done after every prompt chunk, not
+    only the last, so memory is bounded from the first prompt token (the scheduler
+    prefills in chunks of about C); S_i of a stored token never changes, so the kept set
+    at the prompt's end is the one a single plan over the whole prompt keeps (the top C
+    of a union is within the top C of each part).
 
     Decode (Alg. 3): a layer's live tokens, in kept order, form logical blocks of
     `view.block_size` consecutive tokens counted from the first live token. The newest
@@ -54,7 +70,7 @@ class PagedEvictionPolicy:
     order, i.e. the engine compacts after the prefill plan (`compact`, default on); a
     whole-block drop then needs no further compaction.
 
-    Bound: after the prefill plan n <= C; n only grows by one per decode step and a drop
+    Bound: after every prompt chunk's plan n <= C; n only grows by one per decode step and a drop
     happens at the first multiple of block_size above C, so n <= C + block_size - 1
     (C non-decreasing for ratio budgets). kvpress has no PagedEviction press; its
     per-token ratio is not in kvpress either (nothing to compare)."""
@@ -66,10 +82,8 @@ class PagedEvictionPolicy:
 
     def step(self, view: StepView) -> Eviction:
         self.block_size = view.block_size
-        budget = resolve_budget(self.config.budget, view.seq_len)
+        budget = prompt_budget(self.config.budget, view)
         decoding = not view.prefill_done and view.seq_len > view.prompt_len
-        if not (view.prefill_done or decoding):
-            return {}
         plan: Eviction = {}
         for layer, lv in enumerate(view.layers):
             n = lv.positions.numel()
@@ -77,7 +91,7 @@ class PagedEvictionPolicy:
                 continue
             assert lv.key_norm is not None and lv.value_norm is not None
             scores = token_scores(lv.value_norm, lv.key_norm)
-            if view.prefill_done:
+            if not decoding:  # a prompt chunk (Alg. 2), the last one or an earlier one
                 plan[layer] = keep_top(scores, lv.positions, budget)
             else:
                 drop = self._block_drops(scores, n, view.num_new, view.block_size, budget)
@@ -86,15 +100,13 @@ class PagedEvictionPolicy:
         return plan
 
     def idle(self, view: StepView) -> bool:
-        """`step` plans nothing: before the prompt is complete; at its end when every
-        layer is within the budget; in decode when no layer above the budget fills a
+        """`step` plans nothing: in a prompt chunk when every layer is within the
+        budget; in decode when no layer above the budget fills a
         block this step (Alg. 3 acts only on "L % B == 0"), i.e. most decode steps."""
         self.block_size = view.block_size
-        budget = resolve_budget(self.config.budget, view.seq_len)
-        if view.prefill_done:
+        budget = prompt_budget(self.config.budget, view)
+        if view.prefill_done or view.seq_len <= view.prompt_len:
             return all(n <= budget for n in view.lengths)
-        if view.seq_len <= view.prompt_len:
-            return True
         bs = view.block_size
         return all(n <= budget or n // bs - (n - view.num_new) // bs <= 0 or n < bs
                    for n in view.lengths)
@@ -126,5 +138,4 @@ class PagedEvictionPolicy:
         bs = block_size or self.block_size
         if bs is None:  # unknown block size: no useful bound
             return seq_len
-        after = resolve_budget(self.config.budget, seq_len) + bs - 1
-        return prefill_envelope(seq_len, prompt_len, after)
+        return chunked_envelope(self.config.budget, seq_len, prompt_len, bs - 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -24,17 +24,22 @@ from policies.base import (
     prefill_envelope,
     resolve_budget,
 )
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 from policies.snapkv import OddKernel, pool_scores
 
 
 class PyramidConfig(EvictingPolicyConfig):
     name: Literal["pyramid"] = "pyramid"
-    budget: Budget = 1024  # mean per-layer budget C (002 Table 1: context limit 1024)
-    beta: int = Field(20, ge=1)  # pyramid steepness: smallest layer gets C / beta
-    omega: float = Field(4.0, ge=1.0)  # lambda mask covers 1/omega of a layer's line
-    obs_window: int = Field(32, ge=1)  # α: queries whose attention is summed (eq. 4)
-    kernel_size: OddKernel = 1  # avg pooling over kept order; 1 = eq. 4 as written
+    budget: Budget = budget_field(1024, "Mean tokens kept per layer C (002 Table 1: 1024)")
+    beta: int = Field(20, ge=1, description="Pyramid steepness: the top layer keeps C / beta.")
+    omega: float = Field(4.0, ge=1.0, description=(
+        "The lambda mask (sinks + recent tokens) covers 1/omega of a layer's budget."))
+    obs_window: int = Field(32, ge=1, description=(
+        "α: the most recent queries whose attention scores the middle tokens (eq. 4)."))
+    kernel_size: OddKernel = Field(1, description=(
+        "Average pooling over neighbouring scores (odd; 1 = eq. 4 as written)."))
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
 
 def layer_budgets(total: int, seq_len: int, num_layers: int, beta: int,

@@ -7,7 +7,7 @@ Also home of the observation-window machinery `pyramid` (KV-X) reuses: `pool_sco
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,7 @@ from policies.base import (
     prefill_envelope,
     resolve_budget,
 )
-from policies.config import Budget, EvictingPolicyConfig
+from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 
 Pooling = Literal["avg", "max"]
 
@@ -43,11 +43,16 @@ class SnapKVConfig(EvictingPolicyConfig):
     kernel 5, avgpool (the paper's ablations also use kernel 7 with maxpool)."""
 
     name: Literal["snapkv"] = "snapkv"
-    budget: Budget = 2048  # prompt tokens kept, window included (max_capacity_prompt)
-    obs_window: int = Field(32, ge=1)
-    kernel_size: OddKernel = 5
-    pooling: Pooling = "avg"
-    sink: int = Field(0, ge=0)  # first tokens always kept (SnapKV/kvpress: none)
+    budget: Budget = budget_field(2048, "Prompt tokens kept per layer, the observation "
+                                  "window included (max_capacity_prompt)")
+    obs_window: int = Field(32, ge=1, description=(
+        "The last prompt queries whose attention scores the prompt."))
+    kernel_size: OddKernel = Field(5, description=(
+        "Pooling width over neighbouring positions' scores (odd; 1 = no pooling)."))
+    pooling: Pooling = Field("avg", description="Pooling kind: 'avg' or 'max'.")
+    sink: int = Field(0, ge=0, description="First tokens always kept (SnapKV and kvpress: none).")
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.5)}
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: Pooling = "avg") -> torch.Tensor:

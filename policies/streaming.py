@@ -14,15 +14,18 @@ order only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field
 
 from policies.base import BatchView, Eviction, Needs, StepView
-from policies.config import EvictingPolicyConfig
+from policies.config import ContextDefault, EvictingPolicyConfig
 
 Rope = Literal["original", "shift"]
+_ROPE_HELP = ("'original' keeps each token's position; 'shift' re-numbers the kept tokens "
+              "0..n-1 and re-rotates their keys (000 §3.1), so generation may run past the "
+              "model's position limit.")
 
 
 class StreamingConfig(EvictingPolicyConfig):
@@ -30,9 +33,11 @@ class StreamingConfig(EvictingPolicyConfig):
     defaults: 4 sinks, 1024 recent)."""
 
     name: Literal["streaming"] = "streaming"
-    sink: int = Field(4, ge=0)
-    window: int = Field(1024, ge=1)
-    rope: Rope = "original"
+    sink: int = Field(4, ge=0, description="First tokens always kept (attention sinks).")
+    window: int = Field(1024, ge=1, description="Most recent tokens kept besides the sinks.")
+    rope: Rope = Field("original", description=_ROPE_HELP)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"window": ContextDefault(0.25)}
 
 
 class LazyStreamingConfig(EvictingPolicyConfig):
@@ -40,13 +45,19 @@ class LazyStreamingConfig(EvictingPolicyConfig):
     (S, W, R, σ, δ) = (4, 2044, 32, 16, 32), B = 0 (§3.1: B = 0 in all experiments)."""
 
     name: Literal["lazy_streaming"] = "lazy_streaming"
-    sink: int = Field(4, ge=0)  # S
-    window: int = Field(2044, ge=1)  # W
-    extra: int = Field(0, ge=0)  # B: extra (non-core) soft capacity, eq. 2
-    compress_every: int = Field(32, ge=0)  # R: overflow allowance; 0 disables pruning
-    slack: int = Field(16, ge=0)  # σ: hard cap H = C + σ, eq. 7
-    max_drop: int = Field(32, ge=0)  # δ: most tokens dropped per prune event; 0 = no cap
-    rope: Rope = "original"
+    sink: int = Field(4, ge=0, description="S: first tokens always kept (attention sinks).")
+    window: int = Field(2044, ge=1, description="W: most recent tokens of the core capacity S + W.")
+    extra: int = Field(0, ge=0, description="B: extra soft capacity beyond S + W (eq. 2).")
+    compress_every: int = Field(32, ge=0, description=(
+        "R: prune only once the overflow beyond the capacity reaches R tokens; 0 disables "
+        "pruning."))
+    slack: int = Field(16, ge=0, description="σ: hard cap H = capacity + σ (eq. 7).")
+    max_drop: int = Field(32, ge=0, description=(
+        "δ: most tokens dropped per prune event (eq. 8); 0 drops down to the capacity."))
+    rope: Rope = Field("original", description=_ROPE_HELP)
+
+    CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {
+        "window": ContextDefault(0.5, minus="sink")}
 
 
 def _drop_middle(view: StepView, sink: int, keep: int) -> Eviction:

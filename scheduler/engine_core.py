@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+from engine.cpu_linear import pack_linears
 from engine.loader import load_model
 from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
@@ -68,6 +69,9 @@ class EngineConfig:
     # Decode steps of scoring policies at their budget run as one batch per policy and
     # config (scheduler/batched_eviction.py); False: every request alone (same plans).
     batch_policies: bool = True
+    # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
+    # False keeps torch's dense F.linear (for comparison).
+    cpu_prepack: bool = True
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -86,6 +90,8 @@ class EngineCore:
                 raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(_DTYPES)}")
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
+        if self.device.type == "cpu" and config.cpu_prepack:
+            pack_linears(self.model)  # oneDNN's layout for every weight: faster GEMMs
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -148,6 +154,7 @@ class EngineCore:
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
         config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
+        config = config.for_context(self.max_model_len)  # defaults that fit this model
         policy = build_policy(config) if config.name != "full" else None
         rope_shift = shifts_rope(config)
         fit_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len,
@@ -156,8 +163,17 @@ class EngineCore:
         # last sampled token is never fed back, so it needs no slot).
         total = len(prompt_ids) + max(params.max_tokens, 1)
         bs = self.pool.block_size
-        reserve, need = self.kv.reservation(policy, len(prompt_ids), total,
-                                            self.config.max_num_batched_tokens)
+        chunk = self.kv.prefill_chunk(policy, len(prompt_ids), self.config.max_num_batched_tokens)
+        if rope_shift and policy is not None:  # the most tokens a step ever holds
+            bound = policy.max_live(total, len(prompt_ids), bs)
+            chunk = min(chunk, max(bs, self.max_model_len - bound))  # positions in range
+            span = max(min(len(prompt_ids), bound + chunk), min(total - 1, bound + 1))
+            if span > self.max_model_len:
+                raise RequestRejected(
+                    f"under rope shift this kv_policy uses positions up to {span} (its "
+                    f"bound plus one prefill chunk), past the model's context length "
+                    f"{self.max_model_len}; lower its window", "kv_policy")
+        reserve, need = self.kv.reservation(policy, len(prompt_ids), total, chunk)
         usable = self.pool.num_blocks - self.kv.watermark_blocks
         prompt_blocks = self.kv.blocks_for(len(prompt_ids))
         if prompt_blocks > usable and policy is None:
@@ -175,7 +191,7 @@ class EngineCore:
                       priority=priority, kv_policy=config, policy_name=config.name,
                       policy=policy, rope_shift=rope_shift, tenant=tenant,
                       block_hashes=block_hashes(prompt_ids, bs, cache_salt),
-                      reserve_blocks=reserve, peak_blocks=need)
+                      reserve_blocks=reserve, peak_blocks=need, max_chunk=chunk)
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         if params.prompt_logprobs is not None:
@@ -212,6 +228,11 @@ class EngineCore:
             r = c.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
+            # The peak is now, with this step's slots taken and its plan not yet run.
+            kv, cache = r.kv, r.cache
+            assert cache is not None
+            kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
+            kv.peak_live_tokens = max(kv.peak_live_tokens, cache.live // cache.num_layers)
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
                                    c.start - r.pos_offset, c.slots, r.cache,
                                    c.completes and r.params.max_tokens > 0,
@@ -272,10 +293,6 @@ class EngineCore:
                 r.pending_logprobs.append(TokenLogprob(tok, lp[0][row], top))
             r.pending_ids.append(tok)
             text, finish = self._check_stop(r, tok)
-            kv = r.kv
-            kv.peak_blocks = max(kv.peak_blocks, r.cache.num_blocks)
-            kv.peak_live_tokens = max(kv.peak_live_tokens,
-                                      r.cache.live // self.model_config.num_layers)
             if finish is not None:
                 r.finish_reason = finish
                 if r.detok is not None:
@@ -291,11 +308,6 @@ class EngineCore:
         outputs = []
         for r in reqs:
             self._prompt_tokens += len(r.prompt_ids)
-            kv, cache = r.kv, r.cache
-            assert cache is not None
-            kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
-            kv.peak_live_tokens = max(kv.peak_live_tokens,
-                                      cache.live // self.model_config.num_layers)
             r.finish_reason = "length"
             self.scheduler.remove(r)
             del self.requests[r.request_id]

@@ -10,8 +10,11 @@ The rule:
   may fill the context;
 - prompt + max_tokens must fit the context, except for a `kv_policy` with
   `rope: "shift"` (StreamingLLM with position shift): it renumbers the kept tokens after
-  each eviction, so it may generate past `max_position_embeddings`; only its prompt has
-  to fit (all of the context, not one less);
+  each eviction, and prefills its prompt in chunks no longer than its bound, so neither
+  its prompt nor its generation is limited by `max_position_embeddings` (what is: the
+  positions it ever uses, its bound plus one chunk, which `EngineCore.add_request`
+  checks against the context); such a prompt past the context needs an explicit
+  max_tokens;
 - no max_tokens from the client: `default` (completions: OpenAI's 16), or with no
   default all that is left of the context (chat), in both cases at most what is left of
   `capacity` (the context or the whole KV pool, the smaller) — never past the context,
@@ -41,8 +44,8 @@ def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, 
     Raises RequestRejected whose `param` is "prompt" when the prompt alone leaves no room
     to generate, "max_tokens" when prompt + max_tokens passes the context.
     """
-    if prompt_len > max_model_len or (prompt_len == max_model_len and not rope_shift
-                                      and max_tokens != 0):
+    if not rope_shift and (prompt_len > max_model_len or (
+            prompt_len == max_model_len and max_tokens != 0)):
         raise RequestRejected(
             f"the prompt has {prompt_len} tokens; the model's context length is "
             f"{max_model_len}, which leaves no room to generate", "prompt")
@@ -50,9 +53,11 @@ def fit_max_tokens(prompt_len: int, max_tokens: int | None, max_model_len: int, 
         limit = max_model_len if capacity is None else min(capacity, max_model_len)
         room = limit - prompt_len
         if room < 1:
+            hint = " (give max_tokens: under rope shift a request may run past it)" \
+                if rope_shift else ""
             raise RequestRejected(
                 f"the prompt ({prompt_len} tokens) leaves no room to generate within "
-                f"{limit} tokens (the context or the whole KV pool)", "prompt")
+                f"{limit} tokens (the context or the whole KV pool){hint}", "prompt")
         return room if default is None else min(default, room)
     total = prompt_len + max_tokens
     if total > max_model_len and not rope_shift:

@@ -42,6 +42,10 @@ class Request:
     # The most blocks (all layers) it can ever hold: prompt + max_tokens, or its policy's
     # peak. Once preempted, a request is reserved this much (MemoryConfig.reserve_preempted).
     peak_blocks: int = 0
+    # Most tokens of one prefill chunk. A policy that evicts between prompt chunks
+    # (streaming) gets chunks no longer than its bound, so its cache stays within twice
+    # that from the first prompt token on (`KVCacheManager.prefill_chunk`).
+    max_chunk: int = 2**62
     registered: int = 0  # prompt blocks published to (or taken from) the prefix cache
     resume_mark: int = 0  # len(output_ids) when last resumed (thrash protection)
     output_ids: list[int] = field(default_factory=list)

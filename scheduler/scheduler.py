@@ -143,7 +143,7 @@ class Scheduler:
         queue = sorted(self.running, key=_key)
         while queue and budget > 0:
             req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, req.max_chunk)
             assert req.cache is not None
             need = req.cache.blocks_needed(n)
             while need + pending > self.pool.num_free:
@@ -169,7 +169,7 @@ class Scheduler:
         while self.swapped and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.swapped[0]
             assert req.cache is not None
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, req.max_chunk)
             need = req.cache.num_blocks + req.cache.blocks_needed(n)
             growth = max(0, req.reserve_blocks - need) + reserved if self.running else 0
             if need + growth > self.pool.num_free:
@@ -233,7 +233,7 @@ class Scheduler:
         cache = self.kv.new_cache(req.num_tokens)
         cache.adopt(hits)
         computed = len(hits) * self.pool.block_size
-        n = min(req.num_tokens - computed, budget)
+        n = min(req.num_tokens - computed, budget, req.max_chunk)
         need = cache.blocks_needed(n)
         ahead = max(0, req.reserve_blocks - cache.num_blocks - need) if req.reserve_blocks else 0
         if not self.running:

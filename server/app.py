@@ -22,6 +22,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from policies.catalog import describe_policies
+from policies.config import parse_kv_policy
 from scheduler.async_engine import AsyncEngine, EngineUnavailable, QueueFull
 from scheduler.outputs import RequestRejected
 from server.errors import (
@@ -49,7 +51,7 @@ from server.tenants import Tenant
 
 logger = logging.getLogger("kvserve.server")
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
-          "/metrics", "/version", "/tokenize", "/detokenize"}
+          "/metrics", "/version", "/tokenize", "/detokenize", "/v1/kv_policies"}
 # Paths with an id in them share one metrics label each.
 ROUTE_PREFIXES = {"/v1/models/": "/v1/models/{model}"}
 
@@ -190,6 +192,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                            f"{', '.join(settings.served_model_names)}", param="model",
                            code="model_not_found")
         return model_card(model_id)
+
+    @app.get("/v1/kv_policies")
+    async def kv_policies() -> dict[str, Any]:
+        """What each `kv_policy` keeps and the defaults it gets on this model (a default
+        budget is a share of max_model_len: policies/config.py `CONTEXT_DEFAULTS`)."""
+        default = parse_kv_policy(engine.default_kv_policy).name
+        data = [{"object": "kv_policy", **p, "server_default": p["name"] == default}
+                for p in describe_policies(engine.max_model_len or None)]
+        return {"object": "list", "data": data}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -48,7 +48,9 @@ def test_given_max_tokens() -> None:
     # the prompt alone: one token of room, or (rope shift) all of the context
     assert rejected(fit_max_tokens, CONTEXT, 1, CONTEXT) == "prompt"
     assert fit_max_tokens(CONTEXT, 5, CONTEXT, rope_shift=True) == 5
-    assert rejected(fit_max_tokens, CONTEXT + 1, 5, CONTEXT, rope_shift=True) == "prompt"
+    # under rope shift a prompt past the context is prefilled in bounded chunks
+    assert fit_max_tokens(4 * CONTEXT, 5, CONTEXT, rope_shift=True) == 5
+    assert rejected(fit_max_tokens, 4 * CONTEXT, None, CONTEXT, rope_shift=True) == "prompt"
 
 
 def test_default_max_tokens() -> None:
@@ -119,6 +121,16 @@ def test_http_rope_shift_streams_past_the_context(http: httpx.Client) -> None:
         "model": MODEL, "messages": MSG, "max_completion_tokens": PAST, "ignore_eos": True,
         "kv_policy": SHIFT})
     assert usage["completion_tokens"] == PAST > CONTEXT
+    # a prompt 4x the context, prefilled in chunks of the policy's bound
+    long = [5 + (7 * i) % 200 for i in range(4 * CONTEXT)]
+    choices, usage = stream(http, "/v1/completions", {
+        "model": MODEL, "prompt": long, "max_tokens": 8, "ignore_eos": True,
+        "kv_policy": SHIFT})
+    assert usage["prompt_tokens"] == 4 * CONTEXT and usage["completion_tokens"] == 8
+    assert usage["kv_cache"]["peak_live_tokens"] <= CONTEXT
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": long,
+                                           "kv_policy": SHIFT})  # no max_tokens
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
 def test_http_past_the_context_is_a_400_on_max_tokens(http: httpx.Client) -> None:
@@ -188,6 +200,31 @@ def test_engine_add_request(model_dir: str) -> None:
             n += len(out.new_token_ids)
             last = out
     assert n == PAST and last.finish_reason == "length"
+    assert core.pool.num_used == 0
+
+
+def test_rope_shift_prompt_longer_than_the_context(model_dir: str) -> None:
+    """Streaming with rope shift: a prompt 4x the model's positions is prefilled in
+    chunks no longer than the context leaves beside its bound, renumbered after each, so
+    every position stays inside the context (issue 20). A window too wide for the
+    context under rope shift is refused, naming the kv_policy."""
+    core = EngineCore(EngineConfig(model=model_dir, num_blocks=128, block_size=4))
+    long = [5 + (7 * i) % 200 for i in range(4 * CONTEXT)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    wide = {**SHIFT, "window": CONTEXT}  # sink + window alone pass the 64 positions
+    assert rejected(core.add_request, "wide", long, params, kv_policy=wide) == "kv_policy"
+    core.add_request("long", long, params, kv_policy=SHIFT)
+    seen = 0
+    while core.has_unfinished():
+        req = core.requests.get("long")
+        for out in core.step():
+            seen += len(out.new_token_ids)
+            last = out
+        if req is not None and req.cache is not None:
+            assert req.num_computed - req.pos_offset <= CONTEXT  # next position in range
+    assert seen == 12 and last.kv is not None and last.kv.evicted_tokens > 0
+    # chunks of what the context leaves beside the bound: every position stays in it
+    assert last.kv.peak_live_tokens <= CONTEXT
     assert core.pool.num_used == 0
 
 

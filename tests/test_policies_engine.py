@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
+from kvpool.manager import MIN_PREFILL_CHUNK
 from policies.catalog import build_policy
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -181,3 +182,47 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
     assert checked > 100
     assert build_policy({"name": "knorm"}).needs.key_norm  # the first plan reads every norm
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("kv_policy", [
+    {"name": "streaming", "sink": 4, "window": 60},
+    {"name": "streaming", "sink": 4, "window": 60, "rope": "shift"},
+    {"name": "lazy_streaming", "sink": 4, "window": 60, "compress_every": 8, "slack": 4,
+     "max_drop": 8},
+    {"name": "knorm", "budget": 64, "window": 4},
+    {"name": "paged_eviction", "budget": 64},
+])
+def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
+    """A prompt 20x the bound never holds more than the bound + one chunk (+ one block)
+    live tokens, at any step, prefill included (issue 20): its chunks are the larger of
+    the bound and MIN_PREFILL_CHUNK, and the policy evicts after each. Before, the whole
+    prompt was one chunk of the step budget and sat in the cache until it ended."""
+    llm = LLM(model, num_blocks=2000, block_size=BS, max_num_batched_tokens=2048)
+    core = llm.engine
+    prompt = _prompt(7, 20 * 64)
+    core.add_request("r", prompt, _greedy(24), kv_policy=kv_policy)
+    req = core.requests["r"]
+    bound = build_policy(kv_policy).max_live(len(prompt) - 1, len(prompt), BS)
+    assert bound < len(prompt) and req.max_chunk == max(bound, MIN_PREFILL_CHUNK) < 2048
+    steps, kv = 0, None
+    while core.has_unfinished():
+        for o in core.step():
+            kv = o.kv or kv
+        steps += 1
+        core.check_invariants()
+    assert kv is not None and kv.evicted_tokens > 0
+    assert steps == -(-len(prompt) // req.max_chunk) + 23  # prompt chunks, then a token a step
+    assert kv.peak_live_tokens <= bound + req.max_chunk + BS < len(prompt) / 3
+    # The reservation admission made matches: bound + chunk, not the whole prompt.
+    assert req.peak_blocks < core.kv.blocks_for(len(prompt)) / 3
+
+
+def test_policies_that_keep_the_prompt_whole_keep_the_step_budget(model):
+    """h2o, snapkv ... score the whole prompt at its end (their scores change as queries
+    arrive): short chunks would only cost throughput, so their chunk stays the step
+    budget and admission reserves the prompt."""
+    llm = LLM(model, num_blocks=400, block_size=BS, max_num_batched_tokens=512)
+    for i, kv_policy in enumerate([{"name": "h2o", "budget": 16},
+                                   {"name": "snapkv", "budget": 16}, None]):
+        llm.engine.add_request(f"r{i}", _prompt(i, 300), _greedy(4), kv_policy=kv_policy)
+        assert llm.engine.requests[f"r{i}"].max_chunk == 512

@@ -104,3 +104,32 @@ def test_knorm_kept_scores_plan_as_if_every_norm_were_read(cfg):
             {k: v.tolist() for k, v in b.step(n, 30).items()}, t
         assert a.counts() == b.counts()
     assert cached.needs.new_key_norm and not cached.needs.key_norm  # it did switch
+
+
+@pytest.mark.parametrize("cfg", [
+    {"name": "knorm", "budget": 24},
+    {"name": "knorm", "budget": 24, "window": 6},
+    {"name": "knorm", "budget": 0.3, "window": 3},
+    {"name": "paged_eviction", "budget": 24},
+    {"name": "paged_eviction", "budget": 0.3},
+])
+@pytest.mark.parametrize("chunk", [5, 16, 24])
+def test_prompt_chunks_keep_what_one_whole_prompt_plan_keeps(cfg, chunk):
+    """Policies whose scores never change evict after every prompt chunk (bounded
+    prefill) and still end the prompt with the kept set of a single plan over it — and
+    then decode identically."""
+    prompt = 100
+    whole, chunked = Sim(build_policy(cfg), seed=3), Sim(build_policy(cfg), seed=3)
+    whole.step(prompt, prompt)
+    budget = build_policy(cfg).max_live(prompt, prompt, 4)
+    done = 0
+    while done < prompt:
+        n = min(chunk, prompt - done)
+        chunked.step(n, prompt)
+        done += n
+        assert max(chunked.counts()) <= budget  # bounded after every chunk's plan
+    assert [p.tolist() for p in chunked.live] == [p.tolist() for p in whole.live]
+    for _ in range(12):
+        whole.step(1, prompt)
+        chunked.step(1, prompt)
+    assert [p.tolist() for p in chunked.live] == [p.tolist() for p in whole.live]

@@ -186,6 +186,21 @@ def test_probes_models_version(server: ServerThread) -> None:
         assert "version" in c.get("/version").json()
 
 
+def test_kv_policies_listing(server: ServerThread) -> None:
+    """GET /v1/kv_policies: every policy, its parameters' schema and meaning, and the
+    defaults resolved for this model's context."""
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        ctx = c.get("/v1/models").json()["data"][0]["max_model_len"]
+        body = c.get("/v1/kv_policies").json()
+    assert body["object"] == "list"
+    by_name = {p["name"]: p for p in body["data"]}
+    assert len(by_name) == 11 and all(p["object"] == "kv_policy" for p in body["data"])
+    assert [p["name"] for p in body["data"] if p["server_default"]] == ["full"]
+    budget = by_name["tova"]["parameters"]["budget"]
+    assert budget["default"] == round(0.25 * ctx) and "anyOf" in budget
+    assert by_name["streaming"]["parameters"]["rope"]["enum"] == ["original", "shift"]
+
+
 def test_metrics_parse_and_documented_names_exist(server: ServerThread) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

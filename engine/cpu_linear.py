@@ -1,0 +1,78 @@
+"""Linear layers with their weights prepacked by oneDNN, for models served on a CPU.
+
+Why: a decode step on the CPU is mostly GEMMs of a few rows against every weight
+matrix, and `F.linear` re-reads each weight in its plain row-major layout, step after
+step. oneDNN can lay a weight out once in the blocked format its kernels stream best
+(`mkldnn._reorder_linear_weight`) and multiply against it directly
+(`mkldnn._linear_pointwise`), as vLLM's CPU backend does. Measured on this repo's
+machine (Xeon, AVX-512, fp32, one thread, the 160M model's shapes): 1.3-2x faster for 8
+to 64 rows, the output head (768 x 32,000) 1.8-2.2x; no faster for a single row
+(docs/benchmarks.md has the engine-level numbers).
+
+Only where it is known to help: fp32 weights, or bf16 on a CPU with native bf16 dot
+products (elsewhere oneDNN's bf16 path is emulated and slower than torch's). The dense
+weight is dropped once packed (a weight tied to the input embedding lives on as the
+embedding), so memory does not double. Results match `F.linear` to fp32 rounding (the
+summation order differs): tests/test_cpu_linear.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("kvserve.engine")
+
+# Rows the packed layout is tuned for: a decode batch. oneDNN runs any row count on it.
+_BATCH_HINT = 64
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """oneDNN prepacking exists in this torch build and helps for `dtype` on this CPU."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+            torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    if dtype == torch.float32:
+        return True
+    # oneDNN also runs bf16 on plain AVX-512, emulated: 1.4x slower than torch's dense
+    # bf16 at 32 rows on this repo's machine. Only native bf16 dot products gain.
+    return dtype == torch.bfloat16 and (torch.cpu._is_avx512_bf16_supported()
+                                        or torch.cpu._is_amx_tile_supported())
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear`'s forward over a oneDNN-prepacked weight (inference only)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        # An opaque oneDNN tensor: a buffer, not a parameter (nothing trains it, and
+        # state_dict readers must not mistake it for a dense weight).
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            weight, _BATCH_HINT), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every `nn.Linear` of a CPU model whose weight dtype packing helps with a
+    `PackedLinear`, in place; returns how many were replaced (0 when unavailable)."""
+    targets = [(name, m) for name, m in model.named_modules()
+               if type(m) is nn.Linear and m.weight.device.type == "cpu"
+               and packing_available(m.weight.dtype)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, PackedLinear(linear))
+    if targets:
+        log.info("CPU: %d linear layers use oneDNN-prepacked weights", len(targets))
+    return len(targets)

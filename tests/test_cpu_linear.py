@@ -1,0 +1,53 @@
+"""oneDNN-prepacked linear layers on the CPU (engine/cpu_linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.cpu_linear import PackedLinear, pack_linears, packing_available
+from engine.sampling import SamplingParams
+from scheduler.llm import LLM
+from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.skipif(not packing_available(torch.float32),
+                                reason="this torch build has no oneDNN prepacking")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64, 200])
+def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(rows, 96)
+    ref = linear(x)
+    packed = PackedLinear(linear)
+    with torch.inference_mode():
+        out = packed(x)
+        out3 = packed(x.view(1, rows, 96))  # leading dims, as the models' [T, h]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out3[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_only_dtypes_that_gain_are_packed() -> None:
+    assert packing_available(torch.float32)
+    assert not packing_available(torch.float16)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).half())
+    assert pack_linears(model) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
+
+
+def test_engine_on_packed_weights_generates_what_dense_weights_do(tmp_path) -> None:
+    """Greedy output of a model with every linear packed (attention projections, MLP,
+    tied output head) equals the dense model's, and nothing dense is left behind."""
+    model = make_tiny_model("llama", tmp_path / "llama")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + (3 * i + j) % 200 for j in range(11 + 9 * i)] for i in range(4)]
+    packed = LLM(model, num_blocks=128, block_size=4)
+    dense = LLM(model, num_blocks=128, block_size=4, cpu_prepack=False)
+    linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    got = [c.token_ids for c in packed.generate(prompts, params)]
+    want = [c.token_ids for c in dense.generate(prompts, params)]
+    assert got == want
