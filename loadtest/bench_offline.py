@@ -331,7 +331,14 @@ def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
                 args.threads, args.kv_memory, args.seed,
                 os.path.join(args.out, f"bench_offline-vllm-{name}.log")),
         }
-        systems = {s: makers[s]() for s in SYSTEMS if "skipped" not in results[s]}
+        systems = {}
+        for s in (s for s in SYSTEMS if "skipped" not in results[s]):
+            try:
+                systems[s] = makers[s]()
+            except RuntimeError as e:  # vLLM's child did not start: a row, not a crash
+                if s != "vllm":
+                    raise
+                results[s]["error"] = str(e)
         try:
             return _measure(name, dtype, params, repeats, w, warm, systems, results, args)
         finally:

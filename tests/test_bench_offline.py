@@ -125,3 +125,18 @@ def test_workload_gflop_counts_linears_head_and_attention() -> None:
     linear = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16  # q+o, k+v (one kv head of dim 4), MLP
     want = 2 * linear * 4 + 2 * 8 * 10 * 2 + 4 * 8 * 1 * (1 + 2 + 3 + 4)
     assert workload_gflop(cfg, Workload([[7, 8, 9]], [2])) * 1e9 == pytest.approx(want)
+
+
+@pytest.mark.timeout(150)
+def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
+    """A broken vLLM venv (its python exits at once) fails vLLM's row with the reason;
+    kvserve's row is still measured and the run completes."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    fake.chmod(0o755)
+    report = run_quick("bench_offline", str(tmp_path), "--threads", "1", "--systems",
+                       "kvserve,vllm", "--vllm-python", str(fake))
+    systems = report["models"]["tiny"]["systems"]
+    assert "vLLM exited with 3" in systems["vllm"]["error"]
+    assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
+    assert "tiny / vLLM-CPU failed:" in (tmp_path / "benchmarks.md").read_text()
