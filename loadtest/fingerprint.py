@@ -16,6 +16,8 @@ from datetime import datetime, timezone
 import torch
 import transformers
 
+from engine.cpu_threads import allowed_cpus, physical_cores
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -71,6 +73,9 @@ def fingerprint() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "torch_interop_threads": torch.get_num_interop_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "omp_wait_policy_env": os.environ.get("OMP_WAIT_POLICY"),
+        # what `kvserve serve` picks without --cpu-threads (engine/cpu_threads.py)
+        "physical_cores": physical_cores(allowed_cpus()),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spawn", action="store_true", help="start `kvserve serve` on a free port")
     p.add_argument("--model", default=None, help="--spawn: checkpoint dir (default: demo model)")
     p.add_argument("--server-args", default="", help="--spawn: extra `kvserve serve` arguments")
-    p.add_argument("--threads", type=int, default=1, help="--spawn: OMP threads of the server")
+    p.add_argument("--threads", type=int, default=None,
+                   help="--spawn: the server's --cpu-threads (default: its own choice)")
     p.add_argument("--pid", type=int, default=None, help="server pid for RSS from /proc")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--max-requests", type=int, default=200_000, help="count bound")
@@ -258,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         a.tokenizer = a.tokenizer or a.model_dir
         port = free_port()
         log = os.path.join(tempfile.gettempdir(), f"kvserve-soak-{port}.log")
-        server = Spawned(kvserve_cmd(a.model_dir, port, *a.server_args.split()), port,
-                         threads=a.threads, log_path=log, ready_path="/ready").start()
+        threads = ("--cpu-threads", str(a.threads)) if a.threads else ()
+        server = Spawned(kvserve_cmd(a.model_dir, port, *threads, *a.server_args.split()),
+                         port, log_path=log, ready_path="/ready").start()
         url, pid, a.model = server.url, server.pid, None
         print(f"spawned kvserve pid {pid} on {url} (log {log})", flush=True)
     elif a.base_url:

@@ -37,14 +37,14 @@ def transformers_cmd(model: str, port: int, continuous_batching: bool = False,
 class Spawned:
     """A server child process. `ready_path` is polled until it answers 200."""
 
-    def __init__(self, cmd: list[str], port: int, threads: int = 1, log_path: str | None = None,
+    def __init__(self, cmd: list[str], port: int, log_path: str | None = None,
                  ready_path: str = "/health", env: dict[str, str] | None = None) -> None:
+        """The child gets this environment as it is plus `env`: no thread settings behind
+        the caller's back (kvserve takes `--cpu-threads`; a peer's own knobs go in `env`)."""
         self.cmd, self.port, self.ready_path = cmd, port, ready_path
         self.url = f"http://127.0.0.1:{port}"
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
-                    "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                    **(env or {})}
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
         self.log_path = log_path

@@ -26,13 +26,16 @@ import socket
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import uvicorn
 
+from engine import cpu_threads
 from engine.demo import DEMO_MODEL_DIR as DEMO_MODEL
 from engine.demo import DEMO_MODEL_NAME
-from scheduler.async_engine import AsyncEngine
+
+if TYPE_CHECKING:  # torch loads with it, and must not before cpu_threads.apply
+    from scheduler.async_engine import AsyncEngine
 
 logger = logging.getLogger("kvserve.cli")
 USAGE_ERROR = 2  # argparse's status for a bad command line; ours for every start-up check
@@ -111,6 +114,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool: auto (the model's dtype) | float32 | bfloat16 | float16")
     g.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | "
                    "cuda[:N]")
+    g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
+                   "if set, else one per physical core this process may use (they wait "
+                   "passively, so none spins against the HTTP threads)")
+    g.add_argument("--cpu-bind", default=None, metavar="LIST|none",
+                   help="confine the whole process to these CPUs, e.g. 0-3 (taskset's "
+                   "format); the thread default then counts their physical cores. Without "
+                   "it (or with none), the process keeps the CPUs it was given")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool size in blocks (a block holds one layer's K/V for "
@@ -222,17 +233,31 @@ def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
         fail(str(e))
 
 
+def threads(a: argparse.Namespace) -> cpu_threads.CpuThreads:
+    """`--cpu-threads` / `--cpu-bind` checked and applied before torch loads (exit 2 on a
+    bad value): OpenMP takes its thread count and wait policy from the environment
+    once, when it loads (engine/cpu_threads.py says why the default is what it is)."""
+    try:
+        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind)
+    except ValueError as e:
+        fail(str(e))
+    return cpu_threads.apply(choice)
+
+
 def _serve(a: argparse.Namespace) -> int:
+    keys, quotas = tenancy(a)
+    cpu = threads(a)  # before anything loads torch (the policy check does)
+    from scheduler.async_engine import AsyncEngine
     from scheduler.engine_core import EngineConfig
     from server.app import build_app
     from server.logs import configure_logging
     from server.settings import ServerSettings
 
-    keys, quotas = tenancy(a)
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     model = _resolve_model(a.model)
     check_port_free(a.host, a.port)
     configure_logging(a.log_level, a.log_format)
+    logger.info("cpu threads", extra={"fields": cpu.fields()})
     names = a.served_model_name or [
         DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
@@ -307,11 +332,12 @@ class DrainingServer(uvicorn.Server):
 
 
 def _generate(a: argparse.Namespace) -> int:
+    threads(a)  # before anything loads torch (the policy check does)
+    a.default_kv_policy = default_kv_policy(a.default_kv_policy)
+    model = _resolve_model(a.model)
     from engine.sampling import SamplingParams
     from scheduler.llm import LLM
 
-    a.default_kv_policy = default_kv_policy(a.default_kv_policy)
-    model = _resolve_model(a.model)
     llm = LLM(model, **_engine_kwargs(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.sample_seed)

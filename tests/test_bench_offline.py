@@ -19,7 +19,9 @@ from tests.bench_quick import run_quick
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
-    return out, run_quick("bench_offline", out, "--profile", "--threads", "1")
+    # vLLM's venv named missing: its rows are skipped with a note (what CI sees)
+    return out, run_quick("bench_offline", out, "--profile", "--threads", "1",
+                          "--vllm-python", os.path.join(out, "no-vllm", "python"))
 
 
 @pytest.mark.timeout(150)
@@ -38,7 +40,13 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
     assert w["num_requests"] == 8
     assert w["prompt_min"] >= 4 and w["prompt_max"] <= 24
     assert w["output_min"] >= 2 and w["output_max"] <= 12
+    assert "make vllm-venv" in m["systems"]["vllm"]["skipped"]
+    assert not m["systems"]["vllm"]["wall_s"] and m["ratios"]["kvserve_over_vllm"] is None
+    assert report["settings"]["thread_settings"]["vllm"]["VLLM_CPU_OMP_THREADS_BIND"]
+    assert fp["omp_wait_policy_env"] == "PASSIVE"  # as kvserve serve runs by default
     for name, r in m["systems"].items():
+        if name == "vllm":
+            continue
         assert "error" not in r, (name, r.get("error"))
         assert r["ok"], f"{name} generated other lengths than requested"
         assert len(r["wall_s"]) == len(r["cpu_s"]) == len(r["tok_s"]) == 1
@@ -53,7 +61,7 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
 
     # Useful work over wall time, against the machine's matmul rate.
     assert m["workload_gflop"] > 0 and m["gemm_peak_gflops"] > 0
-    for r in sys_.values():
+    for r in (r for r in sys_.values() if r["wall_s"]):
         mean_wall = sum(r["wall_s"]) / len(r["wall_s"])
         assert r["gflops"] == pytest.approx(m["workload_gflop"] / mean_wall)
 
@@ -70,6 +78,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
         doc = f.read()
     assert "## Offline throughput (issue 2)" in doc
     assert "| tiny |" in doc and "python -m loadtest.bench_offline --quick" in doc
+    assert "tiny / vLLM-CPU: vLLM skipped: no vLLM venv at" in doc
     with open(os.path.join(out, "bench_offline.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -116,3 +125,18 @@ def test_workload_gflop_counts_linears_head_and_attention() -> None:
     linear = 2 * 8 * 8 + 2 * 8 * 4 + 3 * 8 * 16  # q+o, k+v (one kv head of dim 4), MLP
     want = 2 * linear * 4 + 2 * 8 * 10 * 2 + 4 * 8 * 1 * (1 + 2 + 3 + 4)
     assert workload_gflop(cfg, Workload([[7, 8, 9]], [2])) * 1e9 == pytest.approx(want)
+
+
+@pytest.mark.timeout(150)
+def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
+    """A broken vLLM venv (its python exits at once) fails vLLM's row with the reason;
+    kvserve's row is still measured and the run completes."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    fake.chmod(0o755)
+    report = run_quick("bench_offline", str(tmp_path), "--threads", "1", "--systems",
+                       "kvserve,vllm", "--vllm-python", str(fake))
+    systems = report["models"]["tiny"]["systems"]
+    assert "vLLM exited with 3" in systems["vllm"]["error"]
+    assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
+    assert "tiny / vLLM-CPU failed:" in (tmp_path / "benchmarks.md").read_text()

