@@ -57,7 +57,9 @@ from loadtest.bench_common import (
 from loadtest.bench_common import update_doc as _update_doc
 from loadtest.fingerprint import fingerprint
 
-SYSTEMS = ("kvserve", "hf_static", "hf_cb", "vllm")
+# kvserve_dense: kvserve with torch's dense F.linear instead of oneDNN-prepacked weights
+# (engine/cpu_linear.py), to measure what prepacking gives; opt-in, not in the default.
+SYSTEMS = ("kvserve", "hf_static", "hf_cb", "vllm", "kvserve_dense")
 PEERS = SYSTEMS[1:]
 
 
@@ -112,14 +114,14 @@ class _Clock:
 
 class KVServe:
     def __init__(self, path: str, kv_memory: str, max_seqs: int, max_batched: int,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", prepack: bool = True) -> None:
         from scheduler.llm import LLM
 
         # No prefix caching: the prompts share no prefixes, so the cache could only
         # replay the previous repeat's prompts, a hit the other systems never get.
         self.llm = LLM(path, kv_cache_memory=kv_memory, max_num_seqs=max_seqs,
                        max_num_batched_tokens=max_batched, enable_prefix_caching=False,
-                       dtype=dtype)
+                       dtype=dtype, cpu_prepack=prepack)
         self.steps: list = []
         self.llm.engine.on_step = self.steps.append
 
@@ -330,6 +332,8 @@ def bench_model(entry: str, args: argparse.Namespace) -> dict[str, object]:
                 args.vllm_python, path, dtype, args.max_seqs, args.max_batched_tokens,
                 args.threads, args.kv_memory, args.seed,
                 os.path.join(args.out, f"bench_offline-vllm-{name}.log")),
+            "kvserve_dense": lambda: KVServe(path, args.kv_memory, args.max_seqs,
+                                             args.max_batched_tokens, dtype, prepack=False),
         }
         systems = {}
         for s in (s for s in SYSTEMS if "skipped" not in results[s]):
@@ -529,10 +533,12 @@ def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16,
 
 DOC_HEADING = "## Offline throughput (issue 2)"
 BEGIN, END = "<!-- bench_offline:begin (generated) -->", "<!-- bench_offline:end -->"
-TARGETS = {"hf_static": 3.0, "hf_cb": 2.5, "vllm": 1.3}
+TARGETS: dict[str, float | None] = {"hf_static": 3.0, "hf_cb": 2.5, "vllm": 1.3,
+                                    "kvserve_dense": None}
 OVERHEAD_TARGET = 0.10
 LABELS = {"kvserve": "kvserve", "hf_static": "HF generate, static batches of 16",
-          "hf_cb": "HF continuous batching", "vllm": "vLLM-CPU"}
+          "hf_cb": "HF continuous batching", "vllm": "vLLM-CPU",
+          "kvserve_dense": "kvserve, dense F.linear"}
 
 
 def _fmt_tps(r: dict) -> str:
@@ -541,8 +547,10 @@ def _fmt_tps(r: dict) -> str:
     return f"{r['tok_s_mean']:.1f} ± {r['tok_s_std']:.1f}"
 
 
-def _fmt_ratio(x: float | None, target: float) -> str:
-    return "—" if x is None else f"{x:.2f}× ({'met' if x >= target else 'MISSED'})"
+def _fmt_ratio(x: float | None, target: float | None) -> str:
+    if x is None:
+        return "—"
+    return f"{x:.2f}×" if target is None else f"{x:.2f}× ({'met' if x >= target else 'MISSED'})"
 
 
 def _pct(x: float | None, target: float | None = None) -> str:
@@ -565,9 +573,10 @@ def render_table(report: dict) -> str:
     seqs = st["max_seqs"]
     lines = [
         "| model | dtype | params | requests × repeats | kvserve tok/s | HF static tok/s | HF CB tok/s "
-        "| vLLM tok/s | kvserve / HF static (≥ 3×) | kvserve / HF CB (≥ 2.5×) "
-        f"| kvserve / vLLM (≥ 1.3×) | outside forward, {seqs} decoding (< 10%) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vLLM tok/s | kvserve dense-linear tok/s | kvserve / HF static (≥ 3×) "
+        "| kvserve / HF CB (≥ 2.5×) | kvserve / vLLM (≥ 1.3×) | kvserve / dense-linear "
+        f"(prepacking's gain) | outside forward, {seqs} decoding (< 10%) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
         s, r = m["systems"], m["ratios"]
@@ -588,8 +597,8 @@ def render_table(report: dict) -> str:
         "",
         f"| model | step ms, {seqs} decoding (profiled) | outside forward (profiled) "
         f"| steps with {seqs} decoding in timed run | outside forward there "
-        "| outside forward, all timed steps | preemptions | CPU / wall: kvserve, static, CB, vLLM "
-        "| per CPU-second: kvserve / static, kvserve / CB, kvserve / vLLM |",
+        "| outside forward, all timed steps | preemptions | CPU / wall: kvserve, static, CB, vLLM, dense "
+        "| per CPU-second: kvserve / static, / CB, / vLLM, / dense |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in report["models"].items():
@@ -694,8 +703,8 @@ def plot(report: dict, path: str) -> None:
         means = [s.get(k, {}).get("tok_s_mean", 0.0) for k in SYSTEMS]
         stds = [s.get(k, {}).get("tok_s_std", 0.0) for k in SYSTEMS]
         bars = ax.bar(["kvserve", "HF static\n(batches of 16)", "HF continuous\nbatching",
-                       "vLLM-CPU"], means, yerr=stds, capsize=4,
-                      color=["#2a7ab9", "#b0b0b0", "#e08a3c", "#6a9f58"])
+                       "vLLM-CPU", "kvserve\ndense linear"], means, yerr=stds, capsize=4,
+                      color=["#2a7ab9", "#b0b0b0", "#e08a3c", "#6a9f58", "#9ec5e8"])
         for i, (b, v, sd) in enumerate(zip(bars, means, stds)):
             text = "—" if not v else f"{v:.1f}" if v < 100 else f"{v:.0f}"
             if v and i:
@@ -741,7 +750,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default="3m,160m",
                    help="comma list of NAME or NAME:DTYPE (float32, bfloat16), NAME one of: "
                    + ",".join(MODEL_CONFIGS))
-    p.add_argument("--systems", default=",".join(SYSTEMS),
+    p.add_argument("--systems", default=",".join(SYSTEMS[:4]),
                    help="comma list of " + ",".join(SYSTEMS) + " (kvserve always runs)")
     p.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
                    help="python of vLLM's venv (`make vllm-venv`); vLLM is skipped without it")

@@ -44,8 +44,9 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
     assert not m["systems"]["vllm"]["wall_s"] and m["ratios"]["kvserve_over_vllm"] is None
     assert report["settings"]["thread_settings"]["vllm"]["VLLM_CPU_OMP_THREADS_BIND"]
     assert fp["omp_wait_policy_env"] == "PASSIVE"  # as kvserve serve runs by default
+    assert m["systems"]["kvserve_dense"]["skipped"] == "not in --systems"  # opt-in
     for name, r in m["systems"].items():
-        if name == "vllm":
+        if name in ("vllm", "kvserve_dense"):
             continue
         assert "error" not in r, (name, r.get("error"))
         assert r["ok"], f"{name} generated other lengths than requested"
