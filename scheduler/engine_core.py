@@ -43,6 +43,7 @@ from scheduler.scheduler import Chunk, MemoryConfig, Scheduler
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+KV_CACHE_DTYPES = ("auto", *_DTYPES, *FORMATS)  # what --kv-cache-dtype accepts
 
 
 @dataclass
@@ -85,7 +86,7 @@ class EngineCore:
         dev = config.device
         self.device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available()
                                    else ("cpu" if dev == "auto" else dev))
-        for name, known in (("dtype", _DTYPES), ("kv_cache_dtype", {**_DTYPES, **FORMATS})):
+        for name, known in (("dtype", _DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES[1:])):
             value = getattr(config, name)
             if value != "auto" and value not in known:
                 raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(known)}")
@@ -229,6 +230,7 @@ class EngineCore:
             kv, cache = r.kv, r.cache
             assert cache is not None
             kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
+            kv.peak_bytes = kv.peak_blocks * self.pool.block_bytes
             kv.peak_live_tokens = max(kv.peak_live_tokens, cache.live // cache.num_layers)
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
                                    c.start - r.pos_offset, c.slots, r.cache,
@@ -362,6 +364,7 @@ class EngineCore:
             num_running=len(running), num_waiting=len(self.scheduler.waiting),
             blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
             live_slots=live, slot_capacity_used=pool.num_used * pool.block_size,
+            kv_cache_dtype=pool.dtype_name, block_bytes=pool.block_bytes,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_swapped=len(self.scheduler.swapped),
