@@ -282,3 +282,25 @@ def test_swapped_request_continues_as_one_never_swapped(model, name: str) -> Non
     assert [t.dtype for t in small.engine.swap.tensors] == [small.engine.pool.kv.dtype,
                                                             torch.float16]
     assert small.engine.pool.num_used == 0 and small.engine.swap.num_used == 0
+
+
+def test_server_reports_the_dtype_and_bytes(model) -> None:
+    """`/metrics` names the pool's format and block bytes; `usage.kv_cache` reports the
+    request's peak bytes (blocks × bytes per block, scales included)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.live_server import tiny_server
+
+    with tiny_server(model, kv_cache_dtype="int4", block_size=BS) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        kv = r.json()["usage"]["kv_cache"]
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(c.get("/metrics").text)
+                   for s in fam.samples}
+    block = BlockPool.bytes_per_block(BS, 2, 16, "int4")  # the tiny llama: 2 kv heads of 16
+    assert samples["kvserve_kv_block_bytes", ()] == block
+    assert samples["kvserve_kv_cache_dtype_info", (("dtype", "int4"),)] == 1
+    assert kv["peak_blocks"] > 0 and kv["peak_bytes"] == kv["peak_blocks"] * block
