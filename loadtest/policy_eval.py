@@ -217,7 +217,8 @@ def evaluate_quality(args, progress: bool = True) -> dict:
     eng = EngineCore(EngineConfig(  # room for every window and needle prompt at once
         model=args.demo_model, max_num_seqs=max(len(prompts), len(windows)),
         num_blocks=(len(prompts) + len(windows)) * per_seq, enable_prefix_caching=False,
-        kv_cache_dtype=getattr(args, "quality_kv_cache_dtype", "auto")))
+        kv_cache_dtype=getattr(args, "quality_kv_cache_dtype", "auto"),
+        batch_policies=getattr(args, "quality_batch_policies", True)))
     ref = TransformersBackend(args.demo_model)
     ref_lp = [ref.score(w)[prompt_len - 1:] for w in windows]
     out: dict = {"model": args.demo_model, "windows": len(windows), "window": args.ppl_window,
