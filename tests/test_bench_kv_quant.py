@@ -1,6 +1,7 @@
 """The quantized-KV benchmark end to end in --quick mode: it runs, and what it writes adds
 up. Speed and quality numbers are never asserted here; they come from
-`python -m loadtest.bench_kv_quant` and live in docs/benchmarks.md."""
+`python -m loadtest.bench_kv_quant` and live in docs/benchmarks.md. Two runs (capacity
+and decode; quality), each within the quick runner's subprocess time limit."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ DTYPES = ["bfloat16", "int8", "fp8_e4m3", "int4"]
 
 
 @pytest.mark.timeout(300)
-def test_quick_run_covers_every_dtype(tmp_path) -> None:
+def test_capacity_and_decode_cover_every_dtype(tmp_path) -> None:
     out = str(tmp_path)
     report = run_quick("bench_kv_quant", out, "--no-progress", "--parts", "capacity,decode")
     with open(os.path.join(out, "bench_kv_quant.json"), encoding="utf-8") as f:
@@ -37,3 +38,17 @@ def test_quick_run_covers_every_dtype(tmp_path) -> None:
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert "## Quantized KV cache (issue 21)" in doc and "| full | int4 |" in doc
+
+
+@pytest.mark.timeout(300)
+def test_quality_covers_every_dtype(tmp_path) -> None:
+    report = run_quick("bench_kv_quant", str(tmp_path), "--no-progress", "--parts", "quality")
+    qual = report["quality"]
+    if "skipped" in qual:
+        pytest.skip(qual["skipped"])
+    assert list(qual["by_dtype"]) == DTYPES
+    for dt, q in qual["by_dtype"].items():
+        assert q["kv_cache_dtype"] == dt
+        assert [r["policy"] for r in q["rows"]] == ["full", *report["settings"]["quality_policies"]]
+        assert all(r["ppl"] > 1 for r in q["rows"])
+    assert all(r["ppl_vs_bf16"] == 1 for r in qual["by_dtype"]["bfloat16"]["rows"])

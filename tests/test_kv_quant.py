@@ -305,3 +305,14 @@ def test_server_reports_the_dtype_and_bytes(model) -> None:
     assert samples["kvserve_kv_block_bytes", ()] == block
     assert samples["kvserve_kv_cache_dtype_info", (("dtype", "int4"),)] == 1
     assert kv["peak_blocks"] > 0 and kv["peak_bytes"] == kv["peak_blocks"] * block
+
+
+def test_cli_refuses_an_unknown_kv_cache_dtype_with_exit_2(capsys) -> None:
+    """Checked by argparse before any model loads; the message lists the formats."""
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--kv-cache-dtype", "int3"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-cache-dtype" in err and "int4" in err and "fp8_e4m3" in err
