@@ -6,9 +6,10 @@ an eighth of a full bf16 cache. This measures what that buys and costs, side by 
 one run through the engine's own paths:
 
 1. capacity (`--model`, random weights): one pool of fixed bytes — `--fit` full bf16
-   requests of `--prompt` + `--gen` tokens — per dtype (bfloat16, int8, fp8_e4m3, int4),
-   for `full` and for `--policy` at `--budget` of the context. `--requests` are submitted
-   at once. *Capacity* = pool blocks ÷ a request's measured peak blocks (how many run
+   requests of `--prompt` + `--gen` tokens (issue 5's 512 + 3584: with a short
+   generation a policy's peak is the prefilled prompt, not its budget) — per dtype
+   (bfloat16, int8, fp8_e4m3, int4), for `full` and for `--policy` at `--budget` of
+   the context; `--requests` are submitted at once. *Capacity* = pool blocks ÷ a request's measured peak blocks (how many run
    together without preemption); beside it what the scheduler reached (peak running:
    `full` is admitted optimistically, so it may exceed the capacity and then preempt),
    preemptions and output tokens/s. Targets: int8 ≥ 1.9× bf16's requests, int4 ≥ 3.5×,
@@ -16,7 +17,7 @@ one run through the engine's own paths:
 2. quality (the demo model, `loadtest/policy_eval.py`'s protocol): perplexity and needle
    accuracy per dtype for `full` and `--quality-policies` at `--quality-budgets`.
    Targets: int8/fp8 within 1% of bf16's perplexity, int4 within 5%.
-3. decode step time per dtype (`--model`): `--decode-batch` sequences of `--prompt`
+3. decode step time per dtype (`--model`): `--decode-batch` sequences of `--decode-prompt`
    tokens decoding `--decode-steps` tokens; mean time of the decode-only steps, which
    shows what dequantization costs on this CPU.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 import time
@@ -48,11 +50,9 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
 
 
-def _prompts(args: argparse.Namespace, vocab: int, n: int) -> list[list[int]]:
-    import random
-
-    rng = random.Random(args.seed)
-    return [[rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(args.prompt)] for _ in range(n)]
+def _prompts(seed: int, length: int, vocab: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
@@ -63,7 +63,7 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
     pool_bytes = args.fit * per_req_blocks * BlockPool.bytes_per_block(
         args.block_size, hkv, d, torch.bfloat16)
     budget = round(args.budget * (args.prompt + args.gen))
-    prompts = _prompts(args, vocab, args.requests)
+    prompts = _prompts(args.seed, args.prompt, vocab, args.requests)
     rows = []
     for policy in ("full", args.policy):
         kv_policy = "full" if policy == "full" else policy_config(policy, budget)
@@ -93,12 +93,12 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
 
 
 def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
-    prompts = _prompts(args, vocab, args.decode_batch)
+    prompts = _prompts(args.seed, args.decode_prompt, vocab, args.decode_batch)
     rows = []
     for dt in DTYPES:
         eng = EngineCore(EngineConfig(model=path, kv_cache_dtype=dt, block_size=args.block_size,
                                       max_num_seqs=args.decode_batch,
-                                      max_num_batched_tokens=args.prompt * args.decode_batch,
+                                      max_num_batched_tokens=args.decode_prompt * args.decode_batch,
                                       enable_prefix_caching=False))
         for i, p in enumerate(prompts):
             eng.add_request(f"d{i}", p, _greedy(args.decode_steps))
@@ -110,7 +110,7 @@ def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
     base = rows[0]["mean_step_s"]
     for r in rows:
         r["vs_bf16"] = r["mean_step_s"] / base
-    return {"batch": args.decode_batch, "context": args.prompt, "rows": rows}
+    return {"batch": args.decode_batch, "context": args.decode_prompt, "rows": rows}
 
 
 def part_quality(args: argparse.Namespace) -> dict:
@@ -196,12 +196,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="3m")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--fit", type=int, default=8, help="full bf16 requests the pool holds")
-    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--requests", type=int, default=96)
     p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--gen", type=int, default=512)
+    p.add_argument("--gen", type=int, default=3584,
+                   help="issue 5's 512 + 3584: a policy's peak is its budget, not the prompt")
     p.add_argument("--policy", default="lazy_eviction")
     p.add_argument("--budget", type=float, default=0.25, help="of prompt + gen")
     p.add_argument("--decode-batch", type=int, default=16)
+    p.add_argument("--decode-prompt", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--demo-model", default="engine/demo/model")
     p.add_argument("--quality-policies", default="lazy_eviction,snapkv")
@@ -216,7 +218,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.fit, a.requests, a.prompt, a.gen, a.block_size = "tiny", 2, 12, 32, 32, 4
-        a.decode_batch, a.decode_steps, a.ppl_windows, a.ppl_window = 4, 8, 1, 64
+        a.decode_batch, a.decode_prompt, a.decode_steps = 4, 32, 8
+        a.ppl_windows, a.ppl_window = 1, 64
         a.ppl_prompt, a.needle_trials, a.needle_lengths = 32, 1, "128"
         a.needle_tasks, a.quality_policies = "passkey/repeat", "snapkv"
     a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
         "parts", "model", "block_size", "fit", "requests", "prompt", "gen", "policy", "budget",
-        "decode_batch", "decode_steps", "quality_policies", "quality_budgets", "ppl_windows",
+        "decode_batch", "decode_prompt", "decode_steps", "quality_policies", "quality_budgets", "ppl_windows",
         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths", "needle_tasks",
         "demo_model", "seed", "threads"))
     t0 = time.perf_counter()
