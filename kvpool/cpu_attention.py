@@ -28,6 +28,7 @@ back to the torch path with a warning, so a CPU install never fails over it.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -38,12 +39,27 @@ from kvpool.quant import QuantCache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+log = logging.getLogger(__name__)
+_stale_warned = False
 
 
 def kernel_available() -> bool:
-    """Build (once per process; the compiled library is cached on disk) and load the op."""
-    return (load_ops("kvserve_paged_decode_cpu", _SOURCE, _FLAGS, ["-fopenmp"])
-            and hasattr(torch.ops.kvserve, "paged_decode_quant"))
+    """Build (once per process; the compiled library is cached on disk) and load the op.
+
+    A library without `paged_decode_quant` is an older build of the same name (seen when
+    checkouts of different versions share TORCH_EXTENSIONS_DIR and rebuild it in turn):
+    decode then falls back to the torch path, and says so once."""
+    global _stale_warned
+    if not load_ops("kvserve_paged_decode_cpu", _SOURCE, _FLAGS, ["-fopenmp"]):
+        return False
+    if hasattr(torch.ops.kvserve, "paged_decode_quant"):
+        return True
+    if not _stale_warned:
+        _stale_warned = True
+        log.warning("the loaded kvserve_paged_decode_cpu library is an older build (no "
+                    "paged_decode_quant; another checkout shares TORCH_EXTENSIONS_DIR?): "
+                    "using the torch path")
+    return False
 
 
 def paged_attention_cpu(
