@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpool.quant import QuantCache, gather_dequant
+
 # Position given to padded query rows. Their output is discarded by the caller; a row
 # that sees no slot (possible for padding under a sliding window) yields zeros.
 PAD_QUERY_POS = 2**30
@@ -50,6 +52,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     return_probs: bool = False,
+    quant: QuantCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attend padded queries to their sequences' cached slots.
 
@@ -62,7 +65,9 @@ def paged_attention(
     (`kv_cache_dtype`, e.g. bf16 under an fp32 model) halves the bytes decode reads. The
     gathered keys and values are cast to q's dtype (the gather copies anyway), so a
     narrow pool rounds what is stored but never the maths: that runs in q's dtype (SDPA)
-    or in fp32 (`return_probs`).
+    or in fp32 (`return_probs`). A quantized pool (`quant`: int8, fp8, int4 codes with
+    their scales) has only the gathered blocks dequantized, to q's dtype (fp32 for
+    `return_probs`).
 
     Returns out [B, Tq, Hq, D] in q's dtype and, when `return_probs`, the attention
     probability of every slot summed over the query heads of its kv group:
@@ -72,8 +77,13 @@ def paged_attention(
     b, tq, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
-    k = gather_blocks(k_cache, table)  # [B, S, Hkv, D]
-    v = gather_blocks(v_cache, table)
+    if quant is not None:
+        wide = torch.float32 if return_probs else q.dtype
+        k = gather_dequant(k_cache, quant.k_scale, table, quant.fmt, wide)
+        v = gather_dequant(v_cache, quant.v_scale, table, quant.fmt, wide)
+    else:
+        k = gather_blocks(k_cache, table)  # [B, S, Hkv, D]
+        v = gather_blocks(v_cache, table)
     mask = visible_mask(slot_pos, q_pos, window)  # [B, Tq, S]
     if not return_probs:  # SDPA wants one dtype; no copy when the pool's is q's
         k, v = k.to(q.dtype), v.to(q.dtype)

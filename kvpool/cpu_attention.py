@@ -16,6 +16,10 @@ is what bounds it (~2x faster for 30 sequences of ~1k slots at the 3m model's sh
 Each 16-bit value is widened exactly as it is loaded and the maths stays fp32, so the
 only loss is the rounding when the pool was written; out is in q's dtype.
 
+A quantized pool (int8, fp8 e4m3, int4; kvpool/quant.py) goes to a second op,
+`paged_decode_quant`, which dequantizes each visible row as it reads it (portable loop,
+fp32 maths), so the pool is never widened whole.
+
 Prefill chunks (many queries per sequence) stay on the torch path, where SDPA's matrix
 products pay off. The build needs a C++ compiler (torch.utils.cpp_extension, cached
 under TORCH_EXTENSIONS_DIR); without one, or with KVSERVE_CPU_KERNEL=0, decode falls
@@ -24,21 +28,38 @@ back to the torch path with a warning, so a CPU install never fails over it.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from kvpool.attention import paged_attention
 from kvpool.native import load_ops
+from kvpool.quant import QuantCache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+log = logging.getLogger(__name__)
+_stale_warned = False
 
 
 def kernel_available() -> bool:
-    """Build (once per process; the compiled library is cached on disk) and load the op."""
-    return (load_ops("kvserve_paged_decode_cpu", _SOURCE, _FLAGS, ["-fopenmp"])
-            and hasattr(torch.ops.kvserve, "paged_decode"))
+    """Build (once per process; the compiled library is cached on disk) and load the op.
+
+    A library without `paged_decode_quant` is an older build of the same name (seen when
+    checkouts of different versions share TORCH_EXTENSIONS_DIR and rebuild it in turn):
+    decode then falls back to the torch path, and says so once."""
+    global _stale_warned
+    if not load_ops("kvserve_paged_decode_cpu", _SOURCE, _FLAGS, ["-fopenmp"]):
+        return False
+    if hasattr(torch.ops.kvserve, "paged_decode_quant"):
+        return True
+    if not _stale_warned:
+        _stale_warned = True
+        log.warning("the loaded kvserve_paged_decode_cpu library is an older build (no "
+                    "paged_decode_quant; another checkout shares TORCH_EXTENSIONS_DIR?): "
+                    "using the torch path")
+    return False
 
 
 def paged_attention_cpu(
@@ -51,11 +72,19 @@ def paged_attention_cpu(
     scale: float,
     window: int | None = None,
     return_probs: bool = False,
+    quant: QuantCache | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel."""
     if q.shape[1] != 1 or not kernel_available():
         return paged_attention(q, k_cache, v_cache, table, slot_pos, q_pos, scale, window,
-                               return_probs)
+                               return_probs, quant)
+    if quant is not None:  # codes reinterpreted as bytes; the kernel decodes them
+        out, mass = torch.ops.kvserve.paged_decode_quant(
+            q[:, 0], k_cache.view(torch.uint8), v_cache.view(torch.uint8), quant.k_scale,
+            quant.v_scale, table, slot_pos, q_pos.reshape(-1), float(scale),
+            int(window or 0), return_probs, quant.fmt.code,
+        )
+        return out[:, None], (mass[:, None] if return_probs else None)
     out, mass = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
         int(window or 0), return_probs,

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
+from kvpool.quant import FORMATS, KVFormat, QuantCache, dequantize, quantize
+
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
 
@@ -56,6 +58,14 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
 
 
+def _format(dtype: torch.dtype | str) -> KVFormat | None:
+    if isinstance(dtype, torch.dtype):
+        return None
+    if dtype not in FORMATS:
+        raise ValueError(f"unknown quantized KV format {dtype!r}; one of {sorted(FORMATS)}")
+    return FORMATS[dtype]
+
+
 class PoolExhausted(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
@@ -77,20 +87,36 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype | str = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        """`dtype`: a float dtype, or a quantized format's name (`kvpool.quant.FORMATS`:
+        int8, fp8_e4m3, int4), whose codes go in `kv` and fp16 scales in `scales`."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.head_dim = head_dim
+        self.quant: KVFormat | None = _format(dtype)
+        self.scales: torch.Tensor | None = None  # [2, N, bs, Hkv, NG] with a quant format
+        width = head_dim
+        if self.quant is not None:
+            self.quant.check(head_dim)
+            width = self.quant.packed_dim(head_dim)
+            self.scales = torch.zeros(2, num_blocks, block_size, num_kv_heads,
+                                      self.quant.num_groups(head_dim), dtype=torch.float16,
+                                      device=device)
+            dtype = self.quant.storage
         # zero_() rather than torch.zeros: zeros may come from calloc, whose pages the OS
         # maps only on first touch, so the process would creep up to the pool's size as
         # blocks are first used (a soak would read that as a leak). Touch it all now:
         # the pool's memory is reserved at start-up, as operators expect.
-        self.kv = torch.empty(2, num_blocks, block_size, num_kv_heads, head_dim,
+        self.kv = torch.empty(2, num_blocks, block_size, num_kv_heads, width,
                               dtype=dtype, device=device)
         advise_huge_pages(self.kv)
-        self.kv.zero_()
-        self._flat = self.kv.view(2, -1, num_kv_heads, head_dim)  # [2, slots, Hkv, D]
+        self.kv.view(torch.uint8).zero_()  # fp8 has no zero_ on every device
+        self._flat = self.kv.view(2, -1, num_kv_heads, width)  # [2, slots, Hkv, Dp]
+        self._flat_scales = (None if self.scales is None
+                             else self.scales.view(2, -1, num_kv_heads, self.scales.shape[-1]))
         self.ref = torch.zeros(num_blocks, dtype=torch.int32)
         # Stack order: the lowest ids are handed out first (stable, easy to read in tests).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -108,8 +134,13 @@ class BlockPool:
 
     @staticmethod
     def bytes_per_block(block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+                        dtype: torch.dtype | str) -> int:
+        """K and V bytes of one block, scales included (what pool sizing divides by)."""
+        fmt = _format(dtype)
+        if fmt is not None:
+            return 2 * block_size * fmt.bytes_per_slot(num_kv_heads, head_dim)
+        assert isinstance(dtype, torch.dtype)
+        return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -121,19 +152,85 @@ class BlockPool:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block (K and V, one layer)."""
-        return self.kv[:, 0].numel() * self.kv.element_size()
+        """Bytes of one block (K and V, one layer; scales included)."""
+        return self.nbytes // self.num_blocks
+
+    @property
+    def dtype_name(self) -> str:
+        """What `--kv-cache-dtype` reports: the format's name or the float dtype's."""
+        return self.quant.name if self.quant is not None else str(self.kv.dtype).split(".")[-1]
 
     # ---- what the runner and the policies' bridge do with the tensors ---------------
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store K/V [T, Hkv, D] at physical slots [T] (rounded to the pool's dtype)."""
-        self._flat[0][slots] = k.to(self.kv.dtype)
-        self._flat[1][slots] = v.to(self.kv.dtype)
+        """Store K/V [T, Hkv, D] at physical slots [T] (rounded to the pool's dtype, or
+        quantized with a scale per token and kv head / group)."""
+        if self.quant is None:
+            self._flat[0][slots] = k.to(self.kv.dtype)
+            self._flat[1][slots] = v.to(self.kv.dtype)
+            return
+        for i, x in enumerate((k, v)):
+            codes, sc = quantize(x, self.quant)
+            self._flat[i][slots] = codes
+            self._flat_scales[i][slots] = sc
 
     def attend(self, fn, q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`fn(q, k_cache, v_cache, *args)`: one of kvpool's paged attention functions
-        (torch, C++ or Triton, same contract) over this pool's blocks."""
-        return fn(q, self.k_cache, self.v_cache, *args)
+        (torch, C++ or Triton, same contract) over this pool's blocks; a quantized pool
+        adds `quant=` (format and scales), and the function dequantizes what it reads."""
+        if self.quant is None:
+            return fn(q, self.k_cache, self.v_cache, *args)
+        sc = self.scales
+        return fn(q, self.k_cache, self.v_cache, *args,
+                  quant=QuantCache(self.quant, sc[0], sc[1]))
+
+    def read_slots(self, phys: torch.Tensor, which: int) -> torch.Tensor:
+        """K (which=0) or V (1) of physical slots [m], float32 on the pool's device:
+        dequantized from a quantized pool, so every reader sees the stored values."""
+        phys = phys.to(self._flat.device)
+        x = self._flat[which].index_select(0, phys)
+        if self.quant is None:
+            return x.float()
+        return dequantize(x, self._flat_scales[which].index_select(0, phys), self.quant)
+
+    def rerotate(self, phys: torch.Tensor, rotate, delta: torch.Tensor) -> None:
+        """Re-rotate the stored keys of slots `phys` by `rotate(keys, delta)` (RoPE
+        shift). A quantized pool dequantizes them, rotates in fp32 and re-quantizes (new
+        scales), so a shift costs one more rounding of the moved keys."""
+        phys = phys.to(self._flat.device)
+        if self.quant is None:  # rotated in the pool's dtype, as stored
+            k = self._flat[0][phys]
+            self._flat[0][phys] = rotate(k, delta.to(k.device)).to(self.kv.dtype)
+            return
+        k = self.read_slots(phys, 0)
+        codes, sc = quantize(rotate(k, delta.to(k.device)), self.quant)
+        self._flat[0][phys] = codes
+        self._flat_scales[0][phys] = sc
+
+    def copy_slots(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """K/V (and scales) of physical slots src -> dst (compaction); every source is
+        read before any destination is written, so overlapping moves are safe."""
+        dst, src = dst.to(self._flat.device), src.to(self._flat.device)
+        self._flat[:, dst] = self._flat[:, src]
+        if self._flat_scales is not None:
+            self._flat_scales[:, dst] = self._flat_scales[:, src]
+
+    def copy_blocks(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Whole blocks src -> dst, scales included (copy-on-write)."""
+        dst, src = dst.to(self.kv.device), src.to(self.kv.device)
+        self.kv[:, dst] = self.kv[:, src]
+        if self.scales is not None:
+            self.scales[:, dst] = self.scales[:, src]
+
+    def read_blocks(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Copies of blocks `ids` (codes, then scales for a quantized pool): what swap
+        space stores and `write_blocks` puts back."""
+        ids = ids.to(self.kv.device)
+        return [t[:, ids] for t in (self.kv, self.scales) if t is not None]
+
+    def write_blocks(self, ids: torch.Tensor, data: list[torch.Tensor]) -> None:
+        ids = ids.to(self.kv.device)
+        for t, d in zip((t for t in (self.kv, self.scales) if t is not None), data):
+            t[:, ids] = d.to(t.device)
 
     def gather_stats(self, phys: torch.Tensor, key_norm: bool = False, keys: bool = False,
                      value_norm: bool = False) -> dict[str, torch.Tensor]:
@@ -141,15 +238,14 @@ class BlockPool:
         {"key_norm", "value_norm": [m, Hkv], "keys": [m, Hkv, D]}, float32 on the CPU
         (where the policies run), whatever the pool's dtype and device."""
         out: dict[str, torch.Tensor] = {}
-        flat = self._flat
-        if key_norm or keys:
-            k = flat[0].index_select(0, phys.to(flat.device)).float().cpu()
+        if key_norm or keys:  # a quantized pool: the dequantized keys attention sees
+            k = self.read_slots(phys, 0).cpu()
             if key_norm:
                 out["key_norm"] = torch.linalg.vector_norm(k, dim=-1)
             if keys:
                 out["keys"] = k
         if value_norm:
-            v = flat[1].index_select(0, phys.to(flat.device)).float()
+            v = self.read_slots(phys, 1)
             out["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
         return out
 
@@ -169,7 +265,9 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes of the pool, scales included."""
+        extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.kv.numel() * self.kv.element_size() + extra
 
     def allocate(self, n: int) -> torch.Tensor:
         """n fresh block ids (ref count 1) as an int64 tensor."""

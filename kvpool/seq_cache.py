@@ -129,7 +129,7 @@ class SeqCache:
         held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
         dev = self.table[held_mask]
         host = swap.allocate(dev.numel())
-        swap.kv[:, host] = self.pool.kv[:, dev.to(self.pool.kv.device)].to("cpu", non_blocking=True)
+        swap.store(host, self.pool.read_blocks(dev))
         if self.pool.kv.is_cuda:
             torch.cuda.synchronize()
         self.pool.release(dev)
@@ -145,7 +145,7 @@ class SeqCache:
         held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
         host = self.table[held_mask]
         dev = self.pool.allocate(host.numel())
-        self.pool.kv[:, dev.to(self.pool.kv.device)] = swap.kv[:, host].to(self.pool.kv.device)
+        self.pool.write_blocks(dev, swap.load(host))
         swap.release(host)
         self.table[held_mask] = dev
         self.swapped = False
@@ -286,9 +286,7 @@ class SeqCache:
         self.alike = False  # one layer at a time
         self._make_writable(layer, (idx[moved] // self.bs).unique())
         _, phys = self.live_slots(layer)
-        k = self.pool.k_cache.view(-1, *self.pool.k_cache.shape[2:])
-        sel = phys[moved].to(k.device)
-        k[sel] = rotate(k[sel], (new - old)[moved].to(k.device)).to(k.dtype)
+        self.pool.rerotate(phys[moved], rotate, (new - old)[moved])
         self.slot_pos[layer, idx] = new
 
     def _make_writable(self, layer: int, cols: torch.Tensor) -> None:
@@ -299,7 +297,7 @@ class SeqCache:
             b = int(self.table[layer, col])
             if int(pool.ref[b]) > 1:
                 new = pool.allocate(1)
-                pool.kv[:, new] = pool.kv[:, b : b + 1]
+                pool.copy_blocks(new, torch.tensor([b]))
                 self.table[layer, col] = new[0]
                 pool.release(torch.tensor([b]))
             elif b in pool.hash_of:

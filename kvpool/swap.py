@@ -17,11 +17,14 @@ from kvpool.pool import BlockPool, PoolExhausted
 class SwapSpace:
     def __init__(self, pool: BlockPool, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        shape = (2, num_blocks, *pool.kv.shape[2:])
         pin = pool.kv.is_cuda
-        self.kv = torch.zeros(shape, dtype=pool.kv.dtype, pin_memory=pin)
+        # The pool's block tensors (codes, and scales for a quantized pool) in host
+        # memory: swapped blocks come back byte for byte.
+        self.tensors = [torch.zeros((2, num_blocks, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
+                        for t in (pool.kv, pool.scales) if t is not None]
+        self.kv = self.tensors[0]
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.bytes_per_block = pool.kv[:, 0].numel() * pool.kv.element_size()
+        self.bytes_per_block = pool.block_bytes
         self.bytes_out = 0
         self.bytes_in = 0
 
@@ -43,11 +46,20 @@ class SwapSpace:
     def release(self, ids: torch.Tensor) -> None:
         self._free.extend(ids.tolist())
 
+    def store(self, ids: torch.Tensor, data: list[torch.Tensor]) -> None:
+        """Host blocks `ids` <- `BlockPool.read_blocks` output."""
+        for t, d in zip(self.tensors, data):
+            t[:, ids] = d.to("cpu", non_blocking=True)
+
+    def load(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Host blocks `ids`, for `BlockPool.write_blocks`."""
+        return [t[:, ids] for t in self.tensors]
+
 
 def measure_copy_bandwidth(pool: BlockPool, nbytes: int = 8 << 20) -> float:
     """Bytes per second of a device -> host copy of pool-shaped data (for the swap cost
     model). On CPU this is a memcpy; on CUDA a pinned device-to-host transfer."""
-    n = max(1, min(pool.num_blocks, nbytes // max(1, pool.kv[:, 0].numel() * pool.kv.element_size())))
+    n = max(1, min(pool.num_blocks, nbytes // max(1, pool.block_bytes)))
     src = pool.kv[:, :n]
     dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
     dst.copy_(src)  # warm-up

@@ -249,8 +249,7 @@ class SlotTables:
             return [0] * len(caches)
         src = table.gather(2, order // bs) * bs + order % bs
         dst = table.gather(2, dst_col) * bs + ar % bs
-        flat = pool.kv.view(2, -1, *pool.kv.shape[3:])
-        flat[:, dst[moved].to(flat.device)] = flat[:, src[moved].to(flat.device)]
+        pool.copy_slots(dst[moved], src[moved])
         keep = ar < torch.where(hole, n, nxt)[..., None]
         sp = torch.where(hole[..., None], sp.gather(2, order), sp).masked_fill_(~keep, -1)
         want = torch.where(hole, -(-n // bs), torch.tensor([c.nblocks for c in caches]).t())
@@ -295,7 +294,7 @@ class SlotTables:
             b = int(table[layer, r, col])
             if int(pool.ref[b]) > 1:  # still shared (an earlier copy may have been ours)
                 new = pool.allocate(1)
-                pool.kv[:, new] = pool.kv[:, b : b + 1]
+                pool.copy_blocks(new, torch.tensor([b]))
                 self.table[layer, caches[r].row, col] = new[0]
                 pool.release(torch.tensor([b]))
             elif b in pool.hash_of:

@@ -23,6 +23,10 @@ Design, and why:
   query head of its group and writes the summed probabilities. No atomics, so the
   statistic that drives eviction is deterministic.
 
+- A quantized pool (kvpool/quant.py) is decoded in `_load_rows` as each tile is loaded:
+  codes times their fp16 scale, fp8 e4m3 decoded from its bits (so the interpreter and
+  GPUs without fp8 loads read it alike). Nothing is widened outside the tile.
+
 Rows that see no slot at all give zeros (as the SDPA branch of the reference does;
 its explicit-softmax branch gives NaN there).
 """
@@ -37,6 +41,7 @@ import torch
 
 from kvpool.attention import paged_attention
 from kvpool.cpu_attention import kernel_available, paged_attention_cpu
+from kvpool.quant import QuantCache
 
 try:  # CPU installs may lack triton: they still import this module and use torch.
     import triton
@@ -55,17 +60,44 @@ _LOG2E = 1.4426950408889634
 
 
 @_jit
+def _load_rows(PTR, SC, blk, off, kvh, d, sn, ss, sh, sd, scn, scs, sch, scg, mask,
+               QUANT: tl.constexpr, GS: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] rows of K or V in fp32; a quantized pool's codes are decoded
+    and scaled here, as they are loaded (kvpool/quant.py: 1 int8, 2 fp8 e4m3 read as
+    bytes and decoded by its bits, 3 int4 two per byte, offset 8)."""
+    base = blk[:, None] * sn + off[:, None] * ss + kvh * sh
+    if QUANT == 3:
+        c = tl.load(PTR + base + (d[None, :] // 2) * sd, mask=mask, other=0).to(tl.int32)
+        x = (((c >> ((d[None, :] % 2) * 4)) & 15) - 8).to(tl.float32)
+    elif QUANT == 2:
+        c = tl.load(PTR + base + d[None, :] * sd, mask=mask, other=0).to(tl.int32)
+        e = (c >> 3) & 15
+        m = (c & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+        x = tl.where((c & 128) != 0, -mag, mag)
+    else:
+        x = tl.load(PTR + base + d[None, :] * sd, mask=mask, other=0).to(tl.float32)
+    if QUANT > 0:
+        s = tl.load(SC + blk[:, None] * scn + off[:, None] * scs + kvh * sch
+                    + (d[None, :] // GS) * scg, mask=mask, other=0.0).to(tl.float32)
+        x = x * s
+    return x
+
+
+@_jit
 def _attn_kernel(
-    Q, K, V, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART,
+    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART,
     sq_b, sq_t, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
     sv_n, sv_s, sv_h, sv_d,
+    sc_n, sc_s, sc_h, sc_g,
     st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
     so_b, so_t, so_h, so_d,
     scale_log2, window, Tq, S, Hkv, tiles_per_split,
     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, GS: tl.constexpr,
 ):
     """Online-softmax attention of one (query-row tile, sequence × kv head, split)."""
     pid_m = tl.program_id(0)
@@ -104,16 +136,16 @@ def _attn_kernel(
             blk = tl.maximum(blk, 0).to(tl.int64)  # -1 pads read block 0, as the reference
             off = s % BS
             kv_ok = s_ok[:, None] & d_ok[None, :]
-            k = tl.load(K + blk[:, None] * sk_n + off[:, None] * sk_s + kvh * sk_h
-                        + d[None, :] * sk_d, mask=kv_ok, other=0.0).to(tl.float32)
+            k = _load_rows(K, KS, blk, off, kvh, d, sk_n, sk_s, sk_h, sk_d,
+                           sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             scores = tl.where(vis, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN on empty rows
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(scores - m_use[:, None])
-            v = tl.load(V + blk[:, None] * sv_n + off[:, None] * sv_s + kvh * sv_h
-                        + d[None, :] * sv_d, mask=kv_ok, other=0.0).to(tl.float32)
+            v = _load_rows(V, VS, blk, off, kvh, d, sv_n, sv_s, sv_h, sv_d,
+                           sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             m_i = m_new
@@ -174,14 +206,15 @@ def _combine_kernel(
 
 @_jit
 def _probs_kernel(
-    Q, K, TABLE, SLOT_POS, Q_POS, LSE, PROBS,
+    Q, K, KS, TABLE, SLOT_POS, Q_POS, LSE, PROBS,
     sq_b, sq_t, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
+    sc_n, sc_s, sc_h, sc_g,
     st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
     scale_log2, window, Tq, S, Hkv,
     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
 ):
     """probs[b, t, kvh, s] = Σ_g exp2(score - lse) for one (slot tile, query tile)."""
     pid_n = tl.program_id(0)
@@ -204,9 +237,8 @@ def _probs_kernel(
     mass = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
         blk = tl.maximum(tl.load(TABLE + b * st_b + (s // BS) * st_n, mask=s_ok, other=0), 0)
-        k = tl.load(K + blk.to(tl.int64)[:, None] * sk_n + (s % BS)[:, None] * sk_s
-                    + kvh * sk_h + d[None, :] * sk_d,
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k = _load_rows(K, KS, blk.to(tl.int64), s % BS, kvh, d, sk_n, sk_s, sk_h, sk_d,
+                       sc_n, sc_s, sc_h, sc_g, s_ok[:, None] & d_ok[None, :], QUANT, GS)
         for g in range(G):
             h = kvh * G + g
             q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h * sq_h + d[None, :] * sq_d,
@@ -254,6 +286,7 @@ def paged_attention_triton(
     scale: float,
     window: int | None = None,
     return_probs: bool = False,
+    quant: QuantCache | None = None,
     *,
     num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -267,6 +300,15 @@ def paged_attention_triton(
         raise RuntimeError("triton is not installed; use kvpool.attention.paged_attention")
     b, tq, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
+    if quant is not None:  # fp8 codes travel as bytes and are decoded by their bits
+        k_scale, v_scale, mode = quant.k_scale, quant.v_scale, quant.fmt.code
+        if mode == 2:
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        gs = quant.fmt.group_size(d)
+    else:
+        k_scale = v_scale = k_cache  # placeholders, never read
+        mode, gs = 0, d
+    sc_strides = k_scale.stride() if quant is not None else (0, 0, 0, 0)
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     g = hq // hkv
@@ -306,13 +348,13 @@ def paged_attention_triton(
     win = int(window) if window is not None else 0
 
     _attn_kernel[(m_tiles, b * hkv, splits)](
-        q, k_cache, v_cache, table, slot_pos, q_pos, out, lse, o_part, m_part, l_part,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
+        m_part, l_part, *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
         *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
         scale_log2, win, tq, s_len, hkv, tiles_per_split,
         G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
-        PRECISION=precision, num_warps=4,
+        PRECISION=precision, QUANT=mode, GS=gs, num_warps=4,
     )
     if splits > 1:
         _combine_kernel[(m_tiles, b * hkv)](
@@ -322,12 +364,13 @@ def paged_attention_triton(
     if return_probs:
         block_t = min(_pow2(tq), 32)
         _probs_kernel[(n_tiles, b * hkv, triton.cdiv(tq, block_t))](
-            q, k_cache, table, slot_pos, q_pos, lse, probs,
-            *q.stride(), *k_cache.stride(),
+            q, k_cache, k_scale, table, slot_pos, q_pos, lse, probs,
+            *q.stride(), *k_cache.stride(), *sc_strides,
             *table.stride(), *slot_pos.stride(), *q_pos.stride(),
             scale_log2, win, tq, s_len, hkv,
             G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_N=block_n,
-            HAS_WINDOW=window is not None, PRECISION=precision, num_warps=4,
+            HAS_WINDOW=window is not None, PRECISION=precision, QUANT=mode, GS=gs,
+            num_warps=4,
         )
     return out, probs
 

@@ -216,10 +216,13 @@ def evaluate_quality(args, progress: bool = True) -> dict:
     per_seq = cfg["num_hidden_layers"] * (math.ceil(cfg["max_position_embeddings"] / 16) + 2)
     eng = EngineCore(EngineConfig(  # room for every window and needle prompt at once
         model=args.demo_model, max_num_seqs=max(len(prompts), len(windows)),
-        num_blocks=(len(prompts) + len(windows)) * per_seq, enable_prefix_caching=False))
+        num_blocks=(len(prompts) + len(windows)) * per_seq, enable_prefix_caching=False,
+        kv_cache_dtype=getattr(args, "quality_kv_cache_dtype", "auto"),
+        batch_policies=getattr(args, "quality_batch_policies", True)))
     ref = TransformersBackend(args.demo_model)
     ref_lp = [ref.score(w)[prompt_len - 1:] for w in windows]
     out: dict = {"model": args.demo_model, "windows": len(windows), "window": args.ppl_window,
+                 "kv_cache_dtype": eng.pool.dtype_name,
                  "prompt": prompt_len, "scored_tokens": sum(map(len, ref_lp)),
                  "needle_prompts": len(prompts), "needle": needle_kw,
                  "reference_ppl_transformers": math.exp(-sum(map(sum, ref_lp)) / sum(map(len, ref_lp))),

@@ -22,6 +22,7 @@ from engine.sampling import SamplingParams
 from kvpool.attention_select import select_attention
 from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
+from kvpool.quant import FORMATS
 from kvpool.swap import SwapSpace
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
@@ -42,6 +43,7 @@ from scheduler.scheduler import Chunk, MemoryConfig, Scheduler
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+KV_CACHE_DTYPES = ("auto", *_DTYPES, *FORMATS)  # what --kv-cache-dtype accepts
 
 
 @dataclass
@@ -84,10 +86,10 @@ class EngineCore:
         dev = config.device
         self.device = torch.device("cuda" if dev == "auto" and torch.cuda.is_available()
                                    else ("cpu" if dev == "auto" else dev))
-        for name in ("dtype", "kv_cache_dtype"):
+        for name, known in (("dtype", _DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES[1:])):
             value = getattr(config, name)
-            if value != "auto" and value not in _DTYPES:
-                raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(_DTYPES)}")
+            if value != "auto" and value not in known:
+                raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(known)}")
         dtype = None if config.dtype == "auto" else _DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
         if self.device.type == "cpu" and config.cpu_prepack:
@@ -97,9 +99,11 @@ class EngineCore:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         # The pool may be narrower than the model (vLLM's --kv-cache-dtype): K/V are
         # rounded once when written and widened to fp32 inside attention, so decode reads
-        # half the bytes of an fp32 pool.
-        kv_dtype = (next(self.model.parameters()).dtype if config.kv_cache_dtype == "auto"
-                    else _DTYPES[config.kv_cache_dtype])
+        # half the bytes of an fp32 pool. A quantized format (int8, fp8_e4m3, int4) is
+        # passed by name: codes plus scales, dequantized inside attention (kvpool/quant.py).
+        kv_dtype: torch.dtype | str = (
+            next(self.model.parameters()).dtype if config.kv_cache_dtype == "auto"
+            else _DTYPES.get(config.kv_cache_dtype, config.kv_cache_dtype))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
@@ -226,6 +230,7 @@ class EngineCore:
             kv, cache = r.kv, r.cache
             assert cache is not None
             kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
+            kv.peak_bytes = kv.peak_blocks * self.pool.block_bytes
             kv.peak_live_tokens = max(kv.peak_live_tokens, cache.live // cache.num_layers)
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
                                    c.start - r.pos_offset, c.slots, r.cache,
@@ -359,6 +364,7 @@ class EngineCore:
             num_running=len(running), num_waiting=len(self.scheduler.waiting),
             blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
             live_slots=live, slot_capacity_used=pool.num_used * pool.block_size,
+            kv_cache_dtype=pool.dtype_name, block_bytes=pool.block_bytes,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_swapped=len(self.scheduler.swapped),

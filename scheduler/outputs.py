@@ -33,6 +33,7 @@ class KVUsage:
     peak_blocks: int = 0  # blocks held (all layers) at the peak
     evicted_tokens: int = 0  # slots evicted by its kv_policy, summed over layers / num_layers
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    peak_bytes: int = 0  # peak_blocks × the pool's bytes per block (scales included)
 
 
 @dataclass
@@ -83,6 +84,8 @@ class EngineStats:
     blocks_free: int = 0
     live_slots: int = 0  # live token slots summed over layers
     slot_capacity_used: int = 0  # slots in used blocks (live + dead + not yet filled)
+    kv_cache_dtype: str = ""  # the pool's: float32, bfloat16, ..., int8, fp8_e4m3, int4
+    block_bytes: int = 0  # bytes of one block (K and V, one layer, scales included)
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     preemptions_total: dict[str, int] = field(default_factory=dict)  # by mode

@@ -87,6 +87,14 @@ def default_kv_policy(value: str) -> Any:
         fail(f"--default-kv-policy: {e}")
 
 
+def check_kv_cache_dtype(value: str) -> None:
+    """`--kv-cache-dtype` checked before the model loads (exit 2), after torch may load."""
+    from scheduler.engine_core import KV_CACHE_DTYPES
+
+    if value not in KV_CACHE_DTYPES:
+        fail(f"--kv-cache-dtype {value!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
+
+
 def check_port_free(host: str, port: int) -> None:
     """Bind (host, port) as uvicorn will, and let go: a port in use is then a clear
     one-line error at once. Without it, uvicorn runs the lifespan (which starts loading
@@ -111,7 +119,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations: auto (the checkpoint's) | float32 | "
                    "bfloat16 | float16")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV pool: auto (the model's dtype) | float32 | bfloat16 | float16")
+                   help="KV pool: auto (the model's dtype) | float32 | bfloat16 | float16 | "
+                   "int8 | fp8_e4m3 | int4 (quantized: codes + fp16 scales, dequantized "
+                   "inside attention; docs/memory.md)")
     g.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | "
                    "cuda[:N]")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
@@ -254,6 +264,7 @@ def _serve(a: argparse.Namespace) -> int:
     from server.settings import ServerSettings
 
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
+    check_kv_cache_dtype(a.kv_cache_dtype)
     model = _resolve_model(a.model)
     check_port_free(a.host, a.port)
     configure_logging(a.log_level, a.log_format)
@@ -334,6 +345,7 @@ class DrainingServer(uvicorn.Server):
 def _generate(a: argparse.Namespace) -> int:
     threads(a)  # before anything loads torch (the policy check does)
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
+    check_kv_cache_dtype(a.kv_cache_dtype)
     model = _resolve_model(a.model)
     from engine.sampling import SamplingParams
     from scheduler.llm import LLM

@@ -133,6 +133,7 @@ class Generation:
                 "policy": self.plan.policy.name,
                 "peak_live_tokens": sum(k.peak_live_tokens for k in kv),
                 "peak_blocks": sum(k.peak_blocks for k in kv),
+                "peak_bytes": sum(k.peak_bytes for k in kv),
                 "evicted_tokens": sum(k.evicted_tokens for k in kv),
                 "prefix_hit_tokens": sum(k.prefix_hit_tokens for k in kv),
             },

@@ -67,6 +67,12 @@ class EngineStatsCollector(Collector):
         blocks.add_metric(["free"], s.blocks_free - s.blocks_cached_free)
         yield blocks
         yield gauge("kv_blocks_capacity", "KV pool capacity in blocks.", s.blocks_total)
+        yield gauge("kv_block_bytes", "Bytes of one KV block (K and V of one layer, "
+                    "quantization scales included).", s.block_bytes)
+        info = GaugeMetricFamily(P + "kv_cache_dtype_info", "The KV pool's element type "
+                                 "(--kv-cache-dtype, auto resolved).", labels=["dtype"])
+        info.add_metric([s.kv_cache_dtype or "unknown"], 1)
+        yield info
         used = GaugeMetricFamily(P + "tenant_kv_blocks", "KV blocks held by each tenant's "
                                  "running requests (a tenant is an API key).",
                                  labels=["tenant"])

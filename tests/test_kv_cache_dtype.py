@@ -4,7 +4,8 @@ An fp32 model over a bf16 pool rounds each key and value once, when it is writte
 attention widens them back to fp32. So the engine's log-probabilities stay within bf16's
 rounding of transformers' fp32 forward (tolerance 2e-2 per token, teacher-forced on the
 engine's own tokens), while every pool mechanism (swap, eviction, RoPE shift, compaction)
-runs on the narrow blocks.
+runs on the narrow blocks. The every-policy test also runs on the quantized formats
+(int8, fp8_e4m3, int4; the rest of their tests are in test_kv_quant.py).
 """
 
 import pytest
@@ -18,6 +19,7 @@ from tests.tiny_models import make_tiny_model
 
 BS = 4
 LOGPROB_TOL = 2e-2
+QUANT = ["int8", "fp8_e4m3", "int4"]  # kvpool/quant.py; their own tests: test_kv_quant.py
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_narrow_pool_stays_close_to_transformers_fp32(model, kv_dtype):
 
 def test_swap_on_a_narrow_pool_changes_no_token(model):
     """Swapping copies the narrow blocks byte for byte: the same tokens as a pool large
-    enough that nobody is preempted."""
+    enough that nobody is preempted. (Quantized pools: test_kv_quant.py.)"""
     prompts = [_prompt(10 + i, 30 + 11 * i) for i in range(6)]
     big = LLM(model, num_blocks=2000, block_size=BS, kv_cache_dtype="bfloat16")
     ref = [o.token_ids for o in big.generate(prompts, _greedy(40))]
@@ -85,11 +87,13 @@ def test_swap_on_a_narrow_pool_changes_no_token(model):
     assert small.engine.pool.num_used == 0 and small.engine.swap.num_used == 0
 
 
-def test_every_policy_runs_on_a_narrow_pool(model):
-    """Key/value norms, attention mass, RoPE shift and compaction read and write bf16
-    blocks; all policies in one batch evict, finish and leave the pool empty."""
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", *QUANT])
+def test_every_policy_runs_on_a_narrow_pool(model, kv_dtype):
+    """Key/value norms, attention mass, RoPE shift and compaction read and write narrow
+    (bf16, or quantized with their scales) blocks; all policies in one batch evict,
+    finish and leave the pool empty."""
     llm = LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=64,
-              kv_cache_dtype="bfloat16")
+              kv_cache_dtype=kv_dtype)
     eng = llm.engine
     for i, cfg in enumerate(POLICIES):
         eng.add_request(f"p{i}", _prompt(i, 100), _greedy(300), kv_policy=cfg)

@@ -21,6 +21,8 @@
 // fp32: a shift). The kernel is compiled once per cache dtype (`Batch<TKV>`); q and out
 // are touched once per sequence, so their dtype is a run-time switch (`QueryIO`) and any
 // model dtype runs over any pool dtype without multiplying the instantiations.
+// Quantized pools (int8, fp8 e4m3, int4 with fp16 scales) take `paged_decode_quant` at
+// the end: the portable loop over rows dequantized as they are read.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -502,11 +504,153 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   return {out, mass};
 }
 
+
+// ---- Quantized pools (kvpool/quant.py) ---------------------------------------------
+// Codes (int8, fp8 e4m3 or two int4 per byte) with fp16 scales per (slot, kv head,
+// group). Each visible row is dequantized into a scratch row of fp32 as it is read, and
+// the maths is the portable path's: only what the call reads is widened, never the pool.
+struct QuantRows {
+  const uint8_t *k, *v;      // codes: slot s's row starts at s * row_bytes
+  const at::Half *ks, *vs;   // scales: slot s's start at s * Hkv * ng
+  int64_t mode, ng, gs;      // 1 int8, 2 fp8 e4m3, 3 int4; groups per head, channels each
+};
+
+// fp8 e4m3 (the fn variant: no infinities) by its bits: 4 exponent bits, bias 7.
+const float* fp8_table() {
+  static const std::vector<float> lut = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                               : std::ldexp(static_cast<float>(8 + m), e - 10);
+      t[b] = (b & 128) ? -mag : mag;
+    }
+    return t;
+  }();
+  return lut.data();
+}
+
+inline void dequant_row(const QuantRows& r, const uint8_t* codes, const at::Half* sc,
+                        int64_t Hkv, int64_t D, float* dst) {
+  if (r.mode == 3) {
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t x = 0; x < D; x += 2) {
+        const uint8_t c = codes[(h * D + x) / 2];
+        const float s = static_cast<float>(sc[h * r.ng + x / r.gs]);
+        dst[h * D + x] = static_cast<float>((c & 15) - 8) * s;
+        dst[h * D + x + 1] = static_cast<float>((c >> 4) - 8) * s;
+      }
+    return;
+  }
+  const float* lut = fp8_table();
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float s = static_cast<float>(sc[h]);
+    const uint8_t* c = codes + h * D;
+    float* o = dst + h * D;
+    if (r.mode == 1) {
+#pragma omp simd
+      for (int64_t x = 0; x < D; ++x) o[x] = static_cast<float>(static_cast<int8_t>(c[x])) * s;
+    } else {
+      for (int64_t x = 0; x < D; ++x) o[x] = lut[c[x]] * s;
+    }
+  }
+}
+
+void decode_seq_quant(const Batch<uint8_t>& a, const QuantRows& r, int64_t b, Scratch& w) {
+  const int64_t Hq = a.Hq, G = a.G, D = a.D, Hkv = a.Hkv, rl = a.row_len, sr = Hkv * r.ng;
+  const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
+  if (n == 0) return a.io.zero(b);
+  float *qf = w.qf.data(), *sc = w.sc.data(), *buf = w.tmp.data(), *acc = buf + Hkv * D;
+  a.io.read(b, qf);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = w.phys[i] / rl;
+    dequant_row(r, r.k + w.phys[i], r.ks + slot * sr, Hkv, D, buf);
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float *kh = buf + (hq / G) * D, *qh = qf + hq * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t x = 0; x < D; ++x) s += qh[x] * kh[x];
+      sc[hq * n + i] = s;
+    }
+  }
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* sh = sc + hq * n;
+    const float mx = *std::max_element(sh, sh + n);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += (sh[i] = std::exp(sh[i] - mx));
+    for (int64_t i = 0; i < n; ++i) sh[i] /= sum;
+  }
+  std::fill(acc, acc + Hq * D, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = w.phys[i] / rl;
+    dequant_row(r, r.v + w.phys[i], r.vs + slot * sr, Hkv, D, buf);
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const float p = sc[hq * n + i], *vh = buf + (hq / G) * D;
+      float* ah = acc + hq * D;
+#pragma omp simd
+      for (int64_t x = 0; x < D; ++x) ah[x] += p * vh[x];
+    }
+  }
+  a.io.write(b, acc, nullptr);
+  if (a.mass != nullptr) write_mass(a, b, w.logical.data(), n, sc, n, nullptr);
+}
+
+std::vector<at::Tensor> paged_decode_quant(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
+    const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& table,
+    const at::Tensor& slot_pos, const at::Tensor& q_pos, double scale, int64_t window,
+    bool return_probs, int64_t mode) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
+  TORCH_CHECK(is_float_type(q.scalar_type()), "q must be a float tensor");
+  TORCH_CHECK(mode >= 1 && mode <= 3, "mode must be 1 (int8), 2 (fp8 e4m3) or 3 (int4)");
+  for (const auto* t : {&k_codes, &v_codes})
+    TORCH_CHECK(t->scalar_type() == at::kByte && t->is_contiguous() && t->dim() == 4,
+                "codes must be contiguous uint8 [N, bs, Hkv, Dp]");
+  for (const auto* t : {&k_scale, &v_scale})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 4,
+                "scales must be contiguous float16 [N, bs, Hkv, groups]");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_codes.size(1);
+  const int64_t Hkv = k_codes.size(2), NB = table.size(1), ng = k_scale.size(3);
+  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(k_codes.size(3) == (mode == 3 ? D / 2 : D) && ng > 0 && D % ng == 0,
+              "codes and scales do not match the head dim");
+  TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
+                  q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
+  const at::Tensor t = table.contiguous(), p = slot_pos.contiguous(), qp = q_pos.contiguous();
+  TORCH_CHECK(p.size(0) == B && p.size(1) == NB * bs && qp.numel() == B,
+              "slot_pos must be [B, NB*bs] and q_pos [B]");
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  at::Tensor mass = return_probs ? at::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
+                                 : at::empty({0}, q.options().dtype(at::kFloat));
+  const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
+                   Hq, D, static_cast<float>(scale)};
+  const int64_t rl = Hkv * k_codes.size(3);
+  const Batch<uint8_t> a{io, k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                         return_probs ? mass.data_ptr<float>() : nullptr,
+                         t.data_ptr<int64_t>(), p.data_ptr<int64_t>(), qp.data_ptr<int64_t>(),
+                         B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window};
+  const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
+                    mode, ng, D / ng};
+  fp8_table();  // built once, before the threads
+  const int64_t S = a.S;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    Scratch w{std::vector<int64_t>(S), std::vector<int64_t>(S), std::vector<float>(Hq * D),
+              std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1))};
+    for (int64_t b = begin; b < end; ++b) decode_seq_quant(a, r, b, w);
+  });
+  return {out, mass};
+}
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
         "Tensor q_pos, float scale, int window, bool return_probs) -> Tensor[]");
+  m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
+        "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
+        "bool return_probs, int mode) -> Tensor[]");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_quant", &paged_decode_quant);
+}

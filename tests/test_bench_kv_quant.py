@@ -1,0 +1,54 @@
+"""The quantized-KV benchmark end to end in --quick mode: it runs, and what it writes adds
+up. Speed and quality numbers are never asserted here; they come from
+`python -m loadtest.bench_kv_quant` and live in docs/benchmarks.md. Two runs (capacity
+and decode; quality), each within the quick runner's subprocess time limit."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.bench_quick import run_quick
+
+DTYPES = ["bfloat16", "int8", "fp8_e4m3", "int4"]
+
+
+@pytest.mark.timeout(300)
+def test_capacity_and_decode_cover_every_dtype(tmp_path) -> None:
+    out = str(tmp_path)
+    report = run_quick("bench_kv_quant", out, "--no-progress", "--parts", "capacity,decode")
+    with open(os.path.join(out, "bench_kv_quant.json"), encoding="utf-8") as f:
+        assert json.load(f) == report
+    assert "git_commit" in report["fingerprint"] and "loadavg_at_end" in report["fingerprint"]
+    cap = report["capacity"]
+    assert [(r["policy"], r["dtype"]) for r in cap["rows"]] == [
+        (p, d) for p in ("full", report["settings"]["policy"]) for d in DTYPES]
+    for r in cap["rows"]:
+        assert r["pool_bytes"] <= cap["pool_bytes"] and r["output_tokens"] > 0
+        assert r["capacity"] == r["num_blocks"] // r["request_peak_blocks"]
+    by = {(r["policy"], r["dtype"]): r for r in cap["rows"]}
+    # the same bytes hold more blocks as the format narrows (scales counted)
+    assert by["full", "int4"]["num_blocks"] > by["full", "int8"]["num_blocks"] \
+        > by["full", "bfloat16"]["num_blocks"]
+    assert by["full", "int8"]["num_blocks"] == by["full", "fp8_e4m3"]["num_blocks"]
+    assert [r["dtype"] for r in report["decode"]["rows"]] == DTYPES
+    assert all(r["steps"] > 0 for r in report["decode"]["rows"])
+    with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
+        doc = f.read()
+    assert "## Quantized KV cache (issue 21)" in doc and "| full | int4 |" in doc
+
+
+@pytest.mark.timeout(300)
+def test_quality_covers_every_dtype(tmp_path) -> None:
+    report = run_quick("bench_kv_quant", str(tmp_path), "--no-progress", "--parts", "quality")
+    qual = report["quality"]
+    if "skipped" in qual:
+        pytest.skip(qual["skipped"])
+    assert list(qual["by_dtype"]) == DTYPES
+    for dt, q in qual["by_dtype"].items():
+        assert q["kv_cache_dtype"] == dt
+        assert [r["policy"] for r in q["rows"]] == ["full", *report["settings"]["quality_policies"]]
+        assert all(r["ppl"] > 1 for r in q["rows"])
+    assert all(r["ppl_vs_bf16"] == 1 for r in qual["by_dtype"]["bfloat16"]["rows"])
