@@ -56,9 +56,11 @@ def _member_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _attention(members: list[Member], idx: torch.Tensor) -> torch.Tensor:
-    """The members' mass at their live slots, [R·L, Hkv, n]: one row select per group
-    tensor of the runner (usually one), one gather."""
+    """The members' mass at their live slots, [R·L, Hkv, n]: per group tensor of the
+    runner (usually one), one row select and one gather. Gathered per group before
+    joining, because groups may be padded to different slot widths."""
     nl, n = members[0].cache.num_layers, idx.shape[1]
+    per_member = idx.view(len(members), nl, n)
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for i, m in enumerate(members):
         assert m.attention is not None
@@ -67,14 +69,15 @@ def _attention(members: list[Member], idx: torch.Tensor) -> torch.Tensor:
         g[2].append(i)
     parts, order = [], []
     for group, rows, which in groups.values():
-        sel = group[:, :, 0].index_select(1, torch.tensor(rows))  # [L, r, Hkv, S]
-        parts.append(_member_major(sel))
+        sel = _member_major(group[:, :, 0].index_select(1, torch.tensor(rows)))  # [r·L, Hkv, S]
+        at = per_member[torch.tensor(which)].view(-1, n)  # [r·L, n]
+        parts.append(sel.gather(2, at[:, None, :].expand(-1, sel.shape[1], n)))
         order += which
     a = torch.cat(parts) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # back to member order
         rank = torch.tensor(order).argsort()
         a = a.view(len(members), nl, *a.shape[1:]).index_select(0, rank).view(a.shape)
-    return a.gather(2, idx[:, None, :].expand(-1, a.shape[1], n))
+    return a
 
 
 def build_batch(members: list[Member]) -> tuple[BatchView, torch.Tensor]:

@@ -175,3 +175,30 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
         assert _live_positions(llms[0]) == _live_positions(llms[1]), step
     assert tokens[0] == tokens[1] and all(len(v) == 60 for v in tokens[0].values())
     assert mixed["steps"] > 0
+
+
+def test_batch_members_from_attention_groups_of_different_widths(model):
+    """The torch attention path splits a decode batch into groups by cached length, each
+    padded to its own width; a policy batch may take members from several (here: tova
+    requests with 40- and 400-token prompts, at one budget). Their mass is gathered per
+    group before joining (it used to fail in torch.cat on the widths)."""
+    from kvpool.attention import paged_attention
+
+    llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=4096,
+                batch_policies=batched) for batched in (True, False)]
+    for llm in llms:
+        llm.engine.runner.attention_fn = paged_attention  # the torch path, which pads
+    gen = torch.Generator().manual_seed(1)
+    for i in range(16):
+        prompt = torch.randint(5, 250, (40 if i % 2 else 400,), generator=gen).tolist()
+        for llm in llms:
+            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=12, temperature=0, ignore_eos=True, detokenize=False),
+                kv_policy={"name": "tova", "budget": 32})
+    steps = 0
+    while llms[0].engine.has_unfinished():
+        outs = [llm.engine.step() for llm in llms]
+        assert [(o.request_id, o.new_token_ids) for o in outs[0]] == \
+            [(o.request_id, o.new_token_ids) for o in outs[1]]
+        steps += 1
+        assert _live_positions(llms[0]) == _live_positions(llms[1]), steps
