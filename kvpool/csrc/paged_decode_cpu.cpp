@@ -398,20 +398,18 @@ SeqFn<TKV> pick_seq(int64_t G) {
 #endif  // KVSERVE_AVX512
 
 // Portable path: per visible slot, a dot product per head; softmax; weighted V rows.
-template <typename TKV>
-void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
-  const int64_t Hq = a.Hq, G = a.G, D = a.D, rl = a.row_len;
+// `row(base, phys)` returns the fp32 row of Hkv * D values at element offset `phys` of
+// `base` (the K or V plane), widening or dequantizing into `buf` as it must: the one
+// loop serves every pool format.
+template <typename TKV, typename Row>
+void decode_seq_rows(const Batch<TKV>& a, int64_t b, Scratch& w, Row row) {
+  const int64_t Hq = a.Hq, G = a.G, D = a.D;
   const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
   if (n == 0) return a.io.zero(b);
-  float *qf = w.qf.data(), *sc = w.sc.data(), *buf = w.tmp.data(), *acc = buf + rl;
+  float *qf = w.qf.data(), *sc = w.sc.data(), *acc = w.tmp.data() + a.Hkv * D;
   a.io.read(b, qf);
-  auto widen = [&](const TKV* src) {  // fp32 rows are used in place, others widened
-    if constexpr (std::is_same_v<TKV, float>) return src;
-    for (int64_t x = 0; x < rl; ++x) buf[x] = static_cast<float>(src[x]);
-    return static_cast<const float*>(buf);
-  };
   for (int64_t i = 0; i < n; ++i) {
-    const float* k = widen(a.k + w.phys[i]);
+    const float* k = row(a.k, w.phys[i]);
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const float *kh = k + (hq / G) * D, *qh = qf + hq * D;
       float s = 0.f;
@@ -429,7 +427,7 @@ void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
   }
   std::fill(acc, acc + Hq * D, 0.f);
   for (int64_t i = 0; i < n; ++i) {
-    const float* v = widen(a.v + w.phys[i]);
+    const float* v = row(a.v, w.phys[i]);
     for (int64_t hq = 0; hq < Hq; ++hq) {
       const float p = sc[hq * n + i], *vh = v + (hq / G) * D;
       float* ah = acc + hq * D;
@@ -439,6 +437,18 @@ void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
   }
   a.io.write(b, acc, nullptr);
   if (a.mass != nullptr) write_mass(a, b, w.logical.data(), n, sc, n, nullptr);
+}
+
+template <typename TKV>
+void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
+  float* buf = w.tmp.data();
+  const int64_t rl = a.row_len;
+  decode_seq_rows(a, b, w, [&](const TKV* base, int64_t phys) {
+    const TKV* src = base + phys;
+    if constexpr (std::is_same_v<TKV, float>) return src;  // fp32 rows in place
+    for (int64_t x = 0; x < rl; ++x) buf[x] = static_cast<float>(src[x]);
+    return static_cast<const float*>(buf);
+  });
 }
 
 template <typename TKV>
@@ -557,42 +567,13 @@ inline void dequant_row(const QuantRows& r, const uint8_t* codes, const at::Half
 }
 
 void decode_seq_quant(const Batch<uint8_t>& a, const QuantRows& r, int64_t b, Scratch& w) {
-  const int64_t Hq = a.Hq, G = a.G, D = a.D, Hkv = a.Hkv, rl = a.row_len, sr = Hkv * r.ng;
-  const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
-  if (n == 0) return a.io.zero(b);
-  float *qf = w.qf.data(), *sc = w.sc.data(), *buf = w.tmp.data(), *acc = buf + Hkv * D;
-  a.io.read(b, qf);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = w.phys[i] / rl;
-    dequant_row(r, r.k + w.phys[i], r.ks + slot * sr, Hkv, D, buf);
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float *kh = buf + (hq / G) * D, *qh = qf + hq * D;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t x = 0; x < D; ++x) s += qh[x] * kh[x];
-      sc[hq * n + i] = s;
-    }
-  }
-  for (int64_t hq = 0; hq < Hq; ++hq) {
-    float* sh = sc + hq * n;
-    const float mx = *std::max_element(sh, sh + n);
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) sum += (sh[i] = std::exp(sh[i] - mx));
-    for (int64_t i = 0; i < n; ++i) sh[i] /= sum;
-  }
-  std::fill(acc, acc + Hq * D, 0.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t slot = w.phys[i] / rl;
-    dequant_row(r, r.v + w.phys[i], r.vs + slot * sr, Hkv, D, buf);
-    for (int64_t hq = 0; hq < Hq; ++hq) {
-      const float p = sc[hq * n + i], *vh = buf + (hq / G) * D;
-      float* ah = acc + hq * D;
-#pragma omp simd
-      for (int64_t x = 0; x < D; ++x) ah[x] += p * vh[x];
-    }
-  }
-  a.io.write(b, acc, nullptr);
-  if (a.mass != nullptr) write_mass(a, b, w.logical.data(), n, sc, n, nullptr);
+  float* buf = w.tmp.data();
+  const int64_t rl = a.row_len, sr = a.Hkv * r.ng;
+  decode_seq_rows(a, b, w, [&](const uint8_t* base, int64_t phys) {
+    const at::Half* scales = (base == r.k ? r.ks : r.vs) + phys / rl * sr;
+    dequant_row(r, base + phys, scales, a.Hkv, a.D, buf);
+    return static_cast<const float*>(buf);
+  });
 }
 
 std::vector<at::Tensor> paged_decode_quant(
