@@ -322,6 +322,30 @@ def add_run_args(p) -> None:
     p.add_argument("--plot")
 
 
+def add_quality_args(p, budgets: str) -> None:
+    """The perplexity and needle protocol's options (`loadtest/policy_eval.py` on the demo
+    model), for every benchmark that measures quality: one set of names and defaults."""
+    p.add_argument("--demo-model", default="engine/demo/model")
+    p.add_argument("--quality-budgets", default=budgets)
+    p.add_argument("--ppl-windows", type=int, default=8)
+    p.add_argument("--ppl-window", type=int, default=768,
+                   help="tokens; the first --ppl-prompt are the prompt")
+    p.add_argument("--ppl-prompt", type=int, default=512)
+    p.add_argument("--needle-trials", type=int, default=2)
+    p.add_argument("--needle-lengths", default="256,512,768")
+    p.add_argument("--needle-tasks", default="passkey/text,passkey/repeat,facts/text")
+
+
+def parse_quality_args(a) -> None:
+    """--quick's short protocol (ppl_windows stays the driver's), then the lists."""
+    if a.quick:
+        a.ppl_window, a.ppl_prompt, a.needle_trials, a.needle_lengths = 64, 32, 1, "128"
+        a.needle_tasks, a.quality_budgets = "passkey/repeat", "0.25"
+    a.quality_budgets = [float(x) for x in a.quality_budgets.split(",")]
+    a.needle_lengths = [int(x) for x in a.needle_lengths.split(",")]
+    a.needle_tasks = a.needle_tasks.split(",")
+
+
 def new_report(name: str, args, settings: tuple[str, ...]) -> dict:
     """The head every benchmark JSON starts with: what ran, where, and with which knobs."""
     from loadtest.fingerprint import fingerprint

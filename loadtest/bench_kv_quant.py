@@ -205,29 +205,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-batch", type=int, default=16)
     p.add_argument("--decode-prompt", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=32)
-    p.add_argument("--demo-model", default="engine/demo/model")
     p.add_argument("--quality-policies", default="lazy_eviction,snapkv")
-    p.add_argument("--quality-budgets", default="0.25")
-    p.add_argument("--ppl-windows", type=int, default=8)
-    p.add_argument("--ppl-window", type=int, default=768)
-    p.add_argument("--ppl-prompt", type=int, default=512)
-    p.add_argument("--needle-trials", type=int, default=2)
-    p.add_argument("--needle-lengths", default="256,512,768")
-    p.add_argument("--needle-tasks", default="passkey/text,passkey/repeat,facts/text")
+    bc.add_quality_args(p, budgets="0.25")
     bc.add_run_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.fit, a.requests, a.prompt, a.gen, a.block_size = "tiny", 2, 12, 32, 32, 4
         a.decode_batch, a.decode_prompt, a.decode_steps = 4, 32, 8
-        a.ppl_windows, a.ppl_window = 1, 64
-        a.ppl_prompt, a.needle_trials, a.needle_lengths = 32, 1, "128"
-        a.needle_tasks, a.quality_policies = "passkey/repeat", "snapkv"
+        a.ppl_windows, a.quality_policies = 1, "snapkv"
     a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.quality_policies = a.quality_policies.split(",")
-    a.quality_budgets = [float(x) for x in a.quality_budgets.split(",")]
-    a.needle_lengths = [int(x) for x in a.needle_lengths.split(",")]
-    a.needle_tasks = a.needle_tasks.split(",")
+    bc.parse_quality_args(a)
     bc.default_paths(a, NAME)
     return a
 

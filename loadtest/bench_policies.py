@@ -256,21 +256,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "halves the per-token compute where the CPU has bf16 dot products)")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-steps", type=int, default=64)
-    p.add_argument("--demo-model", default="engine/demo/model")
-    p.add_argument("--quality-budgets", default="0.25,0.5")
-    p.add_argument("--ppl-windows", type=int, default=8)
-    p.add_argument("--ppl-window", type=int, default=768, help="tokens; the first --ppl-prompt are the prompt")
-    p.add_argument("--ppl-prompt", type=int, default=512)
-    p.add_argument("--needle-trials", type=int, default=2)
-    p.add_argument("--needle-lengths", default="256,512,768")
-    p.add_argument("--needle-tasks", default="passkey/text,passkey/repeat,facts/text")
+    bc.add_quality_args(p, budgets="0.25,0.5")
     bc.add_run_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.requests, a.fit, a.prompt, a.gen = "tiny", 10, 3, 32, 64
-        a.overhead_batch, a.overhead_steps, a.ppl_windows, a.ppl_window = 4, 8, 2, 64
-        a.ppl_prompt, a.needle_trials, a.needle_lengths = 32, 1, "128"
-        a.needle_tasks, a.quality_budgets = "passkey/repeat", "0.25"
+        a.overhead_batch, a.overhead_steps, a.ppl_windows = 4, 8, 2
     a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
@@ -281,9 +272,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.baselines = [x for x in a.baselines.split(",") if x]
     if set(a.baselines) - set(BASELINES):
         p.error(f"--baselines: choose from {', '.join(BASELINES)}")
-    a.quality_budgets = [float(x) for x in a.quality_budgets.split(",")]
-    a.needle_lengths = [int(x) for x in a.needle_lengths.split(",")]
-    a.needle_tasks = a.needle_tasks.split(",")
+    bc.parse_quality_args(a)
     bc.default_paths(a, NAME)
     return a
 
