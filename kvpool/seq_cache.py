@@ -119,6 +119,7 @@ class SeqCache:
         self.ensure_capacity(k + 1)
         self.table[:, :k] = torch.stack(groups, dim=1)
         self.slot_pos[:, : k * bs] = torch.arange(k * bs)
+        self.tables.fill_state(slice(None), self.row, slice(0, k * bs))
         self.nblocks = [k] * self.num_layers
         self.next_slot = [k * bs] * self.num_layers
         self.layer_live = [k * bs] * self.num_layers
@@ -177,6 +178,7 @@ class SeqCache:
             j = torch.arange(nxt, nxt + n)
             slots = self.table[:, j // bs] * bs + j % bs
             self.slot_pos[:, nxt : nxt + n] = positions
+            self.tables.fill_state(slice(None), self.row, slice(nxt, nxt + n))
             self.next_slot = [nxt + n] * nl
             self.layer_live = [x + n for x in self.layer_live]
             return slots
@@ -195,6 +197,7 @@ class SeqCache:
         j = torch.tensor(self.next_slot)[:, None] + torch.arange(n)  # [L, n]
         slots = self.table.gather(1, j // bs) * bs + j % bs
         self.slot_pos.scatter_(1, j, positions.to(torch.int64).expand(nl, n))
+        self.tables.fill_state(torch.arange(nl)[:, None], self.row, j)
         self.next_slot = [x + n for x in self.next_slot]
         self.layer_live = [x + n for x in self.layer_live]
         return slots

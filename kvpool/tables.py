@@ -20,6 +20,13 @@ must change only its own request's view (eviction is a mark, not a copy). A
 
 Rows and width grow by doubling (a copy, rare), so memory follows the concurrency and
 context actually seen rather than `max_num_seqs × max_model_len`.
+
+Beside the positions, a policy's per-token state lives here too (`state`: named
+`[L, R, W * bs]` float32 tensors, created when a policy first declares one): H2O's
+cumulative attention, LazyEviction's activation times. State is per logical slot for
+the same reason as positions, it is set to the name's fill when a slot is appended, and
+it moves with its token when blocks are freed or compacted, so a policy reads and
+writes it for a whole batch as [rows, slots] tensors and never re-aligns it by position.
 """
 
 from __future__ import annotations
@@ -43,6 +50,23 @@ class SlotTables:
         self.slot_pos = torch.full((num_layers, max(1, rows), max(1, width_blocks) * block_size),
                                    -1, dtype=torch.int64)
         self._free_rows = list(range(self.table.shape[1] - 1, -1, -1))
+        self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs] float32
+        self.fills: dict[str, float] = {}  # name -> a new slot's value
+
+    def declare_state(self, fills: dict[str, float]) -> None:
+        """Keep per-slot state `name` (a new slot starts at its fill) from now on."""
+        for name, fill in fills.items():
+            if name not in self.state:
+                self.state[name] = torch.full(self.slot_pos.shape, fill, dtype=torch.float32)
+                self.fills[name] = fill
+            assert self.fills[name] == fill or (fill != fill and self.fills[name] != self.fills[name]), \
+                f"slot state {name!r} declared with two fills"
+
+    def fill_state(self, layers: object, rows: object, cols: object) -> None:
+        """Set the state of newly appended slots (any index expression into [L, R, S])
+        to each name's fill: one op per name, whatever the number of slots."""
+        for name, t in self.state.items():
+            t[layers, rows, cols] = self.fills[name]
 
     @property
     def width(self) -> int:
@@ -74,6 +98,10 @@ class SlotTables:
         pos = torch.full((nl, rows, width * self.bs), -1, dtype=torch.int64)
         pos[:, :r, : w * self.bs] = self.slot_pos
         self.table, self.slot_pos = table, pos
+        for name, old in self.state.items():
+            new = torch.full(pos.shape, self.fills[name], dtype=torch.float32)
+            new[:, :r, : w * self.bs] = old
+            self.state[name] = new
 
     # ---- what a step reads -----------------------------------------------------------
     def rows_of(self, caches: list[SeqCache], nb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +167,7 @@ class SlotTables:
             idx[:, list(uneven)] = torch.tensor(list(uneven.values()), dtype=torch.int64).t()
         lay = torch.arange(nl)[:, None]
         self.slot_pos[lay, row_t, idx] = torch.tensor(positions, dtype=torch.int64)
+        self.fill_state(lay, row_t, idx)
         return self.table[lay, row_t, idx // bs] * bs + idx % bs
 
     # ---- what eviction changes -------------------------------------------------------
@@ -166,6 +195,33 @@ class SlotTables:
         hit = [c for c, e in zip(caches, emptied) if e]
         freed = iter(self.free_dead_blocks(pool, hit) if hit else [])
         return [next(freed) if e else 0 for e in emptied]
+
+    def evict_mask(self, pool: BlockPool, caches: list[SeqCache],
+                   dead: torch.Tensor) -> list[tuple[int, int]]:
+        """Mark the slots where `dead` [R, L, W] is True dead (W a multiple of the block
+        size, at least every cache's held width) and free the blocks that leaves without
+        a live slot; per cache (slots evicted over all layers, blocks freed). The one
+        way a policy's plan reaches the pool: a fixed number of ops for any batch."""
+        r, nl, w = dead.shape
+        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        sp = self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
+        d = dead.transpose(0, 1) & (sp >= 0)
+        counts = d.sum(dim=2).t().tolist()  # [R][L]
+        if not any(map(any, counts)):
+            return [(0, 0)] * r
+        sp.masked_fill_(d, -1)
+        self.slot_pos[:, :, :w].index_copy_(1, rows, sp)
+        same = (d == d[:1]).all(dim=2).all(dim=0)  # every layer lost the same slots
+        shape = (nl, r, w // self.bs, self.bs)
+        emptied = (d.view(shape).any(dim=3) & ~(sp.view(shape) >= 0).any(dim=3)).any(dim=2).any(dim=0)
+        for c, k, alike in zip(caches, counts, same.tolist()):
+            if any(k):
+                c.layer_live = [x - y for x, y in zip(c.layer_live, k)]
+                c.alike = c.alike and alike
+                c.uniform = False
+        hit = [i for i, e in enumerate(emptied.tolist()) if e]
+        freed = dict(zip(hit, self.free_dead_blocks(pool, [caches[i] for i in hit]))) if hit else {}
+        return [(sum(k), freed.get(i, 0)) for i, k in enumerate(counts)]
 
     def free_dead_blocks(self, pool: BlockPool, caches: list[SeqCache],
                          layers: list[int] | None = None) -> list[int]:
@@ -203,6 +259,10 @@ class SlotTables:
         pos.masked_fill_(beyond[..., None], -1)
         self.table.index_copy_(1, rows, table)
         self.slot_pos.index_copy_(1, rows, pos.view(nl, len(caches), w * bs))
+        for t in self.state.values():  # each token's state moves with it
+            st = t.index_select(1, rows).view(nl, len(caches), w, bs)
+            st = st.gather(2, order[..., None].expand(-1, -1, -1, bs))
+            t.index_copy_(1, rows, st.view(nl, len(caches), w * bs))
         for c, per_layer in zip(caches, counts):
             c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
             c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
@@ -257,6 +317,9 @@ class SlotTables:
         pool.release(table[gone & (table >= 0)])
         self.table.index_copy_(1, rows, table.masked_fill(gone, -1))
         self.slot_pos.index_copy_(1, rows, sp)
+        for t in self.state.values():  # each token's state moves with it
+            st = t.index_select(1, rows)
+            t.index_copy_(1, rows, torch.where(hole[..., None], st.gather(2, order), st))
         freed = []
         for c, h, nb, k, size in zip(caches, counts, want.t().tolist(), n.t().tolist(),
                                      [c.nblocks for c in caches]):

@@ -14,7 +14,6 @@ head): with one kv head the kept set is kvpress's exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -23,26 +22,16 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from policies.base import (
-    BatchView,
-    Eviction,
     Needs,
     StepView,
-    align,
-    align_rows,
     chunked_envelope,
-    drop_index_rows,
-    edge_mask,
-    evict_except,
-    evict_except_index,
-    evict_except_rows,
     is_active,
-    keep_rows,
     prefill_envelope,
     prompt_budget,
     resolve_budget,
-    without_rows,
 )
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+from policies.rows import RowsView, keep_highest, recent
 
 _WINDOW_HELP = "Most recent tokens never evicted (part of the budget)."
 
@@ -68,7 +57,7 @@ def knorm_scores(key_norm: torch.Tensor) -> torch.Tensor:
     return -key_norm.mean(dim=-1)
 
 
-def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
+def keydiff_scores(keys: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
     """kvpress `KeyDiffPress.score`: anchor = mean over tokens of the L2-normalised keys
     (per head); score = -cos(k_i, anchor), so keys most aligned with the mean direction
     (the most redundant) score lowest. keys [..., n, Hkv, D] -> [..., n], mean over kv
@@ -77,55 +66,38 @@ def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
     The cosine reuses the normalised keys the anchor needs — a dot with the normalised
     anchor, as `F.cosine_similarity` computes it (norms clamped at its eps 1e-8) — in
     one batched matmul instead of cosine_similarity's broadcast passes (2x faster;
-    within 2e-7 of it)."""
+    within 2e-7 of it). `live` ([..., n] bool): only those tokens make the anchor (a
+    row of slots with dead ones among them)."""
     unit = F.normalize(keys, p=2, dim=-1)
-    anchor = unit.mean(dim=-3)  # [..., Hkv, D]
+    if live is None:
+        anchor = unit.mean(dim=-3)  # [..., Hkv, D]
+    else:
+        w = live.to(unit.dtype)[..., None, None]
+        anchor = (unit * w).sum(dim=-3) / w.sum(dim=-3).clamp_min(1)
     anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(1e-8)
     return -torch.einsum("...nhd,...hd->...nh", unit, anchor).mean(dim=-1)
 
 
-def _idle(view: StepView, budget_cfg: int | float) -> bool:
-    """`_unstructured` plans nothing: prompt incomplete or every layer within budget."""
-    budget = resolve_budget(budget_cfg, view.seq_len)
-    return not is_active(view) or all(n <= budget for n in view.lengths)
+def _keep(view: RowsView, budget_cfg: int | float, active_only: bool) -> list[int]:
+    """Per row, the tokens to keep: C on the sequence length once the prompt is
+    complete (`active_only`), or C on the whole prompt's length from its first chunk on
+    (`prompt_budget`, bounded prefill); every token before that."""
+    keep = []
+    for s, p, done in zip(view.seq_len, view.prompt_len, view.prefill_done):
+        if active_only:
+            keep.append(resolve_budget(budget_cfg, s) if done or s > p else s)
+        else:
+            keep.append(resolve_budget(budget_cfg, max(s, p)))
+    return view.per_row(keep)
 
 
-def _unstructured(view: StepView, budget_cfg: int | float, window: int, stat: str,
-                  score: Callable[[torch.Tensor], torch.Tensor]) -> Eviction:
-    """Per layer, drop the lowest `score(LayerView.<stat>)` down to the budget, the recent
-    `window` protected; one selection for all layers when they hold the same count (decode,
-    after the prompt's plan: every layer holds C + 1)."""
-    if not is_active(view):
-        return {}
-    budget = resolve_budget(budget_cfg, view.seq_len)
-    stats = view.stacked(stat)
-    n = view.lengths[0] if view.lengths else 0
-    if stats is not None and n > budget:  # every layer holds n: score and select at once
-        pos = view.stacked("positions")
-        assert pos is not None
-        drop = evict_except_rows(score(stats), pos, budget, min(window, budget))
-        return dict(enumerate(drop.unbind(0)))
-    plan: Eviction = {}
-    for layer, lv in enumerate(view.layers):
-        n = lv.positions.numel()
-        if n <= budget:
-            continue
-        protected = edge_mask(n, 0, min(window, budget))
-        plan[layer] = evict_except(score(getattr(lv, stat)), lv.positions, budget, protected)
-    return plan
-
-
-def _unstructured_batch(policies: list, view: BatchView, stat: str,
-                        score: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor] | None:
-    """`_unstructured` for R requests at once (equal configs): the same score and
-    selection on every (request, layer) row."""
-    c = policies[0].config
-    budget, stats = view.budget(c.budget), getattr(view, stat)
-    if budget is None or stats is None:
+def _select(view: RowsView, keep: list[int], window: int,
+            scores: torch.Tensor) -> torch.Tensor | None:
+    """Drop the lowest `scores` down to keep[i] per row, the recent window protected."""
+    if all(n <= k for n, k in zip(view.lengths, keep)):
         return None
-    if view.positions.shape[1] <= budget:
-        return view.per_request(view.positions.new_empty((view.positions.shape[0], 0)))
-    return view.per_request(drop_index_rows(score(stats), budget, min(c.window, budget)))
+    windows = [min(window, k) for k in keep]
+    return keep_highest(view, scores, keep, recent(view.live, windows))
 
 
 @dataclass
@@ -156,83 +128,29 @@ class KnormPolicy:
     config: KnormConfig
     name: str = "knorm"
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True))
-    _pos: list[torch.Tensor] = field(default_factory=list, repr=False)  # per layer, kept
-    _score: list[torch.Tensor] = field(default_factory=list, repr=False)
-
-    def step(self, view: StepView) -> Eviction:
-        pos, scores = self._scored(view)
-        budget = prompt_budget(self.config.budget, view)
-        window = min(self.config.window, budget)
-        plan: Eviction = {}
-        if len({p.numel() for p in pos}) == 1:  # every layer holds n: select at once
-            p, s = torch.stack(pos), torch.stack(scores)
-            if p.shape[1] > budget:
-                drop = drop_index_rows(s, budget, window)
-                plan = dict(enumerate(p.gather(1, drop).unbind(0)))
-                p, s = without_rows(drop, p, s)
-            pos, scores = list(p.unbind(0)), list(s.unbind(0))
-        else:
-            for layer, (p, s) in enumerate(zip(pos, scores)):
-                if p.numel() > budget:
-                    drop = evict_except_index(s, budget, 0, window)
-                    plan[layer] = p[drop]
-                    p, s = without_rows(drop[None], p[None], s[None])
-                    pos[layer], scores[layer] = p[0], s[0]
-        self._pos, self._score = pos, scores
-        self.needs = Needs(new_key_norm=True)
-        return plan
-
-    def _scored(self, view: StepView) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Every layer's live positions and their scores: from the view's norms when it
-        has every token's, else the kept scores followed by this step's new ones (the
-        newest positions)."""
-        pos = [lv.positions for lv in view.layers]
-        if view.layers[0].key_norm is not None:
-            return pos, [knorm_scores(lv.key_norm) for lv in view.layers]
-        scores = []
-        for layer, lv in enumerate(view.layers):
-            assert lv.new_key_norm is not None
-            s = align(self._pos[layer], self._score[layer], lv.positions, float("nan"))
-            k = lv.new_key_norm.shape[0]
-            s[s.numel() - k:] = knorm_scores(lv.new_key_norm)
-            scores.append(s)
-        return pos, scores
+    state: ClassVar[dict[str, float]] = {"score": float("nan")}
 
     @staticmethod
-    def step_batch(policies: list[KnormPolicy], view: BatchView) -> list[torch.Tensor] | None:
-        """`step` for R requests at once; members share their mode (batch_key groups by
-        `needs`): all score every token (their first plan, when the prompt was within
-        the budget), or all extend their kept scores by the new token's."""
-        c, nl = policies[0].config, view.num_layers
-        budget = view.budget(c.budget)
-        if budget is None:
-            return None
-        if view.new_key_norm is None:
-            if view.key_norm is None:
-                return None
-            scores = knorm_scores(view.key_norm)
+    def select(policies: list[KnormPolicy], view: RowsView) -> torch.Tensor | None:
+        """Members share their mode (the group key holds `needs`): all score every
+        token (their first plan), or all record the new tokens' scores."""
+        c = policies[0].config
+        score = view.state["score"]
+        if view.key_norm is not None:
+            score.copy_(knorm_scores(view.key_norm))
         else:
-            old = [x for p in policies for x in p._pos[:nl]]
-            if len({x.numel() for x in old}) != 1:
-                return None
-            scores = align_rows(torch.stack(old), torch.stack([x for p in policies for x in p._score]),
-                                view.positions, float("nan"))
-            scores[:, -1] = knorm_scores(view.new_key_norm[:, 0])
-        drop, (pos, scores) = keep_rows(scores, budget, min(c.window, budget),
-                                        view.positions, scores)
-        pos_rows, score_rows = pos.unbind(0), scores.unbind(0)  # one op each, whatever R
-        for r, p in enumerate(policies):
-            p._pos = list(pos_rows[r * nl:(r + 1) * nl])
-            p._score = list(score_rows[r * nl:(r + 1) * nl])
+            assert view.new_key_norm is not None and view.new_slots is not None
+            score.scatter_(1, view.new_slots, knorm_scores(view.new_key_norm))
+        for p in policies:
             p.needs = Needs(new_key_norm=True)
-        return view.per_request(drop)
+        return _select(view, _keep(view, c.budget, active_only=False), c.window, score)
 
     def idle(self, view: StepView) -> bool:
-        """Before the first plan while every layer is within the budget; after it never,
-        since every new token's norm must be recorded when it is computed (a ratio
-        budget may grow past n)."""
+        """Before the first plan while every layer is within the budget (that plan
+        scores every live token); after it never, since every new token's score must
+        be recorded when it is computed (a ratio budget may grow past n)."""
         budget = prompt_budget(self.config.budget, view)
-        return not self._pos and all(n <= budget for n in view.lengths)
+        return self.needs.key_norm and all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -254,15 +172,19 @@ class KeyDiffPolicy:
     name: str = "keydiff"
     needs: Needs = field(default_factory=lambda: Needs(keys=True))
 
-    def step(self, view: StepView) -> Eviction:
-        return _unstructured(view, self.config.budget, self.config.window, "keys", keydiff_scores)
-
     @staticmethod
-    def step_batch(policies: list[KeyDiffPolicy], view: BatchView) -> list[torch.Tensor] | None:
-        return _unstructured_batch(policies, view, "keys", keydiff_scores)
+    def select(policies: list[KeyDiffPolicy], view: RowsView) -> torch.Tensor | None:
+        c = policies[0].config
+        keep = _keep(view, c.budget, active_only=True)
+        if all(n <= k for n, k in zip(view.lengths, keep)):
+            return None
+        assert view.keys is not None
+        return _select(view, keep, c.window, keydiff_scores(view.keys, view.live))
 
     def idle(self, view: StepView) -> bool:
-        return _idle(view, self.config.budget)
+        """Nothing to plan: prompt incomplete or every layer within budget."""
+        budget = resolve_budget(self.config.budget, view.seq_len)
+        return not is_active(view) or all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

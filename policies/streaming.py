@@ -19,8 +19,9 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import BatchView, Eviction, Needs, StepView
+from policies.base import Needs, StepView
 from policies.config import ContextDefault, EvictingPolicyConfig
+from policies.rows import RowsView, live_from_end
 
 Rope = Literal["original", "shift"]
 _ROPE_HELP = ("'original' keeps each token's position; 'shift' re-numbers the kept tokens "
@@ -60,20 +61,14 @@ class LazyStreamingConfig(EvictingPolicyConfig):
         "window": ContextDefault(0.5, minus="sink")}
 
 
-def _drop_middle(view: StepView, sink: int, keep: int) -> Eviction:
-    """Per layer: keep the first `sink` and the most recent `keep - sink` live tokens.
-
-    Layers that share one positions tensor (the engine's view when every layer holds
-    the same tokens) share one plan tensor, which the engine applies in one op."""
-    plan: Eviction = {}
-    last: tuple[torch.Tensor, torch.Tensor] | None = None
-    for layer, lv in enumerate(view.layers):
-        n = lv.positions.numel()
-        if n > keep:
-            if last is None or last[0] is not lv.positions:
-                last = (lv.positions, lv.positions[sink: n - (keep - sink)])
-            plan[layer] = last[1]
-    return plan
+def drop_middle(view: RowsView, sink: int, keep: list[int]) -> torch.Tensor | None:
+    """Per row: keep the first `sink` and the most recent keep[i] - sink live tokens
+    (rows within keep[i] keep everything); None when no row drops."""
+    if all(n <= k for n, k in zip(view.lengths, keep)):
+        return None
+    live = view.live
+    newer = torch.tensor(keep)[:, None] - sink  # the recent tokens each row keeps
+    return live & (live.cumsum(dim=1) > sink) & (live_from_end(live) > newer)
 
 
 @dataclass
@@ -93,18 +88,10 @@ class StreamingPolicy:
     name: str = "streaming"
     needs: Needs = field(default_factory=Needs)
 
-    def step(self, view: StepView) -> Eviction:
-        c = self.config
-        return _drop_middle(view, c.sink, c.sink + c.window)
-
     @staticmethod
-    def step_batch(policies: list[StreamingPolicy], view: BatchView) -> list[torch.Tensor]:
-        """`step` for R requests at once: every row drops the same indices, sink up to
-        the window."""
+    def select(policies: list[StreamingPolicy], view: RowsView) -> torch.Tensor | None:
         c = policies[0].config
-        rows, n = view.positions.shape
-        drop = torch.arange(c.sink, max(c.sink, n - c.window)).expand(rows, -1)
-        return view.per_request(drop)
+        return drop_middle(view, c.sink, [c.sink + c.window] * len(view.lengths))
 
     def idle(self, view: StepView) -> bool:
         """No layer holds more than sink + window: `step` keeps everything."""
@@ -148,18 +135,12 @@ class LazyStreamingPolicy:
     name: str = "lazy_streaming"
     needs: Needs = field(default_factory=Needs)
 
-    def step(self, view: StepView) -> Eviction:
-        c = self.config
-        plan: Eviction = {}
-        last: tuple[torch.Tensor, torch.Tensor] | None = None
-        for layer, lv in enumerate(view.layers):
-            target = self._target(lv.positions.numel())
-            if target is not None:
-                if last is None or last[0] is not lv.positions:  # shared by layers: once
-                    n = lv.positions.numel()
-                    last = (lv.positions, lv.positions[c.sink: n - (target - c.sink)])
-                plan[layer] = last[1]
-        return plan
+    @staticmethod
+    def select(policies: list[LazyStreamingPolicy], view: RowsView) -> torch.Tensor | None:
+        """Each row prunes to its own L* when its overflow reached R."""
+        p = policies[0]
+        keep = [n if t is None else t for n, t in ((n, p._target(n)) for n in view.lengths)]
+        return drop_middle(view, p.config.sink, keep)
 
     def _target(self, n: int) -> int | None:
         """L* for a layer of n live tokens when it prunes (L* < n), else None."""

@@ -14,12 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.runner import AttentionMass
 from policies.base import StepView
-from scheduler.batched_eviction import Member, batch_key, run_batch
 from scheduler.eviction import Rotate, apply_eviction, fill_view, step_header
+from scheduler.policy_rows import Member, group_key, run_group
 from scheduler.request import Request
 from scheduler.scheduler import Chunk
 
@@ -40,8 +38,8 @@ class PolicyRunner:
         self.requests[name] = self.requests.get(name, 0) + 1
 
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
-        """Let each running request's policy look at its cache and carry out its plan:
-        decode steps at the budget in batches, the rest one request at a time.
+        """Let each running request's policy look at its cache and carry out its plan,
+        requests of equal policies together (`scheduler/policy_rows.py`).
         `attention` maps a chunk's index to its attention mass (runner output)."""
         groups: dict[tuple, list[tuple[Request, Member]]] = {}
         for i, c in enumerate(chunks):
@@ -55,41 +53,28 @@ class PolicyRunner:
                                  first_full)
             idle = getattr(r.policy, "idle", None)
             if idle is None or not idle(header):
-                key = batch_key(r.policy, r.kv_policy, header, r.rope_shift,
-                                getattr(r.kv_policy, "compact", False)) if self.batch else None
-                if key is not None:
-                    groups.setdefault(key, []).append(
-                        (r, Member(r.cache, r.policy, header, attention.get(i))))
+                if hasattr(type(r.policy), "select"):
+                    compact = getattr(r.kv_policy, "compact", False)
+                    m = Member(r.cache, r.policy, r.num_computed, len(r.prompt_ids),
+                               c.num_tokens, first_full, attention.get(i),
+                               self.rotate if r.rope_shift else None, compact)
+                    key = (group_key(r.policy, r.kv_policy, c.num_tokens) if self.batch
+                           else (id(r),))
+                    groups.setdefault(key, []).append((r, m))
                     continue
                 self._step_alone(r, header, attention.get(i))
             self._after(r, time.perf_counter() - t)
         for members in groups.values():
             t = time.perf_counter()
-            drops = run_batch([m for _, m in members]) if len(members) > 1 else None
-            if drops is None:  # declined, or alone: the per-request path (same plan)
-                for r, m in members:
-                    self._step_alone(r, m.header, m.attention)
-            else:
-                self._evict_batch([r for r, _ in members], drops)
+            done = run_group([m for _, m in members])
+            for (r, m), (evicted, freed) in zip(members, done):
+                if m.rotate is not None and evicted:
+                    r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
+                self._count(r, evicted, freed)
             share = (time.perf_counter() - t) / len(members)
             for r, _ in members:
                 self._after(r, share)
         self._compact()
-
-    def _evict_batch(self, reqs: list[Request], drops: list[torch.Tensor]) -> None:
-        """Carry out a batch's drops ([L, d] logical slots per member), members of equal
-        d together (one set of ops each; lazy clocks make d 0 for most of them)."""
-        by_d: dict[int, list[int]] = {}
-        for j, d in enumerate(drops):
-            by_d.setdefault(d.shape[1], []).append(j)
-        for d, which in by_d.items():
-            if d == 0:
-                continue
-            caches = [reqs[j].cache for j in which]
-            slots = torch.stack([drops[j] for j in which])
-            freed = caches[0].tables.evict_slots(caches[0].pool, caches, slots)
-            for j, f in zip(which, freed):
-                self._count(reqs[j], d * self.num_layers, f)
 
     def _step_alone(self, r: Request, header: StepView,
                     attention: AttentionMass | None) -> None:

@@ -1,5 +1,10 @@
 """Synthetic `StepView`s and a tiny engine stand-in for the pure policy tests.
 
+`step(policy, view)` runs a policy on one request's per-layer view the way the engine
+does (`scheduler/policy_rows.py`): as a batch of one `RowsView` (layers as rows, their
+live tokens as slots), with the policy's per-slot state kept by position between calls
+as `SlotTables` keeps it by slot, and answers with the plan as positions per layer.
+
 `Sim` plays the engine's part for one request: it appends positions, builds the view a
 policy asked for (attention mass summed per kv group, norms, keys from fixed random
 tensors), checks the plan names live positions only, and carries it out.
@@ -9,7 +14,63 @@ from __future__ import annotations
 
 import torch
 
-from policies.base import LayerView, StepView
+from policies.base import Eviction, LayerView, StepView
+from policies.rows import RowsView
+
+
+def _pad(parts: list[torch.Tensor], width: int, dim: int) -> torch.Tensor:
+    """Stack per-layer tensors, zero-padded to `width` along `dim` (the token dim)."""
+    out = []
+    for t in parts:
+        pad = [0, 0] * (t.dim() - 1 - dim) + [0, width - t.shape[dim]]
+        out.append(torch.nn.functional.pad(t, pad))
+    return torch.stack(out)
+
+
+def run_step(policy, v: StepView) -> Eviction:
+    """Run `policy` on `v` as the engine does; the plan as {layer: positions}."""
+    if not hasattr(type(policy), "select"):
+        return policy.step(v)
+    layers = v.layers
+    nl = len(layers)
+    width = max(lv.positions.numel() for lv in layers)
+    positions = torch.stack([torch.nn.functional.pad(lv.positions, (0, width - lv.positions.numel()),
+                                                     value=-1) for lv in layers])
+    rv = RowsView(num_layers=nl, num_new=v.num_new, seq_len=[v.seq_len],
+                  prompt_len=[v.prompt_len], prefill_done=[v.prefill_done],
+                  lengths=[lv.positions.numel() for lv in layers], positions=positions,
+                  block_size=v.block_size)
+    fills = getattr(type(policy), "state", {})
+    # per layer (positions, {state name: values}), as the tables would hold them
+    held = policy.__dict__.setdefault("_slot_state", {})
+    for name, fill in fills.items():  # each token's state, as the tables keep it
+        rows = torch.full((nl, width), fill, dtype=torch.float32)
+        for layer, lv in enumerate(layers):
+            old_pos, old = held.get(layer, (torch.empty(0, dtype=torch.int64), {}))
+            if name in old and old_pos.numel():
+                hit = torch.isin(lv.positions, old_pos)
+                idx = torch.searchsorted(old_pos, lv.positions[hit])
+                rows[layer, : lv.positions.numel()][hit] = old[name][idx]
+        rv.state[name] = rows
+    first = layers[0]
+    if first.attention is not None:
+        rv.attention = _pad([lv.attention for lv in layers], width, 2)
+    for name in ("key_norm", "value_norm", "keys"):
+        if getattr(first, name) is not None:
+            setattr(rv, name, _pad([getattr(lv, name) for lv in layers], width, 0))
+    if first.new_key_norm is not None:
+        k = first.new_key_norm.shape[0]
+        rv.new_slots = torch.tensor(rv.lengths)[:, None] - k + torch.arange(k)
+        rv.new_key_norm = torch.stack([lv.new_key_norm for lv in layers])
+    drop = type(policy).select([policy], rv)
+    plan: Eviction = {}
+    for layer, lv in enumerate(layers):
+        n = lv.positions.numel()
+        gone = drop[layer, :n] if drop is not None else torch.zeros(n, dtype=torch.bool)
+        if bool(gone.any()):
+            plan[layer] = lv.positions[gone]
+        held[layer] = (lv.positions[~gone], {name: t[layer, :n][~gone] for name, t in rv.state.items()})
+    return plan
 
 
 def view(layers: list[LayerView], seq_len: int, prompt_len: int, num_new: int = 1,
@@ -75,7 +136,7 @@ class Sim:
             if needs.keys:
                 lv.keys = k
             layers.append(lv)
-        plan = self.policy.step(view(layers, self.seq_len, prompt_len, num_new, done,
+        plan = run_step(self.policy, view(layers, self.seq_len, prompt_len, num_new, done,
                                      self.block_size))
         for layer, drop in plan.items():
             live = self.live[layer]
@@ -87,3 +148,9 @@ class Sim:
 
     def counts(self) -> list[int]:
         return [p.numel() for p in self.live]
+
+
+def slot_state(policy, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept positions, their per-slot `name` state) after the last `run_step`."""
+    pos, state = policy.__dict__["_slot_state"][layer]
+    return pos, state[name]

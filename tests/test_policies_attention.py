@@ -6,7 +6,7 @@ import torch
 
 from policies.base import LayerView, head_mean
 from policies.catalog import build_policy
-from tests.policy_views import Sim, arange, causal_probs, group_sum, view
+from tests.policy_views import Sim, arange, causal_probs, group_sum, run_step, slot_state, view
 
 
 def lv(positions, rows):
@@ -17,25 +17,25 @@ def lv(positions, rows):
 def test_h2o_accumulates_over_prefill_chunks_and_decode():
     p = build_policy({"name": "h2o", "budget": 3, "window": 1})
     # chunk 1: queries 0, 1 over tokens 0, 1
-    assert p.step(view([lv([0, 1], [[1.0, 0.0], [0.6, 0.4]])], 2, 4, 2)) == {}
-    pos, acc = p.scores(0)
+    assert run_step(p, view([lv([0, 1], [[1.0, 0.0], [0.6, 0.4]])], 2, 4, 2)) == {}
+    pos, acc = slot_state(p, 0, "acc")
     assert acc.tolist() == pytest.approx([1.6, 0.4])
     # chunk 2 completes the prompt: queries 2, 3 over tokens 0..3
-    plan = p.step(view([lv([0, 1, 2, 3], [[0.5, 0.1, 0.4, 0.0], [0.2, 0.3, 0.1, 0.4]])],
+    plan = run_step(p, view([lv([0, 1, 2, 3], [[0.5, 0.1, 0.4, 0.0], [0.2, 0.3, 0.1, 0.4]])],
                        4, 4, 2, True))
     # acc = [2.3, 0.8, 0.5, 0.4]; window keeps 3; top 2 older: 0, 1
     assert plan[0].tolist() == [2]
     # decode: token 4; acc = [2.4, 1.3, 0.5 (gone), 0.4 + 0.1, 0.3]
-    plan = p.step(view([lv([0, 1, 3, 4], [[0.1, 0.5, 0.1, 0.3]])], 5, 4, 1))
+    plan = run_step(p, view([lv([0, 1, 3, 4], [[0.1, 0.5, 0.1, 0.3]])], 5, 4, 1))
     assert plan[0].tolist() == [3]
-    pos, acc = p.scores(0)
+    pos, acc = slot_state(p, 0, "acc")
     assert pos.tolist() == [0, 1, 4] and acc.tolist() == pytest.approx([2.4, 1.3, 0.3])
 
 
 def test_h2o_sums_all_heads():
     p = build_policy({"name": "h2o", "budget": 2, "window": 0})
     att = torch.tensor([[[0.1, 0.8, 0.1], [0.7, 0.0, 0.3]]])  # [Tq=1, Hkv=2, n=3]
-    plan = p.step(view([LayerView(positions=arange(3), attention=att)], 3, 3, 1, True))
+    plan = run_step(p, view([LayerView(positions=arange(3), attention=att)], 3, 3, 1, True))
     assert plan[0].tolist() == [2]  # sums 0.8, 0.8, 0.4 -> ties keep the earlier
 
 
@@ -58,7 +58,7 @@ def test_tova_prefill_matches_kvpress(n, ratio, hkv, group, seed):
     probs = causal_probs(torch.randn(n, hkv * group, n, generator=g) * 2, pos, pos)
     theirs = kvpress_tova_kept(probs.permute(1, 0, 2)[None], hkv, ratio)
     p = build_policy({"name": "tova", "budget": int(n * (1 - ratio))})
-    plan = p.step(view([LayerView(positions=pos, attention=group_sum(probs, hkv))], n, n, n,
+    plan = run_step(p, view([LayerView(positions=pos, attention=group_sum(probs, hkv))], n, n, n,
                        True))
     assert sorted(set(range(n)) - set(plan[0].tolist())) == theirs
 
@@ -67,7 +67,7 @@ def test_tova_decode_drops_least_attended_now_and_pins_newest():
     p = build_policy({"name": "tova", "budget": 3})
     # the newest token (5) gets the least attention but is pinned
     att = torch.tensor([[0.5, 0.05, 0.2, 0.24, 0.01]])[:, None, :]
-    plan = p.step(view([LayerView(positions=torch.tensor([0, 1, 3, 4, 5]), attention=att)],
+    plan = run_step(p, view([LayerView(positions=torch.tensor([0, 1, 3, 4, 5]), attention=att)],
                        6, 3, 1))
     assert sorted(plan[0].tolist()) == [1, 3]  # keep 0 (0.5), 4 (0.24) and the newest 5
 

@@ -1,7 +1,7 @@
-"""Batched decode-step eviction (scheduler/batched_eviction.py) against the per-request
-path it replaces: the same kept positions in every layer of every request after every
-step, the same tokens, the same accounting — on a real model forward, with requests of
-several policies, configs and budgets in one continuous batch."""
+"""Policies run on groups of requests (scheduler/policy_rows.py) against groups of one
+(`batch_policies=False`): the same kept positions in every layer of every request after
+every step, the same tokens, the same accounting — on a real model forward, with
+requests of several policies, configs and budgets in one continuous batch."""
 
 import pytest
 import torch
@@ -16,8 +16,8 @@ from tests.tiny_models import make_tiny_model
 BS = 4
 
 # Three requests share each of the first configs (so they batch); the others differ in
-# budget or window (their own groups), resolve a ratio differently per length (the
-# policy declines the batch), or compact (never batched).
+# budget or window (their own groups), resolve a ratio differently per length, compact
+# or re-rotate (`rope: "shift"`) after their drops.
 CONFIGS = [
     *[{"name": "h2o", "budget": 32, "window": 8}] * 3,
     *[{"name": "tova", "budget": 32}] * 3,
@@ -51,16 +51,15 @@ def _live_positions(llm: LLM) -> dict[str, list[list[int]]]:
 
 def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypatch):
     batched: dict[str, int] = {}  # policy name -> members stepped in a batch
-    real = policy_runner.run_batch
+    real = policy_runner.run_group
 
     def counting(members):
-        drops = real(members)
-        if drops is not None:
+        if len(members) > 1:
             name = members[0].policy.name
             batched[name] = batched.get(name, 0) + len(members)
-        return drops
+        return real(members)
 
-    monkeypatch.setattr(policy_runner, "run_batch", counting)
+    monkeypatch.setattr(policy_runner, "run_group", counting)
     llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
                 batch_policies=batched) for batched in (True, False)]
     gen = torch.Generator().manual_seed(0)
@@ -136,18 +135,18 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
     count, although their clocks differ: lazy_eviction members then decide at different
     steps (some rows select, others only track) and score with their own t."""
     mixed = {"steps": 0}
-    real = policy_runner.run_batch
+    real = policy_runner.run_group
 
     def spying(members):
         if members[0].policy.name == "lazy_eviction":
             w = members[0].policy.config.window
-            ts = [m.header.seq_len - m.header.prompt_len for m in members]
+            ts = [m.seq_len - m.prompt_len for m in members]
             decide = {t >= w and t // w > m.policy._epoch for t, m in zip(ts, members)}
             if len(set(ts)) > 1 and decide == {True, False}:
                 mixed["steps"] += 1
         return real(members)
 
-    monkeypatch.setattr(policy_runner, "run_batch", spying)
+    monkeypatch.setattr(policy_runner, "run_group", spying)
     llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
                 batch_policies=batched) for batched in (True, False)]
     gen = torch.Generator().manual_seed(1)

@@ -7,7 +7,7 @@ from policies.base import LayerView, resolve_budget
 from policies.catalog import CATALOG, build_policy
 from policies.config import KVPolicyError, known_policies, parse_kv_policy
 from policies.full import FullPolicy
-from tests.policy_views import arange, view
+from tests.policy_views import arange, run_step, view
 
 ALL = ["full", "streaming", "lazy_streaming", "paged_eviction", "knorm", "keydiff", "h2o",
        "tova", "snapkv", "pyramid", "lazy_eviction"]
@@ -102,7 +102,7 @@ def test_full_policy_keeps_everything():
     p = build_policy(None)
     assert isinstance(p, FullPolicy) and not any(vars(p.needs).values())
     v = view([LayerView(positions=arange(50))], 50, 10, 1)
-    assert p.step(v) == {} and p.max_live(50) == 50
+    assert run_step(p, v) == {} and p.max_live(50) == 50
 
 
 def test_needs_declared_per_family():

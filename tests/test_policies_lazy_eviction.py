@@ -9,7 +9,7 @@ import torch
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.lazy_eviction import importance
-from tests.policy_views import Sim, arange, view
+from tests.policy_views import Sim, arange, run_step, view
 
 
 def sig(x):
@@ -38,13 +38,13 @@ def test_hand_trace():
     position q has t = q - 2: the prompt queries are t = -2, -1, 0."""
     p = build_policy({"name": "lazy_eviction", "budget": 3, "window": 2, "alpha": 0.3})
     prompt = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])[:, None, :]
-    assert p.step(view([LayerView(positions=arange(3), attention=prompt)], 3, 3, 3, True)) == {}
+    assert run_step(p, view([LayerView(positions=arange(3), attention=prompt)], 3, 3, 3, True)) == {}
     pos, ts, mri = p.state(0)
     # token 0: born -2, active at -2, -1 -> MRI 1, TS -1; token 1: active -1, 0 -> MRI 1;
     # token 2: born and active at 0 -> MRI 0
     assert ts.tolist() == [-1, 0, 0] and mri.tolist() == [1, 1, 0]
     # t = 1: token 0 (0.4) and the new token 3 (0.4) are active
-    assert p.step(view([LayerView(positions=arange(4), attention=row(.4, .1, .1, .4))],
+    assert run_step(p, view([LayerView(positions=arange(4), attention=row(.4, .1, .1, .4))],
                        4, 3)) == {}
     pos, ts, mri = p.state(0)
     assert ts.tolist() == [1, 0, 0, 1] and mri.tolist() == [2, 1, 0, 0]
@@ -52,13 +52,13 @@ def test_hand_trace():
     # top B - W = 1 of tokens 0, 1, 2 by I_2:
     #   0: TS 1, MRI 2 -> 2σ(-1/2) + 2σ(-1) = 1.293;  1: TS 0, MRI 1 -> 2σ(-2) = 0.238;
     #   2: TS 2, MRI 2 -> 1 + 2σ(-1) = 1.538
-    plan = p.step(view([LayerView(positions=arange(5),
+    plan = run_step(p, view([LayerView(positions=arange(5),
                                   attention=row(.05, .05, .35, .05, .5))], 5, 3))
     assert plan[0].tolist() == [0, 1]
     pos, ts, mri = p.state(0)
     assert pos.tolist() == [2, 3, 4] and ts.tolist() == [2, 1, 2] and mri.tolist() == [2, 0, 0]
     # t = 3: over budget but not a multiple of W: nothing
-    plan = p.step(view([LayerView(positions=torch.tensor([2, 3, 4, 5]),
+    plan = run_step(p, view([LayerView(positions=torch.tensor([2, 3, 4, 5]),
                                   attention=row(.25, .25, .25, .25))], 6, 3))
     assert plan == {}
 
@@ -70,9 +70,9 @@ def test_chunked_prompt_tracks_like_one_chunk():
     rows = rows / rows.sum(dim=(1, 2), keepdim=True) * 4  # H = 4: 2 kv heads x group 2
     cfg = {"name": "lazy_eviction", "budget": 6, "window": 3, "alpha": 0.08}
     one, two = build_policy(cfg), build_policy(cfg)
-    one.step(view([LayerView(positions=arange(n), attention=rows)], n, n, n, True))
-    two.step(view([LayerView(positions=arange(5), attention=rows[:5, :, :5])], 5, n, 5))
-    two.step(view([LayerView(positions=arange(n), attention=rows[5:])], n, n, n - 5, True))
+    run_step(one, view([LayerView(positions=arange(n), attention=rows)], n, n, n, True))
+    run_step(two, view([LayerView(positions=arange(5), attention=rows[:5, :, :5])], 5, n, 5))
+    run_step(two, view([LayerView(positions=arange(n), attention=rows[5:])], n, n, n - 5, True))
     for a, b in zip(one.state(0), two.state(0)):
         assert torch.equal(a, b)
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from policies.base import LayerView
 from policies.catalog import build_policy
-from tests.policy_views import Sim, arange, view
+from tests.policy_views import Sim, arange, run_step, view
 
 
 def kvpress_knorm(keys_bhnd: torch.Tensor) -> torch.Tensor:
@@ -30,7 +30,7 @@ def our_kept(name: str, keys_nhd: torch.Tensor, budget: int) -> list[int]:
     n = keys_nhd.shape[0]
     p = build_policy({"name": name, "budget": budget})
     lv = LayerView(positions=arange(n), key_norm=keys_nhd.norm(dim=-1), keys=keys_nhd)
-    plan = p.step(view([lv], n, n, n, True))
+    plan = run_step(p, view([lv], n, n, n, True))
     return [i for i in range(n) if i not in set(plan.get(0, torch.empty(0)).tolist())]
 
 
@@ -58,7 +58,7 @@ def test_knorm_keeps_lowest_norms_and_protected_window():
     n = 10
     norms = torch.tensor([1.0, 9, 2, 8, 3, 7, 4, 6, 5, 10])[:, None]
     p = build_policy({"name": "knorm", "budget": 5, "window": 2})
-    plan = p.step(view([LayerView(positions=arange(n), key_norm=norms)], n, n, n, True))
+    plan = run_step(p, view([LayerView(positions=arange(n), key_norm=norms)], n, n, n, True))
     # window keeps 8, 9; then the 3 lowest norms among 0..7: positions 0, 2, 4
     assert sorted(set(range(n)) - set(plan[0].tolist())) == [0, 2, 4, 8, 9]
 
@@ -84,7 +84,7 @@ class Stateless:
         self.cfg, self.needs = cfg, build_policy(cfg).needs
 
     def step(self, v):
-        return build_policy(self.cfg).step(v)
+        return run_step(build_policy(self.cfg), v)
 
 
 @pytest.mark.parametrize("cfg", [{"name": "knorm", "budget": 20, "window": 3},

@@ -6,7 +6,7 @@ import torch
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.paged_eviction import token_scores
-from tests.policy_views import arange, view
+from tests.policy_views import arange, run_step, view
 
 BS = 4
 
@@ -27,7 +27,7 @@ class Harness:
         self.live = torch.cat([self.live, new])
         vn = torch.tensor([[self.values.get(int(p), 1.0)] for p in self.live])
         lv = LayerView(positions=self.live, key_norm=torch.ones_like(vn), value_norm=vn)
-        plan = self.policy.step(view([lv], self.seq, prompt_len, num_new, done, BS))
+        plan = run_step(self.policy, view([lv], self.seq, prompt_len, num_new, done, BS))
         if 0 not in plan:
             return None
         self.live = self.live[~torch.isin(self.live, plan[0])]

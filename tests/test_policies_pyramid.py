@@ -10,7 +10,7 @@ import torch
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.pyramid import layer_budgets
-from tests.policy_views import Sim, arange, causal_probs, group_sum, view
+from tests.policy_views import Sim, arange, causal_probs, group_sum, run_step, view
 
 
 def kvpress_layer_budget(q_len, ratio, window, beta, num_layers, layer):
@@ -86,7 +86,7 @@ def test_kept_sets_match_kvpress_when_lambda_tokens_rank_top():
         views.append(LayerView(positions=pos, attention=group_sum(probs, 1)))
     p = build_policy({"name": "pyramid", "budget": total, "beta": beta, "omega": omega,
                       "obs_window": window})
-    plan = p.step(view(views, n, n, n, True))
+    plan = run_step(p, view(views, n, n, n, True))
     for layer in range(layers):
         assert sorted(set(range(n)) - set(plan[layer].tolist())) == theirs[layer]
 
@@ -100,7 +100,7 @@ def test_lambda_mask_pins_sink_and_streaming_tokens():
     att[:, :, 20] = 5.0
     att = att * (pos[None, :] <= pos[:, None])[:, None, :]  # causal
     p = build_policy({"name": "pyramid", "budget": 16, "omega": 4.0, "obs_window": 8})
-    plan = p.step(view([LayerView(positions=pos, attention=att)], n, n, n, True))
+    plan = run_step(p, view([LayerView(positions=pos, attention=att)], n, n, n, True))
     left = sorted(set(range(n)) - set(plan[0].tolist()))
     # one layer: C_0 = 16; sink = streaming = floor(16 / 8) = 2; 12 middle by score
     assert left[:2] == [0, 1] and left[-2:] == [62, 63] and 20 in left and len(left) == 16

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.snapkv import pool_scores
-from tests.policy_views import arange, causal_probs, group_sum, view
+from tests.policy_views import arange, causal_probs, group_sum, run_step, view
 
 
 def test_pool_scores_avg_counts_zero_padding_and_max():
@@ -35,7 +35,7 @@ def run_prompt(cfg, probs, hkv, chunks=None):
     for size in chunks:
         end = start + size
         att = group_sum(probs[start:end, :, :end], hkv)
-        plan = p.step(view([LayerView(positions=arange(end), attention=att)], end, n, size,
+        plan = run_step(p, view([LayerView(positions=arange(end), attention=att)], end, n, size,
                            end == n))
         start = end
     return p, plan
@@ -125,7 +125,7 @@ def test_compresses_prompt_once_generated_tokens_stay():
     live = arange(n)[~torch.isin(arange(n), plan[0])]
     for t in range(5):
         live = torch.cat([live, torch.tensor([n + t])])
-        assert p.step(view([LayerView(positions=live)], n + t + 1, n)) == {}
+        assert run_step(p, view([LayerView(positions=live)], n + t + 1, n)) == {}
     # envelope: prefill chunks may hold up to n - 1 tokens, then 16 + generated
     assert p.max_live(n + 5, n) == n - 1 and p.max_live(n + 30, n) == 16 + 30
     assert p.max_live(n + 5) == n + 5  # unknown prompt length: no bound

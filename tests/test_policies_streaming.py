@@ -6,7 +6,7 @@ import torch
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.streaming import lazy_target
-from tests.policy_views import Sim, arange, view
+from tests.policy_views import Sim, arange, run_step, view
 
 
 def kept(plan_layer: torch.Tensor | None, positions: torch.Tensor) -> list[int]:
@@ -18,21 +18,21 @@ def kept(plan_layer: torch.Tensor | None, positions: torch.Tensor) -> list[int]:
 def test_streaming_keeps_sink_and_window():
     p = build_policy({"name": "streaming", "sink": 2, "window": 3})
     pos = arange(10)
-    plan = p.step(view([LayerView(positions=pos)] * 2, 10, 10, 10, True))
+    plan = run_step(p, view([LayerView(positions=pos)] * 2, 10, 10, 10, True))
     assert kept(plan[0], pos) == [0, 1, 7, 8, 9] and kept(plan[1], pos) == [0, 1, 7, 8, 9]
     # next decode step: one token in, the oldest non-sink one out
     pos = torch.tensor([0, 1, 7, 8, 9, 10])
-    plan = p.step(view([LayerView(positions=pos)], 11, 10))
+    plan = run_step(p, view([LayerView(positions=pos)], 11, 10))
     assert plan[0].tolist() == [7]
     # under the cap: nothing
-    assert p.step(view([LayerView(positions=arange(5))], 5, 10, 5)) == {}
+    assert run_step(p, view([LayerView(positions=arange(5))], 5, 10, 5)) == {}
 
 
 def test_streaming_no_sink_and_order_only():
     """Only the order matters (rope: shift renumbers positions)."""
     p = build_policy({"name": "streaming", "sink": 0, "window": 2, "rope": "shift"})
     pos = torch.tensor([3, 9, 20, 21])
-    assert p.step(view([LayerView(positions=pos)], 30, 5))[0].tolist() == [3, 9]
+    assert run_step(p, view([LayerView(positions=pos)], 30, 5))[0].tolist() == [3, 9]
 
 
 @pytest.mark.parametrize("n,ratio,n_sink", [(40, 0.5, 4), (33, 0.25, 4), (17, 0.75, 2)])
@@ -45,7 +45,7 @@ def test_streaming_matches_kvpress(n, ratio, n_sink):
     scores[n_sink: n_sink + n_pruned] = 0
     theirs = sorted(scores.topk(n_kept).indices.tolist())
     p = build_policy({"name": "streaming", "sink": n_sink, "window": n_kept - n_sink})
-    plan = p.step(view([LayerView(positions=arange(n))], n, n, n, True))
+    plan = run_step(p, view([LayerView(positions=arange(n))], n, n, n, True))
     assert kept(plan[0], arange(n)) == theirs
 
 
@@ -76,7 +76,7 @@ def test_lazy_target_delta_zero_r_zero_and_extra():
 def test_lazy_streaming_toy_example_kept_set():
     p = build_policy("lazy_streaming")  # defaults are the toy example
     pos = arange(2090)
-    plan = p.step(view([LayerView(positions=pos)], 2090, 100))
+    plan = run_step(p, view([LayerView(positions=pos)], 2090, 100))
     left = kept(plan[0], pos)
     assert len(left) == 2058
     assert left == list(range(4)) + list(range(2090 - 2054, 2090))

@@ -1,0 +1,121 @@
+"""What a policy sees and returns on the one policy path: a batch of rows.
+
+A step's requests under one policy class and config are handed to the policy together
+(`select`), a single request being a batch of one. Row r·L + l is layer l of request
+r, over that layer's logical slots 0..W-1 in table order — which is position order, so
+"the most recent tokens" are the last live slots and ties that break toward the earlier
+position break toward the lower slot. Rows hold different live counts (a prefill chunk,
+pyramid's per-layer budgets, lazy clocks) as a `live` mask rather than as ragged
+lists, so a policy scores and selects for every row with one op per stage whatever the
+number of requests, and answers with a drop mask over the same slots.
+
+Per-token state a policy keeps (H2O's cumulative attention, LazyEviction's activation
+times) lives beside the positions in the engine's `SlotTables` (declared by the
+policy's `state`: name -> a new slot's value): the view carries it as [N, W] tensors
+that the policy updates in place, and the engine writes them back. It moves with its
+token when blocks are freed or compacted, so no policy re-aligns state by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Up to this many drops per row a partial top-k plus a tie count beats a full stable sort
+# (about 10x on a thousand scores); beyond it (a prompt's one big plan) we sort.
+_TOPK_MAX = 64
+
+
+@dataclass
+class RowsView:
+    num_layers: int
+    num_new: int  # tokens computed this step per request (queries of `attention`)
+    seq_len: list[int]  # per request: tokens processed so far, this step's included
+    prompt_len: list[int]
+    prefill_done: list[bool]  # per request: this step computed the last prompt token
+    lengths: list[int]  # per row: live slots before the plan (host ints, no sync)
+    positions: torch.Tensor  # [N, W] int64: original position per slot, -1 = none
+    block_size: int
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, W] float32 each
+    # [N, Tq, Hkv, W] float32: this step's queries' probability mass on each slot,
+    # summed over the query heads of each kv group (0 on dead slots).
+    attention: torch.Tensor | None = None
+    key_norm: torch.Tensor | None = None  # [N, W, Hkv] float32 (dead slots: anything)
+    value_norm: torch.Tensor | None = None
+    keys: torch.Tensor | None = None  # [N, W, Hkv, D] float32, as stored (rotated)
+    new_slots: torch.Tensor | None = None  # [N, num_new]: this step's tokens' slots
+    new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
+    _live: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.seq_len)
+
+    @property
+    def live(self) -> torch.Tensor:
+        """[N, W] bool: the slots holding a token."""
+        if self._live is None:
+            self._live = self.positions >= 0
+        return self._live
+
+    def per_row(self, values: list[int] | list[float] | list[bool]) -> list:
+        """Per-request host values repeated for each of its layers' rows."""
+        nl = self.num_layers
+        return [v for v in values for _ in range(nl)]
+
+    def row_tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Per-row host values as an [N, 1] tensor, to broadcast against [N, W]."""
+        return torch.tensor(values, dtype=dtype)[:, None]
+
+
+def live_from_end(live: torch.Tensor) -> torch.Tensor:
+    """[N, W] bool -> [N, W] int: live slots at or after each slot in its row (1 on the
+    newest live slot), so `live & (from_end <= w)` is the most recent w tokens."""
+    return live.flip(1).cumsum(dim=1).flip(1)
+
+
+def recent(live: torch.Tensor, window: list[int] | int) -> torch.Tensor:
+    """The most recent `window` live slots of each row (an int or one per row)."""
+    w = torch.tensor(window)[:, None] if isinstance(window, list) else window
+    return live & (live_from_end(live) <= w)
+
+
+def drop_lowest(scores: torch.Tensor, candidates: torch.Tensor, drop: list[int]) -> torch.Tensor:
+    """[N, W] scores, [N, W] bool candidates, drop[i] <= candidates in row i -> the [N, W]
+    bool mask of the drop[i] lowest-scoring candidates of each row. Ties toward the
+    later slot (so among equal scores the earlier token stays): exactly the last drop[i]
+    candidates of a stable descending sort. The policies' one selection.
+
+    Decode drops a token or a few per row, so this is a top-k for each row's drop[i]-th
+    lowest value t, every candidate < t, and of those == t the last ones — a handful of
+    ops instead of a stable sort of every row. A NaN among the lowest (sort and top-k
+    may order NaN differently) falls back to the sort, as does a large drop."""
+    dmax = max(drop, default=0)
+    if dmax == 0:
+        return torch.zeros_like(candidates)
+    d = torch.tensor(drop)[:, None]
+    masked = scores.masked_fill(~candidates, float("inf"))
+    if dmax <= min(_TOPK_MAX, scores.shape[1] - 1):
+        low = torch.topk(masked, dmax, dim=1, largest=False).values
+        if not bool(torch.isnan(low).any()):
+            t = low.gather(1, (d - 1).clamp(min=0))
+            below = masked < t
+            tied = masked == t
+            wanted = d - below.sum(dim=1, keepdim=True)  # ties to drop, from the end
+            from_end = tied.flip(1).cumsum(dim=1).flip(1)
+            return (below | (tied & (from_end <= wanted))) & candidates & (d > 0)
+    order = torch.sort(masked, dim=1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
+    return (rank >= order.shape[1] - d) & candidates
+
+
+def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
+                 protected: torch.Tensor | None = None) -> torch.Tensor:
+    """The drop mask that leaves keep[i] live tokens in row i: every `protected` one (a
+    mask of live slots, at most keep[i] of them in row i) and the highest `scores` among
+    the rest. Rows already within keep[i] drop nothing."""
+    live = view.live
+    cand = live if protected is None else live & ~protected
+    return drop_lowest(scores, cand, [max(0, n - k) for n, k in zip(view.lengths, keep)])

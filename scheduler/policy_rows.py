@@ -1,0 +1,150 @@
+"""The bridge between the policies and the pool on the one policy path.
+
+A step's requests whose policies are equal (class and config) and computed the same
+number of tokens form a group; the group is read from the shared `SlotTables` as one
+`RowsView` (rows r·L + l over each layer's logical slots, a fixed number of ops
+whatever the group's size), the policy class selects for every row at once
+(`select`), its per-slot state goes back to the tables in one copy per name, and the
+drops are carried out for every member at once (`SlotTables.evict_mask`). A request
+alone is a group of one: there is no other path.
+
+Re-rotation for `rope: "shift"` and `compact` act on the members that asked, after
+their drops, one request at a time (rare, and inherently per request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from engine.runner import AttentionMass
+from kvpool.seq_cache import SeqCache
+from policies.base import Needs
+from policies.rows import RowsView
+
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Member:
+    cache: SeqCache
+    policy: object  # a policy with `select`
+    seq_len: int
+    prompt_len: int
+    num_new: int
+    prefill_done: bool
+    attention: AttentionMass | None  # the runner's output for this request
+    rotate: Rotate | None = None  # `rope: "shift"`: re-number survivors, re-rotate keys
+    compact: bool = False
+
+
+def group_key(policy: object, config: Hashable, num_new: int) -> tuple:
+    """Members of one group: the same policy class and config, the same step size
+    (the attention's query count), and what the policy needs now."""
+    return type(policy), config, num_new, policy.needs  # type: ignore[attr-defined]
+
+
+def _member_major(t: torch.Tensor) -> torch.Tensor:
+    """[L, R, ...] -> [R·L, ...] (row r·L + l)."""
+    return t.transpose(0, 1).reshape(-1, *t.shape[2:])
+
+
+def _layer_major(t: torch.Tensor, nl: int) -> torch.Tensor:
+    """[R·L, ...] -> [L, R, ...]."""
+    return t.view(-1, nl, *t.shape[1:]).transpose(0, 1)
+
+
+def _attention(members: list[Member], width: int) -> torch.Tensor:
+    """The members' mass [R·L, Tq, Hkv, W]: per runner group (usually one) a row
+    select, sliced or zero-padded to W slots, then joined in member order."""
+    nl, tq = members[0].cache.num_layers, members[0].num_new
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for i, m in enumerate(members):
+        assert m.attention is not None
+        g = groups.setdefault(id(m.attention.group), (m.attention.group, [], []))
+        g[1].append(m.attention.row)
+        g[2].append(i)
+    parts, order = [], []
+    for group, rows, which in groups.values():
+        sel = group[:, :, :tq].index_select(1, torch.tensor(rows))  # [L, r, Tq, Hkv, S]
+        s = sel.shape[-1]
+        if s >= width:
+            sel = sel[..., :width]
+        else:
+            sel = torch.nn.functional.pad(sel, (0, width - s))
+        parts.append(_member_major(sel))
+        order += which
+    a = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if order != sorted(order):  # back to member order
+        rank = torch.tensor(order).argsort()
+        a = a.view(len(members), nl, *a.shape[1:]).index_select(0, rank).view(a.shape)
+    return a
+
+
+def build_view(members: list[Member]) -> RowsView:
+    first = members[0].cache
+    tables, nl, bs = first.tables, first.num_layers, first.bs
+    policy = members[0].policy
+    needs: Needs = policy.needs  # type: ignore[attr-defined]
+    tables.declare_state(getattr(type(policy), "state", {}))
+    nb = max(max(m.cache.nblocks) for m in members)
+    width = nb * bs
+    rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
+    view = RowsView(
+        num_layers=nl, num_new=members[0].num_new,
+        seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
+        prefill_done=[m.prefill_done for m in members],
+        lengths=[n for m in members for n in m.cache.layer_live],
+        positions=_member_major(tables.slot_pos[:, :, :width].index_select(1, rows)),
+        block_size=bs)
+    for name in getattr(type(policy), "state", {}):
+        view.state[name] = _member_major(tables.state[name][:, :, :width].index_select(1, rows))
+    if needs.attention:
+        view.attention = _attention(members, width)
+    if needs.key_norm or needs.keys or needs.value_norm or needs.new_key_norm:
+        table = _member_major(tables.table[:, :, :nb].index_select(1, rows))  # [N, nb]
+        pool, n = first.pool, table.shape[0]
+        if needs.key_norm or needs.keys or needs.value_norm:
+            phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
+            for name, t in pool.gather_stats(phys, needs.key_norm, needs.keys,
+                                             needs.value_norm).items():
+                setattr(view, name, t.view(n, width, *t.shape[1:]))
+        if needs.new_key_norm:
+            k = view.num_new
+            nxt = torch.tensor([s for m in members for s in m.cache.next_slot])[:, None]
+            view.new_slots = nxt - k + torch.arange(k)  # [N, k]
+            phys = table.gather(1, view.new_slots // bs) * bs + view.new_slots % bs
+            norms = pool.gather_stats(phys.view(-1), key_norm=True)["key_norm"]
+            view.new_key_norm = norms.view(n, k, -1)
+    return view
+
+
+def run_group(members: list[Member]) -> list[tuple[int, int]]:
+    """Let the members' policy select for all of them and carry out its drops; per
+    member (evicted slots over all layers, freed blocks)."""
+    view = build_view(members)
+    policy = members[0].policy
+    drop = type(policy).select([m.policy for m in members], view)  # type: ignore[attr-defined]
+    first = members[0].cache
+    tables, nl = first.tables, first.num_layers
+    rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
+    width = view.positions.shape[1]
+    for name, t in view.state.items():  # the policy's updates, one copy per name
+        tables.state[name][:, :, :width].index_copy_(1, rows, _layer_major(t, nl))
+    if drop is None:
+        return [(0, 0)] * len(members)
+    dead = drop.view(len(members), nl, width)
+    done = tables.evict_mask(first.pool, [m.cache for m in members], dead)
+    for i, m in enumerate(members):
+        evicted, freed = done[i]
+        if evicted and (m.compact or m.rotate is not None):
+            layers = [x for x, hit in enumerate(dead[i].any(dim=1).tolist()) if hit]
+            if m.compact:
+                freed += tables.compact(m.cache.pool, [m.cache], layers)[0]
+            if m.rotate is not None:
+                for layer in layers:
+                    m.cache.renumber(layer, m.rotate)
+            done[i] = (evicted, freed)
+    return done
