@@ -17,7 +17,7 @@ from pydantic import Field
 
 from policies.base import Needs, StepView, head_mean, is_active, prefill_envelope, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
-from policies.rows import RowsView, keep_highest, recent
+from policies.rows import RowsView, keep_highest
 
 
 class H2OConfig(EvictingPolicyConfig):
@@ -76,7 +76,7 @@ class H2OPolicy:
         keep, window = view.per_row(keep), view.per_row(window)
         if all(n <= k for n, k in zip(view.lengths, keep)):
             return None
-        return keep_highest(view, acc, keep, recent(view.live, window))
+        return keep_highest(view, acc, keep, last=window)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -111,7 +111,7 @@ class TOVAPolicy:
         if all(n <= k for n, k in zip(view.lengths, keep)):
             return None
         scores = head_mean(view.attention[:, -1:])[:, 0]
-        return keep_highest(view, scores, keep, recent(view.live, 1))
+        return keep_highest(view, scores, keep, last=1)
 
     def idle(self, view: StepView) -> bool:
         """TOVA keeps no state: nothing to do before the prompt is complete or while

@@ -31,7 +31,7 @@ from policies.base import (
     resolve_budget,
 )
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
-from policies.rows import RowsView, keep_highest, recent
+from policies.rows import RowsView, keep_highest
 
 _WINDOW_HELP = "Most recent tokens never evicted (part of the budget)."
 
@@ -97,7 +97,7 @@ def _select(view: RowsView, keep: list[int], window: int,
     if all(n <= k for n, k in zip(view.lengths, keep)):
         return None
     windows = [min(window, k) for k in keep]
-    return keep_highest(view, scores, keep, recent(view.live, windows))
+    return keep_highest(view, scores, keep, last=windows)
 
 
 @dataclass

@@ -75,47 +75,67 @@ def live_from_end(live: torch.Tensor) -> torch.Tensor:
     return live.flip(1).cumsum(dim=1).flip(1)
 
 
-def recent(live: torch.Tensor, window: list[int] | int) -> torch.Tensor:
-    """The most recent `window` live slots of each row (an int or one per row)."""
-    w = torch.tensor(window)[:, None] if isinstance(window, list) else window
-    return live & (live_from_end(live) <= w)
+def _per_row(values: list[int] | int, n: int) -> torch.Tensor:
+    return torch.tensor(values if isinstance(values, list) else [values] * n, dtype=torch.int64)
 
 
-def drop_lowest(scores: torch.Tensor, candidates: torch.Tensor, drop: list[int]) -> torch.Tensor:
-    """[N, W] scores, [N, W] bool candidates, drop[i] <= candidates in row i -> the [N, W]
-    bool mask of the drop[i] lowest-scoring candidates of each row. Ties toward the
-    later slot (so among equal scores the earlier token stays): exactly the last drop[i]
-    candidates of a stable descending sort. The policies' one selection.
+# Set by the engine once the C++ selection (policies/csrc/select_cpu.cpp) is loaded.
+NATIVE: dict[str, bool] = {"select": False}
 
-    Decode drops a token or a few per row, so this is a top-k for each row's drop[i]-th
-    lowest value t, every candidate < t, and of those == t the last ones — a handful of
-    ops instead of a stable sort of every row. A NaN among the lowest (sort and top-k
-    may order NaN differently) falls back to the sort, as does a large drop."""
+
+def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
+                first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
+    """The policies' one selection: the [N, W] bool mask of the drop[i] lowest-scoring
+    candidates of each row, a candidate being a live slot (positions >= 0) outside the
+    row's first `first[i]` and last `last[i]` live slots (sinks, the recent window;
+    an int for every row). Ties toward the later slot (among equal scores the earlier
+    token stays) and a NaN above every number: exactly the last drop[i] candidates of a
+    stable descending sort.
+
+    On CPU a C++ op reads each row once (policies/csrc/select_cpu.cpp). The torch form:
+    decode drops a token or a few per row, so a top-k finds each row's drop[i]-th lowest
+    value t, then every candidate < t and of those == t the last ones; a NaN among the
+    lowest (sort and top-k may order NaN differently), or a large drop, takes the sort."""
+    n = scores.shape[0]
     dmax = max(drop, default=0)
     if dmax == 0:
-        return torch.zeros_like(candidates)
+        return torch.zeros(scores.shape, dtype=torch.bool)
+    if NATIVE["select"] and scores.device.type == "cpu":
+        return torch.ops.kvserve_policies.select_drop(
+            scores.float(), positions, _per_row(first, n), _per_row(last, n),
+            torch.tensor(drop, dtype=torch.int64))
+    live = positions >= 0
+    cand = live
+    if first != 0:
+        cand = cand & (live.cumsum(dim=1) > _per_row(first, n)[:, None])
+    if last != 0:
+        cand = cand & (live_from_end(live) > _per_row(last, n)[:, None])
     d = torch.tensor(drop)[:, None]
-    masked = scores.masked_fill(~candidates, float("inf"))
+    masked = scores.masked_fill(~cand, float("inf"))
     if dmax <= min(_TOPK_MAX, scores.shape[1] - 1):
         low = torch.topk(masked, dmax, dim=1, largest=False).values
-        if not bool(torch.isnan(low).any()):
-            t = low.gather(1, (d - 1).clamp(min=0))
+        t = low.gather(1, (d - 1).clamp(min=0))
+        # a NaN, or a threshold at the mask's +inf (NaN candidates to drop), takes the sort
+        if not bool((torch.isnan(low).any(dim=1, keepdim=True) | torch.isinf(t)).logical_and(d > 0).any()):
             below = masked < t
             tied = masked == t
             wanted = d - below.sum(dim=1, keepdim=True)  # ties to drop, from the end
             from_end = tied.flip(1).cumsum(dim=1).flip(1)
-            return (below | (tied & (from_end <= wanted))) & candidates & (d > 0)
-    order = torch.sort(masked, dim=1, descending=True, stable=True).indices
+            return (below | (tied & (from_end <= wanted))) & cand & (d > 0)
+    # Candidates last (a NaN sorts above +inf, so the mask's +inf alone cannot put
+    # non-candidates first), each group in stable descending score order.
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    order = order.gather(1, torch.sort(cand.gather(1, order).to(torch.uint8), dim=1,
+                                       stable=True).indices)
     rank = torch.empty_like(order).scatter_(
         1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
-    return (rank >= order.shape[1] - d) & candidates
+    return (rank >= order.shape[1] - d) & cand
 
 
 def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
-                 protected: torch.Tensor | None = None) -> torch.Tensor:
-    """The drop mask that leaves keep[i] live tokens in row i: every `protected` one (a
-    mask of live slots, at most keep[i] of them in row i) and the highest `scores` among
-    the rest. Rows already within keep[i] drop nothing."""
-    live = view.live
-    cand = live if protected is None else live & ~protected
-    return drop_lowest(scores, cand, [max(0, n - k) for n, k in zip(view.lengths, keep)])
+                 first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
+    """The drop mask that leaves keep[i] live tokens in row i: its first `first` and
+    last `last` live ones (together at most keep[i]) and the highest `scores` among the
+    rest. Rows already within keep[i] drop nothing."""
+    return drop_lowest(view.positions, scores,
+                       [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last)

@@ -16,13 +16,26 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine.runner import AttentionMass
+from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
+from policies import rows as policy_rows
 from policies.base import Needs
 from policies.rows import RowsView
+
+_SELECT_SOURCE = Path(policy_rows.__file__).parent / "csrc" / "select_cpu.cpp"
+
+
+def load_select() -> bool:
+    """Build and load the C++ selection (policies/csrc/select_cpu.cpp) once; the torch
+    form stays in use without a compiler (or with KVSERVE_CPU_KERNEL=0)."""
+    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _SELECT_SOURCE,
+                                            ["-O3", "-march=native"])
+    return policy_rows.NATIVE["select"]
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -84,6 +97,7 @@ def _attention(members: list[Member], width: int) -> torch.Tensor:
 
 
 def build_view(members: list[Member]) -> RowsView:
+    load_select()  # once per process (a dict lookup after the first call)
     first = members[0].cache
     tables, nl, bs = first.tables, first.num_layers, first.bs
     policy = members[0].policy

@@ -1,0 +1,107 @@
+// The policies' one selection on CPU: per row of slots, drop the d lowest-scoring
+// candidates, a candidate being a live slot (position >= 0) outside the row's first
+// `first` and last `last` live slots (attention sinks, the recent window).
+//
+// Registered as torch.ops.kvserve_policies.select_drop; scheduler/policy_rows.py builds
+// it on first use and policies/rows.py::drop_lowest falls back to torch ops without it.
+// Why a kernel: the torch form is a dozen passes over [rows, slots] (mask, top-k,
+// threshold, tie count from the end, recent-window cumsum), each a memory-bound sweep;
+// at 64 rows of a thousand slots they were most of a scoring policy's step. Here each
+// row is read once (rows in parallel): decode drops a token or a few per row, kept in a
+// small sorted buffer; a large drop (a prompt's plan) uses nth_element.
+//
+// Order: score ascending, a NaN above every number, ties toward the later slot, which
+// is exactly what policies/rows.py::drop_lowest's stable sort gives.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Key {
+  float v;
+  bool nan;
+  int64_t slot;
+};
+
+// a is dropped before b
+inline bool before(const Key& a, const Key& b) {
+  if (a.nan != b.nan) return !a.nan;
+  if (!a.nan && a.v != b.v) return a.v < b.v;
+  return a.slot > b.slot;
+}
+
+constexpr int64_t kSmall = 16;
+
+void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, int64_t last,
+                int64_t d, bool* out) {
+  if (d <= 0) return;
+  int64_t n = 0;
+  for (int64_t j = 0; j < w; ++j) n += pos[j] >= 0;
+  const int64_t lo = first, hi = n - last;  // candidates: live ranks in [lo, hi)
+  if (hi <= lo) return;
+  d = std::min(d, hi - lo);
+  std::vector<Key> buf;
+  if (d <= kSmall) {
+    buf.reserve(d + 1);
+    int64_t rank = 0;
+    for (int64_t j = 0; j < w; ++j) {
+      if (pos[j] < 0) continue;
+      const int64_t r = rank++;
+      if (r < lo || r >= hi) continue;
+      const Key k{s[j], std::isnan(s[j]), j};
+      if ((int64_t)buf.size() == d && !before(k, buf.back())) continue;
+      auto at = std::upper_bound(buf.begin(), buf.end(), k, before);
+      buf.insert(at, k);
+      if ((int64_t)buf.size() > d) buf.pop_back();
+    }
+  } else {
+    buf.reserve(hi - lo);
+    int64_t rank = 0;
+    for (int64_t j = 0; j < w; ++j) {
+      if (pos[j] < 0) continue;
+      const int64_t r = rank++;
+      if (r >= lo && r < hi) buf.push_back(Key{s[j], std::isnan(s[j]), j});
+    }
+    std::nth_element(buf.begin(), buf.begin() + (d - 1), buf.end(), before);
+    buf.resize(d);
+  }
+  for (const Key& k : buf) out[k.slot] = true;
+}
+
+at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
+                       const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat,
+              "scores must be [N, W] float32");
+  TORCH_CHECK(positions.sizes() == scores.sizes() && positions.scalar_type() == at::kLong,
+              "positions must be [N, W] int64 like scores");
+  const int64_t n = scores.size(0), w = scores.size(1);
+  for (const at::Tensor* t : {&first, &last, &drop})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
+                "first, last and drop must be [N] int64");
+  const at::Tensor s = scores.contiguous(), p = positions.contiguous();
+  const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
+  at::Tensor out = at::zeros({n, w}, scores.options().dtype(at::kBool));
+  const float* sp = s.data_ptr<float>();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
+  bool* op = out.data_ptr<bool>();
+  at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i)
+      select_row(sp + i * w, pp + i * w, w, fp[i], lp[i], dp[i], op + i * w);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_policies, m) {
+  m.def("select_drop(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_policies, CPU, m) { m.impl("select_drop", select_drop); }

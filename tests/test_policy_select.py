@@ -1,0 +1,66 @@
+"""The policies' one selection (`policies/rows.py::drop_lowest`): its torch form against
+a plain reference (a stable descending sort of each row's candidates), and the C++ op
+(`policies/csrc/select_cpu.cpp`) against the torch form, on rows with dead slots, many
+ties, NaNs, sinks and recent windows, for small (decode) and large (prompt) drops."""
+
+import pytest
+import torch
+
+from policies import rows
+from scheduler.policy_rows import load_select
+
+
+def _reference(positions, scores, drop, first, last):
+    out = torch.zeros(scores.shape, dtype=torch.bool)
+    for i in range(scores.shape[0]):
+        live = (positions[i] >= 0).nonzero().squeeze(1)
+        cand = live[first[i]: live.numel() - last[i]]
+        if drop[i] == 0 or cand.numel() == 0:
+            continue
+        # NaN above every number, then stable: ties keep the earlier slot
+        key = torch.where(torch.isnan(scores[i, cand]), torch.tensor(float("inf")), scores[i, cand])
+        nan = torch.isnan(scores[i, cand])
+        order = sorted(range(cand.numel()), key=lambda j: (not nan[j], -key[j].item() if not nan[j] else 0, j))
+        for j in order[cand.numel() - min(drop[i], cand.numel()):]:
+            out[i, cand[j]] = True
+    return out
+
+
+def _case(seed: int, n: int = 12, w: int = 96):
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.arange(w).repeat(n, 1)
+    positions[torch.rand(n, w, generator=g) < 0.3] = -1  # dead slots
+    scores = torch.randint(0, 5, (n, w), generator=g).float()  # many ties
+    if seed % 2:
+        scores[torch.rand(n, w, generator=g) < 0.05] = float("nan")
+    first = torch.randint(0, 4, (n,), generator=g).tolist()
+    last = torch.randint(0, 6, (n,), generator=g).tolist()
+    live = (positions >= 0).sum(dim=1).tolist()
+    big = seed % 3 == 0  # a prompt's plan: more than the top-k path takes
+    drop = [max(0, min(k - f - e, int(torch.randint(0, 70 if big else 4, (), generator=g))))
+            for k, f, e in zip(live, first, last)]
+    return positions, scores, drop, first, last
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_torch_selection_matches_the_reference(seed, monkeypatch):
+    monkeypatch.setitem(rows.NATIVE, "select", False)
+    positions, scores, drop, first, last = _case(seed)
+    got = rows.drop_lowest(positions, scores, drop, first, last)
+    assert torch.equal(got, _reference(positions, scores, drop, first, last))
+    assert got.sum(dim=1).tolist() == drop
+
+
+@pytest.mark.parametrize("seed", range(9))
+def test_native_selection_matches_torch(seed, monkeypatch):
+    if not load_select():
+        pytest.skip("no C++ compiler")
+    positions, scores, drop, first, last = _case(seed)
+    native = rows.drop_lowest(positions, scores, drop, first, last)
+    monkeypatch.setitem(rows.NATIVE, "select", False)
+    assert torch.equal(native, rows.drop_lowest(positions, scores, drop, first, last))
+    # one int for every row, too
+    monkeypatch.setitem(rows.NATIVE, "select", True)
+    a = rows.drop_lowest(positions, scores, [1] * len(drop), 2, 3)
+    monkeypatch.setitem(rows.NATIVE, "select", False)
+    assert torch.equal(a, rows.drop_lowest(positions, scores, [1] * len(drop), 2, 3))
