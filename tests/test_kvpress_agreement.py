@@ -25,6 +25,7 @@ from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
 from policies.base import LayerView, StepView, head_mean
 from policies.norms import keydiff_scores, knorm_scores
+from policies.rows import RowsView
 from policies.snapkv import pool_scores
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -42,7 +43,8 @@ def ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.Tenso
 
 
 def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.Tensor]]]:
-    """Per policy: the view its step saw when the prompt completed, and its plan."""
+    """Per policy: what its `select` saw when the prompt completed (as one request's
+    per-layer view) and its plan."""
     n = len(ref["prompt"])
     kept = int(n * (1 - ref["compression_ratio"]))  # kvpress compute_n_kept
     configs = {
@@ -57,22 +59,49 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.T
     core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=1024,
                                    enable_prefix_caching=False))
     seen: dict[str, tuple[StepView, dict[int, torch.Tensor]]] = {}
+    patched: dict[type, Any] = {}
     for name, cfg in configs.items():
         core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2), kv_policy=cfg)
-        policy = core.requests[name].policy
-        step = policy.step
+        cls = type(core.requests[name].policy)
+        real = cls.__dict__["select"]
+        patched[cls] = real
 
-        def recording(view: StepView, _step=step, _name=name) -> dict[int, torch.Tensor]:
-            plan = _step(view)
-            if view.prefill_done:
-                seen[_name] = (view, plan)
-            return plan
+        def recording(policies: list, view: RowsView, _real=real.__func__,
+                      _name=name) -> torch.Tensor | None:
+            drop = _real(policies, view)
+            if view.prefill_done[0]:
+                seen[_name] = _as_step(view, drop)
+            return drop
 
-        policy.step = recording
-    while core.has_unfinished():
-        core.step()
+        cls.select = staticmethod(recording)
+    try:
+        while core.has_unfinished():
+            core.step()
+    finally:
+        for cls, real in patched.items():
+            cls.select = real
     assert set(seen) == set(configs)
     return seen
+
+
+def _as_step(view: RowsView, drop: torch.Tensor | None) -> tuple[StepView, dict[int, torch.Tensor]]:
+    """One request's rows (a group of one: every policy here has its own) as the
+    per-layer view and plan {layer: dropped positions}."""
+    assert view.num_requests == 1
+    layers, plan = [], {}
+    for layer in range(view.num_layers):
+        live = view.live[layer]
+        pos = view.positions[layer][live]
+        layers.append(LayerView(
+            positions=pos,
+            attention=None if view.attention is None else view.attention[layer][..., live],
+            key_norm=None if view.key_norm is None else view.key_norm[layer][live],
+            keys=None if view.keys is None else view.keys[layer][live]))
+        if drop is not None and bool(drop[layer].any()):
+            plan[layer] = view.positions[layer][drop[layer]]
+    return StepView(seq_len=view.seq_len[0], prompt_len=view.prompt_len[0],
+                    num_new=view.num_new, prefill_done=view.prefill_done[0],
+                    block_size=view.block_size, layers=layers), plan
 
 
 def _kept(view: StepView, plan: dict[int, torch.Tensor], layer: int) -> set[int]:
