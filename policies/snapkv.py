@@ -6,6 +6,7 @@ Also home of the observation-window machinery `pyramid` (KV-X) reuses: `pool_sco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
@@ -13,18 +14,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import AfterValidator, Field
 
-from policies.base import (
-    Eviction,
-    Needs,
-    StepView,
-    align,
-    edge_mask,
-    evict_except,
-    is_active,
-    prefill_envelope,
-    resolve_budget,
-)
+from policies.base import Needs, StepView, prefill_envelope, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+from policies.rows import RowsView, drop_lowest
 
 Pooling = Literal["avg", "max"]
 
@@ -77,10 +69,13 @@ class SnapKVPolicy:
     included. Generated tokens are never evicted, so the cache grows again in decode.
 
     Chunked prefill: the window's rows arrive in the last chunk or two; every chunk's rows
-    whose query is among the last obs_window prompt positions are summed by position.
-    This is exact because a query gives zero mass to later tokens (causality) and
-    nothing is evicted before the prompt is complete. The prompt is compressed once, on
-    the step that completes it; after that `needs.attention` turns False.
+    whose query is among the last obs_window prompt positions are summed per slot (the
+    policy keeps the sum of earlier chunks, [L, Hkv, S], until the prompt is complete:
+    no per-slot state, since nothing is evicted before then a slot holds the same token
+    from chunk to chunk). This is exact because a query gives zero mass to later tokens
+    (causality). The prompt is compressed once, on the step that completes it, for all
+    the requests of a batch that complete theirs (`select`); after that
+    `needs.attention` turns False and `idle` holds.
 
     Agrees with kvpress `SnapKVPress(window_size=obs_window, kernel_size)` (avg pool) and
     SnapKV's `SnapKVCluster` (avg or max): same region, same padding; kvpress averages the
@@ -95,64 +90,70 @@ class SnapKVPolicy:
     config: SnapKVConfig
     name: str = "snapkv"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
-    _pos: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _acc: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # [L, Hkv, S]: the window rows of earlier prompt chunks, summed, by slot (slot j holds
+    # position j: nothing is evicted before the prompt is complete). None until a window
+    # row arrived, and again once the prompt was compressed.
+    _acc: torch.Tensor | None = field(default=None, repr=False)
     _done: bool = False
 
-    def window_scores(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(positions, [n, Hkv] summed window attention) gathered so far for a layer."""
-        if layer not in self._pos:
+    @staticmethod
+    def select(policies: list[SnapKVPolicy], view: RowsView) -> torch.Tensor | None:
+        """Sum every row's observation-window queries of this step (and of its earlier
+        chunks); the rows of the requests whose prompt is complete keep their C prompt
+        tokens, the others only accumulate."""
+        if all(p._done for p in policies):
             return None
-        return self._pos[layer], self._acc[layer]
-
-    def step(self, view: StepView) -> Eviction:
-        if self._done:
-            return {}
-        c = self.config
-        prompt = view.prompt_len
-        q0 = view.seq_len - view.num_new  # position of this step's first query
-        lo, hi = max(0, prompt - c.obs_window - q0), prompt - q0
-        for layer, lv in enumerate(view.layers):
-            assert lv.attention is not None
-            acc = align(self._pos.get(layer), self._acc.get(layer), lv.positions)
-            if acc.dim() == 1:
-                acc = torch.zeros(lv.positions.numel(), lv.attention.shape[1])
+        c, nl = policies[0].config, view.num_layers
+        att = view.attention
+        assert att is not None
+        tq = att.shape[1]
+        spans = []  # per request: this step's query rows inside the window
+        for s, prompt in zip(view.seq_len, view.prompt_len):
+            q0 = s - view.num_new  # position of this step's first query
+            lo = min(tq, max(0, prompt - c.obs_window - q0))
+            spans.append((lo, max(lo, min(tq, prompt - q0))))
+        total = None  # [N, Hkv, W]: summed window mass per slot and kv head
+        if len(set(spans)) == 1:
+            lo, hi = spans[0]
             if hi > lo:
-                acc += lv.attention[lo:hi].sum(dim=0).T
-            self._pos[layer], self._acc[layer] = lv.positions, acc
-        if not is_active(view):
-            return {}
-        self._done = True
-        self.needs = Needs()  # nothing more to observe
-        budget = resolve_budget(c.budget, prompt)
-        plan: Eviction = {}
-        for layer, lv in enumerate(view.layers):
-            drop = self._select(lv.positions, self._acc[layer], prompt, budget)
-            if drop.numel():
-                plan[layer] = drop
-        self._pos.clear()
-        self._acc.clear()
-        return plan
+                total = att[:, lo:hi].sum(dim=1)
+        elif any(hi > lo for lo, hi in spans):
+            lo = view.row_tensor(view.per_row([lo for lo, _ in spans]))
+            hi = view.row_tensor(view.per_row([hi for _, hi in spans]))
+            rows = torch.arange(tq)
+            total = (att * ((rows >= lo) & (rows < hi))[:, :, None, None]).sum(dim=1)
+        n, hkv, width = att.shape[0], att.shape[2], att.shape[3]
+        seen = [hi > lo or p._acc is not None for p, (lo, hi) in zip(policies, spans)]
+        for r, p in enumerate(policies):
+            if p._acc is not None:  # earlier chunks' window rows
+                if total is None:
+                    total = att.new_zeros((n, hkv, width))
+                total[r * nl:(r + 1) * nl, :, :p._acc.shape[2]] += p._acc
+                p._acc = None
+        active = []
+        for r, (p, s, prompt, done) in enumerate(zip(policies, view.seq_len, view.prompt_len,
+                                                       view.prefill_done)):
+            if p._done:
+                active.append(False)
+            elif done or s > prompt:  # the prompt is complete: compress it now
+                p._done = True
+                p.needs = Needs()  # nothing more to observe
+                active.append(True)
+            else:
+                if seen[r] and total is not None:
+                    live = max(view.lengths[r * nl:(r + 1) * nl])
+                    p._acc = total[r * nl:(r + 1) * nl, :, :live].clone()
+                active.append(False)
+        if not any(active):
+            return None
+        if total is None:  # no window row was computed (nothing to rank by)
+            total = att.new_zeros((n, hkv, width))
+        return _drop(c, view, view.per_row(active), total)
 
     def idle(self, view: StepView) -> bool:
         """After the prompt was compressed SnapKV never acts again (decode tokens are
         never evicted) and observes nothing."""
         return self._done
-
-    def _select(self, positions: torch.Tensor, acc: torch.Tensor, prompt: int,
-                budget: int) -> torch.Tensor:
-        c = self.config
-        m = int((positions < prompt).sum())  # live prompt tokens come first
-        pp = positions[:m]
-        if m <= budget:
-            return pp[:0]
-        win = min(c.obs_window, m)
-        sink = min(c.sink, budget)
-        if sink + win >= budget:  # window and sinks alone fill it: sinks, then most recent
-            return pp[sink: m - (budget - sink)]
-        body = m - win  # tokens before the window: the scored region (as SnapKV)
-        scores = pool_scores(acc[:body].T, c.kernel_size, c.pooling).mean(dim=0)
-        return evict_except(scores, pp[:body], budget - win, edge_mask(body, sink, 0))
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -160,3 +161,51 @@ class SnapKVPolicy:
             return seq_len
         kept = min(prompt_len, resolve_budget(self.config.budget, prompt_len))
         return prefill_envelope(seq_len, prompt_len, kept + max(0, seq_len - prompt_len))
+
+
+def _drop(c: SnapKVConfig, view: RowsView, active: list[bool],
+          total: torch.Tensor) -> torch.Tensor | None:
+    """The drop mask of the `active` rows, each keeping C = resolve_budget(budget,
+    prompt_len) of its m live prompt tokens (the first m live slots): if sinks and the
+    window alone fill C, the first `sink` and the most recent C - sink; otherwise the
+    first `sink`, the window and the top C - obs_window - sink of the tokens before the
+    window (the scored region, as SnapKV) by their pooled window mass averaged over kv
+    heads. Rows within C, and inactive rows, drop nothing."""
+    live, pos = view.live, view.positions
+    prompts = view.per_row(view.prompt_len)
+    m_rows = (live & (pos < view.row_tensor(prompts))).sum(dim=1).tolist()
+    skip = (0, 0)
+    a_span, b_body, b_sink, b_drop = [], [], [], []  # per row
+    for on, m, prompt in zip(active, m_rows, prompts):
+        budget = resolve_budget(c.budget, prompt)
+        a, body, sink, drop = skip, 0, 0, 0
+        if on and m > budget:
+            win = min(c.obs_window, m)
+            sink = min(c.sink, budget)
+            if sink + win >= budget:  # window and sinks alone fill it: sinks, then recent
+                a = (sink, m - budget + sink)
+            else:
+                body, drop = m - win, m - budget
+        a_span.append(a)
+        b_body.append(body)
+        b_sink.append(sink)
+        b_drop.append(drop)
+    if all(a == skip for a in a_span) and not any(b_drop):
+        return None
+    rank = live.cumsum(dim=1)  # 1 on the first live slot
+    out = torch.zeros_like(live)
+    if any(a != skip for a in a_span):
+        lo = view.row_tensor([a[0] for a in a_span])
+        hi = view.row_tensor([a[1] for a in a_span])
+        out |= live & (rank > lo) & (rank <= hi)
+    if any(b_drop):
+        body = view.row_tensor(b_body)
+        region = live & (rank <= body)  # the tokens before the window, pooled alone
+        pad = 0.0 if c.pooling == "avg" else -math.inf  # what pooling pads with
+        scores = pool_scores(total.masked_fill(~region[:, None, :], pad), c.kernel_size,
+                             c.pooling).mean(dim=1)
+        # candidates: live ranks in (sink, body], i.e. all but the first `sink` live
+        # slots and the last n - body (the window and anything after it)
+        out |= drop_lowest(view.positions, scores, b_drop, b_sink,
+                           [n - b for n, b in zip(view.lengths, b_body)])
+    return out

@@ -16,7 +16,6 @@ saw and chose at the end of the prompt:
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 
 from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
-from policies.base import head_mean
+from policies.base import LayerView, StepView, head_mean
 from policies.norms import keydiff_scores, knorm_scores
 from policies.rows import RowsView
 from policies.snapkv import pool_scores
@@ -38,36 +37,14 @@ def ref() -> dict[str, Any]:
     return torch.load(REFERENCE)
 
 
-Layers = list[SimpleNamespace]  # per layer: positions, attention, key_norm, keys
-Plan = dict[int, torch.Tensor]  # layer -> dropped positions
-
-
 @pytest.fixture(scope="module")
-def ours(ref: dict[str, Any]) -> dict[str, tuple[Layers, Plan]]:
+def ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.Tensor]]]:
     return run_ours(ref)
 
 
-def _layers(view: RowsView, drop: torch.Tensor | None) -> tuple[Layers, Plan]:
-    """A group of one's rows as per-layer live tokens, and its drops as positions."""
-    layers, plan = [], {}
-    for layer in range(view.num_layers):
-        live = view.positions[layer] >= 0
-        pos = view.positions[layer][live]
-        lv = SimpleNamespace(positions=pos, attention=None, key_norm=None, keys=None)
-        if view.attention is not None:
-            lv.attention = view.attention[layer][..., live]
-        for name in ("key_norm", "keys"):
-            if getattr(view, name) is not None:
-                setattr(lv, name, getattr(view, name)[layer][live])
-        layers.append(lv)
-        if drop is not None and bool(drop[layer].any()):
-            plan[layer] = view.positions[layer][drop[layer]]
-    return layers, plan
-
-
-def run_ours(ref: dict[str, Any]) -> dict[str, tuple[Layers, Plan]]:
-    """Per policy: the live tokens (and statistics) it saw when the prompt completed,
-    and what it dropped then."""
+def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.Tensor]]]:
+    """Per policy: what its `select` saw when the prompt completed (as one request's
+    per-layer view) and its plan."""
     n = len(ref["prompt"])
     kept = int(n * (1 - ref["compression_ratio"]))  # kvpress compute_n_kept
     configs = {
@@ -81,27 +58,54 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[Layers, Plan]]:
     }
     core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=1024,
                                    enable_prefix_caching=False))
-    seen: dict[str, tuple[Layers, Plan]] = {}
-    with pytest.MonkeyPatch.context() as mp:  # each config is its own policy class
-        for name, cfg in configs.items():
-            core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2), kv_policy=cfg)
-            cls = type(core.requests[name].policy)
+    seen: dict[str, tuple[StepView, dict[int, torch.Tensor]]] = {}
+    patched: dict[type, Any] = {}
+    for name, cfg in configs.items():
+        core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2), kv_policy=cfg)
+        cls = type(core.requests[name].policy)
+        real = cls.__dict__["select"]
+        patched[cls] = real
 
-            def recording(policies, view, _select=cls.select, _name=name):
-                drop = _select(policies, view)
-                if view.prefill_done[0]:
-                    seen[_name] = _layers(view, drop)
-                return drop
+        def recording(policies: list, view: RowsView, _real=real.__func__,
+                      _name=name) -> torch.Tensor | None:
+            drop = _real(policies, view)
+            if view.prefill_done[0]:
+                seen[_name] = _as_step(view, drop)
+            return drop
 
-            mp.setattr(cls, "select", staticmethod(recording))
+        cls.select = staticmethod(recording)
+    try:
         while core.has_unfinished():
             core.step()
+    finally:
+        for cls, real in patched.items():
+            cls.select = real
     assert set(seen) == set(configs)
     return seen
 
 
-def _kept(layers: Layers, plan: Plan, layer: int) -> set[int]:
-    pos = layers[layer].positions
+def _as_step(view: RowsView, drop: torch.Tensor | None) -> tuple[StepView, dict[int, torch.Tensor]]:
+    """One request's rows (a group of one: every policy here has its own) as the
+    per-layer view and plan {layer: dropped positions}."""
+    assert view.num_requests == 1
+    layers, plan = [], {}
+    for layer in range(view.num_layers):
+        live = view.live[layer]
+        pos = view.positions[layer][live]
+        layers.append(LayerView(
+            positions=pos,
+            attention=None if view.attention is None else view.attention[layer][..., live],
+            key_norm=None if view.key_norm is None else view.key_norm[layer][live],
+            keys=None if view.keys is None else view.keys[layer][live]))
+        if drop is not None and bool(drop[layer].any()):
+            plan[layer] = view.positions[layer][drop[layer]]
+    return StepView(seq_len=view.seq_len[0], prompt_len=view.prompt_len[0],
+                    num_new=view.num_new, prefill_done=view.prefill_done[0],
+                    block_size=view.block_size, layers=layers), plan
+
+
+def _kept(view: StepView, plan: dict[int, torch.Tensor], layer: int) -> set[int]:
+    pos = view.layers[layer].positions
     drop = plan.get(layer, pos[:0])
     return set(pos[~torch.isin(pos, drop)].tolist())
 
@@ -117,23 +121,23 @@ def _jaccard(a: set[int], b: set[int]) -> float:
 def _check_selection(name: str, ref, ours, reduce) -> None:
     """Our score == kvpress's reduced (`reduce`: layer view -> (ours, theirs)), and our
     kept set is the top of kvpress's reduced score."""
-    layers, plan = ours[name]
+    view, plan = ours[name]
     n = len(ref["prompt"])
     k = int(n * (1 - ref["compression_ratio"]))
-    for layer, lv in enumerate(layers):
+    for layer, lv in enumerate(view.layers):
         theirs = ref["scores"][name][layer]  # [Hkv, n]
         mine, reduced = reduce(lv, theirs)
         torch.testing.assert_close(mine, reduced, atol=2e-4, rtol=2e-3)
-        agreement = _jaccard(_kept(layers, plan, layer), _top(theirs.mean(dim=0), k))
+        agreement = _jaccard(_kept(view, plan, layer), _top(theirs.mean(dim=0), k))
         assert agreement >= 0.95, (name, layer, agreement)
 
 
 def test_streaming_keeps_what_streaming_llm_press_keeps(ref, ours) -> None:
-    layers, plan = ours["streaming"]
+    view, plan = ours["streaming"]
     k = int(len(ref["prompt"]) * (1 - ref["compression_ratio"]))
-    for layer in range(len(layers)):
+    for layer in range(len(view.layers)):
         for head in ref["scores"]["streaming"][layer]:
-            assert _kept(layers, plan, layer) == _top(head, k)
+            assert _kept(view, plan, layer) == _top(head, k)
 
 
 def test_knorm_scores_are_knorm_press_head_mean(ref, ours) -> None:
@@ -149,7 +153,7 @@ def test_keydiff_scores_are_keydiff_press_head_mean(ref, ours) -> None:
 def test_tova_scores_are_tova_press(ref, ours) -> None:
     """TOVAPress scores the last query's head-averaged attention over every token but
     the newest (which it pins, as we protect it): the same for every kv head."""
-    def reduce(lv: SimpleNamespace, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce(lv: LayerView, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert lv.attention is not None
         return head_mean(lv.attention[-1:])[0, :-1], t[0, :-1]
     _check_selection("tova", ref, ours, reduce)
@@ -160,7 +164,7 @@ def test_snapkv_scores_are_snapkv_press_head_mean(ref, ours) -> None:
     sum: our pooled score is (window x group) times its head mean, before the window."""
     w = ref["window"]
 
-    def reduce(lv: SimpleNamespace, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce(lv: LayerView, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert lv.attention is not None
         groups = 8 // t.shape[0]  # the demo model: 8 query heads over 2 kv heads
         acc = lv.attention[-w:].sum(dim=0)[:, :-w]  # [Hkv, body]
@@ -173,10 +177,10 @@ def test_h2o_accumulates_what_observed_attention_press_observes(ref, ours) -> No
     """ObservedAttentionPress divides each token's summed attention by the number of
     queries that saw it and averages heads; H2O (and 003) keep the raw sum over all
     heads, on purpose (docs/policies.md): the sums must agree after that division."""
-    layers, _ = ours["h2o"]
+    view, _ = ours["h2o"]
     n = len(ref["prompt"])
     seen_by = torch.arange(n, 0, -1, dtype=torch.float32)
-    for layer, lv in enumerate(layers):
+    for layer, lv in enumerate(view.layers):
         assert lv.attention is not None
         heads = lv.attention[0].sum().round()  # each query row sums to H over kv groups
         mine = lv.attention.sum(dim=(0, 1)) / seen_by / heads

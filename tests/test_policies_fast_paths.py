@@ -1,6 +1,7 @@
 """The per-step fast paths of the scoring policies against the general paths they
 replace, on inputs where both apply: top-k selection vs the stable sort, append-only
-`align` vs searchsorted, and LazyEviction's all-layers-at-once step vs its layer loop."""
+`align` vs searchsorted, and LazyEviction's `select` (all rows at once) vs a
+token-by-token reference."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from policies.base import (
     lowest_index_rows,
 )
 from policies.catalog import build_policy
-from tests.policy_views import Sim
+from policies.lazy_eviction import importance
+from tests import policy_views
+from tests.policy_views import Sim, slot_state
 
 
 def _sorted_lowest(scores: torch.Tensor, d: int) -> torch.Tensor:
@@ -98,23 +101,75 @@ def test_align_of_appended_positions_equals_search(dtype, monkeypatch):
             assert torch.equal(got, want)
 
 
+class _LazyReference:
+    """LazyEviction one layer and one token at a time, straight from 004 eq. 1 and
+    Alg. 1: per layer {position: (TS, MRI)}, each query row in time order."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.c = build_policy(cfg).config
+        self.tracked: dict[int, dict[int, tuple[int, int]]] = {}
+        self.epoch = 0
+
+    def step(self, v: StepView) -> dict[int, list[int]]:
+        c, prompt = self.c, v.prompt_len
+        t_now = v.seq_len - prompt
+        epoch = t_now // c.window if t_now >= c.window else 0
+        decide, self.epoch = epoch > self.epoch, max(epoch, self.epoch)
+        budget = base.resolve_budget(c.budget, v.seq_len)
+        plan = {}
+        for layer, lv in enumerate(v.layers):
+            old = self.tracked.get(layer, {})
+            pos = lv.positions.tolist()
+            st = {p: old.get(p, (p - prompt + 1, 0)) for p in pos}  # born: TS = own t
+            mass = base.head_mean(lv.attention).tolist()
+            for i, row in enumerate(mass):
+                q = v.seq_len - v.num_new + i
+                t = q - prompt + 1
+                for p, a in zip(pos, row):
+                    if p <= q and a >= c.alpha:  # activated: eq. 1
+                        ts, mri = st[p]
+                        st[p] = (t, max(mri, t - ts))
+            n = len(pos)
+            if decide and n > budget:
+                ts = torch.tensor([float(st[p][0]) for p in pos], dtype=torch.float64)
+                mri = torch.tensor([st[p][1] for p in pos])
+                recent = min(c.window, n)
+                drop = evict_except(importance(t_now, ts, mri), lv.positions,
+                                    max(budget, recent), edge_mask(n, 0, recent)).tolist()
+                if drop:
+                    plan[layer] = drop
+                    st = {p: x for p, x in st.items() if p not in drop}
+            self.tracked[layer] = st
+        return plan
+
+
 @pytest.mark.parametrize("cfg", [
     {"name": "lazy_eviction", "budget": 20, "window": 4, "alpha": 0.02},
     {"name": "lazy_eviction", "budget": 0.5, "window": 3, "alpha": 0.05},
     {"name": "lazy_eviction", "budget": 2, "window": 5, "alpha": 0.01},  # B < W
 ], ids=lambda c: f"B{c['budget']}-W{c['window']}")
-def test_lazy_eviction_all_layers_at_once_equals_layer_by_layer(cfg, monkeypatch):
-    """The stacked step (one op per stage for all layers) against the per-layer loop,
-    plans and tracked (TS, MRI) bit for bit, through prompt chunks and decode."""
-    ref, fast = build_policy(cfg), build_policy(cfg)
-    sim_ref, sim_fast = Sim(ref, num_layers=4, seed=9), Sim(fast, num_layers=4, seed=9)
+def test_lazy_eviction_rows_equal_token_by_token_reference(cfg, monkeypatch):
+    """`select` (every layer as a row, one op per stage, TS and MRI as per-slot state)
+    against the token-by-token reference, plans and tracked (TS, MRI) exactly, through
+    prompt chunks and decode."""
+    fast, ref = build_policy(cfg), _LazyReference(cfg)
+    sim = Sim(fast, num_layers=4, seed=9)
+    seen: list[StepView] = []
+    real = policy_views.run_step
+
+    def spying(policy, v):
+        seen.append(v)
+        return real(policy, v)
+
+    monkeypatch.setattr(policy_views, "run_step", spying)
     for n in [12, 12, 6] + [1] * 45 + [3] + [1] * 10:
-        got = {k: v.tolist() for k, v in sim_fast.step(n, 30).items()}
-        with monkeypatch.context() as m:
-            m.setattr(StepView, "stacked", lambda self, name: None)
-            want = {k: v.tolist() for k, v in sim_ref.step(n, 30).items()}
-        assert got == want
+        got = {k: v.tolist() for k, v in sim.step(n, 30).items()}
+        assert got == ref.step(seen[-1])
         for layer in range(4):
-            for a, b in zip(ref.state(layer), fast.state(layer)):
-                assert a.dtype == b.dtype and torch.equal(a, b)
-    assert any(ref.state(layer)[0].numel() < sim_ref.seq_len for layer in range(4))
+            pos, ts = slot_state(fast, layer, "ts")
+            _, mri = slot_state(fast, layer, "mri")
+            want = ref.tracked[layer]
+            assert pos.tolist() == sorted(want)
+            assert ts.tolist() == [want[p][0] for p in pos.tolist()]
+            assert mri.tolist() == [want[p][1] for p in pos.tolist()]
+    assert any(len(ref.tracked[layer]) < sim.seq_len for layer in range(4))

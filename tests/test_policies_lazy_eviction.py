@@ -9,7 +9,7 @@ import torch
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.lazy_eviction import importance
-from tests.policy_views import Sim, arange, run_step, view
+from tests.policy_views import Sim, arange, run_step, slot_state, view
 
 
 def sig(x):
@@ -29,6 +29,14 @@ def test_importance_eq2(t, ts, mri, expected):
     assert got.item() == pytest.approx(expected)
 
 
+def state(p, layer):
+    """(kept positions, TS, MRI) of a layer: the per-slot state the engine keeps."""
+    pos, ts = slot_state(p, layer, "ts")
+    pos_mri, mri = slot_state(p, layer, "mri")
+    assert torch.equal(pos, pos_mri)
+    return pos, ts, mri
+
+
 def row(*p):
     return torch.tensor([list(p)])[:, None, :]  # [1, Hkv=1, n]
 
@@ -39,14 +47,14 @@ def test_hand_trace():
     p = build_policy({"name": "lazy_eviction", "budget": 3, "window": 2, "alpha": 0.3})
     prompt = torch.tensor([[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])[:, None, :]
     assert run_step(p, view([LayerView(positions=arange(3), attention=prompt)], 3, 3, 3, True)) == {}
-    pos, ts, mri = p.state(0)
+    pos, ts, mri = state(p, 0)
     # token 0: born -2, active at -2, -1 -> MRI 1, TS -1; token 1: active -1, 0 -> MRI 1;
     # token 2: born and active at 0 -> MRI 0
     assert ts.tolist() == [-1, 0, 0] and mri.tolist() == [1, 1, 0]
     # t = 1: token 0 (0.4) and the new token 3 (0.4) are active
     assert run_step(p, view([LayerView(positions=arange(4), attention=row(.4, .1, .1, .4))],
                        4, 3)) == {}
-    pos, ts, mri = p.state(0)
+    pos, ts, mri = state(p, 0)
     assert ts.tolist() == [1, 0, 0, 1] and mri.tolist() == [2, 1, 0, 0]
     # t = 2 = W: token 2 (0.35) and token 4 active; then evict: keep recent 3, 4 and the
     # top B - W = 1 of tokens 0, 1, 2 by I_2:
@@ -55,7 +63,7 @@ def test_hand_trace():
     plan = run_step(p, view([LayerView(positions=arange(5),
                                   attention=row(.05, .05, .35, .05, .5))], 5, 3))
     assert plan[0].tolist() == [0, 1]
-    pos, ts, mri = p.state(0)
+    pos, ts, mri = state(p, 0)
     assert pos.tolist() == [2, 3, 4] and ts.tolist() == [2, 1, 2] and mri.tolist() == [2, 0, 0]
     # t = 3: over budget but not a multiple of W: nothing
     plan = run_step(p, view([LayerView(positions=torch.tensor([2, 3, 4, 5]),
@@ -73,7 +81,7 @@ def test_chunked_prompt_tracks_like_one_chunk():
     run_step(one, view([LayerView(positions=arange(n), attention=rows)], n, n, n, True))
     run_step(two, view([LayerView(positions=arange(5), attention=rows[:5, :, :5])], 5, n, 5))
     run_step(two, view([LayerView(positions=arange(n), attention=rows[5:])], n, n, n - 5, True))
-    for a, b in zip(one.state(0), two.state(0)):
+    for a, b in zip(state(one, 0), state(two, 0)):
         assert torch.equal(a, b)
 
 
