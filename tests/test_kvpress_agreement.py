@@ -25,6 +25,7 @@ from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
 from policies.base import LayerView, StepView, head_mean
 from policies.norms import keydiff_scores, knorm_scores
+from policies.rows import RowsView
 from policies.snapkv import pool_scores
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -57,9 +58,15 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.T
     core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=1024,
                                    enable_prefix_caching=False))
     seen: dict[str, tuple[StepView, dict[int, torch.Tensor]]] = {}
+    names: dict[int, str] = {}  # id(policy) -> its request, for the select path
+    originals: dict[type, Any] = {}
     for name, cfg in configs.items():
         core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2), kv_policy=cfg)
         policy = core.requests[name].policy
+        names[id(policy)] = name
+        if hasattr(type(policy), "select"):
+            originals.setdefault(type(policy), type(policy).__dict__["select"])
+            continue
         step = policy.step
 
         def recording(view: StepView, _step=step, _name=name) -> dict[int, torch.Tensor]:
@@ -69,10 +76,51 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.T
             return plan
 
         policy.step = recording
-    while core.has_unfinished():
-        core.step()
+
+    def selecting(original: Any) -> staticmethod:
+        def select(policies: list, view: RowsView) -> torch.Tensor | None:
+            drop = original.__func__(policies, view)
+            for i, p in enumerate(policies):
+                if view.prefill_done[i]:
+                    seen[names[id(p)]] = _as_step_view(view, drop, i)
+            return drop
+        return staticmethod(select)
+
+    for cls, original in originals.items():
+        cls.select = selecting(original)  # type: ignore[attr-defined]
+    try:
+        while core.has_unfinished():
+            core.step()
+    finally:
+        for cls, original in originals.items():
+            cls.select = original  # type: ignore[attr-defined]
     assert set(seen) == set(configs)
     return seen
+
+
+def _as_step_view(view: RowsView, drop: torch.Tensor | None,
+                  i: int) -> tuple[StepView, dict[int, torch.Tensor]]:
+    """Member i of a `select` call as the per-layer view and plan the checks read (its
+    rows' live slots as each layer's tokens, a drop mask as positions per layer)."""
+    nl = view.num_layers
+    layers, plan = [], {}
+    for layer in range(nl):
+        row = i * nl + layer
+        live = view.live[row]
+        lv = LayerView(positions=view.positions[row, live])
+        if view.attention is not None:
+            lv.attention = view.attention[row][..., live]
+        for field in ("key_norm", "value_norm", "keys"):
+            t = getattr(view, field)
+            if t is not None:
+                setattr(lv, field, t[row, live])
+        layers.append(lv)
+        if drop is not None and bool(drop[row].any()):
+            plan[layer] = view.positions[row, drop[row]]
+    sv = StepView(seq_len=view.seq_len[i], prompt_len=view.prompt_len[i],
+                  num_new=view.num_new, prefill_done=True, block_size=view.block_size,
+                  layers=layers)
+    return sv, plan
 
 
 def _kept(view: StepView, plan: dict[int, torch.Tensor], layer: int) -> set[int]:
