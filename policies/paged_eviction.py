@@ -16,15 +16,9 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import (
-    Eviction,
-    Needs,
-    StepView,
-    chunked_envelope,
-    keep_top,
-    prompt_budget,
-)
+from policies.base import Needs, StepView, chunked_envelope, prompt_budget, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+from policies.rows import RowsView, drop_lowest
 
 
 class PagedEvictionConfig(EvictingPolicyConfig):
@@ -42,8 +36,32 @@ class PagedEvictionConfig(EvictingPolicyConfig):
 
 
 def token_scores(value_norm: torch.Tensor, key_norm: torch.Tensor) -> torch.Tensor:
-    """Alg. 1 token mode: ‖V_i‖/‖K_i‖ per kv head ([n, Hkv]) -> mean over heads ([n])."""
-    return (value_norm / key_norm.clamp_min(1e-12)).mean(dim=1)
+    """Alg. 1 token mode: ‖V_i‖/‖K_i‖ per kv head ([..., n, Hkv]) -> mean over heads
+    ([..., n])."""
+    return (value_norm / key_norm.clamp_min(1e-12)).mean(dim=-1)
+
+
+def _block_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int], bs: int,
+                 drop: list[int]) -> torch.Tensor:
+    """[N, W] mask of the drop[i] full logical blocks with the lowest mean score in row
+    i (Alg. 1 block mode), ties toward the earlier block. Logical block j of a row is
+    its live slots of kept-order rank j·bs .. j·bs + bs - 1 (counted from the first live
+    token, whatever holes lie between them): the live slots are packed first, in order,
+    so that [N, W/bs, bs] holds the blocks."""
+    n_rows, w = live.shape
+    nb = -(-w // bs)  # W is a multiple of bs in the engine; padded when it is not
+    ar = torch.arange(w)
+    order = torch.where(live, ar, w + ar).argsort(dim=1)  # live slots first, in order
+    packed = scores.gather(1, order)
+    if nb * bs != w:
+        packed = torch.nn.functional.pad(packed, (0, nb * bs - w))
+    means = packed.view(n_rows, nb, bs).mean(dim=2)  # [N, nb]: block j's mean if full
+    full = torch.arange(nb) < torch.tensor([n // bs for n in lengths])[:, None]
+    # drop_lowest breaks ties toward the later candidate: flipped, toward the earlier
+    # block; the full blocks are its candidates (a "position" >= 0)
+    gone = drop_lowest(torch.where(full, 0, -1).flip(1), means.flip(1), drop).flip(1)
+    rank = (live.cumsum(dim=1) - 1).clamp(min=0)
+    return live & gone.gather(1, (rank // bs).clamp(max=nb - 1))
 
 
 @dataclass
@@ -70,6 +88,13 @@ class PagedEvictionPolicy:
     order, i.e. the engine compacts after the prefill plan (`compact`, default on); a
     whole-block drop then needs no further compaction.
 
+    How it runs (`select`, every request of a group at once): the budget and the mode
+    (a prompt chunk or decode) are per request, so per row a number of tokens or of
+    blocks to drop, from host ints; the token drops are one `drop_lowest` over all rows'
+    S_i, the block drops one over all rows' logical-block means (`_block_drops`, which
+    groups each row's live slots by kept-order rank, so holes between them do not
+    matter).
+
     Bound: after every prompt chunk's plan n <= C; n only grows by one per decode step and a drop
     happens at the first multiple of block_size above C, so n <= C + block_size - 1
     (C non-decreasing for ratio budgets). kvpress has no PagedEviction press; its
@@ -80,27 +105,41 @@ class PagedEvictionPolicy:
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True, value_norm=True))
     block_size: int | None = None  # the pool's, learnt from the first view
 
-    def step(self, view: StepView) -> Eviction:
-        self.block_size = view.block_size
-        budget = prompt_budget(self.config.budget, view)
-        decoding = not view.prefill_done and view.seq_len > view.prompt_len
-        plan: Eviction = {}
-        for layer, lv in enumerate(view.layers):
-            n = lv.positions.numel()
-            if n <= budget:
-                continue
-            assert lv.key_norm is not None and lv.value_norm is not None
-            scores = token_scores(lv.value_norm, lv.key_norm)
-            if not decoding:  # a prompt chunk (Alg. 2), the last one or an earlier one
-                plan[layer] = keep_top(scores, lv.positions, budget)
-            else:
-                drop = self._block_drops(scores, n, view.num_new, view.block_size, budget)
-                if drop is not None:
-                    plan[layer] = lv.positions[drop]
-        return plan
+    @staticmethod
+    def select(policies: list[PagedEvictionPolicy], view: RowsView) -> torch.Tensor | None:
+        """Prompt-chunk rows drop their lowest-S_i tokens down to C (Alg. 2), decoding
+        rows whose newest logical block filled drop whole blocks (Alg. 3): per-row drop
+        counts from host ints, then one selection per mode for all rows."""
+        c = policies[0].config
+        bs = view.block_size
+        for p in policies:
+            p.block_size = bs
+        # C resolved on the whole prompt while it is computed (`prompt_budget`)
+        budgets = [resolve_budget(c.budget, max(s, p))
+                   for s, p in zip(view.seq_len, view.prompt_len)]
+        decodes = [not done and s > p
+                   for s, p, done in zip(view.seq_len, view.prompt_len, view.prefill_done)]
+        tokens, blocks = [], []  # per row: tokens (prompt) / blocks (decode) to drop
+        for n, budget, decoding in zip(view.lengths, view.per_row(budgets),
+                                       view.per_row(decodes)):
+            over = max(0, n - budget)
+            tokens.append(0 if decoding else over)
+            # one block per block boundary this step's tokens crossed, while n > C
+            crossed = n // bs - (n - view.num_new) // bs
+            blocks.append(min(crossed, -(-over // bs)) if decoding and crossed > 0 else 0)
+        if not any(tokens) and not any(blocks):
+            return None
+        assert view.key_norm is not None and view.value_norm is not None
+        scores = token_scores(view.value_norm, view.key_norm)  # [N, W]
+        live = view.live
+        drop = drop_lowest(view.positions, scores, tokens) if any(tokens) else None
+        if any(blocks):
+            whole = _block_drops(scores, live, view.lengths, bs, blocks)
+            drop = whole if drop is None else drop | whole
+        return drop
 
     def idle(self, view: StepView) -> bool:
-        """`step` plans nothing: in a prompt chunk when every layer is within the
+        """`select` drops nothing: in a prompt chunk when every layer is within the
         budget; in decode when no layer above the budget fills a
         block this step (Alg. 3 acts only on "L % B == 0"), i.e. most decode steps."""
         self.block_size = view.block_size
@@ -110,28 +149,6 @@ class PagedEvictionPolicy:
         bs = view.block_size
         return all(n <= budget or n // bs - (n - view.num_new) // bs <= 0 or n < bs
                    for n in view.lengths)
-
-    @staticmethod
-    def _block_drops(scores: torch.Tensor, n: int, num_new: int, bs: int,
-                     budget: int) -> torch.Tensor | None:
-        """Indices (kept order) of the blocks to drop: one per block boundary crossed by
-        this step's tokens (one for a decode token), lowest mean first, while n > C."""
-        crossed = n // bs - (n - num_new) // bs
-        full = n // bs
-        if crossed <= 0 or full == 0:
-            return None
-        means = scores[: full * bs].view(full, bs).mean(dim=1)
-        order = torch.sort(means, stable=True).indices  # ties: the earlier block
-        picked = []
-        for j in order.tolist()[:crossed]:
-            if n <= budget:
-                break
-            picked.append(j)
-            n -= bs
-        if not picked:
-            return None
-        blocks = torch.tensor(sorted(picked), dtype=torch.int64)
-        return (blocks[:, None] * bs + torch.arange(bs)).reshape(-1)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

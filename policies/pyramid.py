@@ -14,17 +14,9 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import (
-    Eviction,
-    Needs,
-    StepView,
-    align,
-    evict_except_index,
-    is_active,
-    prefill_envelope,
-    resolve_budget,
-)
+from policies.base import Needs, prefill_envelope, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+from policies.rows import RowsView, keep_highest
 from policies.snapkv import OddKernel, pool_scores
 
 
@@ -87,7 +79,15 @@ class PyramidPolicy:
     Score (eqs. 3-4): s_i = Σ_j A_ji over the last `obs_window` queries — the last prompt
     queries at the end of the prompt, then a sliding window over decode queries — summed
     over all heads, optionally avg-pooled (`kernel_size`) over neighbours in kept order.
-    The window's rows are kept per layer ([n, obs_window], aligned to live positions).
+
+    How it runs (`select`, every request of a group at once): the window is per-slot
+    state, `obs_window` values per token (`state`: `pyramid_w0` the oldest query of the
+    window .. `pyramid_w{α-1}` the newest; a new token starts at 0, which is exact since
+    no earlier query sees it). Each step shifts its window queries in (queries at or past
+    prompt_len - α; several prompt chunks may fill the window), and layers' different
+    budgets are per-row keep counts (row r·L + l keeps layer l's C_l) for one selection
+    over all rows, the lambda mask a protected mask over each row's first and last C_sink
+    live slots.
 
     KV-X ties α to the cache line without a number; we take SnapKV's 32 (§3.2 builds on
     SnapKV). vs kvpress `PyramidKVPress`: per-layer budgets are identical (same formula);
@@ -103,44 +103,79 @@ class PyramidPolicy:
     config: PyramidConfig
     name: str = "pyramid"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
-    _pos: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # Per-slot state (name -> a new slot's value): the window's queries, oldest first.
+    # Per policy rather than per class because its size is the config's obs_window.
+    state: dict[str, float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.state = {f"pyramid_w{i}": 0.0 for i in range(self.config.obs_window)}
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
         total = resolve_budget(c.budget, seq_len)
         return layer_budgets(total, seq_len, num_layers, c.beta, c.obs_window)
 
-    def scores(self, layer: int) -> torch.Tensor:
-        """Current middle-token scores of a layer (pooled window sums), kept order."""
-        return pool_scores(self._rows[layer].sum(dim=1), self.config.kernel_size)
+    @staticmethod
+    def select(policies: list[PyramidPolicy], view: RowsView) -> torch.Tensor | None:
+        p = policies[0]
+        c = p.config
+        assert view.attention is not None
+        window = PyramidPolicy._shift_window(p, view)
+        keep, edges = [], []
+        nl = view.num_layers
+        for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
+                                             view.prefill_done)):
+            lengths = view.lengths[r * nl:(r + 1) * nl]
+            if done or s > pl:  # the prompt is complete: every layer to its budget
+                budgets = p.budgets(s, nl)
+                keep += budgets
+                edges += [int(b // (2 * c.omega)) for b in budgets]
+            else:
+                keep += lengths
+                edges += [0] * nl
+        if all(n <= k for n, k in zip(view.lengths, keep)):
+            return None
+        live = view.live
+        scores = PyramidPolicy._kept_order_pool(window.sum(dim=2).masked_fill(~live, 0.0),
+                                                live, c.kernel_size)
+        return keep_highest(view, scores, keep, first=edges, last=edges)
 
-    def step(self, view: StepView) -> Eviction:
-        c = self.config
-        q0 = view.seq_len - view.num_new
-        first = max(0, view.prompt_len - c.obs_window - q0)  # rows in the window
-        active = is_active(view)
-        budgets = self.budgets(view.seq_len, view.num_layers) if active else []
-        plan: Eviction = {}
-        for layer, lv in enumerate(view.layers):
-            assert lv.attention is not None
-            pos = lv.positions
-            rows = align(self._pos.get(layer), self._rows.get(layer), pos)
-            if rows.dim() == 1:
-                rows = rows[:, None][:, :0]
-            new = lv.attention[first:].sum(dim=1).T  # [n, rows]: all heads summed
-            rows = torch.cat([rows, new.to(rows.dtype)], dim=1)[:, -c.obs_window:]
-            self._pos[layer], self._rows[layer] = pos, rows
-            n = pos.numel()
-            if not active or n <= budgets[layer]:
-                continue
-            keep = budgets[layer]
-            edge = int(keep // (2 * c.omega))
-            drop = evict_except_index(self.scores(layer), keep, edge, edge)
-            plan[layer] = pos[drop]
-            kept = torch.ones(n, dtype=torch.bool).index_fill_(0, drop, False)
-            self._pos[layer], self._rows[layer] = pos[kept], rows[kept]
-        return plan
+    @staticmethod
+    def _shift_window(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
+        """Shift this step's window queries (summed over heads) into each slot's window
+        state; [N, W, α] the window after the step, oldest query first."""
+        assert view.attention is not None
+        a = p.config.obs_window
+        k = view.num_new
+        names = list(p.state)
+        # Per request, the first of this step's queries inside the window: those at or
+        # past prompt_len - α (every decode query; the last prompt chunk or two).
+        firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
+        stack = torch.stack([view.state[n] for n in names], dim=2)
+        if min(firsts) >= k:  # no window query yet in any row: the state stays 0
+            return stack
+        kk = min(k, a)  # only the last α queries can stay in the window
+        new = view.attention[:, k - kk:].sum(dim=2)  # [N, kk, W]
+        if max(firsts) > k - kk:  # some rows' first queries are before their window
+            before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
+            new = new.masked_fill(before[:, :, None], 0.0)
+        window = torch.cat([stack, new.transpose(1, 2)], dim=2)[:, :, -a:]
+        for i, n in enumerate(names):
+            view.state[n].copy_(window[:, :, i])
+        return window
+
+    @staticmethod
+    def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:
+        """`pool_scores` over each row's live slots in kept order (dead slots between
+        them are not neighbours): pack the live slots first, pool, put them back. The
+        packed row's zeros past its live slots pool as the padding does."""
+        if kernel == 1:
+            return scores
+        w = live.shape[1]
+        ar = torch.arange(w)
+        order = torch.where(live, ar, w + ar).argsort(dim=1)  # live slots first, in order
+        pooled = pool_scores(scores.gather(1, order), kernel)
+        return torch.empty_like(pooled).scatter_(1, order, pooled)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -102,7 +102,7 @@ def build_view(members: list[Member]) -> RowsView:
     tables, nl, bs = first.tables, first.num_layers, first.bs
     policy = members[0].policy
     needs: Needs = policy.needs  # type: ignore[attr-defined]
-    tables.declare_state(getattr(type(policy), "state", {}))
+    tables.declare_state(getattr(policy, "state", {}))
     nb = max(max(m.cache.nblocks) for m in members)
     width = nb * bs
     rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
@@ -113,7 +113,7 @@ def build_view(members: list[Member]) -> RowsView:
         lengths=[n for m in members for n in m.cache.layer_live],
         positions=_member_major(tables.slot_pos[:, :, :width].index_select(1, rows)),
         block_size=bs)
-    for name in getattr(type(policy), "state", {}):
+    for name in getattr(policy, "state", {}):
         view.state[name] = _member_major(tables.state[name][:, :, :width].index_select(1, rows))
     if needs.attention:
         view.attention = _attention(members, width)

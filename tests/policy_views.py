@@ -40,7 +40,7 @@ def run_step(policy, v: StepView) -> Eviction:
                   prompt_len=[v.prompt_len], prefill_done=[v.prefill_done],
                   lengths=[lv.positions.numel() for lv in layers], positions=positions,
                   block_size=v.block_size)
-    fills = getattr(type(policy), "state", {})
+    fills = getattr(policy, "state", {})
     # per layer (positions, {state name: values}), as the tables would hold them
     held = policy.__dict__.setdefault("_slot_state", {})
     for name, fill in fills.items():  # each token's state, as the tables keep it

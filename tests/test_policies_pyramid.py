@@ -10,7 +10,7 @@ import torch
 from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.pyramid import layer_budgets
-from tests.policy_views import Sim, arange, causal_probs, group_sum, run_step, view
+from tests.policy_views import Sim, arange, causal_probs, group_sum, run_step, slot_state, view
 
 
 def kvpress_layer_budget(q_len, ratio, window, beta, num_layers, layer):
@@ -117,7 +117,10 @@ def test_decode_keeps_layer_budgets_with_a_sliding_window():
     for _ in range(30):
         sim.step(1, prompt_len=120)
         assert sim.counts() == p.budgets(sim.seq_len, 4)
-        assert all(p._rows[i].shape == (sim.counts()[i], 8) for i in range(4))
+        for i in range(4):  # each kept token's window: the last 8 queries' mass
+            held = [slot_state(p, i, name) for name in p.state]
+            assert len(held) == 8 and all(pos.tolist() == sim.live[i].tolist() for pos, _ in held)
+            assert torch.stack([w for _, w in held], dim=1).shape == (sim.counts()[i], 8)
         for live, c_l in zip(sim.live, p.budgets(sim.seq_len, 4)):
             edge = c_l // 8
             assert live[:edge].tolist() == list(range(edge))  # sinks stay
