@@ -213,37 +213,14 @@ class SeqCache:
         mask[layer, slots] = True
         return self.evict_mask(mask)
 
-    def evict_mask(self, dead: torch.Tensor, alike: bool = False) -> int:
-        """Mark every slot where `dead` [L, capacity slots] is True dead, in all layers
-        at once; free the blocks left with no live slot. Returns blocks freed. `alike`:
-        the caller knows every row of `dead` is the same (the layers stay alike)."""
-        # Only the held columns can hold live slots (the table has spare capacity).
+    def evict_mask(self, dead: torch.Tensor) -> int:
+        """Mark every live slot where `dead` [L, capacity slots] is True dead, in all
+        layers at once (`SlotTables.evict_mask`, which does it for many caches); free
+        the blocks left with no live slot. Returns blocks freed."""
         width = max(self.nblocks, default=0) * self.bs
-        pos = self.slot_pos[:, :width]
-        dead = dead[:, :width] & (pos >= 0)
-        n = int(dead.sum())
-        if n == 0:
+        if width == 0:
             return 0
-        pos.masked_fill_(dead, -1)  # cheaper than boolean index assignment
-        if alike and self.alike:  # the same live slots lose the same ones
-            self.layer_live = [x - n // self.num_layers for x in self.layer_live]
-        else:
-            self.layer_live = [x - k for x, k in zip(self.layer_live, dead.sum(dim=1).tolist())]
-        self.uniform = False
-        self.alike = self.alike and alike
-        # Only a block that just lost a slot can have become empty: check those first.
-        shape = (self.num_layers, width // self.bs, self.bs)
-        touched = dead.view(shape).any(dim=2) & ~(pos.view(shape) >= 0).any(dim=2)
-        if not bool(touched.any()):
-            return 0
-        return self._free_dead_blocks()
-
-    def evict_slots(self, slots: torch.Tensor) -> int:
-        """`evict_mask` for d live logical slots per layer ([L, d], distinct in each row):
-        a decode step of a scoring policy drops a token or a few per layer, so writing
-        them and checking only their blocks costs a few ops instead of mask-wide ones.
-        (`SlotTables.evict_slots` does it for many caches at once.)"""
-        return self.tables.evict_slots(self.pool, [self], slots[None])[0]
+        return self.tables.evict_mask(self.pool, [self], dead[None, :, :width])[0][1]
 
     def drop_before(self, layer: int, min_pos: int) -> int:
         """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""

@@ -171,31 +171,6 @@ class SlotTables:
         return self.table[lay, row_t, idx // bs] * bs + idx % bs
 
     # ---- what eviction changes -------------------------------------------------------
-    def evict_slots(self, pool: BlockPool, caches: list[SeqCache],
-                    slots: torch.Tensor) -> list[int]:
-        """Mark d live logical slots per (cache, layer) dead — `slots` [R, L, d], distinct
-        in each row — and free the blocks that leaves without a live slot; returns the
-        blocks freed per cache. A decode step of a scoring policy drops a token or a few
-        per layer in every member: a fixed number of ops for all of them."""
-        r, nl, d = slots.shape
-        if d == 0:
-            return [0] * r
-        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)[:, None, None]
-        layers = torch.arange(nl)[None, :, None]
-        self.slot_pos[layers, rows, slots] = -1
-        # Layers holding the same slots that drop the same ones stay alike (streaming).
-        same = (slots == slots[:, :1]).flatten(1).all(dim=1).tolist()
-        for c, alike in zip(caches, same):
-            c.layer_live = [x - d for x in c.layer_live]
-            c.alike = c.alike and alike
-            c.uniform = False
-        blocks = self.slot_pos.view(nl, self.slot_pos.shape[1], -1, self.bs)
-        touched = blocks[layers, rows, slots // self.bs]  # [R, L, d, bs]
-        emptied = (~(touched >= 0).any(dim=3)).flatten(1).any(dim=1).tolist()
-        hit = [c for c, e in zip(caches, emptied) if e]
-        freed = iter(self.free_dead_blocks(pool, hit) if hit else [])
-        return [next(freed) if e else 0 for e in emptied]
-
     def evict_mask(self, pool: BlockPool, caches: list[SeqCache],
                    dead: torch.Tensor) -> list[tuple[int, int]]:
         """Mark the slots where `dead` [R, L, W] is True dead (W a multiple of the block

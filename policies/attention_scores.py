@@ -1,7 +1,7 @@
 """Attention-mass policies that act every step: H2O (`h2o`) and TOVA (`tova`).
 
-Both read `LayerView.attention` ([Tq, Hkv, n]: this step's queries' probability mass on
-each live token, summed over the query heads of each kv group) and keep one set per
+Both read `RowsView.attention` ([N, Tq, Hkv, W]: this step's queries' probability mass
+on each live token, summed over the query heads of each kv group) and keep one set per
 layer, i.e. the mass is aggregated over all heads of the layer. Both act from the step
 that completes the prompt on (scores of a partial prompt would be premature), keeping
 exactly min(n, C) tokens after every plan, C = resolve_budget(budget, seq_len).

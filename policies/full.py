@@ -8,20 +8,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.base import Eviction, Needs, StepView
+import torch
+
+from policies.base import Needs
 from policies.config import FullPolicyConfig
 
 
 @dataclass
 class FullPolicy:
-    """No eviction: needs nothing, returns an empty plan, keeps seq_len tokens."""
+    """No eviction: needs nothing, drops nothing, keeps seq_len tokens."""
 
     config: FullPolicyConfig = field(default_factory=FullPolicyConfig)
     name: str = "full"
     needs: Needs = field(default_factory=Needs)
 
-    def step(self, view: StepView) -> Eviction:
-        return {}
+    @staticmethod
+    def select(policies: list[FullPolicy], view: object) -> torch.Tensor | None:
+        return None
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -68,8 +68,8 @@ class EngineConfig:
     swap_space: str | int = "1GiB"  # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     tenant_quotas: dict[str, float] | None = None  # tenant -> fraction of the pool
-    # Decode steps of scoring policies at their budget run as one batch per policy and
-    # config (scheduler/batched_eviction.py); False: every request alone (same plans).
+    # A step's requests of equal policies run as one group (scheduler/policy_rows.py);
+    # False: every request a group of one (the same plans).
     batch_policies: bool = True
     # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
     # False keeps torch's dense F.linear (for comparison).

@@ -149,16 +149,26 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
         tables.state[name][:, :, :width].index_copy_(1, rows, _layer_major(t, nl))
     if drop is None:
         return [(0, 0)] * len(members)
-    dead = drop.view(len(members), nl, width)
-    done = tables.evict_mask(first.pool, [m.cache for m in members], dead)
-    for i, m in enumerate(members):
+    return carry_out([m.cache for m in members], drop.view(len(members), nl, width),
+                     [m.compact for m in members], [m.rotate for m in members])
+
+
+def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
+              rotate: list[Rotate | None]) -> list[tuple[int, int]]:
+    """Drop the slots where `dead` [R, L, W] is True (`SlotTables.evict_mask`: emptied
+    blocks freed at once), then, for the caches that asked, pack the survivors of the
+    layers that lost tokens (`compact`) or re-number them 0..n-1 and re-rotate their
+    keys (`rotate`, RoPE shift); per cache (evicted slots, freed blocks)."""
+    first = caches[0]
+    done = first.tables.evict_mask(first.pool, caches, dead)
+    for i, c in enumerate(caches):
         evicted, freed = done[i]
-        if evicted and (m.compact or m.rotate is not None):
+        if evicted and (compact[i] or rotate[i] is not None):
             layers = [x for x, hit in enumerate(dead[i].any(dim=1).tolist()) if hit]
-            if m.compact:
-                freed += tables.compact(m.cache.pool, [m.cache], layers)[0]
-            if m.rotate is not None:
+            if compact[i]:
+                freed += first.tables.compact(c.pool, [c], layers)[0]
+            if rotate[i] is not None:
                 for layer in layers:
-                    m.cache.renumber(layer, m.rotate)
+                    c.renumber(layer, rotate[i])
             done[i] = (evicted, freed)
     return done

@@ -1,9 +1,9 @@
 """Running the running requests' `kv_policy` after each step, and what it cost.
 
 Why a module of its own: the engine step only needs "let every policy act on the slot
-layout the forward saw"; how that is split between the batched decode step
-(`scheduler/batched_eviction.py`) and one request at a time (`scheduler/eviction.py`),
-how a request is kept within its reservation, and the per-policy counters behind
+layout the forward saw"; how requests are grouped for their policies
+(`scheduler/policy_rows.py`: one group per policy class, config and step size, a
+request alone being a group of one), how a request is kept within its reservation, and the per-policy counters behind
 `EngineStats` and the Prometheus metrics all live here. The offline perplexity
 protocol (`loadtest/policy_eval.py`) calls the same `run`, so it evicts exactly as
 serving does.
@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.runner import AttentionMass
 from policies.base import StepView
-from scheduler.eviction import Rotate, apply_eviction, fill_view, step_header
-from scheduler.policy_rows import Member, group_key, run_group
+from scheduler.policy_rows import Member, Rotate, group_key, run_group
 from scheduler.request import Request
 from scheduler.scheduler import Chunk
 
@@ -49,20 +48,18 @@ class PolicyRunner:
             t = time.perf_counter()
             first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
             r.prefill_done = r.prefill_done or first_full
-            header = step_header(r.cache, r.num_computed, len(r.prompt_ids), c.num_tokens,
-                                 first_full)
+            # sizes only (the live counts are host ints): enough for `idle` to decide
+            header = StepView(seq_len=r.num_computed, prompt_len=len(r.prompt_ids),
+                              num_new=c.num_tokens, prefill_done=first_full,
+                              block_size=r.cache.bs, lengths=list(r.cache.layer_live))
             idle = getattr(r.policy, "idle", None)
             if idle is None or not idle(header):
-                if hasattr(type(r.policy), "select"):
-                    compact = getattr(r.kv_policy, "compact", False)
-                    m = Member(r.cache, r.policy, r.num_computed, len(r.prompt_ids),
-                               c.num_tokens, first_full, attention.get(i),
-                               self.rotate if r.rope_shift else None, compact)
-                    key = (group_key(r.policy, r.kv_policy, c.num_tokens) if self.batch
-                           else (id(r),))
-                    groups.setdefault(key, []).append((r, m))
-                    continue
-                self._step_alone(r, header, attention.get(i))
+                m = Member(r.cache, r.policy, r.num_computed, len(r.prompt_ids), c.num_tokens,
+                           first_full, attention.get(i), self.rotate if r.rope_shift else None,
+                           getattr(r.kv_policy, "compact", False))
+                key = group_key(r.policy, r.kv_policy, c.num_tokens) if self.batch else (id(r),)
+                groups.setdefault(key, []).append((r, m))
+                continue
             self._after(r, time.perf_counter() - t)
         for members in groups.values():
             t = time.perf_counter()
@@ -75,21 +72,6 @@ class PolicyRunner:
             for r, _ in members:
                 self._after(r, share)
         self._compact()
-
-    def _step_alone(self, r: Request, header: StepView,
-                    attention: AttentionMass | None) -> None:
-        """One request's view, plan and its execution (`scheduler/eviction.py`)."""
-        assert r.cache is not None and r.policy is not None
-        mass = attention.layers() if attention is not None else None
-        plan = r.policy.step(fill_view(header, r.cache, r.policy.needs, mass))
-        if not plan:
-            return
-        rotate = self.rotate if r.rope_shift else None
-        applied = apply_eviction(r.cache, plan, rotate=rotate,
-                                 compact=getattr(r.kv_policy, "compact", False))
-        if rotate is not None:
-            r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-        self._count(r, applied.evicted_slots, applied.freed_blocks)
 
     def _count(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
         name = r.policy_name

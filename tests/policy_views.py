@@ -12,10 +12,38 @@ tensors), checks the plan names live positions only, and carries it out.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from policies.base import Eviction, LayerView, StepView
+from policies.base import StepView
 from policies.rows import RowsView
+
+# A plan as positions to drop: layer -> positions (int64)
+Eviction = dict[int, torch.Tensor]
+
+
+@dataclass
+class LayerView:
+    """One layer's live tokens (ascending positions) and statistics, the tests' input."""
+
+    positions: torch.Tensor  # [n] int64
+    attention: torch.Tensor | None = None  # [Tq, Hkv, n] float32
+    key_norm: torch.Tensor | None = None  # [n, Hkv]
+    value_norm: torch.Tensor | None = None  # [n, Hkv]
+    keys: torch.Tensor | None = None  # [n, Hkv, D]
+    new_key_norm: torch.Tensor | None = None  # [num_new, Hkv]: the newest tokens'
+
+
+@dataclass
+class LayersView(StepView):
+    """A `StepView` with every layer's tokens: what `run_step` turns into a RowsView."""
+
+    layers: list[LayerView] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.lengths and self.layers:
+            self.lengths = [lv.positions.numel() for lv in self.layers]
 
 
 def _pad(parts: list[torch.Tensor], width: int, dim: int) -> torch.Tensor:
@@ -27,10 +55,8 @@ def _pad(parts: list[torch.Tensor], width: int, dim: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def run_step(policy, v: StepView) -> Eviction:
+def run_step(policy, v: LayersView) -> Eviction:
     """Run `policy` on `v` as the engine does; the plan as {layer: positions}."""
-    if not hasattr(type(policy), "select"):
-        return policy.step(v)
     layers = v.layers
     nl = len(layers)
     width = max(lv.positions.numel() for lv in layers)
@@ -74,8 +100,8 @@ def run_step(policy, v: StepView) -> Eviction:
 
 
 def view(layers: list[LayerView], seq_len: int, prompt_len: int, num_new: int = 1,
-         prefill_done: bool = False, block_size: int = 4) -> StepView:
-    return StepView(seq_len=seq_len, prompt_len=prompt_len, num_new=num_new,
+         prefill_done: bool = False, block_size: int = 4) -> LayersView:
+    return LayersView(seq_len=seq_len, prompt_len=prompt_len, num_new=num_new,
                     prefill_done=prefill_done, block_size=block_size, layers=layers)
 
 
@@ -97,8 +123,11 @@ def group_sum(probs: torch.Tensor, hkv: int) -> torch.Tensor:
 
 class Sim:
     def __init__(self, policy, num_layers: int = 3, hkv: int = 2, group: int = 2,
-                 dim: int = 8, block_size: int = 4, max_len: int = 4096, seed: int = 0):
+                 dim: int = 8, block_size: int = 4, max_len: int = 4096, seed: int = 0,
+                 skip_idle: bool = False):
+        """`skip_idle`: as the engine, skip the policy on steps its `idle` declines."""
         self.policy = policy
+        self.skip_idle, self.skipped = skip_idle, 0
         self.num_layers, self.hkv, self.group, self.block_size = num_layers, hkv, group, block_size
         self.gen = torch.Generator().manual_seed(seed)
         shape = (num_layers, max_len, hkv, dim)
@@ -136,8 +165,12 @@ class Sim:
             if needs.keys:
                 lv.keys = k
             layers.append(lv)
-        plan = run_step(self.policy, view(layers, self.seq_len, prompt_len, num_new, done,
-                                     self.block_size))
+        v = view(layers, self.seq_len, prompt_len, num_new, done, self.block_size)
+        idle = getattr(self.policy, "idle", None)
+        if self.skip_idle and idle is not None and idle(v):
+            self.skipped += 1
+            return {}
+        plan = run_step(self.policy, v)
         for layer, drop in plan.items():
             live = self.live[layer]
             assert drop.dtype == torch.int64
@@ -154,3 +187,17 @@ def slot_state(policy, layer: int, name: str) -> tuple[torch.Tensor, torch.Tenso
     """(kept positions, their per-slot `name` state) after the last `run_step`."""
     pos, state = policy.__dict__["_slot_state"][layer]
     return pos, state[name]
+
+
+def evict_positions(cache, plan: Eviction, compact: bool = False, rotate=None) -> tuple[int, int]:
+    """Carry out a plan given as positions per layer on a cache, the way the engine
+    carries out a policy's drop mask (`scheduler/policy_rows.py::carry_out`); returns
+    (slots evicted over all layers, blocks freed)."""
+    from scheduler.policy_rows import carry_out
+
+    width = max(cache.nblocks, default=0) * cache.bs
+    pos = cache.slot_pos[:, :width]
+    dead = torch.zeros(pos.shape, dtype=torch.bool)
+    for layer, drop in plan.items():
+        dead[layer] = torch.isin(pos[layer], drop) & (pos[layer] >= 0)
+    return carry_out([cache], dead[None], [compact], [rotate])[0]

@@ -4,11 +4,13 @@ import torch
 from transformers import LlamaConfig
 
 from engine.rope import RotaryEmbedding
+from engine.runner import AttentionMass
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
 from policies.base import Needs
-from scheduler.eviction import apply_eviction, build_view
+from scheduler.policy_rows import Member, build_view
+from tests.policy_views import evict_positions
 
 H, D, BS = 2, 8, 4
 
@@ -36,9 +38,9 @@ def _kv_by_position(c: SeqCache, layer: int = 0) -> dict[int, float]:
 
 def test_plan_by_position_frees_emptied_blocks_at_once():
     pool, c = _filled(num_layers=2)
-    applied = apply_eviction(c, {0: torch.tensor([0, 1, 2, 3, 5]), 1: torch.tensor([11])})
-    assert applied.evicted_slots == 6
-    assert applied.freed_blocks == 1  # layer 0's first block; layer 1's tail is full but live
+    evicted, freed = evict_positions(c, {0: torch.tensor([0, 1, 2, 3, 5]), 1: torch.tensor([11])})
+    assert evicted == 6
+    assert freed == 1  # layer 0's first block; layer 1's tail is full but live
     assert c.nblocks == [2, 3]
     assert _kv_by_position(c, 0) == {p: float(p) for p in [4, 6, 7, 8, 9, 10, 11]}
     pool.check_invariants([c.owned_blocks()])
@@ -48,8 +50,8 @@ def test_compaction_packs_survivors_and_keeps_their_data():
     pool, c = _filled()
     keep = [0, 5, 9, 10, 11]
     drop = torch.tensor([p for p in range(12) if p not in keep])
-    applied = apply_eviction(c, {0: drop}, compact=True)
-    assert c.nblocks == [2] and applied.freed_blocks == 1  # 3 partly-dead blocks -> 2
+    _, freed = evict_positions(c, {0: drop}, compact=True)
+    assert c.nblocks == [2] and freed == 1  # 3 partly-dead blocks -> 2
     assert _kv_by_position(c) == {p: float(p) for p in keep}
     slots = c.append(torch.tensor([12, 13, 14]))  # appends continue after the survivors
     assert c.nblocks == [2] and slots.shape == (1, 3)
@@ -62,8 +64,8 @@ def test_compaction_needs_no_free_block():
     pool, c = _filled()
     other = pool.allocate(pool.num_free)  # someone else holds the rest of the pool
     keep = [1, 2, 6, 11]
-    applied = apply_eviction(c, {0: torch.tensor([p for p in range(12) if p not in keep])})
-    assert applied.freed_blocks == 0 and c.nblocks == [3]  # every block keeps a survivor
+    _, freed = evict_positions(c, {0: torch.tensor([p for p in range(12) if p not in keep])})
+    assert freed == 0 and c.nblocks == [3]  # every block keeps a survivor
     assert pool.num_free == 0
     assert c.compact(0) == 2 and c.nblocks == [1] and pool.num_free == 2
     assert _kv_by_position(c) == {p: float(p) for p in keep}
@@ -83,7 +85,7 @@ def test_compaction_copies_a_shared_block_before_writing_it():
     pool.k_cache.view(-1, H, D)[slots] = val
     pool.v_cache.view(-1, H, D)[slots] = -val
     shared = int(a.table[0, 0])
-    apply_eviction(b, {0: torch.tensor([1, 2, 5, 6, 9])})
+    evict_positions(b, {0: torch.tensor([1, 2, 5, 6, 9])})
     assert b.compact(0) == 1 and int(b.table[0, 0]) != shared
     assert _kv_by_position(b) == {p: float(p) for p in [0, 3, 4, 7, 8, 10, 11]}
     assert _kv_by_position(a) == {p: float(p) for p in range(8)}  # untouched
@@ -98,7 +100,7 @@ def test_renumber_rerotates_keys_as_if_written_at_the_new_positions():
     raw = torch.randn(10, H, D)
     slots = c.append(torch.arange(10))[0]
     pool.k_cache.view(-1, H, D)[slots] = rope.rotate(raw, torch.arange(10))
-    apply_eviction(c, {0: torch.tensor([2, 3, 4, 5])}, rotate=lambda k, d: rope.rotate(k, d, scaled=False))
+    evict_positions(c, {0: torch.tensor([2, 3, 4, 5])}, rotate=lambda k, d: rope.rotate(k, d, scaled=False))
     kept = [0, 1, 6, 7, 8, 9]
     assert c.slot_pos[0][c.slot_pos[0] >= 0].tolist() == list(range(6))
     _, phys = c.live_slots(0)
@@ -106,16 +108,44 @@ def test_renumber_rerotates_keys_as_if_written_at_the_new_positions():
     assert torch.allclose(pool.k_cache.view(-1, H, D)[phys], want, atol=1e-5)
 
 
+class _Asking:
+    needs = Needs(attention=True, key_norm=True)
+
+
 def test_view_gives_live_positions_and_only_the_statistics_asked_for():
     _, c = _filled(num_layers=2)
-    apply_eviction(c, {1: torch.tensor([0, 1])})
-    mass = [torch.rand(3, H, 12), torch.rand(3, H, 12)]
-    view = build_view(c, Needs(attention=True, key_norm=True), mass, 12, 9, 3, True)
-    assert view.layers[0].positions.tolist() == list(range(12))
-    assert view.layers[1].positions.tolist() == list(range(2, 12))
-    assert torch.equal(view.layers[1].attention, mass[1][:, :, 2:])
-    assert torch.allclose(view.layers[1].key_norm[:, 0], torch.arange(2, 12.0) * D**0.5)
-    assert view.layers[0].value_norm is None and view.layers[0].keys is None
+    evict_positions(c, {1: torch.tensor([0, 1])})
+    mass = torch.rand(2, 1, 3, H, 12)  # [L, B, Tq, Hkv, S]
+    view = build_view([Member(c, _Asking(), 12, 9, 3, True, AttentionMass(mass, 0, 3))])
+    assert view.positions[0].tolist() == list(range(12))
+    assert view.positions[1].tolist() == [-1, -1, *range(2, 12)]
+    assert view.lengths == [12, 10]
+    assert torch.equal(view.attention[1], mass[1, 0])
+    assert torch.allclose(view.key_norm[1, 2:, 0], torch.arange(2, 12.0) * D**0.5)
+    assert view.value_norm is None and view.keys is None
+
+
+def test_slot_state_moves_with_its_token():
+    """A policy's per-slot state follows its token when emptied blocks are freed and
+    when survivors are compacted, and a new slot starts at the state's fill."""
+    _, c = _filled(num_layers=2)
+    tables = c.tables
+    tables.declare_state({"score": -1.0})
+    score = tables.state["score"][:, c.row]
+    score[:, :12] = torch.arange(12, dtype=torch.float32) * 10  # score = 10 * position
+
+    def by_position(layer: int) -> dict[int, float]:
+        live = c.slot_pos[layer] >= 0
+        return dict(zip(c.slot_pos[layer][live].tolist(),
+                        tables.state["score"][layer, c.row][live].tolist()))
+
+    evict_positions(c, {0: torch.tensor([0, 1, 2, 3, 6]), 1: torch.tensor([1, 5, 9])})
+    assert c.nblocks[0] == 2  # layer 0's first block was freed and its column closed
+    evict_positions(c, {0: torch.tensor([8]), 1: torch.tensor([2])}, compact=True)
+    for layer, gone in ((0, {0, 1, 2, 3, 6, 8}), (1, {1, 2, 5, 9})):
+        assert by_position(layer) == {p: 10.0 * p for p in range(12) if p not in gone}
+    c.append(torch.tensor([12]))
+    assert by_position(0)[12] == -1.0 and by_position(1)[12] == -1.0
 
 
 def test_batched_compaction_packs_every_cache_and_layer_at_once():
@@ -138,7 +168,7 @@ def test_batched_compaction_packs_every_cache_and_layer_at_once():
     shared = int(caches[1].table[1, 0])
     kept = {0: ([1, 5, 6, 11], [0, 3, 4, 9, 10]), 1: ([2, 3], [1, 7, 8])}  # cache 2: no hole
     for i, (k0, k1) in kept.items():
-        apply_eviction(caches[i], {0: torch.tensor([p for p in range(12) if p not in k0]),
+        evict_positions(caches[i], {0: torch.tensor([p for p in range(12) if p not in k0]),
                                    1: torch.tensor([p for p in range(12) if p not in k1])})
     before = [_kv_by_position(c, layer) for c in caches for layer in range(2)]
     blocks = [c.num_blocks for c in caches]

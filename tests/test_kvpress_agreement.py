@@ -23,11 +23,12 @@ import torch
 
 from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
-from policies.base import LayerView, StepView, head_mean
+from policies.base import head_mean
 from policies.norms import keydiff_scores, knorm_scores
 from policies.rows import RowsView
 from policies.snapkv import pool_scores
 from scheduler.engine_core import EngineConfig, EngineCore
+from tests.policy_views import LayersView, LayerView
 
 REFERENCE = Path(__file__).parent / "data" / "kvpress_demo.pt"
 
@@ -38,11 +39,11 @@ def ref() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.Tensor]]]:
+def ours(ref: dict[str, Any]) -> dict[str, tuple[LayersView, dict[int, torch.Tensor]]]:
     return run_ours(ref)
 
 
-def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.Tensor]]]:
+def run_ours(ref: dict[str, Any]) -> dict[str, tuple[LayersView, dict[int, torch.Tensor]]]:
     """Per policy: what its `select` saw when the prompt completed (as one request's
     per-layer view) and its plan."""
     n = len(ref["prompt"])
@@ -58,7 +59,7 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.T
     }
     core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=1024,
                                    enable_prefix_caching=False))
-    seen: dict[str, tuple[StepView, dict[int, torch.Tensor]]] = {}
+    seen: dict[str, tuple[LayersView, dict[int, torch.Tensor]]] = {}
     patched: dict[type, Any] = {}
     for name, cfg in configs.items():
         core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2), kv_policy=cfg)
@@ -84,7 +85,7 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[StepView, dict[int, torch.T
     return seen
 
 
-def _as_step(view: RowsView, drop: torch.Tensor | None) -> tuple[StepView, dict[int, torch.Tensor]]:
+def _as_step(view: RowsView, drop: torch.Tensor | None) -> tuple[LayersView, dict[int, torch.Tensor]]:
     """One request's rows (a group of one: every policy here has its own) as the
     per-layer view and plan {layer: dropped positions}."""
     assert view.num_requests == 1
@@ -99,12 +100,12 @@ def _as_step(view: RowsView, drop: torch.Tensor | None) -> tuple[StepView, dict[
             keys=None if view.keys is None else view.keys[layer][live]))
         if drop is not None and bool(drop[layer].any()):
             plan[layer] = view.positions[layer][drop[layer]]
-    return StepView(seq_len=view.seq_len[0], prompt_len=view.prompt_len[0],
+    return LayersView(seq_len=view.seq_len[0], prompt_len=view.prompt_len[0],
                     num_new=view.num_new, prefill_done=view.prefill_done[0],
                     block_size=view.block_size, layers=layers), plan
 
 
-def _kept(view: StepView, plan: dict[int, torch.Tensor], layer: int) -> set[int]:
+def _kept(view: LayersView, plan: dict[int, torch.Tensor], layer: int) -> set[int]:
     pos = view.layers[layer].positions
     drop = plan.get(layer, pos[:0])
     return set(pos[~torch.isin(pos, drop)].tolist())

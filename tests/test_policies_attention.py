@@ -4,9 +4,18 @@ TOVAPress reconstructed here)."""
 import pytest
 import torch
 
-from policies.base import LayerView, head_mean
+from policies.base import head_mean
 from policies.catalog import build_policy
-from tests.policy_views import Sim, arange, causal_probs, group_sum, run_step, slot_state, view
+from tests.policy_views import (
+    LayerView,
+    Sim,
+    arange,
+    causal_probs,
+    group_sum,
+    run_step,
+    slot_state,
+    view,
+)
 
 
 def lv(positions, rows):

@@ -9,6 +9,7 @@ import torch
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
+from kvpool.tables import SlotTables
 from scheduler import policy_runner
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -91,41 +92,52 @@ def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypat
         "h2o", "tova", "knorm", "keydiff", "lazy_eviction", "streaming"}, batched
 
 
-def _cache(num_layers: int = 3, n: int = 30) -> SeqCache:
-    c = SeqCache(BlockPool(64, BS, 2, 8), num_layers)
+def _cache(tables: SlotTables, pool: BlockPool, n: int = 30) -> SeqCache:
+    c = SeqCache(pool, tables.num_layers, tables=tables)
     c.append(torch.arange(n))
     return c
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_evict_slots_equals_evict_mask(seed):
-    """Dropping d logical slots per layer by index leaves the cache exactly as the mask
-    path does: slot positions, tables, sizes, freed blocks (tail block kept)."""
+@pytest.mark.parametrize("seed", range(4))
+def test_evict_mask_of_many_caches_equals_one_at_a_time(seed):
+    """`SlotTables.evict_mask` over several caches of one table leaves each exactly as
+    evicting it alone does: slot positions, tables, sizes, flags, freed blocks (the
+    tail block kept while it takes appends)."""
     g = torch.Generator().manual_seed(seed)
-    a, b = _cache(), _cache()
+    pools = [BlockPool(200, BS, 2, 8) for _ in range(2)]
+    tables = [SlotTables(3, BS) for _ in range(2)]
+    group = [_cache(tables[0], pools[0], 20 + 5 * i) for i in range(3)]
+    alone = [_cache(tables[1], pools[1], 20 + 5 * i) for i in range(3)]
     for _ in range(4):
-        live = a.slot_pos >= 0
-        d = int(torch.randint(1, 4, (), generator=g))
-        rows = []
-        for layer in range(a.num_layers):
-            idx = live[layer].nonzero().squeeze(1)
-            rows.append(idx[torch.randperm(idx.numel(), generator=g)[:d]].sort().values)
-        slots = torch.stack(rows)
-        mask = torch.zeros_like(b.slot_pos, dtype=torch.bool).scatter_(1, slots, True)
-        assert a.evict_slots(slots) == b.evict_mask(mask)
-        assert torch.equal(a.slot_pos, b.slot_pos) and torch.equal(a.table, b.table)
-        assert (a.nblocks, a.next_slot, a.live) == (b.nblocks, b.next_slot, b.live)
-        assert (a.uniform, a.alike) == (b.uniform, b.alike) == (False, False)
-        assert a.pool.num_free == b.pool.num_free
-    assert a.evict_slots(torch.empty(a.num_layers, 0, dtype=torch.int64)) == 0
+        width = max(max(c.nblocks) for c in group) * BS
+        dead = torch.rand((3, 3, width), generator=g) < 0.15
+        if seed % 2:  # the same slots in every layer: the caches stay alike
+            dead = dead[:, :1].expand(-1, 3, -1).contiguous()
+        got = tables[0].evict_mask(pools[0], group, dead)
+        want = []
+        for c, d in zip(alone, dead):
+            before = c.live
+            freed = c.evict_mask(d)
+            want.append((before - c.live, freed))
+        assert got == want
+        for a, b in zip(group, alone):
+            assert torch.equal(a.slot_pos, b.slot_pos) and torch.equal(a.table, b.table)
+            assert (a.nblocks, a.next_slot, a.layer_live) == (b.nblocks, b.next_slot, b.layer_live)
+            assert (a.uniform, a.alike) == (b.uniform, b.alike)
+        assert pools[0].num_free == pools[1].num_free
+    assert group[0].alike == bool(seed % 2)
 
 
-def test_evict_slots_frees_a_block_emptied_by_the_drop():
-    c = _cache(num_layers=2, n=12)
+def test_evict_mask_frees_a_block_emptied_by_the_drop():
+    c = _cache(SlotTables(2, BS), BlockPool(64, BS, 2, 8), n=12)
     before = c.pool.num_free
-    # Slot 0 of each layer, then the rest of block 0 of layer 0 only.
-    assert c.evict_slots(torch.tensor([[0], [0]])) == 0
-    assert c.evict_slots(torch.tensor([[1, 2, 3], [4, 5, 6]])) == 1
+    dead = torch.zeros(2, 12, dtype=torch.bool)
+    dead[:, 0] = True  # slot 0 of each layer: no block empties
+    assert c.evict_mask(dead) == 0
+    dead[:] = False
+    dead[0, 1:4] = True  # the rest of block 0 of layer 0 only
+    dead[1, 4:7] = True
+    assert c.evict_mask(dead) == 1
     assert c.nblocks == [2, 3] and c.pool.num_free == before + 1
     assert c.slot_pos[0, :8].tolist() == list(range(4, 12))
 

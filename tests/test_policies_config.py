@@ -3,11 +3,11 @@ paper defaults, validated ranges, and errors that name the offending field."""
 
 import pytest
 
-from policies.base import LayerView, resolve_budget
+from policies.base import resolve_budget
 from policies.catalog import CATALOG, build_policy
 from policies.config import KVPolicyError, known_policies, parse_kv_policy
 from policies.full import FullPolicy
-from tests.policy_views import arange, run_step, view
+from tests.policy_views import LayerView, arange, run_step, view
 
 ALL = ["full", "streaming", "lazy_streaming", "paged_eviction", "knorm", "keydiff", "h2o",
        "tova", "snapkv", "pyramid", "lazy_eviction"]

@@ -149,7 +149,6 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
     a batch of requests, so a wrong slot or a stale score shows up here as a kept token
     with a larger norm than a dropped one."""
     from policies.base import Needs
-    from scheduler.eviction import gather_stats
 
     llm = LLM(model, num_blocks=600, block_size=BS, batch_policies=batched)
     eng, window = llm.engine, 4
@@ -167,7 +166,7 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
                 idx = (sp[layer] >= 0).nonzero().squeeze(1)
                 pos = sp[layer, idx].tolist()
                 phys = r.cache.table[layer, idx // BS] * BS + idx % BS
-                k = gather_stats(eng.pool, phys, Needs(key_norm=True))["key_norm"].mean(dim=-1).tolist()
+                k = eng.pool.gather_stats(phys, key_norm=True)["key_norm"].mean(dim=-1).tolist()
                 norm.update({(r.request_id, layer, p): x for p, x in zip(pos, k)})
                 before = seen.get((r.request_id, layer), set())
                 seen[(r.request_id, layer)] = set(pos)

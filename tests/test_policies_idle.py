@@ -1,19 +1,20 @@
-"""The per-step fast paths of policy evaluation give exactly the plans of the slow ones.
+"""The per-step shortcuts of policy evaluation give exactly the plans of the long way.
 
-`Policy.idle` lets the engine skip building a view; `fill_view` shares one positions
-tensor between identical layers and gathers every layer's statistics in one op;
-`evict_except_rows` selects for all layers at once. None may change a kept set.
+`Policy.idle` lets the engine skip a request whose policy has nothing to do; the
+group's `RowsView` gathers every row's statistics in one op each instead of per layer.
+Neither may change a kept set.
 """
 
 import pytest
 import torch
 
+from engine.runner import AttentionMass
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
-from policies.base import LayerView, Needs, StepView, edge_mask, evict_except, evict_except_rows
+from policies.base import Needs
 from policies.catalog import build_policy
-from scheduler.eviction import apply_eviction, build_view
-from tests.policy_views import Sim, run_step
+from scheduler.policy_rows import Member, build_view, carry_out
+from tests.policy_views import LayerView, Sim, evict_positions
 
 IDLE_POLICIES = [
     {"name": "streaming", "sink": 2, "window": 20},
@@ -26,36 +27,16 @@ IDLE_POLICIES = [
 ]
 
 
-class Skipping:
-    """A policy that the engine would skip whenever `idle` says so."""
-
-    def __init__(self, policy) -> None:
-        self.policy, self.skipped = policy, 0
-
-    @property
-    def needs(self) -> Needs:
-        return self.policy.needs
-
-    def step(self, view: StepView) -> dict:
-        header = StepView(seq_len=view.seq_len, prompt_len=view.prompt_len,
-                          num_new=view.num_new, prefill_done=view.prefill_done,
-                          block_size=view.block_size, lengths=list(view.lengths))
-        if self.policy.idle(header):
-            self.skipped += 1
-            return {}
-        return run_step(self.policy, view)
-
-
 @pytest.mark.parametrize("cfg", IDLE_POLICIES, ids=lambda c: c["name"])
 def test_idle_skips_only_steps_that_plan_nothing(cfg):
-    ref, fast = Sim(build_policy(cfg), seed=3), Sim(Skipping(build_policy(cfg)), seed=3)
+    ref, fast = Sim(build_policy(cfg), seed=3), Sim(build_policy(cfg), seed=3, skip_idle=True)
     prompt = 30
     chunks = [8, 8, 8, 6] + [1] * 60  # chunked prefill, then decode
     for n in chunks:
         assert {k: v.tolist() for k, v in ref.step(n, prompt).items()} == \
             {k: v.tolist() for k, v in fast.step(n, prompt).items()}
     assert ref.counts() == fast.counts()
-    assert fast.policy.skipped > 0
+    assert fast.skipped > 0
 
 
 def _cache(plans: list[dict[int, list[int]]], layers: int = 3, n: int = 40) -> SeqCache:
@@ -64,11 +45,11 @@ def _cache(plans: list[dict[int, list[int]]], layers: int = 3, n: int = 40) -> S
     c = SeqCache(pool, layers)
     c.append(torch.arange(n))
     for plan in plans:
-        apply_eviction(c, {k: torch.tensor(v) for k, v in plan.items()})
+        evict_positions(c, {k: torch.tensor(v) for k, v in plan.items()})
     return c
 
 
-def _slow_view(c: SeqCache, attention: list[torch.Tensor]) -> list[LayerView]:
+def _slow_view(c: SeqCache, attention: torch.Tensor) -> list[LayerView]:
     """The per-layer reference: one nonzero and one gather per layer."""
     k_flat = c.pool.k_cache.view(-1, 2, 8)
     v_flat = c.pool.v_cache.view(-1, 2, 8)
@@ -83,69 +64,43 @@ def _slow_view(c: SeqCache, attention: list[torch.Tensor]) -> list[LayerView]:
     return out
 
 
+class _Needing:
+    """A stand-in policy that needs every statistic (build_view reads only `needs`)."""
+
+    needs = Needs(attention=True, key_norm=True, value_norm=True, keys=True)
+
+
 @pytest.mark.parametrize("plans", [
     [],  # uniform
     [{0: [1, 2, 9], 1: [1, 2, 9], 2: [1, 2, 9]}],  # identical per layer
     [{0: [0, 5, 6, 7], 1: [3, 4, 8, 30], 2: [10, 11, 12, 13]}],  # diverged, same count
     [{0: [0, 5], 1: list(range(4, 12)), 2: [39]}],  # different counts, a freed block
 ])
-def test_fill_view_matches_per_layer_reference(plans):
+def test_rows_view_matches_per_layer_reference(plans):
+    """The group's view (one gather per statistic for every row) holds, at each row's
+    live slots, what a per-layer gather reads; dead slots are -1 positions."""
     c = _cache(plans)
-    width = max(c.next_slot)
-    att = [torch.rand(2, 2, width) for _ in range(c.num_layers)]
-    view = build_view(c, Needs(attention=True, key_norm=True, value_norm=True, keys=True),
-                      att, 40, 30, 2, False)
-    for got, want in zip(view.layers, _slow_view(c, att)):
-        for name in ("positions", "attention", "key_norm", "value_norm", "keys"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), name
-    for name in ("positions", "key_norm", "keys", "attention"):
-        stacked = view.stacked(name)
-        if len(set(view.lengths)) == 1:
-            assert torch.equal(stacked, torch.stack([getattr(lv, name) for lv in view.layers]))
-        else:
-            assert stacked is None
+    width = max(c.nblocks) * c.bs
+    att = torch.rand(c.num_layers, 1, 2, 2, width)  # [L, B, Tq, Hkv, S], one request
+    member = Member(c, _Needing(), 40, 30, 2, False, AttentionMass(att, 0, 2))
+    view = build_view([member])
+    assert view.lengths == c.layer_live
+    for layer, want in enumerate(_slow_view(c, att[:, 0])):
+        live = view.positions[layer] >= 0
+        assert torch.equal(view.positions[layer][live], want.positions)
+        assert torch.equal(view.attention[layer][..., live], want.attention)
+        for name in ("key_norm", "value_norm", "keys"):
+            assert torch.equal(getattr(view, name)[layer][live], getattr(want, name)), name
 
 
-def test_identical_layers_share_positions_and_plans():
+def test_identical_layers_drop_identical_slots_and_stay_alike():
     c = _cache([{0: [1, 2], 1: [1, 2], 2: [1, 2]}])
+    assert c.alike
     policy = build_policy({"name": "streaming", "sink": 2, "window": 20})
-    view = build_view(c, policy.needs, None, 40, 30, 1, False)
-    assert all(lv.positions is view.layers[0].positions for lv in view.layers)
-    plan = run_step(policy, view)
-    assert all(torch.equal(p, plan[0]) for p in plan.values())
-    assert plan[0].tolist() == list(range(4, 20))  # keeps 0, 3 and 20..39
+    view = build_view([Member(c, policy, 40, 30, 1, False, None)])
+    drop = type(policy).select([policy], view)
+    assert drop is not None and torch.equal(drop, drop[:1].expand_as(drop))
+    assert view.positions[0][drop[0]].tolist() == list(range(4, 20))  # keeps 0, 3, 20..39
     before = c.live
-    apply_eviction(c, plan)
-    assert c.live == before - 3 * 16
-
-
-@pytest.mark.parametrize("last", [0, 1, 5])
-def test_rows_selection_equals_per_layer_selection(last):
-    g = torch.Generator().manual_seed(last)
-    scores = torch.randint(0, 6, (4, 50), generator=g).float()  # many ties
-    pos = torch.sort(torch.randperm(200, generator=g)[:200].view(4, 50), dim=1).values
-    for keep in (last, last + 1, 20, 49):
-        if keep < 1:
-            continue
-        rows = evict_except_rows(scores, pos, keep, last)
-        for layer in range(4):
-            want = evict_except(scores[layer], pos[layer], keep, edge_mask(50, 0, last))
-            assert torch.equal(rows[layer], want)
-
-
-@pytest.mark.parametrize("plan", [
-    {0: [7], 1: [7], 2: [7]},  # identical, tiny: compared directly
-    {0: list(range(3, 20)), 1: list(range(3, 20)), 2: list(range(3, 20))},  # identical: isin
-    {2: [5], 0: [9], 1: [30]},  # one per layer, out of order: compared directly
-    {0: [1, 2, 3], 2: [4]},  # ragged: (layer, position) keys
-])
-def test_apply_eviction_fast_paths_drop_exactly_the_plan(plan):
-    c = _cache([{0: [0], 1: [1], 2: [2]}])
-    want = [sorted(set(c.slot_pos[layer][c.slot_pos[layer] >= 0].tolist()) - set(plan.get(layer, [])))
-            for layer in range(3)]
-    applied = apply_eviction(c, {k: torch.tensor(v) for k, v in plan.items()})
-    got = [c.slot_pos[layer][c.slot_pos[layer] >= 0].tolist() for layer in range(3)]
-    assert got == want
-    assert applied.evicted_slots == sum(len(v) for v in plan.values())
-
-
+    evicted, _ = carry_out([c], drop.view(1, c.num_layers, -1), [False], [None])[0]
+    assert evicted == 3 * 16 and c.live == before - 3 * 16 and c.alike

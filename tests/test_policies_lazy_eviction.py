@@ -6,10 +6,9 @@ import math
 import pytest
 import torch
 
-from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.lazy_eviction import importance
-from tests.policy_views import Sim, arange, run_step, slot_state, view
+from tests.policy_views import LayerView, Sim, arange, run_step, slot_state, view
 
 
 def sig(x):

@@ -5,9 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from policies.base import LayerView
 from policies.catalog import build_policy
-from tests.policy_views import Sim, arange, run_step, view
+from tests.policy_views import LayerView, Sim, arange, run_step, view
 
 
 def kvpress_knorm(keys_bhnd: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,9 @@ prompt, then whole-block drops only when the newest block fills and n > budget."
 
 import torch
 
-from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.paged_eviction import token_scores
-from tests.policy_views import arange, run_step, view
+from tests.policy_views import LayerView, arange, run_step, view
 
 BS = 4
 

@@ -7,10 +7,18 @@ import itertools
 import pytest
 import torch
 
-from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.pyramid import layer_budgets
-from tests.policy_views import Sim, arange, causal_probs, group_sum, run_step, slot_state, view
+from tests.policy_views import (
+    LayerView,
+    Sim,
+    arange,
+    causal_probs,
+    group_sum,
+    run_step,
+    slot_state,
+    view,
+)
 
 
 def kvpress_layer_budget(q_len, ratio, window, beta, num_layers, layer):

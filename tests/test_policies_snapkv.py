@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.snapkv import pool_scores
-from tests.policy_views import arange, causal_probs, group_sum, run_step, view
+from tests.policy_views import LayerView, arange, causal_probs, group_sum, run_step, view
 
 
 def test_pool_scores_avg_counts_zero_padding_and_max():

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from policies.base import LayerView
 from policies.catalog import build_policy
 from policies.streaming import lazy_target
-from tests.policy_views import Sim, arange, run_step, view
+from tests.policy_views import LayerView, Sim, arange, run_step, view
 
 
 def kept(plan_layer: torch.Tensor | None, positions: torch.Tensor) -> list[int]:

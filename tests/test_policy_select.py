@@ -18,9 +18,9 @@ def _reference(positions, scores, drop, first, last):
         if drop[i] == 0 or cand.numel() == 0:
             continue
         # NaN above every number, then stable: ties keep the earlier slot
-        key = torch.where(torch.isnan(scores[i, cand]), torch.tensor(float("inf")), scores[i, cand])
-        nan = torch.isnan(scores[i, cand])
-        order = sorted(range(cand.numel()), key=lambda j: (not nan[j], -key[j].item() if not nan[j] else 0, j))
+        vals = scores[i, cand].tolist()
+        order = sorted(range(cand.numel()),
+                       key=lambda j: (vals[j] == vals[j], -vals[j] if vals[j] == vals[j] else 0, j))
         for j in order[cand.numel() - min(drop[i], cand.numel()):]:
             out[i, cand[j]] = True
     return out
@@ -33,6 +33,9 @@ def _case(seed: int, n: int = 12, w: int = 96):
     scores = torch.randint(0, 5, (n, w), generator=g).float()  # many ties
     if seed % 2:
         scores[torch.rand(n, w, generator=g) < 0.05] = float("nan")
+    if seed % 4 == 2:  # infinities, tying with the torch form's mask
+        scores[torch.rand(n, w, generator=g) < 0.1] = float("inf")
+        scores[torch.rand(n, w, generator=g) < 0.05] = -float("inf")
     first = torch.randint(0, 4, (n,), generator=g).tolist()
     last = torch.randint(0, 6, (n,), generator=g).tolist()
     live = (positions >= 0).sum(dim=1).tolist()

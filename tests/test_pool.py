@@ -153,12 +153,12 @@ def test_append_decode_after_alike_eviction_matches_append() -> None:
 
 def test_alike_flag_tracks_layers_evicted_the_same() -> None:
     """`alike` (every layer holds the same positions in the same slots) survives only
-    evictions the caller declares identical per layer, and the blocks they free."""
+    evictions identical in every layer, and the blocks they free."""
     pool = BlockPool(400, 4, 2, 8)
     c = SeqCache(pool, 3)
     c.append(torch.arange(12))
     dead = torch.isin(c.slot_pos, torch.arange(0, 4)).logical_or_(c.slot_pos == 9)
-    assert c.evict_mask(dead, alike=True) == 3  # block 0 of every layer freed
+    assert c.evict_mask(dead) == 3  # block 0 of every layer freed
     assert c.alike and not c.uniform
     assert bool((c.slot_pos == c.slot_pos[:1]).all())
     c.evict(2, torch.tensor([0]))  # one layer alone

@@ -41,33 +41,38 @@ constexpr int64_t kSmall = 16;
 void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, int64_t last,
                 int64_t d, bool* out) {
   if (d <= 0) return;
-  int64_t n = 0;
-  for (int64_t j = 0; j < w; ++j) n += pos[j] >= 0;
-  const int64_t lo = first, hi = n - last;  // candidates: live ranks in [lo, hi)
-  if (hi <= lo) return;
-  d = std::min(d, hi - lo);
+  // The candidates lie between the first `first` live slots and the last `last` ones:
+  // find both edges by walking in from each end (a few slots), then read the middle once.
+  int64_t a = 0, b = w;
+  for (int64_t k = 0; a < w && k < first; ++a) k += pos[a] >= 0;
+  for (int64_t k = 0; b > a && k < last; --b) k += pos[b - 1] >= 0;
+  if (b <= a) return;
   std::vector<Key> buf;
+  if (d == 1) {  // decode at the budget: one scan for the first key in drop order
+    Key best{0.0f, true, -1};
+    for (int64_t j = a; j < b; ++j) {
+      if (pos[j] < 0) continue;
+      const Key k{s[j], std::isnan(s[j]), j};
+      if (best.slot < 0 || before(k, best)) best = k;
+    }
+    if (best.slot >= 0) out[best.slot] = true;
+    return;
+  }
   if (d <= kSmall) {
     buf.reserve(d + 1);
-    int64_t rank = 0;
-    for (int64_t j = 0; j < w; ++j) {
+    for (int64_t j = a; j < b; ++j) {
       if (pos[j] < 0) continue;
-      const int64_t r = rank++;
-      if (r < lo || r >= hi) continue;
       const Key k{s[j], std::isnan(s[j]), j};
       if ((int64_t)buf.size() == d && !before(k, buf.back())) continue;
-      auto at = std::upper_bound(buf.begin(), buf.end(), k, before);
-      buf.insert(at, k);
+      buf.insert(std::upper_bound(buf.begin(), buf.end(), k, before), k);
       if ((int64_t)buf.size() > d) buf.pop_back();
     }
   } else {
-    buf.reserve(hi - lo);
-    int64_t rank = 0;
-    for (int64_t j = 0; j < w; ++j) {
-      if (pos[j] < 0) continue;
-      const int64_t r = rank++;
-      if (r >= lo && r < hi) buf.push_back(Key{s[j], std::isnan(s[j]), j});
-    }
+    buf.reserve(b - a);
+    for (int64_t j = a; j < b; ++j)
+      if (pos[j] >= 0) buf.push_back(Key{s[j], std::isnan(s[j]), j});
+    d = std::min<int64_t>(d, buf.size());
+    if (d == 0) return;
     std::nth_element(buf.begin(), buf.begin() + (d - 1), buf.end(), before);
     buf.resize(d);
   }
