@@ -40,6 +40,13 @@ if TYPE_CHECKING:
     from kvpool.seq_cache import SeqCache
 
 
+def _over(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> torch.Tensor:
+    """An index (or mask) over slots, extended to a state's trailing dims."""
+    for _ in extra:
+        idx = idx[..., None]
+    return idx.expand(*idx.shape[: idx.dim() - len(extra)], *extra) if expand and extra else idx
+
+
 class SlotTables:
     def __init__(self, num_layers: int, block_size: int, rows: int = 4,
                  width_blocks: int = 4) -> None:
@@ -50,17 +57,21 @@ class SlotTables:
         self.slot_pos = torch.full((num_layers, max(1, rows), max(1, width_blocks) * block_size),
                                    -1, dtype=torch.int64)
         self._free_rows = list(range(self.table.shape[1] - 1, -1, -1))
-        self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs] float32
+        self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
 
-    def declare_state(self, fills: dict[str, float]) -> None:
-        """Keep per-slot state `name` (a new slot starts at its fill) from now on."""
-        for name, fill in fills.items():
+    def declare_state(self, fills: dict[str, float | tuple[float, int]]) -> None:
+        """Keep per-slot state `name` from now on: a new slot starts at its fill; a
+        (fill, k) pair keeps k values per slot ([L, R, S, k], e.g. a window of queries)."""
+        for name, spec in fills.items():
+            fill, k = spec if isinstance(spec, tuple) else (spec, 0)
             if name not in self.state:
-                self.state[name] = torch.full(self.slot_pos.shape, fill, dtype=torch.float32)
+                shape = (*self.slot_pos.shape, k) if k else self.slot_pos.shape
+                self.state[name] = torch.full(shape, fill, dtype=torch.float32)
                 self.fills[name] = fill
-            assert self.fills[name] == fill or (fill != fill and self.fills[name] != self.fills[name]), \
-                f"slot state {name!r} declared with two fills"
+            t = self.state[name]
+            assert (t.dim() == 4 and t.shape[3] == k) or (t.dim() == 3 and not k), \
+                f"slot state {name!r} declared with two shapes"
 
     def fill_state(self, layers: object, rows: object, cols: object) -> None:
         """Set the state of newly appended slots (any index expression into [L, R, S])
@@ -99,7 +110,7 @@ class SlotTables:
         pos[:, :r, : w * self.bs] = self.slot_pos
         self.table, self.slot_pos = table, pos
         for name, old in self.state.items():
-            new = torch.full(pos.shape, self.fills[name], dtype=torch.float32)
+            new = torch.full((*pos.shape, *old.shape[3:]), self.fills[name], dtype=torch.float32)
             new[:, :r, : w * self.bs] = old
             self.state[name] = new
 
@@ -235,9 +246,10 @@ class SlotTables:
         self.table.index_copy_(1, rows, table)
         self.slot_pos.index_copy_(1, rows, pos.view(nl, len(caches), w * bs))
         for t in self.state.values():  # each token's state moves with it
-            st = t.index_select(1, rows).view(nl, len(caches), w, bs)
-            st = st.gather(2, order[..., None].expand(-1, -1, -1, bs))
-            t.index_copy_(1, rows, st.view(nl, len(caches), w * bs))
+            extra = t.shape[3:]
+            st = t.index_select(1, rows).view(nl, len(caches), w, bs, *extra)
+            st = st.gather(2, _over(order[..., None].expand(-1, -1, -1, bs), extra))
+            t.index_copy_(1, rows, st.view(nl, len(caches), w * bs, *extra))
         for c, per_layer in zip(caches, counts):
             c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
             c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
@@ -293,8 +305,11 @@ class SlotTables:
         self.table.index_copy_(1, rows, table.masked_fill(gone, -1))
         self.slot_pos.index_copy_(1, rows, sp)
         for t in self.state.values():  # each token's state moves with it
+            extra = t.shape[3:]
             st = t.index_select(1, rows)
-            t.index_copy_(1, rows, torch.where(hole[..., None], st.gather(2, order), st))
+            moved_st = st.gather(2, _over(order, extra))
+            t.index_copy_(1, rows, torch.where(_over(hole[..., None], extra, expand=False),
+                                               moved_st, st))
         freed = []
         for c, h, nb, k, size in zip(caches, counts, want.t().tolist(), n.t().tolist(),
                                      [c.nblocks for c in caches]):

@@ -81,9 +81,9 @@ class PyramidPolicy:
     over all heads, optionally avg-pooled (`kernel_size`) over neighbours in kept order.
 
     How it runs (`select`, every request of a group at once): the window is per-slot
-    state, `obs_window` values per token (`state`: `pyramid_w0` the oldest query of the
-    window .. `pyramid_w{α-1}` the newest; a new token starts at 0, which is exact since
-    no earlier query sees it). Each step shifts its window queries in (queries at or past
+    state, `obs_window` values per token (`state`: `pyramid_window<α>`, [.., α] per
+    slot, the oldest query of the window first; a new token starts at 0, which is exact
+    since no earlier query sees it). Each step shifts its window queries in (queries at or past
     prompt_len - α; several prompt chunks may fill the window), and layers' different
     budgets are per-row keep counts (row r·L + l keeps layer l's C_l) for one selection
     over all rows, the lambda mask a protected mask over each row's first and last C_sink
@@ -103,12 +103,13 @@ class PyramidPolicy:
     config: PyramidConfig
     name: str = "pyramid"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
-    # Per-slot state (name -> a new slot's value): the window's queries, oldest first.
-    # Per policy rather than per class because its size is the config's obs_window.
-    state: dict[str, float] = field(init=False, repr=False)
+    # Per-slot state (name -> (a new slot's value, values per slot)): the window's
+    # queries, oldest first. Per policy rather than per class: its size is the config's.
+    state: dict[str, tuple[float, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.state = {f"pyramid_w{i}": 0.0 for i in range(self.config.obs_window)}
+        a = self.config.obs_window
+        self.state = {f"pyramid_window{a}": (0.0, a)}
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
@@ -147,11 +148,11 @@ class PyramidPolicy:
         assert view.attention is not None
         a = p.config.obs_window
         k = view.num_new
-        names = list(p.state)
+        (name,) = p.state
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
-        stack = torch.stack([view.state[n] for n in names], dim=2)
+        stack = view.state[name]  # [N, W, α]
         if min(firsts) >= k:  # no window query yet in any row: the state stays 0
             return stack
         kk = min(k, a)  # only the last α queries can stay in the window
@@ -160,9 +161,8 @@ class PyramidPolicy:
             before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
             new = new.masked_fill(before[:, :, None], 0.0)
         window = torch.cat([stack, new.transpose(1, 2)], dim=2)[:, :, -a:]
-        for i, n in enumerate(names):
-            view.state[n].copy_(window[:, :, i])
-        return window
+        stack.copy_(window)
+        return stack
 
     @staticmethod
     def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:

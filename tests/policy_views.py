@@ -69,8 +69,9 @@ def run_step(policy, v: LayersView) -> Eviction:
     fills = getattr(policy, "state", {})
     # per layer (positions, {state name: values}), as the tables would hold them
     held = policy.__dict__.setdefault("_slot_state", {})
-    for name, fill in fills.items():  # each token's state, as the tables keep it
-        rows = torch.full((nl, width), fill, dtype=torch.float32)
+    for name, spec in fills.items():  # each token's state, as the tables keep it
+        fill, k = spec if isinstance(spec, tuple) else (spec, 0)
+        rows = torch.full((nl, width, k) if k else (nl, width), fill, dtype=torch.float32)
         for layer, lv in enumerate(layers):
             old_pos, old = held.get(layer, (torch.empty(0, dtype=torch.int64), {}))
             if name in old and old_pos.numel():

@@ -130,12 +130,17 @@ def test_slot_state_moves_with_its_token():
     when survivors are compacted, and a new slot starts at the state's fill."""
     _, c = _filled(num_layers=2)
     tables = c.tables
-    tables.declare_state({"score": -1.0})
+    tables.declare_state({"score": -1.0, "window": (-2.0, 3)})  # a value, and 3 per slot
     score = tables.state["score"][:, c.row]
     score[:, :12] = torch.arange(12, dtype=torch.float32) * 10  # score = 10 * position
+    tables.state["window"][:, c.row, :12] = score[:, :12, None] + torch.arange(3.0)
 
     def by_position(layer: int) -> dict[int, float]:
         live = c.slot_pos[layer] >= 0
+        window = tables.state["window"][layer, c.row][live]
+        score = tables.state["score"][layer, c.row][live]
+        old = score >= 0  # the tokens written above: their 3 values moved with them
+        assert torch.equal(window[old], score[old][:, None] + torch.arange(3.0))
         return dict(zip(c.slot_pos[layer][live].tolist(),
                         tables.state["score"][layer, c.row][live].tolist()))
 
@@ -146,6 +151,7 @@ def test_slot_state_moves_with_its_token():
         assert by_position(layer) == {p: 10.0 * p for p in range(12) if p not in gone}
     c.append(torch.tensor([12]))
     assert by_position(0)[12] == -1.0 and by_position(1)[12] == -1.0
+    assert tables.state["window"][0, c.row][c.slot_pos[0] == 12].tolist() == [[-2.0] * 3]
 
 
 def test_batched_compaction_packs_every_cache_and_layer_at_once():

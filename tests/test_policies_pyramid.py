@@ -126,9 +126,11 @@ def test_decode_keeps_layer_budgets_with_a_sliding_window():
         sim.step(1, prompt_len=120)
         assert sim.counts() == p.budgets(sim.seq_len, 4)
         for i in range(4):  # each kept token's window: the last 8 queries' mass
-            held = [slot_state(p, i, name) for name in p.state]
-            assert len(held) == 8 and all(pos.tolist() == sim.live[i].tolist() for pos, _ in held)
-            assert torch.stack([w for _, w in held], dim=1).shape == (sim.counts()[i], 8)
+            (name,) = p.state
+            pos, window = slot_state(p, i, name)
+            assert pos.tolist() == sim.live[i].tolist()
+            assert window.shape == (sim.counts()[i], 8)
+            assert bool((window[-1, :-1] == 0).all())  # the newest token: one query saw it
         for live, c_l in zip(sim.live, p.budgets(sim.seq_len, 4)):
             edge = c_l // 8
             assert live[:edge].tolist() == list(range(edge))  # sinks stay
