@@ -82,8 +82,11 @@ class Stateless:
     def __init__(self, cfg: dict) -> None:
         self.cfg, self.needs = cfg, build_policy(cfg).needs
 
-    def step(self, v):
-        return run_step(build_policy(self.cfg), v)
+    @staticmethod
+    def select(policies: list, view):
+        fresh = build_policy(policies[0].cfg)
+        view.state["score"] = torch.full(view.positions.shape, float("nan"))
+        return type(fresh).select([fresh], view)
 
 
 @pytest.mark.parametrize("cfg", [{"name": "knorm", "budget": 20, "window": 3},
