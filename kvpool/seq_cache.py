@@ -220,7 +220,7 @@ class SeqCache:
         width = max(self.nblocks, default=0) * self.bs
         if width == 0:
             return 0
-        return self.tables.evict_mask(self.pool, [self], dead[None, :, :width])[0][1]
+        return self.tables.evict_mask(self.pool, [self], dead[:, None, :width])[0][1]
 
     def drop_before(self, layer: int, min_pos: int) -> int:
         """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""

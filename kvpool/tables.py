@@ -182,28 +182,36 @@ class SlotTables:
         return self.table[lay, row_t, idx // bs] * bs + idx % bs
 
     # ---- what eviction changes -------------------------------------------------------
-    def evict_mask(self, pool: BlockPool, caches: list[SeqCache],
-                   dead: torch.Tensor) -> list[tuple[int, int]]:
-        """Mark the slots where `dead` [R, L, W] is True dead (W a multiple of the block
+    def evict_mask(self, pool: BlockPool, caches: list[SeqCache], dead: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> list[tuple[int, int]]:
+        """Mark the slots where `dead` [L, R, W] is True dead (W a multiple of the block
         size, at least every cache's held width) and free the blocks that leaves without
         a live slot; per cache (slots evicted over all layers, blocks freed). The one
-        way a policy's plan reaches the pool: a fixed number of ops for any batch."""
-        r, nl, w = dead.shape
+        way a policy's plan reaches the pool: a fixed number of ops for any batch.
+        `positions`: the caches' `slot_pos[:, rows, :W]` if the caller read it already
+        (it is updated in place)."""
+        nl, r, w = dead.shape
         rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
-        sp = self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
-        d = dead.transpose(0, 1) & (sp >= 0)
+        sp = positions if positions is not None else \
+            self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
+        d = dead & (sp >= 0)
         counts = d.sum(dim=2).t().tolist()  # [R][L]
         if not any(map(any, counts)):
             return [(0, 0)] * r
         sp.masked_fill_(d, -1)
         self.slot_pos[:, :, :w].index_copy_(1, rows, sp)
-        same = (d == d[:1]).all(dim=2).all(dim=0)  # every layer lost the same slots
+        alike = [i for i, c in enumerate(caches) if c.alike]
+        same = [True] * r
+        if alike:  # only an alike cache needs to know: every layer lost the same slots
+            sub = d[:, alike]
+            for i, s in zip(alike, (sub == sub[:1]).all(dim=2).all(dim=0).tolist()):
+                same[i] = s
         shape = (nl, r, w // self.bs, self.bs)
         emptied = (d.view(shape).any(dim=3) & ~(sp.view(shape) >= 0).any(dim=3)).any(dim=2).any(dim=0)
-        for c, k, alike in zip(caches, counts, same.tolist()):
+        for c, k, s in zip(caches, counts, same):
             if any(k):
                 c.layer_live = [x - y for x, y in zip(c.layer_live, k)]
-                c.alike = c.alike and alike
+                c.alike = c.alike and s
                 c.uniform = False
         hit = [i for i, e in enumerate(emptied.tolist()) if e]
         freed = dict(zip(hit, self.free_dead_blocks(pool, [caches[i] for i in hit]))) if hit else {}

@@ -85,7 +85,7 @@ class PyramidPolicy:
     slot, the oldest query of the window first; a new token starts at 0, which is exact
     since no earlier query sees it). Each step shifts its window queries in (queries at or past
     prompt_len - α; several prompt chunks may fill the window), and layers' different
-    budgets are per-row keep counts (row r·L + l keeps layer l's C_l) for one selection
+    budgets are per-row keep counts (request r's row of layer l keeps C_l) for one selection
     over all rows, the lambda mask a protected mask over each row's first and last C_sink
     live slots.
 
@@ -122,18 +122,18 @@ class PyramidPolicy:
         c = p.config
         assert view.attention is not None
         window = PyramidPolicy._shift_window(p, view)
-        keep, edges = [], []
+        keep, edges = [], []  # per request, per layer
         nl = view.num_layers
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
                                              view.prefill_done)):
-            lengths = view.lengths[r * nl:(r + 1) * nl]
             if done or s > pl:  # the prompt is complete: every layer to its budget
                 budgets = p.budgets(s, nl)
-                keep += budgets
-                edges += [int(b // (2 * c.omega)) for b in budgets]
+                keep.append(budgets)
+                edges.append([int(b // (2 * c.omega)) for b in budgets])
             else:
-                keep += lengths
-                edges += [0] * nl
+                keep.append(view.lengths[view.rows_of(r)])
+                edges.append([0] * nl)
+        keep, edges = view.by_layer(keep), view.by_layer(edges)
         if all(n <= k for n, k in zip(view.lengths, keep)):
             return None
         live = view.live

@@ -1,7 +1,7 @@
 """What a policy sees and returns on the one policy path: a batch of rows.
 
 A step's requests under one policy class and config are handed to the policy together
-(`select`), a single request being a batch of one. Row r·L + l is layer l of request
+(`select`), a single request being a batch of one. Row l·R + r is layer l of request
 r, over that layer's logical slots 0..W-1 in table order — which is position order, so
 "the most recent tokens" are the last live slots and ties that break toward the earlier
 position break toward the lower slot. Rows hold different live counts (a prefill chunk,
@@ -29,6 +29,9 @@ _TOPK_MAX = 64
 
 @dataclass
 class RowsView:
+    """A group's step: row l·R + r is layer l of request r, over its W logical slots
+    (layer-major, the engine's tables' own order, so the view costs no transpose)."""
+
     num_layers: int
     num_new: int  # tokens computed this step per request (queries of `attention`)
     seq_len: list[int]  # per request: tokens processed so far, this step's included
@@ -37,7 +40,7 @@ class RowsView:
     lengths: list[int]  # per row: live slots before the plan (host ints, no sync)
     positions: torch.Tensor  # [N, W] int64: original position per slot, -1 = none
     block_size: int
-    state: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, W] float32 each
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, W(, k)] float32
     # [N, Tq, Hkv, W] float32: this step's queries' probability mass on each slot,
     # summed over the query heads of each kv group (0 on dead slots).
     attention: torch.Tensor | None = None
@@ -61,8 +64,15 @@ class RowsView:
 
     def per_row(self, values: list[int] | list[float] | list[bool]) -> list:
         """Per-request host values repeated for each of its layers' rows."""
-        nl = self.num_layers
-        return [v for v in values for _ in range(nl)]
+        return [v for _ in range(self.num_layers) for v in values]
+
+    def by_layer(self, values: list[list]) -> list:
+        """Per request, per layer host values ([R][L]) as one per row."""
+        return [v[layer] for layer in range(self.num_layers) for v in values]
+
+    def rows_of(self, r: int) -> slice:
+        """Request r's rows (one per layer), as a slice of the row dim."""
+        return slice(r, None, self.num_requests)
 
     def row_tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Per-row host values as an [N, 1] tensor, to broadcast against [N, W]."""

@@ -103,7 +103,7 @@ class SnapKVPolicy:
         tokens, the others only accumulate."""
         if all(p._done for p in policies):
             return None
-        c, nl = policies[0].config, view.num_layers
+        c = policies[0].config
         att = view.attention
         assert att is not None
         tq = att.shape[1]
@@ -128,7 +128,7 @@ class SnapKVPolicy:
             if p._acc is not None:  # earlier chunks' window rows
                 if total is None:
                     total = att.new_zeros((n, hkv, width))
-                total[r * nl:(r + 1) * nl, :, :p._acc.shape[2]] += p._acc
+                total[view.rows_of(r), :, :p._acc.shape[2]] += p._acc
                 p._acc = None
         active = []
         for r, (p, s, prompt, done) in enumerate(zip(policies, view.seq_len, view.prompt_len,
@@ -141,8 +141,8 @@ class SnapKVPolicy:
                 active.append(True)
             else:
                 if seen[r] and total is not None:
-                    live = max(view.lengths[r * nl:(r + 1) * nl])
-                    p._acc = total[r * nl:(r + 1) * nl, :, :live].clone()
+                    live = max(view.lengths[view.rows_of(r)])
+                    p._acc = total[view.rows_of(r), :, :live].clone()
                 active.append(False)
         if not any(active):
             return None

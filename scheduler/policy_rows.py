@@ -2,7 +2,8 @@
 
 A step's requests whose policies are equal (class and config) and computed the same
 number of tokens form a group; the group is read from the shared `SlotTables` as one
-`RowsView` (rows r·L + l over each layer's logical slots, a fixed number of ops
+`RowsView` (rows l·R + r over each layer's logical slots: the tables' own [L, R, ...]
+order, so reading and writing back are views and one copy, a fixed number of ops
 whatever the group's size), the policy class selects for every row at once
 (`select`), its per-slot state goes back to the tables in one copy per name, and the
 drops are carried out for every member at once (`SlotTables.evict_mask`). A request
@@ -59,20 +60,15 @@ def group_key(policy: object, config: Hashable, num_new: int) -> tuple:
     return type(policy), config, num_new, policy.needs  # type: ignore[attr-defined]
 
 
-def _member_major(t: torch.Tensor) -> torch.Tensor:
-    """[L, R, ...] -> [R·L, ...] (row r·L + l)."""
-    return t.transpose(0, 1).reshape(-1, *t.shape[2:])
-
-
-def _layer_major(t: torch.Tensor, nl: int) -> torch.Tensor:
-    """[R·L, ...] -> [L, R, ...]."""
-    return t.view(-1, nl, *t.shape[1:]).transpose(0, 1)
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[L, R, ...] -> [L·R, ...] (row l·R + r): a view, no copy."""
+    return t.reshape(-1, *t.shape[2:])
 
 
 def _attention(members: list[Member], width: int) -> torch.Tensor:
-    """The members' mass [R·L, Tq, Hkv, W]: per runner group (usually one) a row
-    select, sliced or zero-padded to W slots, then joined in member order."""
-    nl, tq = members[0].cache.num_layers, members[0].num_new
+    """The members' mass [L·R, Tq, Hkv, W]: per runner group (usually one) a row
+    select, sliced or zero-padded to W slots, joined in member order."""
+    tq = members[0].num_new
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for i, m in enumerate(members):
         assert m.attention is not None
@@ -83,17 +79,13 @@ def _attention(members: list[Member], width: int) -> torch.Tensor:
     for group, rows, which in groups.values():
         sel = group[:, :, :tq].index_select(1, torch.tensor(rows))  # [L, r, Tq, Hkv, S]
         s = sel.shape[-1]
-        if s >= width:
-            sel = sel[..., :width]
-        else:
-            sel = torch.nn.functional.pad(sel, (0, width - s))
-        parts.append(_member_major(sel))
+        parts.append(sel[..., :width] if s >= width
+                     else torch.nn.functional.pad(sel, (0, width - s)))
         order += which
-    a = torch.cat(parts) if len(parts) > 1 else parts[0]
+    a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # back to member order
-        rank = torch.tensor(order).argsort()
-        a = a.view(len(members), nl, *a.shape[1:]).index_select(0, rank).view(a.shape)
-    return a
+        a = a.index_select(1, torch.tensor(order).argsort())
+    return _rows(a)
 
 
 def build_view(members: list[Member]) -> RowsView:
@@ -110,15 +102,15 @@ def build_view(members: list[Member]) -> RowsView:
         num_layers=nl, num_new=members[0].num_new,
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
-        lengths=[n for m in members for n in m.cache.layer_live],
-        positions=_member_major(tables.slot_pos[:, :, :width].index_select(1, rows)),
+        lengths=[m.cache.layer_live[layer] for layer in range(nl) for m in members],
+        positions=_rows(tables.slot_pos[:, :, :width].index_select(1, rows)),
         block_size=bs)
     for name in getattr(policy, "state", {}):
-        view.state[name] = _member_major(tables.state[name][:, :, :width].index_select(1, rows))
+        view.state[name] = _rows(tables.state[name][:, :, :width].index_select(1, rows))
     if needs.attention:
         view.attention = _attention(members, width)
     if needs.key_norm or needs.keys or needs.value_norm or needs.new_key_norm:
-        table = _member_major(tables.table[:, :, :nb].index_select(1, rows))  # [N, nb]
+        table = _rows(tables.table[:, :, :nb].index_select(1, rows))  # [N, nb]
         pool, n = first.pool, table.shape[0]
         if needs.key_norm or needs.keys or needs.value_norm:
             phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
@@ -127,7 +119,8 @@ def build_view(members: list[Member]) -> RowsView:
                 setattr(view, name, t.view(n, width, *t.shape[1:]))
         if needs.new_key_norm:
             k = view.num_new
-            nxt = torch.tensor([s for m in members for s in m.cache.next_slot])[:, None]
+            nxt = torch.tensor([m.cache.next_slot[layer] for layer in range(nl)
+                                for m in members])[:, None]
             view.new_slots = nxt - k + torch.arange(k)  # [N, k]
             phys = table.gather(1, view.new_slots // bs) * bs + view.new_slots % bs
             norms = pool.gather_stats(phys.view(-1), key_norm=True)["key_norm"]
@@ -145,26 +138,30 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     tables, nl = first.tables, first.num_layers
     rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
     width = view.positions.shape[1]
+    r = len(members)
     for name, t in view.state.items():  # the policy's updates, one copy per name
-        tables.state[name][:, :, :width].index_copy_(1, rows, _layer_major(t, nl))
+        tables.state[name][:, :, :width].index_copy_(1, rows, t.view(nl, r, *t.shape[1:]))
     if drop is None:
-        return [(0, 0)] * len(members)
-    return carry_out([m.cache for m in members], drop.view(len(members), nl, width),
-                     [m.compact for m in members], [m.rotate for m in members])
+        return [(0, 0)] * r
+    return carry_out([m.cache for m in members], drop.view(nl, r, width),
+                     [m.compact for m in members], [m.rotate for m in members],
+                     view.positions.view(nl, r, width))
 
 
 def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
-              rotate: list[Rotate | None]) -> list[tuple[int, int]]:
-    """Drop the slots where `dead` [R, L, W] is True (`SlotTables.evict_mask`: emptied
-    blocks freed at once), then, for the caches that asked, pack the survivors of the
-    layers that lost tokens (`compact`) or re-number them 0..n-1 and re-rotate their
-    keys (`rotate`, RoPE shift); per cache (evicted slots, freed blocks)."""
+              rotate: list[Rotate | None],
+              positions: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    """Drop the slots where `dead` [L, R, W] is True (`SlotTables.evict_mask`: emptied
+    blocks freed at once; `positions` the rows' slot positions if already read), then,
+    for the caches that asked, pack the survivors of the layers that lost tokens
+    (`compact`) or re-number them 0..n-1 and re-rotate their keys (`rotate`, RoPE
+    shift); per cache (evicted slots, freed blocks)."""
     first = caches[0]
-    done = first.tables.evict_mask(first.pool, caches, dead)
+    done = first.tables.evict_mask(first.pool, caches, dead, positions)
     for i, c in enumerate(caches):
         evicted, freed = done[i]
         if evicted and (compact[i] or rotate[i] is not None):
-            layers = [x for x, hit in enumerate(dead[i].any(dim=1).tolist()) if hit]
+            layers = [x for x, hit in enumerate(dead[:, i].any(dim=1).tolist()) if hit]
             if compact[i]:
                 freed += first.tables.compact(c.pool, [c], layers)[0]
             if rotate[i] is not None:

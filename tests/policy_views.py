@@ -201,4 +201,4 @@ def evict_positions(cache, plan: Eviction, compact: bool = False, rotate=None) -
     dead = torch.zeros(pos.shape, dtype=torch.bool)
     for layer, drop in plan.items():
         dead[layer] = torch.isin(pos[layer], drop) & (pos[layer] >= 0)
-    return carry_out([cache], dead[None], [compact], [rotate])[0]
+    return carry_out([cache], dead[:, None], [compact], [rotate])[0]

@@ -110,12 +110,12 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed):
     alone = [_cache(tables[1], pools[1], 20 + 5 * i) for i in range(3)]
     for _ in range(4):
         width = max(max(c.nblocks) for c in group) * BS
-        dead = torch.rand((3, 3, width), generator=g) < 0.15
+        dead = torch.rand((3, 3, width), generator=g) < 0.15  # [L, R, W]
         if seed % 2:  # the same slots in every layer: the caches stay alike
-            dead = dead[:, :1].expand(-1, 3, -1).contiguous()
+            dead = dead[:1].expand(3, -1, -1).contiguous()
         got = tables[0].evict_mask(pools[0], group, dead)
         want = []
-        for c, d in zip(alone, dead):
+        for c, d in zip(alone, dead.unbind(1)):
             before = c.live
             freed = c.evict_mask(d)
             want.append((before - c.live, freed))

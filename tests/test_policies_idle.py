@@ -102,5 +102,5 @@ def test_identical_layers_drop_identical_slots_and_stay_alike():
     assert drop is not None and torch.equal(drop, drop[:1].expand_as(drop))
     assert view.positions[0][drop[0]].tolist() == list(range(4, 20))  # keeps 0, 3, 20..39
     before = c.live
-    evicted, _ = carry_out([c], drop.view(1, c.num_layers, -1), [False], [None])[0]
+    evicted, _ = carry_out([c], drop.view(c.num_layers, 1, -1), [False], [None])[0]
     assert evicted == 3 * 16 and c.live == before - 3 * 16 and c.alike
