@@ -38,6 +38,7 @@ def load_select() -> bool:
                                             ["-O3", "-march=native"])
     return policy_rows.NATIVE["select"]
 
+
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
