@@ -117,3 +117,13 @@ print("triton imported:", sorted(m for m in sys.modules if m.split(".")[0] == "t
     assert p.returncode == 0, p.stderr[-3000:]
     assert "triton imported: []" in p.stdout, p.stdout
     assert "nanobind" not in p.stderr, p.stderr[-3000:]
+
+
+def test_every_cpp_source_is_package_data() -> None:
+    """The C++ ops are built from their sources at run time (kvpool/native.py), so a
+    non-editable install must ship every `<package>/csrc/*.cpp` as package data."""
+    data = _pyproject()["tool"]["setuptools"]["package-data"]
+    sources = {p.parent.parent.name for p in ROOT.glob("*/csrc/*.cpp")}
+    assert sources == {"kvpool", "engine", "policies"}
+    for package in sources:
+        assert "csrc/*.cpp" in data.get(package, []), package
