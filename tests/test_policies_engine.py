@@ -112,6 +112,7 @@ def test_rope_shift_generates_far_past_the_position_limit(tmp_path, name):
     cfg = {"name": name, "sink": 4, "window": 120, "rope": "shift"}
     out = None
     eng = llm.engine
+    layers = eng.model_config.num_layers
     eng.add_request("long", _prompt(0, 50), _greedy(4000), kv_policy=cfg)
     peak_blocks = 0
     n = 0
