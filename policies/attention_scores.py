@@ -67,16 +67,10 @@ class H2OPolicy:
         assert view.attention is not None
         acc = view.state["acc"]
         acc += view.attention.sum(dim=(1, 2))
-        keep, window = [], []
-        for s, p, done in zip(view.seq_len, view.prompt_len, view.prefill_done):
-            budget = resolve_budget(c.budget, s)
-            active = done or s > p
-            keep.append(budget if active else s)
-            window.append(min(c.window, budget))
-        keep, window = view.per_row(keep), view.per_row(window)
-        if all(n <= k for n, k in zip(view.lengths, keep)):
+        keep = view.budgets(c.budget)
+        if view.within(keep):
             return None
-        return keep_highest(view, acc, keep, last=window)
+        return keep_highest(view, acc, keep, last=[min(c.window, k) for k in keep])
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -105,10 +99,8 @@ class TOVAPolicy:
         """The last query's head-mean mass ranks every row; the newest token stays."""
         assert view.attention is not None
         c = policies[0].config
-        keep = view.per_row([resolve_budget(c.budget, s) if done or s > p else s
-                             for s, p, done in zip(view.seq_len, view.prompt_len,
-                                                   view.prefill_done)])
-        if all(n <= k for n, k in zip(view.lengths, keep)):
+        keep = view.budgets(c.budget)
+        if view.within(keep):
             return None
         scores = head_mean(view.attention[:, -1:])[:, 0]
         return keep_highest(view, scores, keep, last=1)

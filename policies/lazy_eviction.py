@@ -103,7 +103,7 @@ class LazyEvictionPolicy:
             keep.append(max(resolve_budget(c.budget, s), c.window) if decide else None)
             t_now.append(t)
         keep = [n if k is None else k for n, k in zip(view.lengths, view.per_row(keep))]
-        if all(n <= k for n, k in zip(view.lengths, keep)):
+        if view.within(keep):
             return None
         t = view.row_tensor(view.per_row(t_now), torch.float64)
         scores = importance(t, ts, mri)

@@ -78,26 +78,16 @@ def keydiff_scores(keys: torch.Tensor, live: torch.Tensor | None = None) -> torc
     return -torch.einsum("...nhd,...hd->...nh", unit, anchor).mean(dim=-1)
 
 
-def _keep(view: RowsView, budget_cfg: int | float, active_only: bool) -> list[int]:
-    """Per row, the tokens to keep: C on the sequence length once the prompt is
-    complete (`active_only`), or C on the whole prompt's length from its first chunk on
-    (`prompt_budget`, bounded prefill); every token before that."""
-    keep = []
-    for s, p, done in zip(view.seq_len, view.prompt_len, view.prefill_done):
-        if active_only:
-            keep.append(resolve_budget(budget_cfg, s) if done or s > p else s)
-        else:
-            keep.append(resolve_budget(budget_cfg, max(s, p)))
-    return view.per_row(keep)
-
-
 def _select(view: RowsView, keep: list[int], window: int,
             scores: torch.Tensor) -> torch.Tensor | None:
     """Drop the lowest `scores` down to keep[i] per row, the recent window protected."""
-    if all(n <= k for n, k in zip(view.lengths, keep)):
+    if view.within(keep):
         return None
     windows = [min(window, k) for k in keep]
     return keep_highest(view, scores, keep, last=windows)
+
+
+_NEW_NORMS = Needs(new_key_norm=True)  # what knorm reads after its first plan
 
 
 @dataclass
@@ -142,8 +132,8 @@ class KnormPolicy:
             assert view.new_key_norm is not None and view.new_slots is not None
             score.scatter_(1, view.new_slots, knorm_scores(view.new_key_norm))
         for p in policies:
-            p.needs = Needs(new_key_norm=True)
-        return _select(view, _keep(view, c.budget, active_only=False), c.window, score)
+            p.needs = _NEW_NORMS
+        return _select(view, view.budgets(c.budget, from_prompt=True), c.window, score)
 
     def idle(self, view: StepView) -> bool:
         """Before the first plan while every layer is within the budget (that plan
@@ -175,8 +165,8 @@ class KeyDiffPolicy:
     @staticmethod
     def select(policies: list[KeyDiffPolicy], view: RowsView) -> torch.Tensor | None:
         c = policies[0].config
-        keep = _keep(view, c.budget, active_only=True)
-        if all(n <= k for n, k in zip(view.lengths, keep)):
+        keep = view.budgets(c.budget)
+        if view.within(keep):
             return None
         assert view.keys is not None
         return _select(view, keep, c.window, keydiff_scores(view.keys, view.live))

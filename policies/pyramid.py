@@ -134,7 +134,7 @@ class PyramidPolicy:
                 keep.append(view.lengths[view.rows_of(r)])
                 edges.append([0] * nl)
         keep, edges = view.by_layer(keep), view.by_layer(edges)
-        if all(n <= k for n, k in zip(view.lengths, keep)):
+        if view.within(keep):
             return None
         live = view.live
         scores = PyramidPolicy._kept_order_pool(window.sum(dim=2).masked_fill(~live, 0.0),

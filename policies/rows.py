@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from policies.base import resolve_budget
+
 # Up to this many drops per row a partial top-k plus a tie count beats a full stable sort
 # (about 10x on a thousand scores); beyond it (a prompt's one big plan) we sort.
 _TOPK_MAX = 64
@@ -74,6 +76,22 @@ class RowsView:
         """Request r's rows (one per layer), as a slice of the row dim."""
         return slice(r, None, self.num_requests)
 
+    def budgets(self, budget: int | float, from_prompt: bool = False) -> list[int]:
+        """Per row, the tokens a budget keeps: C resolved on the sequence length once
+        the prompt is complete and every token before; `from_prompt`: C resolved on
+        the whole prompt's length from its first chunk on (bounded prefill)."""
+        keep = []
+        for s, p, done in zip(self.seq_len, self.prompt_len, self.prefill_done):
+            if from_prompt:
+                keep.append(resolve_budget(budget, max(s, p)))
+            else:
+                keep.append(resolve_budget(budget, s) if done or s > p else s)
+        return self.per_row(keep)
+
+    def within(self, keep: list[int]) -> bool:
+        """Every row holds at most keep[i] live tokens: nothing to drop."""
+        return all(n <= k for n, k in zip(self.lengths, keep))
+
     def row_tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Per-row host values as an [N, 1] tensor, to broadcast against [N, W]."""
         return torch.tensor(values, dtype=dtype)[:, None]
@@ -105,7 +123,8 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     On CPU a C++ op reads each row once (policies/csrc/select_cpu.cpp). The torch form:
     decode drops a token or a few per row, so a top-k finds each row's drop[i]-th lowest
     value t, then every candidate < t and of those == t the last ones; a NaN among the
-    lowest (sort and top-k may order NaN differently), or a large drop, takes the sort."""
+    lowest (sort and top-k may order NaN differently), a threshold at the mask's +inf
+    (NaN candidates to drop) or a large drop takes the sort."""
     n = scores.shape[0]
     dmax = max(drop, default=0)
     if dmax == 0:
