@@ -161,6 +161,21 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     return (rank >= order.shape[1] - d) & cand
 
 
+def drop_earliest(view: RowsView, drop: list[int], first: int = 0) -> torch.Tensor | None:
+    """The drop mask of each row's drop[i] oldest live tokens after its first `first`
+    (the streaming family keeps sinks and the most recent); None when no row drops.
+    On CPU a C++ walk stops at each row's last drop; the torch form is a cumsum."""
+    if not any(drop):
+        return None
+    if NATIVE["select"] and view.positions.device.type == "cpu":
+        n = view.positions.shape[0]
+        return torch.ops.kvserve_policies.drop_earliest(
+            view.positions, _per_row(first, n), torch.tensor(drop, dtype=torch.int64))
+    live = view.live
+    rank = live.cumsum(dim=1)  # 1 on the first live slot
+    return live & (rank > first) & (rank <= view.row_tensor(drop) + first)
+
+
 def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
                  first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The drop mask that leaves keep[i] live tokens in row i: its first `first` and

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from policies.base import Needs, StepView
 from policies.config import ContextDefault, EvictingPolicyConfig
-from policies.rows import RowsView
+from policies.rows import RowsView, drop_earliest
 
 Rope = Literal["original", "shift"]
 _ROPE_HELP = ("'original' keeps each token's position; 'shift' re-numbers the kept tokens "
@@ -64,14 +64,8 @@ class LazyStreamingConfig(EvictingPolicyConfig):
 def drop_middle(view: RowsView, sink: int, keep: list[int]) -> torch.Tensor | None:
     """Per row: keep the first `sink` and the most recent keep[i] - sink live tokens,
     i.e. drop the live tokens of rank sink + 1 .. sink + (n - keep[i]) (rows within
-    keep[i] keep everything); None when no row drops. The counts are host ints, so this
-    is one cumsum and three compares whatever the rows."""
-    drop = [max(0, n - k) for n, k in zip(view.lengths, keep)]
-    if not any(drop):
-        return None
-    live = view.live
-    rank = live.cumsum(dim=1)  # 1 on the first live slot
-    return live & (rank > sink) & (rank <= view.row_tensor(drop) + sink)
+    keep[i] keep everything); None when no row drops. The counts are host ints."""
+    return drop_earliest(view, [max(0, n - k) for n, k in zip(view.lengths, keep)], sink)
 
 
 @dataclass

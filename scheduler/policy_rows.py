@@ -24,6 +24,7 @@ import torch
 from engine.runner import AttentionMass
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
+from kvpool.tables import put_rows, take_rows
 from policies import rows as policy_rows
 from policies.base import Needs
 from policies.rows import RowsView
@@ -78,7 +79,9 @@ def _attention(members: list[Member], width: int) -> torch.Tensor:
         g[2].append(i)
     parts, order = [], []
     for group, rows, which in groups.values():
-        sel = group[:, :, :tq].index_select(1, torch.tensor(rows))  # [L, r, Tq, Hkv, S]
+        lo = rows[0]  # [L, r, Tq, Hkv, S]; a slice when the rows are consecutive
+        sel = (group.narrow(1, lo, len(rows))[:, :, :tq] if rows == list(range(lo, lo + len(rows)))
+               else group[:, :, :tq].index_select(1, torch.tensor(rows)))
         s = sel.shape[-1]
         parts.append(sel[..., :width] if s >= width
                      else torch.nn.functional.pad(sel, (0, width - s)))
@@ -98,20 +101,20 @@ def build_view(members: list[Member]) -> RowsView:
     tables.declare_state(getattr(policy, "state", {}))
     nb = max(max(m.cache.nblocks) for m in members)
     width = nb * bs
-    rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
+    rows = [m.cache.row for m in members]
     view = RowsView(
         num_layers=nl, num_new=members[0].num_new,
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
         lengths=[m.cache.layer_live[layer] for layer in range(nl) for m in members],
-        positions=_rows(tables.slot_pos[:, :, :width].index_select(1, rows)),
+        positions=_rows(take_rows(tables.slot_pos, rows, width)),
         block_size=bs)
     for name in getattr(policy, "state", {}):
-        view.state[name] = _rows(tables.state[name][:, :, :width].index_select(1, rows))
+        view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
         view.attention = _attention(members, width)
     if needs.key_norm or needs.keys or needs.value_norm or needs.new_key_norm:
-        table = _rows(tables.table[:, :, :nb].index_select(1, rows))  # [N, nb]
+        table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]
         pool, n = first.pool, table.shape[0]
         if needs.key_norm or needs.keys or needs.value_norm:
             phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
@@ -137,11 +140,11 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     drop = type(policy).select([m.policy for m in members], view)  # type: ignore[attr-defined]
     first = members[0].cache
     tables, nl = first.tables, first.num_layers
-    rows = torch.tensor([m.cache.row for m in members], dtype=torch.int64)
+    rows = [m.cache.row for m in members]
     width = view.positions.shape[1]
     r = len(members)
     for name, t in view.state.items():  # the policy's updates, one copy per name
-        tables.state[name][:, :, :width].index_copy_(1, rows, t.view(nl, r, *t.shape[1:]))
+        put_rows(tables.state[name], rows, t.view(nl, r, *t.shape[1:]))
     if drop is None:
         return [(0, 0)] * r
     return carry_out([m.cache for m in members], drop.view(nl, r, width),

@@ -63,6 +63,7 @@ class PolicyRunner:
             self._after(r, time.perf_counter() - t)
         for members in groups.values():
             t = time.perf_counter()
+            members.sort(key=lambda rm: rm[1].cache.row)  # consecutive rows read as slices
             done = run_group([m for _, m in members])
             for (r, m), (evicted, freed) in zip(members, done):
                 if m.rotate is not None and evicted:

@@ -2,8 +2,8 @@
 
 Why: `/ready` tells a load balancer to route traffic here, so whatever is still lazy at
 that moment lands on the first client's TTFT. On CPU the lazy part is large: the greedy
-argmax op (`engine/csrc/greedy_cpu.cpp`) and the policies' selection
-(`policies/csrc/select_cpu.cpp`) are built on their first call (~10-25 s on a
+argmax op (`engine/csrc/greedy_cpu.cpp`), the policies' selection
+(`policies/csrc/select_cpu.cpp`) and the tables' marking (`kvpool/csrc/tables_cpu.cpp`) are built on their first call (~10-25 s on a
 machine that has not cached it; a dlopen otherwise), and the first forward pays for
 oneDNN primitive creation, allocator growth and the tokenizer's first decode. On CUDA
 the Triton kernels compile on their first launch for each shape family.
@@ -29,6 +29,7 @@ import torch
 from engine.sampler import greedy_tokens
 from engine.sampling import SamplingParams
 from kvpool.cpu_attention import kernel_available
+from kvpool.tables import load_mark
 from scheduler.outputs import EngineStats
 from scheduler.policy_rows import load_select
 
@@ -52,6 +53,7 @@ def load_native_ops(device: torch.device) -> dict[str, bool]:
         return {}
     greedy_tokens(torch.zeros(1, 2))  # builds/loads kvserve_greedy_cpu on its first call
     return {"paged_decode_cpu": kernel_available(), "select_cpu": load_select(),
+            "tables_cpu": load_mark(),
             "greedy_cpu": hasattr(torch.ops, "kvserve_sampling")
             and hasattr(torch.ops.kvserve_sampling, "greedy")}
 

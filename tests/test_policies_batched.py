@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
+from kvpool import tables as tables_mod
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
@@ -98,11 +99,15 @@ def _cache(tables: SlotTables, pool: BlockPool, n: int = 30) -> SeqCache:
     return c
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_evict_mask_of_many_caches_equals_one_at_a_time(seed):
+def test_evict_mask_of_many_caches_equals_one_at_a_time(seed, native, monkeypatch):
     """`SlotTables.evict_mask` over several caches of one table leaves each exactly as
-    evicting it alone does: slot positions, tables, sizes, flags, freed blocks (the
-    tail block kept while it takes appends)."""
+    evicting it alone (always the torch form) does: slot positions, tables, sizes,
+    flags, freed blocks (the tail block kept while it takes appends). `native`: the
+    group goes through the C++ marking (kvpool/csrc/tables_cpu.cpp)."""
+    if native and not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
     g = torch.Generator().manual_seed(seed)
     pools = [BlockPool(200, BS, 2, 8) for _ in range(2)]
     tables = [SlotTables(3, BS) for _ in range(2)]
@@ -113,7 +118,9 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed):
         dead = torch.rand((3, 3, width), generator=g) < 0.15  # [L, R, W]
         if seed % 2:  # the same slots in every layer: the caches stay alike
             dead = dead[:1].expand(3, -1, -1).contiguous()
+        monkeypatch.setattr(tables_mod, "load_mark", lambda: native)
         got = tables[0].evict_mask(pools[0], group, dead)
+        monkeypatch.setattr(tables_mod, "load_mark", lambda: False)
         want = []
         for c, d in zip(alone, dead.unbind(1)):
             before = c.live

@@ -67,3 +67,26 @@ def test_native_selection_matches_torch(seed, monkeypatch):
     a = rows.drop_lowest(positions, scores, [1] * len(drop), 2, 3)
     monkeypatch.setitem(rows.NATIVE, "select", False)
     assert torch.equal(a, rows.drop_lowest(positions, scores, [1] * len(drop), 2, 3))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_drop_earliest_matches_torch(seed, monkeypatch):
+    """The streaming family's selection: after the first `first` live slots, the drop[i]
+    oldest; rows within their cap (drop 0) and drops beyond a row's live slots too."""
+    if not load_select():
+        pytest.skip("no C++ compiler")
+    positions, _, _, _, _ = _case(seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    drop = torch.randint(0, 90, (positions.shape[0],), generator=g).tolist()
+    drop[0] = 0
+    view = rows.RowsView(num_layers=1, num_new=1, seq_len=[0], prompt_len=[0],
+                         prefill_done=[True], lengths=(positions >= 0).sum(1).tolist(),
+                         positions=positions, block_size=16)
+    first = seed % 5
+    native = rows.drop_earliest(view, drop, first)
+    monkeypatch.setitem(rows.NATIVE, "select", False)
+    torch_form = rows.drop_earliest(view, drop, first)
+    assert torch.equal(native, torch_form)
+    live = (positions >= 0).sum(1)
+    assert native.sum(1).tolist() == [max(0, min(d, n - first)) for d, n in zip(drop, live.tolist())]
+    assert rows.drop_earliest(view, [0] * len(drop), first) is None

@@ -103,10 +103,43 @@ at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
   return out;
 }
 
+// Per row, the drop[i] live slots that follow its first first[i] live ones (the
+// streaming family's middle): a walk from the row's start that stops at its last drop,
+// where the torch form sweeps every row whole with a cumsum and three compares.
+at::Tensor drop_earliest(const at::Tensor& positions, const at::Tensor& first, const at::Tensor& drop) {
+  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
+  const int64_t n = positions.size(0), w = positions.size(1);
+  for (const at::Tensor* t : {&first, &drop})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
+                "first and drop must be [N] int64");
+  const at::Tensor p = positions.contiguous(), f = first.contiguous(), d = drop.contiguous();
+  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t *fp = f.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
+  bool* op = out.data_ptr<bool>();
+  at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t* row = pp + i * w;
+      int64_t skip = fp[i], left = dp[i];
+      for (int64_t j = 0; j < w && left > 0; ++j) {
+        if (row[j] < 0) continue;
+        if (skip > 0) { --skip; continue; }
+        op[i * w + j] = true;
+        --left;
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_policies, m) {
   m.def("select_drop(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop) -> Tensor");
+  m.def("drop_earliest(Tensor positions, Tensor first, Tensor drop) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_policies, CPU, m) { m.impl("select_drop", select_drop); }
+TORCH_LIBRARY_IMPL(kvserve_policies, CPU, m) {
+  m.impl("select_drop", select_drop);
+  m.impl("drop_earliest", drop_earliest);
+}
