@@ -48,16 +48,17 @@ class PolicyRunner:
             t = time.perf_counter()
             first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
             r.prefill_done = r.prefill_done or first_full
-            # sizes only (the live counts are host ints): enough for `idle` to decide
-            header = StepView(seq_len=r.num_computed, prompt_len=len(r.prompt_ids),
-                              num_new=c.num_tokens, prefill_done=first_full,
-                              block_size=r.cache.bs, lengths=list(r.cache.layer_live))
             idle = getattr(r.policy, "idle", None)
-            if idle is None or not idle(header):
+            # sizes only (the live counts are host ints): enough for `idle` to decide
+            if idle is None or not idle(StepView(
+                    seq_len=r.num_computed, prompt_len=len(r.prompt_ids), num_new=c.num_tokens,
+                    prefill_done=first_full, block_size=r.cache.bs, lengths=r.cache.layer_live)):
                 m = Member(r.cache, r.policy, r.num_computed, len(r.prompt_ids), c.num_tokens,
                            first_full, attention.get(i), self.rotate if r.rope_shift else None,
                            getattr(r.kv_policy, "compact", False))
-                key = group_key(r.policy, r.kv_policy, c.num_tokens) if self.batch else (id(r),)
+                if r.policy_key is None:
+                    r.policy_key = r.kv_policy.model_dump_json()  # type: ignore[attr-defined]
+                key = group_key(r.policy, r.policy_key, c.num_tokens) if self.batch else (id(r),)
                 groups.setdefault(key, []).append((r, m))
                 continue
             self._after(r, time.perf_counter() - t)

@@ -48,14 +48,23 @@ void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, in
   for (int64_t k = 0; b > a && k < last; --b) k += pos[b - 1] >= 0;
   if (b <= a) return;
   std::vector<Key> buf;
-  if (d == 1) {  // decode at the budget: one scan for the first key in drop order
-    Key best{0.0f, true, -1};
+  if (d == 1) {  // decode at the budget: the lowest score, then its latest slot
+    // Two passes the compiler vectorises (min, then a search from the end that stops at
+    // once), not one branchy scan. A NaN never compares, so it is taken only when
+    // every candidate is NaN (then the latest one, as `before` orders them).
+    float lo = INFINITY;
     for (int64_t j = a; j < b; ++j) {
-      if (pos[j] < 0) continue;
-      const Key k{s[j], std::isnan(s[j]), j};
-      if (best.slot < 0 || before(k, best)) best = k;
+      const float v = pos[j] >= 0 ? s[j] : INFINITY;
+      lo = v < lo ? v : lo;
     }
-    if (best.slot >= 0) out[best.slot] = true;
+    int64_t at = -1, nan_at = -1;
+    for (int64_t j = b - 1; j >= a && at < 0; --j) {
+      if (pos[j] < 0) continue;
+      if (s[j] == lo) at = j;
+      else if (nan_at < 0 && std::isnan(s[j])) nan_at = j;
+    }
+    if (at < 0) at = nan_at;
+    if (at >= 0) out[at] = true;
     return;
   }
   if (d <= kSmall) {
