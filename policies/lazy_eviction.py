@@ -135,6 +135,10 @@ def _tracked(view: RowsView, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     t = (qpos - prompt + 1).double()[..., None]  # [N, Tq, 1]
     act = (head_mean(view.attention) >= alpha) & (pos.unsqueeze(-2) <= qpos[..., None]) \
         & view.live.unsqueeze(-2)
+    if tq == 1:  # a decode step: one query, no running maximum over queries
+        act, t = act[:, 0], t[:, 0]
+        mri = torch.maximum(mri, torch.where(act, t - ts, 0.0))
+        return torch.where(act, torch.maximum(ts, t), ts), mri
     stamp = torch.where(act, t, torch.full_like(t, -math.inf))  # [N, Tq, W]
     last = torch.cummax(stamp, dim=-2).values  # latest activation up to each row
     first = ts.unsqueeze(-2)
