@@ -274,12 +274,13 @@ class SlotTables:
         """Return every block of `caches` (only `layers`, if given) with no live slot to
         the pool and close the gaps in their tables, keeping the order of the rest;
         returns the blocks freed per cache. A tail block with room for appends stays."""
-        nl, bs, w = self.num_layers, self.bs, self.width
-        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        # Only the blocks these caches hold: the tables' width may be twice that.
+        nl, bs, w = self.num_layers, self.bs, max(max(c.nblocks) for c in caches)
+        rows = [c.row for c in caches]
         nb = torch.tensor([c.nblocks for c in caches], dtype=torch.int64).t()  # [L, R]
         nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()
-        table = self.table.index_select(1, rows)  # [L, R, W]
-        pos = self.slot_pos.index_select(1, rows).view(nl, len(caches), w, bs)
+        table = take_rows(self.table, rows, w)  # [L, R, w]
+        pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
         cols = torch.arange(w)
         held = cols < nb[..., None]
         alive = (pos >= 0).any(dim=3)
@@ -303,13 +304,13 @@ class SlotTables:
         table = table.gather(2, order).masked_fill_(beyond, -1)
         pos = pos.gather(2, order[..., None].expand(-1, -1, -1, bs))
         pos.masked_fill_(beyond[..., None], -1)
-        self.table.index_copy_(1, rows, table)
-        self.slot_pos.index_copy_(1, rows, pos.view(nl, len(caches), w * bs))
+        put_rows(self.table, rows, table)
+        put_rows(self.slot_pos, rows, pos.view(nl, len(caches), w * bs))
         for t in self.state.values():  # each token's state moves with it
             extra = t.shape[3:]
-            st = t.index_select(1, rows).view(nl, len(caches), w, bs, *extra)
+            st = take_rows(t, rows, w * bs).view(nl, len(caches), w, bs, *extra)
             st = st.gather(2, _over(order[..., None].expand(-1, -1, -1, bs), extra))
-            t.index_copy_(1, rows, st.view(nl, len(caches), w * bs, *extra))
+            put_rows(t, rows, st.view(nl, len(caches), w * bs, *extra))
         for c, per_layer in zip(caches, counts):
             c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
             c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]

@@ -62,6 +62,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
         const bool* dl = dp + (l * r + i) * w;
         int64_t n = 0;
         for (int64_t blk = 0; blk < w; blk += bs) {
+          bool some = false;  // an OR over the block's flags (vectorised): most have none
+          for (int64_t j = blk; j < blk + bs; ++j) some |= dl[j];
+          if (!some) continue;
           bool hit = false;
           for (int64_t j = blk; j < blk + bs; ++j)
             if (dl[j] && p[j] >= 0) { p[j] = -1; ++n; hit = true; }
