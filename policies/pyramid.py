@@ -82,7 +82,7 @@ class PyramidPolicy:
 
     How it runs (`select`, every request of a group at once): the window is per-slot
     state, `obs_window` values per token (`state`: `pyramid_window<α>`, [.., α] per
-    slot, the oldest query of the window first; a new token starts at 0, which is exact
+    slot, a ring: query q in column q mod α; a new token starts at 0, which is exact
     since no earlier query sees it). Each step shifts its window queries in (queries at or past
     prompt_len - α; several prompt chunks may fill the window), and layers' different
     budgets are per-row keep counts (request r's row of layer l keeps C_l) for one selection
@@ -104,7 +104,8 @@ class PyramidPolicy:
     name: str = "pyramid"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
     # Per-slot state (name -> (a new slot's value, values per slot)): the window's
-    # queries, oldest first. Per policy rather than per class: its size is the config's.
+    # queries, a ring (`_shift_window`). Per policy rather than per class: its size is
+    # the config's.
     state: dict[str, tuple[float, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,8 +144,15 @@ class PyramidPolicy:
 
     @staticmethod
     def _shift_window(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
-        """Shift this step's window queries (summed over heads) into each slot's window
-        state; [N, W, α] the window after the step, oldest query first."""
+        """Write this step's window queries (summed over heads) into each slot's window
+        state; [N, W, α] the window after the step.
+
+        The window is a ring: query q of a request (0-based) owns column q mod α, so a
+        new query overwrites the one α before it, which leaves the window. A step writes
+        only its queries' columns (one column in decode) instead of shifting all α: the
+        shift was three passes over α values per slot, most of pyramid's step. A column
+        no query in the window wrote is 0, and so is a new slot's whole ring (no earlier
+        query saw it), so the ring's sum is the window's exactly."""
         assert view.attention is not None
         a = p.config.obs_window
         k = view.num_new
@@ -152,17 +160,19 @@ class PyramidPolicy:
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
-        stack = view.state[name]  # [N, W, α]
+        ring = view.state[name]  # [N, W, α]
         if min(firsts) >= k:  # no window query yet in any row: the state stays 0
-            return stack
+            return ring
         kk = min(k, a)  # only the last α queries can stay in the window
         new = view.attention[:, k - kk:].sum(dim=2)  # [N, kk, W]
         if max(firsts) > k - kk:  # some rows' first queries are before their window
+            # (their columns hold 0: every earlier query was before the window too)
             before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
             new = new.masked_fill(before[:, :, None], 0.0)
-        window = torch.cat([stack, new.transpose(1, 2)], dim=2)[:, :, -a:]
-        stack.copy_(window)
-        return stack
+        q0 = view.row_tensor(view.per_row([s - k for s in view.seq_len]))  # [N, 1]
+        cols = (q0 + torch.arange(k - kk, k)) % a  # [N, kk], distinct per row
+        ring.scatter_(2, cols[:, None, :].expand(-1, ring.shape[1], -1), new.transpose(1, 2))
+        return ring
 
     @staticmethod
     def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:
