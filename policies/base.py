@@ -32,6 +32,7 @@ class Needs:
     # per-slot state from the step that computed it (a stored key never changes), so a
     # step costs O(new).
     new_key_norm: bool = False
+    new_value_norm: bool = False  # ‖V‖₂ of this step's new tokens only (the same reason)
 
 
 @dataclass

@@ -47,12 +47,18 @@ def _block_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int], b
     i (Alg. 1 block mode), ties toward the earlier block. Logical block j of a row is
     its live slots of kept-order rank j·bs .. j·bs + bs - 1 (counted from the first live
     token, whatever holes lie between them): the live slots are packed first, in order,
-    so that [N, W/bs, bs] holds the blocks."""
+    so that [N, W/bs, bs] holds the blocks. Rows already packed (the engine compacts
+    after the prompt's plan and a block drop keeps it so) need no packing: the sort is
+    most of this function's cost."""
     n_rows, w = live.shape
     nb = -(-w // bs)  # W is a multiple of bs in the engine; padded when it is not
     ar = torch.arange(w)
-    order = torch.where(live, ar, w + ar).argsort(dim=1)  # live slots first, in order
-    packed = scores.gather(1, order)
+    if bool((live == (ar < torch.tensor(lengths)[:, None])).all()):  # packed rows
+        packed, rank = scores, ar.expand(n_rows, w)
+    else:
+        order = torch.where(live, ar, w + ar).argsort(dim=1)  # live slots first, in order
+        packed = scores.gather(1, order)
+        rank = (live.cumsum(dim=1) - 1).clamp(min=0)
     if nb * bs != w:
         packed = torch.nn.functional.pad(packed, (0, nb * bs - w))
     means = packed.view(n_rows, nb, bs).mean(dim=2)  # [N, nb]: block j's mean if full
@@ -60,8 +66,10 @@ def _block_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int], b
     # drop_lowest breaks ties toward the later candidate: flipped, toward the earlier
     # block; the full blocks are its candidates (a "position" >= 0)
     gone = drop_lowest(torch.where(full, 0, -1).flip(1), means.flip(1), drop).flip(1)
-    rank = (live.cumsum(dim=1) - 1).clamp(min=0)
     return live & gone.gather(1, (rank // bs).clamp(max=nb - 1))
+
+
+_NEW_NORMS = Needs(new_key_norm=True, new_value_norm=True)  # after the first plan
 
 
 @dataclass
@@ -88,6 +96,11 @@ class PagedEvictionPolicy:
     order, i.e. the engine compacts after the prefill plan (`compact`, default on); a
     whole-block drop then needs no further compaction.
 
+    S_i of a stored token never changes, so (as knorm does) the first plan reads every
+    live token's norms (`Needs.key_norm`, `value_norm`) and keeps S_i as per-slot state
+    (`state`: "score"); from then on each step reads only its new tokens' norms
+    (`Needs.new_key_norm`, `new_value_norm`), and a block drop reads no key or value.
+
     How it runs (`select`, every request of a group at once): the budget and the mode
     (a prompt chunk or decode) are per request, so per row a number of tokens or of
     blocks to drop, from host ints; the token drops are one `drop_lowest` over all rows'
@@ -103,6 +116,7 @@ class PagedEvictionPolicy:
     config: PagedEvictionConfig
     name: str = "paged_eviction"
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True, value_norm=True))
+    state: ClassVar[dict[str, float]] = {"score": float("nan")}
     block_size: int | None = None  # the pool's, learnt from the first view
 
     @staticmethod
@@ -127,10 +141,17 @@ class PagedEvictionPolicy:
             # one block per block boundary this step's tokens crossed, while n > C
             crossed = n // bs - (n - view.num_new) // bs
             blocks.append(min(crossed, -(-over // bs)) if decoding and crossed > 0 else 0)
+        scores = view.state["score"]  # [N, W]: S_i, recorded when each token was computed
+        if view.key_norm is not None and view.value_norm is not None:
+            scores.copy_(token_scores(view.value_norm, view.key_norm))
+        else:
+            assert view.new_key_norm is not None and view.new_value_norm is not None
+            assert view.new_slots is not None
+            scores.scatter_(1, view.new_slots, token_scores(view.new_value_norm, view.new_key_norm))
+        for p in policies:
+            p.needs = _NEW_NORMS
         if not any(tokens) and not any(blocks):
             return None
-        assert view.key_norm is not None and view.value_norm is not None
-        scores = token_scores(view.value_norm, view.key_norm)  # [N, W]
         live = view.live
         drop = drop_lowest(view.positions, scores, tokens) if any(tokens) else None
         if any(blocks):
@@ -139,16 +160,13 @@ class PagedEvictionPolicy:
         return drop
 
     def idle(self, view: StepView) -> bool:
-        """`select` drops nothing: in a prompt chunk when every layer is within the
-        budget; in decode when no layer above the budget fills a
-        block this step (Alg. 3 acts only on "L % B == 0"), i.e. most decode steps."""
+        """Before the first plan, while every layer is within the budget (that plan
+        scores every live token); after it never: every new token's S_i is recorded
+        when it is computed (its norms never change), even on the steps that drop
+        nothing (Alg. 3 acts only on "L % B == 0", i.e. most decode steps)."""
         self.block_size = view.block_size
-        budget = prompt_budget(self.config.budget, view)
-        if view.prefill_done or view.seq_len <= view.prompt_len:
-            return all(n <= budget for n in view.lengths)
-        bs = view.block_size
-        return all(n <= budget or n // bs - (n - view.num_new) // bs <= 0 or n < bs
-                   for n in view.lengths)
+        return self.needs.key_norm and all(
+            n <= prompt_budget(self.config.budget, view) for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

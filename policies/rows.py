@@ -51,6 +51,7 @@ class RowsView:
     keys: torch.Tensor | None = None  # [N, W, Hkv, D] float32, as stored (rotated)
     new_slots: torch.Tensor | None = None  # [N, num_new]: this step's tokens' slots
     new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
+    new_value_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     _live: torch.Tensor | None = field(default=None, repr=False)
 
     @property

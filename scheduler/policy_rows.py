@@ -113,7 +113,8 @@ def build_view(members: list[Member]) -> RowsView:
         view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
         view.attention = _attention(members, width)
-    if needs.key_norm or needs.keys or needs.value_norm or needs.new_key_norm:
+    new_norms = needs.new_key_norm or needs.new_value_norm
+    if needs.key_norm or needs.keys or needs.value_norm or new_norms:
         table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]
         pool, n = first.pool, table.shape[0]
         if needs.key_norm or needs.keys or needs.value_norm:
@@ -121,14 +122,16 @@ def build_view(members: list[Member]) -> RowsView:
             for name, t in pool.gather_stats(phys, needs.key_norm, needs.keys,
                                              needs.value_norm).items():
                 setattr(view, name, t.view(n, width, *t.shape[1:]))
-        if needs.new_key_norm:
+        if new_norms:
             k = view.num_new
             nxt = torch.tensor([m.cache.next_slot[layer] for layer in range(nl)
                                 for m in members])[:, None]
             view.new_slots = nxt - k + torch.arange(k)  # [N, k]
             phys = table.gather(1, view.new_slots // bs) * bs + view.new_slots % bs
-            norms = pool.gather_stats(phys.view(-1), key_norm=True)["key_norm"]
-            view.new_key_norm = norms.view(n, k, -1)
+            got = pool.gather_stats(phys.view(-1), key_norm=needs.new_key_norm,
+                                    value_norm=needs.new_value_norm)
+            for name, t in got.items():
+                setattr(view, f"new_{name}", t.view(n, k, -1))
     return view
 
 

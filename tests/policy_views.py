@@ -33,6 +33,7 @@ class LayerView:
     value_norm: torch.Tensor | None = None  # [n, Hkv]
     keys: torch.Tensor | None = None  # [n, Hkv, D]
     new_key_norm: torch.Tensor | None = None  # [num_new, Hkv]: the newest tokens'
+    new_value_norm: torch.Tensor | None = None  # [num_new, Hkv]
 
 
 @dataclass
@@ -85,10 +86,11 @@ def run_step(policy, v: LayersView) -> Eviction:
     for name in ("key_norm", "value_norm", "keys"):
         if getattr(first, name) is not None:
             setattr(rv, name, _pad([getattr(lv, name) for lv in layers], width, 0))
-    if first.new_key_norm is not None:
-        k = first.new_key_norm.shape[0]
-        rv.new_slots = torch.tensor(rv.lengths)[:, None] - k + torch.arange(k)
-        rv.new_key_norm = torch.stack([lv.new_key_norm for lv in layers])
+    for name in ("new_key_norm", "new_value_norm"):
+        if getattr(first, name) is not None:
+            k = getattr(first, name).shape[0]
+            rv.new_slots = torch.tensor(rv.lengths)[:, None] - k + torch.arange(k)
+            setattr(rv, name, torch.stack([getattr(lv, name) for lv in layers]))
     drop = type(policy).select([policy], rv)
     plan: Eviction = {}
     for layer, lv in enumerate(layers):
@@ -161,6 +163,8 @@ class Sim:
                 lv.key_norm = k.norm(dim=-1)
             if needs.new_key_norm:
                 lv.new_key_norm = self.keys[layer, new].norm(dim=-1)
+            if needs.new_value_norm:
+                lv.new_value_norm = self.values[layer, new].norm(dim=-1)
             if needs.value_norm:
                 lv.value_norm = v.norm(dim=-1)
             if needs.keys:

@@ -99,3 +99,30 @@ def test_ratio_budget_resolves_on_sequence_length():
     h = Harness(0.5, PROMPT_VALUES)
     h.step(10, prompt_len=10)  # C = 5: keep 9, 8, 7, 6, 5 valued tokens
     assert h.live.tolist() == [0, 2, 4, 6, 8]
+
+
+def test_block_drops_of_packed_rows_match_rows_with_holes():
+    """`_block_drops` skips its sort when every row is packed (the engine's steady state
+    with `compact`): the same tokens in kept order, packed or with holes between them,
+    lose the same logical blocks."""
+    from policies.paged_eviction import _block_drops
+
+    g = torch.Generator().manual_seed(0)
+    n_rows, w, bs = 6, 64, 4
+    lengths = torch.randint(20, 40, (n_rows,), generator=g).tolist()
+    drop = [1, 2, 0, 3, 1, 1]
+    values = [torch.rand(n, generator=g) for n in lengths]
+    packed_live = torch.arange(w) < torch.tensor(lengths)[:, None]
+    packed = torch.zeros(n_rows, w)
+    holes_live = torch.zeros(n_rows, w, dtype=torch.bool)
+    holes = torch.zeros(n_rows, w)
+    for i, v in enumerate(values):
+        packed[i, : lengths[i]] = v
+        slots = torch.sort(torch.randperm(w, generator=g)[: lengths[i]]).values
+        holes_live[i, slots] = True
+        holes[i, slots] = v
+    a = _block_drops(packed, packed_live, lengths, bs, drop)
+    b = _block_drops(holes, holes_live, lengths, bs, drop)
+    for i in range(n_rows):  # dropped kept-order ranks
+        assert a[i, packed_live[i]].tolist() == b[i, holes_live[i]].tolist()
+        assert int(a[i].sum()) == bs * drop[i]
