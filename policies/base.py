@@ -25,6 +25,9 @@ class Needs:
     of a group's key."""
 
     attention: bool = False  # attention mass of this step's queries over live tokens
+    # ... per kv head; without it the mass comes summed over the heads ([.., Tq, 1, W]),
+    # which is all the decode-time policies read (a pass over Hkv× less data for each).
+    attention_heads: bool = False
     key_norm: bool = False  # ‖K‖₂ per live token and kv head
     value_norm: bool = False  # ‖V‖₂ per live token and kv head
     keys: bool = False  # the key vectors themselves (as stored: rotated)

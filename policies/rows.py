@@ -44,7 +44,8 @@ class RowsView:
     block_size: int
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, W(, k)] float32
     # [N, Tq, Hkv, W] float32: this step's queries' probability mass on each slot,
-    # summed over the query heads of each kv group (0 on dead slots).
+    # summed over the query heads of each kv group (0 on dead slots); Hkv is 1, the sum
+    # over every head, unless the policy asked for `Needs.attention_heads`.
     attention: torch.Tensor | None = None
     key_norm: torch.Tensor | None = None  # [N, W, Hkv] float32 (dead slots: anything)
     value_norm: torch.Tensor | None = None

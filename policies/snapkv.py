@@ -89,7 +89,7 @@ class SnapKVPolicy:
 
     config: SnapKVConfig
     name: str = "snapkv"
-    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+    needs: Needs = field(default_factory=lambda: Needs(attention=True, attention_heads=True))
     # [L, Hkv, S]: the window rows of earlier prompt chunks, summed, by slot (slot j holds
     # position j: nothing is evicted before the prompt is complete). None until a window
     # row arrived, and again once the prompt was compressed.

@@ -67,9 +67,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[2:])
 
 
-def _attention(members: list[Member], width: int) -> torch.Tensor:
+def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
     """The members' mass [L·R, Tq, Hkv, W]: per runner group (usually one) a row
-    select, sliced or zero-padded to W slots, joined in member order."""
+    select, sliced or zero-padded to W slots, joined in member order; summed over the
+    kv heads (Hkv = 1) unless `heads`, in the same pass that copies it out."""
     tq = members[0].num_new
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for i, m in enumerate(members):
@@ -83,8 +84,8 @@ def _attention(members: list[Member], width: int) -> torch.Tensor:
         sel = (group.narrow(1, lo, len(rows))[:, :, :tq] if rows == list(range(lo, lo + len(rows)))
                else group[:, :, :tq].index_select(1, torch.tensor(rows)))
         s = sel.shape[-1]
-        parts.append(sel[..., :width] if s >= width
-                     else torch.nn.functional.pad(sel, (0, width - s)))
+        sel = sel[..., :width] if s >= width else torch.nn.functional.pad(sel, (0, width - s))
+        parts.append(sel if heads else sel.sum(dim=3, keepdim=True))
         order += which
     a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # back to member order
@@ -112,7 +113,7 @@ def build_view(members: list[Member]) -> RowsView:
     for name in getattr(policy, "state", {}):
         view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
-        view.attention = _attention(members, width)
+        view.attention = _attention(members, width, needs.attention_heads)
     new_norms = needs.new_key_norm or needs.new_value_norm
     if needs.key_norm or needs.keys or needs.value_norm or new_norms:
         table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]

@@ -112,6 +112,10 @@ class _Asking:
     needs = Needs(attention=True, key_norm=True)
 
 
+class _AskingHeads:
+    needs = Needs(attention=True, attention_heads=True)
+
+
 def test_view_gives_live_positions_and_only_the_statistics_asked_for():
     _, c = _filled(num_layers=2)
     evict_positions(c, {1: torch.tensor([0, 1])})
@@ -120,9 +124,12 @@ def test_view_gives_live_positions_and_only_the_statistics_asked_for():
     assert view.positions[0].tolist() == list(range(12))
     assert view.positions[1].tolist() == [-1, -1, *range(2, 12)]
     assert view.lengths == [12, 10]
-    assert torch.equal(view.attention[1], mass[1, 0])
+    # summed over the kv heads unless asked per head (snapkv)
+    assert torch.equal(view.attention[1], mass[1, 0].sum(dim=1, keepdim=True))
     assert torch.allclose(view.key_norm[1, 2:, 0], torch.arange(2, 12.0) * D**0.5)
     assert view.value_norm is None and view.keys is None
+    heads = build_view([Member(c, _AskingHeads(), 12, 9, 3, True, AttentionMass(mass, 0, 3))])
+    assert torch.equal(heads.attention[1], mass[1, 0]) and heads.key_norm is None
 
 
 def test_slot_state_moves_with_its_token():
