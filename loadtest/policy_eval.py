@@ -185,7 +185,7 @@ class KVServeBackend:
         return logps
 
 
-def _needle_summary(acc: dict) -> tuple[dict[str, float], float]:
+def needle_summary(acc: dict) -> tuple[dict[str, float], float]:
     """{task: {length: {depth: acc}}} -> (mean accuracy per depth, overall mean)."""
     by_depth: dict[str, list[float]] = {}
     for by_len in acc.values():
@@ -238,12 +238,17 @@ def evaluate_quality(args, progress: bool = True) -> dict:
         replay = NeedleReplay(eng.max_model_len)
         replay.answers = backend.generate_many(prompts, 8, per)
         acc = needle(replay, data, **needle_kw)
-        by_depth, mean = _needle_summary(acc)
+        by_depth, mean = needle_summary(acc)
         out["rows"].append({
             "policy": name, "budget": frac, "kv_policy": backend.kv_policy,
             "budget_tokens": round(frac * args.ppl_window), "nll": nll, "ppl": math.exp(nll),
             "needle": acc, "needle_by_depth": by_depth, "needle_mean": mean,
             "wall_s": time.perf_counter() - t})
+    if getattr(args, "kvpress_python", None):  # the same methods' kvpress presses
+        from loadtest import kvpress_compare
+
+        out["kvpress"] = kvpress_compare.quality(args, data, windows, prompts, needle_kw,
+                                                 args.policies)
     full = out["rows"][0]
     out["full_matches_reference"] = abs(full["ppl"] / out["reference_ppl_transformers"] - 1) < 1e-3
     return out
