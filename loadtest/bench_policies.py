@@ -264,6 +264,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="python of kvpress's venv (`make kvpress-venv`): the quality part "
                         "adds each shared method's kvpress press; skipped without it, "
                         "off with ''")
+    p.add_argument("--quality-variants", default="",
+                   help="extra quality rows, '<policy>/<key>=<value>,...' separated by ';' "
+                        "(a value with '.' is a fraction of the budget: "
+                        "'paged_eviction/window=0.5')")
     bc.add_quality_args(p, budgets="0.25,0.5")
     bc.add_run_args(p)
     a = p.parse_args(argv)
@@ -277,6 +281,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            or x.partition(":")[2] not in ("", "unbatched")]
     if bad:
         p.error(f"--policies: unknown {', '.join(bad)} (a policy, or <policy>:unbatched)")
+    a.quality_variants = [x for x in a.quality_variants.split(";") if x]
+    bad = [x for x in a.quality_variants if x.partition("/")[0] not in POLICIES
+           or not all("=" in o for o in x.partition("/")[2].split(","))]
+    if bad:
+        p.error(f"--quality-variants: cannot read {', '.join(bad)}")
     a.baselines = [x for x in a.baselines.split(",") if x]
     if set(a.baselines) - set(BASELINES):
         p.error(f"--baselines: choose from {', '.join(BASELINES)}")
@@ -293,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
-                        "needle_tasks", "demo_model", "kvpress_python", "threads"))
+                        "needle_tasks", "demo_model", "kvpress_python", "quality_variants",
+                        "threads"))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:
         if {"throughput", "overhead"} & set(args.parts):

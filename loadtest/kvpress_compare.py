@@ -38,6 +38,10 @@ METHODS: dict[str, str] = {
     "streaming": "StreamingLLMPress", "knorm": "KnormPress", "keydiff": "KeyDiffPress",
     "tova": "TOVAPress", "snapkv": "SnapKVPress", "pyramid": "PyramidKVPress",
     "h2o": "ObservedAttentionPress"}
+# ... whose press keeps a set per kv head where we keep one per layer: also run ranked by
+# the head mean of its score ("<m>@layer", kvpress_quality.head_mean), which isolates
+# the cost of that constraint from any other difference
+PER_HEAD = ("knorm", "keydiff", "snapkv", "pyramid", "h2o")
 
 
 def missing(python: str) -> str | None:
@@ -108,6 +112,7 @@ def quality(args, data, windows: Sequence[Sequence[int]], prompts: Sequence[Sequ
     """The `kvpress` block of the quality report: the presses of `policies` that have one,
     at args.quality_budgets, with the full-cache row; or {"skipped": why}."""
     methods = [m for m in METHODS if m in policies]
+    methods += [f"{m}@layer" for m in methods if m in PER_HEAD]
     if not methods:
         return {"skipped": "kvpress rows skipped: no policy with a kvpress press"}
     ex = exchange(args.demo_model, windows, args.ppl_prompt, args.quality_budgets, prompts)

@@ -23,6 +23,15 @@ Protocol, as `loadtest/policy_eval.py` runs ours (000_8900623ad98b28fb.txt §4.1
 - needle: each prompt compressed to round(fraction × its length), then 8 greedy tokens
   (EOS ignored), decoded under the same decoding press.
 
+One change to kvpress, which leaves every kept set as it is: `ScorerPress.compress`
+gathers the kept pairs in `topk` order, which on CPU is not position order (ties and
+all), and StreamingLLMPress (it drops "the oldest after the sinks" by cache index) and
+ObservedAttentionPress (it divides by the queries that saw each index) read the cache
+index as the position. Compressed once, as kvpress's pipeline does, that is harmless; a
+decoding press compresses again at every token, and StreamingLLMPress then drops a
+token of the topk shuffle's choosing instead of the oldest. `ordered_topk` keeps the
+kept indices sorted, so the cache stays in time order.
+
     .venv-kvpress/bin/python -m loadtest.kvpress_quality --exchange in.json --out out.json
 """
 
@@ -54,20 +63,63 @@ def ratio_for(n: int, budget: int) -> float:
     return 0.0 if budget >= n else 1.0 - (budget + 0.5) / n
 
 
+@contextlib.contextmanager
+def ordered_topk():
+    """`ScorerPress.compress` with the kept indices in position order (module docstring):
+    the same top `compute_n_kept` by score, gathered in cache order."""
+    from kvpress.presses.scorer_press import ScorerPress
+    from kvpress.utils import compute_n_kept
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        scores = self.score(module, hidden_states, keys, values, attentions, kwargs)
+        kept = scores.topk(compute_n_kept(keys.shape[2], self.compression_ratio), dim=-1)
+        idx = kept.indices.sort(dim=-1).values[..., None].expand(-1, -1, -1, keys.shape[-1])
+        return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
+
+    real = ScorerPress.compress
+    ScorerPress.compress = compress
+    try:
+        yield
+    finally:
+        ScorerPress.compress = real
+
+
+def head_mean(press):
+    """`press` ranking by the mean of its score over kv heads, the one set per layer our
+    pool keeps (docs/policies.md, "Agreement with kvpress"): method "<m>@layer" isolates
+    what that constraint costs from any other difference."""
+    score = press.score
+
+    def mean_score(module, hidden_states, keys, values, attentions, kw):
+        s = score(module, hidden_states, keys, values, attentions, kw)
+        return s.mean(dim=1, keepdim=True).expand_as(s)
+
+    press.score = mean_score
+    return press
+
+
 def make_press(method: str, n: int, budget: int):
-    """The press for `method` keeping `budget` of an `n`-token prompt, with a decoding
-    press keeping the cache at `budget` where the press can decode (module docstring)."""
+    """The press for `method` ("<m>" or "<m>@layer", see `head_mean`) keeping `budget` of
+    an `n`-token prompt, with a decoding press keeping the cache at `budget` where the
+    press can decode (module docstring)."""
     import kvpress
 
-    cls, kwargs, decodes = PRESSES[method]
+    base, _, level = method.partition("@")
+    cls, kwargs, decodes = PRESSES[base]
     if "window_size" in kwargs:  # SnapKV asserts more queries than its window
         kwargs = {**kwargs, "window_size": min(kwargs["window_size"], n - 1)}
-    prefill = getattr(kvpress, cls)(compression_ratio=ratio_for(n, budget), **kwargs)
+
+    def build(**extra):
+        press = getattr(kvpress, cls)(**kwargs, **extra)
+        return head_mean(press) if level == "layer" else press
+
+    prefill = build(compression_ratio=ratio_for(n, budget))
     if not decodes:
         return prefill, "prefill"
-    decode = kvpress.DecodingPress(base_press=getattr(kvpress, cls)(**kwargs),
-                                   compression_interval=1, target_size=budget,
-                                   hidden_states_buffer_size=0)
+    decode = kvpress.DecodingPress(base_press=build(), compression_interval=1,
+                                   target_size=budget, hidden_states_buffer_size=0)
     return kvpress.PrefillDecodingPress(prefilling_press=prefill, decoding_press=decode), \
         "prefill+decode"
 
@@ -130,7 +182,7 @@ def run(ex: dict[str, Any], methods: list[str], progress: bool = True) -> dict[s
     configs = [("full", 1.0)] + [(m, b) for b in ex["budgets"] for m in methods]
     for method, frac in configs:
         t0 = time.perf_counter()
-        model = models["eager" if method == "h2o" else "sdpa"]
+        model = models["eager" if method.startswith("h2o") else "sdpa"]
         budget = round(frac * windows.shape[1])
         press, protocol = (None, "full") if method == "full" else \
             make_press(method, p_len, budget)
@@ -141,7 +193,9 @@ def run(ex: dict[str, Any], methods: list[str], progress: bool = True) -> dict[s
             pr = None if method == "full" else make_press(method, len(p), b)[0]
             answers.append(greedy(model, p, ex["max_new_tokens"], pr))
         scored = windows.shape[0] * (windows.shape[1] - p_len)
-        row = {"method": method, "press": PRESSES[method][0] if method != "full" else "none",
+        press_name = "none" if method == "full" else PRESSES[method.partition("@")[0]][0] + (
+            ", head mean" if method.endswith("@layer") else "")
+        row = {"method": method, "press": press_name,
                "budget": frac, "budget_tokens": budget, "protocol": protocol,
                "window_loglik": ll, "scored_tokens": scored,
                "nll": -sum(ll) / scored, "ppl": math.exp(-sum(ll) / scored),
@@ -164,7 +218,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with open(args.exchange, encoding="utf-8") as f:
         ex = json.load(f)
-    result = run(ex, [m for m in args.methods.split(",") if m])
+    with ordered_topk():
+        result = run(ex, [m for m in args.methods.split(",") if m])
+    result["kept_order"] = "position (ordered_topk)"
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(result, f)
 

@@ -100,7 +100,19 @@ class NeedleReplay:
 
 
 def policy_config(name: str, budget: int) -> dict[str, Any] | str:
-    """`name`'s kv_policy with a cache of about `budget` tokens (see the module docstring)."""
+    """`name`'s kv_policy with a cache of about `budget` tokens (see the module docstring).
+
+    A variant "<policy>/<key>=<value>,...": the policy with those parameters changed, a
+    value with a "." being a fraction of the budget ("knorm/window=0.5": half the budget
+    is the protected recent window), so one spec means the same at every budget."""
+    if "/" in name:
+        base, _, opts = name.partition("/")
+        cfg = policy_config(base, budget)
+        assert isinstance(cfg, dict), name
+        for opt in opts.split(","):
+            k, _, v = opt.partition("=")
+            cfg[k] = round(float(v) * budget) if "." in v else int(v)
+        return cfg
     if name == "full":
         return "full"
     if name in ("streaming", "lazy_streaming"):
@@ -228,7 +240,8 @@ def evaluate_quality(args, progress: bool = True) -> dict:
                  "reference_ppl_transformers": math.exp(-sum(map(sum, ref_lp)) / sum(map(len, ref_lp))),
                  "rows": []}
     backend = KVServeBackend(eng)
-    configs = [("full", 1.0)] + [(p, b) for b in args.quality_budgets for p in args.policies]
+    names = [*args.policies, *getattr(args, "quality_variants", [])]
+    configs = [("full", 1.0)] + [(p, b) for b in args.quality_budgets for p in names]
     for name, frac in tqdm(configs, desc="quality", unit="config", disable=not progress):
         t = time.perf_counter()
         backend.kv_policy = policy_config(name, round(frac * args.ppl_window))
