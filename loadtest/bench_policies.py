@@ -47,6 +47,7 @@ import importlib.util
 import math
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -274,7 +275,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.model, a.requests, a.fit, a.prompt, a.gen = "tiny", 10, 3, 32, 64
         a.overhead_batch, a.overhead_steps, a.ppl_windows = 4, 8, 2
-    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m loadtest.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
     bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES

@@ -142,3 +142,19 @@ def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
     assert rows["snapkv"]["protocol"] == "prefill" and rows["snapkv"]["max_cache_after_step"] > 24
     assert all(len(r["needle_answers"]) == 1 and len(r["needle_answers"][0]) == 4
                for r in rows.values())
+
+
+def test_score_attention_keeps_what_each_policy_keeps() -> None:
+    """loadtest/score_attention.py's kept sets: the policies' prompt plans (head mean),
+    `budget` tokens each, streaming = sink + the most recent."""
+    import torch
+
+    from loadtest.score_attention import kept_sets
+
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 2, 40, 8, generator=g)
+    keys[:, :, 5] *= 0.01  # the smallest key norm: knorm keeps it, ‖V‖/‖K‖ too
+    sets = kept_sets(keys, values, 12)
+    assert all(int(m.sum(1).min()) == int(m.sum(1).max()) == 12 for m in sets.values())
+    assert sets["knorm"][:, 5].all() and sets["paged_eviction"][:, 5].all()
+    assert sets["streaming"][0].nonzero().flatten().tolist() == [0, 1, 2, 3, *range(32, 40)]
