@@ -13,7 +13,10 @@ are both small. Three parts, each policy at one budget (`loadtest/policy_eval.py
    pool without pressure: StepStats.policy_s / total_s and EngineStats.policy_seconds_total.
 3. quality on the demo model (`engine/demo/model`, skipped if missing): teacher-forced
    held-out perplexity (000_8900623ad98b28fb.txt §4.1) and needle-in-a-haystack accuracy by
-   depth (002_f8cea1b3e0b25e86.txt Table 1) at 25% and 50% budgets, full cache as reference.
+   depth (002_f8cea1b3e0b25e86.txt Table 1) at 25% and 50% budgets, full cache as reference;
+   beside each method kvpress also ships, its press on the same windows, prompts and
+   budgets (`loadtest/kvpress_compare.py`, run from `--kvpress-python`'s venv, skipped
+   with a note without it), so a weak row reads as the method's or as ours.
 
 The issue's full size (prompt 512 + gen 3584, 64 requests, 12 configurations) takes
 over an hour at 1 thread on CPU; the defaults shorten gen to 512 and scale the pool and
@@ -44,12 +47,14 @@ import importlib.util
 import math
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
 
 from engine.sampling import SamplingParams
 from loadtest import bench_common as bc
+from loadtest import kvpress_compare
 from loadtest.policy_eval import POLICIES, policy_config
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -256,19 +261,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "halves the per-token compute where the CPU has bf16 dot products)")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-steps", type=int, default=64)
+    p.add_argument("--kvpress-python", default=kvpress_compare.DEFAULT_PYTHON,
+                   help="python of kvpress's venv (`make kvpress-venv`): the quality part "
+                        "adds each shared method's kvpress press; skipped without it, "
+                        "off with ''")
+    p.add_argument("--quality-variants", default="",
+                   help="extra quality rows, '<policy>/<key>=<value>,...' separated by ';' "
+                        "(a value with '.' is a fraction of the budget: "
+                        "'paged_eviction/window=0.5')")
     bc.add_quality_args(p, budgets="0.25,0.5")
     bc.add_run_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.requests, a.fit, a.prompt, a.gen = "tiny", 10, 3, 32, 64
         a.overhead_batch, a.overhead_steps, a.ppl_windows = 4, 8, 2
-    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m loadtest.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
     bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES
            or x.partition(":")[2] not in ("", "unbatched")]
     if bad:
         p.error(f"--policies: unknown {', '.join(bad)} (a policy, or <policy>:unbatched)")
+    a.quality_variants = [x for x in a.quality_variants.split(";") if x]
+    bad = [x for x in a.quality_variants if x.partition("/")[0] not in POLICIES
+           or not all("=" in o for o in x.partition("/")[2].split(","))]
+    if bad:
+        p.error(f"--quality-variants: cannot read {', '.join(bad)}")
     a.baselines = [x for x in a.baselines.split(",") if x]
     if set(a.baselines) - set(BASELINES):
         p.error(f"--baselines: choose from {', '.join(BASELINES)}")
@@ -285,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
-                        "needle_tasks", "demo_model", "threads"))
+                        "needle_tasks", "demo_model", "kvpress_python", "quality_variants",
+                        "threads"))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:
         if {"throughput", "overhead"} & set(args.parts):

@@ -7,6 +7,7 @@ a pure function of the report dict (the JSON in docs/results/bench_policies.json
 from __future__ import annotations
 
 from loadtest import bench_common as bc
+from loadtest import kvpress_report
 
 TARGET = 3.0  # issue 5: the best policies serve ≥ 3× full's output tokens/s
 
@@ -137,12 +138,12 @@ def _quality(q: dict) -> list[str]:
         "| policy | budget | PPL | PPL / full | needle mean | "
         + " | ".join(f"depth {float(d):.0%}" for d in depths) + " |",
         "|---|---|---|---|---|" + "---|" * len(depths)]
-    for r in rows:
+    for r, base in kvpress_report.interleave(q):  # each kvpress row after ours
         lines.append(
-            f"| {r['policy']} | {r['budget']:.0%} | {r['ppl']:.3f} | {r['ppl'] / full['ppl']:.3f} "
+            f"| {r['policy']} | {r['budget']:.0%} | {r['ppl']:.3f} | {r['ppl'] / base:.3f} "
             f"| {r['needle_mean']:.0%} | "
             + " | ".join(f"{r['needle_by_depth'][d]:.0%}" for d in depths) + " |")
-    return lines
+    return lines + kvpress_report.comparison(q)
 
 
 def render(report: dict) -> str:
@@ -168,6 +169,8 @@ def render(report: dict) -> str:
         f"{report['bench_wall_s'] / 60:.1f} min.", "",
         bc.environment_line(report, results), "",
         "```bash", report["command"], "```", "", f"![KV eviction policies]({plot_path})"]
+    if kvpress_report.kv_rows(report.get("quality", {})):
+        lines += ["", f"![Ours vs kvpress]({kvpress_report.figure_path(plot_path)})"]
     return "\n".join(lines)
 
 
@@ -228,3 +231,4 @@ def plot(report: dict, path: str) -> None:
     for a in ax[:3]:
         a.tick_params(axis="x", labelrotation=60, labelsize=7)
     bc.save_figure(fig, path)
+    kvpress_report.plot(report, kvpress_report.figure_path(path))

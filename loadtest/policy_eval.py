@@ -100,7 +100,19 @@ class NeedleReplay:
 
 
 def policy_config(name: str, budget: int) -> dict[str, Any] | str:
-    """`name`'s kv_policy with a cache of about `budget` tokens (see the module docstring)."""
+    """`name`'s kv_policy with a cache of about `budget` tokens (see the module docstring).
+
+    A variant "<policy>/<key>=<value>,...": the policy with those parameters changed, a
+    value with a "." being a fraction of the budget ("knorm/window=0.5": half the budget
+    is the protected recent window), so one spec means the same at every budget."""
+    if "/" in name:
+        base, _, opts = name.partition("/")
+        cfg = policy_config(base, budget)
+        assert isinstance(cfg, dict), name
+        for opt in opts.split(","):
+            k, _, v = opt.partition("=")
+            cfg[k] = round(float(v) * budget) if "." in v else int(v)
+        return cfg
     if name == "full":
         return "full"
     if name in ("streaming", "lazy_streaming"):
@@ -185,7 +197,7 @@ class KVServeBackend:
         return logps
 
 
-def _needle_summary(acc: dict) -> tuple[dict[str, float], float]:
+def needle_summary(acc: dict) -> tuple[dict[str, float], float]:
     """{task: {length: {depth: acc}}} -> (mean accuracy per depth, overall mean)."""
     by_depth: dict[str, list[float]] = {}
     for by_len in acc.values():
@@ -228,7 +240,8 @@ def evaluate_quality(args, progress: bool = True) -> dict:
                  "reference_ppl_transformers": math.exp(-sum(map(sum, ref_lp)) / sum(map(len, ref_lp))),
                  "rows": []}
     backend = KVServeBackend(eng)
-    configs = [("full", 1.0)] + [(p, b) for b in args.quality_budgets for p in args.policies]
+    names = [*args.policies, *getattr(args, "quality_variants", [])]
+    configs = [("full", 1.0)] + [(p, b) for b in args.quality_budgets for p in names]
     for name, frac in tqdm(configs, desc="quality", unit="config", disable=not progress):
         t = time.perf_counter()
         backend.kv_policy = policy_config(name, round(frac * args.ppl_window))
@@ -238,12 +251,17 @@ def evaluate_quality(args, progress: bool = True) -> dict:
         replay = NeedleReplay(eng.max_model_len)
         replay.answers = backend.generate_many(prompts, 8, per)
         acc = needle(replay, data, **needle_kw)
-        by_depth, mean = _needle_summary(acc)
+        by_depth, mean = needle_summary(acc)
         out["rows"].append({
             "policy": name, "budget": frac, "kv_policy": backend.kv_policy,
             "budget_tokens": round(frac * args.ppl_window), "nll": nll, "ppl": math.exp(nll),
             "needle": acc, "needle_by_depth": by_depth, "needle_mean": mean,
             "wall_s": time.perf_counter() - t})
+    if getattr(args, "kvpress_python", None):  # the same methods' kvpress presses
+        from loadtest import kvpress_compare
+
+        out["kvpress"] = kvpress_compare.quality(args, data, windows, prompts, needle_kw,
+                                                 args.policies)
     full = out["rows"][0]
     out["full_matches_reference"] = abs(full["ppl"] / out["reference_ppl_transformers"] - 1) < 1e-3
     return out

@@ -31,6 +31,9 @@ class PagedEvictionConfig(EvictingPolicyConfig):
     compact: bool = Field(True, description=(
         "Pack the kept prompt tokens into whole blocks after the prefill plan (Alg. 2 "
         "line 13), so decode drops whole blocks."))
+    window: int = Field(0, ge=0, description=(
+        "Most recent tokens never evicted (part of the budget; 0 = the paper). In decode "
+        "only blocks wholly older than the window are candidates."))
 
     CONTEXT_DEFAULTS: ClassVar[dict[str, ContextDefault]] = {"budget": ContextDefault(0.25)}
 
@@ -42,9 +45,10 @@ def token_scores(value_norm: torch.Tensor, key_norm: torch.Tensor) -> torch.Tens
 
 
 def _block_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int], bs: int,
-                 drop: list[int]) -> torch.Tensor:
+                 drop: list[int], windows: list[int] | None = None) -> torch.Tensor:
     """[N, W] mask of the drop[i] full logical blocks with the lowest mean score in row
-    i (Alg. 1 block mode), ties toward the earlier block. Logical block j of a row is
+    i (Alg. 1 block mode), ties toward the earlier block; with `windows`, only blocks
+    wholly older than the row's last windows[i] live tokens. Logical block j of a row is
     its live slots of kept-order rank j·bs .. j·bs + bs - 1 (counted from the first live
     token, whatever holes lie between them): the live slots are packed first, in order,
     so that [N, W/bs, bs] holds the blocks. Rows already packed (the engine compacts
@@ -62,7 +66,9 @@ def _block_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int], b
     if nb * bs != w:
         packed = torch.nn.functional.pad(packed, (0, nb * bs - w))
     means = packed.view(n_rows, nb, bs).mean(dim=2)  # [N, nb]: block j's mean if full
-    full = torch.arange(nb) < torch.tensor([n // bs for n in lengths])[:, None]
+    protect = windows or [0] * len(lengths)
+    full = torch.arange(nb) < torch.tensor(
+        [max(0, n - win) // bs for n, win in zip(lengths, protect)])[:, None]
     # drop_lowest breaks ties toward the later candidate: flipped, toward the earlier
     # block; the full blocks are its candidates (a "position" >= 0)
     gone = drop_lowest(torch.where(full, 0, -1).flip(1), means.flip(1), drop).flip(1)
@@ -134,8 +140,11 @@ class PagedEvictionPolicy:
         decodes = [not done and s > p
                    for s, p, done in zip(view.seq_len, view.prompt_len, view.prefill_done)]
         tokens, blocks = [], []  # per row: tokens (prompt) / blocks (decode) to drop
+        windows = []  # per row: the recent tokens kept; in decode at most C - bs, so a
+        # row above C always has a block older than its window
         for n, budget, decoding in zip(view.lengths, view.per_row(budgets),
                                        view.per_row(decodes)):
+            windows.append(min(c.window, max(0, budget - bs) if decoding else budget))
             over = max(0, n - budget)
             tokens.append(0 if decoding else over)
             # one block per block boundary this step's tokens crossed, while n > C
@@ -153,9 +162,11 @@ class PagedEvictionPolicy:
         if not any(tokens) and not any(blocks):
             return None
         live = view.live
-        drop = drop_lowest(view.positions, scores, tokens) if any(tokens) else None
+        last = windows if c.window else 0
+        drop = drop_lowest(view.positions, scores, tokens, last=last) if any(tokens) else None
         if any(blocks):
-            whole = _block_drops(scores, live, view.lengths, bs, blocks)
+            whole = _block_drops(scores, live, view.lengths, bs, blocks,
+                                 windows if c.window else None)
             drop = whole if drop is None else drop | whole
         return drop
 

@@ -13,8 +13,8 @@ BS = 4
 class Harness:
     """One layer, one kv head; ‖K‖ = 1 so S_i = ‖V_i‖ = value[pos]."""
 
-    def __init__(self, budget, values: dict[int, float]):
-        self.policy = build_policy({"name": "paged_eviction", "budget": budget})
+    def __init__(self, budget, values: dict[int, float], **cfg):
+        self.policy = build_policy({"name": "paged_eviction", "budget": budget, **cfg})
         self.values = values
         self.live = arange(0)
         self.seq = 0
@@ -126,3 +126,17 @@ def test_block_drops_of_packed_rows_match_rows_with_holes():
     for i in range(n_rows):  # dropped kept-order ranks
         assert a[i, packed_live[i]].tolist() == b[i, holes_live[i]].tolist()
         assert int(a[i].sum()) == bs * drop[i]
+
+
+def test_window_keeps_the_recent_tokens_and_blocks():
+    """`window` (not in 001; default 0): the last tokens are never candidates — in the
+    prompt plan, and in decode every block overlapping them."""
+    values = PROMPT_VALUES | {9: 0.1}
+    plain = Harness(6, values)
+    assert plain.step(10, prompt_len=10) == [1, 3, 7, 9]  # 9 scores lowest
+    h = Harness(6, values, window=2)
+    assert h.step(10, prompt_len=10) == [1, 3, 5, 7]  # 8, 9 protected
+    assert h.step(1, 10) is None  # n = 7
+    # n = 8: [8, 9, 10, 11] (mean 2.03) holds the window (10, 11): the older block goes
+    assert h.step(1, 10) == [0, 2, 4, 6]
+    assert h.live.tolist() == [8, 9, 10, 11]
