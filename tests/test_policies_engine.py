@@ -139,6 +139,34 @@ def test_original_rope_refuses_past_the_position_limit(tmp_path):
                                kv_policy={"name": "streaming", "window": 100})
 
 
+def test_paged_eviction_scores_kept_from_their_step_equal_scores_read_again(model, monkeypatch):
+    """paged_eviction keeps each token's S_i from the step that computed it (new tokens'
+    norms only, `Needs.new_value_norm`): every layer of every request keeps exactly what
+    it keeps when every step reads every live token's norms again, through prefill
+    chunks, block drops and compaction."""
+    from policies import paged_eviction
+
+    def run(reread: bool) -> list[dict[str, list[list[int]]]]:
+        if reread:
+            monkeypatch.setattr(paged_eviction, "_NEW_NORMS",
+                                paged_eviction.Needs(key_norm=True, value_norm=True))
+        llm = LLM(model, num_blocks=800, block_size=BS, max_num_batched_tokens=64)
+        eng, kept = llm.engine, []
+        for i in range(3):
+            eng.add_request(f"p{i}", _prompt(60 + i, (90, 70, 120)[i]), _greedy(50),
+                            kv_policy={"name": "paged_eviction", "budget": 40})
+        while eng.has_unfinished():
+            eng.step()
+            kept.append({r.request_id: [sp[sp >= 0].tolist() for sp in r.cache.slot_pos]
+                         for r in eng.scheduler.running})
+        eng.check_invariants()
+        return kept
+
+    cached = run(False)
+    assert any(len(p) < 90 for k in cached for layers in k.values() for p in layers)
+    assert cached == run(True)
+
+
 @pytest.mark.parametrize("budget", [24, 48], ids=["first-plan-at-prefill", "first-plan-in-decode"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "per-request"])
 def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
