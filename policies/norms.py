@@ -160,16 +160,20 @@ class KeyDiffPolicy:
 
     config: KeyDiffConfig
     name: str = "keydiff"
-    needs: Needs = field(default_factory=lambda: Needs(keys=True))
+    needs: Needs = field(default_factory=lambda: Needs(key_diversity=True))
 
     @staticmethod
     def select(policies: list[KeyDiffPolicy], view: RowsView) -> torch.Tensor | None:
+        """The scores are the engine's (`Needs.key_diversity`: `keydiff_scores`' maths,
+        computed by the pool over its keys in place, kvpool/key_stats.py), since the
+        anchor moves every step and a copy of every live key into the view cost most
+        of a decode step (issue 18)."""
         c = policies[0].config
         keep = view.budgets(c.budget)
         if view.within(keep):
             return None
-        assert view.keys is not None
-        return _select(view, keep, c.window, keydiff_scores(view.keys, view.live))
+        assert view.key_diversity is not None
+        return _select(view, keep, c.window, view.key_diversity)
 
     def idle(self, view: StepView) -> bool:
         """Nothing to plan: prompt incomplete or every layer within budget."""
