@@ -151,17 +151,30 @@ void score_row(const Rows<T>& a, int64_t r, Scratch& s) {
 }
 
 #ifdef KVSERVE_AVX512
-// 16 elements of T widened to fp32.
-template <typename T>
-inline __m512 load16(const T* p) {
+// A head's D = 16 * NV values of T as NV fp32 vectors, in an order of lanes of its own:
+// norms and dot products do not depend on it, and the anchors are summed from (and
+// dotted with) rows loaded the same way. bf16 pairs come 32 at a time in one load,
+// the even elements shifted up and the odd ones masked (bf16 is the top half of an
+// fp32): two plain ALU ops, where a widening per 16 takes the shuffle port twice.
+template <typename T, int NV>
+inline void load_row(const T* p, __m512* v) {
   if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(p + 16 * c);
+  } else if constexpr (std::is_same_v<T, at::BFloat16> && NV % 2 == 0) {
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int c = 0; c < NV / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(p + 32 * c);
+      v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+    }
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<T, at::BFloat16>)
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    else
-      return _mm512_cvtph_ps(h);
+    for (int c = 0; c < NV; ++c) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
+      if constexpr (std::is_same_v<T, at::BFloat16>)
+        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      else
+        v[c] = _mm512_cvtph_ps(h);
+    }
   }
 }
 
@@ -195,14 +208,20 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, fold<1>(f[0], f[1]));
 }
 
-inline void prefetch_rows(const char* const* rows, int64_t bytes) {
+// Prefetch the key rows of a tile (16 slots) into L1.
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t bytes) {
   for (int s = 0; s < 16; ++s)
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(rows[s] + o, 0, 3);
+    for (int64_t o = 0; o < bytes; o += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[s]) + o, 0, 3);
 }
 
 // One row, D = 16 * NV: its live slots listed first (key row pointers, padded to whole
 // tiles of 16 with the first live row), then both passes 16 slots at a time, so a norm,
 // a square root and a division, and a cosine's sum, are one vector op per 16 slots.
+// Pass 1 prefetches two tiles ahead (blocks lie anywhere in the pool: the hardware
+// prefetcher cannot follow); pass 2 finds the row's keys in L2. (Prefetching the next
+// row's keys into L2 during pass 2 measured slower.)
 template <typename T, int NV>
 void score_row_avx512(const Rows<T>& a, int64_t r, Scratch& s) {
   constexpr int64_t D = 16 * NV;
@@ -227,16 +246,15 @@ void score_row_avx512(const Rows<T>& a, int64_t r, Scratch& s) {
   float* inv = s.inv.data();  // [H][np]
   float* anchor = s.anchor.data();
   std::fill(anchor, anchor + HD, 0.f);
-  __m512 v[16];
+  __m512 v[16], x[NV];
   for (int64_t t = 0; t < np; t += 16) {  // pass 1: inverse norms, the anchors' sums
     const __mmask16 valid = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    if (t + 16 < np) prefetch_rows(reinterpret_cast<const char* const*>(rows + t + 16), row_bytes);
+    if (t + 32 < np) prefetch_rows(rows + t + 32, row_bytes);
     for (int64_t h = 0; h < H; ++h) {
       for (int i = 0; i < 16; ++i) {
-        const T* k = rows[t + i] + h * D;
-        __m512 x = load16(k);
-        __m512 acc = _mm512_mul_ps(x, x);
-        for (int c = 1; c < NV; ++c) { x = load16(k + 16 * c); acc = _mm512_fmadd_ps(x, x, acc); }
+        load_row<T, NV>(rows[t + i] + h * D, x);
+        __m512 acc = _mm512_mul_ps(x[0], x[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(x[c], x[c], acc);
         v[i] = acc;
       }
       const __m512 norm = _mm512_max_ps(_mm512_sqrt_ps(sum16(v)), _mm512_set1_ps(1e-12f));
@@ -247,8 +265,8 @@ void score_row_avx512(const Rows<T>& a, int64_t r, Scratch& s) {
       for (int c = 0; c < NV; ++c) acc[c] = _mm512_loadu_ps(anchor + h * D + 16 * c);
       for (int i = 0; i < 16; ++i) {
         const __m512 ci = _mm512_set1_ps(ih[i]);
-        const T* k = rows[t + i] + h * D;
-        for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(ci, load16(k + 16 * c), acc[c]);
+        load_row<T, NV>(rows[t + i] + h * D, x);
+        for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(ci, x[c], acc[c]);
       }
       for (int c = 0; c < NV; ++c) _mm512_storeu_ps(anchor + h * D + 16 * c, acc[c]);
     }
@@ -262,9 +280,9 @@ void score_row_avx512(const Rows<T>& a, int64_t r, Scratch& s) {
       __m512 ah[NV];
       for (int c = 0; c < NV; ++c) ah[c] = _mm512_loadu_ps(anchor + h * D + 16 * c);
       for (int i = 0; i < 16; ++i) {
-        const T* k = rows[t + i] + h * D;
-        __m512 acc = _mm512_mul_ps(ah[0], load16(k));
-        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(ah[c], load16(k + 16 * c), acc);
+        load_row<T, NV>(rows[t + i] + h * D, x);
+        __m512 acc = _mm512_mul_ps(ah[0], x[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(ah[c], x[c], acc);
         v[i] = acc;
       }
       sum = _mm512_fmadd_ps(sum16(v), _mm512_loadu_ps(inv + h * np + t), sum);
@@ -273,7 +291,17 @@ void score_row_avx512(const Rows<T>& a, int64_t r, Scratch& s) {
     for (int64_t i = 0; i < std::min<int64_t>(16, n - t); ++i) out[logical[t + i]] = res[i];
   }
 }
+
+template <typename T, int NV>
+void score_rows_avx512(const Rows<T>& a, int64_t begin, int64_t end, Scratch& s) {
+  for (int64_t r = begin; r < end; ++r) score_row_avx512<T, NV>(a, r, s);
+}
 #endif
+
+template <typename T>
+void score_rows(const Rows<T>& a, int64_t begin, int64_t end, Scratch& s) {
+  for (int64_t r = begin; r < end; ++r) score_row(a, r, s);
+}
 
 // k_cache [blocks, bs, Hkv, D] (fp32, bf16 or fp16, contiguous); table [N, nb] int64
 // (-1: no block); positions [N, W] int64 (-1: dead; W <= nb * bs). -> [N, W] float32.
@@ -298,13 +326,13 @@ at::Tensor key_diversity(const at::Tensor& k_cache, const at::Tensor& table,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "key_diversity", [&] {
     const Rows<scalar_t> a{k_cache.data_ptr<scalar_t>(), tp, p.data_ptr<int64_t>(),
                            out.data_ptr<float>(), nb, w, bs, h, d};
-    void (*row)(const Rows<scalar_t>&, int64_t, Scratch&) = score_row<scalar_t>;
+    void (*rows)(const Rows<scalar_t>&, int64_t, int64_t, Scratch&) = score_rows<scalar_t>;
 #ifdef KVSERVE_AVX512
     if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (d == 16) row = score_row_avx512<scalar_t, 1>;
-      if (d == 32) row = score_row_avx512<scalar_t, 2>;
-      if (d == 64) row = score_row_avx512<scalar_t, 4>;
-      if (d == 128) row = score_row_avx512<scalar_t, 8>;
+      if (d == 16) rows = score_rows_avx512<scalar_t, 1>;
+      if (d == 32) rows = score_rows_avx512<scalar_t, 2>;
+      if (d == 64) rows = score_rows_avx512<scalar_t, 4>;
+      if (d == 128) rows = score_rows_avx512<scalar_t, 8>;
     }
 #endif
     const int64_t wp = (w + 15) / 16 * 16;
@@ -312,7 +340,7 @@ at::Tensor key_diversity(const at::Tensor& k_cache, const at::Tensor& table,
       Scratch s{std::vector<float>(wp * h), std::vector<float>(h * d),
                 std::vector<float>(h * d), std::vector<const void*>(wp),
                 std::vector<int64_t>(wp)};
-      for (int64_t r = begin; r < end; ++r) row(a, r, s);
+      rows(a, begin, end, s);
     });
   });
   return out;
