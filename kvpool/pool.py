@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvpool import key_stats
 from kvpool.quant import FORMATS, KVFormat, QuantCache, dequantize, quantize
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
@@ -248,6 +249,16 @@ class BlockPool:
             v = self.read_slots(phys, 1)
             out["value_norm"] = torch.linalg.vector_norm(v, dim=-1).cpu()
         return out
+
+    def key_diversity(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """KeyDiff's score of every slot of rows of blocks (table [N, nb], positions
+        [N, W]): [N, W] float32 from the keys in place (kvpool/key_stats.py; 0 on dead
+        slots), or None where the C++ op does not serve this pool (a quantized pool,
+        another device, no compiler): the caller then gathers the keys (`gather_stats`)
+        and computes it in torch (`policies.norms.keydiff_scores`)."""
+        if self.quant is not None or not key_stats.native_key_diversity(self.k_cache):
+            return None
+        return key_stats.key_diversity(self.k_cache, table, positions)
 
     @property
     def num_free(self) -> int:

@@ -31,6 +31,10 @@ class Needs:
     key_norm: bool = False  # ‖K‖₂ per live token and kv head
     value_norm: bool = False  # ‖V‖₂ per live token and kv head
     keys: bool = False  # the key vectors themselves (as stored: rotated)
+    # KeyDiff's score per live slot, -cos(k, the row's mean unit key) averaged over the
+    # kv heads: computed by the pool over its keys in place (kvpool/key_stats.py), so a
+    # step reads every key once per pass instead of copying them all into the view.
+    key_diversity: bool = False
     # ‖K‖₂ of this step's new tokens only: for a policy that keeps each token's score as
     # per-slot state from the step that computed it (a stored key never changes), so a
     # step costs O(new).

@@ -67,7 +67,12 @@ def keydiff_scores(keys: torch.Tensor, live: torch.Tensor | None = None) -> torc
     anchor, as `F.cosine_similarity` computes it (norms clamped at its eps 1e-8) — in
     one batched matmul instead of cosine_similarity's broadcast passes (2x faster;
     within 2e-7 of it). `live` ([..., n] bool): only those tokens make the anchor (a
-    row of slots with dead ones among them)."""
+    row of slots with dead ones among them).
+
+    The engine's policy path takes these scores from the pool (`Needs.key_diversity`,
+    kvpool/key_stats.py: the same maths over the keys in place, ~15x cheaper than a copy
+    of every key); this is its reference (tests/test_key_stats.py) and its fallback
+    (a quantized pool, no compiler, another device)."""
     unit = F.normalize(keys, p=2, dim=-1)
     if live is None:
         anchor = unit.mean(dim=-3)  # [..., Hkv, D]
@@ -160,16 +165,20 @@ class KeyDiffPolicy:
 
     config: KeyDiffConfig
     name: str = "keydiff"
-    needs: Needs = field(default_factory=lambda: Needs(keys=True))
+    needs: Needs = field(default_factory=lambda: Needs(key_diversity=True))
 
     @staticmethod
     def select(policies: list[KeyDiffPolicy], view: RowsView) -> torch.Tensor | None:
+        """The scores are the engine's (`Needs.key_diversity`: `keydiff_scores`' maths,
+        computed by the pool over its keys in place, kvpool/key_stats.py), since the
+        anchor moves every step and a copy of every live key into the view cost most
+        of a decode step (issue 18)."""
         c = policies[0].config
         keep = view.budgets(c.budget)
         if view.within(keep):
             return None
-        assert view.keys is not None
-        return _select(view, keep, c.window, keydiff_scores(view.keys, view.live))
+        assert view.key_diversity is not None
+        return _select(view, keep, c.window, view.key_diversity)
 
     def idle(self, view: StepView) -> bool:
         """Nothing to plan: prompt incomplete or every layer within budget."""

@@ -50,6 +50,8 @@ class RowsView:
     key_norm: torch.Tensor | None = None  # [N, W, Hkv] float32 (dead slots: anything)
     value_norm: torch.Tensor | None = None
     keys: torch.Tensor | None = None  # [N, W, Hkv, D] float32, as stored (rotated)
+    # [N, W] float32: `policies.norms.keydiff_scores` of the row's live keys (dead: any)
+    key_diversity: torch.Tensor | None = None
     new_slots: torch.Tensor | None = None  # [N, num_new]: this step's tokens' slots
     new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     new_value_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32

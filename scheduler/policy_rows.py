@@ -27,6 +27,7 @@ from kvpool.seq_cache import SeqCache
 from kvpool.tables import put_rows, take_rows
 from policies import rows as policy_rows
 from policies.base import Needs
+from policies.norms import keydiff_scores
 from policies.rows import RowsView
 
 _SELECT_SOURCE = Path(policy_rows.__file__).parent / "csrc" / "select_cpu.cpp"
@@ -115,14 +116,21 @@ def build_view(members: list[Member]) -> RowsView:
     if needs.attention:
         view.attention = _attention(members, width, needs.attention_heads)
     new_norms = needs.new_key_norm or needs.new_value_norm
-    if needs.key_norm or needs.keys or needs.value_norm or new_norms:
+    if needs.key_norm or needs.keys or needs.value_norm or new_norms or needs.key_diversity:
         table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]
         pool, n = first.pool, table.shape[0]
-        if needs.key_norm or needs.keys or needs.value_norm:
+        if needs.key_diversity:  # the pool's C++ op, else keydiff_scores over the keys
+            view.key_diversity = pool.key_diversity(table, view.positions)
+        torch_diversity = needs.key_diversity and view.key_diversity is None
+        if needs.key_norm or needs.keys or needs.value_norm or torch_diversity:
             phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
-            for name, t in pool.gather_stats(phys, needs.key_norm, needs.keys,
-                                             needs.value_norm).items():
-                setattr(view, name, t.view(n, width, *t.shape[1:]))
+            stats = {name: t.view(n, width, *t.shape[1:]) for name, t in pool.gather_stats(
+                phys, needs.key_norm, needs.keys or torch_diversity, needs.value_norm).items()}
+            if torch_diversity:
+                view.key_diversity = keydiff_scores(stats["keys"], view.live)
+            for name, t in stats.items():
+                if name != "keys" or needs.keys:
+                    setattr(view, name, t)
         if new_norms:
             k = view.num_new
             nxt = torch.tensor([m.cache.next_slot[layer] for layer in range(nl)

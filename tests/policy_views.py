@@ -7,7 +7,7 @@ as `SlotTables` keeps it by slot, and answers with the plan as positions per lay
 
 `Sim` plays the engine's part for one request: it appends positions, builds the view a
 policy asked for (attention mass summed per kv group, norms, keys from fixed random
-tensors), checks the plan names live positions only, and carries it out.
+tensors, keydiff's scores of those keys as the engine's torch form computes them), checks the plan names live positions only, and carries it out.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.base import StepView
+from policies.norms import keydiff_scores
 from policies.rows import RowsView
 
 # A plan as positions to drop: layer -> positions (int64)
@@ -32,6 +33,7 @@ class LayerView:
     key_norm: torch.Tensor | None = None  # [n, Hkv]
     value_norm: torch.Tensor | None = None  # [n, Hkv]
     keys: torch.Tensor | None = None  # [n, Hkv, D]
+    key_diversity: torch.Tensor | None = None  # [n]
     new_key_norm: torch.Tensor | None = None  # [num_new, Hkv]: the newest tokens'
     new_value_norm: torch.Tensor | None = None  # [num_new, Hkv]
 
@@ -83,9 +85,11 @@ def run_step(policy, v: LayersView) -> Eviction:
     first = layers[0]
     if first.attention is not None:
         rv.attention = _pad([lv.attention for lv in layers], width, 2)
-    for name in ("key_norm", "value_norm", "keys"):
+    for name in ("key_norm", "value_norm", "keys", "key_diversity"):
         if getattr(first, name) is not None:
             setattr(rv, name, _pad([getattr(lv, name) for lv in layers], width, 0))
+    if policy.needs.key_diversity and rv.key_diversity is None and rv.keys is not None:
+        rv.key_diversity = keydiff_scores(rv.keys, rv.live)  # the engine's torch form
     for name in ("new_key_norm", "new_value_norm"):
         if getattr(first, name) is not None:
             k = getattr(first, name).shape[0]
@@ -167,7 +171,7 @@ class Sim:
                 lv.new_value_norm = self.values[layer, new].norm(dim=-1)
             if needs.value_norm:
                 lv.value_norm = v.norm(dim=-1)
-            if needs.keys:
+            if needs.keys or needs.key_diversity:  # run_step scores them
                 lv.keys = k
             layers.append(lv)
         v = view(layers, self.seq_len, prompt_len, num_new, done, self.block_size)

@@ -24,7 +24,7 @@ import torch
 from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
 from policies.base import head_mean
-from policies.norms import keydiff_scores, knorm_scores
+from policies.norms import knorm_scores
 from policies.rows import RowsView
 from policies.snapkv import pool_scores
 from scheduler.engine_core import EngineConfig, EngineCore
@@ -97,7 +97,8 @@ def _as_step(view: RowsView, drop: torch.Tensor | None) -> tuple[LayersView, dic
             positions=pos,
             attention=None if view.attention is None else view.attention[layer][..., live],
             key_norm=None if view.key_norm is None else view.key_norm[layer][live],
-            keys=None if view.keys is None else view.keys[layer][live]))
+            keys=None if view.keys is None else view.keys[layer][live],
+            key_diversity=None if view.key_diversity is None else view.key_diversity[layer][live]))
         if drop is not None and bool(drop[layer].any()):
             plan[layer] = view.positions[layer][drop[layer]]
     return LayersView(seq_len=view.seq_len[0], prompt_len=view.prompt_len[0],
@@ -147,8 +148,9 @@ def test_knorm_scores_are_knorm_press_head_mean(ref, ours) -> None:
 
 
 def test_keydiff_scores_are_keydiff_press_head_mean(ref, ours) -> None:
+    """The engine's scores (the pool's C++ op where it is built, else keydiff_scores)."""
     _check_selection("keydiff", ref, ours,
-                     lambda lv, t: (keydiff_scores(lv.keys), t.mean(dim=0)))
+                     lambda lv, t: (lv.key_diversity, t.mean(dim=0)))
 
 
 def test_tova_scores_are_tova_press(ref, ours) -> None:

@@ -110,6 +110,6 @@ def test_needs_declared_per_family():
     assert build_policy("paged_eviction").needs.key_norm and build_policy(
         "paged_eviction").needs.value_norm
     assert build_policy("knorm").needs.key_norm
-    assert build_policy("keydiff").needs.keys
+    assert build_policy("keydiff").needs.key_diversity
     for name in ["h2o", "tova", "snapkv", "pyramid", "lazy_eviction"]:
         assert build_policy(name).needs.attention

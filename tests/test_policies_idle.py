@@ -13,6 +13,7 @@ from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from policies.base import Needs
 from policies.catalog import build_policy
+from policies.norms import keydiff_scores
 from scheduler.policy_rows import Member, build_view, carry_out
 from tests.policy_views import LayerView, Sim, evict_positions
 
@@ -67,7 +68,7 @@ def _slow_view(c: SeqCache, attention: torch.Tensor) -> list[LayerView]:
 class _Needing:
     """A stand-in policy that needs every statistic (build_view reads only `needs`)."""
 
-    needs = Needs(attention=True, key_norm=True, value_norm=True, keys=True)
+    needs = Needs(attention=True, key_norm=True, value_norm=True, keys=True, key_diversity=True)
 
 
 @pytest.mark.parametrize("plans", [
@@ -91,6 +92,8 @@ def test_rows_view_matches_per_layer_reference(plans):
         assert torch.equal(view.attention[layer][..., live], want.attention)
         for name in ("key_norm", "value_norm", "keys"):
             assert torch.equal(getattr(view, name)[layer][live], getattr(want, name)), name
+        torch.testing.assert_close(view.key_diversity[layer][live], keydiff_scores(want.keys),
+                                   atol=1e-5, rtol=0)
 
 
 def test_identical_layers_drop_identical_slots_and_stay_alike():

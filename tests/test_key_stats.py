@@ -1,0 +1,111 @@
+"""The pool's key statistics (kvpool/key_stats.py, csrc/key_stats_cpu.cpp) against their
+torch reference: KeyDiff's score read from the keys in place equals
+`policies.norms.keydiff_scores` over the gathered keys, and the bridge falls back to
+that reference where the op does not serve the pool (a quantized pool, no op)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool import key_stats
+from kvpool.pool import BlockPool
+from kvpool.seq_cache import SeqCache
+from policies.base import Needs
+from policies.norms import keydiff_scores
+from scheduler.policy_rows import Member, build_view
+from tests.policy_views import evict_positions
+
+pytestmark = pytest.mark.skipif(not key_stats.load_key_stats(), reason="no C++ compiler")
+
+
+def _rows(pool: BlockPool, lengths: list[int], gen: torch.Generator,
+          dead: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows over blocks drawn from the pool without repeats: table [N, nb] (-1 past a
+    row's blocks) and positions [N, nb·bs] with a fraction `dead` of the used slots
+    dead (-1) and everything past a row's length dead."""
+    bs = pool.block_size
+    nb = max(-(-n // bs) for n in lengths) + 1  # a -1 column at the end of every row
+    perm = torch.randperm(pool.num_blocks, generator=gen)
+    table = torch.full((len(lengths), nb), -1, dtype=torch.int64)
+    pos = torch.full((len(lengths), nb * bs), -1, dtype=torch.int64)
+    used = 0
+    for r, n in enumerate(lengths):
+        k = -(-n // bs)
+        table[r, :k] = perm[used:used + k]
+        used += k
+        keep = torch.rand(n, generator=gen) >= dead
+        pos[r, :n] = torch.where(keep, torch.arange(n), -1)
+    return table, pos
+
+
+def _reference(pool: BlockPool, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """What the bridge's torch form computes: the gathered keys' keydiff_scores."""
+    bs = pool.block_size
+    phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
+    keys = pool.gather_stats(phys, keys=True)["keys"]
+    return keydiff_scores(keys.view(*pos.shape, *keys.shape[1:]), pos >= 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 8, 24])  # AVX-512 tiles; portable loop
+def test_key_diversity_equals_keydiff_scores(dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    pool = BlockPool(96, 16, 2, head_dim, dtype=dtype)  # GQA: 2 kv heads
+    keys = torch.randn(pool.k_cache.shape, generator=gen) * (
+        1 + 3 * torch.rand(*pool.k_cache.shape[:-1], 1, generator=gen))
+    keys[..., 0] += 1.5  # a shared direction, so the anchor is not ~0
+    pool.k_cache.copy_(keys)
+    table, pos = _rows(pool, [200, 37, 1, 16, 95, 0], gen)
+    got = pool.key_diversity(table, pos)
+    assert got is not None and got.dtype == torch.float32 and got.shape == pos.shape
+    live = pos >= 0
+    torch.testing.assert_close(got[live], _reference(pool, table, pos)[live], atol=1e-5, rtol=0)
+    assert bool((got[~live] == 0).all())
+
+
+def test_key_diversity_of_zero_keys_and_rows_without_live_slots() -> None:
+    """F.normalize's eps: a zero key is a zero unit key; a row of zero keys or of dead
+    slots only has a zero anchor (its norm clamped), and every score is 0."""
+    pool = BlockPool(8, 4, 2, 16)
+    pool.k_cache[1].normal_()
+    table = torch.tensor([[0, 1], [0, -1], [2, -1]])
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, -1, 3, -1, -1, -1, -1],
+                        [-1] * 8])
+    got = pool.key_diversity(table, pos)
+    torch.testing.assert_close(got[pos >= 0], _reference(pool, table, pos)[pos >= 0],
+                               atol=1e-6, rtol=0)
+    assert bool((got[1:] == 0).all()) and bool((got[0, :4] == 0).all())
+
+
+def test_quantized_pool_is_not_served() -> None:
+    pool = BlockPool(8, 4, 2, 32, dtype="int8")
+    assert pool.key_diversity(torch.zeros(1, 1, dtype=torch.int64),
+                              torch.zeros(1, 4, dtype=torch.int64)) is None
+
+
+class _Diversity:
+    needs = Needs(key_diversity=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "int8"])
+def test_build_view_falls_back_to_keydiff_scores(dtype, monkeypatch) -> None:
+    """The view's scores are the op's where it serves the pool, else keydiff_scores of
+    the keys the pool holds (dequantized): the same numbers either way, and no keys in
+    the view (they were not asked for)."""
+    pool = BlockPool(64, 4, 2, 32, dtype=dtype)
+    pool.write(torch.arange(pool.num_blocks * 4),
+               torch.randn(pool.num_blocks * 4, 2, 32, generator=torch.Generator().manual_seed(1)),
+               torch.zeros(pool.num_blocks * 4, 2, 32))
+    c = SeqCache(pool, 3)
+    c.append(torch.arange(40))
+    evict_positions(c, {0: torch.tensor([0, 5]), 1: torch.arange(4, 12), 2: torch.tensor([39])})
+    member = Member(c, _Diversity(), 40, 30, 1, True, None)
+    native = build_view([member])
+    assert native.keys is None and native.key_diversity is not None
+    monkeypatch.setattr(key_stats, "native_key_diversity", lambda k: False)
+    fallback = build_view([member])
+    assert fallback.keys is None
+    live = native.live
+    torch.testing.assert_close(native.key_diversity[live], fallback.key_diversity[live],
+                               atol=1e-5, rtol=0)
