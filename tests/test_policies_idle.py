@@ -68,7 +68,8 @@ def _slow_view(c: SeqCache, attention: torch.Tensor) -> list[LayerView]:
 class _Needing:
     """A stand-in policy that needs every statistic (build_view reads only `needs`)."""
 
-    needs = Needs(attention=True, key_norm=True, value_norm=True, keys=True, key_diversity=True)
+    needs = Needs(attention=True, attention_heads=True, key_norm=True, value_norm=True,
+                  keys=True, key_diversity=True)
 
 
 @pytest.mark.parametrize("plans", [
