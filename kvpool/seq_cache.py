@@ -97,6 +97,9 @@ class SeqCache:
         """Blocks that appending n tokens to every layer would allocate."""
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
+        if n == 1:  # every running request, every step: a layer whose last block is full
+            bs = self.bs
+            return sum(s >= b * bs for b, s in zip(self.nblocks, self.next_slot))
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
 
     def owned_blocks(self) -> torch.Tensor:
