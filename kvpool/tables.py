@@ -52,21 +52,27 @@ def load_mark() -> bool:
     return load_ops("kvserve_tables_cpu", _MARK_SOURCE, ["-O3", "-march=native"])
 
 
+def consecutive(rows: list[int]) -> bool:
+    """Rows a, a+1, ...: then dim 1 is read with `narrow` (a view), not a gather. Use
+    narrow, not [a:b]: indexing skips a whole-range slice and narrow never does, which
+    keeps a step's op count fixed (test_step_ops)."""
+    return rows == list(range(rows[0], rows[0] + len(rows)))
+
+
 def take_rows(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
     """t[:, rows, :width] ([L, R, width, ...]) as a new contiguous tensor. Rows are handed
     out in order, so a batch's rows are usually consecutive: then it is a slice copy,
     about 3x cheaper than `index_select` on the sliced table, which is the fallback."""
-    a = rows[0]  # narrow, not [a:b]: indexing skips a whole-range slice, narrow never
-    if rows == list(range(a, a + len(rows))):  # does (a fixed op count, test_step_ops)
-        return t.narrow(1, a, len(rows)).narrow(2, 0, width).contiguous()
+    if consecutive(rows):
+        return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width).contiguous()
     return t.narrow(2, 0, width).index_select(1, torch.tensor(rows, dtype=torch.int64))
 
 
 def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
     """t[:, rows, :W] = value ([L, R, W, ...]): `take_rows`' way back."""
-    a, w = rows[0], value.shape[2]
-    if rows == list(range(a, a + len(rows))):
-        t.narrow(1, a, len(rows)).narrow(2, 0, w).copy_(value)
+    w = value.shape[2]
+    if consecutive(rows):
+        t.narrow(1, rows[0], len(rows)).narrow(2, 0, w).copy_(value)
     else:
         t.narrow(2, 0, w).index_copy_(1, torch.tensor(rows, dtype=torch.int64), value)
 
@@ -227,14 +233,11 @@ class SlotTables:
         if dead.device.type == "cpu" and load_mark():
             cnt, emptied, same_t = torch.ops.kvserve_tables.mark_dead(
                 self.slot_pos, rows, dead, alike, self.bs)
-            counts = cnt.t().tolist()  # [R][L]
-            if not any(map(any, counts)):
-                return [(0, 0)] * r
-            same = same_t.tolist()
+            counts, same = cnt.t().tolist(), same_t.tolist()  # counts [R][L]
         else:
             counts, emptied, same = self._mark_dead(rows, dead, alike, positions)
-            if not any(map(any, counts)):
-                return [(0, 0)] * r
+        if not any(map(any, counts)):
+            return [(0, 0)] * r
         for c, k, s in zip(caches, counts, same):
             if any(k):
                 c.layer_live = [x - y for x, y in zip(c.layer_live, k)]

@@ -176,8 +176,10 @@ class PagedEvictionPolicy:
         when it is computed (its norms never change), even on the steps that drop
         nothing (Alg. 3 acts only on "L % B == 0", i.e. most decode steps)."""
         self.block_size = view.block_size
-        return self.needs.key_norm and all(
-            n <= prompt_budget(self.config.budget, view) for n in view.lengths)
+        if not self.needs.key_norm:
+            return False
+        budget = prompt_budget(self.config.budget, view)
+        return all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -24,7 +24,7 @@ import torch
 from engine.runner import AttentionMass
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
-from kvpool.tables import put_rows, take_rows
+from kvpool.tables import consecutive, put_rows, take_rows
 from policies import rows as policy_rows
 from policies.base import Needs
 from policies.norms import keydiff_scores
@@ -81,9 +81,9 @@ def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
         g[2].append(i)
     parts, order = [], []
     for group, rows, which in groups.values():
-        lo = rows[0]  # [L, r, Tq, Hkv, S]; a slice when the rows are consecutive
-        sel = (group.narrow(1, lo, len(rows))[:, :, :tq] if rows == list(range(lo, lo + len(rows)))
-               else group[:, :, :tq].index_select(1, torch.tensor(rows)))
+        g = group[:, :, :tq]  # [L, r, Tq, Hkv, S]: a slice when the rows are consecutive
+        sel = g.narrow(1, rows[0], len(rows)) if consecutive(rows) \
+            else g.index_select(1, torch.tensor(rows))
         s = sel.shape[-1]
         sel = sel[..., :width] if s >= width else torch.nn.functional.pad(sel, (0, width - s))
         parts.append(sel if heads else sel.sum(dim=3, keepdim=True))
