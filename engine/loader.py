@@ -112,7 +112,11 @@ def load_model(
     if tied:
         weights.pop(head_name, None)  # the head *is* the embedding, as transformers ties it
 
-    expected = {name for name, _ in model.named_parameters()}
+    # Checkpoint names: a stacked parameter (llama's qkv_proj) is read as its parts.
+    stacked: dict[str, list[str]] = (model.stacked_params()
+                                     if hasattr(model, "stacked_params") else {})
+    expected = {part for name, _ in model.named_parameters()
+                for part in stacked.get(name, [name])}
     if tied:
         expected.discard(head_name)
     missing = sorted(expected - weights.keys())
@@ -125,6 +129,11 @@ def load_model(
             f"checkpoint {path!r} does not match {config.architecture}{hint}: "
             f"missing {_short(missing)}, unexpected {_short(unexpected)}"
         )
+    for name, parts in stacked.items():
+        shapes = {tuple(weights[p].shape[1:]) for p in parts}
+        if len(shapes) > 1:
+            raise ValueError(f"{name}: its parts {parts} differ in shape beyond dim 0")
+        weights[name] = torch.cat([weights.pop(p) for p in parts])
     for name, tensor in weights.items():
         expected_shape = model.get_parameter(name).shape
         if tensor.shape != expected_shape:

@@ -2,9 +2,13 @@
 
 The core is not thread-safe and `step()` blocks for a long time on CPU, so every call
 into it (construction included: torch keeps per-thread state) runs on one dedicated
-worker thread. The event loop only queues submissions/aborts, which the worker applies
-between steps, and fans the step's outputs out to per-request queues. The loop therefore
-stays free to answer health checks and accept connections while the model computes.
+worker thread. That thread runs the step loop itself, as vLLM's engine-core loop does:
+it applies the submissions and aborts the event loop queued, steps while anything is
+unfinished, hands each step's outputs to the event loop and starts the next step at
+once. The event loop fans the outputs out to per-request queues and writes SSE while
+the model computes the next token; it is never on the path between two steps. (Until
+issue 22 each step was a round trip through the event loop, which waited for a slice
+of the CPU before the next step could start.)
 Nothing here knows about HTTP. Requests, streams, queue limits and exceptions live in
 `scheduler/async_stream.py` (re-exported here).
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -71,12 +76,14 @@ class AsyncEngine:
         self._stopping = False
         self._loaded = asyncio.Event()
         self._live: dict[str, Live] = {}
+        # Queued by the event loop, taken by the worker between steps, under `_work`.
+        self._work = threading.Condition()
         self._pending_adds: list[tuple[Live, asyncio.Future]] = []
         self._pending_aborts: list[str] = []
-        self._core_busy = False
-        self._wakeup: asyncio.Event | None = None
+        self._core_busy = False  # the worker's own: the core has unfinished requests
         self._idle: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Future | None = None  # the worker's step loop
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.listeners = Listeners()
 
     @classmethod
@@ -126,15 +133,15 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Load the core on the worker thread and start the step loop."""
-        loop = asyncio.get_running_loop()
-        self._wakeup, self._idle = asyncio.Event(), asyncio.Event()
+        loop = self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
         self._idle.set()
         try:
             await loop.run_in_executor(self._executor, self._load)
         except BaseException as e:
             self.load_error = e
             raise
-        self._task = asyncio.create_task(self._run(), name="kvserve-engine-loop")
+        self._task = loop.run_in_executor(self._executor, self._worker_loop)
         self._loaded.set()
 
     def _load(self) -> None:
@@ -181,8 +188,7 @@ class AsyncEngine:
         self._stopping = True
         for rid in list(self._live):
             self._fail(rid, EngineUnavailable("the server is shutting down", "stopped"))
-        if self._wakeup is not None:
-            self._wakeup.set()
+        self._notify()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -224,7 +230,7 @@ class AsyncEngine:
             if r.request_id in self._live:
                 raise RequestRejected(f"duplicate request id {r.request_id!r}", "request_id")
         self.check_admission(len(requests), sum(len(r.prompt_ids) for r in requests))
-        assert self._wakeup is not None
+        assert self._task is not None
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         members, futures = [], []
@@ -235,12 +241,12 @@ class AsyncEngine:
             live = Live(r, queue)
             self._live[r.request_id] = live
             self.admission.enqueue(live)
-            fut = loop.create_future()
-            self._pending_adds.append((live, fut))
             members.append(live)
-            futures.append(fut)
+            futures.append(loop.create_future())
         self._idle.clear()  # type: ignore[union-attr]
-        self._wakeup.set()
+        with self._work:
+            self._pending_adds.extend(zip(members, futures))
+            self._work.notify()
         stream = RequestStream(self._abort, members, queue)
         try:
             await asyncio.gather(*futures)
@@ -264,16 +270,16 @@ class AsyncEngine:
         live = self._forget(rid)
         if live is None:
             return
-        for i, (pending, fut) in enumerate(self._pending_adds):
-            if pending is live:
-                del self._pending_adds[i]
-                if not fut.done():
-                    fut.set_exception(err) if err is not None else fut.cancel()
-                break
-        else:
-            self._pending_aborts.append(rid)
-            if self._wakeup is not None:
-                self._wakeup.set()
+        with self._work:
+            for i, (pending, fut) in enumerate(self._pending_adds):
+                if pending is live:
+                    del self._pending_adds[i]
+                    if not fut.done():
+                        fut.set_exception(err) if err is not None else fut.cancel()
+                    break
+            else:  # with the core, or on its way there: the worker aborts it
+                self._pending_aborts.append(rid)
+                self._work.notify()
         self.listeners.on_output(RequestOutput(rid, [], "", None, finished=True, finish_reason="abort",
                                    num_prompt_tokens=len(live.req.prompt_ids),
                                    arrival_time=live.req.arrival_time or 0.0))
@@ -284,7 +290,9 @@ class AsyncEngine:
             self._abort(rid, err)
             live.queue.put_nowait(err)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], seconds: float) -> None:
+        """A step's outputs, on the event loop (scheduled by the worker)."""
+        self.admission.observe_step(seconds)
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:  # aborted while the step ran
@@ -295,47 +303,61 @@ class AsyncEngine:
             self.listeners.on_output(out)
             live.queue.put_nowait(out)
 
-    # ---- the step loop -----------------------------------------------------------------
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wakeup is not None
-        while not self._stopping:
-            if not (self._pending_adds or self._pending_aborts or self._core_busy):
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            adds, self._pending_adds = self._pending_adds, []
-            aborts, self._pending_aborts = self._pending_aborts, []
+    def _accepted(self, adds: list[tuple[Live, asyncio.Future]],
+                  results: list[BaseException | None]) -> None:
+        """The core's answer to submissions, on the event loop."""
+        for (live, fut), res in zip(adds, results):
+            if res is not None:
+                self._forget(live.req.request_id)
+            if not fut.done():
+                fut.set_result(None) if res is None else fut.set_exception(res)
+
+    def _step_failed(self, err: Exception) -> None:
+        logger.error("engine step failed; failing %d requests", len(self._live),
+                     exc_info=err)
+        error = EngineError(f"engine step failed: {err}")
+        for rid in list(self._live):
+            self._fail(rid, error)
+
+    def _notify(self) -> None:
+        with self._work:
+            self._work.notify()
+
+    # ---- worker thread only ------------------------------------------------------------
+    def _worker_loop(self) -> None:
+        """The step loop: wait for work, apply what the event loop queued, step, repeat.
+        Everything the event loop must see goes back through `call_soon_threadsafe`."""
+        loop = self._loop
+        assert loop is not None
+        while True:
+            with self._work:
+                while not (self._stopping or self._pending_adds or self._pending_aborts
+                           or self._core_busy):
+                    self._work.wait()
+                if self._stopping:
+                    return
+                adds, self._pending_adds = self._pending_adds, []
+                aborts, self._pending_aborts = self._pending_aborts, []
             if adds or aborts:
                 try:
-                    results = await loop.run_in_executor(self._executor, self._apply, adds,
-                                                         aborts)
+                    results = self._apply(adds, aborts)
                 except Exception as e:  # a broken core: fail what was submitted
                     logger.exception("applying submissions failed")
                     results = [e] * len(adds)
-                for (live, fut), res in zip(adds, results):
-                    if res is not None:
-                        self._forget(live.req.request_id)
-                    if not fut.done():
-                        fut.set_result(None) if res is None else fut.set_exception(res)
-            if self._core_busy and not self._stopping:
-                await self._step_once(loop)
+                    self._core_busy = False
+                loop.call_soon_threadsafe(self._accepted, adds, results)
+            if self._core_busy:
+                t0 = time.perf_counter()
+                try:
+                    outputs = self._step()
+                except Exception as e:
+                    # Nothing steps again until the event loop's aborts of the failed
+                    # requests arrive (the core may fail the same way every time).
+                    self._core_busy = False
+                    loop.call_soon_threadsafe(self._step_failed, e)
+                    continue
+                loop.call_soon_threadsafe(self._dispatch, outputs, time.perf_counter() - t0)
 
-    async def _step_once(self, loop: asyncio.AbstractEventLoop) -> None:
-        t0 = time.perf_counter()
-        try:
-            outputs = await loop.run_in_executor(self._executor, self._step)
-        except Exception as e:
-            logger.exception("engine step failed; failing %d requests", len(self._live))
-            err = EngineError(f"engine step failed: {e}")
-            for rid in list(self._live):
-                self._fail(rid, err)
-            self._core_busy = bool(self._live)
-            return
-        self.admission.observe_step(time.perf_counter() - t0)
-        self._dispatch(outputs)
-
-    # ---- worker thread only ------------------------------------------------------------
     def _apply(self, adds: list[tuple[Live, asyncio.Future]],
                aborts: list[str]) -> list[BaseException | None]:
         core = self._core

@@ -197,3 +197,22 @@ def test_event_loop_stays_responsive_while_stepping(model_dir: str) -> None:
 async def _drain_stream(stream) -> None:
     async for _ in stream:
         pass
+
+
+def test_the_worker_steps_while_the_event_loop_is_busy(model_dir: str) -> None:
+    """The step loop runs on the worker thread: a blocked event loop delays delivery, not
+    generation (before issue 22 every step was a round trip through the event loop)."""
+    async def main() -> None:
+        engine = make_engine(model_dir)
+        steps: list[StepStats] = []
+        engine.add_step_listener(steps.append)
+        await engine.start()
+        stream = await engine.submit([GenerationRequest([5, 6, 7], greedy(30, ignore_eos=True))])
+        before = len(steps)
+        time.sleep(1.0)  # the event loop does nothing: no dispatch, no hand-off
+        assert len(steps) - before >= 10, f"{len(steps) - before} steps while the loop slept"
+        outs = [o async for o in stream]
+        assert sum(len(o.new_token_ids) for o in outs) == 30 and outs[-1].finished
+        await engine.shutdown()
+
+    asyncio.run(main())

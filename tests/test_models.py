@@ -172,7 +172,29 @@ def test_missing_and_unexpected_weights(tmp_path):
     del weights["model.layers.0.mlp.up_proj.weight"]
     weights["model.layers.0.extra.weight"] = torch.zeros(2)
     save_file(weights, file, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing .*up_proj.*unexpected .*extra"):
+    with pytest.raises(ValueError, match=r"missing model.layers.0.mlp.up_proj.weight, "
+                       r"unexpected model.layers.0.extra.weight"):
+        load_model(path)
+
+
+def test_llama_holds_qkv_and_gate_up_stacked(tmp_path):
+    """q/k/v and gate/up are read from their checkpoint tensors into one GEMM each (the
+    parity tests above check the outputs); a part of the wrong shape is named."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model("qwen2", tmp_path, num_hidden_layers=2)  # biased q/k/v
+    model, config = load_model(path)
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * config.num_layers + 1
+    attn = model.model.layers[1].self_attn
+    hf = load_file(os.path.join(path, "model.safetensors"))
+    torch.testing.assert_close(attn.qkv_proj.bias, torch.cat(
+        [hf[f"model.layers.1.self_attn.{p}_proj.bias"] for p in "qkv"]))
+    weights = dict(hf)
+    weights["model.layers.0.mlp.up_proj.weight"] = weights[
+        "model.layers.0.mlp.up_proj.weight"][:, :-1].contiguous()
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"gate_up_proj.weight: its parts .*gate_proj"):
         load_model(path)
 
 

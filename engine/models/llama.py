@@ -2,8 +2,12 @@
 
 One module with per-architecture flags, because the four differ only in biases, QK-norm
 and sliding windows (the latter is the attention callback's business). Parameter names
-match the Hugging Face checkpoints, so the loader copies tensors by name. The model never
-sees the KV cache: per layer it hands rotated q/k and v to `attn(layer, q, k, v)`.
+match the Hugging Face checkpoints, so the loader copies tensors by name, except that q/k/v
+and gate/up are held stacked (`qkv_proj`, `gate_up_proj`: one GEMM each instead of three
+and two, as vLLM stacks them; `stacked_params` tells the loader which checkpoint tensors
+make each). On a CPU a GEMM of a few rows is a parallel region of its own, and 85 of
+them a step became 49. The model never sees the KV cache: per layer it hands rotated
+q/k and v to `attn(layer, q, k, v)`.
 """
 
 from __future__ import annotations
@@ -67,9 +71,8 @@ class LlamaAttention(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=flags.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=flags.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=flags.qkv_bias)
+        self.qkv_split = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+        self.qkv_proj = nn.Linear(h, sum(self.qkv_split), bias=flags.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=flags.o_bias)
         if flags.qk_norm:
             eps = config.hf_config.rms_norm_eps
@@ -80,9 +83,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: CosSin, attn: AttnFn) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -94,13 +98,13 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, flags: LlamaFlags) -> None:
         super().__init__()
         h, m = config.hidden_size, config.hf_config.intermediate_size
-        self.gate_proj = nn.Linear(h, m, bias=flags.mlp_bias)
-        self.up_proj = nn.Linear(h, m, bias=flags.mlp_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * m, bias=flags.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=flags.mlp_bias)
         self.act_fn = ACT2FN[config.hf_config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -143,6 +147,19 @@ class LlamaForCausalLM(nn.Module):
     def embedding_weight_names(self) -> tuple[str, str]:
         """(input embedding, output head) parameter names, for tied checkpoints."""
         return "model.embed_tokens.weight", "lm_head.weight"
+
+    def stacked_params(self) -> dict[str, list[str]]:
+        """Parameter name -> the checkpoint tensors stacked into it, in order (dim 0)."""
+        stacked: dict[str, list[str]] = {}
+        for i, layer in enumerate(self.model.layers):
+            for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                  ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+                prefix, _, _ = module.rpartition(".")
+                for kind in ("weight", "bias"):
+                    if getattr(layer.get_submodule(module), kind) is not None:
+                        stacked[f"model.layers.{i}.{module}.{kind}"] = [
+                            f"model.layers.{i}.{prefix}.{p}.{kind}" for p in parts]
+        return stacked
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn
