@@ -1,19 +1,26 @@
 """How many CPU threads the model's ops use, and how they wait: chosen before torch loads.
 
 A server process has two busy Python threads besides torch's own: the event loop (HTTP,
-SSE) and the engine worker that steps the model. OpenMP's default waiting is to spin
-after every parallel region, so each intra-op thread keeps a core busy between ops and
-the HTTP side waits for a time slice: on 2 cores, 4 concurrent requests took 1.8-2.1x
-the time of one (5-7x beside another busy process). With passive waiting a finished
-intra-op thread sleeps at once, and one thread per physical core is then the fastest
-setting we measured (docs/benchmarks.md, "CPU threads"). In a container the count is
-capped by the cgroup's CPU limit. Pinning each intra-op thread
-to one core was slower as soon as another process used that core (a pinned thread
-cannot move away), so pinning is opt-in (`--cpu-bind`), not the default.
+SSE) and the engine worker that steps the model. One intra-op thread per physical core
+is the fastest count we measured (docs/benchmarks.md, "CPU threads"); in a container it
+is capped by the cgroup's CPU limit.
+
+How a thread waits after its share of an op is the trade-off. OpenMP's default spins
+for ~15 ms (GOMP_SPINCOUNT 300,000), so an idle server keeps every core busy and a
+request beside another busy process took seconds (a spinning thread holds its core
+while the partner it waits for has no core at all). Passive waiting (sleep at once)
+is safe there but costs a futex wake-up, ~0.1 ms on this VM, at each of a decode
+step's ~60 parallel regions: 10-15% of a 160M model's decode step at 1-13 running
+requests (docs/benchmarks.md). The default is in between: spin for GOMP_SPINCOUNT
+`SPIN_COUNT` (~1.5 ms, long enough to bridge the gaps between one step's ops and
+between back-to-back steps), then sleep, so an idle server goes quiet within about a
+millisecond. `--cpu-wait passive` is for a machine shared with other busy processes.
+Pinning each intra-op thread to one core was slower as soon as another process used
+that core (a pinned thread cannot move away), so pinning is opt-in (`--cpu-bind`).
 
 OpenMP reads its settings when torch loads it, so `apply` must run before `import
 torch`; if torch is already loaded (kvserve used as a library), the thread count still
-takes effect through torch, the wait policy does not.
+takes effect through torch, the wait does not.
 """
 
 from __future__ import annotations
@@ -24,6 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
+# GNU OpenMP's spin before a waiting thread sleeps, in its unit (one `pause` loop: ~50 ns
+# on the Xeons measured). OpenMP's own default is 300,000.
+SPIN_COUNT = 30_000
+WAITS = ("spin", "passive")
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,9 @@ class CpuThreads:
     source: str  # "default" (physical cores), "--cpu-threads", "OMP_NUM_THREADS"
     bind: list[int] | None  # CPUs the process is confined to; None: left as it was
     physical_cores: int  # in the CPUs the process may run on, at most its cgroup's limit
-    wait_policy: str  # OMP_WAIT_POLICY as applied ("PASSIVE" unless the user set one)
+    # "spin" (GOMP_SPINCOUNT=SPIN_COUNT, then sleep), "passive" (sleep at once), or
+    # "environment" (the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT, left as they are)
+    wait: str
     applied_before_torch: bool = True
 
     def fields(self) -> dict[str, object]:
@@ -85,9 +98,9 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
-def plan(threads: int | None, bind: str | None) -> CpuThreads:
-    """The choice for `--cpu-threads` / `--cpu-bind` (None: not given); ValueError with
-    a message for the user on a bad value."""
+def plan(threads: int | None, bind: str | None, wait: str | None = None) -> CpuThreads:
+    """The choice for `--cpu-threads` / `--cpu-bind` / `--cpu-wait` (None: not given);
+    ValueError with a message for the user on a bad value."""
     cpus = allowed_cpus()
     chosen: list[int] | None = None
     if bind is not None and bind.strip().lower() != "none":
@@ -109,8 +122,21 @@ def plan(threads: int | None, bind: str | None) -> CpuThreads:
         n, source = int(env), "OMP_NUM_THREADS"
     else:
         n, source = cores, "default"
-    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE").upper()
-    return CpuThreads(n, source, chosen, cores, policy)
+    if wait is not None and wait not in WAITS:
+        raise ValueError(f"--cpu-wait {wait}: use one of {', '.join(WAITS)}")
+    return CpuThreads(n, source, chosen, cores, wait or _wait_from_env())
+
+
+def _wait_from_env() -> str:
+    """'spin' or 'passive' where the environment holds none or exactly what `environment`
+    sets for it (a re-executed benchmark, a child server), else 'environment'."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
+    spin = os.environ.get("GOMP_SPINCOUNT", "")
+    if not policy and spin in ("", str(SPIN_COUNT)):
+        return "spin"
+    if policy == "PASSIVE" and spin in ("", "0"):
+        return "passive"
+    return "environment"
 
 
 def apply(choice: CpuThreads) -> CpuThreads:
@@ -130,10 +156,14 @@ def apply(choice: CpuThreads) -> CpuThreads:
 
 
 def environment(choice: CpuThreads) -> dict[str, str]:
-    """The variables OpenMP (GNU's, and Intel's: KMP_BLOCKTIME) and MKL read at load."""
+    """The variables OpenMP (GNU's; Intel's KMP_BLOCKTIME, in ms) and MKL read at load."""
     n = str(choice.threads)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": choice.wait_policy,
-            "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME", "0")}
+    env = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+    if choice.wait == "spin":  # GOMP_SPINCOUNT wins over an OMP_WAIT_POLICY in libgomp
+        env.update(GOMP_SPINCOUNT=str(SPIN_COUNT), KMP_BLOCKTIME="1")
+    elif choice.wait == "passive":
+        env.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0", KMP_BLOCKTIME="0")
+    return env
 
 
 def format_cpu_list(cpus: list[int]) -> str:

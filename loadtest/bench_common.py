@@ -125,7 +125,7 @@ def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 def pin_threads(module: str, threads: int, argv: list[str] | None) -> dict[str, object]:
     """Run with `threads` intra-op threads set as `kvserve serve --cpu-threads` sets them
-    (engine/cpu_threads.py: passive OpenMP waiting), re-executing the module if needed;
+    (engine/cpu_threads.py: its default wait), re-executing the module if needed;
     returns the choice for the report.
 
     OpenMP reads its environment when torch loads it, and threads other than the main

@@ -818,7 +818,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         print(args.vllm_missing, flush=True)
     vllm_on = "vllm" in args.systems and not args.vllm_missing
     args.thread_settings = {
-        "in_process": f"{args.threads} thread(s), OMP_WAIT_POLICY={in_process['wait_policy']}",
+        "in_process": f"{args.threads} thread(s), wait {in_process['wait']}",
         "vllm": vllm_peer.settings(args.threads, args.kv_memory)}
     args.vllm_version = vllm_peer.version(args.vllm_python) if vllm_on else None
     report: dict[str, object] = {

@@ -74,6 +74,7 @@ def fingerprint() -> dict[str, object]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
         "omp_wait_policy_env": os.environ.get("OMP_WAIT_POLICY"),
+        "gomp_spincount_env": os.environ.get("GOMP_SPINCOUNT"),
         # what `kvserve serve` picks without --cpu-threads (engine/cpu_threads.py)
         "physical_cores": physical_cores(allowed_cpus()),
         "python": platform.python_version(),

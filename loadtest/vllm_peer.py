@@ -49,7 +49,7 @@ def env(threads: int, kv_memory: str) -> dict[str, str]:
     """The child's environment: ours without the thread variables (vLLM sets its own
     from the binding) and without our PYTHONPATH (its venv is complete)."""
     base = {k: v for k, v in os.environ.items()
-            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
+            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                          "KMP_BLOCKTIME", "PYTHONPATH")}
     return {**base, **OFFLINE_ENV, **settings(threads, kv_memory)}
 

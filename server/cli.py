@@ -126,8 +126,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "cuda[:N]")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
-                   "if set, else one per physical core this process may use (they wait "
-                   "passively, so none spins against the HTTP threads)")
+                   "if set, else one per physical core this process may use")
+    g.add_argument("--cpu-wait", default=None, choices=cpu_threads.WAITS,
+                   help="how an intra-op thread waits between ops: spin (the default: "
+                   "for ~1.5 ms, then sleep; fastest on cores of its own) or passive "
+                   "(sleep at once: for a machine shared with other busy processes). "
+                   "Without it, env OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else spin")
     g.add_argument("--cpu-bind", default=None, metavar="LIST|none",
                    help="confine the whole process to these CPUs, e.g. 0-3 (taskset's "
                    "format); the thread default then counts their physical cores. Without "
@@ -244,11 +248,12 @@ def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
 
 
 def threads(a: argparse.Namespace) -> cpu_threads.CpuThreads:
-    """`--cpu-threads` / `--cpu-bind` checked and applied before torch loads (exit 2 on a
-    bad value): OpenMP takes its thread count and wait policy from the environment
-    once, when it loads (engine/cpu_threads.py says why the default is what it is)."""
+    """`--cpu-threads` / `--cpu-bind` / `--cpu-wait` checked and applied before torch
+    loads (exit 2 on a bad value): OpenMP takes its thread count and wait policy from
+    the environment once, when it loads (engine/cpu_threads.py says why the default is
+    what it is)."""
     try:
-        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind)
+        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait)
     except ValueError as e:
         fail(str(e))
     return cpu_threads.apply(choice)

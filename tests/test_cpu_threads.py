@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine import cpu_threads
 from engine.cpu_threads import (
     allowed_cpus,
     cpu_quota,
@@ -33,7 +34,8 @@ from tests.live_server import wait_ready
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ("The os module", "import sys", "def read(path):", "class Path:")
 BOUND = 1.5  # four concurrent requests against one (issue 22)
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME")
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+               "KMP_BLOCKTIME")
 
 
 def test_cpu_lists_round_trip() -> None:
@@ -59,6 +61,7 @@ def test_a_container_cpu_limit_caps_the_default(tmp_path: Path) -> None:
     (["--cpu-threads", "0"], "--cpu-threads 0: must be at least 1"),
     (["--cpu-bind", "4096"], "CPU(s) [4096] are not available"),
     (["--cpu-bind", "0-x"], "is not a CPU list"),
+    (["--cpu-wait", "sometimes"], "invalid choice: 'sometimes'"),
 ])
 def test_bad_thread_options_exit_2_before_loading(args: list[str], message: str,
                                                  capsys: pytest.CaptureFixture) -> None:
@@ -140,7 +143,7 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
         cpu = next(x for x in lines if x.get("msg") == "cpu threads")
         assert cpu["source"] == "default" and cpu["applied_before_torch"], cpu
         assert cpu["threads"] == physical_cores(allowed_cpus()), cpu
-        assert cpu["wait_policy"] == "PASSIVE" and cpu["bind"] is None, cpu
+        assert cpu["wait"] == "spin" and cpu["bind"] is None, cpu
         one, four = _four_over_one(url)
         assert four <= BOUND * one, f"quiet: one {one:.3f} s, four {four:.3f} s"
         with busy_core():
@@ -150,9 +153,11 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
 
 def test_thread_options_override_the_default(tmp_path: Path) -> None:
     cpus = allowed_cpus()
-    with served(tmp_path, "--cpu-threads", "1", "--cpu-bind", str(cpus[0])) as (url, lines, pid):
+    with served(tmp_path, "--cpu-threads", "1", "--cpu-bind", str(cpus[0]),
+                "--cpu-wait", "passive") as (url, lines, pid):
         cpu = next(x for x in lines if x.get("msg") == "cpu threads")
         assert (cpu["threads"], cpu["source"], cpu["bind"]) == (1, "--cpu-threads", [cpus[0]])
+        assert cpu["wait"] == "passive"
         status = Path(f"/proc/{pid}/status").read_text()
         assert f"Cpus_allowed_list:\t{cpus[0]}\n" in status  # every thread inherited it
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -160,3 +165,26 @@ def test_thread_options_override_the_default(tmp_path: Path) -> None:
         r = httpx.post(url + "/v1/completions", json={"prompt": "import os", "max_tokens": 4},
                        timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_the_wait_sets_openmp_and_honours_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    """spin: GNU OpenMP's spin count bounded (it wins over OMP_WAIT_POLICY); passive:
+    sleep at once; a wait variable the user exported is theirs, unless it is ours."""
+    for k in THREAD_VARS:
+        monkeypatch.delenv(k, raising=False)
+    spin = cpu_threads.plan(2, None)
+    assert spin.wait == "spin"
+    assert cpu_threads.environment(spin) == {
+        "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+        "GOMP_SPINCOUNT": str(cpu_threads.SPIN_COUNT), "KMP_BLOCKTIME": "1"}
+    passive = cpu_threads.plan(2, None, "passive")
+    env = cpu_threads.environment(passive)
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"], env["KMP_BLOCKTIME"]) == (
+        "PASSIVE", "0", "0")
+    monkeypatch.setenv("GOMP_SPINCOUNT", str(cpu_threads.SPIN_COUNT))  # a child of ours
+    assert cpu_threads.plan(2, None).wait == "spin"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    mine = cpu_threads.plan(2, None)
+    assert mine.wait == "environment"
+    assert set(cpu_threads.environment(mine)) == {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}
+    assert cpu_threads.plan(2, None, "passive").wait == "passive"  # the option wins
