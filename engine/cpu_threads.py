@@ -11,10 +11,14 @@ request beside another busy process took seconds (a spinning thread holds its co
 while the partner it waits for has no core at all). Passive waiting (sleep at once)
 is safe there but costs a futex wake-up, ~0.1 ms on this VM, at each of a decode
 step's ~60 parallel regions: 10-15% of a 160M model's decode step at 1-13 running
-requests (docs/benchmarks.md). The default is in between: spin for GOMP_SPINCOUNT
-`SPIN_COUNT` (~1.5 ms, long enough to bridge the gaps between one step's ops and
-between back-to-back steps), then sleep, so an idle server goes quiet within about a
-millisecond. `--cpu-wait passive` is for a machine shared with other busy processes.
+requests (docs/benchmarks.md). `--cpu-wait spin` is in between: spin for
+GOMP_SPINCOUNT `SPIN_COUNT` (~1.5 ms, long enough to bridge the gaps between one step's
+ops and between back-to-back steps), then sleep, so an idle server goes quiet within a
+few milliseconds. It is not the default: beside another CPU-bound process it made a
+request 3.6x slower than passive waiting (a spinning thread holds its core while the
+partner it waits for has none), and with 4 concurrent requests on the demo model it sat
+at the 1.5x bound of one that passive waiting meets easily. A server with cores of
+its own should use it.
 Pinning each intra-op thread to one core was slower as soon as another process used
 that core (a pinned thread cannot move away), so pinning is opt-in (`--cpu-bind`).
 
@@ -132,10 +136,10 @@ def _wait_from_env() -> str:
     sets for it (a re-executed benchmark, a child server), else 'environment'."""
     policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
     spin = os.environ.get("GOMP_SPINCOUNT", "")
-    if not policy and spin in ("", str(SPIN_COUNT)):
-        return "spin"
-    if policy == "PASSIVE" and spin in ("", "0"):
+    if policy in ("", "PASSIVE") and spin in ("", "0"):
         return "passive"
+    if not policy and spin == str(SPIN_COUNT):
+        return "spin"
     return "environment"
 
 

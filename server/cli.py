@@ -128,10 +128,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
                    "if set, else one per physical core this process may use")
     g.add_argument("--cpu-wait", default=None, choices=cpu_threads.WAITS,
-                   help="how an intra-op thread waits between ops: spin (the default: "
-                   "for ~1.5 ms, then sleep; fastest on cores of its own) or passive "
-                   "(sleep at once: for a machine shared with other busy processes). "
-                   "Without it, env OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else spin")
+                   help="how an intra-op thread waits between ops: passive (the default: "
+                   "sleep at once, so none spins against the HTTP threads or another "
+                   "process) or spin (~1.5 ms, then sleep: 10-15%% faster decode on "
+                   "cores of its own). Without it, env OMP_WAIT_POLICY / GOMP_SPINCOUNT "
+                   "if set, else passive")
     g.add_argument("--cpu-bind", default=None, metavar="LIST|none",
                    help="confine the whole process to these CPUs, e.g. 0-3 (taskset's "
                    "format); the thread default then counts their physical cores. Without "

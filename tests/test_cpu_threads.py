@@ -143,7 +143,7 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
         cpu = next(x for x in lines if x.get("msg") == "cpu threads")
         assert cpu["source"] == "default" and cpu["applied_before_torch"], cpu
         assert cpu["threads"] == physical_cores(allowed_cpus()), cpu
-        assert cpu["wait"] == "spin" and cpu["bind"] is None, cpu
+        assert cpu["wait"] == "passive" and cpu["bind"] is None, cpu
         one, four = _four_over_one(url)
         assert four <= BOUND * one, f"quiet: one {one:.3f} s, four {four:.3f} s"
         with busy_core():
@@ -154,10 +154,10 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
 def test_thread_options_override_the_default(tmp_path: Path) -> None:
     cpus = allowed_cpus()
     with served(tmp_path, "--cpu-threads", "1", "--cpu-bind", str(cpus[0]),
-                "--cpu-wait", "passive") as (url, lines, pid):
+                "--cpu-wait", "spin") as (url, lines, pid):
         cpu = next(x for x in lines if x.get("msg") == "cpu threads")
         assert (cpu["threads"], cpu["source"], cpu["bind"]) == (1, "--cpu-threads", [cpus[0]])
-        assert cpu["wait"] == "passive"
+        assert cpu["wait"] == "spin"
         status = Path(f"/proc/{pid}/status").read_text()
         assert f"Cpus_allowed_list:\t{cpus[0]}\n" in status  # every thread inherited it
         for task in Path(f"/proc/{pid}/task").iterdir():
@@ -168,19 +168,20 @@ def test_thread_options_override_the_default(tmp_path: Path) -> None:
 
 
 def test_the_wait_sets_openmp_and_honours_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
-    """spin: GNU OpenMP's spin count bounded (it wins over OMP_WAIT_POLICY); passive:
-    sleep at once; a wait variable the user exported is theirs, unless it is ours."""
+    """passive (the default): sleep at once; spin: GNU OpenMP's spin count bounded (it
+    wins over OMP_WAIT_POLICY); a wait variable the user exported is theirs, unless it
+    is what kvserve itself sets (a re-executed benchmark, a child server)."""
     for k in THREAD_VARS:
         monkeypatch.delenv(k, raising=False)
-    spin = cpu_threads.plan(2, None)
-    assert spin.wait == "spin"
-    assert cpu_threads.environment(spin) == {
+    passive = cpu_threads.plan(2, None)
+    assert passive.wait == "passive"
+    assert cpu_threads.environment(passive) == {
         "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
-        "GOMP_SPINCOUNT": str(cpu_threads.SPIN_COUNT), "KMP_BLOCKTIME": "1"}
-    passive = cpu_threads.plan(2, None, "passive")
-    env = cpu_threads.environment(passive)
-    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"], env["KMP_BLOCKTIME"]) == (
-        "PASSIVE", "0", "0")
+        "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+    spin = cpu_threads.plan(2, None, "spin")
+    env = cpu_threads.environment(spin)
+    assert (env["GOMP_SPINCOUNT"], env["KMP_BLOCKTIME"]) == (str(cpu_threads.SPIN_COUNT), "1")
+    assert "OMP_WAIT_POLICY" not in env
     monkeypatch.setenv("GOMP_SPINCOUNT", str(cpu_threads.SPIN_COUNT))  # a child of ours
     assert cpu_threads.plan(2, None).wait == "spin"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
