@@ -216,3 +216,39 @@ def test_the_worker_steps_while_the_event_loop_is_busy(model_dir: str) -> None:
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on(model_dir: str) -> None:
+    """A step that raises fails every live request with EngineError (their streams end)
+    and frees their blocks; the worker does not retry it, and the next request runs."""
+    from scheduler.async_engine import EngineError
+    from scheduler.engine_core import EngineCore
+
+    cfg = EngineConfig(model=model_dir, num_blocks=256, max_num_seqs=64)
+    broken = {"steps": 1}
+
+    def factory(on_step):
+        core = EngineCore(cfg, on_step=on_step)
+        real = core.step
+
+        def step():
+            if broken["steps"]:
+                broken["steps"] -= 1
+                raise RuntimeError("injected")
+            return real()
+        core.step = step
+        return core
+
+    async def main() -> None:
+        engine = AsyncEngine(factory, warmup=False)
+        await engine.start()
+        stream = await engine.submit([GenerationRequest([5, 6, 7], greedy(8, ignore_eos=True))])
+        with pytest.raises(EngineError, match="injected"):
+            async for _ in stream:
+                pass
+        await wait_for(lambda: engine.stats.blocks_used == 0 and engine.num_active == 0)
+        outs = [o async for o in engine.generate([5, 6, 8], greedy(4, ignore_eos=True))]
+        assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
+        await engine.shutdown()
+
+    asyncio.run(main())
