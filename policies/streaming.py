@@ -148,12 +148,10 @@ class LazyStreamingPolicy:
 
     def idle(self, view: StepView) -> bool:
         """No layer's overflow reached R (Alg. 1 lines 1-16): nothing to prune, which is
-        most steps — the point of lazy pruning. The longest layer decides it in one
-        comparison on those steps (this runs for every request on every step)."""
-        c = self.config
-        if max(view.lengths, default=0) - (c.sink + c.window + c.extra) < c.compress_every:
-            return True
-        return all(self._target(n) is None for n in view.lengths)
+        most steps — the point of lazy pruning. A layer prunes only once its overflow
+        reaches R, so the longest layer decides for all (this runs for every request on
+        every step)."""
+        return self._target(max(view.lengths, default=0)) is None
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

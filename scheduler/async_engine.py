@@ -83,7 +83,6 @@ class AsyncEngine:
         self._core_busy = False  # the worker's own: the core has unfinished requests
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Future | None = None  # the worker's step loop
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.listeners = Listeners()
 
     @classmethod
@@ -133,7 +132,7 @@ class AsyncEngine:
 
     async def start(self) -> None:
         """Load the core on the worker thread and start the step loop."""
-        loop = self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
         try:
@@ -141,7 +140,7 @@ class AsyncEngine:
         except BaseException as e:
             self.load_error = e
             raise
-        self._task = loop.run_in_executor(self._executor, self._worker_loop)
+        self._task = loop.run_in_executor(self._executor, self._worker_loop, loop)
         self._loaded.set()
 
     def _load(self) -> None:
@@ -324,11 +323,9 @@ class AsyncEngine:
             self._work.notify()
 
     # ---- worker thread only ------------------------------------------------------------
-    def _worker_loop(self) -> None:
+    def _worker_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The step loop: wait for work, apply what the event loop queued, step, repeat.
         Everything the event loop must see goes back through `call_soon_threadsafe`."""
-        loop = self._loop
-        assert loop is not None
         while True:
             with self._work:
                 while not (self._stopping or self._pending_adds or self._pending_aborts
