@@ -19,8 +19,9 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from engine.layer_ops import add_rms_norm, rms_norm, rotary_, silu_and_mul
 from engine.model_config import ModelConfig
-from engine.rope import RotaryEmbedding, apply_rotary
+from engine.rope import RotaryEmbedding
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """attn(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]; k arrives rotated."""
@@ -51,18 +52,20 @@ class LlamaFlags:
 
 
 class RMSNorm(nn.Module):
-    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+    """transformers' RMSNorm (engine/layer_ops.py). Given the residual stream, it first
+    adds x to it and returns (normed, new residual): the add fused with the norm, as
+    vLLM does, so a layer's residual add is not a pass of its own."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -89,7 +92,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotary_(q, k, *rope)
         out = attn(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -100,10 +103,14 @@ class LlamaMLP(nn.Module):
         h, m = config.hidden_size, config.hf_config.intermediate_size
         self.gate_up_proj = nn.Linear(h, 2 * m, bias=flags.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=flags.mlp_bias)
-        self.act_fn = ACT2FN[config.hf_config.hidden_act]
+        self.act = config.hf_config.hidden_act
+        self.act_fn = ACT2FN[self.act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
@@ -116,9 +123,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, rope: CosSin, attn: AttnFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: CosSin,
+                attn: AttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual before it): the stream is x + residual,
+        and the next norm adds them (the first layer gets residual=None)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -165,10 +180,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn
     ) -> torch.Tensor:
         rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, rope, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, attn)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
