@@ -123,16 +123,17 @@ def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return fast
 
 
-def pin_threads(module: str, threads: int, argv: list[str] | None) -> dict[str, object]:
+def pin_threads(module: str, threads: int, argv: list[str] | None,
+                default_wait: str = "passive") -> dict[str, object]:
     """Run with `threads` intra-op threads set as `kvserve serve --cpu-threads` sets them
-    (engine/cpu_threads.py: its default wait), re-executing the module if needed;
-    returns the choice for the report.
+    (engine/cpu_threads.py; `default_wait` "spin" is `kvserve generate`'s default),
+    re-executing the module if needed; returns the choice for the report.
 
     OpenMP reads its environment when torch loads it, and threads other than the main
     one (HF continuous batching's) are not reached by torch.set_num_threads. Only a
     command-line run (argv None) re-executes.
     """
-    choice = cpu_threads.plan(threads, None)
+    choice = cpu_threads.plan(threads, None, default_wait=default_wait)
     env = cpu_threads.environment(choice)
     if argv is None and any(os.environ.get(k) != v for k, v in env.items()):
         os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],

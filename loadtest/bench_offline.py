@@ -813,7 +813,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         update_doc(args.doc, render_table(report))
         plot(report, args.plot)
         return report
-    in_process = pin_threads("loadtest.bench_offline", args.threads, argv)
+    # kvserve runs here as `kvserve generate` runs it: an offline job, spinning waits
+    in_process = pin_threads("loadtest.bench_offline", args.threads, argv, default_wait="spin")
     if args.vllm_missing:
         print(args.vllm_missing, flush=True)
     vllm_on = "vllm" in args.systems and not args.vllm_missing

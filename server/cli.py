@@ -128,11 +128,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
                    "if set, else one per physical core this process may use")
     g.add_argument("--cpu-wait", default=None, choices=cpu_threads.WAITS,
-                   help="how an intra-op thread waits between ops: passive (the default: "
-                   "sleep at once, so none spins against the HTTP threads or another "
-                   "process) or spin (~1.5 ms, then sleep: 10-15%% faster decode on "
-                   "cores of its own). Without it, env OMP_WAIT_POLICY / GOMP_SPINCOUNT "
-                   "if set, else passive")
+                   help="how an intra-op thread waits between ops: passive (sleep at "
+                   "once, so none spins against the HTTP threads or another process) or "
+                   "spin (~1.5 ms, then sleep: 10-25%% faster on cores of its own). "
+                   "Without it, env OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else passive "
+                   "for serve and spin for generate (no HTTP side)")
     g.add_argument("--cpu-bind", default=None, metavar="LIST|none",
                    help="confine the whole process to these CPUs, e.g. 0-3 (taskset's "
                    "format); the thread default then counts their physical cores. Without "
@@ -248,13 +248,13 @@ def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
         fail(str(e))
 
 
-def threads(a: argparse.Namespace) -> cpu_threads.CpuThreads:
+def threads(a: argparse.Namespace, default_wait: str = "passive") -> cpu_threads.CpuThreads:
     """`--cpu-threads` / `--cpu-bind` / `--cpu-wait` checked and applied before torch
     loads (exit 2 on a bad value): OpenMP takes its thread count and wait policy from
     the environment once, when it loads (engine/cpu_threads.py says why the default is
     what it is)."""
     try:
-        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait)
+        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait, default_wait)
     except ValueError as e:
         fail(str(e))
     return cpu_threads.apply(choice)
@@ -349,7 +349,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def _generate(a: argparse.Namespace) -> int:
-    threads(a)  # before anything loads torch (the policy check does)
+    threads(a, "spin")  # before torch loads; no HTTP side for the threads to spin against
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     check_kv_cache_dtype(a.kv_cache_dtype)
     model = _resolve_model(a.model)

@@ -189,3 +189,24 @@ def test_the_wait_sets_openmp_and_honours_the_users(monkeypatch: pytest.MonkeyPa
     assert mine.wait == "environment"
     assert set(cpu_threads.environment(mine)) == {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}
     assert cpu_threads.plan(2, None, "passive").wait == "passive"  # the option wins
+
+
+def test_an_offline_run_spins_by_default_and_a_server_sleeps(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvserve generate` has no HTTP side for the threads to spin against: its default
+    is the bounded spin (what GNU OpenMP would do anyway, for 10x longer); `serve`
+    keeps passive waiting. The option and the user's variables win over both."""
+    from server import cli
+
+    for k in THREAD_VARS:  # recorded, so the test's changes to os.environ are undone
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert cli.threads(args, "spin").wait == "spin"
+    assert os.environ["GOMP_SPINCOUNT"] == str(cpu_threads.SPIN_COUNT)
+    for k in THREAD_VARS:
+        monkeypatch.delenv(k, raising=False)
+    assert cpu_threads.plan(2, None).wait == "passive"  # serve's default
+    assert cpu_threads.plan(2, None, "passive", default_wait="spin").wait == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert cpu_threads.plan(2, None, default_wait="spin").wait == "passive"
