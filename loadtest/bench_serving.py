@@ -52,6 +52,9 @@ from loadtest.workloads import (
 )
 
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
+# kvserve again with `--cpu-wait spin`: what a server with cores of its own gets (the
+# ratios stay against plain kvserve, its default). Only when asked for.
+VARIANTS = {"kvserve-spin": ("--cpu-wait", "spin")}
 PARTS = ("throughput", "prefix", "policy")
 DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window": 64}], '
                '[0.3, {"name": "snapkv", "budget": 64}]]')
@@ -105,12 +108,21 @@ class Bench:
 
     def server(self, system: str, model: dict[str, Any], *extra: str) -> Spawned:
         port = free_port()
+        cmd, env, ready = self.command(system, model, port, *extra)
+        log = os.path.join(self.logs, f"{model['name']}-{system}-{port}.log")
+        print(f"starting {system} ({model['name']}) on port {port}", flush=True)
+        return Spawned(cmd, port, log_path=log, ready_path=ready,
+                       env=env).start(self.a.start_timeout)
+
+    def command(self, system: str, model: dict[str, Any], port: int,
+                *extra: str) -> tuple[list[str], dict[str, str] | None, str]:
+        """(command line, environment added to ours, readiness path) of one server."""
         env = None
-        if system == "kvserve":
+        if system == "kvserve" or system in VARIANTS:
             cmd = kvserve_cmd(model["path"], port, "--max-num-seqs", str(self.a.max_seqs),
                               "--max-num-batched-tokens", str(self.a.max_batched_tokens),
                               "--dtype", self.a.dtype, "--cpu-threads", str(self.a.threads),
-                              *extra)
+                              *VARIANTS.get(system, ()), *extra)
             ready = "/ready"
         elif system == "vllm":
             cmd = vllm_peer.serve_cmd(self.a.vllm_python, model["path"], port, self.a.dtype,
@@ -124,17 +136,15 @@ class Bench:
                 ("--cb-num-blocks", str(hf_cb_blocks(model, self.a.kv_memory, dtype=self.a.dtype)),
                  "--cb-max-batch-tokens", str(self.a.max_batched_tokens)) if cb else ()))
             ready = "/health"
-        log = os.path.join(self.logs, f"{model['name']}-{system}-{port}.log")
-        print(f"starting {system} ({model['name']}) on port {port}", flush=True)
-        return Spawned(cmd, port, log_path=log, ready_path=ready,
-                       env=env).start(self.a.start_timeout)
+        return cmd, env, ready
 
     def run_cfg(self, url: str, system: str) -> RunConfig:
         backend = "transformers" if system.startswith("transformers") else "openai"
         return RunConfig(base_url=url, client=ClientConfig(backend=backend, temperature=0.0),
                          mode="closed", request_timeout=self.a.request_timeout,
                          duration_limit=self.a.duration_limit, progress=not self.a.no_progress,
-                         percentiles=(50, 90, 99), scrape_metrics=system == "kvserve")
+                         percentiles=(50, 90, 99),
+                         scrape_metrics=system == "kvserve" or system in VARIANTS)
 
     def workload(self, model: dict[str, Any], kind: str, prompt: LengthDist,
                  output: LengthDist, n: int, **kw: Any) -> WorkloadConfig:
@@ -159,7 +169,8 @@ class Bench:
                            LengthDist(a.output_len, 0.6, 8, a.max_output_len), a.num_prompts)
         out = {}
         for system in a.systems:
-            extra = ("--kv-cache-memory", a.kv_memory) if system == "kvserve" else ()
+            kv = system == "kvserve" or system in VARIANTS
+            extra = ("--kv-cache-memory", a.kv_memory) if kv else ()
             with self.server(system, model, *extra) as srv:
                 cfg = self.run_cfg(srv.url, system)
                 await self.warm(cfg, maker, model)
@@ -258,7 +269,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="160m,demo", help="comma list: demo, 160m, 3m, tiny")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma list of " + ",".join((*SYSTEMS, *VARIANTS)))
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of " + ",".join(PARTS))
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per level, at least")
@@ -319,7 +331,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.models = a.models.split(",")
     a.systems = [s for s in a.systems.split(",") if s]
     a.parts = [s for s in a.parts.split(",") if s]
-    bad = [s for s in a.systems if s not in SYSTEMS] + [s for s in a.parts if s not in PARTS]
+    bad = ([s for s in a.systems if s not in SYSTEMS and s not in VARIANTS]
+           + [s for s in a.parts if s not in PARTS])
     if bad:
         raise SystemExit(f"unknown system or part: {bad}")
     a.threads = a.threads or physical_cores(allowed_cpus())
@@ -329,6 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.systems.remove("vllm")
         print(a.skipped["vllm"], flush=True)
     a.thread_settings = {"kvserve": f"--cpu-threads {a.threads}"}
+    for v in (v for v in VARIANTS if v in a.systems):
+        a.thread_settings[v] = " ".join((f"--cpu-threads {a.threads}", *VARIANTS[v]))
     if {"transformers", "transformers-cb"} & set(a.systems):
         a.thread_settings["transformers"] = " ".join(
             f"{k}={v}" for k, v in transformers_env(a.threads).items())

@@ -30,7 +30,8 @@ def _ttft_p99(s: dict[str, Any]) -> str:
 
 
 def _peers(systems: dict[str, Any]) -> list[str]:
-    return [s for s in systems if s != "kvserve"]
+    """Other systems than kvserve and its variants (`kvserve-spin`: rows of their own)."""
+    return [s for s in systems if not s.startswith("kvserve")]
 
 
 def throughput_rows(name: str, part: dict[str, Any]) -> list[str]:

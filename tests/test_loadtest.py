@@ -352,6 +352,7 @@ def test_bench_serving_report_against_vllm(tmp_path: Any) -> None:
 
     systems = {"kvserve": [_fake_level(1, 40, 0.05), _fake_level(8, 300, 0.05),
                            _fake_level(32, 900, 0.2)],
+               "kvserve-spin": [_fake_level(1, 45, 0.05)],
                "vllm": [_fake_level(1, 20, 0.5), _fake_level(8, 200, 0.5),
                         _fake_level(32, 800, 0.1)]}
     wl = {"prompt": {"median": 100, "sigma": 1.0, "hi": 512},
@@ -369,6 +370,8 @@ def test_bench_serving_report_against_vllm(tmp_path: Any) -> None:
     assert "| m | vllm | 1 | 2.00× | 50.0 vs 500 | met |" in block
     assert "| m | vllm | 8 | 1.50× | 50.0 vs 500 |  |" in block  # no target at 8
     assert "| m | vllm | 32 | 1.12× | 200 vs 100 | MISSED |" in block
+    assert "| m | kvserve-spin | 1 | 1/0 | 45.0 |" in block  # a row of its own, not a peer
+    assert "| m | kvserve-spin | 1 | 0.89×" not in block
     assert "transformers: not installed" in block
     assert ("Threads: kvserve `--cpu-threads 2`; vllm `VLLM_CPU_OMP_THREADS_BIND=0-1` "
             "(vLLM 0.32.0).") in block
@@ -380,7 +383,7 @@ def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
     note, its documented settings otherwise."""
     from engine.cpu_threads import allowed_cpus, physical_cores
     from loadtest import vllm_peer
-    from loadtest.bench_serving import parse_args
+    from loadtest.bench_serving import Bench, parse_args
 
     a = parse_args(["--systems", "kvserve,vllm", "--vllm-python", str(tmp_path / "none"),
                     "--out", str(tmp_path)])
@@ -389,6 +392,12 @@ def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
     a = parse_args(["--threads", "1", "--systems", "kvserve,transformers", "--out", str(tmp_path)])
     assert a.thread_settings == {"kvserve": "--cpu-threads 1",
                                  "transformers": "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1"}
+    a = parse_args(["--systems", "kvserve,kvserve-spin", "--out", str(tmp_path)])
+    assert a.thread_settings["kvserve-spin"] == f"--cpu-threads {a.threads} --cpu-wait spin"
+    model = {"path": "m", "name": "m"}
+    spin, env, _ = Bench(a).command("kvserve-spin", model, 1234)
+    plain, _, _ = Bench(a).command("kvserve", model, 1234)
+    assert spin == [*plain, "--cpu-wait", "spin"] and env is None
     vllm = vllm_peer.settings(1, "1536MiB")
     assert vllm == {"VLLM_CPU_OMP_THREADS_BIND": str(allowed_cpus()[0]),
                     "VLLM_CPU_KVCACHE_SPACE": "2"}
