@@ -114,3 +114,23 @@ def test_bad_shapes_are_refused_by_the_op() -> None:
         torch.ops.kvserve_layer.rms_norm(torch.randn(4, 8), torch.ones(6), EPS)
     with pytest.raises(RuntimeError, match="2m"):
         torch.ops.kvserve_layer.silu_and_mul(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_path_agrees_with_the_op(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What another device, or a CPU without a compiler, runs: the same answers."""
+    g = torch.Generator().manual_seed(3)
+    x, res = (torch.randn(7, 64, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(64, generator=g)).to(dtype)
+    gate_up = torch.randn(7, 128, generator=g).to(dtype)
+    q, k = torch.randn(7, 4, 32, generator=g).to(dtype), torch.randn(7, 2, 32, generator=g).to(dtype)
+    cos, sin = torch.rand(7, 16, generator=g), torch.rand(7, 16, generator=g)
+
+    def run() -> list[torch.Tensor]:
+        return [rms_norm(x, w, EPS), *add_rms_norm(x.clone(), res.clone(), w, EPS),
+                silu_and_mul(gate_up), *rotary_(q.clone(), k.clone(), cos, sin)]
+
+    native = run()
+    monkeypatch.setattr(layer_ops, "native", lambda t: False)
+    for got, ref in zip(run(), native, strict=True):
+        _close(got, ref, dtype)
