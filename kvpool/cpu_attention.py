@@ -9,6 +9,9 @@ per (sequence, kv head) in fp32, so ragged lengths cost nothing and no copy is m
 Built with -march=native, it takes an AVX-512 path where the CPU has one (head dims
 16/32/64/128: 16 slots' scores per step, GQA heads sharing each K and V load, rows
 prefetched ahead) and a portable loop elsewhere; the same source builds on both.
+Sequences run in parallel; with fewer sequences than threads (one long chat), each is
+cut into slices of its kv heads so that no core sits idle (a 1,800-token sequence of the
+160M model: 1.13-1.17 ms a layer on one thread, 0.88-1.03 ms on two; memory-bound).
 
 Like the torch path, it takes caches in another floating dtype than q: a bf16 or fp16
 pool under an fp32 model (`kv_cache_dtype`) halves the bytes a decode step reads, which

@@ -257,3 +257,22 @@ def test_causal_self_attention_over_narrow_keys(kv_dtype: torch.dtype) -> None:
     out = causal_self_attention(q, k, v, 0.25)
     assert out.dtype == torch.float32
     assert torch.equal(out, causal_self_attention(q, k.float(), v.float(), 0.25))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(8, 4, 32, 16), (6, 3, 64, 8), (4, 2, 8, 4)])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_sequences_than_threads_split_by_kv_heads(hq: int, hkv: int, d: int, bs: int,
+                                                        rows: int, dtype: torch.dtype) -> None:
+    """With more threads than sequences each sequence is cut into slices of its kv heads
+    (4 threads: 1 row -> up to 4 slices, 3 rows -> 2); the answers, attention mass
+    included, are the one-slice answers."""
+    case = make_case([70, 5, 33][:rows], [1] * rows, evict={0: [3, 4, 40]}, hq=hq, hkv=hkv,
+                     d=d, bs=bs, dtype=dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        check(case, window=50, probs=True, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    finally:
+        torch.set_num_threads(before)

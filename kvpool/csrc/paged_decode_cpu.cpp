@@ -45,10 +45,11 @@ namespace {
 // over all its K/V rows, so a switch on the dtype there costs nothing measurable.
 struct QueryIO {
   const void* q;  // [B, Hq, D], strides s0 and s1, unit last stride
-  void* out;      // [B, Hq, D], contiguous
+  void* out;      // [B, Hq, D] rows os0 apart (Hq * D, or more for a slice of the heads)
   at::ScalarType dtype;
   int64_t s0, s1, Hq, D;
   float scale;
+  int64_t os0;
 
   template <typename F>
   void with_type(F f) const {  // dtype checked by paged_decode
@@ -72,7 +73,7 @@ struct QueryIO {
   void write(int64_t b, const float* src, const float* inv) const {
     with_type([&](auto t) {
       using TQ = decltype(t);
-      TQ* dst = static_cast<TQ*>(out) + b * Hq * D;
+      TQ* dst = static_cast<TQ*>(out) + b * os0;
       for (int64_t h = 0; h < Hq; ++h) {
         const float f = inv ? inv[h] : 1.f;
         for (int64_t x = 0; x < D; ++x) dst[h * D + x] = static_cast<TQ>(src[h * D + x] * f);
@@ -80,8 +81,8 @@ struct QueryIO {
     });
   }
   void zero(int64_t b) const {  // a sequence that sees no slot
-    const size_t row = Hq * D * c10::elementSize(dtype);
-    std::memset(static_cast<char*>(out) + b * row, 0, row);
+    const size_t elem = c10::elementSize(dtype);
+    std::memset(static_cast<char*>(out) + b * os0 * elem, 0, Hq * D * elem);
   }
 };
 
@@ -89,9 +90,9 @@ template <typename TKV>
 struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   QueryIO io;
   const TKV *k, *v;
-  float* mass;  // [B, Hkv, S] or nullptr when not requested
+  float* mass;  // [B, Hkv, S], rows ms0 apart, or nullptr when not requested
   const int64_t *table, *slot_pos, *q_pos;
-  int64_t B, Hq, Hkv, G, D, bs, NB, S, row_len, window;
+  int64_t B, Hq, Hkv, G, D, bs, NB, S, row_len, window, ms0;
 };
 
 struct Scratch {  // per thread, reused across its sequences
@@ -129,7 +130,7 @@ template <typename TKV>
 void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t n,
                 const float* p, int64_t stride, const float* norm) {
   for (int64_t h = 0; h < a.Hkv; ++h) {
-    float* mrow = a.mass + (b * a.Hkv + h) * a.S;
+    float* mrow = a.mass + b * a.ms0 + h * a.S;
     for (int64_t i = 0; i < n; ++i) {
       float s = 0.f;
       for (int64_t g = h * a.G; g < (h + 1) * a.G; ++g)
@@ -442,13 +443,30 @@ void decode_seq_rows(const Batch<TKV>& a, int64_t b, Scratch& w, Row row) {
 template <typename TKV>
 void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
   float* buf = w.tmp.data();
-  const int64_t rl = a.row_len;
+  const int64_t n = a.Hkv * a.D;  // the row, or a head slice's part of it
   decode_seq_rows(a, b, w, [&](const TKV* base, int64_t phys) {
     const TKV* src = base + phys;
     if constexpr (std::is_same_v<TKV, float>) return src;  // fp32 rows in place
-    for (int64_t x = 0; x < rl; ++x) buf[x] = static_cast<float>(src[x]);
+    for (int64_t x = 0; x < n; ++x) buf[x] = static_cast<float>(src[x]);
     return static_cast<const float*>(buf);
   });
+}
+
+// kv heads [h0, h1) of every sequence: q, out, K, V and mass start at the slice's first
+// head; row and batch strides stay the whole call's.
+template <typename TKV>
+Batch<TKV> head_slice(const Batch<TKV>& a, int64_t h0, int64_t h1) {
+  Batch<TKV> s = a;
+  const int64_t q0 = h0 * a.G;
+  const size_t elem = c10::elementSize(a.io.dtype);
+  s.io.q = static_cast<const char*>(a.io.q) + q0 * a.io.s1 * elem;
+  s.io.out = static_cast<char*>(a.io.out) + q0 * a.D * elem;
+  s.io.Hq = s.Hq = (h1 - h0) * a.G;
+  s.Hkv = h1 - h0;
+  s.k = a.k + h0 * a.D;
+  s.v = a.v + h0 * a.D;
+  if (a.mass != nullptr) s.mass = a.mass + h0 * a.S;
+  return s;
 }
 
 template <typename TKV>
@@ -458,11 +476,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
-                   Hq, D, static_cast<float>(scale)};
+                   Hq, D, static_cast<float>(scale), Hq * D};
   const Batch<TKV> a{io, k_cache.data_ptr<TKV>(), v_cache.data_ptr<TKV>(), mass,
                      table.data_ptr<int64_t>(), slot_pos.data_ptr<int64_t>(),
                      q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
-                     Hkv * D, window};
+                     Hkv * D, window, Hkv * NB * bs};
   // The vector path takes the usual head dims, whole vectors of 16 (NV of them).
   SeqFn<TKV> seq = decode_seq_portable<TKV>;
 #ifdef KVSERVE_AVX512
@@ -473,11 +491,17 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     if (D == 128) seq = pick_seq<TKV, 8>(a.G);
   }
 #endif
+  // Fewer sequences than threads (one long chat): each sequence is cut into slices of
+  // its kv heads, each a Batch of its own over the same rows, so no core sits idle.
   const int64_t S = a.S;
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  const int64_t slices = std::min(Hkv, (at::get_num_threads() + B - 1) / B);
+  std::vector<Batch<TKV>> parts;
+  for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
+                                                                   Hkv * (j + 1) / slices));
+  at::parallel_for(0, B * slices, 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<int64_t>(S), std::vector<int64_t>(S), std::vector<float>(Hq * D),
               std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1))};
-    for (int64_t b = begin; b < end; ++b) seq(a, b, w);
+    for (int64_t t = begin; t < end; ++t) seq(parts[t % slices], t / slices, w);
   });
 }
 
@@ -604,12 +628,13 @@ std::vector<at::Tensor> paged_decode_quant(
   at::Tensor mass = return_probs ? at::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
                                  : at::empty({0}, q.options().dtype(at::kFloat));
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
-                   Hq, D, static_cast<float>(scale)};
+                   Hq, D, static_cast<float>(scale), Hq * D};
   const int64_t rl = Hkv * k_codes.size(3);
   const Batch<uint8_t> a{io, k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
                          return_probs ? mass.data_ptr<float>() : nullptr,
                          t.data_ptr<int64_t>(), p.data_ptr<int64_t>(), qp.data_ptr<int64_t>(),
-                         B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window};
+                         B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window,
+                         Hkv * NB * bs};
   const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
                     mode, ng, D / ng};
   fp8_table();  // built once, before the threads
