@@ -208,6 +208,15 @@ def test_bad_inputs_raise_clear_errors() -> None:
         paged_attention_cpu(**{**case, "q": case["q"][:, :, :3]})
 
 
+@needs_kernel
+def test_an_empty_batch_gives_an_empty_answer() -> None:
+    """No decoding rows: nothing to split over threads, nothing read."""
+    case = make_case([4, 9], [1, 1])
+    empty = {**case, **{k: case[k][:0] for k in ("q", "table", "slot_pos", "q_pos")}}
+    out, mass = paged_attention_cpu(**empty, return_probs=True)
+    assert out.shape == (0, *case["q"].shape[1:]) and mass.shape[0] == 0
+
+
 def test_disabled_by_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_CPU_KERNEL", "0")
     assert native.build("kvserve_paged_decode_cpu", cpu_attention._SOURCE, [], []) is False

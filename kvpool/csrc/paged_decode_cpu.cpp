@@ -494,7 +494,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   // Fewer sequences than threads (one long chat): each sequence is cut into slices of
   // its kv heads, each a Batch of its own over the same rows, so no core sits idle.
   const int64_t S = a.S;
-  const int64_t slices = std::min(Hkv, (at::get_num_threads() + B - 1) / B);
+  const int64_t slices = B == 0 ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
   std::vector<Batch<TKV>> parts;
   for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
                                                                    Hkv * (j + 1) / slices));
