@@ -41,6 +41,10 @@ _SYS_CPU = Path("/sys/devices/system/cpu")
 # on the Xeons measured). OpenMP's own default is 300,000.
 SPIN_COUNT = 30_000
 WAITS = ("spin", "passive")
+# Every variable `environment` may set: what a child that must start as a user's would
+# (a benchmark's server, a peer with settings of its own) has removed.
+ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+            "KMP_BLOCKTIME")
 
 
 @dataclass(frozen=True)

@@ -52,9 +52,9 @@ from loadtest.workloads import (
 )
 
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
-# kvserve again with `--cpu-wait spin`: what a server with cores of its own gets (the
-# ratios stay against plain kvserve, its default). Only when asked for.
-VARIANTS = {"kvserve-spin": ("--cpu-wait", "spin")}
+# kvserve's runs -> their extra options. kvserve-spin: what a server with cores of its
+# own gets (the ratios stay against plain kvserve, its default); only when asked for.
+KVSERVE = {"kvserve": (), "kvserve-spin": ("--cpu-wait", "spin")}
 PARTS = ("throughput", "prefix", "policy")
 DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window": 64}], '
                '[0.3, {"name": "snapkv", "budget": 64}]]')
@@ -118,11 +118,11 @@ class Bench:
                 *extra: str) -> tuple[list[str], dict[str, str] | None, str]:
         """(command line, environment added to ours, readiness path) of one server."""
         env = None
-        if system == "kvserve" or system in VARIANTS:
+        if system in KVSERVE:
             cmd = kvserve_cmd(model["path"], port, "--max-num-seqs", str(self.a.max_seqs),
                               "--max-num-batched-tokens", str(self.a.max_batched_tokens),
                               "--dtype", self.a.dtype, "--cpu-threads", str(self.a.threads),
-                              *VARIANTS.get(system, ()), *extra)
+                              *KVSERVE[system], *extra)
             ready = "/ready"
         elif system == "vllm":
             cmd = vllm_peer.serve_cmd(self.a.vllm_python, model["path"], port, self.a.dtype,
@@ -144,7 +144,7 @@ class Bench:
                          mode="closed", request_timeout=self.a.request_timeout,
                          duration_limit=self.a.duration_limit, progress=not self.a.no_progress,
                          percentiles=(50, 90, 99),
-                         scrape_metrics=system == "kvserve" or system in VARIANTS)
+                         scrape_metrics=system in KVSERVE)
 
     def workload(self, model: dict[str, Any], kind: str, prompt: LengthDist,
                  output: LengthDist, n: int, **kw: Any) -> WorkloadConfig:
@@ -169,8 +169,7 @@ class Bench:
                            LengthDist(a.output_len, 0.6, 8, a.max_output_len), a.num_prompts)
         out = {}
         for system in a.systems:
-            kv = system == "kvserve" or system in VARIANTS
-            extra = ("--kv-cache-memory", a.kv_memory) if kv else ()
+            extra = ("--kv-cache-memory", a.kv_memory) if system in KVSERVE else ()
             with self.server(system, model, *extra) as srv:
                 cfg = self.run_cfg(srv.url, system)
                 await self.warm(cfg, maker, model)
@@ -270,7 +269,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="160m,demo", help="comma list: demo, 160m, 3m, tiny")
     p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma list of " + ",".join((*SYSTEMS, *VARIANTS)))
+                   help="comma list of " + ",".join(dict.fromkeys((*SYSTEMS, *KVSERVE))))
     p.add_argument("--parts", default=",".join(PARTS), help="comma list of " + ",".join(PARTS))
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per level, at least")
@@ -331,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.models = a.models.split(",")
     a.systems = [s for s in a.systems.split(",") if s]
     a.parts = [s for s in a.parts.split(",") if s]
-    bad = ([s for s in a.systems if s not in SYSTEMS and s not in VARIANTS]
+    bad = ([s for s in a.systems if s not in SYSTEMS and s not in KVSERVE]
            + [s for s in a.parts if s not in PARTS])
     if bad:
         raise SystemExit(f"unknown system or part: {bad}")
@@ -341,9 +340,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.skipped["vllm"] = vllm_peer.missing(a.vllm_python)
         a.systems.remove("vllm")
         print(a.skipped["vllm"], flush=True)
-    a.thread_settings = {"kvserve": f"--cpu-threads {a.threads}"}
-    for v in (v for v in VARIANTS if v in a.systems):
-        a.thread_settings[v] = " ".join((f"--cpu-threads {a.threads}", *VARIANTS[v]))
+    a.thread_settings = {s: " ".join((f"--cpu-threads {a.threads}", *opts))
+                         for s, opts in KVSERVE.items() if s == "kvserve" or s in a.systems}
     if {"transformers", "transformers-cb"} & set(a.systems):
         a.thread_settings["transformers"] = " ".join(
             f"{k}={v}" for k, v in transformers_env(a.threads).items())

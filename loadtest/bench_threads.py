@@ -26,15 +26,13 @@ from typing import Any
 
 import httpx
 
-from engine.cpu_threads import allowed_cpus, physical_cores
+from engine.cpu_threads import ENV_VARS, allowed_cpus, physical_cores
 from loadtest.bench_common import markers, save_json, update_doc
 from loadtest.fingerprint import fingerprint
 from loadtest.spawn import Spawned, free_port, kvserve_cmd
 
 NAME = "bench_threads"
 HEADING = "## CPU threads (issue 22)"
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-               "KMP_BLOCKTIME")
 PROMPTS = ("The os module", "import sys", "def read(path):", "class Path:")
 # label -> (kvserve options, environment): the default (passive waiting), the bounded
 # spin, one thread fewer, and OpenMP's own spin (what every thread did before issue 22)
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from server.cli import DEMO_MODEL
 
         a.model = str(DEMO_MODEL)
-    for k in THREAD_VARS:  # the servers start as a user's would: the variant's only
+    for k in ENV_VARS:  # the servers start as a user's would: the variant's only
         os.environ.pop(k, None)
     os.makedirs(a.out, exist_ok=True)
     report: dict[str, Any] = {

@@ -15,7 +15,7 @@ import math
 import os
 import sys
 
-from engine.cpu_threads import allowed_cpus, format_cpu_list
+from engine.cpu_threads import ENV_VARS, allowed_cpus, format_cpu_list
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 SERVE_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails to find its
@@ -49,8 +49,7 @@ def env(threads: int, kv_memory: str) -> dict[str, str]:
     """The child's environment: ours without the thread variables (vLLM sets its own
     from the binding) and without our PYTHONPATH (its venv is complete)."""
     base = {k: v for k, v in os.environ.items()
-            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-                         "KMP_BLOCKTIME", "PYTHONPATH")}
+            if k not in (*ENV_VARS, "PYTHONPATH")}
     return {**base, **OFFLINE_ENV, **settings(threads, kv_memory)}
 
 

@@ -34,8 +34,7 @@ from tests.live_server import wait_ready
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ("The os module", "import sys", "def read(path):", "class Path:")
 BOUND = 1.5  # four concurrent requests against one (issue 22)
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-               "KMP_BLOCKTIME")
+THREAD_VARS = cpu_threads.ENV_VARS
 
 
 def test_cpu_lists_round_trip() -> None:
