@@ -53,8 +53,12 @@ from loadtest.workloads import (
 
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
 # kvserve's runs -> their extra options. kvserve-spin: what a server with cores of its
-# own gets (the ratios stay against plain kvserve, its default); only when asked for.
-KVSERVE = {"kvserve": (), "kvserve-spin": ("--cpu-wait", "spin")}
+# own gets; kvserve-thread: the engine core on a thread of the server's process (and
+# -thread-spin both). The ratios stay against plain kvserve, its default; only when
+# asked for.
+KVSERVE = {"kvserve": (), "kvserve-spin": ("--cpu-wait", "spin"),
+           "kvserve-thread": ("--engine-layout", "thread"),
+           "kvserve-thread-spin": ("--engine-layout", "thread", "--cpu-wait", "spin")}
 PARTS = ("throughput", "prefix", "policy")
 DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window": 64}], '
                '[0.3, {"name": "snapkv", "budget": 64}]]')

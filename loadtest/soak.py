@@ -9,7 +9,8 @@ requests abandoned after a short timeout, and malformed requests (bad JSON, bad 
 unknown model or policy, prompts over the context) that must get a 4xx. At the end the
 server is waited on until idle and then must hold no KV blocks
 (`kvserve_kv_blocks{state="used"}` = 0) and no live slots. RSS comes from /proc for a
-spawned server (or --pid), else from `process_resident_memory_bytes`; the baseline is
+spawned server (or --pid), summed over its child processes (the engine process of
+`--engine-layout process`), else from `process_resident_memory_bytes`; the baseline is
 taken after the warm-up. Exit status 1 on a leaked block, any 5xx or in-band stream
 error, a malformed request accepted, RSS growth over --max-rss-growth, or a server that
 does not go idle.
@@ -42,7 +43,7 @@ from loadtest.workloads import (
     load_tokenizer,
     parse_policy_mix,
 )
-from server.memwatch import rss_bytes
+from server.memwatch import tree_rss_bytes
 
 DEFAULT_MIX = ('[[0.6, "full"], [0.2, {"name": "streaming", "sink": 4, "window": 32}], '
                '[0.2, {"name": "snapkv", "budget": 24, "obs_window": 8}]]')
@@ -83,7 +84,7 @@ class Soak:
 
     def rss_now(self) -> int | None:
         if self.pid is not None:
-            return rss_bytes(self.pid)
+            return tree_rss_bytes(self.pid)
         s = prom.scrape(self.url)
         v = prom.value(s, "process_resident_memory_bytes") if s else None
         return int(v) if v is not None else None

@@ -1,14 +1,18 @@
 """The asyncio front of the synchronous EngineCore.
 
-The core is not thread-safe and `step()` blocks for a long time on CPU, so every call
-into it (construction included: torch keeps per-thread state) runs on one dedicated
-worker thread. That thread runs the step loop itself, as vLLM's engine-core loop does:
-it applies the submissions and aborts the event loop queued, steps while anything is
-unfinished, hands each step's outputs to the event loop and starts the next step at
-once. The event loop fans the outputs out to per-request queues and writes SSE while
-the model computes the next token; it is never on the path between two steps. (Until
-issue 22 each step was a round trip through the event loop, which waited for a slice
-of the CPU before the next step could start.)
+The core is not thread-safe and `step()` blocks for a long time on CPU, so it runs
+apart from the event loop, in one of two layouts:
+- `thread` (`from_config`'s default, for programs that embed the engine): every call
+  into the core (construction included: torch keeps per-thread state) runs on one
+  dedicated worker thread of this process;
+- `process` (`engine_process=True`, `kvserve serve`'s default): the core lives in a
+  process of its own (`scheduler/engine_process.py`); a pump thread hands it
+  submissions and aborts over a pipe and a reader thread brings its events back.
+Either way the core runs `scheduler/core_loop.py`'s step loop, as vLLM's engine-core
+loop does: it applies the submissions and aborts the event loop queued, steps while
+anything is unfinished, hands each step's outputs to the event loop and starts the
+next step at once. The event loop fans the outputs out to per-request queues and writes
+SSE while the model computes the next token; it is never on the path between two steps.
 Nothing here knows about HTTP. Requests, streams, queue limits and exceptions live in
 `scheduler/async_stream.py` (re-exported here).
 """
@@ -16,14 +20,13 @@ Nothing here knows about HTTP. Requests, streams, queue limits and exceptions li
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.sampling import SamplingParams
 from policies.config import parse_kv_policy
@@ -39,11 +42,10 @@ from scheduler.async_stream import (
     RequestStream,
     StepListener,
 )
+from scheduler.core_loop import CoreInfo, CoreLoop, Work
+from scheduler.engine_process import EngineProcess
 from scheduler.limits import fit_max_tokens, shifts_rope
 from scheduler.outputs import EngineStats, RequestOutput, RequestRejected
-
-if TYPE_CHECKING:
-    from scheduler.warmup import Warmup
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -53,16 +55,23 @@ __all__ = ["AsyncEngine", "EngineError", "EngineUnavailable", "GenerationRequest
 
 
 class AsyncEngine:
-    def __init__(self, core_factory: CoreFactory, *, max_queued_requests: int = 1024,
+    def __init__(self, core_factory: CoreFactory | None = None, *,
+                 process: EngineProcess | None = None, max_queued_requests: int = 1024,
                  max_queued_tokens: int = 1 << 20, warmup: bool = True) -> None:
+        """`core_factory` builds the core on the worker thread (the thread layout);
+        `process` runs it in a process of its own instead (`from_config` makes either)."""
+        assert (core_factory is None) != (process is None), "a core factory or a process"
         self._factory = core_factory
+        self._process = process
         # Run scheduler/warmup.py between loading and ready (False: tests of the loading
         # sequence itself, or a core that is not an EngineCore).
         self.warmup = warmup
-        self.warmup_report: Warmup | None = None
+        self.info: CoreInfo | None = None  # set once loaded
         self.admission = Admission(max_queued_requests, max_queued_tokens)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvserve-engine")
-        self._core: Any = None
+        # thread layout: the worker; process layout: the pump and the reader
+        self._executor = ThreadPoolExecutor(1 if process is None else 2,
+                                            thread_name_prefix="kvserve-engine")
+        self._loop: CoreLoop | None = None  # the thread layout's
         self.tokenizer: Any = None  # a private copy for the event loop side
         self.max_model_len = 0
         self.vocab_size = 0
@@ -70,28 +79,50 @@ class AsyncEngine:
         # the core's policy for requests naming none: a name, an object or a parsed config
         self.default_kv_policy: Any = "full"
         self.tenant_quotas: dict[str, float] = {}  # the core's, tenant -> pool fraction
-        self.stats = EngineStats()  # refreshed by the worker after every core call
-        self.load_error: BaseException | None = None
+        self.stats = EngineStats()  # the core's, as of its latest event
+        self.load_error: BaseException | None = None  # also set when the core dies
+        # Called (on the event loop) once if the engine process dies after loading.
+        self.on_dead: Callable[[BaseException], None] | None = None
         self.draining = False
         self._stopping = False
         self._loaded = asyncio.Event()
         self._live: dict[str, Live] = {}
-        # Queued by the event loop, taken by the worker between steps, under `_work`.
+        # Queued by the event loop, taken by the worker (or pump) between steps.
         self._work = threading.Condition()
         self._pending_adds: list[tuple[Live, asyncio.Future]] = []
         self._pending_aborts: list[str] = []
-        self._core_busy = False  # the worker's own: the core has unfinished requests
         self._idle: asyncio.Event | None = None
-        self._task: asyncio.Future | None = None  # the worker's step loop
+        self._task: asyncio.Future | None = None  # the worker's step loop (or pump+reader)
         self.listeners = Listeners()
 
     @classmethod
-    def from_config(cls, config: Any, **options: Any) -> AsyncEngine:
+    def from_config(cls, config: Any, *, engine_process: bool = False,
+                    process_setup: Callable[[], None] | None = None,
+                    **options: Any) -> AsyncEngine:
+        """An engine over `EngineCore(config)`; `engine_process` puts the core in a
+        process of its own, which calls `process_setup` (picklable: logging, diagnostics)
+        first."""
+        if engine_process:
+            return cls(process=EngineProcess(config, options.get("warmup", True), process_setup),
+                       **options)
         from scheduler.engine_core import EngineCore
 
         return cls(lambda on_step: EngineCore(config, on_step=on_step), **options)
 
     # ---- lifecycle -----------------------------------------------------------------
+    @property
+    def layout(self) -> str:
+        return "thread" if self._process is None else "process"
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine process's pid (None in the thread layout)."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def warmup_report(self) -> Any:
+        return None if self.info is None else self.info.warmup
+
     @property
     def loaded(self) -> bool:
         return self._loaded.is_set()  # set on the loop once the step loop runs
@@ -123,7 +154,7 @@ class AsyncEngine:
         return len(self._pending_adds)
 
     def add_step_listener(self, fn: StepListener) -> None:
-        """`fn` runs on the worker thread after every step: keep it cheap and thread-safe."""
+        """`fn` runs on a worker thread after every step: keep it cheap and thread-safe."""
         self.listeners.step.append(fn)
 
     def add_output_listener(self, fn: OutputListener) -> None:
@@ -131,39 +162,35 @@ class AsyncEngine:
         self.listeners.output.append(fn)
 
     async def start(self) -> None:
-        """Load the core on the worker thread and start the step loop."""
+        """Load the core (on the worker thread, or in the engine process) and start the
+        step loop."""
         loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
         self._idle.set()
         try:
-            await loop.run_in_executor(self._executor, self._load)
+            info = await loop.run_in_executor(self._executor, self._load)
         except BaseException as e:
             self.load_error = e
             raise
-        self._task = loop.run_in_executor(self._executor, self._worker_loop, loop)
+        self.tokenizer = info.tokenizer
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.max_request_tokens = info.max_request_tokens
+        self.default_kv_policy, self.tenant_quotas = info.default_kv_policy, info.tenant_quotas
+        self.stats, self.info = info.stats, info
+        if self._process is None:
+            self._task = loop.run_in_executor(self._executor, self._run_thread, loop)
+        else:
+            self._task = asyncio.gather(
+                loop.run_in_executor(self._executor, self._pump),
+                loop.run_in_executor(self._executor, self._read, loop))
         self._loaded.set()
 
-    def _load(self) -> None:
-        core = self._factory(self.listeners.on_step)
-        if self.warmup:
-            from scheduler.warmup import warm_up  # imports torch: not at CLI start-up
-
-            self.warmup_report = warm_up(core)
-        self.tokenizer = copy.deepcopy(core.tokenizer)
-        self.tokenizer.encode("warm up")  # the copy's first call pays its own set-up
-        self.max_model_len = int(core.max_model_len)
-        self.vocab_size = int(core.model_config.vocab_size)
-        config = getattr(core, "config", None)
-        self.default_kv_policy = getattr(config, "default_kv_policy", None) or "full"
-        self.tenant_quotas = dict(getattr(config, "tenant_quotas", None) or {})
-        self.stats = self._stats(core)
-        cap = self.max_model_len
-        block_size = getattr(config, "block_size", None)
-        layers = getattr(core.model_config, "num_layers", None)
-        if block_size and layers and self.stats.blocks_total:
-            cap = min(cap, self.stats.blocks_total // layers * block_size)
-        self.max_request_tokens = cap
-        self._core = core
+    def _load(self) -> CoreInfo:
+        if self._process is not None:
+            return self._process.start()
+        assert self._factory is not None
+        self._loop = CoreLoop(self._factory(self.listeners.on_step), self.warmup)
+        return self._loop.info()
 
     async def wait_loaded(self) -> None:
         await self._loaded.wait()
@@ -190,6 +217,8 @@ class AsyncEngine:
         self._notify()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, 30.0)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- submission ----------------------------------------------------------------
@@ -318,73 +347,75 @@ class AsyncEngine:
         for rid in list(self._live):
             self._fail(rid, error)
 
+    def _on_event(self, kind: str, *payload: Any) -> None:
+        """One of the core loop's events (`scheduler/core_loop.py`), on the event loop."""
+        if kind == "died":
+            self._died(payload[0])
+            return
+        self.stats = payload[-1] if kind != "step" else payload[2]
+        if kind == "accepted":
+            self._accepted(payload[0], payload[1])
+        elif kind == "step":
+            self._dispatch(payload[0], payload[1])
+        else:
+            self._step_failed(payload[0])
+
+    def _died(self, exit_code: int | None) -> None:
+        """The engine process exited without being asked to: fail everything in flight,
+        refuse new work (503) and tell the server, which exits so that a supervisor
+        restarts it."""
+        if self._stopping:
+            return
+        err = EngineError(f"the engine process died (exit code {exit_code})")
+        logger.error("the engine process died", extra={"fields": {"exit_code": exit_code}})
+        self.load_error = err
+        for rid in list(self._live):
+            self._fail(rid, err)
+        if self.on_dead is not None:
+            self.on_dead(err)
+
     def _notify(self) -> None:
         with self._work:
             self._work.notify()
 
-    # ---- worker thread only ------------------------------------------------------------
-    def _worker_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The step loop: wait for work, apply what the event loop queued, step, repeat.
-        Everything the event loop must see goes back through `call_soon_threadsafe`."""
+    # ---- worker threads only -----------------------------------------------------------
+    def _take(self, block: bool) -> Work:
+        """What the event loop queued (waiting for some if `block`); the adds' token is
+        their (Live, future) pairs, answered by an "accepted" event."""
+        with self._work:
+            while block and not (self._stopping or self._pending_adds or self._pending_aborts):
+                self._work.wait()
+            if self._stopping:
+                return Work(stop=True)
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        return Work([live.req for live, _ in adds], aborts, token=adds)
+
+    def _run_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The thread layout: the step loop itself, on the worker thread."""
+        assert self._loop is not None
+        self._loop.run(self._take, lambda *event: loop.call_soon_threadsafe(
+            self._on_event, *event))
+
+    def _pump(self) -> None:
+        """The process layout: hand what the event loop queued to the engine process."""
+        assert self._process is not None
         while True:
-            with self._work:
-                while not (self._stopping or self._pending_adds or self._pending_aborts
-                           or self._core_busy):
-                    self._work.wait()
-                if self._stopping:
-                    return
-                adds, self._pending_adds = self._pending_adds, []
-                aborts, self._pending_aborts = self._pending_aborts, []
-            if adds or aborts:
-                try:
-                    results = self._apply(adds, aborts)
-                except Exception as e:  # a broken core: fail what was submitted
-                    logger.exception("applying submissions failed")
-                    results = [e] * len(adds)
-                    self._core_busy = False
-                loop.call_soon_threadsafe(self._accepted, adds, results)
-            if self._core_busy:
-                t0 = time.perf_counter()
-                try:
-                    outputs = self._step()
-                except Exception as e:
-                    # Nothing steps again until the event loop's aborts of the failed
-                    # requests arrive (the core may fail the same way every time).
-                    self._core_busy = False
-                    loop.call_soon_threadsafe(self._step_failed, e)
-                    continue
-                loop.call_soon_threadsafe(self._dispatch, outputs, time.perf_counter() - t0)
-
-    def _apply(self, adds: list[tuple[Live, asyncio.Future]],
-               aborts: list[str]) -> list[BaseException | None]:
-        core = self._core
-        for rid in aborts:
-            core.abort_request(rid)
-        results: list[BaseException | None] = []
-        for live, _ in adds:
-            r = live.req
+            work = self._take(True)
+            if work.stop:
+                self._process.stop()
+                return
             try:
-                core.add_request(r.request_id, r.prompt_ids, r.params, priority=r.priority,
-                                 kv_policy=r.kv_policy, arrival_time=r.arrival_time,
-                                 cache_salt=r.cache_salt, tenant=r.tenant)
-                results.append(None)
-            except Exception as e:
-                results.append(e)
-        self._core_busy = core.has_unfinished()
-        self.stats = self._stats(core)
-        return results
+                self._process.send(work)
+            except OSError:  # the process is gone; the reader reports it
+                return
 
-    def _step(self) -> list[RequestOutput]:
-        core = self._core
-        try:
-            return core.step()
-        finally:
-            self._core_busy = core.has_unfinished()
-            self.stats = self._stats(core)
-
-    def _stats(self, core: Any) -> EngineStats:
-        """The core's stats, counters since the warm-up (its requests are no client's)."""
-        stats = core.stats()
-        if self.warmup_report is not None:
-            stats = stats.since(self.warmup_report.baseline)
-        return stats
+    def _read(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The process layout: the engine's events to the event loop, step listeners
+        here (they must not wait for the event loop)."""
+        assert self._process is not None
+        for event in self._process.events():
+            if event[0] == "step":
+                for stats in event[4]:
+                    self.listeners.on_step(stats)
+            loop.call_soon_threadsafe(self._on_event, *event)

@@ -100,6 +100,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             token_text.append(TokenText(engine.tokenizer))
         return token_text[0]
 
+    engine.on_dead = settings.on_fatal  # the engine process died: exit, to be restarted
+
     async def load() -> None:
         t0 = time.perf_counter()
         try:
@@ -116,7 +118,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         gc.freeze()
         logger.info("model loaded", extra={"fields": {
             "model": settings.model_path, "load_s": round(time.perf_counter() - t0, 2),
-            "max_model_len": engine.max_model_len, "kv_blocks": engine.stats.blocks_total}})
+            "max_model_len": engine.max_model_len, "kv_blocks": engine.stats.blocks_total,
+            "engine_layout": engine.layout, "engine_pid": engine.engine_pid}})
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -218,8 +221,14 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return await pre.detokenize(req)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """Liveness: up while loading and draining; down once the engine failed to load
+        or its process died (the server is exiting then; a restart is the cure)."""
+        if engine.load_error is not None:
+            return JSONResponse(error_body(f"the engine failed: {engine.load_error}",
+                                           "service_unavailable", None, "failed"),
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

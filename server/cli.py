@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -208,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-tokens", type=int, default=1 << 20,
                    help="prompt tokens waiting for their first token before new requests "
                    "get 429")
+    s.add_argument("--engine-layout", choices=("process", "thread"), default="process",
+                   help="where the engine core steps the model: a process of its own "
+                   "(vLLM v1's EngineCore process; ids, text deltas and stats cross a "
+                   "pipe, and the HTTP side never waits for the engine's GIL) or a worker "
+                   "thread of the server's process (one process, less memory). "
+                   "docs/benchmarks.md measures both")
     s.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds requests in flight may run after SIGTERM")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
@@ -274,11 +281,15 @@ def _serve(a: argparse.Namespace) -> int:
     model = _resolve_model(a.model)
     check_port_free(a.host, a.port)
     configure_logging(a.log_level, a.log_format)
-    logger.info("cpu threads", extra={"fields": cpu.fields()})
+    logger.info("cpu threads", extra={"fields": {**cpu.fields(),
+                                                 "engine_layout": a.engine_layout}})
     names = a.served_model_name or [
         DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
                                                   **_engine_kwargs(a)),
+                                     engine_process=a.engine_layout == "process",
+                                     process_setup=partial(engine_process_setup,
+                                                           a.log_level, a.log_format),
                                      max_queued_requests=a.max_queued_requests,
                                      max_queued_tokens=a.max_queued_tokens)
     exit_code = 0
@@ -313,6 +324,18 @@ def _serve(a: argparse.Namespace) -> int:
                                              "tenant_quotas": quotas}})
     server.run()
     return exit_code
+
+
+def engine_process_setup(log_level: str, log_format: str) -> None:
+    """What the engine process does first (it starts with nothing set up): the server's
+    log format, and `KVSERVE_MEMDEBUG`'s memory lines of its own."""
+    from server.logs import configure_logging
+    from server.memwatch import MemoryWatch
+
+    configure_logging(log_level, log_format)
+    watch = MemoryWatch.from_env()
+    if watch is not None:
+        watch.start()
 
 
 class DrainingServer(uvicorn.Server):

@@ -71,6 +71,26 @@ def rss_bytes(pid: int | str = "self") -> int | None:
     return None
 
 
+def tree_rss_bytes(pid: int) -> int | None:
+    """RSS of a process and all its descendants (with `--engine-layout process` the
+    model lives in a child of the server), or None off Linux."""
+    total = rss_bytes(pid)
+    if total is None:
+        return None
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return total
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        total += sum(tree_rss_bytes(c) or 0 for c in children)
+    return total
+
+
 def malloc_stats() -> dict[str, Any]:
     """glibc heap totals over all arenas in MiB (empty without glibc's mallinfo2)."""
     fn = getattr(LIBC, "mallinfo2", None)
@@ -177,5 +197,6 @@ class MemoryWatch:
             LIBC.malloc_trim(0)
             fields["trim_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
             fields["rss_after_trim_mib"] = round((rss_bytes() or 0) / MIB, 1)
-        logger.warning("memwatch", extra={"fields": {"t": round(time.time(), 1), **fields}})
+        logger.warning("memwatch", extra={"fields": {"t": round(time.time(), 1),
+                                                     "pid": os.getpid(), **fields}})
         return fields

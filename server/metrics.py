@@ -135,6 +135,9 @@ class ServerMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)
+        if engine.layout == "process":  # the model's memory and CPU time are its own
+            ProcessCollector(namespace=P + "engine", pid=lambda: str(engine.engine_pid),
+                             registry=r)
         PlatformCollector(registry=r)
         r.register(EngineStatsCollector(engine, tenants))
 
@@ -260,9 +263,9 @@ class VllmAliasCollector(Collector):
                 short = fam.name.removeprefix(P)
                 for alias in VLLM_ALIASES.get(short, ()) if fam.name.startswith(P) else ():
                     yield self._renamed(fam, "vllm:" + alias)
-        core = getattr(self.engine, "_core", None)  # set once loaded, then read-only
-        config = getattr(core, "config", None)
-        layers = getattr(getattr(core, "model_config", None), "num_layers", 0)
+        info = self.engine.info  # set once loaded, then read-only
+        config = getattr(info, "config", None)
+        layers = getattr(info, "num_layers", 0)
         if config is not None and layers:
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration "
                                      "(vLLM's units).", labels=["block_size",

@@ -49,3 +49,40 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 180
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
+
+
+def hang_up_mid_stream(url: str, engine: object, n_clients: int, max_tokens: int = 200
+                       ) -> None:
+    """`n_clients` streams, each read until its third chunk; once all are that far (and
+    the engine holds them all, with blocks), every client closes its socket."""
+    import asyncio
+
+    async def main() -> None:
+        started, release = asyncio.Event(), asyncio.Event()
+        streaming = 0
+
+        async def one(i: int) -> None:
+            nonlocal streaming
+            body = {"prompt": f"long story {i}", "max_tokens": max_tokens, "stream": True,
+                    "ignore_eos": True}
+            async with httpx.AsyncClient(base_url=url, timeout=120) as c, \
+                    c.stream("POST", "/v1/completions", json=body) as r:
+                chunks = 0
+                async for line in r.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == 3:  # mid-generation: a couple of tokens in
+                        streaming += 1
+                        if streaming == n_clients:
+                            started.set()
+                        await release.wait()
+                        break
+            # leaving both context managers closes the socket: the server sees a disconnect
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n_clients)]
+        await asyncio.wait_for(started.wait(), 120)
+        assert engine.num_active == n_clients  # type: ignore[attr-defined]
+        assert engine.stats.blocks_used > 0  # type: ignore[attr-defined]
+        release.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())

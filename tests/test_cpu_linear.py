@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.cpu_linear import PackedLinear, pack_linears, packing_available
+from engine.cpu_linear import PackedLinear, pack_linears, packing_available, padded_rows
 from engine.sampling import SamplingParams
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not packing_available(torch.float32),
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 7, 64, 200])
+@pytest.mark.parametrize("rows", [1, 7, 33, 64, 200])  # 33 and 200 are padded
 def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(96, 160, bias=bias)
@@ -51,3 +51,37 @@ def test_engine_on_packed_weights_generates_what_dense_weights_do(tmp_path) -> N
     got = [c.token_ids for c in packed.generate(prompts, params)]
     want = [c.token_ids for c in dense.generate(prompts, params)]
     assert got == want
+
+
+def test_row_buckets_are_few_and_pad_little() -> None:
+    sizes = range(1, 4097)
+    buckets = {padded_rows(r) for r in sizes}
+    assert all(r <= padded_rows(r) <= r * 1.125 for r in sizes)
+    assert all(padded_rows(r) == r for r in range(1, 33))  # decode batches: exact
+    assert all(padded_rows(b) == b for b in buckets)
+    assert len(buckets) <= 32 + 8 * 7
+
+
+@pytest.mark.skipif(not __import__("server.memwatch").memwatch.rss_bytes(),
+                    reason="needs /proc")
+def test_every_row_count_twice_does_not_grow_the_process() -> None:
+    """A server's steps have any row count; oneDNN keeps per-shape state, and glibc
+    kept gigabytes of what that fragmented (docs/memory.md). Through the buckets a
+    second pass over the same row counts must not grow the process."""
+    from server.memwatch import rss_bytes
+
+    torch.manual_seed(0)
+    packed = PackedLinear(nn.Linear(256, 768))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the growth needs a second OpenMP thread, as a server has
+    try:
+        with torch.inference_mode():
+            for rnd in range(2):
+                for rows in range(1, 1500, 2):
+                    packed(torch.randn(rows, 256))
+                if rnd == 0:
+                    after_first = rss_bytes()
+    finally:
+        torch.set_num_threads(threads)
+    grew = rss_bytes() - after_first  # type: ignore[operator]
+    assert grew < 64 * 2**20, f"RSS grew {grew / 2**20:.0f} MiB on the second pass"

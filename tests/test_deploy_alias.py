@@ -95,10 +95,10 @@ def test_alias_mirrors_the_kvserve_values() -> None:
 
 def test_cache_config_info_in_vllm_units() -> None:
     engine = fake_engine(EngineStats(blocks_total=96))
-    engine._core = SimpleNamespace(  # what the engine thread sets once loaded
+    engine.info = SimpleNamespace(  # what the engine sets once loaded
         config=SimpleNamespace(block_size=16, enable_prefix_caching=True,
                                kv_cache_dtype="bfloat16"),
-        model_config=SimpleNamespace(num_layers=4))
+        num_layers=4)
     metrics = ServerMetrics(engine)
     add_metrics_alias(metrics, engine, "vllm", "m")
     smp = samples(generate_latest(metrics.registry).decode())

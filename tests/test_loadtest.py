@@ -398,6 +398,8 @@ def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
     spin, env, _ = Bench(a).command("kvserve-spin", model, 1234)
     plain, _, _ = Bench(a).command("kvserve", model, 1234)
     assert spin == [*plain, "--cpu-wait", "spin"] and env is None
+    thread, _, _ = Bench(a).command("kvserve-thread", model, 1234)
+    assert thread == [*plain, "--engine-layout", "thread"]
     vllm = vllm_peer.settings(1, "1536MiB")
     assert vllm == {"VLLM_CPU_OMP_THREADS_BIND": str(allowed_cpus()[0]),
                     "VLLM_CPU_KVCACHE_SPACE": "2"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool
 from scheduler.llm import LLM
-from server.memwatch import MemoryWatch, malloc_stats, rss_bytes
+from server.memwatch import MemoryWatch, malloc_stats, rss_bytes, tree_rss_bytes
 from tests.tiny_models import make_tiny_model
 
 
@@ -91,3 +92,26 @@ def test_memwatch_env_and_sample(caplog):
     stats = malloc_stats()
     if stats:  # glibc
         assert stats["heap_in_use_mib"] > 0 and stats["arenas"]
+
+
+@pytest.mark.skipif(rss_bytes() is None, reason="needs /proc")
+def test_tree_rss_counts_the_child_processes() -> None:
+    """The soak's RSS with `--engine-layout process`: the engine is a child."""
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(200 * 2**20); "
+                              "b[::4096] = b'x' * len(b[::4096]); input()"],
+                             stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while (rss_bytes(child.pid) or 0) < 200 * 2**20:
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+        own, tree = rss_bytes(), tree_rss_bytes(os.getpid())
+        assert own is not None and tree is not None
+        assert tree - own >= 200 * 2**20 - 16 * 2**20  # the child, within a page-table slack
+    finally:
+        child.kill()
+        child.wait()

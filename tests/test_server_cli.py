@@ -133,15 +133,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["thread", "process"])
+def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path, layout: str
+                                             ) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(port),
-         "--served-model-name", "tiny", "--num-blocks", "256", "--drain-timeout", "60"],
+         "--served-model-name", "tiny", "--num-blocks", "256", "--drain-timeout", "60",
+         "--engine-layout", layout],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # memory diagnostics in both processes (the engine process sets up its own)
+        env={**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_MEMDEBUG": "1"})
     try:
         wait_ready(proc, url, tmp_path / "server.log", 120)
         with httpx.Client(base_url=url, timeout=10) as c:
@@ -181,6 +185,13 @@ def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path) -> 
         assert done and done[0]["status"] == "ok" and done[0]["policy"] == "full"
         assert done[0]["completion_tokens"] == 120 and done[0]["ttft_s"] is not None
         assert any(x.get("msg") == "drained" and x.get("clean") for x in lines)
+        loaded = next(x for x in lines if x.get("msg") == "model loaded")
+        assert loaded["engine_layout"] == layout
+        watched = {x["pid"] for x in lines if x.get("msg") == "memwatch"}
+        assert proc.pid in watched
+        if layout == "process":  # the engine process was told to stop, and did
+            assert loaded["engine_pid"] != proc.pid and loaded["engine_pid"] in watched
+            assert not Path(f"/proc/{loaded['engine_pid']}").exists()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -23,6 +23,7 @@ from scheduler.outputs import StepStats
 from server.app import build_app
 from server.settings import ServerSettings
 from server.testing import ServerThread
+from tests.live_server import hang_up_mid_stream
 from tests.tiny_models import make_tiny_model
 
 
@@ -134,37 +135,8 @@ def test_disconnect_50_streams_frees_everything(
 
     baseline_tasks = server.call(count_tasks())
 
-    async def main() -> int:
-        started = asyncio.Event()
-        release = asyncio.Event()
-        streaming = 0
-
-        async def one(i: int) -> None:
-            nonlocal streaming
-            body = {"prompt": f"long story {i}", "max_tokens": 200, "stream": True,
-                    "ignore_eos": True}
-            async with httpx.AsyncClient(base_url=server.url, timeout=120) as c, \
-                    c.stream("POST", "/v1/completions", json=body) as r:
-                chunks = 0
-                async for line in r.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunks += 1
-                    if chunks == 3:  # mid-generation: role-less, a couple of tokens in
-                        streaming += 1
-                        if streaming == n_clients:
-                            started.set()
-                        await release.wait()
-                        break
-            # leaving both context managers closes the socket: the server sees a disconnect
-
-        tasks = [asyncio.create_task(one(i)) for i in range(n_clients)]
-        await asyncio.wait_for(started.wait(), 120)
-        assert engine.num_active == n_clients and engine.stats.blocks_used > 0
-        release.set()
-        await asyncio.gather(*tasks)
-        return counter.steps
-
-    steps_at_close = asyncio.run(main())
+    hang_up_mid_stream(server.url, engine, n_clients)
+    steps_at_close = counter.steps
     deadline = time.monotonic() + 15
     while engine.num_active or engine.stats.blocks_used or engine.stats.num_running:
         assert time.monotonic() < deadline, (engine.num_active, engine.stats)

@@ -1,0 +1,141 @@
+"""The step loop around one EngineCore, the same in both of the server's layouts.
+
+`AsyncEngine` runs the core either on a worker thread of the API process or in a
+process of its own (`scheduler/engine_process.py`, vLLM v1's EngineCore process). Either
+way the core sits in this loop: take what the API side queued (submissions, aborts),
+apply it, step while anything is unfinished, and hand every result back without waiting
+for the API side to read it. Only `take` (where work comes from) and `emit` (where
+results go) differ: a condition variable and `call_soon_threadsafe` on a thread, a pipe
+in the process. What crosses is plain data: requests, ids, output deltas and stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scheduler.async_stream import GenerationRequest
+from scheduler.outputs import EngineStats, RequestOutput, StepStats
+
+if TYPE_CHECKING:
+    from scheduler.warmup import Warmup
+
+logger = logging.getLogger("kvserve.engine")
+
+
+@dataclass
+class Work:
+    """What the API side queued since the loop last looked."""
+
+    adds: list[GenerationRequest] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    token: Any = None  # the API side's handle of `adds`, handed back with their results
+    stop: bool = False
+
+
+@dataclass
+class CoreInfo:
+    """What the API side learns once the core is loaded (all picklable)."""
+
+    tokenizer: Any  # a copy of the core's, for tokenizing on the API side
+    max_model_len: int
+    vocab_size: int
+    max_request_tokens: int  # min(context, whole pool) in tokens
+    default_kv_policy: Any  # a name, an object or a parsed config
+    tenant_quotas: dict[str, float]
+    stats: EngineStats
+    warmup: Warmup | None
+    config: Any  # the core's EngineConfig (None for a core without one)
+    num_layers: int
+
+
+# emit's events, each with the core's stats after it: ("accepted", token, [exception or
+# None per add], stats), ("step", outputs, seconds, stats, [StepStats]) and
+# ("failed", exception, stats)
+Emit = Callable[..., None]
+
+
+class CoreLoop:
+    def __init__(self, core: Any, warmup: bool) -> None:
+        self.core = core
+        self.warmup: Warmup | None = None
+        if warmup:
+            from scheduler.warmup import warm_up  # imports torch: not at CLI start-up
+
+            self.warmup = warm_up(core)
+
+    def info(self) -> CoreInfo:
+        import copy
+
+        core = self.core
+        config = getattr(core, "config", None)
+        stats = self.stats()
+        cap = int(core.max_model_len)
+        block_size = getattr(config, "block_size", None)
+        layers = getattr(core.model_config, "num_layers", None)
+        if block_size and layers and stats.blocks_total:
+            cap = min(cap, stats.blocks_total // layers * block_size)
+        tokenizer = copy.deepcopy(core.tokenizer)
+        tokenizer.encode("warm up")  # the copy's first call pays its own set-up
+        return CoreInfo(tokenizer, int(core.max_model_len), int(core.model_config.vocab_size),
+                        cap, getattr(config, "default_kv_policy", None) or "full",
+                        dict(getattr(config, "tenant_quotas", None) or {}), stats,
+                        self.warmup, config, int(layers or 0))
+
+    def stats(self) -> EngineStats:
+        """The core's stats, counters since the warm-up (its requests are no client's)."""
+        stats = self.core.stats()
+        return stats if self.warmup is None else stats.since(self.warmup.baseline)
+
+    def run(self, take: Callable[[bool], Work], emit: Emit,
+            step_stats: list[StepStats] | None = None) -> None:
+        """Until `take` says stop. `take(block)` waits for work only when `block` (the
+        core is idle); `step_stats`, when given, is the list the core's step listener
+        appends to, sent with each step and emptied."""
+        core, busy = self.core, False
+        while True:
+            work = take(not busy)
+            if work.stop:
+                return
+            if work.adds or work.aborts:
+                try:
+                    results = self._apply(work)
+                except Exception as e:  # a broken core: fail what was submitted
+                    logger.exception("applying submissions failed")
+                    results = [e] * len(work.adds)
+                emit("accepted", work.token, results, self.stats())
+            busy = core.has_unfinished()
+            if not busy:
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs: list[RequestOutput] = core.step()
+            except Exception as e:
+                # Nothing steps again until the API side's aborts of the failed requests
+                # arrive (the core may fail the same way every time).
+                busy = False
+                emit("failed", e, self.stats())
+                continue
+            steps = []
+            if step_stats:
+                steps, step_stats[:] = list(step_stats), []
+            emit("step", outputs, time.perf_counter() - t0, self.stats(), steps)
+            busy = core.has_unfinished()
+
+    def _apply(self, work: Work) -> list[BaseException | None]:
+        core = self.core
+        for rid in work.aborts:
+            core.abort_request(rid)
+        results: list[BaseException | None] = []
+        for r in work.adds:
+            try:
+                core.add_request(r.request_id, r.prompt_ids, r.params, priority=r.priority,
+                                 kv_policy=r.kv_policy, arrival_time=r.arrival_time,
+                                 cache_salt=r.cache_salt, tenant=r.tenant)
+                results.append(None)
+            except Exception as e:
+                results.append(e)
+        return results
