@@ -105,7 +105,9 @@ def test_policy_mix_decode_step_ops_do_not_grow_with_the_batch(model, mix):
     comp_small: list[int] = []
     comp_large: list[int] = []
     small = _ops_per_step(model, 9, mix, steps=10, compactions=comp_small)
-    large = _ops_per_step(model, 63, mix, steps=10, compactions=comp_large)
+    # 60 rows, like 8 and 64 above, are a GEMM row bucket (engine/cpu_linear.py): a
+    # count between buckets adds the same 4 padding ops per linear at any batch size.
+    large = _ops_per_step(model, 60, mix, steps=10, compactions=comp_large)
     for a, b in zip(small, large):
         assert a == b, {k: (a[k], b[k]) for k in a.keys() | b.keys() if a[k] != b[k]}
     assert sum(comp_small) and sum(comp_large), "no compaction was measured"
