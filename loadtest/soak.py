@@ -10,7 +10,8 @@ unknown model or policy, prompts over the context) that must get a 4xx. At the e
 server is waited on until idle and then must hold no KV blocks
 (`kvserve_kv_blocks{state="used"}` = 0) and no live slots. RSS comes from /proc for a
 spawned server (or --pid), summed over its child processes (the engine process of
-`--engine-layout process`), else from `process_resident_memory_bytes`; the baseline is
+`--engine-layout process`), else from `process_resident_memory_bytes` plus
+`kvserve_engine_process_resident_memory_bytes`; the baseline is
 taken after the warm-up. Exit status 1 on a leaked block, any 5xx or in-band stream
 error, a malformed request accepted, RSS growth over --max-rss-growth, or a server that
 does not go idle.
@@ -87,7 +88,10 @@ class Soak:
             return tree_rss_bytes(self.pid)
         s = prom.scrape(self.url)
         v = prom.value(s, "process_resident_memory_bytes") if s else None
-        return int(v) if v is not None else None
+        if v is None:
+            return None
+        engine = prom.value(s, "kvserve_engine_process_resident_memory_bytes")
+        return int(v + (engine or 0))  # the engine process's, with --engine-layout process
 
     async def one(self, client: httpx.AsyncClient, ccfg: ClientConfig, spec: Any) -> None:
         a, rng = self.a, self.rng

@@ -187,3 +187,18 @@ def test_a_model_that_fails_to_load_in_the_engine_process(tmp_path: Path,
         assert engine._process is not None and not engine._process.process.is_alive()
 
     asyncio.run(main())
+
+
+def test_soak_counts_the_engine_process_memory(served: tuple[ServerThread, AsyncEngine]
+                                               ) -> None:
+    """A soak against a running server reads RSS from /metrics: both processes."""
+    from loadtest.soak import Soak, build_parser
+
+    server, _ = served
+    rss = Soak(build_parser().parse_args(["--base-url", server.url]), server.url,
+               None).rss_now()
+    engine = _metric(server.url, "kvserve_engine_process_resident_memory_bytes")
+    api = _metric(server.url, "process_resident_memory_bytes")
+    assert engine > 0 and api > 0
+    assert rss is not None and rss > api + engine / 2  # the engine's is counted
+    assert abs(rss - (engine + api)) < 0.05 * (engine + api)  # two scrapes apart
