@@ -89,7 +89,8 @@ def core_main(config: Any, conn: Connection, warmup: bool,
         elif kind == "failed":
             logger.error("engine step failed", exc_info=payload[0])
             payload = (portable(payload[0]), payload[1])
-        conn.send((kind, *payload))
+        with contextlib.suppress(OSError):  # the API process is gone: `take` stops next
+            conn.send((kind, *payload))
 
     loop.run(take, emit, steps)
 
