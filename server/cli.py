@@ -37,6 +37,7 @@ from engine.demo import DEMO_MODEL_NAME
 
 if TYPE_CHECKING:  # torch loads with it, and must not before cpu_threads.apply
     from scheduler.async_engine import AsyncEngine
+    from server.memwatch import MemoryWatch
 
 logger = logging.getLogger("kvserve.cli")
 USAGE_ERROR = 2  # argparse's status for a bad command line; ours for every start-up check
@@ -326,7 +327,7 @@ def _serve(a: argparse.Namespace) -> int:
     return exit_code
 
 
-def engine_process_setup(log_level: str, log_format: str) -> None:
+def engine_process_setup(log_level: str, log_format: str) -> MemoryWatch | None:
     """What the engine process does first (it starts with nothing set up): the server's
     log format, and `KVSERVE_MEMDEBUG`'s memory lines of its own."""
     from server.logs import configure_logging
@@ -334,8 +335,7 @@ def engine_process_setup(log_level: str, log_format: str) -> None:
 
     configure_logging(log_level, log_format)
     watch = MemoryWatch.from_env()
-    if watch is not None:
-        watch.start()
+    return None if watch is None else watch.start()
 
 
 class DrainingServer(uvicorn.Server):

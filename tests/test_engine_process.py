@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -173,11 +174,20 @@ def test_a_dead_engine_process_fails_requests_and_the_server(model_dir: str,
         assert httpx.get(server.url + "/health").status_code == 503
 
 
+def _note_pid(path: str) -> None:
+    Path(path).write_text(str(os.getpid()))
+
+
 def test_a_model_that_fails_to_load_in_the_engine_process(tmp_path: Path,
                                                          one_thread: None) -> None:
+    """...and `process_setup` (the CLI's logging and KVSERVE_MEMDEBUG) runs in the
+    engine process before it loads anything."""
+    setup = tmp_path / "setup.pid"
+
     async def main() -> None:
         engine = AsyncEngine.from_config(EngineConfig(model=str(tmp_path)),
-                                         engine_process=True)
+                                         engine_process=True,
+                                         process_setup=partial(_note_pid, str(setup)))
         with pytest.raises(Exception) as info:
             await engine.start()
         assert engine.load_error is info.value
@@ -185,8 +195,33 @@ def test_a_model_that_fails_to_load_in_the_engine_process(tmp_path: Path,
             await engine.submit([GenerationRequest([1, 2], SamplingParams(max_tokens=2))])
         await engine.shutdown()
         assert engine._process is not None and not engine._process.process.is_alive()
+        assert int(setup.read_text()) == engine.engine_pid != os.getpid()
 
     asyncio.run(main())
+
+
+def test_the_cli_sets_up_the_engine_process(monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """What `kvserve serve` hands the engine process: its log settings and, with
+    KVSERVE_MEMDEBUG, a memory watch of its own (lines carry the pid)."""
+    import logging
+    import threading
+
+    from server.cli import engine_process_setup
+
+    monkeypatch.setenv("KVSERVE_MEMDEBUG", "0.05")
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    watch = None
+    try:
+        watch = engine_process_setup("warning", "json")
+        assert root.level == logging.WARNING and watch is not None
+        assert any(t.name == "kvserve-memwatch" for t in threading.enumerate())
+    finally:
+        if watch is not None:
+            watch.stop()
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def test_soak_counts_the_engine_process_memory(served: tuple[ServerThread, AsyncEngine]

@@ -144,8 +144,7 @@ def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path, lay
          "--served-model-name", "tiny", "--num-blocks", "256", "--drain-timeout", "60",
          "--engine-layout", layout],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        # memory diagnostics in both processes (the engine process sets up its own)
-        env={**os.environ, "PYTHONPATH": str(ROOT), "KVSERVE_MEMDEBUG": "1"})
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         wait_ready(proc, url, tmp_path / "server.log", 120)
         with httpx.Client(base_url=url, timeout=10) as c:
@@ -187,10 +186,8 @@ def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path, lay
         assert any(x.get("msg") == "drained" and x.get("clean") for x in lines)
         loaded = next(x for x in lines if x.get("msg") == "model loaded")
         assert loaded["engine_layout"] == layout
-        watched = {x["pid"] for x in lines if x.get("msg") == "memwatch"}
-        assert proc.pid in watched
         if layout == "process":  # the engine process was told to stop, and did
-            assert loaded["engine_pid"] != proc.pid and loaded["engine_pid"] in watched
+            assert loaded["engine_pid"] != proc.pid
             assert not Path(f"/proc/{loaded['engine_pid']}").exists()
     finally:
         if proc.poll() is None:
