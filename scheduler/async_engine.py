@@ -175,7 +175,8 @@ class AsyncEngine:
         self.tokenizer = info.tokenizer
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
         self.max_request_tokens = info.max_request_tokens
-        self.default_kv_policy, self.tenant_quotas = info.default_kv_policy, info.tenant_quotas
+        self.default_kv_policy = getattr(info.config, "default_kv_policy", None) or "full"
+        self.tenant_quotas = dict(getattr(info.config, "tenant_quotas", None) or {})
         self.stats, self.info = info.stats, info
         if self._process is None:
             self._task = loop.run_in_executor(self._executor, self._run_thread, loop)
@@ -352,7 +353,7 @@ class AsyncEngine:
         if kind == "died":
             self._died(payload[0])
             return
-        self.stats = payload[-1] if kind != "step" else payload[2]
+        self.stats = payload[-1]
         if kind == "accepted":
             self._accepted(payload[0], payload[1])
         elif kind == "step":
@@ -416,6 +417,6 @@ class AsyncEngine:
         assert self._process is not None
         for event in self._process.events():
             if event[0] == "step":
-                for stats in event[4]:
+                for stats in event[3]:
                     self.listeners.on_step(stats)
             loop.call_soon_threadsafe(self._on_event, *event)

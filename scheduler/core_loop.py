@@ -44,17 +44,15 @@ class CoreInfo:
     max_model_len: int
     vocab_size: int
     max_request_tokens: int  # min(context, whole pool) in tokens
-    default_kv_policy: Any  # a name, an object or a parsed config
-    tenant_quotas: dict[str, float]
     stats: EngineStats
     warmup: Warmup | None
     config: Any  # the core's EngineConfig (None for a core without one)
     num_layers: int
 
 
-# emit's events, each with the core's stats after it: ("accepted", token, [exception or
-# None per add], stats), ("step", outputs, seconds, stats, [StepStats]) and
-# ("failed", exception, stats)
+# emit's events, each with the core's stats after it last: ("accepted", token,
+# [exception or None per add], stats), ("step", outputs, seconds, [StepStats], stats)
+# and ("failed", exception, stats)
 Emit = Callable[..., None]
 
 
@@ -81,9 +79,7 @@ class CoreLoop:
         tokenizer = copy.deepcopy(core.tokenizer)
         tokenizer.encode("warm up")  # the copy's first call pays its own set-up
         return CoreInfo(tokenizer, int(core.max_model_len), int(core.model_config.vocab_size),
-                        cap, getattr(config, "default_kv_policy", None) or "full",
-                        dict(getattr(config, "tenant_quotas", None) or {}), stats,
-                        self.warmup, config, int(layers or 0))
+                        cap, stats, self.warmup, config, int(layers or 0))
 
     def stats(self) -> EngineStats:
         """The core's stats, counters since the warm-up (its requests are no client's)."""
@@ -122,7 +118,7 @@ class CoreLoop:
             steps = []
             if step_stats:
                 steps, step_stats[:] = list(step_stats), []
-            emit("step", outputs, time.perf_counter() - t0, self.stats(), steps)
+            emit("step", outputs, time.perf_counter() - t0, steps, self.stats())
             busy = core.has_unfinished()
 
     def _apply(self, work: Work) -> list[BaseException | None]:
