@@ -31,8 +31,9 @@ MIN_PREFILL_CHUNK = 256
 class KVCacheManager:
     def __init__(self, pool: BlockPool, num_layers: int, *, watermark: float = 0.01,
                  enable_prefix_caching: bool = True, swap: SwapSpace | None = None,
-                 rows: int = 16) -> None:
+                 rows: int = 16, min_prefill_chunk: int = MIN_PREFILL_CHUNK) -> None:
         self.pool = pool
+        self.min_prefill_chunk = min_prefill_chunk
         self.num_layers = num_layers
         self.block_size = pool.block_size
         self.watermark_blocks = int(watermark * pool.num_blocks)
@@ -82,17 +83,19 @@ class KVCacheManager:
         Why: a policy that evicts between prompt chunks bounds memory only if the
         chunks are bounded too; with the whole step budget as one chunk, a streaming
         request with a 64-token window held its whole 300-token prompt (issue 20). Its
-        chunks are as long as the bound, at least MIN_PREFILL_CHUNK: live tokens never
-        exceed the bound plus one chunk (twice the bound, for bounds past the floor). A
-        policy that keeps the prompt
-        whole until it ends (its `max_live` during the prompt is the prompt so far)
-        gains nothing from short chunks and keeps the step budget."""
+        chunks are as long as the bound, at least `min_prefill_chunk`
+        (EngineConfig, MIN_PREFILL_CHUNK by default): live tokens never exceed the bound
+        plus one chunk (twice the bound, for bounds past the floor). A longer floor
+        prefills faster and lets a scoring policy (h2o, tova, keydiff, lazy_eviction)
+        rank more of the prompt at once, for more memory per request. A policy that
+        keeps the prompt whole until it ends (its `max_live` during the prompt is the
+        prompt so far) gains nothing from short chunks and keeps the step budget."""
         if policy is None or not hasattr(policy, "max_live") or prompt_len < 2:
             return max_chunk
         during = policy.max_live(prompt_len - 1, prompt_len, self.block_size)
         if during >= prompt_len - 1:
             return max_chunk
-        return min(max_chunk, max(MIN_PREFILL_CHUNK, during))
+        return min(max_chunk, max(self.min_prefill_chunk, during))
 
     # ---- caches --------------------------------------------------------------------
     def new_cache(self, tokens: int) -> SeqCache:

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from engine import cpu_threads
+from kvpool.manager import MIN_PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -335,6 +336,10 @@ def add_quality_args(p, budgets: str) -> None:
     p.add_argument("--needle-trials", type=int, default=2)
     p.add_argument("--needle-lengths", default="256,512,768")
     p.add_argument("--needle-tasks", default="passkey/text,passkey/repeat,facts/text")
+    p.add_argument("--quality-min-prefill-chunk", type=int, default=MIN_PREFILL_CHUNK,
+                   help="the quality engine's min_prefill_chunk: a prompt at most this "
+                   "long is scored whole by every policy (bounded prefill splits longer "
+                   "ones into chunks of about the budget)")
 
 
 def parse_quality_args(a) -> None:

@@ -304,6 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
                         "needle_tasks", "demo_model", "kvpress_python", "quality_variants",
+                        "quality_min_prefill_chunk",
                         "threads"))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:

@@ -127,8 +127,10 @@ def _quality(q: dict) -> list[str]:
     full = rows[0]
     lines = [
         "", f"**Quality on the demo model** ({q['model']}). Perplexity: {q['windows']} held-out "
-        f"windows of {q['window']} tokens; the first {q['prompt']} are the prompt (one prefill "
-        f"chunk, then the policy acts), the other {q['scored_tokens']} in all are teacher-forced "
+        f"windows of {q['window']} tokens; the first {q['prompt']} are the prompt (prefilled "
+        "as the engine would: one chunk, or for a policy that bounds its prompt chunks of its "
+        f"budget, at least {q.get('min_prefill_chunk', 256)} tokens, evicting between them; "
+        "then the policy acts), the other {q['scored_tokens']} in all are teacher-forced "
         "one at a time through the bounded cache and scored (000 §4.1). Full-cache kvserve "
         f"{full['ppl']:.3f} vs transformers {q['reference_ppl_transformers']:.3f} on the same "
         f"tokens ({'agree' if q['full_matches_reference'] else 'DISAGREE'}). Needle "

@@ -1,13 +1,13 @@
 """Peak KV memory of one long prompt under each `kv_policy` (issue 20, bounded prefill).
 
-A policy that evicts between prompt chunks (streaming, lazy_streaming, knorm,
-paged_eviction) holds its bound plus one chunk from the first prompt token on; one that
-scores the whole prompt at its end (h2o, tova, keydiff, snapkv, pyramid, lazy_eviction)
-holds the prompt. This runs a 16k-token prompt (and a few generated tokens) through the
-engine once per policy, every policy at the same budget, and reports the peak live
-tokens per layer, the peak blocks and the time. The rope-shift rows run on a model whose
-`max_position_embeddings` is far below the prompt: the prompt itself is longer than the
-context. Peaks are counts, not timings: they do not depend on machine noise.
+A policy that evicts between prompt chunks (every one but snapkv and pyramid) holds its
+bound plus one chunk from the first prompt token on; snapkv and pyramid, which compress
+the prompt at its end with a window of its last queries, hold the prompt. This runs a
+16k-token prompt (and a few generated tokens) through the engine once per policy, every
+policy at the same budget, and reports the peak live tokens per layer, the peak blocks
+and the time. The rope-shift rows run on a model whose `max_position_embeddings` is far
+below the prompt: the prompt itself is longer than the context. Peaks are counts, not
+timings: they do not depend on machine noise.
 
     python -m loadtest.bench_prefill_bound --prompt 16384 --budget 1024
 

@@ -13,9 +13,10 @@ both must be measured at the *same* budget, through the engine's own code paths.
   `score_continuations`, the teacher-forced perplexity protocol of
   000_8900623ad98b28fb.txt §4.1 (StreamingLLM-style: tokens fed one at a time through
   the bounded cache, the log-probability of each next token accumulated). The prompt
-  half of each window is prefilled as one chunk, as the scheduler would, so prompt-scoring
-  policies (snapkv, pyramid) compress it exactly as in serving; then every continuation
-  token is forced. Forwards go through `engine.runner.execute` and eviction through
+  half of each window is prefilled in the chunks the scheduler would give it (one chunk,
+  or chunks of about the budget for a policy that bounds its prompt, evicting between
+  them), so every policy treats the prompt exactly as in serving; then every
+  continuation token is forced. Forwards go through `engine.runner.execute` and eviction through
   `EngineCore.policies.run` (scheduler/policy_runner.py, the engine's own eviction
   step): nothing here re-implements a policy or its bookkeeping.
 """
@@ -33,6 +34,7 @@ import torch
 
 from engine.runner import SeqInput
 from engine.sampling import SamplingParams
+from kvpool.manager import MIN_PREFILL_CHUNK
 from loadtest.bench_common import drive
 from policies.catalog import CATALOG, build_policy
 from policies.config import parse_kv_policy
@@ -157,6 +159,20 @@ class KVServeBackend:
         drive(eng, "generate", progress=progress, collect=outs)
         return [outs[rid] for rid in ids]
 
+    def _forward(self, chunks: list, logits: bool) -> torch.Tensor | None:
+        """One engine step over `chunks`, then the engine's own eviction step
+        (`EngineCore.policies.run`); the last position's logits per chunk if asked."""
+        eng = self.engine
+        out = eng.runner.execute([
+            SeqInput(c.request.token_slice(c.start, c.start + c.num_tokens),
+                     c.start - c.request.pos_offset, c.slots, c.request.cache, logits,
+                     c.request.policy is not None and c.request.policy.needs.attention)
+            for c in chunks])
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        eng.policies.run(chunks, out.attention)
+        return out.logits
+
     def score_continuations(self, windows: Sequence[Sequence[int]], prompt_len: int
                             ) -> list[list[float]]:
         """Per window, the natural-log probabilities of tokens prompt_len..end given all
@@ -173,6 +189,12 @@ class KVServeBackend:
             reqs.append(r)
         logps: list[list[float]] = [[] for _ in windows]
         try:
+            # The prompt's chunks but the last, in the lengths the engine gives them
+            # (`KVCacheManager.prefill_chunk`: a bounded policy evicts between them).
+            sizes = [eng.kv.prefill_chunk(r.policy, prompt_len, eng.config.max_num_batched_tokens)
+                     for r in reqs]
+            while ahead := [(r, n) for r, n in zip(reqs, sizes) if prompt_len - r.num_computed > n]:
+                self._forward([sched._chunk(r, n) for r, n in ahead], logits=False)
             for j in range(max(len(w) for w in windows) - prompt_len):
                 live = [i for i, w in enumerate(windows) if prompt_len + j < len(w)]
                 chunks = []
@@ -181,16 +203,9 @@ class KVServeBackend:
                     if j:  # the true next token, as if it had been sampled
                         r.output_ids.append(windows[i][prompt_len + j - 1])
                     chunks.append(sched._chunk(r, r.num_tokens - r.num_computed))
-                out = eng.runner.execute([
-                    SeqInput(c.request.token_slice(c.start, c.start + c.num_tokens),
-                             c.start - c.request.pos_offset, c.slots, c.request.cache, True,
-                             c.request.policy is not None and c.request.policy.needs.attention)
-                    for c in chunks])
-                lp = torch.log_softmax(out.logits, dim=-1).cpu()
-                for row, (i, c) in enumerate(zip(live, chunks)):
-                    c.request.num_computed += c.num_tokens
+                lp = torch.log_softmax(self._forward(chunks, logits=True), dim=-1).cpu()
+                for row, i in enumerate(live):
                     logps[i].append(float(lp[row, windows[i][prompt_len + j]]))
-                eng.policies.run(chunks, out.attention)  # the engine's own eviction step
         finally:
             for r in reqs:
                 r.cache.release()
@@ -230,11 +245,13 @@ def evaluate_quality(args, progress: bool = True) -> dict:
         model=args.demo_model, max_num_seqs=max(len(prompts), len(windows)),
         num_blocks=(len(prompts) + len(windows)) * per_seq, enable_prefix_caching=False,
         kv_cache_dtype=getattr(args, "quality_kv_cache_dtype", "auto"),
-        batch_policies=getattr(args, "quality_batch_policies", True)))
+        batch_policies=getattr(args, "quality_batch_policies", True),
+        min_prefill_chunk=getattr(args, "quality_min_prefill_chunk", MIN_PREFILL_CHUNK)))
     ref = TransformersBackend(args.demo_model)
     ref_lp = [ref.score(w)[prompt_len - 1:] for w in windows]
     out: dict = {"model": args.demo_model, "windows": len(windows), "window": args.ppl_window,
                  "kv_cache_dtype": eng.pool.dtype_name,
+                 "min_prefill_chunk": eng.config.min_prefill_chunk,
                  "prompt": prompt_len, "scored_tokens": sum(map(len, ref_lp)),
                  "needle_prompts": len(prompts), "needle": needle_kw,
                  "reference_ppl_transformers": math.exp(-sum(map(sum, ref_lp)) / sum(map(len, ref_lp))),

@@ -2,9 +2,17 @@
 
 Both read `RowsView.attention` ([N, Tq, Hkv, W]: this step's queries' probability mass
 on each live token, summed over the query heads of each kv group) and keep one set per
-layer, i.e. the mass is aggregated over all heads of the layer. Both act from the step
-that completes the prompt on (scores of a partial prompt would be premature), keeping
-exactly min(n, C) tokens after every plan, C = resolve_budget(budget, seq_len).
+layer, i.e. the mass is aggregated over all heads of the layer. Both keep exactly
+min(n, C) tokens after every plan, C = `prompt_budget` (resolved on the whole prompt's
+length while the prompt is computed, on the sequence length from then on).
+
+Bounded prefill (issue 20): both plan after every prompt chunk too, so a long prompt
+holds C plus one chunk from its first token on (`chunked_envelope`; the scheduler then
+prefills in chunks of about C, `KVCacheManager.prefill_chunk`). A prompt that fits in
+one chunk is scored whole at its end, as before. A longer one is scored chunk by chunk:
+a later chunk's queries no longer see what an earlier plan dropped — what H2O and TOVA
+do in decode, one token at a time (003's `H2OEviction.update` and TOVA's loop make no
+difference between prompt and generated tokens). docs/policies.md measures the cost.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import Needs, StepView, head_mean, is_active, prefill_envelope, resolve_budget
+from policies.base import Needs, StepView, chunked_envelope, head_mean, prompt_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 from policies.rows import RowsView, keep_highest
 
@@ -47,8 +55,9 @@ class H2OPolicy:
 
     Cumulative attention: every step adds its queries' mass on each live token, summed
     over queries and over all heads (003 `update`: `attention_weights.sum(dim=(0, 1, 2))`);
-    prefill chunks accumulate too, so at the end of the prompt a token's score is its
-    column sum over all prompt queries. The sum is per-slot state (`acc`, kept by the
+    prefill chunks accumulate too, so at the end of a one-chunk prompt a token's score is
+    its column sum over all prompt queries (over the queries that saw it, when earlier
+    chunks' plans dropped tokens: bounded prefill, above). The sum is per-slot state (`acc`, kept by the
     engine beside the slot's position): an evicted token's is forgotten with its slot,
     a new token's starts at 0. Keep (003 `get_eviction_mask`): the last min(window, C)
     tokens, plus the top C - window of the older tokens by cumulative score. Deliberate
@@ -67,15 +76,14 @@ class H2OPolicy:
         assert view.attention is not None
         acc = view.state["acc"]
         acc += view.attention.sum(dim=(1, 2))
-        keep = view.budgets(c.budget)
+        keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None
         return keep_highest(view, acc, keep, last=[min(c.window, k) for k in keep])
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        return prefill_envelope(seq_len, prompt_len,
-                                resolve_budget(self.config.budget, seq_len))
+        return chunked_envelope(self.config.budget, seq_len, prompt_len)
 
 
 @dataclass
@@ -87,8 +95,10 @@ class TOVAPolicy:
     Agrees with kvpress `TOVAPress`: its score is the last query's attention averaged
     over heads (one set for every kv head, so layer level is exact) and it pins the
     newest token (padded with max + 1); we protect the newest token the same way. At the
-    end of a prompt the last prompt query ranks the whole prompt (kvpress's prefill
-    compression, budget = int(n·(1-r))); in decode one token goes per step."""
+    end of a one-chunk prompt the last prompt query ranks the whole prompt (kvpress's
+    prefill compression, budget = int(n·(1-r))); a longer prompt is ranked by each
+    chunk's last query in turn (bounded prefill, above); in decode one token goes per
+    step."""
 
     config: TOVAConfig
     name: str = "tova"
@@ -99,19 +109,18 @@ class TOVAPolicy:
         """The last query's head-mean mass ranks every row; the newest token stays."""
         assert view.attention is not None
         c = policies[0].config
-        keep = view.budgets(c.budget)
+        keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None
         scores = head_mean(view.attention[:, -1:])[:, 0]
         return keep_highest(view, scores, keep, last=1)
 
     def idle(self, view: StepView) -> bool:
-        """TOVA keeps no state: nothing to do before the prompt is complete or while
-        every layer is within the budget (H2O has no `idle`: it accumulates every step)."""
-        budget = resolve_budget(self.config.budget, view.seq_len)
-        return not is_active(view) or all(n <= budget for n in view.lengths)
+        """TOVA keeps no state: nothing to do while every layer is within the budget
+        (H2O has no `idle`: it accumulates every step)."""
+        budget = prompt_budget(self.config.budget, view)
+        return all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        return prefill_envelope(seq_len, prompt_len,
-                                resolve_budget(self.config.budget, seq_len))
+        return chunked_envelope(self.config.budget, seq_len, prompt_len)

@@ -99,11 +99,6 @@ def resolve_budget(budget: int | float, length: int) -> int:
     return budget
 
 
-def is_active(view: StepView) -> bool:
-    """The prompt is complete: policies that score the whole prompt act from here on."""
-    return view.prefill_done or view.seq_len > view.prompt_len
-
-
 def prompt_budget(budget: int | float, view: StepView) -> int:
     """C during a prompt and after it: resolved on the whole prompt length while the
     prompt is still being computed (so every prompt chunk aims at the C the prompt's end

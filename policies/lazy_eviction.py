@@ -70,12 +70,20 @@ class LazyEvictionPolicy:
     window if a step spans several), if a layer holds more than B tokens, keep the most
     recent W and the top B - W of the others by I_t (`importance`); if B < W only the
     recent W stay. B = resolve_budget(budget, seq_len), so a ratio keeps the paper's
-    r of the full cache. Nothing is evicted before t = W, even for a long prompt. Each
-    request decides on its own clock (`_epoch`, the last k decided), so in a batch some
-    rows select while the others only track.
+    r of the full cache. Each request decides on its own clock (`_epoch`, the last k
+    decided), so in a batch some rows select while the others only track.
 
-    Bound: live <= seq_len while t < W, i.e. <= prompt_len + W - 1; afterwards <=
-    max(B, W) + (t mod W) <= max(B, W) + W - 1. kvpress has no LazyEviction press."""
+    The prompt (our definition: the paper decides at decode steps t = kW only, its
+    prompts being short): every prompt chunk ends with a decision at its last query's
+    time t <= 0, the one that completes the prompt (t = 0) included, with B resolved on
+    the whole prompt's length (`prompt_budget`). §4/App. H treat prompt and generated
+    tokens alike ("If a Prefill token shows no recurrence over a long period,
+    LazyEviction evicts it"), and this is what bounds a long prompt's memory from its
+    first token (issue 20: the scheduler prefills it in chunks of about B). Before this,
+    nothing was evicted before t = W, so a prompt of any length was held whole.
+
+    Bound: max(B, W) after every prompt chunk; in decode max(B, W) + (t mod W) <=
+    max(B, W) + W - 1. kvpress has no LazyEviction press."""
 
     config: LazyEvictionConfig
     name: str = "lazy_eviction"
@@ -85,9 +93,9 @@ class LazyEvictionPolicy:
 
     @staticmethod
     def select(policies: list[LazyEvictionPolicy], view: RowsView) -> torch.Tensor | None:
-        """Track every row over this step's queries; the rows of the requests whose
-        clock reached a new t = kW keep max(B, W) tokens: the recent W and the highest
-        I_t among the others."""
+        """Track every row over this step's queries; the rows of the requests that
+        computed a prompt chunk or whose clock reached a new t = kW keep max(B, W)
+        tokens: the recent W and the highest I_t among the others."""
         c = policies[0].config
         assert view.attention is not None
         ts, mri = _tracked(view, c.alpha)
@@ -95,12 +103,13 @@ class LazyEvictionPolicy:
         view.state["mri"].copy_(mri)
         keep, t_now = [], []
         for p, s, prompt in zip(policies, view.seq_len, view.prompt_len):
-            t = s - prompt
+            t = s - prompt  # the time of this step's last query
             epoch = t // c.window if t >= c.window else 0
-            decide = epoch > p._epoch
+            decide = t <= 0 or epoch > p._epoch  # every prompt chunk, then t = kW
             if decide:
-                p._epoch = epoch
-            keep.append(max(resolve_budget(c.budget, s), c.window) if decide else None)
+                p._epoch = max(epoch, p._epoch)
+            budget = resolve_budget(c.budget, max(s, prompt))
+            keep.append(max(budget, c.window) if decide else None)
             t_now.append(t)
         keep = [n if k is None else k for n, k in zip(view.lengths, view.per_row(keep))]
         if view.within(keep):
@@ -111,10 +120,11 @@ class LazyEvictionPolicy:
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        w = self.config.window
-        steady = max(resolve_budget(self.config.budget, seq_len), w) + w - 1
-        before = seq_len if prompt_len is None else prompt_len + w - 1
-        return min(seq_len, max(before, steady))
+        w, budget = self.config.window, self.config.budget
+        if prompt_len is None and isinstance(budget, float):
+            return seq_len  # a ratio of an unknown prompt bounds nothing
+        top = max(resolve_budget(budget, max(seq_len, prompt_len or 0)), w)
+        return min(seq_len, top + (w - 1 if prompt_len is None or seq_len > prompt_len else 0))
 
 
 def _tracked(view: RowsView, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,10 +25,7 @@ from policies.base import (
     Needs,
     StepView,
     chunked_envelope,
-    is_active,
-    prefill_envelope,
     prompt_budget,
-    resolve_budget,
 )
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 from policies.rows import RowsView, keep_highest
@@ -159,9 +156,14 @@ class KeyDiffPolicy:
     most similar (cosine) to the mean key direction of the layer's live tokens,
     recomputed each step over the keys as stored (rotated).
 
-    Agrees with kvpress `KeyDiffPress` (non-block form) at layer level as knorm does.
-    KeyDiff's paper evicts block-wise during prefill (kvpress: `BlockPress`); like 001's
-    baseline we score the whole prompt at once. Bound: min(seq_len, C)."""
+    Agrees with kvpress `KeyDiffPress` (non-block form) at layer level as knorm does: a
+    prompt that fits in one prefill chunk is scored at once, as 001's baseline scores
+    it. A longer prompt is bounded the way KeyDiff's paper evicts during prefill,
+    block-wise (kvpress: `BlockPress`): after every chunk the row goes back to the C the
+    prompt's end will have (`prompt_budget`), the anchor taken over what the row holds
+    then. Unlike knorm's, the kept set then differs from one whole-prompt plan (the
+    anchor moves as keys arrive). Bound: min(seq_len, C) from the first prompt token
+    (`chunked_envelope`)."""
 
     config: KeyDiffConfig
     name: str = "keydiff"
@@ -174,18 +176,17 @@ class KeyDiffPolicy:
         anchor moves every step and a copy of every live key into the view cost most
         of a decode step (issue 18)."""
         c = policies[0].config
-        keep = view.budgets(c.budget)
+        keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None
         assert view.key_diversity is not None
         return _select(view, keep, c.window, view.key_diversity)
 
     def idle(self, view: StepView) -> bool:
-        """Nothing to plan: prompt incomplete or every layer within budget."""
-        budget = resolve_budget(self.config.budget, view.seq_len)
-        return not is_active(view) or all(n <= budget for n in view.lengths)
+        """Nothing to plan: every layer within the budget (KeyDiff keeps no state)."""
+        budget = prompt_budget(self.config.budget, view)
+        return all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        return prefill_envelope(seq_len, prompt_len,
-                                resolve_budget(self.config.budget, seq_len))
+        return chunked_envelope(self.config.budget, seq_len, prompt_len)

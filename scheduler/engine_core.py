@@ -20,7 +20,7 @@ from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.attention_select import select_attention
-from kvpool.manager import KVCacheManager
+from kvpool.manager import MIN_PREFILL_CHUNK, KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.quant import FORMATS
 from kvpool.swap import SwapSpace
@@ -57,6 +57,10 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None  # bytes for the pool, e.g. "2GiB"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Shortest prefill chunk of a prompt whose policy bounds it (kvpool/manager.py
+    # `prefill_chunk`): longer chunks prefill faster and let scoring policies rank more
+    # of the prompt at once, for more memory per request.
+    min_prefill_chunk: int = MIN_PREFILL_CHUNK
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds drawn for requests that give none
     default_kv_policy: str = "full"  # for requests that name none
@@ -119,6 +123,8 @@ class EngineCore:
             raise ValueError(f"preemption_mode must be one of {MODES}")
         if not 0 <= config.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
+        if config.min_prefill_chunk < 1:
+            raise ValueError("min_prefill_chunk must be >= 1")
         quotas = config.tenant_quotas or {}
         if any(q <= 0 for q in quotas.values()) or sum(quotas.values()) > 1:
             raise ValueError("tenant quotas must be positive fractions summing to at most 1")
@@ -132,7 +138,8 @@ class EngineCore:
         self.cost_model = cost
         self.kv = KVCacheManager(self.pool, mc.num_layers, watermark=config.watermark,
                                  enable_prefix_caching=config.enable_prefix_caching,
-                                 swap=self.swap, rows=min(config.max_num_seqs, 16))
+                                 swap=self.swap, rows=min(config.max_num_seqs, 16),
+                                 min_prefill_chunk=config.min_prefill_chunk)
         memory = MemoryConfig(config.preemption_mode, dict(quotas), config.reserve_preempted)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs,
                                    config.max_num_batched_tokens, memory, cost)

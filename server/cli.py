@@ -150,6 +150,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="most sequences in one running batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="most tokens one engine step computes (prefill chunks + decodes)")
+    g.add_argument("--min-prefill-chunk", type=int, default=None,
+                   help="shortest prefill chunk of a long prompt whose kv_policy bounds it "
+                   "(evicting between chunks; default 256 tokens): longer chunks prefill "
+                   "faster and let scoring policies rank more of the prompt at once, for "
+                   "more memory per request")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length; without it, the model's max_position_embeddings")
     g.add_argument("--seed", type=int, default=0,
@@ -176,15 +181,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device,
-                block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
-                max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                max_model_len=a.max_model_len, seed=a.seed,
-                default_kv_policy=a.default_kv_policy, preemption_mode=a.preemption_mode,
-                swap_space=a.swap_space, watermark=a.watermark,
-                reserve_preempted=not a.no_reserve_preempted,
-                enable_prefix_caching=not a.no_prefix_caching,
-                batch_policies=not a.no_batch_policies)
+    kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device,
+              block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
+              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+              max_model_len=a.max_model_len, seed=a.seed,
+              default_kv_policy=a.default_kv_policy, preemption_mode=a.preemption_mode,
+              swap_space=a.swap_space, watermark=a.watermark,
+              reserve_preempted=not a.no_reserve_preempted,
+              enable_prefix_caching=not a.no_prefix_caching,
+              batch_policies=not a.no_batch_policies)
+    # Given only when set: EngineConfig keeps the default (importing it here would load
+    # torch before the arguments are parsed).
+    if a.min_prefill_chunk is not None:
+        kw["min_prefill_chunk"] = a.min_prefill_chunk
+    return kw
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,6 +41,29 @@ def test_h2o_accumulates_over_prefill_chunks_and_decode():
     assert pos.tolist() == [0, 1, 4] and acc.tolist() == pytest.approx([2.4, 1.3, 0.3])
 
 
+def test_h2o_and_tova_evict_between_prompt_chunks():
+    """Bounded prefill (issue 20): a chunk that leaves a layer above the budget the
+    prompt's end will have is cut to it at once, by what the prompt has shown so far;
+    the next chunk's queries never see the dropped token, and its score is gone."""
+    h2o = build_policy({"name": "h2o", "budget": 2, "window": 1})
+    chunk1 = [[1.0, 0.0, 0.0], [0.7, 0.3, 0.0], [0.2, 0.1, 0.7]]  # acc [1.9, 0.4, 0.7]
+    plan = run_step(h2o, view([lv([0, 1, 2], chunk1)], 3, 6, 3))
+    assert plan[0].tolist() == [1]  # window: 2; heaviest older: 0
+    # chunk 2 completes the prompt: tokens 0, 2 and the new 3..5
+    plan = run_step(h2o, view([lv([0, 2, 3, 4, 5], [[0.1, 0.1, 0.8, 0.0, 0.0],
+                                                    [0.1, 0.5, 0.2, 0.2, 0.0],
+                                                    [0.3, 0.1, 0.2, 0.3, 0.1]])], 6, 6, 3, True))
+    # acc 0: 2.4, 2: 1.4, 3: 1.2, 4: 0.5, 5: 0.1 -> window 5 + heaviest older 0
+    assert plan[0].tolist() == [2, 3, 4]
+    pos, acc = slot_state(h2o, 0, "acc")
+    assert pos.tolist() == [0, 5] and acc.tolist() == pytest.approx([2.4, 0.1])
+
+    tova = build_policy({"name": "tova", "budget": 0.25})  # C = 2 of an 8-token prompt
+    plan = run_step(tova, view([lv([0, 1, 2], chunk1)], 3, 8, 3))
+    assert plan[0].tolist() == [1]  # the chunk's last query: 0.2, 0.1, 0.7 (newest pinned)
+    assert run_step(tova, view([lv([0, 2], [[1.0, 0.0], [0.5, 0.5]])], 3, 8, 2)) == {}  # C
+
+
 def test_h2o_sums_all_heads():
     p = build_policy({"name": "h2o", "budget": 2, "window": 0})
     att = torch.tensor([[[0.1, 0.8, 0.1], [0.7, 0.0, 0.3]]])  # [Tq=1, Hkv=2, n=3]

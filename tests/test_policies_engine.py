@@ -217,6 +217,10 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
      "max_drop": 8},
     {"name": "knorm", "budget": 64, "window": 4},
     {"name": "paged_eviction", "budget": 64},
+    {"name": "keydiff", "budget": 64},
+    {"name": "h2o", "budget": 64, "window": 8},
+    {"name": "tova", "budget": 0.05},
+    {"name": "lazy_eviction", "budget": 64, "window": 8, "alpha": 0.01},
 ])
 def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
     """A prompt 20x the bound never holds more than the bound + one chunk (+ one block)
@@ -244,11 +248,30 @@ def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
 
 
 def test_policies_that_keep_the_prompt_whole_keep_the_step_budget(model):
-    """h2o, snapkv ... score the whole prompt at its end (their scores change as queries
-    arrive): short chunks would only cost throughput, so their chunk stays the step
-    budget and admission reserves the prompt."""
+    """snapkv and pyramid compress the prompt at its end (they score it with a window
+    of its last queries): short chunks would only cost throughput, so their chunk stays
+    the step budget and admission reserves the prompt."""
     llm = LLM(model, num_blocks=400, block_size=BS, max_num_batched_tokens=512)
-    for i, kv_policy in enumerate([{"name": "h2o", "budget": 16},
+    for i, kv_policy in enumerate([{"name": "pyramid", "budget": 16},
                                    {"name": "snapkv", "budget": 16}, None]):
         llm.engine.add_request(f"r{i}", _prompt(i, 300), _greedy(4), kv_policy=kv_policy)
         assert llm.engine.requests[f"r{i}"].max_chunk == 512
+
+
+def test_min_prefill_chunk_trades_memory_for_whole_prompt_scoring(model):
+    """`min_prefill_chunk` is the floor of a bounded prompt's chunks: at 1024 an h2o
+    request of budget 64 prefills a 900-token prompt in one chunk (scored whole at its
+    end, as before bounded prefill) and admission reserves that chunk; a floor below 1
+    is refused."""
+    prompt = _prompt(3, 900)
+    peaks = {}
+    for floor in (MIN_PREFILL_CHUNK, 1024):
+        llm = LLM(model, num_blocks=2000, block_size=BS, max_num_batched_tokens=2048,
+                  min_prefill_chunk=floor)
+        llm.engine.add_request("r", prompt, _greedy(2), kv_policy={"name": "h2o", "budget": 64})
+        req = llm.engine.requests["r"]
+        assert req.max_chunk == floor
+        peaks[floor] = req.peak_blocks
+    assert peaks[MIN_PREFILL_CHUNK] < peaks[1024]
+    with pytest.raises(ValueError, match="min_prefill_chunk"):
+        LLM(model, num_blocks=100, block_size=BS, min_prefill_chunk=0)

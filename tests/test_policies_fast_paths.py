@@ -34,8 +34,9 @@ class _LazyReference:
         c, prompt = self.c, v.prompt_len
         t_now = v.seq_len - prompt
         epoch = t_now // c.window if t_now >= c.window else 0
-        decide, self.epoch = epoch > self.epoch, max(epoch, self.epoch)
-        budget = base.resolve_budget(c.budget, v.seq_len)
+        # every prompt chunk's end (t <= 0: bounded prefill), then t = kW
+        decide, self.epoch = t_now <= 0 or epoch > self.epoch, max(epoch, self.epoch)
+        budget = base.resolve_budget(c.budget, max(v.seq_len, prompt))
         plan = {}
         for layer, lv in enumerate(v.layers):
             old = self.tracked.get(layer, {})

@@ -204,6 +204,13 @@ def test_engine_flags_reach_the_engine_config() -> None:
         ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05"]))
     assert (on["batch_policies"], on["reserve_preempted"]) == (True, True)
     assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
+    # Unset, the engine's own default applies; given, it reaches EngineConfig.
+    from kvpool.manager import MIN_PREFILL_CHUNK
+    from scheduler.engine_core import EngineConfig
+
+    assert EngineConfig(model="m", **on).min_prefill_chunk == MIN_PREFILL_CHUNK
+    chunk = _engine_kwargs(build_parser().parse_args(["serve", "--min-prefill-chunk", "1024"]))
+    assert EngineConfig(model="m", **chunk).min_prefill_chunk == 1024
 
 
 def test_warm_up_before_ready(tmp_path: Path) -> None:
