@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kvpool.pool import BlockPool, PoolExhausted, parse_bytes
+from kvpool.pool import BlockPool, PoolExhausted, advise_huge_pages, parse_bytes
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
 
@@ -191,9 +191,23 @@ def _thp_mode() -> str:
 
 @pytest.mark.skipif(_thp_mode() == "never", reason="no transparent huge pages here")
 def test_pool_memory_is_backed_by_huge_pages() -> None:
+    """The pool asks for 2 MiB pages before it touches its memory. Whether the kernel
+    finds them is the host's state: a host fragmented by hours of other work may have
+    no free 2 MiB blocks left, which is not the pool's fault (skipped, saying so)."""
     pool = BlockPool(4096, 16, 2, 64)  # 64 MiB of K/V
     assert pool.kv.nbytes == 64 << 20
-    assert _anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2) >= 16 << 10
+    assert advise_huge_pages(pool.kv)  # the kernel accepts the advice on this range
+    huge = _anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2)
+    if huge == 0 and _free_huge_blocks() < 32:
+        pytest.skip(f"the host has {_free_huge_blocks()} free 2 MiB blocks: too fragmented")
+    assert huge >= 16 << 10
+
+
+def _free_huge_blocks() -> int:
+    """Free blocks of 2 MiB or more (/proc/buddyinfo, orders >= 9 of 4 KiB pages)."""
+    with open("/proc/buddyinfo") as f:
+        return sum(int(n) << (order - 9) for line in f
+                   for order, n in enumerate(line.split()[4:]) if order >= 9)
 
 
 def test_append_decode_on_an_exhausted_pool_changes_nothing() -> None:
