@@ -13,6 +13,10 @@ vLLM rows are skipped with a note. Each server is loaded by the same closed-loop
 - `prefix`: shared system prompts, kvserve with prefix caching on vs off;
 - `policy`: a `kv_policy` mix vs all-`full` on a KV pool too small for the load.
 
+`--offline-ref 32` also runs the concurrency-32 throughput requests through kvserve
+offline (`kvserve generate`'s LLM, same engine options; loadtest/offline_ref.py) and
+reports HTTP tok/s / offline tok/s (issue 22: ≥ 85%).
+
     python -m loadtest.bench_serving --models 160m,demo --concurrency 1,8,32,64 \\
         --systems kvserve,transformers,transformers-cb,vllm --out runs/
 
@@ -36,14 +40,15 @@ from datetime import datetime, timezone
 from typing import Any
 
 from engine.cpu_threads import allowed_cpus, physical_cores
-from loadtest import vllm_peer
+from loadtest import offline_ref, vllm_peer
 from loadtest.bench_serving_report import render, update_doc, write_plots
 from loadtest.client import ClientConfig
 from loadtest.report import environment
-from loadtest.runner import RunConfig, run_specs, run_sweep
+from loadtest.runner import RunConfig, level_workload, run_specs, run_sweep
 from loadtest.spawn import Spawned, free_port, kvserve_cmd, transformers_cmd
 from loadtest.workloads import (
     LengthDist,
+    RequestSpec,
     TextMaker,
     WorkloadConfig,
     build_requests,
@@ -123,10 +128,8 @@ class Bench:
         """(command line, environment added to ours, readiness path) of one server."""
         env = None
         if system in KVSERVE:
-            cmd = kvserve_cmd(model["path"], port, "--max-num-seqs", str(self.a.max_seqs),
-                              "--max-num-batched-tokens", str(self.a.max_batched_tokens),
-                              "--dtype", self.a.dtype, "--cpu-threads", str(self.a.threads),
-                              *KVSERVE[system], *extra)
+            cmd = kvserve_cmd(model["path"], port, *self.engine_opts(), *KVSERVE[system],
+                              *extra)
             ready = "/ready"
         elif system == "vllm":
             cmd = vllm_peer.serve_cmd(self.a.vllm_python, model["path"], port, self.a.dtype,
@@ -142,6 +145,12 @@ class Bench:
             ready = "/health"
         return cmd, env, ready
 
+    def engine_opts(self) -> list[str]:
+        """kvserve's engine options of every run: the servers' and the offline reference's."""
+        return ["--max-num-seqs", str(self.a.max_seqs), "--max-num-batched-tokens",
+                str(self.a.max_batched_tokens), "--dtype", self.a.dtype, "--cpu-threads",
+                str(self.a.threads)]
+
     def run_cfg(self, url: str, system: str) -> RunConfig:
         backend = "transformers" if system.startswith("transformers") else "openai"
         return RunConfig(base_url=url, client=ClientConfig(backend=backend, temperature=0.0),
@@ -155,11 +164,14 @@ class Bench:
         return WorkloadConfig(kind=kind, num_requests=n, seed=self.a.seed, prompt=prompt,
                               output=output, max_model_len=model["max_model_len"], **kw)
 
+    def warm_requests(self, model: dict[str, Any], maker: TextMaker) -> list[RequestSpec]:
+        w = self.workload(model, "synthetic", LengthDist(16, 0), LengthDist(4, 0), 4)
+        return build_requests(replace(w, seed=self.a.seed + 99991), maker)
+
     async def warm(self, cfg: RunConfig, maker: TextMaker, model: dict[str, Any]) -> None:
         """A few short requests (lazy initialisation, e.g. HF's continuous batching
         manager) before anything is measured."""
-        w = self.workload(model, "synthetic", LengthDist(16, 0), LengthDist(4, 0), 4)
-        await run_specs(build_requests(replace(w, seed=self.a.seed + 99991), maker),
+        await run_specs(self.warm_requests(model, maker),
                         replace(cfg, concurrency=2, progress=False))
 
     async def levels(self, cfg: RunConfig, wl: WorkloadConfig, levels: list[float],
@@ -172,15 +184,40 @@ class Bench:
         wl = self.workload(model, "synthetic", LengthDist(a.prompt_len, 1.0, 8, a.max_prompt_len),
                            LengthDist(a.output_len, 0.6, 8, a.max_output_len), a.num_prompts)
         out = {}
+        kv_extra = ("--kv-cache-memory", a.kv_memory)
+
+        def per_level(c: float) -> int:
+            return max(a.num_prompts, int(a.waves * c))
+
         for system in a.systems:
-            extra = ("--kv-cache-memory", a.kv_memory) if system in KVSERVE else ()
-            with self.server(system, model, *extra) as srv:
+            with self.server(system, model, *(kv_extra if system in KVSERVE else ())) as srv:
                 cfg = self.run_cfg(srv.url, system)
                 await self.warm(cfg, maker, model)
-                out[system] = await self.levels(
-                    cfg, wl, a.concurrency, maker,
-                    lambda c: max(a.num_prompts, int(a.waves * c)))
-        return {"workload": _describe(wl), "systems": out}
+                out[system] = await self.levels(cfg, wl, a.concurrency, maker, per_level)
+        res: dict[str, Any] = {"workload": _describe(wl), "systems": out}
+        if a.offline_ref:  # after the servers stopped: nothing else runs beside it
+            res["offline_ref"] = [self.offline(model, maker, wl, c, per_level(c), kv_extra, out)
+                                  for c in a.offline_ref]
+        return res
+
+    def offline(self, model: dict[str, Any], maker: TextMaker, wl: WorkloadConfig, c: int,
+                n: int, kv_extra: tuple[str, ...], http: dict[str, list[dict[str, Any]]]
+                ) -> dict[str, Any]:
+        """kvserve offline (`kvserve generate`'s LLM, the throughput server's engine
+        options) on the requests of the HTTP level at concurrency `c` (issue 22)."""
+        print(f"  offline reference: kvserve generate on the concurrency-{c} requests",
+              flush=True)
+        specs = build_requests(level_workload(wl, self.a.concurrency.index(c), n), maker)
+        wait = ("--cpu-wait", self.a.offline_cpu_wait) if self.a.offline_cpu_wait else ()
+        levels = {s: lv for s, lvs in http.items() if s in KVSERVE
+                  for lv in lvs if lv["max_concurrency"] == c}
+        r = offline_ref.measure(
+            specs, self.warm_requests(model, maker), self.run_cfg("", "kvserve").client,
+            model["path"], [*self.engine_opts(), *kv_extra, *wait], levels,
+            os.path.join(self.logs, f"{model['name']}-offline-c{c}"),
+            self.a.duration_limit + self.a.start_timeout)
+        print(offline_ref.summary_line(r), flush=True)
+        return {"concurrency": c, **r}
 
     async def prefix(self, model: dict[str, Any], maker: TextMaker) -> dict[str, Any]:
         a = self.a
@@ -237,7 +274,9 @@ def _compact(level: dict[str, Any]) -> dict[str, Any]:
     ok = [r for r in level["requests"] if r["status"] == "200"]
     return {**level["summary"],
             "ttft_list_ms": [round(r["ttft"] * 1000, 2) for r in ok if r["ttft"] is not None],
-            "e2el_list_ms": [round(r["e2el"] * 1000, 2) for r in ok if r["e2el"] is not None]}
+            "e2el_list_ms": [round(r["e2el"] * 1000, 2) for r in ok if r["e2el"] is not None],
+            # (prompt, output) tokens of each request: what the offline reference must match
+            "token_counts": sorted([r["prompt_tokens"] or 0, r["output_tokens"]] for r in ok)}
 
 
 def _print_level(level: dict[str, Any]) -> None:
@@ -306,6 +345,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the pool holds this many median-sized full requests")
     p.add_argument("--pressure-requests", type=int, default=64)
     p.add_argument("--pressure-concurrency", type=int, default=32)
+    p.add_argument("--offline-ref", default="",
+                   help="comma list of throughput concurrencies (e.g. 32) whose exact "
+                   "requests also run through kvserve offline (`kvserve generate`'s LLM, "
+                   "same engine options): the report gives HTTP tok/s / offline tok/s")
+    p.add_argument("--offline-cpu-wait", choices=("spin", "passive"), default=None,
+                   help="--cpu-wait of the offline reference; default: kvserve generate's "
+                   "(spin, which beside another busy process is several times slower)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--duration-limit", type=float, default=900.0, help="per level, seconds")
@@ -354,6 +400,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"{k}={v}" for k, v in vllm_peer.settings(a.threads, a.kv_memory).items())
     a.vllm_version = vllm_peer.version(a.vllm_python) if "vllm" in a.systems else None
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
+    a.offline_ref = [int(x) for x in a.offline_ref.split(",") if x]
+    if a.offline_ref and ("throughput" not in a.parts or not set(KVSERVE) & set(a.systems)
+                          or set(a.offline_ref) - set(a.concurrency)):
+        raise SystemExit("--offline-ref needs the throughput part, a kvserve system and "
+                         "concurrencies from --concurrency")
     base = a.out if a.quick else None
     a.doc = a.doc or (os.path.join(a.out, "benchmarks.md") if base else "docs/benchmarks.md")
     a.results = a.results or (os.path.join(a.out, "bench_serving.json") if base

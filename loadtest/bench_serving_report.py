@@ -14,6 +14,10 @@ END = "<!-- bench_serving:end -->"
 TARGET_RATIO, TARGET_CONC = 3.0, 32
 # issue 22: ≥ 1.3× vLLM-CPU at concurrency 1 and 32, with lower p50 and p99 TTFT
 PEER_TARGETS = {"vllm": (1.3, (1, 32))}
+# issue 22: HTTP at concurrency 32 reaches ≥ 85% of kvserve's own offline tok/s on the
+# same requests (--offline-ref)
+OFFLINE_TARGET, OFFLINE_CONC = 0.85, 32
+OFFLINE_LABEL = "kvserve offline (generate)"
 
 
 def _ms(x: float | None) -> str:
@@ -42,6 +46,39 @@ def throughput_rows(name: str, part: dict[str, Any]) -> list[str]:
                         f"{s['failed']} | {s['output_throughput']:.1f} | "
                         f"{_ms(s['ttft_ms']['median'])} | {_ttft_p99(s)} | "
                         f"{_ms(s['tpot_ms']['median'])} | {_ms(s['e2el_ms']['p99'])} |")
+    for r in part.get("offline_ref", []):  # all requests at once: no latencies to show
+        tps = "failed" if "error" in r else f"{r['output_throughput']:.1f}"
+        done = "–" if "error" in r else f"{r['num_requests']}/0"
+        rows.append(f"| {name} | {OFFLINE_LABEL} | {r['concurrency']}'s requests | {done} | "
+                    f"{tps} | – | – | – | – |")
+    return rows
+
+
+def offline_rows(name: str, part: dict[str, Any]) -> list[str]:
+    """Each kvserve HTTP level against kvserve offline on the same requests; the ratio is
+    tok/s on the tokens each side actually generated, and "same requests" says whether
+    every (prompt, output) token count matched, i.e. whether it compares like with like."""
+    rows = []
+    for r in part.get("offline_ref", []):
+        c = r["concurrency"]
+        if "error" in r:
+            miss = "MISSED" if c == OFFLINE_CONC else ""
+            rows.append(f"| {name} | – | {c} | – | failed: {r['error']} | – | – | {miss} |")
+            continue
+        for system, h in r["http"].items():
+            same = (f"yes ({r['num_requests']} requests, {r['output_tokens']:,} output tokens)"
+                    if h["same_requests"] else
+                    f"NO: HTTP {h['completed']} ok/{h['failed']} failed, {h['output_tokens']:,}"
+                    f" output tokens vs {r['num_requests']}, {r['output_tokens']:,}")
+            verdict = ""
+            if system == "kvserve" and c == OFFLINE_CONC:
+                met = h["ratio"] is not None and h["ratio"] >= OFFLINE_TARGET
+                verdict = ("not like for like" if not h["same_requests"]
+                           else "met" if met else "MISSED")
+            ratio = "–" if h["ratio"] is None else f"{h['ratio']:.1%}"
+            rows.append(f"| {name} | {system} | {c} | {h['output_throughput']:.1f} | "
+                        f"{r['output_throughput']:.1f} ({r['wall_s']:.1f} s) | {ratio} | {same} "
+                        f"| {verdict} |")
     return rows
 
 
@@ -122,6 +159,12 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
           "| target |",
           [r for n, m in models.items() if "throughput" in m
            for r in ratio_rows(n, m["throughput"])])
+    table(f"kvserve over HTTP vs kvserve offline on the same requests (target at concurrency "
+          f"{OFFLINE_CONC}: HTTP ≥ {OFFLINE_TARGET:.0%} of the offline output tokens/s)",
+          "| model | HTTP system | concurrency | HTTP tok/s | offline tok/s (wall) | "
+          "HTTP / offline | same requests | target |",
+          [r for n, m in models.items() if "throughput" in m
+           for r in offline_rows(n, m["throughput"])])
     table("Shared-prefix traffic: kvserve with prefix caching on vs off",
           "| model | run | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | E2EL p50 (ms) | "
           "prefix-cache hit rate |",
@@ -139,6 +182,16 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
                    f"{w['output']['sigma']}, ≤ {w['output']['hi']}), EOS ignored, greedy; per "
                    f"level max({st['num_prompts']}, {st['waves']:g} × concurrency) requests, "
                    f"fresh prompts per level (seed {st['seed']}).")
+        ref = next((r for r in first["throughput"].get("offline_ref", []) if "error" not in r),
+                   None)
+        if ref:
+            t = ref.get("threads", {})
+            out.append(f"Offline reference: the HTTP level's requests (same prompt texts, "
+                       f"max_tokens, greedy, EOS ignored), all submitted at once to `kvserve "
+                       f"generate`'s LLM in a child process with the server's engine options "
+                       f"(`{ref['command']}`; {t.get('threads')} thread(s), wait "
+                       f"{t.get('wait')}), warmed up, one timed "
+                       f"`generate`.")
     if "prefix" in first:
         w = first["prefix"]["workload"]
         out.append(f"Prefix workload: {w['system_prompts']} system prompts of "

@@ -166,6 +166,15 @@ async def run_level(workload: WorkloadConfig, cfg: RunConfig, maker: Any = None
             "itl": [r.itl for r in results]}
 
 
+def level_workload(workload: WorkloadConfig, index: int, n: int | None = None
+                   ) -> WorkloadConfig:
+    """The workload of a sweep's level `index` (`n` requests; None: the workload's own
+    count): its own seed, so anything that must replay a level's exact requests (the
+    offline reference of bench_serving) builds them from here, not from a copy of it."""
+    return replace(workload, seed=workload.seed + 1000 * index,
+                   num_requests=workload.num_requests if n is None else n)
+
+
 async def run_sweep(workload: WorkloadConfig, cfg: RunConfig, levels: list[float],
                     per_level: Callable[[float], int] | None = None, maker: Any = None,
                     on_level: Callable[[dict[str, Any]], None] | None = None
@@ -179,8 +188,7 @@ async def run_sweep(workload: WorkloadConfig, cfg: RunConfig, levels: list[float
             lcfg = replace(cfg, concurrency=int(level))
         else:
             lcfg = replace(cfg, request_rate=float(level))
-        n = per_level(level) if per_level else workload.num_requests
-        lw = replace(workload, seed=workload.seed + 1000 * i, num_requests=n)
+        lw = level_workload(workload, i, per_level(level) if per_level else None)
         res = await run_level(lw, replace(lcfg, seed=cfg.seed + i), maker)
         if on_level:
             on_level(res)

@@ -34,6 +34,17 @@ def transformers_cmd(model: str, port: int, continuous_batching: bool = False,
             "--dtype", dtype, "--log-level", "warning", *cb, *extra]
 
 
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment plus `env`, offline, with this checkout first on the path: what
+    every child kvserve of a benchmark starts with (a server, or the offline reference
+    of loadtest/offline_ref.py), so the two differ in nothing but what they are told."""
+    out = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    return out
+
+
 class Spawned:
     """A server child process. `ready_path` is polled until it answers 200."""
 
@@ -43,10 +54,7 @@ class Spawned:
         the caller's back (kvserve takes `--cpu-threads`; a peer's own knobs go in `env`)."""
         self.cmd, self.port, self.ready_path = cmd, port, ready_path
         self.url = f"http://127.0.0.1:{port}"
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+        self.env = child_env(env)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
         self._log: IO | None = None

@@ -37,6 +37,7 @@ from engine.demo import DEMO_MODEL_NAME
 
 if TYPE_CHECKING:  # torch loads with it, and must not before cpu_threads.apply
     from scheduler.async_engine import AsyncEngine
+    from scheduler.llm import LLM
     from server.memwatch import MemoryWatch
 
 logger = logging.getLogger("kvserve.cli")
@@ -381,15 +382,23 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def _generate(a: argparse.Namespace) -> int:
-    threads(a, "spin")  # before torch loads; no HTTP side for the threads to spin against
+def offline_llm(a: argparse.Namespace) -> tuple[LLM, cpu_threads.CpuThreads]:
+    """The `LLM` and thread choice `kvserve generate` runs with, from its parsed
+    arguments: one place, so a benchmark's offline reference (loadtest/offline_ref.py)
+    measures exactly what a user's `kvserve generate` would, defaults included."""
+    cpu = threads(a, "spin")  # before torch loads; no HTTP side for threads to spin against
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     check_kv_cache_dtype(a.kv_cache_dtype)
     model = _resolve_model(a.model)
-    from engine.sampling import SamplingParams
     from scheduler.llm import LLM
 
-    llm = LLM(model, **_engine_kwargs(a))
+    return LLM(model, **_engine_kwargs(a)), cpu
+
+
+def _generate(a: argparse.Namespace) -> int:
+    llm, _ = offline_llm(a)
+    from engine.sampling import SamplingParams
+
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
                             top_k=a.top_k, seed=a.sample_seed)
     for prompt, out in zip(a.prompt, llm.generate(a.prompt, params)):
