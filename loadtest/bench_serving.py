@@ -145,9 +145,10 @@ class Bench:
             ready = "/health"
         return cmd, env, ready
 
-    def engine_opts(self) -> list[str]:
-        """kvserve's engine options of every run: the servers' and the offline reference's."""
-        return ["--max-num-seqs", str(self.a.max_seqs), "--max-num-batched-tokens",
+    def engine_opts(self, max_seqs: int | None = None) -> list[str]:
+        """kvserve's engine options of every run: the servers' and the offline reference's
+        (`max_seqs`: another batch cap than the servers')."""
+        return ["--max-num-seqs", str(max_seqs or self.a.max_seqs), "--max-num-batched-tokens",
                 str(self.a.max_batched_tokens), "--dtype", self.a.dtype, "--cpu-threads",
                 str(self.a.threads)]
 
@@ -196,28 +197,33 @@ class Bench:
                 out[system] = await self.levels(cfg, wl, a.concurrency, maker, per_level)
         res: dict[str, Any] = {"workload": _describe(wl), "systems": out}
         if a.offline_ref:  # after the servers stopped: nothing else runs beside it
-            res["offline_ref"] = [self.offline(model, maker, wl, c, per_level(c), kv_extra, out)
-                                  for c in a.offline_ref]
+            res["offline_ref"] = [self.offline(model, maker, wl, c, per_level(c), kv_extra, out,
+                                               batch)
+                                  for c in a.offline_ref for batch in a.offline_batch]
         return res
 
     def offline(self, model: dict[str, Any], maker: TextMaker, wl: WorkloadConfig, c: int,
-                n: int, kv_extra: tuple[str, ...], http: dict[str, list[dict[str, Any]]]
-                ) -> dict[str, Any]:
+                n: int, kv_extra: tuple[str, ...], http: dict[str, list[dict[str, Any]]],
+                batch: str = "server") -> dict[str, Any]:
         """kvserve offline (`kvserve generate`'s LLM, the throughput server's engine
-        options) on the requests of the HTTP level at concurrency `c` (issue 22)."""
-        print(f"  offline reference: kvserve generate on the concurrency-{c} requests",
-              flush=True)
+        options) on the requests of the HTTP level at concurrency `c` (issue 22).
+        `batch` "level": at most `c` sequences at once (`--max-num-seqs c`), the most
+        the server ran at that level, so the ratio isolates the serving side's cost
+        from the larger batches an offline run may form."""
+        seqs = c if batch == "level" else self.a.max_seqs
+        print(f"  offline reference: kvserve generate on the concurrency-{c} requests, "
+              f"batch <= {seqs}", flush=True)
         specs = build_requests(level_workload(wl, self.a.concurrency.index(c), n), maker)
         wait = ("--cpu-wait", self.a.offline_cpu_wait) if self.a.offline_cpu_wait else ()
         levels = {s: lv for s, lvs in http.items() if s in KVSERVE
                   for lv in lvs if lv["max_concurrency"] == c}
         r = offline_ref.measure(
             specs, self.warm_requests(model, maker), self.run_cfg("", "kvserve").client,
-            model["path"], [*self.engine_opts(), *kv_extra, *wait], levels,
-            os.path.join(self.logs, f"{model['name']}-offline-c{c}"),
+            model["path"], [*self.engine_opts(seqs), *kv_extra, *wait],
+            levels, os.path.join(self.logs, f"{model['name']}-offline-c{c}-{batch}"),
             self.a.duration_limit + self.a.start_timeout)
         print(offline_ref.summary_line(r), flush=True)
-        return {"concurrency": c, **r}
+        return {"concurrency": c, "batch": batch, "max_num_seqs": seqs, **r}
 
     async def prefix(self, model: dict[str, Any], maker: TextMaker) -> dict[str, Any]:
         a = self.a
@@ -349,6 +355,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of throughput concurrencies (e.g. 32) whose exact "
                    "requests also run through kvserve offline (`kvserve generate`'s LLM, "
                    "same engine options): the report gives HTTP tok/s / offline tok/s")
+    p.add_argument("--offline-batch", default="server",
+                   help="comma list of the offline references' batch caps: server (the "
+                   "server's --max-seqs, as `kvserve generate` would run them) and/or level "
+                   "(at most the level's concurrency, the batch the server ran)")
     p.add_argument("--offline-cpu-wait", choices=("spin", "passive"), default=None,
                    help="--cpu-wait of the offline reference; default: kvserve generate's "
                    "(spin, which beside another busy process is several times slower)")
@@ -401,6 +411,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.vllm_version = vllm_peer.version(a.vllm_python) if "vllm" in a.systems else None
     a.concurrency = [int(x) for x in a.concurrency.split(",")]
     a.offline_ref = [int(x) for x in a.offline_ref.split(",") if x]
+    a.offline_batch = [x for x in a.offline_batch.split(",") if x]
+    if not a.offline_batch or set(a.offline_batch) - {"server", "level"}:
+        raise SystemExit("--offline-batch: a comma list of server, level")
     if a.offline_ref and ("throughput" not in a.parts or not set(KVSERVE) & set(a.systems)
                           or set(a.offline_ref) - set(a.concurrency)):
         raise SystemExit("--offline-ref needs the throughput part, a kvserve system and "

@@ -49,7 +49,8 @@ def throughput_rows(name: str, part: dict[str, Any]) -> list[str]:
     for r in part.get("offline_ref", []):  # all requests at once: no latencies to show
         tps = "failed" if "error" in r else f"{r['output_throughput']:.1f}"
         done = "–" if "error" in r else f"{r['num_requests']}/0"
-        rows.append(f"| {name} | {OFFLINE_LABEL} | {r['concurrency']}'s requests | {done} | "
+        label = f"{OFFLINE_LABEL[:-1]}, batch ≤ {r.get('max_num_seqs', '?')})"
+        rows.append(f"| {name} | {label} | {r['concurrency']}'s requests | {done} | "
                     f"{tps} | – | – | – | – |")
     return rows
 
@@ -63,7 +64,8 @@ def offline_rows(name: str, part: dict[str, Any]) -> list[str]:
         c = r["concurrency"]
         if "error" in r:
             miss = "MISSED" if c == OFFLINE_CONC else ""
-            rows.append(f"| {name} | – | {c} | – | failed: {r['error']} | – | – | {miss} |")
+            rows.append(f"| {name} | – | {c} | – | failed (batch ≤ {r.get('max_num_seqs', '?')}):"
+                        f" {r['error']} | – | – | {miss} |")
             continue
         for system, h in r["http"].items():
             same = (f"yes ({r['num_requests']} requests, {r['output_tokens']:,} output tokens)"
@@ -77,8 +79,8 @@ def offline_rows(name: str, part: dict[str, Any]) -> list[str]:
                            else "met" if met else "MISSED")
             ratio = "–" if h["ratio"] is None else f"{h['ratio']:.1%}"
             rows.append(f"| {name} | {system} | {c} | {h['output_throughput']:.1f} | "
-                        f"{r['output_throughput']:.1f} ({r['wall_s']:.1f} s) | {ratio} | {same} "
-                        f"| {verdict} |")
+                        f"{r['output_throughput']:.1f} ({r['wall_s']:.1f} s, batch ≤ "
+                        f"{r.get('max_num_seqs', '?')}) | {ratio} | {same} | {verdict} |")
     return rows
 
 
@@ -188,7 +190,9 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
             t = ref.get("threads", {})
             out.append(f"Offline reference: the HTTP level's requests (same prompt texts, "
                        f"max_tokens, greedy, EOS ignored), all submitted at once to `kvserve "
-                       f"generate`'s LLM in a child process with the server's engine options "
+                       f"generate`'s LLM in a child process with the server's engine options, "
+                       f"its batch capped at the server's --max-num-seqs or at the level's "
+                       f"concurrency (the most the server ran at once) as the row says "
                        f"(`{ref['command']}`; {t.get('threads')} thread(s), wait "
                        f"{t.get('wait')}), warmed up, one timed "
                        f"`generate`.")

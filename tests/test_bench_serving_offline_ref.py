@@ -23,11 +23,16 @@ from tests.bench_quick import run_quick
 def test_offline_reference_replays_the_http_level(tmp_path: Any) -> None:
     out = str(tmp_path)
     report = run_quick("bench_serving", out, "--no-progress", "--systems", "kvserve",
-                       "--parts", "throughput", "--offline-ref", "4")
+                       "--parts", "throughput", "--offline-ref", "4",
+                       "--offline-batch", "server,level")
     part = report["models"]["tiny"]["throughput"]
     http = next(lv for lv in part["systems"]["kvserve"] if lv["max_concurrency"] == 4)
-    (ref,) = part["offline_ref"]
+    ref, capped = part["offline_ref"]
     assert "error" not in ref, ref.get("error")
+    # the second reference runs at most the level's concurrency at once, the same requests
+    assert (ref["batch"], capped["batch"]) == ("server", "level")
+    assert capped["max_num_seqs"] == 4 < ref["max_num_seqs"]
+    assert "--max-num-seqs 4 " in capped["command"] and capped["token_counts"] == http["token_counts"]
     assert ref["concurrency"] == 4 and http["failed"] == 0
     # the same requests: every (prompt tokens, output tokens) pair, as each side counted
     assert ref["num_requests"] == http["completed"] == 6
@@ -52,13 +57,15 @@ def test_offline_reference_replays_the_http_level(tmp_path: Any) -> None:
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert (f"| tiny | kvserve | 4 | {http['output_throughput']:.1f} | "
-            f"{ref['output_throughput']:.1f} ({ref['wall_s']:.1f} s) | {h['ratio']:.1%} | "
+            f"{ref['output_throughput']:.1f} ({ref['wall_s']:.1f} s, batch ≤ "
+            f"{ref['max_num_seqs']}) | {h['ratio']:.1%} | "
             f"yes (6 requests, {ref['output_tokens']:,} output tokens) |  |") in doc
-    assert "| tiny | kvserve offline (generate) | 4's requests | 6/0 |" in doc
+    assert "| tiny | kvserve offline (generate, batch ≤ 4) | 4's requests | 6/0 |" in doc
 
 
 def _ref(c: int, offline_tps: float, http_tps: float, same: bool = True) -> dict[str, Any]:
-    return {"concurrency": c, "command": "kvserve generate --model m --cpu-threads 2",
+    return {"concurrency": c, "batch": "server", "max_num_seqs": 64,
+            "command": "kvserve generate --model m --cpu-threads 2",
             "num_requests": 64, "output_tokens": 4096, "wall_s": 4096 / offline_tps,
             "output_throughput": offline_tps, "threads": {"threads": 2, "wait": "spin"},
             "http": {"kvserve": {"output_throughput": http_tps, "ratio": http_tps / offline_tps,
@@ -84,11 +91,12 @@ def test_report_gives_the_ratio_and_its_verdict(c: int, http_tps: float, same: b
               "settings": {"num_prompts": 32, "waves": 2, "seed": 0, "threads": 2},
               "models": {"m": {"throughput": part}}}
     block = render(report, str(tmp_path / "r.json"), [], str(tmp_path / "b.md"))
-    assert f"| m | kvserve | {c} | {http_tps:.1f} | 100.0 (41.0 s) | {http_tps:.1f}% |" in block
+    assert (f"| m | kvserve | {c} | {http_tps:.1f} | 100.0 (41.0 s, batch ≤ 64) | "
+            f"{http_tps:.1f}% |") in block
     assert block.split(f"| m | kvserve | {c} |")[1].split("\n")[0].endswith(f"| {verdict} |")
     assert ("yes (64 requests, 4,096 output tokens)" if same
             else "NO: HTTP 60 ok/4 failed") in block
-    assert f"| m | kvserve offline (generate) | {c}'s requests | 64/0 | 100.0 |" in block
+    assert f"| m | kvserve offline (generate, batch ≤ 64) | {c}'s requests | 64/0 | 100.0 |" in block
     assert "`kvserve generate --model m --cpu-threads 2`; 2 thread(s), wait spin" in block
 
 
@@ -100,7 +108,8 @@ def test_offline_ref_needs_a_measured_level(tmp_path: Any) -> None:
     assert a.offline_ref == [32]
     for bad in (["--concurrency", "1,8", "--offline-ref", "32"],
                 ["--parts", "prefix", "--offline-ref", "32"],
-                ["--systems", "transformers", "--offline-ref", "32"]):
+                ["--systems", "transformers", "--offline-ref", "32"],
+                ["--concurrency", "32", "--offline-ref", "32", "--offline-batch", "all"]):
         with pytest.raises(SystemExit):
             parse_args([*bad, "--out", str(tmp_path)])
 
