@@ -2,10 +2,11 @@
 model, same workload, one run on one machine (issues 8, 22).
 
 Each system is started as a child process on a free loopback port with the same model
-directory and thread count (`--threads`, by default the physical cores: kvserve gets
-`--cpu-threads`, `transformers serve` the OpenMP variables, its only knob, and vLLM its
-documented `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_KVCACHE_SPACE`; the report records
-each). vLLM runs from its own venv (`make vllm-venv`, `--vllm-python`); without it the
+directory and threads as each one's user would run it (`--threads`, by default the
+physical cores: `transformers serve` gets the OpenMP variables, its only knob, and vLLM
+its documented `VLLM_CPU_OMP_THREADS_BIND` and `VLLM_CPU_KVCACHE_SPACE`; kvserve picks
+its own, as `kvserve serve` does, unless `--threads` is given, then `--cpu-threads`;
+the report records each). vLLM runs from its own venv (`make vllm-venv`, `--vllm-python`); without it the
 vLLM rows are skipped with a note. Each server is loaded by the same closed-loop client
 (`python -m loadtest`'s runner), then stopped. Parts:
 
@@ -149,8 +150,9 @@ class Bench:
         """kvserve's engine options of every run: the servers' and the offline reference's
         (`max_seqs`: another batch cap than the servers')."""
         return ["--max-num-seqs", str(max_seqs or self.a.max_seqs), "--max-num-batched-tokens",
-                str(self.a.max_batched_tokens), "--dtype", self.a.dtype, "--cpu-threads",
-                str(self.a.threads)]
+                str(self.a.max_batched_tokens), "--dtype", self.a.dtype,
+                *(("--cpu-threads", str(self.a.kvserve_threads)) if self.a.kvserve_threads
+                  else ())]
 
     def run_cfg(self, url: str, system: str) -> RunConfig:
         backend = "transformers" if system.startswith("transformers") else "openai"
@@ -328,8 +330,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-len", type=int, default=512)
     p.add_argument("--max-output-len", type=int, default=192)
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads of each server; default: the physical cores, "
-                   "kvserve's own default")
+                   help="CPU threads of each server; default: the physical cores for the "
+                   "peers and kvserve's own choice for kvserve (a user's `kvserve serve`)")
     p.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
                    help="python of vLLM's venv (`make vllm-venv`); vLLM is skipped without it")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
@@ -394,13 +396,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
            + [s for s in a.parts if s not in PARTS])
     if bad:
         raise SystemExit(f"unknown system or part: {bad}")
+    a.kvserve_threads = a.threads  # None: kvserve chooses, as for a user
     a.threads = a.threads or physical_cores(allowed_cpus())
     a.skipped = {}
     if "vllm" in a.systems and vllm_peer.missing(a.vllm_python):
         a.skipped["vllm"] = vllm_peer.missing(a.vllm_python)
         a.systems.remove("vllm")
         print(a.skipped["vllm"], flush=True)
-    a.thread_settings = {s: " ".join((f"--cpu-threads {a.threads}", *opts))
+    own = (f"--cpu-threads {a.kvserve_threads}" if a.kvserve_threads else
+           "its own choice (its `cpu threads` log line: a thread per physical core, one for "
+           "a model under 16M weights)")
+    a.thread_settings = {s: " ".join((own, *opts))
                          for s, opts in KVSERVE.items() if s == "kvserve" or s in a.systems}
     if {"transformers", "transformers-cb"} & set(a.systems):
         a.thread_settings["transformers"] = " ".join(

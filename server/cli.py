@@ -129,7 +129,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "cuda[:N]")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
-                   "if set, else one per physical core this process may use")
+                   "if set, else one per physical core this process may use (one for a "
+                   "model under 16M weights waiting passively)")
     g.add_argument("--cpu-wait", default=None, choices=cpu_threads.WAITS,
                    help="how an intra-op thread waits between ops: passive (sleep at "
                    "once, so none spins against the HTTP threads or another process) or "
@@ -273,7 +274,8 @@ def threads(a: argparse.Namespace, default_wait: str = "passive") -> cpu_threads
     the environment once, when it loads (engine/cpu_threads.py says why the default is
     what it is)."""
     try:
-        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait, default_wait)
+        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait, default_wait,
+                                  cpu_threads.config_params(a.model or DEMO_MODEL))
     except ValueError as e:
         fail(str(e))
     return cpu_threads.apply(choice)
