@@ -60,9 +60,11 @@ from loadtest.workloads import (
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
 # kvserve's runs -> their extra options. kvserve-spin: what a server with cores of its
 # own gets; kvserve-thread: the engine core on a thread of the server's process (and
-# -thread-spin both). The ratios stay against plain kvserve, its default; only when
-# asked for.
+# -thread-spin both); kvserve-1t / -2t: one / two intra-op threads whatever the model
+# (what the small-model rule chooses between). The ratios stay against plain kvserve,
+# its default; only when asked for.
 KVSERVE = {"kvserve": (), "kvserve-spin": ("--cpu-wait", "spin"),
+           "kvserve-1t": ("--cpu-threads", "1"), "kvserve-2t": ("--cpu-threads", "2"),
            "kvserve-thread": ("--engine-layout", "thread"),
            "kvserve-thread-spin": ("--engine-layout", "thread", "--cpu-wait", "spin")}
 PARTS = ("throughput", "prefix", "policy")
@@ -406,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     own = (f"--cpu-threads {a.kvserve_threads}" if a.kvserve_threads else
            "its own choice (its `cpu threads` log line: a thread per physical core, one for "
            "a model under 16M weights)")
-    a.thread_settings = {s: " ".join((own, *opts))
+    a.thread_settings = {s: " ".join(opts if "--cpu-threads" in opts else (own, *opts))
                          for s, opts in KVSERVE.items() if s == "kvserve" or s in a.systems}
     if {"transformers", "transformers-cb"} & set(a.systems):
         a.thread_settings["transformers"] = " ".join(

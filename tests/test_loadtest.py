@@ -402,6 +402,10 @@ def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
     assert spin == [*plain, "--cpu-wait", "spin"] and env is None
     thread, _, _ = Bench(a).command("kvserve-thread", model, 1234)
     assert thread == [*plain, "--engine-layout", "thread"]
+    a = parse_args(["--systems", "kvserve,kvserve-1t,kvserve-2t", "--out", str(tmp_path)])
+    one, _, _ = Bench(a).command("kvserve-1t", model, 1234)
+    assert one[-2:] == ["--cpu-threads", "1"] and one.count("--cpu-threads") == 1
+    assert a.thread_settings["kvserve-2t"] == "--cpu-threads 2"
     vllm = vllm_peer.settings(1, "1536MiB")
     assert vllm == {"VLLM_CPU_OMP_THREADS_BIND": str(allowed_cpus()[0]),
                     "VLLM_CPU_KVCACHE_SPACE": "2"}
