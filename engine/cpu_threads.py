@@ -28,8 +28,11 @@ A small model runs its ops on one thread when it waits passively (a server's def
 below `SMALL_MODEL_PARAMS` weights a decode step's GEMMs are a few microseconds each,
 less than the futex wake-up a second thread costs at every parallel region, and the
 freed core serves HTTP. Measured over HTTP (docs/benchmarks.md, session 15): the demo
-model (3.8M) 1.1-1.3x faster on one thread at concurrency 1 and 32; a 58M model 1.15x
-and the 160M 1.4x faster on two. `--cpu-threads` or OMP_NUM_THREADS override it.
+model (3.8M) 1.1-1.6x faster on one thread at concurrency 1 and 32; a 58M model 1.15x
+and the 160M 1.4x faster on two. A prompt's chunk is another matter (hundreds of rows
+per GEMM), so such a model's steps of more than PREFILL_ROWS tokens still use every
+core (`prefill_threads`, switched per step by the model runner). `--cpu-threads` or
+OMP_NUM_THREADS override both.
 
 OpenMP reads its settings when torch loads it, so `apply` must run before `import
 torch`; if torch is already loaded (kvserve used as a library), the thread count still
@@ -47,6 +50,9 @@ _SYS_CPU = Path("/sys/devices/system/cpu")
 # Fewer weights than this: one intra-op thread by default under a passive wait (above).
 # Between the measured 3.8M (one thread 1.1-1.3x faster) and 58M (two 1.15x faster).
 SMALL_MODEL_PARAMS = 16_000_000
+# A step with more tokens than this is a prefill step (decode steps have one per request)
+# and runs on `CpuThreads.prefill_threads` where that is set.
+PREFILL_ROWS = 32
 # GNU OpenMP's spin before a waiting thread sleeps, in its unit (one `pause` loop: ~50 ns
 # on the Xeons measured). OpenMP's own default is 300,000.
 SPIN_COUNT = 30_000
@@ -71,6 +77,9 @@ class CpuThreads:
     # "environment" (the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT, left as they are)
     wait: str
     applied_before_torch: bool = True
+    # Threads of a step with more than PREFILL_ROWS tokens (a prompt's chunk: GEMMs long
+    # enough for every core) where the model decodes on fewer; None: `threads` always.
+    prefill_threads: int | None = None
 
     def fields(self) -> dict[str, object]:
         return asdict(self)
@@ -154,7 +163,8 @@ def plan(threads: int | None, bind: str | None, wait: str | None = None,
     if source == "default" and how == "passive" and model_params is not None \
             and model_params < SMALL_MODEL_PARAMS:
         n, source = 1, "small model"
-    return CpuThreads(n, source, chosen, cores, how)
+    prefill = cores if source == "small model" and cores > 1 else None
+    return CpuThreads(n, source, chosen, cores, how, prefill_threads=prefill)
 
 
 def config_params(model_dir: str | Path) -> int | None:

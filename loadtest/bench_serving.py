@@ -406,8 +406,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.systems.remove("vllm")
         print(a.skipped["vllm"], flush=True)
     own = (f"--cpu-threads {a.kvserve_threads}" if a.kvserve_threads else
-           "its own choice (its `cpu threads` log line: a thread per physical core, one for "
-           "a model under 16M weights)")
+           "its own choice (a thread per physical core, one for a model under 16M weights; "
+           "its cpu threads log line)")
     a.thread_settings = {s: " ".join(opts if "--cpu-threads" in opts else (own, *opts))
                          for s, opts in KVSERVE.items() if s == "kvserve" or s in a.systems}
     if {"transformers", "transformers-cb"} & set(a.systems):

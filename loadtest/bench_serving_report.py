@@ -38,6 +38,11 @@ def _peers(systems: dict[str, Any]) -> list[str]:
     return [s for s in systems if not s.startswith("kvserve")]
 
 
+def _code(v: str) -> str:
+    """A setting as code, or as prose where it is a sentence (kvserve's own choice)."""
+    return v if v.startswith("its own") else f"`{v}`"
+
+
 def throughput_rows(name: str, part: dict[str, Any]) -> list[str]:
     rows = []
     for system, levels in part["systems"].items():
@@ -210,11 +215,11 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
     out += [f"{peer}: {note}" for peer, note in st.get("skipped", {}).items()]
     ts = st.get("thread_settings")
     if ts:
-        out.append("Threads: " + "; ".join(f"{k} `{v}`" for k, v in ts.items())
+        out.append("Threads: " + "; ".join(f"{k} {_code(v)}" for k, v in ts.items())
                    + (f" (vLLM {st['vllm_version']})" if st.get("vllm_version") else "") + ".")
     out.append("")
     out.append(f"Measured {env['date_utc']} on {env['cpu']} ({env['cpu_count']} cores), "
-               f"{st['threads']} thread(s) per server, {st.get('dtype', 'float32')} weights "
+               f"{st['threads']} thread(s) per peer server, {st.get('dtype', 'float32')} weights "
                f"and KV cache on every server, torch {env['torch']}, transformers "
                f"{env['transformers']}, commit {str(env['git_commit'])[:10]}"
                f"{' (dirty)' if env.get('git_dirty') else ''}; load average "

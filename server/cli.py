@@ -182,7 +182,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decode steps at the budget are otherwise batched per policy")
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
+def _engine_kwargs(a: argparse.Namespace, cpu: cpu_threads.CpuThreads | None = None) -> dict:
     kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device,
               block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -196,6 +196,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     # torch before the arguments are parsed).
     if a.min_prefill_chunk is not None:
         kw["min_prefill_chunk"] = a.min_prefill_chunk
+    if cpu is not None and cpu.prefill_threads is not None:
+        kw["prefill_threads"] = cpu.prefill_threads
     return kw
 
 
@@ -300,7 +302,7 @@ def _serve(a: argparse.Namespace) -> int:
     names = a.served_model_name or [
         DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
-                                                  **_engine_kwargs(a)),
+                                                  **_engine_kwargs(a, cpu)),
                                      engine_process=a.engine_layout == "process",
                                      process_setup=partial(engine_process_setup,
                                                            a.log_level, a.log_format),
@@ -394,7 +396,7 @@ def offline_llm(a: argparse.Namespace) -> tuple[LLM, cpu_threads.CpuThreads]:
     model = _resolve_model(a.model)
     from scheduler.llm import LLM
 
-    return LLM(model, **_engine_kwargs(a)), cpu
+    return LLM(model, **_engine_kwargs(a, cpu)), cpu
 
 
 def _generate(a: argparse.Namespace) -> int:

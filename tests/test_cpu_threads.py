@@ -245,3 +245,32 @@ def test_an_offline_run_spins_by_default_and_a_server_sleeps(
     assert cpu_threads.plan(2, None, "passive", default_wait="spin").wait == "passive"
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert cpu_threads.plan(2, None, default_wait="spin").wait == "passive"
+
+
+def test_a_small_model_prefills_on_every_core_and_decodes_on_one(tmp_path: Path) -> None:
+    """`prefill_threads`: a step of more than PREFILL_ROWS tokens (a prompt's chunk) runs
+    on that many threads, a decode step on the engine's own count; the model's forward
+    sees the switch, and the output is the same as without it."""
+    import torch
+
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path / "llama")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(model, num_blocks=64, block_size=4, prefill_threads=2)
+        seen: list[tuple[int, int]] = []
+        llm.engine.model.register_forward_pre_hook(
+            lambda _m, args: seen.append((args[0].numel(), torch.get_num_threads())))
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        prompt = [5 + i % 50 for i in range(cpu_threads.PREFILL_ROWS + 8)]
+        got = llm.generate([prompt], params)[0].token_ids
+        assert seen[0] == (len(prompt), 2) and all(t == 1 for _, t in seen[1:]), seen
+        torch.set_num_threads(1)
+        plain = LLM(model, num_blocks=64, block_size=4).generate([prompt], params)[0]
+        assert got == plain.token_ids
+    finally:
+        torch.set_num_threads(before)
