@@ -37,10 +37,12 @@ log = logging.getLogger("kvserve.engine")
 _BATCH_HINT = 64
 _EXACT_ROWS = 32  # row counts kept as they are (decode batches): padding them costs most
 # Smaller weights stay dense: oneDNN's per-call cost outweighs its layout there. Measured
-# (one thread, fp32, this repo's machine): 256 x 384 at one row 13 us dense vs 33 us
-# packed, at 32 rows 56 vs 82; 688 x 256 18 vs 44 and 113 vs 121; from 256 x 4096 on,
-# packed wins at 32 rows (586 vs 650 us) and the 160M model's shapes by 10-20%.
-PACK_MIN_ELEMENTS = 1 << 20
+# (fp32, this repo's machine, one thread): 256 x 384 at one row 13 us dense vs 33 us
+# packed, at 32 rows 56 vs 82; 256 x 1,376 60 vs 80 and 225 vs 258; 688 x 256 18 vs 44
+# and 113 vs 121 (the demo model's shapes, which decode on one thread). From ~0.5M
+# weights on, packed wins at 8-32 rows on two threads (768 x 2,304: 955 vs 1,171 us at
+# 32 rows, one thread), and the 160M model (768 x 768 and up) keeps every weight packed.
+PACK_MIN_ELEMENTS = 1 << 19
 
 
 def padded_rows(rows: int) -> int:
