@@ -48,7 +48,7 @@ from pathlib import Path
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
 # Fewer weights than this: one intra-op thread by default under a passive wait (above).
-# Between the measured 3.8M (one thread 1.1-1.3x faster) and 58M (two 1.15x faster).
+# Between the measured 3.8M (one thread 1.1-1.6x faster) and 58M (two 1.15x faster).
 SMALL_MODEL_PARAMS = 16_000_000
 # A step with more tokens than this is a prefill step (decode steps have one per request)
 # and runs on `CpuThreads.prefill_threads` where that is set.
