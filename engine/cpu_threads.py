@@ -24,16 +24,6 @@ on 2 cores against 150-170% passive, 10-25% more tokens per second on the 160M m
 Pinning each intra-op thread to one core was slower as soon as another process used
 that core (a pinned thread cannot move away), so pinning is opt-in (`--cpu-bind`).
 
-A small model runs its ops on one thread when it waits passively (a server's default):
-below `SMALL_MODEL_PARAMS` weights a decode step's GEMMs are a few microseconds each,
-less than the futex wake-up a second thread costs at every parallel region, and the
-freed core serves HTTP. Measured over HTTP (docs/benchmarks.md, session 15): the demo
-model (3.8M) 1.1-1.6x faster on one thread at concurrency 1 and 32; a 58M model 1.15x
-and the 160M 1.4x faster on two. A prompt's chunk is another matter (hundreds of rows
-per GEMM), so such a model's steps of more than PREFILL_ROWS tokens still use every
-core (`prefill_threads`, switched per step by the model runner). `--cpu-threads` or
-OMP_NUM_THREADS override both.
-
 OpenMP reads its settings when torch loads it, so `apply` must run before `import
 torch`; if torch is already loaded (kvserve used as a library), the thread count still
 takes effect through torch, the wait does not.
@@ -47,12 +37,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
-# Fewer weights than this: one intra-op thread by default under a passive wait (above).
-# Between the measured 3.8M (one thread 1.1-1.6x faster) and 58M (two 1.15x faster).
-SMALL_MODEL_PARAMS = 16_000_000
-# A step with more tokens than this is a prefill step (decode steps have one per request)
-# and runs on `CpuThreads.prefill_threads` where that is set.
-PREFILL_ROWS = 32
 # GNU OpenMP's spin before a waiting thread sleeps, in its unit (one `pause` loop: ~50 ns
 # on the Xeons measured). OpenMP's own default is 300,000.
 SPIN_COUNT = 30_000
@@ -68,18 +52,13 @@ class CpuThreads:
     """The choice, as the start-up log and the benchmark fingerprint record it."""
 
     threads: int
-    # "default" (physical cores), "small model" (one thread, see SMALL_MODEL_PARAMS),
-    # "--cpu-threads", "OMP_NUM_THREADS"
-    source: str
+    source: str  # "default" (physical cores), "--cpu-threads", "OMP_NUM_THREADS"
     bind: list[int] | None  # CPUs the process is confined to; None: left as it was
     physical_cores: int  # in the CPUs the process may run on, at most its cgroup's limit
     # "spin" (GOMP_SPINCOUNT=SPIN_COUNT, then sleep), "passive" (sleep at once), or
     # "environment" (the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT, left as they are)
     wait: str
     applied_before_torch: bool = True
-    # Threads of a step with more than PREFILL_ROWS tokens (a prompt's chunk: GEMMs long
-    # enough for every core) where the model decodes on fewer; None: `threads` always.
-    prefill_threads: int | None = None
 
     def fields(self) -> dict[str, object]:
         return asdict(self)
@@ -130,12 +109,11 @@ def parse_cpu_list(text: str) -> list[int]:
 
 
 def plan(threads: int | None, bind: str | None, wait: str | None = None,
-         default_wait: str = "passive", model_params: int | None = None) -> CpuThreads:
+         default_wait: str = "passive") -> CpuThreads:
     """The choice for `--cpu-threads` / `--cpu-bind` / `--cpu-wait` (None: not given);
     ValueError with a message for the user on a bad value. `default_wait` is the wait
     when neither the option nor the environment says: passive for a server, spin for an
-    offline run (`kvserve generate`), which has no HTTP side to spin against.
-    `model_params` (`config_params`; None: unknown) lets a small model take one thread."""
+    offline run (`kvserve generate`), which has no HTTP side to spin against."""
     cpus = allowed_cpus()
     chosen: list[int] | None = None
     if bind is not None and bind.strip().lower() != "none":
@@ -159,33 +137,7 @@ def plan(threads: int | None, bind: str | None, wait: str | None = None,
         n, source = cores, "default"
     if wait is not None and wait not in WAITS:
         raise ValueError(f"--cpu-wait {wait}: use one of {', '.join(WAITS)}")
-    how = wait or _wait_from_env(default_wait)
-    if source == "default" and how == "passive" and model_params is not None \
-            and model_params < SMALL_MODEL_PARAMS:
-        n, source = 1, "small model"
-    prefill = cores if source == "small model" and cores > 1 else None
-    return CpuThreads(n, source, chosen, cores, how, prefill_threads=prefill)
-
-
-def config_params(model_dir: str | Path) -> int | None:
-    """The weights of a Llama-shaped checkpoint from its config.json alone (torch is not
-    loaded yet when threads are chosen): embeddings (twice unless tied), attention and
-    MLP per layer. None where the file is missing or names other fields (GPT-2,
-    GPT-NeoX, a hub id): the thread default then ignores the model's size."""
-    try:
-        import json
-
-        c = json.loads((Path(model_dir) / "config.json").read_text())
-        h, layers, inter = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"]
-        heads = c["num_attention_heads"]
-        kv = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or h // heads
-        vocab = c["vocab_size"]
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None
-    attention = h * heads * head_dim * 2 + h * kv * head_dim * 2  # q, o; k, v
-    embeddings = vocab * h * (1 if c.get("tie_word_embeddings") else 2)
-    return embeddings + layers * (attention + 3 * h * inter)
+    return CpuThreads(n, source, chosen, cores, wait or _wait_from_env(default_wait))
 
 
 def _wait_from_env(default: str) -> str:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.cpu_threads import PREFILL_ROWS
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
 from kvpool.attention import PAD_QUERY_POS, causal_self_attention, paged_attention
@@ -177,18 +176,13 @@ def _fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: BlockPool,
-                 attention_fn: AttentionFn, device: torch.device,
-                 prefill_threads: int | None = None) -> None:
+                 attention_fn: AttentionFn, device: torch.device) -> None:
         self.model = model
         self.config = config
         self.pool = pool
         self.attention_fn = attention_fn
         self.device = device
         self.scale = config.head_dim**-0.5
-        # (decode, prefill) intra-op threads on a CPU where they differ (a small model
-        # decodes on one thread: engine/cpu_threads.py); None: torch's count always.
-        self.threads = (None if prefill_threads is None or device.type != "cpu"
-                        else (torch.get_num_threads(), prefill_threads))
 
     def execute(self, inputs: list[SeqInput],
                 decode_slots: torch.Tensor | None = None) -> StepOutput:
@@ -204,10 +198,6 @@ class ModelRunner:
             total += n
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
-        if self.threads is not None:
-            want = self.threads[total > PREFILL_ROWS]
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
         # The step's inputs: host lists to tensors, one copy each to the device.
         input_ids = torch.tensor(ids, dtype=torch.int64)
         positions = torch.tensor(pos, dtype=torch.int64)

@@ -60,8 +60,8 @@ from loadtest.workloads import (
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
 # kvserve's runs -> their extra options. kvserve-spin: what a server with cores of its
 # own gets; kvserve-thread: the engine core on a thread of the server's process (and
-# -thread-spin both); kvserve-1t / -2t: one / two intra-op threads whatever the model
-# (what the small-model rule chooses between). The ratios stay against plain kvserve,
+# -thread-spin both); kvserve-1t / -2t: one / two intra-op threads (a small model is
+# faster on one: docs/benchmarks.md, session 15). The ratios stay against plain kvserve,
 # its default; only when asked for.
 KVSERVE = {"kvserve": (), "kvserve-spin": ("--cpu-wait", "spin"),
            "kvserve-1t": ("--cpu-threads", "1"), "kvserve-2t": ("--cpu-threads", "2"),
@@ -406,8 +406,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.systems.remove("vllm")
         print(a.skipped["vllm"], flush=True)
     own = (f"--cpu-threads {a.kvserve_threads}" if a.kvserve_threads else
-           "its own choice (a thread per physical core, one for a model under 16M weights; "
-           "its cpu threads log line)")
+           "its own choice (a thread per physical core; its cpu threads log line)")
     a.thread_settings = {s: " ".join(opts if "--cpu-threads" in opts else (own, *opts))
                          for s, opts in KVSERVE.items() if s == "kvserve" or s in a.systems}
     if {"transformers", "transformers-cb"} & set(a.systems):

@@ -78,10 +78,6 @@ class EngineConfig:
     # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
     # False keeps torch's dense F.linear (for comparison).
     cpu_prepack: bool = True
-    # CPU intra-op threads of a step with more than PREFILL_ROWS tokens, where decode
-    # steps run on fewer (engine/cpu_threads.py: a small model decodes on one thread);
-    # None: torch's thread count for every step.
-    prefill_threads: int | None = None
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -122,7 +118,7 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
                               dtype=kv_dtype, device=self.device)
         self.runner = ModelRunner(self.model, mc, self.pool, select_attention(self.device),
-                                  self.device, config.prefill_threads)
+                                  self.device)
         if config.preemption_mode not in MODES:
             raise ValueError(f"preemption_mode must be one of {MODES}")
         if not 0 <= config.watermark < 1:

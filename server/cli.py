@@ -129,8 +129,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "cuda[:N]")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
-                   "if set, else one per physical core this process may use (one for a "
-                   "model under 16M weights waiting passively)")
+                   "if set, else one per physical core this process may use")
     g.add_argument("--cpu-wait", default=None, choices=cpu_threads.WAITS,
                    help="how an intra-op thread waits between ops: passive (sleep at "
                    "once, so none spins against the HTTP threads or another process) or "
@@ -182,7 +181,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decode steps at the budget are otherwise batched per policy")
 
 
-def _engine_kwargs(a: argparse.Namespace, cpu: cpu_threads.CpuThreads | None = None) -> dict:
+def _engine_kwargs(a: argparse.Namespace) -> dict:
     kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device,
               block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
@@ -196,8 +195,6 @@ def _engine_kwargs(a: argparse.Namespace, cpu: cpu_threads.CpuThreads | None = N
     # torch before the arguments are parsed).
     if a.min_prefill_chunk is not None:
         kw["min_prefill_chunk"] = a.min_prefill_chunk
-    if cpu is not None and cpu.prefill_threads is not None:
-        kw["prefill_threads"] = cpu.prefill_threads
     return kw
 
 
@@ -276,8 +273,7 @@ def threads(a: argparse.Namespace, default_wait: str = "passive") -> cpu_threads
     the environment once, when it loads (engine/cpu_threads.py says why the default is
     what it is)."""
     try:
-        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait, default_wait,
-                                  cpu_threads.config_params(a.model or DEMO_MODEL))
+        choice = cpu_threads.plan(a.cpu_threads, a.cpu_bind, a.cpu_wait, default_wait)
     except ValueError as e:
         fail(str(e))
     return cpu_threads.apply(choice)
@@ -302,7 +298,7 @@ def _serve(a: argparse.Namespace) -> int:
     names = a.served_model_name or [
         DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
-                                                  **_engine_kwargs(a, cpu)),
+                                                  **_engine_kwargs(a)),
                                      engine_process=a.engine_layout == "process",
                                      process_setup=partial(engine_process_setup,
                                                            a.log_level, a.log_format),
@@ -396,7 +392,7 @@ def offline_llm(a: argparse.Namespace) -> tuple[LLM, cpu_threads.CpuThreads]:
     model = _resolve_model(a.model)
     from scheduler.llm import LLM
 
-    return LLM(model, **_engine_kwargs(a, cpu)), cpu
+    return LLM(model, **_engine_kwargs(a)), cpu
 
 
 def _generate(a: argparse.Namespace) -> int:

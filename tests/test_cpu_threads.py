@@ -140,50 +140,14 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
     process; the chosen default keeps both within 1.5x."""
     with served(tmp_path) as (url, lines, _):
         cpu = next(x for x in lines if x.get("msg") == "cpu threads")
-        # the demo model is small: one intra-op thread (SMALL_MODEL_PARAMS)
-        assert cpu["source"] == "small model" and cpu["applied_before_torch"], cpu
-        assert cpu["threads"] == 1 and cpu["physical_cores"] == physical_cores(allowed_cpus())
+        assert cpu["source"] == "default" and cpu["applied_before_torch"], cpu
+        assert cpu["threads"] == physical_cores(allowed_cpus()), cpu
         assert cpu["wait"] == "passive" and cpu["bind"] is None, cpu
         one, four = _four_over_one(url)
         assert four <= BOUND * one, f"quiet: one {one:.3f} s, four {four:.3f} s"
         with busy_core():
             one, four = _four_over_one(url)
         assert four <= BOUND * one, f"beside a busy process: one {one:.3f} s, four {four:.3f} s"
-
-
-def test_a_small_model_waiting_passively_gets_one_thread(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Below SMALL_MODEL_PARAMS weights, a passive wait's default is one thread; a
-    spinning wait, a larger or unknown model, --cpu-threads and OMP_NUM_THREADS keep
-    theirs. The count comes from config.json (torch is not loaded yet) and matches the
-    model transformers builds from it."""
-    for k in THREAD_VARS:
-        monkeypatch.delenv(k, raising=False)
-    cores = physical_cores(allowed_cpus())
-    small, big = cpu_threads.SMALL_MODEL_PARAMS - 1, cpu_threads.SMALL_MODEL_PARAMS
-    assert (cpu_threads.plan(None, None, model_params=small).threads, cpu_threads.plan(
-        None, None, model_params=small).source) == (1, "small model")
-    assert cpu_threads.plan(None, None, model_params=big).threads == cores
-    assert cpu_threads.plan(None, None, model_params=None).threads == cores
-    assert cpu_threads.plan(None, None, "spin", model_params=small).threads == cores
-    assert cpu_threads.plan(None, None, default_wait="spin", model_params=small).threads == cores
-    assert cpu_threads.plan(2, None, model_params=small).threads == 2
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert cpu_threads.plan(None, None, model_params=small).threads == 2
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    for tied, kv in ((False, 2), (True, 4)):
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                          num_attention_heads=4, num_key_value_heads=kv, vocab_size=500,
-                          tie_word_embeddings=tied)
-        cfg.save_pretrained(tmp_path)
-        with torch.device("meta"):
-            real = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
-        norms = (2 * 3 + 1) * 64  # RMSNorm weights, left out of the estimate
-        assert cpu_threads.config_params(tmp_path) == real - norms
-    assert cpu_threads.config_params(tmp_path / "missing") is None
 
 
 def test_thread_options_override_the_default(tmp_path: Path) -> None:
@@ -245,32 +209,3 @@ def test_an_offline_run_spins_by_default_and_a_server_sleeps(
     assert cpu_threads.plan(2, None, "passive", default_wait="spin").wait == "passive"
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert cpu_threads.plan(2, None, default_wait="spin").wait == "passive"
-
-
-def test_a_small_model_prefills_on_every_core_and_decodes_on_one(tmp_path: Path) -> None:
-    """`prefill_threads`: a step of more than PREFILL_ROWS tokens (a prompt's chunk) runs
-    on that many threads, a decode step on the engine's own count; the model's forward
-    sees the switch, and the output is the same as without it."""
-    import torch
-
-    from engine.sampling import SamplingParams
-    from scheduler.llm import LLM
-    from tests.tiny_models import make_tiny_model
-
-    model = make_tiny_model("llama", tmp_path / "llama")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        llm = LLM(model, num_blocks=64, block_size=4, prefill_threads=2)
-        seen: list[tuple[int, int]] = []
-        llm.engine.model.register_forward_pre_hook(
-            lambda _m, args: seen.append((args[0].numel(), torch.get_num_threads())))
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        prompt = [5 + i % 50 for i in range(cpu_threads.PREFILL_ROWS + 8)]
-        got = llm.generate([prompt], params)[0].token_ids
-        assert seen[0] == (len(prompt), 2) and all(t == 1 for _, t in seen[1:]), seen
-        torch.set_num_threads(1)
-        plain = LLM(model, num_blocks=64, block_size=4).generate([prompt], params)[0]
-        assert got == plain.token_ids
-    finally:
-        torch.set_num_threads(before)

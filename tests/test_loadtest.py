@@ -379,7 +379,7 @@ def test_bench_serving_report_against_vllm(tmp_path: Any) -> None:
 
 def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
     """No thread variables for kvserve and, without --threads, no --cpu-threads either:
-    it picks its own, as for a user (a small model takes one thread); vLLM without its
+    it picks its own, as for a user; vLLM without its
     venv is skipped with a note, its documented settings otherwise."""
     from engine.cpu_threads import allowed_cpus, physical_cores
     from loadtest import vllm_peer
