@@ -96,14 +96,13 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
 
 
-def pack_linears(model: nn.Module, min_elements: int | None = None) -> int:
+def pack_linears(model: nn.Module) -> int:
     """Replace every `nn.Linear` of a CPU model whose weight packing helps (its dtype,
     at least PACK_MIN_ELEMENTS weights) with a `PackedLinear`, in place; returns how
-    many were replaced (0 when unavailable). `min_elements`: another size floor."""
-    least = PACK_MIN_ELEMENTS if min_elements is None else min_elements
+    many were replaced (0 when unavailable)."""
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.numel() >= least and packing_available(m.weight.dtype)]
+               and m.weight.numel() >= PACK_MIN_ELEMENTS and packing_available(m.weight.dtype)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

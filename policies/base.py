@@ -107,13 +107,14 @@ def prompt_budget(budget: int | float, view: StepView) -> int:
 
 
 def chunked_envelope(budget: int | float, seq_len: int, prompt_len: int | None,
-                     over: int = 0) -> int:
+                     over: int = 0, least: int = 0) -> int:
     """`max_live` of a policy that evicts down to C after every prompt chunk and keeps
-    at most C + `over` tokens in decode (C = `prompt_budget`): bounded from the first
-    prompt token on. A ratio budget with an unknown prompt length bounds nothing."""
+    at most C + `over` tokens in decode (C = `prompt_budget`, at least `least`: a
+    window the policy keeps whatever the budget): bounded from the first prompt token
+    on. A ratio budget with an unknown prompt length bounds nothing."""
     if prompt_len is None and isinstance(budget, float):
         return seq_len
-    c = resolve_budget(budget, max(seq_len, prompt_len or 0))
+    c = max(resolve_budget(budget, max(seq_len, prompt_len or 0)), least)
     return min(seq_len, c + (over if prompt_len is None or seq_len > prompt_len else 0))
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import Needs, head_mean, resolve_budget
+from policies.base import Needs, chunked_envelope, head_mean, resolve_budget
 from policies.config import Budget, EvictingPolicyConfig, budget_field
 from policies.rows import RowsView, keep_highest
 
@@ -120,11 +120,8 @@ class LazyEvictionPolicy:
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        w, budget = self.config.window, self.config.budget
-        if prompt_len is None and isinstance(budget, float):
-            return seq_len  # a ratio of an unknown prompt bounds nothing
-        top = max(resolve_budget(budget, max(seq_len, prompt_len or 0)), w)
-        return min(seq_len, top + (w - 1 if prompt_len is None or seq_len > prompt_len else 0))
+        w = self.config.window
+        return chunked_envelope(self.config.budget, seq_len, prompt_len, over=w - 1, least=w)
 
 
 def _tracked(view: RowsView, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:

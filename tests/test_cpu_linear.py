@@ -37,11 +37,12 @@ def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(out3[0], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_only_dtypes_that_gain_are_packed() -> None:
+def test_only_dtypes_that_gain_are_packed(monkeypatch) -> None:
     assert packing_available(torch.float32)
     assert not packing_available(torch.float16)
+    monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 0)  # any size: the dtype decides
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).half())
-    assert pack_linears(model, min_elements=0) == 1
+    assert pack_linears(model) == 1
     assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
 
 
