@@ -20,8 +20,14 @@ Each 16-bit value is widened exactly as it is loaded and the maths stays fp32, s
 only loss is the rounding when the pool was written; out is in q's dtype.
 
 A quantized pool (int8, fp8 e4m3, int4; kvpool/quant.py) goes to a second op,
-`paged_decode_quant`, which dequantizes each visible row as it reads it (portable loop,
-fp32 maths), so the pool is never widened whole.
+`paged_decode_quant`; the pool is never widened whole. int8 and fp8 keep one scale per
+(slot, kv head), which factors out of a dot product, so they run the AVX-512 path over
+the raw codes: each K tile's scores are multiplied by the slots' K scales and each
+probability by its slot's V scale (fp8 codes widen through fp16 bit patterns). int4
+(a scale per 32 channels) and unusual head dims dequantize each visible row as it is
+read (portable loop). At the 3m shape (16 sequences of 512 slots, one thread) a layer's
+decode call took 135 us over bf16, 160 over int8, 210 over fp8 and ~1,150 over int4
+(int8 ~650 and fp8 ~800 on the portable loop before).
 
 Prefill chunks (many queries per sequence) stay on the torch path, where SDPA's matrix
 products pay off. The build needs a C++ compiler (torch.utils.cpp_extension, cached

@@ -116,10 +116,10 @@ def test_statistics_read_the_dequantized_values(name: str) -> None:
     torch.testing.assert_close(st["value_norm"], vals.norm(dim=-1))
 
 
-def _case(pool: BlockPool, tq: int = 1) -> dict:
+def _case(pool: BlockPool, tq: int = 1, hq: int = 8) -> dict:
     """Three sequences over shuffled blocks: evicted slots, a short row, -1 pads."""
     g = torch.Generator().manual_seed(3)
-    nb, hq = 10, 8
+    nb = 10
     table = torch.randperm(pool.num_blocks, generator=g)[: 3 * nb].view(3, nb)
     table[1, 7:] = -1
     sp = torch.arange(nb * BS).repeat(3, 1)
@@ -154,6 +154,53 @@ def test_torch_and_cpu_kernel_agree_on_quantized_pools(name: str, probs: bool, f
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if probs:
         torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize(("d", "hkv", "hq"), [(16, 1, 4), (64, 3, 6), (128, 2, 2), (24, 2, 4)])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_cpu_kernel_on_quantized_pools_every_head_shape(name: str, d: int, hkv: int, hq: int,
+                                                        threads: int) -> None:
+    """int8 and fp8 take the AVX-512 path for head dims 16/32/64/128 (scales applied to
+    scores and probabilities, GQA groups of 4, 2 or 1 heads), int4 and head dim 24 the
+    portable one; 4 threads over 3 sequences cut them by kv heads. All equal attention
+    over the dequantized pool, attention mass included."""
+    if not kernel_available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    pool, _ = _filled(name, d=d, hkv=hkv)
+    case = _case(pool, hq=hq)
+    ref, ref_mass = _reference(pool, case, True)
+    c = dict(case)
+    q = c.pop("q")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out, mass = pool.attend(paged_attention_cpu, q, *c.values(), None, True)
+    finally:
+        torch.set_num_threads(before)
+    # Scaling the dot product instead of each code reorders fp32 roundings (values ~8).
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_kernel_reads_every_fp8_code_exactly() -> None:
+    """The vector path widens e4m3 codes through fp16 bit patterns: each of the 254 finite
+    codes, normals and subnormals, must come out as torch's float8_e4m3fn value. Sequence
+    j sees only slot j, so its output is V row j: codes 16j..16j+15 at scale 1."""
+    if not kernel_available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    pool = BlockPool(1, 16, 1, 16, dtype="fp8_e4m3")
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes == 0x7F], codes[codes == 0xFF] = 0, 0  # e4m3fn's NaNs never occur
+    pool.kv.view(torch.uint8)[1, 0, :, 0] = codes.view(16, 16)
+    pool.scales.fill_(1.0)
+    slot_pos = torch.full((16, 16), -1, dtype=torch.long)
+    slot_pos[torch.arange(16), torch.arange(16)] = 0
+    q = torch.randn(16, 1, 1, 16)
+    out, _ = pool.attend(paged_attention_cpu, q, torch.zeros(16, 1, dtype=torch.long), slot_pos,
+                         torch.zeros(16, 1, dtype=torch.long), 0.25, None, False)
+    want = codes.view(torch.float8_e4m3fn).float().view(16, 16)
+    torch.testing.assert_close(out[:, 0, 0], want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("name", QUANT)

@@ -22,7 +22,10 @@
 // are touched once per sequence, so their dtype is a run-time switch (`QueryIO`) and any
 // model dtype runs over any pool dtype without multiplying the instantiations.
 // Quantized pools (int8, fp8 e4m3, int4 with fp16 scales) take `paged_decode_quant` at
-// the end: the portable loop over rows dequantized as they are read.
+// the end. int8 and fp8 have one scale per (slot, kv head), which factors out of a dot
+// product: they run the AVX-512 path over the raw codes (widened like 16-bit rows), with
+// each score multiplied by its K scale and each probability by its V scale. int4 (a scale
+// per 32 channels) and other head dims take the portable loop over dequantized rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -93,11 +96,25 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   float* mass;  // [B, Hkv, S], rows ms0 apart, or nullptr when not requested
   const int64_t *table, *slot_pos, *q_pos;
   int64_t B, Hq, Hkv, G, D, bs, NB, S, row_len, window, ms0;
+  // Quantized codes only (int8, fp8): slot s's scale at kv head h is ks[s * sstride + h],
+  // times sfac (fp8 codes are widened as fp16 bit patterns 2^8 below their value).
+  const at::Half *ks = nullptr, *vs = nullptr;
+  int64_t sstride = 0;
+  float sfac = 1.f;
 };
+
+// Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
+struct Fp8 {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool is_code = std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8>;
 
 struct Scratch {  // per thread, reused across its sequences
   std::vector<int64_t> phys, logical;
   std::vector<float> qf, sc, tmp;
+  std::vector<float> kscale, vscale;  // quantized codes: [Hkv][np] per visible slot
+  std::vector<int64_t> slot;          // quantized codes: pool slot of each visible slot
 };
 
 template <typename TKV>
@@ -106,8 +123,10 @@ using SeqFn = void (*)(const Batch<TKV>&, int64_t, Scratch&);  // one sequence
 // Visible slots of sequence b in table order: where the slot's K/V row starts in the
 // cache (element offset) and its logical index. Every slot is written and the count
 // advances only for visible ones: no per-slot branch.
+// With `slot`, also each one's pool slot (quantized codes look their scales up by it).
 template <typename TKV>
-int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* logical) {
+int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* logical,
+                      int64_t* slot = nullptr) {
   const int64_t qp = a.q_pos[b];
   const int64_t lo = (a.window > 0 && qp >= a.window) ? qp - a.window + 1 : 0;
   int64_t n = 0;
@@ -118,6 +137,7 @@ int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* lo
     for (int64_t o = 0; o < a.bs; ++o) {
       phys[n] = (blk * a.bs + o) * a.row_len;
       logical[n] = j * a.bs + o;
+      if (slot != nullptr) slot[n] = blk * a.bs + o;
       n += (pos[o] >= lo) & (pos[o] <= qp);
     }
   }
@@ -150,11 +170,29 @@ inline __m512 widen16(__m256i h) {
     return _mm512_cvtph_ps(h);
 }
 
+// 16 one-byte codes widened to fp32: int8 exactly; fp8 e4m3 as the fp16 whose exponent
+// and mantissa bits are the code's shifted into place, which is the code's value / 2^8
+// for normals and subnormals alike (the scale carries the 2^8; e4m3fn's NaN codes never
+// occur, quantize() clamps to +-448).
+template <typename T>
+inline __m512 widen_codes(__m128i c) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+  } else {
+    const __m256i w = _mm256_cvtepu8_epi16(c);
+    const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+    return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+  }
+}
+
 // 16 elements of T widened to fp32.
 template <typename T>
 inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>)
     return _mm512_loadu_ps(p);
+  else if constexpr (is_code<T>)
+    return widen_codes<T>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   else
     return widen16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
@@ -187,6 +225,16 @@ inline __m512 load_bcast(const T* p) {
   } else if constexpr (std::is_same_v<T, float>) {
     if constexpr (R == 8) return _mm512_broadcast_f32x8(_mm256_loadu_ps(p));
     else return _mm512_broadcast_f32x4(_mm_loadu_ps(p));
+  } else if constexpr (is_code<T>) {  // R bytes, repeated before widening
+    if constexpr (R == 8) {
+      int64_t chunk;
+      std::memcpy(&chunk, p, sizeof chunk);
+      return widen_codes<T>(_mm_set1_epi64x(chunk));
+    } else {
+      int32_t chunk;
+      std::memcpy(&chunk, p, sizeof chunk);
+      return widen_codes<T>(_mm_set1_epi32(chunk));
+    }
   } else if constexpr (R == 8) {
     const __m128i chunk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return widen16<T>(_mm256_broadcastsi128_si256(chunk));
@@ -279,7 +327,8 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   constexpr int64_t D = 16 * NV;
   constexpr int R = 16 / GC, J = NV * GC;
   const int64_t Hq = a.Hq, G = a.G, rl = a.row_len;
-  const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
+  int64_t* slot = is_code<TKV> ? w.slot.data() : nullptr;
+  const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data(), slot);
   if (n == 0) return a.io.zero(b);
   float* qf = w.qf.data();  // per chunk of GC heads, J vectors laid out for tile_scores
   a.io.read(b, w.tmp.data());
@@ -289,6 +338,18 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   const int64_t np = (n + 15) / 16 * 16;  // score rows padded to whole tiles
   float* sc = w.sc.data();                // [Hq][np]
   const int64_t* phys = w.phys.data();
+  float *ksc = nullptr, *vsc = nullptr;  // codes: each visible slot's scales per kv head
+  if constexpr (is_code<TKV>) {
+    ksc = w.kscale.data();
+    vsc = w.vscale.data();
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t at = slot[std::min(i, n - 1)] * a.sstride;
+      for (int64_t h = 0; h < a.Hkv; ++h) {  // fp16 -> fp32 in one instruction (F16C)
+        ksc[h * np + i] = _cvtsh_ss(a.ks[at + h].x) * a.sfac;
+        vsc[h * np + i] = _cvtsh_ss(a.vs[at + h].x) * a.sfac;
+      }
+    }
+  }
   // The V rows ride along into L2 when they all fit there (3m: ~10% faster); a 160m
   // sequence's V (MBs) would only push out its own first rows.
   const int64_t row_bytes = rl * sizeof(TKV);
@@ -316,6 +377,10 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
           tile_scores<TKV, NV, GC>([&](int i) { return rows[0] + i * rl + off; }, qv, s);
         else
           tile_scores<TKV, NV, GC>([&](int i) { return rows[i] + off; }, qv, s);
+        if constexpr (is_code<TKV>) {  // q . (s_k * codes) = s_k * (q . codes)
+          const __m512 kv_scale = _mm512_loadu_ps(ksc + h * np + t);
+          for (int c = 0; c < GC; ++c) s[c] = _mm512_mul_ps(s[c], kv_scale);
+        }
         for (int c = 0; c < GC; ++c)  // masked lanes: exp gives ~0, and they are never read
           _mm512_storeu_ps(sc + (hq + c) * np + t,
                            _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), s[c]));
@@ -355,6 +420,7 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
       prefetch(a.v + phys[std::min(i + PT, n - 1)], row_bytes);
     for (int64_t h = 0, hq = 0; h < a.Hkv; ++h) {
       const TKV* vh = a.v + h * D;
+      const float* vs_h = vsc == nullptr ? nullptr : vsc + h * np;
       for (int64_t g = 0; g < G; g += GC, hq += GC) {
         __m512 acc[U][GC][NV];
         for (int u = 0; u < U; ++u)
@@ -364,8 +430,9 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
         auto step = [&](int u, int64_t i) {
           __m512 v[NV];
           for (int x = 0; x < NV; ++x) v[x] = load16(vh + phys[i] + 16 * x);
+          const float v_scale = is_code<TKV> ? vs_h[i] : 1.f;  // p * (s_v * codes)
           for (int c = 0; c < GC; ++c) {
-            const __m512 p = _mm512_set1_ps(sc[(hq + c) * np + i]);
+            const __m512 p = _mm512_set1_ps(sc[(hq + c) * np + i] * v_scale);
             for (int x = 0; x < NV; ++x) acc[u][c][x] = _mm512_fmadd_ps(p, v[x], acc[u][c][x]);
           }
         };
@@ -466,7 +533,45 @@ Batch<TKV> head_slice(const Batch<TKV>& a, int64_t h0, int64_t h1) {
   s.k = a.k + h0 * a.D;
   s.v = a.v + h0 * a.D;
   if (a.mass != nullptr) s.mass = a.mass + h0 * a.S;
+  if (a.ks != nullptr) {  // one scale per kv head (int8, fp8)
+    s.ks = a.ks + h0;
+    s.vs = a.vs + h0;
+  }
   return s;
+}
+
+// The vector path for the usual head dims (whole vectors of 16, NV of them), or nullptr.
+template <typename TKV>
+SeqFn<TKV> vector_seq(const Batch<TKV>& a) {
+#ifdef KVSERVE_AVX512
+  if constexpr (!std::is_same_v<TKV, double> && !std::is_same_v<TKV, uint8_t>) {
+    if (a.D == 16) return pick_seq<TKV, 1>(a.G);
+    if (a.D == 32) return pick_seq<TKV, 2>(a.G);
+    if (a.D == 64) return pick_seq<TKV, 4>(a.G);
+    if (a.D == 128) return pick_seq<TKV, 8>(a.G);
+  }
+#endif
+  return nullptr;
+}
+
+// Every sequence of the batch through `seq`, in parallel. Fewer sequences than threads
+// (one long chat): each sequence is cut into slices of its kv heads, each a Batch of its
+// own over the same rows, so no core sits idle.
+template <typename TKV>
+void run(const Batch<TKV>& a, SeqFn<TKV> seq) {
+  const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, D = a.D, S = a.S;
+  const int64_t slices = B == 0 ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
+  const int64_t scales = a.ks == nullptr ? 0 : Hkv * (S + 16);
+  std::vector<Batch<TKV>> parts;
+  for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
+                                                                   Hkv * (j + 1) / slices));
+  at::parallel_for(0, B * slices, 1, [&](int64_t begin, int64_t end) {
+    Scratch w{std::vector<int64_t>(S), std::vector<int64_t>(S), std::vector<float>(Hq * D),
+              std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1)),
+              std::vector<float>(scales), std::vector<float>(scales),
+              std::vector<int64_t>(a.ks == nullptr ? 0 : S)};
+    for (int64_t t = begin; t < end; ++t) seq(parts[t % slices], t / slices, w);
+  });
 }
 
 template <typename TKV>
@@ -481,28 +586,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                      table.data_ptr<int64_t>(), slot_pos.data_ptr<int64_t>(),
                      q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
                      Hkv * D, window, Hkv * NB * bs};
-  // The vector path takes the usual head dims, whole vectors of 16 (NV of them).
-  SeqFn<TKV> seq = decode_seq_portable<TKV>;
-#ifdef KVSERVE_AVX512
-  if constexpr (!std::is_same_v<TKV, double>) {
-    if (D == 16) seq = pick_seq<TKV, 1>(a.G);
-    if (D == 32) seq = pick_seq<TKV, 2>(a.G);
-    if (D == 64) seq = pick_seq<TKV, 4>(a.G);
-    if (D == 128) seq = pick_seq<TKV, 8>(a.G);
-  }
-#endif
-  // Fewer sequences than threads (one long chat): each sequence is cut into slices of
-  // its kv heads, each a Batch of its own over the same rows, so no core sits idle.
-  const int64_t S = a.S;
-  const int64_t slices = B == 0 ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
-  std::vector<Batch<TKV>> parts;
-  for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
-                                                                   Hkv * (j + 1) / slices));
-  at::parallel_for(0, B * slices, 1, [&](int64_t begin, int64_t end) {
-    Scratch w{std::vector<int64_t>(S), std::vector<int64_t>(S), std::vector<float>(Hq * D),
-              std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1))};
-    for (int64_t t = begin; t < end; ++t) seq(parts[t % slices], t / slices, w);
-  });
+  SeqFn<TKV> seq = vector_seq(a);
+  run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
 
 bool is_float_type(at::ScalarType t) {  // what QueryIO and the dispatch below take
@@ -566,13 +651,17 @@ const float* fp8_table() {
 
 inline void dequant_row(const QuantRows& r, const uint8_t* codes, const at::Half* sc,
                         int64_t Hkv, int64_t D, float* dst) {
-  if (r.mode == 3) {
+  if (r.mode == 3) {  // group by group: one scale conversion per 32 channels
     for (int64_t h = 0; h < Hkv; ++h)
-      for (int64_t x = 0; x < D; x += 2) {
-        const uint8_t c = codes[(h * D + x) / 2];
-        const float s = static_cast<float>(sc[h * r.ng + x / r.gs]);
-        dst[h * D + x] = static_cast<float>((c & 15) - 8) * s;
-        dst[h * D + x + 1] = static_cast<float>((c >> 4) - 8) * s;
+      for (int64_t g = 0; g < r.ng; ++g) {
+        const float s = static_cast<float>(sc[h * r.ng + g]);
+        const uint8_t* c = codes + (h * D + g * r.gs) / 2;
+        float* o = dst + h * D + g * r.gs;
+#pragma omp simd
+        for (int64_t x = 0; x < r.gs / 2; ++x) {
+          o[2 * x] = static_cast<float>((c[x] & 15) - 8) * s;
+          o[2 * x + 1] = static_cast<float>((c[x] >> 4) - 8) * s;
+        }
       }
     return;
   }
@@ -598,6 +687,23 @@ void decode_seq_quant(const Batch<uint8_t>& a, const QuantRows& r, int64_t b, Sc
     dequant_row(r, base + phys, scales, a.Hkv, a.D, buf);
     return static_cast<const float*>(buf);
   });
+}
+
+// int8 / fp8 codes (one scale per slot and kv head) on the vector path, when it takes
+// this head dim: the same Batch over the same bytes, read as codes of that type.
+template <typename TC>
+bool vector_codes_as(const Batch<uint8_t>& a, const QuantRows& r, float sfac) {
+  Batch<TC> c{a.io, reinterpret_cast<const TC*>(a.k), reinterpret_cast<const TC*>(a.v), a.mass,
+              a.table, a.slot_pos, a.q_pos, a.B, a.Hq, a.Hkv, a.G, a.D, a.bs, a.NB, a.S,
+              a.row_len, a.window, a.ms0, r.ks, r.vs, a.Hkv, sfac};
+  const SeqFn<TC> seq = vector_seq(c);
+  if (seq == nullptr) return false;
+  run(c, seq);
+  return true;
+}
+
+bool vector_codes(const Batch<uint8_t>& a, const QuantRows& r, int64_t mode) {
+  return mode == 1 ? vector_codes_as<int8_t>(a, r, 1.f) : vector_codes_as<Fp8>(a, r, 256.f);
 }
 
 std::vector<at::Tensor> paged_decode_quant(
@@ -637,6 +743,7 @@ std::vector<at::Tensor> paged_decode_quant(
                          Hkv * NB * bs};
   const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
                     mode, ng, D / ng};
+  if (mode != 3 && vector_codes(a, r, mode)) return {out, mass};
   fp8_table();  // built once, before the threads
   const int64_t S = a.S;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
