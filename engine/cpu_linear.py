@@ -36,13 +36,38 @@ log = logging.getLogger("kvserve.engine")
 # Rows the packed layout is tuned for: a decode batch. oneDNN runs any row count on it.
 _BATCH_HINT = 64
 _EXACT_ROWS = 32  # row counts kept as they are (decode batches): padding them costs most
-# Smaller weights stay dense: oneDNN's per-call cost outweighs its layout there. Measured
-# (fp32, this repo's machine, one thread): 256 x 384 at one row 13 us dense vs 33 us
-# packed, at 32 rows 56 vs 82; 256 x 1,376 60 vs 80 and 225 vs 258; 688 x 256 18 vs 44
-# and 113 vs 121 (the demo model's shapes, which decode on one thread). From ~0.5M
-# weights on, packed wins at 8-32 rows on two threads (768 x 2,304: 955 vs 1,171 us at
-# 32 rows, one thread), and the 160M model (768 x 768 and up) keeps every weight packed.
-PACK_MIN_ELEMENTS = 1 << 19
+# Where torch's dense fp32 GEMM is MKL on an Intel CPU, smaller weights stay dense:
+# oneDNN's per-call cost outweighs its layout there. Measured (Xeon, one thread):
+# 256 x 384 at one row 13 us dense vs 33 us packed, at 32 rows 56 vs 82; 256 x 1,376 60
+# vs 80 and 225 vs 258; 688 x 256 18 vs 44 and 113 vs 121 (the demo model's shapes).
+# From ~0.5M weights on packed wins at 8-32 rows (768 x 2,304: 955 vs 1,171 us at 32
+# rows), and the 160M model (768 x 768 and up) keeps every weight packed. MKL takes its
+# slow paths on other vendors' CPUs (AMD EPYC, AVX-512, one thread: 256 x 1,376 at 4 rows
+# 108 us dense vs 49 packed, at 32 rows 226 vs 133; 256 x 256 at 32 rows 83 vs 48; on
+# two threads a demo-model step of 4 rows took 5.6 ms dense against 1.4 packed), so
+# there every weight is packed.
+_INTEL_MKL_MIN_ELEMENTS = 1 << 19
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (`GenuineIntel`, `AuthenticAMD`, ...), '' where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def pack_min_elements(vendor: str, mkl: bool) -> int:
+    """The smallest weight worth packing: everything unless the dense path is MKL on an
+    Intel CPU (where it is fast for small weights)."""
+    return _INTEL_MKL_MIN_ELEMENTS if mkl and vendor == "GenuineIntel" else 0
+
+
+PACK_MIN_ELEMENTS = pack_min_elements(cpu_vendor(), torch.backends.mkl.is_available())
 
 
 def padded_rows(rows: int) -> int:

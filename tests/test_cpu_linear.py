@@ -8,9 +8,10 @@ from torch import nn
 
 from engine import cpu_linear
 from engine.cpu_linear import (
-    PACK_MIN_ELEMENTS,
     PackedLinear,
+    cpu_vendor,
     pack_linears,
+    pack_min_elements,
     packing_available,
     padded_rows,
 )
@@ -46,13 +47,26 @@ def test_only_dtypes_that_gain_are_packed(monkeypatch) -> None:
     assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
 
 
-def test_small_weights_stay_dense() -> None:
-    """Below PACK_MIN_ELEMENTS oneDNN's per-call cost outweighs its layout (a model
-    like the demo's runs dense); at it and above, the weight is packed."""
-    big = PACK_MIN_ELEMENTS // 1024
+def test_small_weights_stay_dense(monkeypatch) -> None:
+    """Below PACK_MIN_ELEMENTS (on an Intel CPU with MKL) oneDNN's per-call cost
+    outweighs its layout (a model like the demo's runs dense); at it and above, the
+    weight is packed."""
+    monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 1 << 19)
+    big = cpu_linear.PACK_MIN_ELEMENTS // 1024
     model = nn.Sequential(nn.Linear(1024, big - 1), nn.Linear(1024, big))
     assert pack_linears(model) == 1
     assert type(model[0]) is nn.Linear and isinstance(model[1], PackedLinear)
+
+
+def test_every_weight_is_packed_unless_mkl_runs_on_an_intel_cpu() -> None:
+    """MKL, torch's dense fp32 GEMM, is fast for small weights only on Intel CPUs; on
+    other vendors' (or without MKL) oneDNN's packed layout wins at every size."""
+    assert pack_min_elements("GenuineIntel", mkl=True) == 1 << 19
+    assert pack_min_elements("AuthenticAMD", mkl=True) == 0
+    assert pack_min_elements("GenuineIntel", mkl=False) == 0
+    assert pack_min_elements("", mkl=True) == 0
+    assert pack_min_elements(
+        cpu_vendor(), torch.backends.mkl.is_available()) == cpu_linear.PACK_MIN_ELEMENTS
 
 
 def test_engine_on_packed_weights_generates_what_dense_weights_do(tmp_path, monkeypatch) -> None:
