@@ -68,6 +68,21 @@ def test_silu_and_mul_matches_torch(dtype) -> None:
         _close(got, ref, dtype)
 
 
+def test_bf16_rounding_matches_torch_at_ties_overflow_and_nan() -> None:
+    """The C++ ops round fp32 to bf16 by its bits (branch-free, to vectorize): sums
+    exactly half-way between two bf16 values go to the even one, past the largest
+    finite value to inf, NaN stays NaN; the residual add must equal torch's bit for
+    bit. Columns 0-1: ties down and up; 2-3: ties below zero; 4: overflow; 5: NaN."""
+    big = torch.finfo(torch.bfloat16).max
+    res = torch.tensor([[1.0, 1.0 + 2**-7, -1.0, -(1.0 + 2**-7), big, math.nan] * 2])
+    x = torch.tensor([[2**-8, 2**-8, -(2**-8), -(2**-8), big, 1.0] * 2])
+    res, x = res.to(torch.bfloat16), x.to(torch.bfloat16)
+    want = res + x
+    assert want[0, 0] == 1.0 and want[0, 1] == 1.0 + 2**-6 and want[0, 4] == math.inf
+    _, got = add_rms_norm(x.clone(), res.clone(), torch.ones(12, dtype=torch.bfloat16), EPS)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
+
+
 def test_silu_and_mul_propagates_nan_and_inf() -> None:
     gate_up = torch.tensor([[math.nan, math.inf, -math.inf, 1.0, 2.0, 2.0, 2.0, math.nan]])
     got = silu_and_mul(gate_up)

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -28,12 +29,36 @@ namespace {
 // wake-up costs more than the pass (a decode step's rows run on the calling thread).
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
 
+// bf16 <-> fp32 by their bits, branch-free so that the row loops vectorize (c10's
+// conversion tests for NaN with a branch: 20x slower over a [32, 6144] silu_and_mul).
+// The same rounding as c10::BFloat16: to nearest even, any NaN to the quiet 0x7FC0.
 template <typename T>
-inline float f32(T v) { return static_cast<float>(v); }
+inline float f32(T v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  } else {
+    return static_cast<float>(v);
+  }
+}
+
+template <typename T>
+inline T to(float v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return at::BFloat16(static_cast<uint16_t>(v != v ? 0x7FC0u : rounded), at::BFloat16::from_bits());
+  } else {
+    return static_cast<T>(v);
+  }
+}
 
 // Round a float to T and back: where transformers' 16-bit ops round (identity in fp32).
 template <typename T>
-inline float r(float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float r(float v) { return f32(to<T>(v)); }
 
 // exp(x) for x <= 0, branch-free so the compiler vectorizes the loops that call it:
 // x = n ln2 + f with |f| <= ln2/2, exp(f) by a degree-6 polynomial (< 2 ulp), 2^n by
@@ -70,14 +95,14 @@ void norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   for (int64_t i = 0; i < h; ++i) ss += f32(x[i]) * f32(x[i]);
   const float inv = 1.0f / std::sqrt(ss / static_cast<float>(h) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) out[i] = static_cast<T>(f32(w[i]) * r<T>(f32(x[i]) * inv));
+  for (int64_t i = 0; i < h; ++i) out[i] = to<T>(f32(w[i]) * r<T>(f32(x[i]) * inv));
 }
 
 // Pragmas cannot sit inside AT_DISPATCH's macro argument: the row loops live here.
 template <typename T>
 void add_norm_row(T* x, T* res, const T* w, int64_t h, float eps) {
 #pragma omp simd
-  for (int64_t i = 0; i < h; ++i) res[i] = static_cast<T>(f32(res[i]) + f32(x[i]));
+  for (int64_t i = 0; i < h; ++i) res[i] = to<T>(f32(res[i]) + f32(x[i]));
   norm_row(res, w, x, h, eps);
 }
 
@@ -85,7 +110,7 @@ template <typename T>
 void silu_mul_row(const T* g, T* o, int64_t m) {
   const T* u = g + m;
 #pragma omp simd
-  for (int64_t i = 0; i < m; ++i) o[i] = static_cast<T>(r<T>(silu(f32(g[i]))) * f32(u[i]));
+  for (int64_t i = 0; i < m; ++i) o[i] = to<T>(r<T>(silu(f32(g[i]))) * f32(u[i]));
 }
 
 void check_rows(const at::Tensor& t, const char* name, int64_t h) {
@@ -165,8 +190,8 @@ void rotate_heads(T* x, int64_t ts, int64_t hs, int64_t heads, const float* cos,
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
       const float ci = r<T>(c[i]), si = r<T>(s[i]), a = f32(x1[i]), b = f32(x2[i]);
-      x1[i] = static_cast<T>(r<T>(a * ci) - r<T>(b * si));
-      x2[i] = static_cast<T>(r<T>(b * ci) + r<T>(a * si));
+      x1[i] = to<T>(r<T>(a * ci) - r<T>(b * si));
+      x2[i] = to<T>(r<T>(b * ci) + r<T>(a * si));
     }
   }
 }
