@@ -4,10 +4,11 @@ Why: a decode step on the CPU is mostly GEMMs of a few rows against every weight
 matrix, and `F.linear` re-reads each weight in its plain row-major layout, step after
 step. oneDNN can lay a weight out once in the blocked format its kernels stream best
 (`mkldnn._reorder_linear_weight`) and multiply against it directly
-(`mkldnn._linear_pointwise`), as vLLM's CPU backend does. Measured on this repo's
-machine (Xeon, AVX-512, fp32, one thread, the 160M model's shapes): 1.3-2x faster for 8
-to 64 rows, the output head (768 x 32,000) 1.8-2.2x; no faster for a single row
-(docs/benchmarks.md has the engine-level numbers).
+(`mkldnn._linear_pointwise`), as vLLM's CPU backend does. Measured (fp32, one
+thread, the 160M model's shapes): on a Xeon 1.3-2x faster for 8 to 64 rows, the output
+head (768 x 32,000) 1.8-2.2x, no faster for a single row; on an AMD EPYC, where torch's
+MKL takes its slow paths, 2.3-2.7x at 32 rows and 1.0-2.4x at one (docs/benchmarks.md
+has the engine-level numbers).
 
 Only where it is known to help: fp32 weights, or bf16 on a CPU with native bf16 dot
 products (elsewhere oneDNN's bf16 path is emulated and slower than torch's). The dense
