@@ -32,6 +32,8 @@ import logging
 import torch
 from torch import nn
 
+from engine.cpu_threads import cpuinfo
+
 log = logging.getLogger("kvserve.engine")
 
 # Rows the packed layout is tuned for: a decode batch. oneDNN runs any row count on it.
@@ -50,25 +52,13 @@ _EXACT_ROWS = 32  # row counts kept as they are (decode batches): padding them c
 _INTEL_MKL_MIN_ELEMENTS = 1 << 19
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id (`GenuineIntel`, `AuthenticAMD`, ...), '' where unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def pack_min_elements(vendor: str, mkl: bool) -> int:
     """The smallest weight worth packing: everything unless the dense path is MKL on an
     Intel CPU (where it is fast for small weights)."""
     return _INTEL_MKL_MIN_ELEMENTS if mkl and vendor == "GenuineIntel" else 0
 
 
-PACK_MIN_ELEMENTS = pack_min_elements(cpu_vendor(), torch.backends.mkl.is_available())
+PACK_MIN_ELEMENTS = pack_min_elements(cpuinfo("vendor_id"), torch.backends.mkl.is_available())
 
 
 def padded_rows(rows: int) -> int:

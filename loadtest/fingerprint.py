@@ -16,35 +16,20 @@ from datetime import datetime, timezone
 import torch
 import transformers
 
-from engine.cpu_threads import allowed_cpus, physical_cores
+from engine.cpu_threads import allowed_cpus, cpuinfo, physical_cores
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def _simd_flags() -> list[str]:
     """The vector extensions torch's CPU kernels dispatch on (the model name is often
     a generic "Intel Xeon Processor" on virtual machines)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return sorted(have & {"avx2", "fma", "avx512f", "avx512_bf16",
-                                          "avx512_vnni", "amx_bf16", "amx_tile"})
-    except OSError:
-        pass
-    return []
+    return sorted(set(cpuinfo("flags").split()) & {
+        "avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile"})
 
 
 def _git(*args: str) -> str | None:

@@ -9,12 +9,12 @@ from torch import nn
 from engine import cpu_linear
 from engine.cpu_linear import (
     PackedLinear,
-    cpu_vendor,
     pack_linears,
     pack_min_elements,
     packing_available,
     padded_rows,
 )
+from engine.cpu_threads import cpuinfo
 from engine.sampling import SamplingParams
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -66,7 +66,7 @@ def test_every_weight_is_packed_unless_mkl_runs_on_an_intel_cpu() -> None:
     assert pack_min_elements("GenuineIntel", mkl=False) == 0
     assert pack_min_elements("", mkl=True) == 0
     assert pack_min_elements(
-        cpu_vendor(), torch.backends.mkl.is_available()) == cpu_linear.PACK_MIN_ELEMENTS
+        cpuinfo("vendor_id"), torch.backends.mkl.is_available()) == cpu_linear.PACK_MIN_ELEMENTS
 
 
 def test_engine_on_packed_weights_generates_what_dense_weights_do(tmp_path, monkeypatch) -> None:
