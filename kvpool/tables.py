@@ -68,6 +68,17 @@ def take_rows(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
     return t.narrow(2, 0, width).index_select(1, torch.tensor(rows, dtype=torch.int64))
 
 
+def rows_slice(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
+    """t[:, rows, :width] as a view of t when the rows are consecutive (updates made
+    through it land in t: no copy either way), else as `take_rows`' copy, which the
+    caller puts back with `put_rows`. For state a step updates in a few places per slot
+    (pyramid's window ring: one value of 32), where copying every value out and back
+    costs more than the update."""
+    if consecutive(rows):
+        return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width)
+    return take_rows(t, rows, width)
+
+
 def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
     """t[:, rows, :W] = value ([L, R, W, ...]): `take_rows`' way back."""
     w = value.shape[2]
@@ -282,6 +293,15 @@ class SlotTables:
         rows = [c.row for c in caches]
         nb = torch.tensor([c.nblocks for c in caches], dtype=torch.int64).t()  # [L, R]
         nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()
+        if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
+            only = torch.ones(nl, dtype=torch.bool)
+            if layers is not None:
+                only = torch.zeros(nl, dtype=torch.bool)
+                only[layers] = True
+            ids, ndead = torch.ops.kvserve_tables.free_dead(
+                self.table, self.slot_pos, list(self.state.values()),
+                torch.tensor(rows, dtype=torch.int64), nb, nxt, only, bs, w)
+            return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
         pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
         cols = torch.arange(w)
@@ -294,11 +314,10 @@ class SlotTables:
             only = torch.zeros(nl, dtype=torch.bool)
             only[layers] = True
             dead &= only[:, None, None]
-        ndead = dead.sum(dim=2)  # [L, R]
-        counts = ndead.t().tolist()
+        counts = dead.sum(dim=2).t().tolist()  # [R][L]
         if not any(map(any, counts)):
             return [0] * len(caches)
-        pool.release(table[dead])
+        freed_ids = table[dead]
         # Kept columns first, in order; the freed ones and the spare ones after them.
         kept = held & ~dead
         order = torch.where(kept, cols, w + cols).argsort(dim=2)
@@ -314,9 +333,20 @@ class SlotTables:
             st = take_rows(t, rows, w * bs).view(nl, len(caches), w, bs, *extra)
             st = st.gather(2, _over(order[..., None].expand(-1, -1, -1, bs), extra))
             put_rows(t, rows, st.view(nl, len(caches), w * bs, *extra))
+        return self._freed(pool, caches, freed_ids, counts)
+
+    def _freed(self, pool: BlockPool, caches: list[SeqCache], ids: torch.Tensor,
+               counts: list[list[int]]) -> list[int]:
+        """`free_dead_blocks`' bookkeeping: release `ids` and shorten each cache by its
+        dead blocks per layer (`counts` [R][L]); returns the blocks freed per cache."""
+        if not any(map(any, counts)):
+            return [0] * len(caches)
+        pool.release(ids)
+        bs = self.bs
         for c, per_layer in zip(caches, counts):
-            c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
-            c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
+            if any(per_layer):
+                c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
+                c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
         return [sum(x) for x in counts]
 
     def compact(self, pool: BlockPool, caches: list[SeqCache],

@@ -16,7 +16,7 @@ from pydantic import Field
 
 from policies.base import Needs, prefill_envelope, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
-from policies.rows import RowsView, keep_highest
+from policies.rows import NATIVE, RowsView, keep_highest
 from policies.snapkv import OddKernel, pool_scores
 
 
@@ -107,10 +107,12 @@ class PyramidPolicy:
     # queries, a ring (`_shift_window`). Per policy rather than per class: its size is
     # the config's.
     state: dict[str, tuple[float, int]] = field(init=False, repr=False)
+    state_in_place: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         a = self.config.obs_window
         self.state = {f"pyramid_window{a}": (0.0, a)}
+        self.state_in_place = (f"pyramid_window{a}",)  # RowsView.in_place
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
@@ -122,7 +124,6 @@ class PyramidPolicy:
         p = policies[0]
         c = p.config
         assert view.attention is not None
-        window = PyramidPolicy._shift_window(p, view)
         keep, edges = [], []  # per request, per layer
         nl = view.num_layers
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
@@ -135,44 +136,48 @@ class PyramidPolicy:
                 keep.append(view.lengths[view.rows_of(r)])
                 edges.append([0] * nl)
         keep, edges = view.by_layer(keep), view.by_layer(edges)
-        if view.within(keep):
+        within = view.within(keep)
+        window = PyramidPolicy._shift_window(p, view, want=not within)
+        if window is None:
             return None
-        live = view.live
-        scores = PyramidPolicy._kept_order_pool(window.sum(dim=2).masked_fill(~live, 0.0),
-                                                live, c.kernel_size)
+        scores = PyramidPolicy._kept_order_pool(window, view.live, c.kernel_size)
         return keep_highest(view, scores, keep, first=edges, last=edges)
 
     @staticmethod
-    def _shift_window(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
+    def _shift_window(p: PyramidPolicy, view: RowsView, want: bool = True) -> torch.Tensor | None:
         """Write this step's window queries (summed over heads) into each slot's window
-        state; [N, W, α] the window after the step.
+        state; if `want`, the window's mass per slot [N, W] (0 on dead slots).
 
         The window is a ring: query q of a request (0-based) owns column q mod α, so a
         new query overwrites the one α before it, which leaves the window. A step writes
         only its queries' columns (one column in decode) instead of shifting all α: the
         shift was three passes over α values per slot, most of pyramid's step. A column
         no query in the window wrote is 0, and so is a new slot's whole ring (no earlier
-        query saw it), so the ring's sum is the window's exactly."""
+        query saw it), so the ring's sum is the window's exactly. The ring is the
+        tables' own slice (`state_in_place`): copying α values per slot out and back
+        cost more than the update."""
         assert view.attention is not None
         a = p.config.obs_window
         k = view.num_new
         (name,) = p.state
+        n, w = view.positions.shape
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
-        ring = view.state[name]  # [N, W, α]
+        ring = view.layered(name)  # [L, R, W, α]
         if min(firsts) >= k:  # no window query yet in any row: the state stays 0
-            return ring
-        kk = min(k, a)  # only the last α queries can stay in the window
-        new = view.attention[:, k - kk:].sum(dim=2)  # [N, kk, W]
-        if max(firsts) > k - kk:  # some rows' first queries are before their window
-            # (their columns hold 0: every earlier query was before the window too)
-            before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
-            new = new.masked_fill(before[:, :, None], 0.0)
-        q0 = view.row_tensor(view.per_row([s - k for s in view.seq_len]))  # [N, 1]
-        cols = (q0 + torch.arange(k - kk, k)) % a  # [N, kk], distinct per row
-        ring.scatter_(2, cols[:, None, :].expand(-1, ring.shape[1], -1), new.transpose(1, 2))
-        return ring
+            new, cols = torch.zeros(n, 0, w), torch.zeros(n, 0, dtype=torch.int64)
+        else:
+            kk = min(k, a)  # only the last α queries can stay in the window
+            att = view.attention[:, k - kk:]
+            new = att[:, :, 0] if att.shape[2] == 1 else att.sum(dim=2)  # [N, kk, W]
+            if max(firsts) > k - kk:  # some rows' first queries are before their window
+                # (their columns hold 0: every earlier query was before the window too)
+                before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
+                new = new.masked_fill(before[:, :, None], 0.0)
+            q0 = view.row_tensor(view.per_row([s - k for s in view.seq_len]))  # [N, 1]
+            cols = (q0 + torch.arange(k - kk, k)) % a  # [N, kk], distinct per row
+        return _window_ring(ring, new, cols, view.positions, want)
 
     @staticmethod
     def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -201,3 +206,24 @@ class PyramidPolicy:
         L · max_live would hold about twice the memory the pyramid ever uses."""
         return num_layers * prefill_envelope(seq_len, prompt_len,
                                              resolve_budget(self.config.budget, seq_len))
+
+
+def _window_ring(ring: torch.Tensor, new: torch.Tensor, cols: torch.Tensor,
+                 positions: torch.Tensor, want: bool) -> torch.Tensor | None:
+    """Write `new` [N, k, W] into the ring [L, R, W, α] at columns `cols` [N, k]; if
+    `want`, each live slot's ring sum [N, W] (0 on dead slots), accumulated in double
+    and rounded once, so the C++ op (policies/csrc/state_cpu.cpp: one pass per row,
+    in place) and this torch form give the same float32 score."""
+    n, w = positions.shape
+    if NATIVE["state"] and ring.device.type == "cpu":
+        out = torch.ops.kvserve_policy_state.window_ring(ring, new, cols, positions, want)
+        return out if want else None
+    nl, r = ring.shape[:2]
+    k = new.shape[1]
+    if k:
+        idx = cols.view(nl, r, 1, k).expand(nl, r, w, k)
+        ring.scatter_(3, idx, new.reshape(nl, r, k, w).transpose(2, 3))
+    if not want:
+        return None
+    total = ring.double().sum(dim=3).float().reshape(n, w)
+    return total.masked_fill(positions < 0, 0.0)

@@ -24,20 +24,22 @@ import torch
 from engine.runner import AttentionMass
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
-from kvpool.tables import consecutive, put_rows, take_rows
+from kvpool.tables import consecutive, put_rows, rows_slice, take_rows
 from policies import rows as policy_rows
 from policies.base import Needs
 from policies.norms import keydiff_scores
 from policies.rows import RowsView
 
-_SELECT_SOURCE = Path(policy_rows.__file__).parent / "csrc" / "select_cpu.cpp"
+_CSRC = Path(policy_rows.__file__).parent / "csrc"
 
 
 def load_select() -> bool:
-    """Build and load the C++ selection (policies/csrc/select_cpu.cpp) once; the torch
-    form stays in use without a compiler (or with KVSERVE_CPU_KERNEL=0)."""
-    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _SELECT_SOURCE,
-                                            ["-O3", "-march=native"])
+    """Build and load the C++ selection (policies/csrc/select_cpu.cpp) and the state
+    updates (state_cpu.cpp) once; the torch forms stay in use without a compiler (or
+    with KVSERVE_CPU_KERNEL=0). Returns whether the selection loaded."""
+    flags = ["-O3", "-march=native"]
+    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _CSRC / "select_cpu.cpp", flags)
+    policy_rows.NATIVE["state"] = load_ops("kvserve_state_cpu", _CSRC / "state_cpu.cpp", flags)
     return policy_rows.NATIVE["select"]
 
 
@@ -111,8 +113,12 @@ def build_view(members: list[Member]) -> RowsView:
         lengths=[m.cache.layer_live[layer] for layer in range(nl) for m in members],
         positions=_rows(take_rows(tables.slot_pos, rows, width)),
         block_size=bs)
+    view.in_place = frozenset(getattr(policy, "state_in_place", ()))
     for name in getattr(policy, "state", {}):
-        view.state[name] = _rows(take_rows(tables.state[name], rows, width))
+        if name in view.in_place:  # [L, r, W, ...]: the tables' own slice when it can be
+            view.state[name] = rows_slice(tables.state[name], rows, width)
+        else:
+            view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
         view.attention = _attention(members, width, needs.attention_heads)
     new_norms = needs.new_key_norm or needs.new_value_norm
@@ -156,7 +162,10 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     width = view.positions.shape[1]
     r = len(members)
     for name, t in view.state.items():  # the policy's updates, one copy per name
-        put_rows(tables.state[name], rows, t.view(nl, r, *t.shape[1:]))
+        if name not in view.in_place:
+            put_rows(tables.state[name], rows, t.view(nl, r, *t.shape[1:]))
+        elif not consecutive(rows):  # a copy of scattered rows: back where it came from
+            put_rows(tables.state[name], rows, t)
     if drop is None:
         return [(0, 0)] * r
     return carry_out([m.cache for m in members], drop.view(nl, r, width),

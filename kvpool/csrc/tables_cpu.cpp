@@ -12,7 +12,9 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -81,10 +83,109 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
   return {counts, emptied, same};
 }
 
+// Return the blocks of the caches' rows with no live slot to the pool and close the gaps
+// (SlotTables.free_dead_blocks, whose torch form this is: about twenty sweeps over the
+// rows' tables, positions and every per-slot state, most of a cheap policy's step on the
+// steps a block empties). Per (layer, row) among `only` layers: block j < nb is alive if
+// a slot holds a position, or it is the tail block (j = nb - 1) with room for appends
+// (next < nb·bs); the alive blocks move to the front in order, then the dead ones, then
+// the rest up to w (the torch form's stable argsort), positions and each state moving
+// with their block; the table and positions past the kept blocks become -1. table
+// [L, Rt, Wt], slot_pos [L, Rt, Wt·bs] and states [L, Rt, Wt·bs, ...] (contiguous) are
+// updated in place; nblocks and next [L, R] are the caches' per layer. Returns (the
+// freed block ids in [L, R, w] order, the dead blocks per (layer, cache) [L, R]).
+std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_pos,
+                                             std::vector<at::Tensor> states,
+                                             const at::Tensor& rows, const at::Tensor& nblocks,
+                                             const at::Tensor& next, const at::Tensor& only,
+                                             int64_t bs, int64_t w) {
+  TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "table must be a contiguous [L, Rt, Wt] int64 tensor");
+  const int64_t nl = table.size(0), rt = table.size(1), wt = table.size(2), s = wt * bs;
+  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous() &&
+              slot_pos.size(0) == nl && slot_pos.size(1) == rt && slot_pos.size(2) == s,
+              "slot_pos must be a contiguous [L, Rt, Wt * bs] int64 tensor");
+  TORCH_CHECK(bs > 0 && w >= 0 && w <= wt, "w must be within the table's width");
+  const int64_t r = rows.size(0);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
+  for (const at::Tensor* t : {&nblocks, &next})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == nl && t->size(1) == r && t->scalar_type() == at::kLong,
+                "nblocks and next must be [L, R] int64");
+  TORCH_CHECK(only.dim() == 1 && only.size(0) == nl && only.scalar_type() == at::kBool, "only must be [L] bool");
+  std::vector<int64_t> slot_bytes;  // per state: bytes of one slot's values
+  for (const at::Tensor& t : states) {
+    TORCH_CHECK(t.is_contiguous() && t.dim() >= 3 && t.size(0) == nl && t.size(1) == rt && t.size(2) == s,
+                "a state must be a contiguous [L, Rt, Wt * bs, ...] tensor");
+    slot_bytes.push_back(t.numel() / (nl * rt * s) * t.element_size());
+  }
+  const at::Tensor rw = rows.contiguous(), nb_t = nblocks.contiguous(), nx_t = next.contiguous();
+  const at::Tensor on = only.contiguous();
+  const int64_t* rp = rw.data_ptr<int64_t>();
+  const int64_t *nbp = nb_t.data_ptr<int64_t>(), *nxp = nx_t.data_ptr<int64_t>();
+  const bool* op = on.data_ptr<bool>();
+  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
+  for (int64_t i = 0; i < nl * r; ++i) TORCH_CHECK(nbp[i] >= 0 && nbp[i] <= w, "nblocks out of range");
+  at::Tensor counts = at::zeros({nl, r}, rows.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  int64_t* tp = table.data_ptr<int64_t>();
+  int64_t* sp = slot_pos.data_ptr<int64_t>();
+  std::vector<int64_t> freed, order;
+  std::vector<char> buf;
+  for (int64_t l = 0; l < nl; ++l) {
+    if (!op[l]) continue;
+    for (int64_t i = 0; i < r; ++i) {
+      const int64_t row = rp[i], nb = nbp[l * r + i], nxt = nxp[l * r + i];
+      int64_t* tbl = tp + (l * rt + row) * wt;
+      int64_t* pos = sp + (l * rt + row) * s;
+      order.clear();
+      int64_t ndead = 0;
+      for (int64_t j = 0; j < nb; ++j) {
+        bool alive = j == nb - 1 && nxt < nb * bs;
+        for (int64_t k = j * bs; k < (j + 1) * bs && !alive; ++k) alive = pos[k] >= 0;
+        if (alive) order.push_back(j);
+        else ++ndead;
+      }
+      if (ndead == 0) continue;
+      const int64_t kept = nb - ndead;
+      for (int64_t j = 0; j < nb; ++j) {  // the dead blocks, in order, after the kept ones
+        bool alive = j == nb - 1 && nxt < nb * bs;
+        for (int64_t k = j * bs; k < (j + 1) * bs && !alive; ++k) alive = pos[k] >= 0;
+        if (!alive) { order.push_back(j); freed.push_back(tbl[j]); }
+      }
+      for (int64_t j = nb; j < w; ++j) order.push_back(j);
+      cp[l * r + i] = ndead;
+      // Move whole blocks of every per-slot array by `order` (through a buffer: the
+      // permutation reads before it writes), then clear what lies past the kept blocks.
+      auto permute = [&](char* base, int64_t block_bytes) {
+        buf.resize(w * block_bytes);
+        for (int64_t j = 0; j < w; ++j)
+          std::memcpy(buf.data() + j * block_bytes, base + order[j] * block_bytes, block_bytes);
+        std::memcpy(base, buf.data(), w * block_bytes);
+      };
+      permute(reinterpret_cast<char*>(tbl), sizeof(int64_t));
+      permute(reinterpret_cast<char*>(pos), bs * sizeof(int64_t));
+      for (int64_t j = kept; j < w; ++j) tbl[j] = -1;
+      for (int64_t k = kept * bs; k < w * bs; ++k) pos[k] = -1;
+      for (size_t t = 0; t < states.size(); ++t) {
+        char* base = static_cast<char*>(states[t].data_ptr()) + (l * rt + row) * s * slot_bytes[t];
+        permute(base, bs * slot_bytes[t]);
+      }
+    }
+  }
+  at::Tensor ids = at::empty({static_cast<int64_t>(freed.size())}, rows.options());
+  std::memcpy(ids.data_ptr<int64_t>(), freed.data(), freed.size() * sizeof(int64_t));
+  return {ids, counts};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_tables, m) {
   m.def("mark_dead(Tensor(a!) slot_pos, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor, Tensor)");
+  m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor rows, "
+        "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) { m.impl("mark_dead", mark_dead); }
+TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
+  m.impl("mark_dead", mark_dead);
+  m.impl("free_dead", free_dead);
+}

@@ -1,0 +1,64 @@
+"""The slot tables' C++ block freeing (`kvpool/csrc/tables_cpu.cpp::free_dead`) against
+its torch form (`SlotTables.free_dead_blocks`): random rows of tables, positions and
+per-slot state (a value and k values per slot) with emptied blocks, tail blocks with
+and without room, some layers only, rows not in table order; the tables, the state,
+the caches' sizes and the blocks released must all be the same."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpool import tables as tables_mod
+from kvpool.tables import SlotTables
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release(self, ids: torch.Tensor) -> None:
+        self.released += sorted(ids.tolist())
+
+
+def _setup(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    nl, bs, nrows, width = 3, 4, 6, 8
+    t = SlotTables(nl, bs, rows=nrows, width_blocks=width)
+    t.declare_state({"score": 0.5, "ring": (0.0, 3)})
+    caches, next_id = [], 0
+    for row in [4, 1, 2, 5][: 2 + seed % 3]:
+        nb = [int(torch.randint(1, width + 1, (), generator=g)) for _ in range(nl)]
+        nxt = [b * bs - int(torch.randint(0, bs, (), generator=g)) for b in nb]
+        for layer in range(nl):
+            t.table[layer, row, : nb[layer]] = torch.arange(next_id, next_id + nb[layer])
+            next_id += nb[layer]
+            pos = torch.arange(nxt[layer])
+            pos[torch.rand(nxt[layer], generator=g) < 0.6] = -1
+            blocks = torch.rand(nb[layer], generator=g) < 0.4  # some blocks emptied whole
+            pos = pos.masked_fill(blocks.repeat_interleave(bs)[: nxt[layer]], -1)
+            t.slot_pos[layer, row, : nxt[layer]] = pos
+        caches.append(SimpleNamespace(row=row, nblocks=nb, next_slot=nxt))
+    t.state["score"].copy_(torch.rand(t.state["score"].shape, generator=g))
+    t.state["ring"].copy_(torch.rand(t.state["ring"].shape, generator=g))
+    return t, caches
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_free_dead_blocks_matches_torch(seed, monkeypatch):
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    layers = [0, 2] if seed % 4 == 3 else None
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        t, caches = _setup(seed)
+        pool = _Pool()
+        freed = t.free_dead_blocks(pool, caches, layers)
+        runs.append((t, [(c.nblocks, c.next_slot) for c in caches], pool.released, freed))
+    (a, ca, ra, fa), (b, cb, rb, fb) = runs
+    assert fa == fb and ca == cb and ra == rb
+    assert sum(fa) > 0
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    for name in a.state:
+        assert torch.equal(a.state[name], b.state[name]), name
