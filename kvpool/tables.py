@@ -95,6 +95,23 @@ def _over(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> tor
     return idx.expand(*idx.shape[: idx.dim() - len(extra)], *extra) if expand and extra else idx
 
 
+def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.Tensor:
+    """A state tensor [L, R, S(, k)] float32 full of `fill`. `columns`: stored as
+    [L, R, k, S] and returned transposed, so that each of the k values of every slot of a
+    row is one contiguous run: a step that reads and writes one of the k (pyramid's ring
+    column) touches 4 bytes per slot instead of a cache line."""
+    if not k:
+        return torch.full(slots, fill, dtype=torch.float32)
+    if columns:
+        return torch.full((*slots[:2], k, slots[2]), fill, dtype=torch.float32).transpose(2, 3)
+    return torch.full((*slots, k), fill, dtype=torch.float32)
+
+
+def _by_columns(t: torch.Tensor) -> bool:
+    """A state stored by columns (`_new_state`)."""
+    return t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1
+
+
 class SlotTables:
     def __init__(self, num_layers: int, block_size: int, rows: int = 4,
                  width_blocks: int = 4) -> None:
@@ -108,14 +125,16 @@ class SlotTables:
         self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
 
-    def declare_state(self, fills: dict[str, float | tuple[float, int]]) -> None:
+    def declare_state(self, fills: dict[str, float | tuple[float, int]],
+                      columns: tuple[str, ...] | frozenset[str] = ()) -> None:
         """Keep per-slot state `name` from now on: a new slot starts at its fill; a
-        (fill, k) pair keeps k values per slot ([L, R, S, k], e.g. a window of queries)."""
+        (fill, k) pair keeps k values per slot ([L, R, S, k], e.g. a window of queries).
+        A name in `columns` stores its k values column by column (each [S] contiguous,
+        `_new_state`); it reads the same as [L, R, S, k] everywhere."""
         for name, spec in fills.items():
             fill, k = spec if isinstance(spec, tuple) else (spec, 0)
             if name not in self.state:
-                shape = (*self.slot_pos.shape, k) if k else self.slot_pos.shape
-                self.state[name] = torch.full(shape, fill, dtype=torch.float32)
+                self.state[name] = _new_state(self.slot_pos.shape, k, fill, name in columns)
                 self.fills[name] = fill
             t = self.state[name]
             assert (t.dim() == 4 and t.shape[3] == k) or (t.dim() == 3 and not k), \
@@ -158,7 +177,8 @@ class SlotTables:
         pos[:, :r, : w * self.bs] = self.slot_pos
         self.table, self.slot_pos = table, pos
         for name, old in self.state.items():
-            new = torch.full((*pos.shape, *old.shape[3:]), self.fills[name], dtype=torch.float32)
+            k = old.shape[3] if old.dim() == 4 else 0
+            new = _new_state(pos.shape, k, self.fills[name], _by_columns(old))
             new[:, :r, : w * self.bs] = old
             self.state[name] = new
 
@@ -298,8 +318,10 @@ class SlotTables:
             if layers is not None:
                 only = torch.zeros(nl, dtype=torch.bool)
                 only[layers] = True
+            states = [t.transpose(2, 3) if _by_columns(t) else t for t in self.state.values()]
             ids, ndead = torch.ops.kvserve_tables.free_dead(
-                self.table, self.slot_pos, list(self.state.values()),
+                self.table, self.slot_pos, states,
+                torch.tensor([_by_columns(t) for t in self.state.values()], dtype=torch.bool),
                 torch.tensor(rows, dtype=torch.int64), nb, nxt, only, bs, w)
             return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]

@@ -17,7 +17,7 @@ from pydantic import Field
 
 from policies.base import Needs, chunked_envelope, head_mean, resolve_budget
 from policies.config import Budget, EvictingPolicyConfig, budget_field
-from policies.rows import NATIVE, RowsView, keep_highest
+from policies.rows import NATIVE, RowsView, drop_lowest
 
 
 class LazyEvictionConfig(EvictingPolicyConfig):
@@ -114,11 +114,19 @@ class LazyEvictionPolicy:
         keep = [n if k is None else k for n, k in zip(view.lengths, view.per_row(keep))]
         if view.within(keep):
             return None
-        t = view.row_tensor(view.per_row(t_now), torch.float64)
-        n, w = view.positions.shape  # TS and MRI are small integers: exact in float32
-        ts, mri = (view.layered(name).reshape(n, w).double() for name in ("ts", "mri"))
-        scores = importance(t, ts, mri)
-        return keep_highest(view, scores, keep, last=c.window)
+        # Only the deciding rows are scored: requests reach t = kW on their own clocks,
+        # so a step's group usually has a few (eq. 2 is a dozen sweeps in double).
+        rows = [i for i, (n, k) in enumerate(zip(view.lengths, keep)) if n > k]
+        r = view.num_requests
+        at = torch.tensor(rows)
+        t = torch.tensor([t_now[i % r] for i in rows], dtype=torch.float64)[:, None]
+        # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
+        ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
+        drop = drop_lowest(view.positions[at], importance(t, ts, mri),
+                           [view.lengths[i] - keep[i] for i in rows], last=c.window)
+        mask = torch.zeros(view.positions.shape, dtype=torch.bool)
+        mask[at] = drop
+        return mask
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -137,10 +145,11 @@ def _track(view: RowsView, alpha: float) -> None:
     if view.attention.shape[1] == 1 and NATIVE["state"] and ts.device.type == "cpu":
         att = view.attention  # [N, 1, Hkv, W]
         total = att.sum(dim=(-2, -1)).clamp_min(1e-30)  # as head_mean
-        q = torch.tensor([s - 1 for s in view.seq_len], dtype=torch.int64)
+        mass = att[:, 0, 0] if att.shape[2] == 1 else att[:, 0].sum(dim=1)  # as head_mean
         torch.ops.kvserve_policy_state.lazy_track(
-            ts, mri, att[:, 0].sum(dim=1), total[:, 0], view.positions,
-            q.repeat(view.num_layers), torch.tensor(view.per_row(view.prompt_len)), alpha)
+            ts, mri, mass, total[:, 0], view.positions,
+            torch.tensor(view.per_row([s - 1 for s in view.seq_len])),
+            torch.tensor(view.per_row(view.prompt_len)), alpha)
         return
     new_ts, new_mri = _tracked(view, alpha)
     ts.copy_(new_ts.view(ts.shape))

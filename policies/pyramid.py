@@ -104,15 +104,21 @@ class PyramidPolicy:
     name: str = "pyramid"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
     # Per-slot state (name -> (a new slot's value, values per slot)): the window's
-    # queries, a ring (`_shift_window`). Per policy rather than per class: its size is
-    # the config's.
+    # queries, a ring, and their total (`_shift_window`). Per policy rather than per
+    # class: the ring's size is the config's.
     state: dict[str, tuple[float, int]] = field(init=False, repr=False)
+    derived_state: dict[str, tuple[float, int]] = field(init=False, repr=False)
     state_in_place: tuple[str, ...] = field(init=False, repr=False)
+    state_columns: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         a = self.config.obs_window
-        self.state = {f"pyramid_window{a}": (0.0, a)}
-        self.state_in_place = (f"pyramid_window{a}",)  # RowsView.in_place
+        ring, total = f"pyramid_window{a}", f"pyramid_total{a}"
+        self.state = {ring: (0.0, a)}
+        self.derived_state = {total: (0.0, _DIGITS)}  # the ring's sum (`_window_ring`)
+        # Updated where the tables keep them (RowsView.in_place), stored by columns
+        # (SlotTables.declare_state): a decode step writes one ring column per slot.
+        self.state_in_place = self.state_columns = (ring, total)
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
@@ -153,18 +159,19 @@ class PyramidPolicy:
         only its queries' columns (one column in decode) instead of shifting all α: the
         shift was three passes over α values per slot, most of pyramid's step. A column
         no query in the window wrote is 0, and so is a new slot's whole ring (no earlier
-        query saw it), so the ring's sum is the window's exactly. The ring is the
-        tables' own slice (`state_in_place`): copying α values per slot out and back
-        cost more than the update."""
+        query saw it), so the ring's sum is the window's exactly. Beside the ring each
+        slot keeps that sum, in fixed point (`_window_ring`), so a step reads and writes
+        one column and the total instead of every value: summing the whole ring each
+        step read α values per slot. Both are the tables' own slices (`state_in_place`):
+        copying them out and back cost more than the update."""
         assert view.attention is not None
         a = p.config.obs_window
         k = view.num_new
-        (name,) = p.state
+        (ring_name,), (total_name,) = p.state, p.derived_state
         n, w = view.positions.shape
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
-        ring = view.layered(name)  # [L, R, W, α]
         if min(firsts) >= k:  # no window query yet in any row: the state stays 0
             new, cols = torch.zeros(n, 0, w), torch.zeros(n, 0, dtype=torch.int64)
         else:
@@ -177,7 +184,12 @@ class PyramidPolicy:
                 new = new.masked_fill(before[:, :, None], 0.0)
             q0 = view.row_tensor(view.per_row([s - k for s in view.seq_len]))  # [N, 1]
             cols = (q0 + torch.arange(k - kk, k)) % a  # [N, kk], distinct per row
-        return _window_ring(ring, new, cols, view.positions, want)
+        ring = view.layered(ring_name)  # [L, R, W, α]
+        # The engine keeps the total beside the ring; a view without it (the pure
+        # policy tests') gets it from the ring: the same bits by construction.
+        total = view.layered(total_name) if total_name in view.state else \
+            _split(_fixed(ring, _shift(a)).sum(dim=3))
+        return _window_ring(ring, total, new, cols, view.positions, want, _shift(a))
 
     @staticmethod
     def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -208,22 +220,54 @@ class PyramidPolicy:
                                              resolve_budget(self.config.budget, seq_len))
 
 
-def _window_ring(ring: torch.Tensor, new: torch.Tensor, cols: torch.Tensor,
-                 positions: torch.Tensor, want: bool) -> torch.Tensor | None:
-    """Write `new` [N, k, W] into the ring [L, R, W, α] at columns `cols` [N, k]; if
-    `want`, each live slot's ring sum [N, W] (0 on dead slots), accumulated in double
-    and rounded once, so the C++ op (policies/csrc/state_cpu.cpp: one pass per row,
-    in place) and this torch form give the same float32 score."""
+# The window total in fixed point (`_window_ring`): _DIGITS float32 digits of _DIGIT bits.
+_DIGITS, _DIGIT = 3, 21
+
+
+def _shift(alpha: int) -> int:
+    """Fractional bits of the window total: a query's mass (summed over at most 4,096
+    heads, so < 2^12) times 2^shift, over α queries, stays below 2^62."""
+    return 50 - max(0, (alpha - 1).bit_length())
+
+
+def _window_ring(ring: torch.Tensor, total: torch.Tensor, new: torch.Tensor,
+                 cols: torch.Tensor, positions: torch.Tensor, want: bool,
+                 shift: int) -> torch.Tensor | None:
+    """Write `new` [N, k, W] into the ring [L, R, W, α] at columns `cols` [N, k] and keep
+    each slot's window total; if `want`, the totals [N, W] (0 on dead slots).
+
+    The total is exact: a query's mass m counts as the integer round(m · 2^shift) (2^-45
+    at α = 32, far below float32's resolution of any mass that ranks), the total is
+    their int64 sum, held as _DIGITS float32 digits (state is float32), and an
+    overwritten column leaves it as the same integer it entered as; so it is the ring's
+    sum whatever the history, and the step touches one column instead of α. The C++ op
+    (policies/csrc/state_cpu.cpp) and this torch form give the same bits."""
     n, w = positions.shape
     if NATIVE["state"] and ring.device.type == "cpu":
-        out = torch.ops.kvserve_policy_state.window_ring(ring, new, cols, positions, want)
+        out = torch.ops.kvserve_policy_state.window_ring(ring, total, new, cols, positions,
+                                                         want, shift)
         return out if want else None
     nl, r = ring.shape[:2]
     k = new.shape[1]
+    digits = 2 ** (_DIGIT * torch.arange(_DIGITS))  # int64
+    s = (total.long() * digits).sum(dim=3)  # [L, R, W]
     if k:
         idx = cols.view(nl, r, 1, k).expand(nl, r, w, k)
-        ring.scatter_(3, idx, new.reshape(nl, r, k, w).transpose(2, 3))
+        values = new.reshape(nl, r, k, w).transpose(2, 3)
+        s += (_fixed(values, shift) - _fixed(ring.gather(3, idx), shift)).sum(dim=3)
+        ring.scatter_(3, idx, values)
+        total.copy_(_split(s))
     if not want:
         return None
-    total = ring.double().sum(dim=3).float().reshape(n, w)
-    return total.masked_fill(positions < 0, 0.0)
+    return (s.reshape(n, w).float() * 2.0 ** -shift).masked_fill(positions < 0, 0.0)
+
+
+def _fixed(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """round(x · 2^shift) as int64, halves to even (as the C++ op's llrint)."""
+    return torch.round(x.double() * 2.0 ** shift).long()
+
+
+def _split(s: torch.Tensor) -> torch.Tensor:
+    """int64 [...] -> [..., _DIGITS] float32 digits (low first; the top one keeps the sign)."""
+    low = [(s >> (_DIGIT * d)) & (2 ** _DIGIT - 1) for d in range(_DIGITS - 1)]
+    return torch.stack([*low, s >> (_DIGIT * (_DIGITS - 1))], dim=-1).float()

@@ -31,6 +31,7 @@ from policies.norms import keydiff_scores
 from policies.rows import RowsView
 
 _CSRC = Path(policy_rows.__file__).parent / "csrc"
+_SELECT_SOURCE, _STATE_SOURCE = _CSRC / "select_cpu.cpp", _CSRC / "state_cpu.cpp"
 
 
 def load_select() -> bool:
@@ -38,8 +39,10 @@ def load_select() -> bool:
     updates (state_cpu.cpp) once; the torch forms stay in use without a compiler (or
     with KVSERVE_CPU_KERNEL=0). Returns whether the selection loaded."""
     flags = ["-O3", "-march=native"]
-    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _CSRC / "select_cpu.cpp", flags)
-    policy_rows.NATIVE["state"] = load_ops("kvserve_state_cpu", _CSRC / "state_cpu.cpp", flags)
+    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _SELECT_SOURCE, flags)
+    # -fno-math-errno: llrint inlines (and vectorises) only without errno to set
+    policy_rows.NATIVE["state"] = load_ops("kvserve_state_cpu", _STATE_SOURCE,
+                                           [*flags, "-fno-math-errno"])
     return policy_rows.NATIVE["select"]
 
 
@@ -102,7 +105,10 @@ def build_view(members: list[Member]) -> RowsView:
     tables, nl, bs = first.tables, first.num_layers, first.bs
     policy = members[0].policy
     needs: Needs = policy.needs  # type: ignore[attr-defined]
-    tables.declare_state(getattr(policy, "state", {}))
+    # `derived_state`: per-slot values that cache a function of `state` (pyramid's
+    # window total), kept and moved like it; a view without them is still complete.
+    state = {**getattr(policy, "state", {}), **getattr(policy, "derived_state", {})}
+    tables.declare_state(state, getattr(policy, "state_columns", ()))
     nb = max(max(m.cache.nblocks) for m in members)
     width = nb * bs
     rows = [m.cache.row for m in members]
@@ -114,7 +120,7 @@ def build_view(members: list[Member]) -> RowsView:
         positions=_rows(take_rows(tables.slot_pos, rows, width)),
         block_size=bs)
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
-    for name in getattr(policy, "state", {}):
+    for name in state:
         if name in view.in_place:  # [L, r, W, ...]: the tables' own slice when it can be
             view.state[name] = rows_slice(tables.state[name], rows, width)
         else:

@@ -1,5 +1,6 @@
 """The policies' C++ state updates (`policies/csrc/state_cpu.cpp`) against their torch
-forms: pyramid's window ring (`policies/pyramid.py::_window_ring`) and LazyEviction's
+forms: pyramid's window ring and its fixed-point total (`policies/pyramid.py::_window_ring`:
+the same bits, and the total always the ring's sum) and LazyEviction's
 decode-step tracking (`policies/lazy_eviction.py::_tracked`), on slices of a larger
 table (as the engine hands them, in place), with dead slots, NaN (unseen) activation
 times, masses at the threshold and tokens after the query; and a policy run with and
@@ -10,9 +11,9 @@ import math
 import pytest
 import torch
 
-from policies import rows
+from policies import pyramid, rows
 from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy, _track
-from policies.pyramid import PyramidConfig, PyramidPolicy, _window_ring
+from policies.pyramid import PyramidConfig, PyramidPolicy
 from policies.rows import RowsView
 from scheduler.policy_rows import load_select
 from tests.policy_views import Sim
@@ -30,26 +31,52 @@ def _positions(g: torch.Generator, n: int, w: int) -> torch.Tensor:
     return pos
 
 
-@pytest.mark.parametrize("seed", range(6))
+def _ring_table(g: torch.Generator, nl: int, rows: int, slots: int, a: int,
+                columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring [L, R, S, α] (stored by columns, as SlotTables keeps pyramid's, or by
+    slots) of masses with exact zeros and ties, and the total that matches it."""
+    ring = torch.rand(nl, rows, slots, a, generator=g) ** 4
+    ring[ring < 0.05] = 0.0
+    ring[..., 1] = ring[..., 0]
+    if columns:
+        ring = ring.transpose(2, 3).contiguous().transpose(2, 3)
+    total = pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3))
+    return ring, total
+
+
+SHIFT = pyramid._shift(32)
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_window_ring_matches_torch(seed, native, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     nl, r, big_r, w, a = 3, 4, 7, 40, [32, 5, 8][seed % 3]
     k = [0, 1, 3][seed % 3 if seed < 3 else (seed + 1) % 3]
-    table = torch.rand(nl, big_r, w + 9, a, generator=g) ** 4
+    ring, total = _ring_table(g, nl, big_r, w + 9, a, columns=seed % 2 == 0)
     n = nl * r
     pos = _positions(g, n, w)
     new = torch.rand(n, k, w, generator=g) * (pos >= 0)[:, None]
     cols = torch.stack([torch.randperm(a, generator=g)[:k] for _ in range(n)])
     want = seed != 4
-    got_table = table.clone()
-    got = _window_ring(got_table.narrow(1, 2, r).narrow(2, 0, w), new, cols, pos, want)
+    got_ring, got_total = ring.clone(), total.clone()
+
+    def run(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+        return pyramid._window_ring(x.narrow(1, 2, r).narrow(2, 0, w),
+                                    t.narrow(1, 2, r).narrow(2, 0, w), new, cols, pos, want, SHIFT)
+
+    got = run(got_ring, got_total)
     monkeypatch.setitem(rows.NATIVE, "state", False)
-    ref = _window_ring(table.narrow(1, 2, r).narrow(2, 0, w), new, cols, pos, want)
-    assert torch.equal(got_table, table)  # written in place, nowhere else
+    ref = run(ring, total)
+    assert torch.equal(got_ring, ring) and torch.equal(got_total, total)  # in place, alike
+    # the running total is the window's: the fixed-point sum of the ring as it is now
+    assert torch.equal(total, pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3)))
     if want:
         assert torch.equal(got, ref)
-        exact = table.narrow(1, 2, r).narrow(2, 0, w).double().sum(dim=3).reshape(n, w)
-        assert torch.equal(got, exact.float().masked_fill(pos < 0, 0.0))
+        exact = pyramid._fixed(ring.narrow(1, 2, r).narrow(2, 0, w), SHIFT).sum(dim=3)
+        want_scores = (exact.reshape(n, w).double() * 2.0 ** -SHIFT).float()
+        assert torch.equal(got, want_scores.masked_fill(pos < 0, 0.0))
+        assert torch.allclose(got, ring.narrow(1, 2, r).narrow(2, 0, w).double().sum(dim=3)
+                              .reshape(n, w).float().masked_fill(pos < 0, 0.0), rtol=1e-6, atol=0)
     else:
         assert got is None and ref is None
 
@@ -110,3 +137,59 @@ def test_policies_keep_the_same_tokens_with_and_without_the_ops(make, native, mo
         plans.append([{k: v.tolist() for k, v in p.items()} for p in got])
     assert plans[0] == plans[1]
     assert any(plans[0])
+
+
+ENGINE_CONFIGS = [
+    *[{"name": "pyramid", "budget": 24, "obs_window": 8, "beta": 4}] * 3,
+    {"name": "pyramid", "budget": 20, "obs_window": 5, "compact": True},
+    *[{"name": "lazy_eviction", "budget": 24, "window": 6, "alpha": 0.01}] * 3,
+]
+
+
+def _live(llm) -> dict[str, list[list[int]]]:
+    out = {}
+    for r in llm.engine.scheduler.running:
+        sp = r.cache.slot_pos
+        out[r.request_id] = [sorted(sp[layer][sp[layer] >= 0].tolist()) for layer in range(sp.shape[0])]
+    return out
+
+
+def test_engine_keeps_the_same_tokens_with_and_without_the_ops(native, tmp_path, monkeypatch):
+    """On a real forward with blocks freed and compacted (state moving with its token):
+    the same kept positions every step with the C++ state updates and with the torch
+    forms, and pyramid's running window total stays the fixed-point sum of its ring."""
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
+    llms = [LLM(model, num_blocks=2000, block_size=4, max_num_batched_tokens=256)
+            for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for i, cfg in enumerate(ENGINE_CONFIGS):
+        prompt = torch.randint(5, 250, (30 + 7 * i,), generator=gen).tolist()
+        for llm in llms:
+            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=60, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    steps = 0
+    while llms[0].engine.has_unfinished():
+        for llm, on in zip(llms, (True, False)):
+            monkeypatch.setitem(rows.NATIVE, "state", on)
+            llm.engine.step()
+        steps += 1
+        assert _live(llms[0]) == _live(llms[1]), steps
+        tables = llms[0].engine.scheduler.running[0].cache.tables if llms[0].engine.scheduler.running else None
+        for a in (8, 5):
+            if tables is None or f"pyramid_window{a}" not in tables.state:
+                continue
+            ring, total = tables.state[f"pyramid_window{a}"], tables.state[f"pyramid_total{a}"]
+            assert ring.stride(2) == 1 and total.stride(2) == 1  # stored by columns
+            live = tables.slot_pos >= 0
+            exact = pyramid._split(pyramid._fixed(ring, pyramid._shift(a)).sum(dim=3))
+            assert torch.equal(total[live], exact[live])
+    assert not llms[1].engine.has_unfinished()
+    for llm in llms:
+        llm.engine.check_invariants()
+    stats = llms[0].engine.stats()
+    assert stats.evicted_tokens_by_policy_total.get("lazy_eviction", 0) > 0
+    assert stats.freed_blocks_by_policy_total.get("pyramid", 0) > 0

@@ -1,6 +1,6 @@
 """The slot tables' C++ block freeing (`kvpool/csrc/tables_cpu.cpp::free_dead`) against
 its torch form (`SlotTables.free_dead_blocks`): random rows of tables, positions and
-per-slot state (a value and k values per slot) with emptied blocks, tail blocks with
+per-slot state (a value, k values per slot, k values stored by columns) with emptied blocks, tail blocks with
 and without room, some layers only, rows not in table order; the tables, the state,
 the caches' sizes and the blocks released must all be the same."""
 
@@ -25,7 +25,7 @@ def _setup(seed: int):
     g = torch.Generator().manual_seed(seed)
     nl, bs, nrows, width = 3, 4, 6, 8
     t = SlotTables(nl, bs, rows=nrows, width_blocks=width)
-    t.declare_state({"score": 0.5, "ring": (0.0, 3)})
+    t.declare_state({"score": 0.5, "ring": (0.0, 3), "cols": (-1.0, 5)}, columns=("cols",))
     caches, next_id = [], 0
     for row in [4, 1, 2, 5][: 2 + seed % 3]:
         nb = [int(torch.randint(1, width + 1, (), generator=g)) for _ in range(nl)]
@@ -41,6 +41,7 @@ def _setup(seed: int):
         caches.append(SimpleNamespace(row=row, nblocks=nb, next_slot=nxt))
     t.state["score"].copy_(torch.rand(t.state["score"].shape, generator=g))
     t.state["ring"].copy_(torch.rand(t.state["ring"].shape, generator=g))
+    t.state["cols"].copy_(torch.rand(t.state["cols"].shape, generator=g))  # stored by columns
     return t, caches
 
 
@@ -62,3 +63,17 @@ def test_native_free_dead_blocks_matches_torch(seed, monkeypatch):
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
     for name in a.state:
         assert torch.equal(a.state[name], b.state[name]), name
+    assert a.state["cols"].stride(2) == 1  # still stored by columns
+
+
+def test_state_by_columns_reads_like_by_slots_and_survives_growth():
+    t = SlotTables(2, 4, rows=2, width_blocks=2)
+    t.declare_state({"a": (0.0, 3), "b": (0.0, 3)}, columns=("b",))
+    for name in ("a", "b"):
+        t.state[name][1, 1, 5] = torch.tensor([1.0, 2.0, 3.0])
+    t.fill_state(torch.arange(2)[:, None], 1, torch.tensor([[6], [6]]))
+    t.ensure_width(5)
+    t.acquire_row(), t.acquire_row(), t.acquire_row()
+    assert t.state["b"].stride(2) == 1 and t.state["a"].stride(3) == 1
+    assert torch.equal(t.state["a"], t.state["b"])
+    assert t.state["b"][1, 1, 5].tolist() == [1.0, 2.0, 3.0]

@@ -91,12 +91,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
 // (next < nb·bs); the alive blocks move to the front in order, then the dead ones, then
 // the rest up to w (the torch form's stable argsort), positions and each state moving
 // with their block; the table and positions past the kept blocks become -1. table
-// [L, Rt, Wt], slot_pos [L, Rt, Wt·bs] and states [L, Rt, Wt·bs, ...] (contiguous) are
-// updated in place; nblocks and next [L, R] are the caches' per layer. Returns (the
+// [L, Rt, Wt], slot_pos [L, Rt, Wt·bs] and states [L, Rt, Wt·bs, ...] (contiguous; a
+// state with `columns` set is given as its storage [L, Rt, k, Wt·bs], k runs of slots)
+// are updated in place; nblocks and next [L, R] are the caches' per layer. Returns (the
 // freed block ids in [L, R, w] order, the dead blocks per (layer, cache) [L, R]).
 std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_pos,
                                              std::vector<at::Tensor> states,
-                                             const at::Tensor& rows, const at::Tensor& nblocks,
+                                             const at::Tensor& columns, const at::Tensor& rows, const at::Tensor& nblocks,
                                              const at::Tensor& next, const at::Tensor& only,
                                              int64_t bs, int64_t w) {
   TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
@@ -112,11 +113,19 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
     TORCH_CHECK(t->dim() == 2 && t->size(0) == nl && t->size(1) == r && t->scalar_type() == at::kLong,
                 "nblocks and next must be [L, R] int64");
   TORCH_CHECK(only.dim() == 1 && only.size(0) == nl && only.scalar_type() == at::kBool, "only must be [L] bool");
-  std::vector<int64_t> slot_bytes;  // per state: bytes of one slot's values
-  for (const at::Tensor& t : states) {
-    TORCH_CHECK(t.is_contiguous() && t.dim() >= 3 && t.size(0) == nl && t.size(1) == rt && t.size(2) == s,
-                "a state must be a contiguous [L, Rt, Wt * bs, ...] tensor");
-    slot_bytes.push_back(t.numel() / (nl * rt * s) * t.element_size());
+  TORCH_CHECK(columns.dim() == 1 && columns.size(0) == static_cast<int64_t>(states.size()) &&
+              columns.scalar_type() == at::kBool, "columns must be [states] bool");
+  const at::Tensor by_cols = columns.contiguous();
+  // Per state: runs of slots per (layer, row) and the bytes of one slot's values in a run.
+  std::vector<int64_t> runs, slot_bytes;
+  for (size_t t = 0; t < states.size(); ++t) {
+    const at::Tensor& x = states[t];
+    const bool by_col = by_cols.data_ptr<bool>()[t];
+    TORCH_CHECK(x.is_contiguous() && x.dim() >= 3 && x.size(0) == nl && x.size(1) == rt &&
+                x.size(by_col ? 3 : 2) == s && (!by_col || x.dim() == 4),
+                "a state must be a contiguous [L, Rt, Wt * bs, ...] or [L, Rt, k, Wt * bs] tensor");
+    runs.push_back(by_col ? x.size(2) : 1);
+    slot_bytes.push_back(x.numel() / (nl * rt * s * runs.back()) * x.element_size());
   }
   const at::Tensor rw = rows.contiguous(), nb_t = nblocks.contiguous(), nx_t = next.contiguous();
   const at::Tensor on = only.contiguous();
@@ -167,8 +176,8 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
       for (int64_t j = kept; j < w; ++j) tbl[j] = -1;
       for (int64_t k = kept * bs; k < w * bs; ++k) pos[k] = -1;
       for (size_t t = 0; t < states.size(); ++t) {
-        char* base = static_cast<char*>(states[t].data_ptr()) + (l * rt + row) * s * slot_bytes[t];
-        permute(base, bs * slot_bytes[t]);
+        char* base = static_cast<char*>(states[t].data_ptr()) + (l * rt + row) * runs[t] * s * slot_bytes[t];
+        for (int64_t c = 0; c < runs[t]; ++c) permute(base + c * s * slot_bytes[t], bs * slot_bytes[t]);
       }
     }
   }
@@ -181,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
 
 TORCH_LIBRARY(kvserve_tables, m) {
   m.def("mark_dead(Tensor(a!) slot_pos, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor, Tensor)");
-  m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor rows, "
+  m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, Tensor rows, "
         "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
 }
 

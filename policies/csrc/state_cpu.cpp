@@ -7,7 +7,7 @@
 // a scatter into and a sum over 32 values per slot that the engine copied out of its
 // tables and back (pyramid's window ring: 8 MB each way at 16 requests of ~1k tokens).
 // Here the state is read and written where the tables keep it (the view hands it as a
-// [L, R, W(, k)] slice), once per slot.
+// [L, R, W(, k)] slice), and only the values the step changes.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -24,49 +25,102 @@ void check_rows(const at::Tensor& state, int64_t n, int64_t w, const char* what)
   TORCH_CHECK(state.scalar_type() == at::kFloat, what, " must be float32");
 }
 
-// Pyramid's window (policies/pyramid.py::_shift_window): write this step's window
-// queries' mass into their ring columns, then, if `want`, each live slot's window
-// score, the sum of its ring (accumulated in double, rounded once: the window's mass to
-// float32's last bit), 0 on dead slots. ring: [L, R, W, a], each slot's a values
-// contiguous (any strides over L and R: a slice of the tables); mass: [L·R, k, W];
-// cols: [L·R, k] the ring column of each query (distinct per row).
-at::Tensor window_ring(at::Tensor ring, const at::Tensor& mass, const at::Tensor& cols,
-                       const at::Tensor& positions, bool want) {
+// Pyramid's window (policies/pyramid.py::_window_ring, whose torch form this is):
+// write this step's window queries' mass into their ring columns and keep each slot's
+// window total exact in fixed point, so a step touches the written column and the total
+// instead of the whole ring. A query's mass m (>= 0) counts as round(m · 2^shift), an
+// integer; the total is their sum in int64, kept as three float32 digits of 21 bits
+// (exact in float32: the state is float32), and a column's old value leaves it as the
+// same integer it entered as: the total is the window's whatever the history.
+// ring: [L, R, W, a] and total [L, R, W, 3], any strides (slices of the tables: the
+// ring stored by columns, so a column of a row is contiguous); mass [L·R, k, W]; cols
+// [L·R, k] (distinct per row). Returns, if `want`, each live slot's total as float32
+// (one rounding of the int64, then an exact power-of-two scale), 0 on dead slots.
+constexpr int kDigit = 21;
+constexpr int64_t kDigitMask = (int64_t{1} << kDigit) - 1;
+
+struct RingRow {
+  float* ring;  // slot s, column q at s * r2 + q * r3
+  float* total;  // slot s, digit d at s * t2 + d * t3
+  const float* mass;  // [k, W]
+  const int64_t* cols;  // [k]
+  const int64_t* pos;  // [W]
+  float* out;  // [W] or null
+};
+
+inline int64_t fixed(float x, double up) { return std::llrint(static_cast<double>(x) * up); }
+
+// One row of `window_ring`; inlined with unit strides for the tables' column layout.
+inline __attribute__((always_inline)) void ring_row(
+    const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r2, int64_t r3,
+    int64_t t2, int64_t t3, double up, float down) {
+  const float* d0 = row.total;
+  const float* d1 = row.total + t3;
+  const float* d2 = row.total + 2 * t3;
+  for (int64_t s = 0; s < w; ++s)
+    sum[s] = static_cast<int64_t>(d0[s * t2]) + (static_cast<int64_t>(d1[s * t2]) << kDigit) +
+             static_cast<int64_t>(d2[s * t2]) * (int64_t{1} << (2 * kDigit));
+  for (int64_t j = 0; j < k; ++j) {
+    float* col = row.ring + row.cols[j] * r3;
+    const float* mj = row.mass + j * w;
+    for (int64_t s = 0; s < w; ++s) {
+      sum[s] += fixed(mj[s], up) - fixed(col[s * r2], up);
+      col[s * r2] = mj[s];
+    }
+  }
+  if (k) {
+    float* e0 = row.total;
+    float* e1 = row.total + t3;
+    float* e2 = row.total + 2 * t3;
+    for (int64_t s = 0; s < w; ++s) {
+      e0[s * t2] = static_cast<float>(sum[s] & kDigitMask);
+      e1[s * t2] = static_cast<float>((sum[s] >> kDigit) & kDigitMask);
+      e2[s * t2] = static_cast<float>(sum[s] >> (2 * kDigit));
+    }
+  }
+  if (row.out != nullptr)
+    for (int64_t s = 0; s < w; ++s) row.out[s] = row.pos[s] >= 0 ? static_cast<float>(sum[s]) * down : 0.0f;
+}
+
+at::Tensor window_ring(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
+                       const at::Tensor& cols, const at::Tensor& positions, bool want,
+                       int64_t shift) {
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
               "positions must be [N, W] int64");
   const int64_t n = positions.size(0), w = positions.size(1);
   check_rows(ring, n, w, "ring");
-  TORCH_CHECK(ring.dim() == 4 && ring.stride(3) == 1 && ring.stride(2) == ring.size(3),
-              "ring must be [L, R, W, a] with each slot's a values contiguous");
+  check_rows(total, n, w, "total");
+  TORCH_CHECK(ring.dim() == 4 && total.dim() == 4 && total.size(3) == 3 &&
+              total.size(1) == ring.size(1), "ring must be [L, R, W, a], total [L, R, W, 3]");
   TORCH_CHECK(mass.dim() == 3 && mass.size(0) == n && mass.size(2) == w &&
               mass.scalar_type() == at::kFloat, "mass must be [N, k, W] float32");
   TORCH_CHECK(cols.dim() == 2 && cols.size(0) == n && cols.size(1) == mass.size(1) &&
               cols.scalar_type() == at::kLong, "cols must be [N, k] int64");
+  TORCH_CHECK(shift >= 0 && shift <= 60, "shift out of range");
   const int64_t a = ring.size(3), k = mass.size(1), r = ring.size(1);
   const at::Tensor m = mass.contiguous(), c = cols.contiguous(), p = positions.contiguous();
   at::Tensor out = at::zeros({want ? n : 0, w}, mass.options());
   float* rp = ring.data_ptr<float>();
+  float* tp = total.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
   const int64_t* cp = c.data_ptr<int64_t>();
   const int64_t* pp = p.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const int64_t s0 = ring.stride(0), s1 = ring.stride(1);
+  const int64_t r0 = ring.stride(0), r1 = ring.stride(1), r2 = ring.stride(2), r3 = ring.stride(3);
+  const int64_t t0 = total.stride(0), t1 = total.stride(1), t2 = total.stride(2), t3 = total.stride(3);
+  const double up = std::ldexp(1.0, static_cast<int>(shift));
+  const float down = std::ldexp(1.0f, -static_cast<int>(shift));
   for (int64_t i = 0; i < n * k; ++i)
     TORCH_CHECK(cp[i] >= 0 && cp[i] < a, "ring column out of range");
   at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> sum(w);
     for (int64_t i = lo; i < hi; ++i) {
-      float* row = rp + (i / r) * s0 + (i % r) * s1;
-      const float* mi = mp + i * k * w;
-      const int64_t* ci = cp + i * k;
-      const int64_t* pi = pp + i * w;
-      for (int64_t s = 0; s < w; ++s) {
-        float* slot = row + s * a;
-        for (int64_t j = 0; j < k; ++j) slot[ci[j]] = mi[j * w + s];
-        if (!want || pi[s] < 0) continue;
-        double acc = 0.0;
-        for (int64_t q = 0; q < a; ++q) acc += slot[q];
-        op[i * w + s] = static_cast<float>(acc);
-      }
+      const RingRow row{rp + (i / r) * r0 + (i % r) * r1, tp + (i / r) * t0 + (i % r) * t1,
+                        mp + i * k * w, cp + i * k, pp + i * w, want ? op + i * w : nullptr};
+      if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
+        ring_row(row, sum.data(), w, k, 1, r3, 1, t3, up, down);
+      else
+        ring_row(row, sum.data(), w, k, r2, r3, t2, t3, up, down);
     }
   });
   return out;
@@ -129,7 +183,8 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
 }  // namespace
 
 TORCH_LIBRARY(kvserve_policy_state, m) {
-  m.def("window_ring(Tensor(a!) ring, Tensor mass, Tensor cols, Tensor positions, bool want) -> Tensor");
+  m.def("window_ring(Tensor(a!) ring, Tensor(b!) total, Tensor mass, Tensor cols, Tensor positions, "
+        "bool want, int shift) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "Tensor qpos, Tensor prompt, float alpha) -> ()");
 }
