@@ -215,6 +215,11 @@ class BlockPool:
         if self._flat_scales is not None:
             self._flat_scales[:, dst] = self._flat_scales[:, src]
 
+    def slot_arrays(self) -> list[torch.Tensor]:
+        """The [2, slots, ...] views whose slots compaction moves (K/V, then the scales
+        of a quantized pool), for `SlotTables.compact`'s C++ pass."""
+        return [self._flat] + ([] if self._flat_scales is None else [self._flat_scales])
+
     def copy_blocks(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Whole blocks src -> dst, scales included (copy-on-write)."""
         dst, src = dst.to(self.kv.device), src.to(self.kv.device)

@@ -318,10 +318,8 @@ class SlotTables:
             if layers is not None:
                 only = torch.zeros(nl, dtype=torch.bool)
                 only[layers] = True
-            states = [t.transpose(2, 3) if _by_columns(t) else t for t in self.state.values()]
             ids, ndead = torch.ops.kvserve_tables.free_dead(
-                self.table, self.slot_pos, states,
-                torch.tensor([_by_columns(t) for t in self.state.values()], dtype=torch.bool),
+                self.table, self.slot_pos, *self._native_states(),
                 torch.tensor(rows, dtype=torch.int64), nb, nxt, only, bs, w)
             return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
@@ -386,6 +384,10 @@ class SlotTables:
         (cache, layer) at once. A destination block shared through the prefix cache is
         copied first (copy-on-write), and a published one unpublished; when the pool
         cannot lend the copies, the caches that need them are left as they are."""
+        if self.table.device.type == "cpu" and not pool.hash_of and load_mark():
+            done = self._compact_native(pool, caches, layers)
+            if done is not None:  # None: a destination block is shared (copy-on-write)
+                return done
         nl, bs, w = self.num_layers, self.bs, self.width
         s_len = w * bs
         rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
@@ -435,6 +437,44 @@ class SlotTables:
             c.nblocks = nb
             freed.append(sum(size) - sum(nb))
         return freed
+
+    def _compact_native(self, pool: BlockPool, caches: list[SeqCache],
+                        layers: list[int] | None) -> list[int] | None:
+        """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state
+        and K/V moved slot by slot, no sort, no index tensors), for a pool without
+        published blocks; None, with nothing changed, when a destination block is
+        shared: the torch form copies it first."""
+        nl = self.num_layers
+        only = torch.ones(nl, dtype=torch.bool)
+        if layers is not None:
+            only = torch.zeros(nl, dtype=torch.bool)
+            only[layers] = True
+        declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
+            self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
+            torch.tensor([c.row for c in caches], dtype=torch.int64),
+            torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t(), only,
+            pool.ref, self.bs)
+        if declined:
+            return None
+        counts = hole.t().tolist()
+        if not any(map(any, counts)):
+            return [0] * len(caches)
+        pool.release(ids)
+        freed = []
+        for c, h, nb, k in zip(caches, counts, want.t().tolist(), live.t().tolist()):
+            size = sum(c.nblocks)
+            if any(h):
+                c.alike = False  # layers are packed each on their own
+            c.next_slot = [k_ if h_ else s_ for k_, h_, s_ in zip(k, h, c.next_slot)]
+            c.nblocks = [b_ if h_ else o_ for b_, h_, o_ in zip(nb, h, c.nblocks)]
+            freed.append(size - sum(c.nblocks))
+        return freed
+
+    def _native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The states as the C++ ops take them (storage order) and which are by columns."""
+        cols = [_by_columns(t) for t in self.state.values()]
+        return ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
+                torch.tensor(cols, dtype=torch.bool))
 
     def _copy_on_write(self, pool: BlockPool, caches: list[SeqCache], table: torch.Tensor,
                        dest: torch.Tensor, hole: torch.Tensor) -> bool:

@@ -77,3 +77,75 @@ def test_state_by_columns_reads_like_by_slots_and_survives_growth():
     assert t.state["b"].stride(2) == 1 and t.state["a"].stride(3) == 1
     assert torch.equal(t.state["a"], t.state["b"])
     assert t.state["b"][1, 1, 5].tolist() == [1.0, 2.0, 3.0]
+
+
+def _pool_case(seed: int, shared: bool = False):
+    """Three caches of a real pool with scattered drops (their K/V random), as
+    compaction finds them; `shared`: one destination block held twice."""
+    from kvpool.pool import BlockPool
+    from kvpool.seq_cache import SeqCache
+
+    g = torch.Generator().manual_seed(seed)
+    pool = BlockPool(300, 4, 2, 8, dtype=[torch.float32, torch.bfloat16, "int8"][seed % 3])
+    pool.kv.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv.view(torch.uint8).shape,
+                                                  generator=g, dtype=torch.uint8))
+    if pool.scales is not None:  # a quantized pool: the scales move with their slots
+        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g).half())
+    t = SlotTables(3, 4)
+    t.declare_state({"score": 0.5, "ring": (0.0, 3), "cols": (-1.0, 5)}, columns=("cols",))
+    caches = []
+    for i in range(3):
+        c = SeqCache(pool, 3, tables=t)
+        c.append(torch.arange(20 + 9 * i))
+        caches.append(c)
+    for name in t.state:
+        t.state[name].copy_(torch.rand(t.state[name].shape, generator=g))
+    for c in caches:
+        width = max(c.nblocks) * 4
+        dead = torch.rand((3, 1, width), generator=g) < 0.3
+        if seed % 2 == 0:
+            dead[:, :, :8] = False  # the first blocks untouched: moves start later
+        t.evict_mask(pool, [c], dead)
+    if shared:
+        pool.ref[caches[1].table[0, 0]] += 1
+    return pool, t, caches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_compaction_matches_torch(seed, monkeypatch):
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    layers = [0, 2] if seed % 4 == 3 else None
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        pool, t, caches = _pool_case(seed)
+        free_before = pool.num_free
+        freed = t.compact(pool, caches, layers)
+        runs.append((pool, t, [(c.nblocks, c.next_slot, c.alike, c.layer_live) for c in caches],
+                     freed, pool.num_free - free_before))
+    (pa, a, ca, fa, na), (pb, b, cb, fb, nb) = runs
+    assert fa == fb and ca == cb and na == nb and sum(fa) > 0
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    for name in a.state:
+        assert torch.equal(a.state[name], b.state[name]), name
+    assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))  # every slot's K/V
+    if pa.scales is not None:
+        assert torch.equal(pa.scales, pb.scales)
+    assert torch.equal(pa.ref, pb.ref)
+
+
+def test_native_compaction_declines_a_shared_destination(monkeypatch):
+    """A destination block another request holds: the C++ pass changes nothing and the
+    torch form copies the block first (copy-on-write), as without the C++ pass."""
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        pool, t, caches = _pool_case(1, shared=True)
+        runs.append((pool, t, t.compact(pool, caches)))
+    (pa, a, fa), (pb, b, fb) = runs
+    assert fa == fb
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))
