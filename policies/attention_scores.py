@@ -69,13 +69,16 @@ class H2OPolicy:
     name: str = "h2o"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
     state: ClassVar[dict[str, float]] = {"acc": 0.0}
+    # Added to where the tables keep it (RowsView.in_place): no copy out and back.
+    state_in_place: ClassVar[tuple[str, ...]] = ("acc",)
 
     @staticmethod
     def select(policies: list[H2OPolicy], view: RowsView) -> torch.Tensor | None:
         c = policies[0].config
         assert view.attention is not None
-        acc = view.state["acc"]
-        acc += view.attention.sum(dim=(1, 2))
+        acc = view.layered("acc")  # [L, R, W]
+        acc += view.attention.sum(dim=(1, 2)).view(acc.shape)
+        acc = acc.reshape(view.positions.shape)  # [N, W]: a copy for the selection
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None

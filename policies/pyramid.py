@@ -132,12 +132,15 @@ class PyramidPolicy:
         assert view.attention is not None
         keep, edges = [], []  # per request, per layer
         nl = view.num_layers
+        at: dict[int, tuple[list[int], list[int]]] = {}  # seq_len -> (budgets, edges)
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
                                              view.prefill_done)):
             if done or s > pl:  # the prompt is complete: every layer to its budget
-                budgets = p.budgets(s, nl)
-                keep.append(budgets)
-                edges.append([int(b // (2 * c.omega)) for b in budgets])
+                if s not in at:  # requests in step share their lengths
+                    budgets = p.budgets(s, nl)
+                    at[s] = budgets, [int(b // (2 * c.omega)) for b in budgets]
+                keep.append(at[s][0])
+                edges.append(at[s][1])
             else:
                 keep.append(view.lengths[view.rows_of(r)])
                 edges.append([0] * nl)
@@ -146,7 +149,8 @@ class PyramidPolicy:
         window = PyramidPolicy._shift_window(p, view, want=not within)
         if window is None:
             return None
-        scores = PyramidPolicy._kept_order_pool(window, view.live, c.kernel_size)
+        scores = window if c.kernel_size == 1 else \
+            PyramidPolicy._kept_order_pool(window, view.live, c.kernel_size)
         return keep_highest(view, scores, keep, first=edges, last=edges)
 
     @staticmethod

@@ -193,3 +193,15 @@ def test_engine_keeps_the_same_tokens_with_and_without_the_ops(native, tmp_path,
     stats = llms[0].engine.stats()
     assert stats.evicted_tokens_by_policy_total.get("lazy_eviction", 0) > 0
     assert stats.freed_blocks_by_policy_total.get("pyramid", 0) > 0
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8])
+def test_head_sum_is_torch_sum(hkv):
+    """The view's mass summed over kv heads by a chain of adds (policy_rows.head_sum):
+    the same bits as torch's sum over that dim, on a strided slice as the runner's."""
+    from scheduler.policy_rows import head_sum
+
+    g = torch.Generator().manual_seed(hkv)
+    mass = torch.rand(3, 9, 2, hkv, 70, generator=g) ** 3
+    sel = mass.narrow(1, 2, 5)[..., :61]
+    assert torch.equal(head_sum(sel), sel.sum(dim=3, keepdim=True))
