@@ -80,6 +80,14 @@ class RowsView:
             return t
         return t.view(self.num_layers, self.num_requests, *t.shape[1:])
 
+    def set_new(self, name: str, values: torch.Tensor) -> None:
+        """State `name` of this step's new tokens (`new_slots`) := values [N, k], written
+        through `layered` (in place in the tables for a `state_in_place` name)."""
+        assert self.new_slots is not None
+        t = self.layered(name)
+        rows = torch.arange(self.new_slots.shape[0])[:, None].expand_as(self.new_slots)
+        t[rows // self.num_requests, rows % self.num_requests, self.new_slots] = values
+
     def per_row(self, values: list[int] | list[float] | list[bool]) -> list:
         """Per-request host values repeated for each of its layers' rows."""
         return [v for _ in range(self.num_layers) for v in values]
