@@ -136,7 +136,7 @@ class PyramidPolicy:
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
                                              view.prefill_done)):
             if done or s > pl:  # the prompt is complete: every layer to its budget
-                if s not in at:  # requests in step share their lengths
+                if s not in at:  # a step's requests often share their lengths
                     budgets = p.budgets(s, nl)
                     at[s] = budgets, [int(b // (2 * c.omega)) for b in budgets]
                 keep.append(at[s][0])
