@@ -77,7 +77,9 @@ class H2OPolicy:
         c = policies[0].config
         assert view.attention is not None
         acc = view.layered("acc")  # [L, R, W]
-        acc += view.attention.sum(dim=(1, 2)).view(acc.shape)
+        att = view.attention  # [N, Tq, Hkv, W]: a decode step's is [N, 1, 1, W], no sum
+        acc += (att[:, 0, 0] if att.shape[1] == att.shape[2] == 1 else att.sum(dim=(1, 2))
+                ).view(acc.shape)
         acc = acc.reshape(view.positions.shape)  # [N, W]: a copy for the selection
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):

@@ -138,4 +138,6 @@ def head_mean(attention: torch.Tensor) -> torch.Tensor:
     over all query heads (each query row sums to 1 over its live tokens; a row of the
     view sums to H = Hkv·G)."""
     total = attention.sum(dim=(-2, -1), keepdim=False).clamp_min(1e-30)
-    return attention.sum(dim=-2) / total[..., None]
+    # one kv group (the decode-time view's, summed over heads): no sum over a dim of 1
+    per = attention.select(-2, 0) if attention.shape[-2] == 1 else attention.sum(dim=-2)
+    return per / total[..., None]

@@ -149,3 +149,28 @@ def test_native_compaction_declines_a_shared_destination(monkeypatch):
     assert fa == fb
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
     assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_release_matches_torch(seed, monkeypatch):
+    """BlockPool.release's C++ reference counting (csrc/tables_cpu.cpp::release_refs):
+    the same counts and the same free list as the torch form, ids repeated included."""
+    from kvpool import pool as pool_mod
+    from kvpool.pool import BlockPool
+
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(seed)
+    refs = torch.randint(1, 4, (64,), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, 64, (40,), generator=g)
+    pools = []
+    for native in (True, False):
+        monkeypatch.setattr(pool_mod, "load_mark", lambda n=native: n)
+        p = BlockPool(64, 4, 1, 8)
+        p.ref.copy_(refs)
+        p._free.clear()
+        p.release(ids)
+        p.release(ids[:7])
+        pools.append(p)
+    assert torch.equal(pools[0].ref, pools[1].ref)
+    assert pools[0]._free == pools[1]._free and pools[0]._free

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -311,12 +312,37 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
   return {false, ids, want, count, hole};
 }
 
+// BlockPool.release's reference counting (its torch form: an index_add, a gather, a
+// compare, a mask and a unique, each a dispatch that costs more than the work on the
+// few ids a plan frees): drop one reference per id in `ids` (int64) from `ref` (int32),
+// then return the ids whose count reached zero, sorted and unique.
+at::Tensor release_refs(at::Tensor ref, const at::Tensor& ids) {
+  TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(),
+              "ref must be a contiguous [blocks] int32 tensor");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [n] int64");
+  const at::Tensor x = ids.contiguous();
+  const int64_t* ip = x.data_ptr<int64_t>();
+  int32_t* rp = ref.data_ptr<int32_t>();
+  const int64_t n = x.size(0), nb = ref.size(0);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < nb, "block id out of range");
+  for (int64_t i = 0; i < n; ++i) --rp[ip[i]];
+  std::vector<int64_t> dead;
+  for (int64_t i = 0; i < n; ++i)
+    if (rp[ip[i]] == 0) dead.push_back(ip[i]);
+  std::sort(dead.begin(), dead.end());
+  dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
+  at::Tensor out = at::empty({static_cast<int64_t>(dead.size())}, x.options());
+  std::memcpy(out.data_ptr<int64_t>(), dead.data(), dead.size() * sizeof(int64_t));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_tables, m) {
   m.def("mark_dead(Tensor(a!) slot_pos, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor, Tensor)");
   m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, Tensor rows, "
         "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
+  m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
         "Tensor(d!)[] flats, Tensor rows, Tensor next, Tensor only, Tensor ref, int bs) "
         "-> (bool, Tensor, Tensor, Tensor, Tensor)");
@@ -326,4 +352,5 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("mark_dead", mark_dead);
   m.impl("free_dead", free_dead);
   m.impl("compact_rows", compact_rows);
+  m.impl("release_refs", release_refs);
 }
