@@ -146,11 +146,12 @@ class PyramidPolicy:
                 edges.append([0] * nl)
         keep, edges = view.by_layer(keep), view.by_layer(edges)
         within = view.within(keep)
-        window = PyramidPolicy._shift_window(p, view, want=not within)
-        if window is None:
+        totals = PyramidPolicy._shift_window(p, view, want=not within)
+        if totals is None:
             return None
-        scores = window if c.kernel_size == 1 else \
-            PyramidPolicy._kept_order_pool(window, view.live, c.kernel_size)
+        scores = _ranked_sums(p, view, totals, keep, edges)
+        if c.kernel_size != 1:
+            scores = PyramidPolicy._kept_order_pool(scores, view.live, c.kernel_size)
         return keep_highest(view, scores, keep, first=edges, last=edges)
 
     @staticmethod
@@ -264,6 +265,39 @@ def _window_ring(ring: torch.Tensor, total: torch.Tensor, new: torch.Tensor,
     if not want:
         return None
     return (s.reshape(n, w).float() * 2.0 ** -shift).masked_fill(positions < 0, 0.0)
+
+
+def _ranked_sums(p: PyramidPolicy, view: RowsView, totals: torch.Tensor, keep: list[int],
+                 edges: list[int]) -> torch.Tensor:
+    """The scores pyramid ranks by: each slot's window mass as torch sums its ring in
+    float32 (a sum's last bits depend on its order, and a near tie between two slots
+    breaks by them), read where it can decide a drop.
+
+    The exact totals bound every sum: a float32 sum of α non-negative values is within
+    α·2^-24 of the exact one, relatively. So a candidate whose exact total is above the
+    d-th lowest's times (1 + 4α·2^-24), plus 2^-30 for the totals' rounding, sums above
+    each of those d and is not dropped whatever its last bits: on CPU only the
+    candidates at or below that mark are summed (`near_lowest`, a few per row in
+    decode; the ring values they read are the tables'), the others rank at +inf. With
+    pooling (kernel > 1: neighbours mix) or without the C++ ops, every slot is summed."""
+    c = p.config
+    ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
+    n, w = view.positions.shape
+    if c.kernel_size != 1 or not NATIVE["state"] or ring.device.type != "cpu":
+        # a row-major copy first: torch sums an inner contiguous dim in its own order,
+        # and a strided one (the tables keep the ring by columns) in another
+        full = ring.contiguous().view(n, w, c.obs_window).sum(dim=2)
+        return full.masked_fill(view.positions < 0, 0.0)
+    drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
+    edge = torch.tensor(edges, dtype=torch.int64)
+    near = torch.ops.kvserve_policy_state.near_lowest(
+        totals, view.positions, edge, edge, torch.tensor(drop, dtype=torch.int64),
+        4 * c.obs_window * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
+    rows, slots = near.nonzero(as_tuple=True)
+    r = view.num_requests
+    scores = torch.full((n, w), float("inf"))
+    scores[rows, slots] = ring[rows // r, rows % r, slots].sum(dim=1)  # [M, α] summed
+    return scores
 
 
 def _fixed(x: torch.Tensor, shift: int) -> torch.Tensor:

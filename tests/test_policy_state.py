@@ -205,3 +205,42 @@ def test_head_sum_is_torch_sum(hkv):
     mass = torch.rand(3, 9, 2, hkv, 70, generator=g) ** 3
     sel = mass.narrow(1, 2, 5)[..., :61]
     assert torch.equal(head_sum(sel), sel.sum(dim=3, keepdim=True))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pyramid_ranks_by_torchs_float32_sums(seed, native, monkeypatch):
+    """Pyramid's drops are those of the window's float32 sums as torch takes them, also
+    where only their last bits differ: slots whose rings hold the same values in other
+    orders have equal exact totals but sums a bit apart, and the C++ path (exact totals
+    to find the few candidates that can be dropped, torch's sum for those) drops what
+    summing every slot drops."""
+    g = torch.Generator().manual_seed(seed)
+    nl, r, w, a = 2, 3, 64, 32
+    base = torch.rand(a, generator=g) ** 3
+    ring = (torch.rand(nl, r, w, a, generator=g) ** 3 + 0.2)
+    for row in range(nl * r):  # a third of each row: permutations of the lowest ring
+        for s in torch.randperm(w, generator=g)[: w // 3].tolist():
+            ring[row // r, row % r, s] = base[torch.randperm(a, generator=g)]
+    ring = ring.transpose(2, 3).contiguous().transpose(2, 3)  # by columns, as the tables
+    pos = torch.arange(w).repeat(nl * r, 1)
+    pos[:, 5] = -1
+    total = pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3))
+    sums = ring.reshape(nl * r, w, a).sum(dim=2)
+    assert (sums.view(nl * r, w)[:, :].unique().numel() < w * nl * r)  # ties exist ...
+    p = PyramidPolicy(PyramidConfig(budget=40, obs_window=a))
+    view = RowsView(num_layers=nl, num_new=1, seq_len=[w] * r, prompt_len=[10] * r,
+                    prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
+                    positions=pos, block_size=4, state={next(iter(p.state)): ring},
+                    in_place=frozenset(p.state))
+    keep = [w - 1 - d for d in [1, 3, 8, 20, 1, 2]]
+    edges = [2] * (nl * r)
+    totals = pyramid._window_ring(ring, total, torch.zeros(nl * r, 0, w),
+                                  torch.zeros(nl * r, 0, dtype=torch.int64), pos, True, SHIFT)
+    got = rows.keep_highest(view, pyramid._ranked_sums(p, view, totals, keep, edges), keep,
+                            first=edges, last=edges)
+    monkeypatch.setitem(rows.NATIVE, "state", False)
+    want = rows.keep_highest(view, pyramid._ranked_sums(p, view, totals, keep, edges), keep,
+                             first=edges, last=edges)
+    assert torch.equal(got, want)
+    exact_ties = (totals[:, None, :] == totals[:, :, None]).sum() > totals.numel()
+    assert exact_ties  # ... and equal exact totals whose float32 sums differ

@@ -180,11 +180,61 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
   });
 }
 
+// Pyramid's selection reads the window's float32 sum as torch sums it (the ring's α
+// values in torch's order), which can differ from the exact total in its last bits and
+// so break near ties differently. Only candidates near each row's d-th lowest can be
+// dropped: this marks, per row, the candidates (live slots outside the first `first` and
+// last `last` live ones) whose exact total is at most the d-th lowest candidate's times
+// (1 + rel) plus `abs` (rel and abs bound the float32 sum's error and the total's
+// rounding, policies/pyramid.py::_near_lowest); the caller sums those exactly as torch
+// does and ranks every other candidate above them.
+at::Tensor near_lowest(const at::Tensor& scores, const at::Tensor& positions,
+                       const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop,
+                       double rel, double abs) {
+  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat, "scores must be [N, W] float32");
+  TORCH_CHECK(positions.sizes() == scores.sizes() && positions.scalar_type() == at::kLong,
+              "positions must be [N, W] int64 like scores");
+  const int64_t n = scores.size(0), w = scores.size(1);
+  for (const at::Tensor* t : {&first, &last, &drop})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
+                "first, last and drop must be [N] int64");
+  const at::Tensor sc = scores.contiguous(), p = positions.contiguous();
+  const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
+  at::Tensor out = at::zeros({n, w}, scores.options().dtype(at::kBool));
+  const float* sp = sc.data_ptr<float>();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
+  bool* op = out.data_ptr<bool>();
+  at::parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
+    std::vector<float> vals;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (dp[i] <= 0) continue;
+      const int64_t* pos = pp + i * w;
+      const float* s = sp + i * w;
+      int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
+      for (int64_t k = 0; a < w && k < fp[i]; ++a) k += pos[a] >= 0;
+      for (int64_t k = 0; b > a && k < lp[i]; --b) k += pos[b - 1] >= 0;
+      vals.clear();
+      for (int64_t j = a; j < b; ++j)
+        if (pos[j] >= 0) vals.push_back(s[j]);
+      if (vals.empty()) continue;
+      const int64_t k = std::min<int64_t>(dp[i], vals.size()) - 1;
+      std::nth_element(vals.begin(), vals.begin() + k, vals.end());
+      const double thr = static_cast<double>(vals[k]) * (1.0 + rel) + abs;
+      for (int64_t j = a; j < b; ++j)
+        op[i * w + j] = pos[j] >= 0 && static_cast<double>(s[j]) <= thr;
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_policy_state, m) {
   m.def("window_ring(Tensor(a!) ring, Tensor(b!) total, Tensor mass, Tensor cols, Tensor positions, "
         "bool want, int shift) -> Tensor");
+  m.def("near_lowest(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop, "
+        "float rel, float abs) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "Tensor qpos, Tensor prompt, float alpha) -> ()");
 }
@@ -192,4 +242,5 @@ TORCH_LIBRARY(kvserve_policy_state, m) {
 TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
   m.impl("window_ring", window_ring);
   m.impl("lazy_track", lazy_track);
+  m.impl("near_lowest", near_lowest);
 }
