@@ -149,7 +149,9 @@ class PyramidPolicy:
         totals = PyramidPolicy._shift_window(p, view, want=not within)
         if totals is None:
             return None
-        scores = _ranked_sums(p, view, totals, keep, edges)
+        if c.kernel_size == 1 and NATIVE["state"] and totals.device.type == "cpu":
+            return _drop_near(p, view, totals, keep, edges)
+        scores = _torch_sums(p, view)
         if c.kernel_size != 1:
             scores = PyramidPolicy._kept_order_pool(scores, view.live, c.kernel_size)
         return keep_highest(view, scores, keep, first=edges, last=edges)
@@ -267,37 +269,41 @@ def _window_ring(ring: torch.Tensor, total: torch.Tensor, new: torch.Tensor,
     return (s.reshape(n, w).float() * 2.0 ** -shift).masked_fill(positions < 0, 0.0)
 
 
-def _ranked_sums(p: PyramidPolicy, view: RowsView, totals: torch.Tensor, keep: list[int],
-                 edges: list[int]) -> torch.Tensor:
+def _torch_sums(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
     """The scores pyramid ranks by: each slot's window mass as torch sums its ring in
-    float32 (a sum's last bits depend on its order, and a near tie between two slots
-    breaks by them), read where it can decide a drop.
+    float32, [N, W] (0 on dead slots). A sum's last bits depend on its order and a near
+    tie between two slots breaks by them, so this is the reference `_drop_near` keeps.
+    The ring is summed from a row-major copy: torch sums an inner contiguous dim in its
+    own order, and a strided one (the tables keep the ring by columns) in another."""
+    c = p.config
+    ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
+    n, w = view.positions.shape
+    full = ring.contiguous().view(n, w, c.obs_window).sum(dim=2)
+    return full.masked_fill(view.positions < 0, 0.0)
+
+
+def _drop_near(p: PyramidPolicy, view: RowsView, totals: torch.Tensor, keep: list[int],
+               edges: list[int]) -> torch.Tensor:
+    """`keep_highest` over `_torch_sums`, summing only the rings that can decide it.
 
     The exact totals bound every sum: a float32 sum of α non-negative values is within
     α·2^-24 of the exact one, relatively. So a candidate whose exact total is above the
     d-th lowest's times (1 + 4α·2^-24), plus 2^-30 for the totals' rounding, sums above
-    each of those d and is not dropped whatever its last bits: on CPU only the
-    candidates at or below that mark are summed (`near_lowest`, a few per row in
-    decode; the ring values they read are the tables'), the others rank at +inf. With
-    pooling (kernel > 1: neighbours mix) or without the C++ ops, every slot is summed."""
+    each of those d and is not dropped whatever its last bits: only the candidates at or
+    below that mark (`near_lowest`, a few per row in decode) are summed, by torch, from
+    the tables' ring, and the d lowest of those per row drop (`drop_among`, ties toward
+    the later slot as `drop_lowest`)."""
     c = p.config
     ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
-    n, w = view.positions.shape
-    if c.kernel_size != 1 or not NATIVE["state"] or ring.device.type != "cpu":
-        # a row-major copy first: torch sums an inner contiguous dim in its own order,
-        # and a strided one (the tables keep the ring by columns) in another
-        full = ring.contiguous().view(n, w, c.obs_window).sum(dim=2)
-        return full.masked_fill(view.positions < 0, 0.0)
-    drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
+    drop = torch.tensor([max(0, m - k) for m, k in zip(view.lengths, keep)], dtype=torch.int64)
     edge = torch.tensor(edges, dtype=torch.int64)
-    near = torch.ops.kvserve_policy_state.near_lowest(
-        totals, view.positions, edge, edge, torch.tensor(drop, dtype=torch.int64),
+    rows, slots = torch.ops.kvserve_policy_state.near_lowest(
+        totals, view.positions, edge, edge, drop,
         4 * c.obs_window * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
-    rows, slots = near.nonzero(as_tuple=True)
     r = view.num_requests
-    scores = torch.full((n, w), float("inf"))
-    scores[rows, slots] = ring[rows // r, rows % r, slots].sum(dim=1)  # [M, α] summed
-    return scores
+    sums = ring[rows // r, rows % r, slots].sum(dim=1)  # [M, α] rows, summed as torch does
+    return torch.ops.kvserve_policy_state.drop_among(rows, slots, sums, drop,
+                                                     view.positions.shape[1])
 
 
 def _fixed(x: torch.Tensor, shift: int) -> torch.Tensor:

@@ -236,11 +236,9 @@ def test_pyramid_ranks_by_torchs_float32_sums(seed, native, monkeypatch):
     edges = [2] * (nl * r)
     totals = pyramid._window_ring(ring, total, torch.zeros(nl * r, 0, w),
                                   torch.zeros(nl * r, 0, dtype=torch.int64), pos, True, SHIFT)
-    got = rows.keep_highest(view, pyramid._ranked_sums(p, view, totals, keep, edges), keep,
-                            first=edges, last=edges)
-    monkeypatch.setitem(rows.NATIVE, "state", False)
-    want = rows.keep_highest(view, pyramid._ranked_sums(p, view, totals, keep, edges), keep,
-                             first=edges, last=edges)
+    got = pyramid._drop_near(p, view, totals, keep, edges)
+    want = rows.keep_highest(view, pyramid._torch_sums(p, view), keep, first=edges, last=edges)
     assert torch.equal(got, want)
+    assert got.sum(dim=1).tolist() == [1, 3, 8, 20, 1, 2]
     exact_ties = (totals[:, None, :] == totals[:, :, None]).sum() > totals.numel()
     assert exact_ties  # ... and equal exact totals whose float32 sums differ

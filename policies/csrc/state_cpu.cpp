@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -188,9 +190,9 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
 // (1 + rel) plus `abs` (rel and abs bound the float32 sum's error and the total's
 // rounding, policies/pyramid.py::_near_lowest); the caller sums those exactly as torch
 // does and ranks every other candidate above them.
-at::Tensor near_lowest(const at::Tensor& scores, const at::Tensor& positions,
-                       const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop,
-                       double rel, double abs) {
+std::tuple<at::Tensor, at::Tensor> near_lowest(const at::Tensor& scores, const at::Tensor& positions,
+                                               const at::Tensor& first, const at::Tensor& last,
+                                               const at::Tensor& drop, double rel, double abs) {
   TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat, "scores must be [N, W] float32");
   TORCH_CHECK(positions.sizes() == scores.sizes() && positions.scalar_type() == at::kLong,
               "positions must be [N, W] int64 like scores");
@@ -200,31 +202,89 @@ at::Tensor near_lowest(const at::Tensor& scores, const at::Tensor& positions,
                 "first, last and drop must be [N] int64");
   const at::Tensor sc = scores.contiguous(), p = positions.contiguous();
   const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
-  at::Tensor out = at::zeros({n, w}, scores.options().dtype(at::kBool));
   const float* sp = sc.data_ptr<float>();
   const int64_t* pp = p.data_ptr<int64_t>();
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
-  bool* op = out.data_ptr<bool>();
-  at::parallel_for(0, n, 8, [&](int64_t lo, int64_t hi) {
+  std::vector<int64_t> rows, slots;  // in row order, one thread (a few per row)
+  {
     std::vector<float> vals;
-    for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       if (dp[i] <= 0) continue;
       const int64_t* pos = pp + i * w;
       const float* s = sp + i * w;
       int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
       for (int64_t k = 0; a < w && k < fp[i]; ++a) k += pos[a] >= 0;
       for (int64_t k = 0; b > a && k < lp[i]; --b) k += pos[b - 1] >= 0;
-      vals.clear();
+      float kth = INFINITY;  // the d-th lowest candidate total
+      if (dp[i] == 1) {  // decode at the budget: the lowest, one vectorised pass
+        for (int64_t j = a; j < b; ++j) {
+          const float v = pos[j] >= 0 ? s[j] : INFINITY;
+          kth = v < kth ? v : kth;
+        }
+        if (kth == INFINITY) continue;
+      } else {
+        vals.clear();
+        for (int64_t j = a; j < b; ++j)
+          if (pos[j] >= 0) vals.push_back(s[j]);
+        if (vals.empty()) continue;
+        const int64_t k = std::min<int64_t>(dp[i], vals.size()) - 1;
+        std::nth_element(vals.begin(), vals.begin() + k, vals.end());
+        kth = vals[k];
+      }
+      const double thr = static_cast<double>(kth) * (1.0 + rel) + abs;
       for (int64_t j = a; j < b; ++j)
-        if (pos[j] >= 0) vals.push_back(s[j]);
-      if (vals.empty()) continue;
-      const int64_t k = std::min<int64_t>(dp[i], vals.size()) - 1;
-      std::nth_element(vals.begin(), vals.begin() + k, vals.end());
-      const double thr = static_cast<double>(vals[k]) * (1.0 + rel) + abs;
-      for (int64_t j = a; j < b; ++j)
-        op[i * w + j] = pos[j] >= 0 && static_cast<double>(s[j]) <= thr;
+        if (pos[j] >= 0 && static_cast<double>(s[j]) <= thr) {
+          rows.push_back(i);
+          slots.push_back(j);
+        }
     }
-  });
+  }
+  const int64_t m = rows.size();
+  at::Tensor r = at::empty({m}, positions.options()), c = at::empty({m}, positions.options());
+  std::memcpy(r.data_ptr<int64_t>(), rows.data(), m * sizeof(int64_t));
+  std::memcpy(c.data_ptr<int64_t>(), slots.data(), m * sizeof(int64_t));
+  return {r, c};
+}
+
+// The drop mask [N, W] of the drop[i] lowest `values` among row i's entries (rows,
+// slots: `near_lowest`'s lists, in row then slot order), ties toward the later slot:
+// the selection `drop_lowest` makes over a whole row, here over the only entries of it
+// that can be dropped.
+at::Tensor drop_among(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& values,
+                      const at::Tensor& drop, int64_t w) {
+  TORCH_CHECK(rows.dim() == 1 && slots.sizes() == rows.sizes() && values.sizes() == rows.sizes() &&
+              rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+              values.scalar_type() == at::kFloat, "rows, slots [M] int64 and values [M] float32");
+  TORCH_CHECK(drop.dim() == 1 && drop.scalar_type() == at::kLong, "drop must be [N] int64");
+  const int64_t n = drop.size(0), m = rows.size(0);
+  const at::Tensor rr = rows.contiguous(), ss = slots.contiguous(), vv = values.contiguous();
+  const at::Tensor dd = drop.contiguous();
+  const int64_t *rp = rr.data_ptr<int64_t>(), *sp = ss.data_ptr<int64_t>(), *dp = dd.data_ptr<int64_t>();
+  const float* vp = vv.data_ptr<float>();
+  at::Tensor out = at::zeros({n, w}, drop.options().dtype(at::kBool));
+  bool* op = out.data_ptr<bool>();
+  std::vector<int64_t> idx;
+  for (int64_t a = 0; a < m;) {
+    int64_t b = a;
+    while (b < m && rp[b] == rp[a]) ++b;
+    const int64_t i = rp[a];
+    TORCH_CHECK(i >= 0 && i < n, "row out of range");
+    idx.resize(b - a);
+    for (int64_t k = a; k < b; ++k) idx[k - a] = k;
+    // ascending value, a NaN above every number, ties: the later slot first
+    std::sort(idx.begin(), idx.end(), [&](int64_t x, int64_t y) {
+      const bool nx = std::isnan(vp[x]), ny = std::isnan(vp[y]);
+      if (nx != ny) return !nx;
+      if (!nx && vp[x] != vp[y]) return vp[x] < vp[y];
+      return sp[x] > sp[y];
+    });
+    const int64_t d = std::min<int64_t>(std::max<int64_t>(dp[i], 0), b - a);
+    for (int64_t k = 0; k < d; ++k) {
+      TORCH_CHECK(sp[idx[k]] >= 0 && sp[idx[k]] < w, "slot out of range");
+      op[i * w + sp[idx[k]]] = true;
+    }
+    a = b;
+  }
   return out;
 }
 
@@ -234,7 +294,8 @@ TORCH_LIBRARY(kvserve_policy_state, m) {
   m.def("window_ring(Tensor(a!) ring, Tensor(b!) total, Tensor mass, Tensor cols, Tensor positions, "
         "bool want, int shift) -> Tensor");
   m.def("near_lowest(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop, "
-        "float rel, float abs) -> Tensor");
+        "float rel, float abs) -> (Tensor, Tensor)");
+  m.def("drop_among(Tensor rows, Tensor slots, Tensor values, Tensor drop, int w) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "Tensor qpos, Tensor prompt, float alpha) -> ()");
 }
@@ -243,4 +304,5 @@ TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
   m.impl("window_ring", window_ring);
   m.impl("lazy_track", lazy_track);
   m.impl("near_lowest", near_lowest);
+  m.impl("drop_among", drop_among);
 }
