@@ -18,6 +18,7 @@ import torch
 
 from kvpool import key_stats
 from kvpool.quant import FORMATS, KVFormat, QuantCache, dequantize, quantize
+from kvpool.tables import load_mark
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
@@ -215,6 +216,11 @@ class BlockPool:
         if self._flat_scales is not None:
             self._flat_scales[:, dst] = self._flat_scales[:, src]
 
+    def slot_arrays(self) -> list[torch.Tensor]:
+        """The [2, slots, ...] views whose slots compaction moves (K/V, then the scales
+        of a quantized pool), for `SlotTables.compact`'s C++ pass."""
+        return [self._flat] + ([] if self._flat_scales is None else [self._flat_scales])
+
     def copy_blocks(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Whole blocks src -> dst, scales included (copy-on-write)."""
         dst, src = dst.to(self.kv.device), src.to(self.kv.device)
@@ -300,8 +306,13 @@ class BlockPool:
         """Drop one reference to each id; ids whose count reaches zero become free."""
         if ids.numel() == 0:
             return
-        self.ref.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
-        dead = ids[self.ref[ids] == 0].unique().tolist()
+        if ids.device.type == "cpu" and ids.dtype == torch.int64 and load_mark():
+            # one C++ pass (csrc/tables_cpu.cpp::release_refs): the torch form's five
+            # dispatches cost more than their work on the few ids a plan frees
+            dead = torch.ops.kvserve_tables.release_refs(self.ref, ids).tolist()
+        else:
+            self.ref.index_add_(0, ids, torch.full_like(ids, -1, dtype=torch.int32))
+            dead = ids[self.ref[ids] == 0].unique().tolist()
         if not self.hash_of:
             self._free.extend(dead)
             return

@@ -68,6 +68,17 @@ def take_rows(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
     return t.narrow(2, 0, width).index_select(1, torch.tensor(rows, dtype=torch.int64))
 
 
+def rows_slice(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
+    """t[:, rows, :width] as a view of t when the rows are consecutive (updates made
+    through it land in t: no copy either way), else as `take_rows`' copy, which the
+    caller puts back with `put_rows`. For state a step updates in a few places per slot
+    (pyramid's window ring: one value of 32), where copying every value out and back
+    costs more than the update."""
+    if consecutive(rows):
+        return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width)
+    return take_rows(t, rows, width)
+
+
 def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
     """t[:, rows, :W] = value ([L, R, W, ...]): `take_rows`' way back."""
     w = value.shape[2]
@@ -84,6 +95,23 @@ def _over(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> tor
     return idx.expand(*idx.shape[: idx.dim() - len(extra)], *extra) if expand and extra else idx
 
 
+def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.Tensor:
+    """A state tensor [L, R, S(, k)] float32 full of `fill`. `columns`: stored as
+    [L, R, k, S] and returned transposed, so that each of the k values of every slot of a
+    row is one contiguous run: a step that reads and writes one of the k (pyramid's ring
+    column) touches 4 bytes per slot instead of a cache line."""
+    if not k:
+        return torch.full(slots, fill, dtype=torch.float32)
+    if columns:
+        return torch.full((*slots[:2], k, slots[2]), fill, dtype=torch.float32).transpose(2, 3)
+    return torch.full((*slots, k), fill, dtype=torch.float32)
+
+
+def _by_columns(t: torch.Tensor) -> bool:
+    """A state stored by columns (`_new_state`)."""
+    return t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1
+
+
 class SlotTables:
     def __init__(self, num_layers: int, block_size: int, rows: int = 4,
                  width_blocks: int = 4) -> None:
@@ -97,14 +125,16 @@ class SlotTables:
         self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
 
-    def declare_state(self, fills: dict[str, float | tuple[float, int]]) -> None:
+    def declare_state(self, fills: dict[str, float | tuple[float, int]],
+                      columns: tuple[str, ...] | frozenset[str] = ()) -> None:
         """Keep per-slot state `name` from now on: a new slot starts at its fill; a
-        (fill, k) pair keeps k values per slot ([L, R, S, k], e.g. a window of queries)."""
+        (fill, k) pair keeps k values per slot ([L, R, S, k], e.g. a window of queries).
+        A name in `columns` stores its k values column by column (each [S] contiguous,
+        `_new_state`); it reads the same as [L, R, S, k] everywhere."""
         for name, spec in fills.items():
             fill, k = spec if isinstance(spec, tuple) else (spec, 0)
             if name not in self.state:
-                shape = (*self.slot_pos.shape, k) if k else self.slot_pos.shape
-                self.state[name] = torch.full(shape, fill, dtype=torch.float32)
+                self.state[name] = _new_state(self.slot_pos.shape, k, fill, name in columns)
                 self.fills[name] = fill
             t = self.state[name]
             assert (t.dim() == 4 and t.shape[3] == k) or (t.dim() == 3 and not k), \
@@ -147,7 +177,8 @@ class SlotTables:
         pos[:, :r, : w * self.bs] = self.slot_pos
         self.table, self.slot_pos = table, pos
         for name, old in self.state.items():
-            new = torch.full((*pos.shape, *old.shape[3:]), self.fills[name], dtype=torch.float32)
+            k = old.shape[3] if old.dim() == 4 else 0
+            new = _new_state(pos.shape, k, self.fills[name], _by_columns(old))
             new[:, :r, : w * self.bs] = old
             self.state[name] = new
 
@@ -282,6 +313,15 @@ class SlotTables:
         rows = [c.row for c in caches]
         nb = torch.tensor([c.nblocks for c in caches], dtype=torch.int64).t()  # [L, R]
         nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()
+        if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
+            only = torch.ones(nl, dtype=torch.bool)
+            if layers is not None:
+                only = torch.zeros(nl, dtype=torch.bool)
+                only[layers] = True
+            ids, ndead = torch.ops.kvserve_tables.free_dead(
+                self.table, self.slot_pos, *self._native_states(),
+                torch.tensor(rows, dtype=torch.int64), nb, nxt, only, bs, w)
+            return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
         pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
         cols = torch.arange(w)
@@ -294,11 +334,10 @@ class SlotTables:
             only = torch.zeros(nl, dtype=torch.bool)
             only[layers] = True
             dead &= only[:, None, None]
-        ndead = dead.sum(dim=2)  # [L, R]
-        counts = ndead.t().tolist()
+        counts = dead.sum(dim=2).t().tolist()  # [R][L]
         if not any(map(any, counts)):
             return [0] * len(caches)
-        pool.release(table[dead])
+        freed_ids = table[dead]
         # Kept columns first, in order; the freed ones and the spare ones after them.
         kept = held & ~dead
         order = torch.where(kept, cols, w + cols).argsort(dim=2)
@@ -314,9 +353,20 @@ class SlotTables:
             st = take_rows(t, rows, w * bs).view(nl, len(caches), w, bs, *extra)
             st = st.gather(2, _over(order[..., None].expand(-1, -1, -1, bs), extra))
             put_rows(t, rows, st.view(nl, len(caches), w * bs, *extra))
+        return self._freed(pool, caches, freed_ids, counts)
+
+    def _freed(self, pool: BlockPool, caches: list[SeqCache], ids: torch.Tensor,
+               counts: list[list[int]]) -> list[int]:
+        """`free_dead_blocks`' bookkeeping: release `ids` and shorten each cache by its
+        dead blocks per layer (`counts` [R][L]); returns the blocks freed per cache."""
+        if not any(map(any, counts)):
+            return [0] * len(caches)
+        pool.release(ids)
+        bs = self.bs
         for c, per_layer in zip(caches, counts):
-            c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
-            c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
+            if any(per_layer):
+                c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
+                c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
         return [sum(x) for x in counts]
 
     def compact(self, pool: BlockPool, caches: list[SeqCache],
@@ -334,6 +384,10 @@ class SlotTables:
         (cache, layer) at once. A destination block shared through the prefix cache is
         copied first (copy-on-write), and a published one unpublished; when the pool
         cannot lend the copies, the caches that need them are left as they are."""
+        if self.table.device.type == "cpu" and not pool.hash_of and load_mark():
+            done = self._compact_native(pool, caches, layers)
+            if done is not None:  # None: a destination block is shared (copy-on-write)
+                return done
         nl, bs, w = self.num_layers, self.bs, self.width
         s_len = w * bs
         rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
@@ -383,6 +437,44 @@ class SlotTables:
             c.nblocks = nb
             freed.append(sum(size) - sum(nb))
         return freed
+
+    def _compact_native(self, pool: BlockPool, caches: list[SeqCache],
+                        layers: list[int] | None) -> list[int] | None:
+        """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state
+        and K/V moved slot by slot, no sort, no index tensors), for a pool without
+        published blocks; None, with nothing changed, when a destination block is
+        shared: the torch form copies it first."""
+        nl = self.num_layers
+        only = torch.ones(nl, dtype=torch.bool)
+        if layers is not None:
+            only = torch.zeros(nl, dtype=torch.bool)
+            only[layers] = True
+        declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
+            self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
+            torch.tensor([c.row for c in caches], dtype=torch.int64),
+            torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t(), only,
+            pool.ref, self.bs)
+        if declined:
+            return None
+        counts = hole.t().tolist()
+        if not any(map(any, counts)):
+            return [0] * len(caches)
+        pool.release(ids)
+        freed = []
+        for c, h, nb, k in zip(caches, counts, want.t().tolist(), live.t().tolist()):
+            size = sum(c.nblocks)
+            if any(h):
+                c.alike = False  # layers are packed each on their own
+            c.next_slot = [k_ if h_ else s_ for k_, h_, s_ in zip(k, h, c.next_slot)]
+            c.nblocks = [b_ if h_ else o_ for b_, h_, o_ in zip(nb, h, c.nblocks)]
+            freed.append(size - sum(c.nblocks))
+        return freed
+
+    def _native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The states as the C++ ops take them (storage order) and which are by columns."""
+        cols = [_by_columns(t) for t in self.state.values()]
+        return ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
+                torch.tensor(cols, dtype=torch.bool))
 
     def _copy_on_write(self, pool: BlockPool, caches: list[SeqCache], table: torch.Tensor,
                        dest: torch.Tensor, hole: torch.Tensor) -> bool:

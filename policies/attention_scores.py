@@ -69,13 +69,18 @@ class H2OPolicy:
     name: str = "h2o"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
     state: ClassVar[dict[str, float]] = {"acc": 0.0}
+    # Added to where the tables keep it (RowsView.in_place): no copy out and back.
+    state_in_place: ClassVar[tuple[str, ...]] = ("acc",)
 
     @staticmethod
     def select(policies: list[H2OPolicy], view: RowsView) -> torch.Tensor | None:
         c = policies[0].config
         assert view.attention is not None
-        acc = view.state["acc"]
-        acc += view.attention.sum(dim=(1, 2))
+        acc = view.layered("acc")  # [L, R, W]
+        att = view.attention  # [N, Tq, Hkv, W]: a decode step's is [N, 1, 1, W], no sum
+        acc += (att[:, 0, 0] if att.shape[1] == att.shape[2] == 1 else att.sum(dim=(1, 2))
+                ).view(acc.shape)
+        acc = acc.reshape(view.positions.shape)  # [N, W]: a copy for the selection
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None

@@ -65,7 +65,12 @@ class Policy(Protocol):
 
     # Optional: `state: dict[str, float]` (usually a ClassVar), per-slot values the
     # engine keeps for the policy beside each token (name -> a new slot's value), handed
-    # over as `RowsView.state` and written back after `select`.
+    # over as `RowsView.state` and written back after `select`. Also optional:
+    # `state_in_place` (names handed as the tables' own [L, R, W(, k)] slices, for state
+    # a step changes in a few places: read them with `RowsView.layered`),
+    # `state_columns` (names whose k values per slot the tables store column by column)
+    # and `derived_state` (state that caches a function of `state`, e.g. pyramid's window
+    # total: kept and moved like it by the engine; `select` must not need it).
 
     # `select(policies, view: RowsView) -> Tensor | None`, a staticmethod of the class
     # taking the policies of the view's requests (equal configs): the [N, W] bool mask
@@ -133,4 +138,6 @@ def head_mean(attention: torch.Tensor) -> torch.Tensor:
     over all query heads (each query row sums to 1 over its live tokens; a row of the
     view sums to H = Hkv·G)."""
     total = attention.sum(dim=(-2, -1), keepdim=False).clamp_min(1e-30)
-    return attention.sum(dim=-2) / total[..., None]
+    # one kv group (the decode-time view's, summed over heads): no sum over a dim of 1
+    per = attention.select(-2, 0) if attention.shape[-2] == 1 else attention.sum(dim=-2)
+    return per / total[..., None]

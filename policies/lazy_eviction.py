@@ -17,7 +17,7 @@ from pydantic import Field
 
 from policies.base import Needs, chunked_envelope, head_mean, resolve_budget
 from policies.config import Budget, EvictingPolicyConfig, budget_field
-from policies.rows import RowsView, keep_highest
+from policies.rows import NATIVE, RowsView, drop_lowest
 
 
 class LazyEvictionConfig(EvictingPolicyConfig):
@@ -89,6 +89,8 @@ class LazyEvictionPolicy:
     name: str = "lazy_eviction"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
     state: ClassVar[dict[str, float]] = {"ts": math.nan, "mri": 0.0}
+    # Updated where the tables keep them (RowsView.in_place): a decode step changes a few.
+    state_in_place: ClassVar[tuple[str, ...]] = ("ts", "mri")
     _epoch: int = 0  # last k with an eviction decision at t = kW
 
     @staticmethod
@@ -98,9 +100,7 @@ class LazyEvictionPolicy:
         tokens: the recent W and the highest I_t among the others."""
         c = policies[0].config
         assert view.attention is not None
-        ts, mri = _tracked(view, c.alpha)
-        view.state["ts"].copy_(ts)
-        view.state["mri"].copy_(mri)
+        _track(view, c.alpha)
         keep, t_now = [], []
         for p, s, prompt in zip(policies, view.seq_len, view.prompt_len):
             t = s - prompt  # the time of this step's last query
@@ -114,14 +114,46 @@ class LazyEvictionPolicy:
         keep = [n if k is None else k for n, k in zip(view.lengths, view.per_row(keep))]
         if view.within(keep):
             return None
-        t = view.row_tensor(view.per_row(t_now), torch.float64)
-        scores = importance(t, ts, mri)
-        return keep_highest(view, scores, keep, last=c.window)
+        # Only the deciding rows are scored: requests reach t = kW on their own clocks,
+        # so a step's group usually has a few (eq. 2 is a dozen sweeps in double).
+        rows = [i for i, (n, k) in enumerate(zip(view.lengths, keep)) if n > k]
+        r = view.num_requests
+        at = torch.tensor(rows)
+        t = torch.tensor([t_now[i % r] for i in rows], dtype=torch.float64)[:, None]
+        # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
+        ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
+        drop = drop_lowest(view.positions[at], importance(t, ts, mri),
+                           [view.lengths[i] - keep[i] for i in rows], last=c.window)
+        mask = torch.zeros(view.positions.shape, dtype=torch.bool)
+        mask[at] = drop
+        return mask
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
         w = self.config.window
         return chunked_envelope(self.config.budget, seq_len, prompt_len, over=w - 1, least=w)
+
+
+def _track(view: RowsView, alpha: float) -> None:
+    """Recurrence Interval Tracking over this step's queries, into the view's TS and MRI
+    state. A decode step (one query) on CPU is one C++ pass per row
+    (policies/csrc/state_cpu.cpp::lazy_track, the torch form's contract: `head_mean`'s
+    division in float32, then the same comparisons) instead of a dozen sweeps over
+    every slot in double."""
+    assert view.attention is not None
+    ts, mri = view.layered("ts"), view.layered("mri")  # [L, R, W]
+    if view.attention.shape[1] == 1 and NATIVE["state"] and ts.device.type == "cpu":
+        att = view.attention  # [N, 1, Hkv, W]
+        total = att.sum(dim=(-2, -1)).clamp_min(1e-30)  # as head_mean
+        mass = att[:, 0, 0] if att.shape[2] == 1 else att[:, 0].sum(dim=1)  # as head_mean
+        torch.ops.kvserve_policy_state.lazy_track(
+            ts, mri, mass, total[:, 0], view.positions,
+            torch.tensor(view.per_row([s - 1 for s in view.seq_len])),
+            torch.tensor(view.per_row(view.prompt_len)), alpha)
+        return
+    new_ts, new_mri = _tracked(view, alpha)
+    ts.copy_(new_ts.view(ts.shape))
+    mri.copy_(new_mri.view(mri.shape))
 
 
 def _tracked(view: RowsView, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,9 +165,10 @@ def _tracked(view: RowsView, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     q0 = view.row_tensor(view.per_row([s - view.num_new for s in view.seq_len]))
     prompt = view.row_tensor(view.per_row(view.prompt_len))  # [N, 1] each
     born = pos - prompt + 1  # time of the query that created each token
-    ts = view.state["ts"].double()
+    n, w = pos.shape
+    ts = view.layered("ts").reshape(n, w).double()
     ts = torch.where(torch.isnan(ts), born.double(), ts)
-    mri = view.state["mri"].double()
+    mri = view.layered("mri").reshape(n, w).double()
     assert view.attention is not None
     tq = view.attention.shape[1]
     qpos = q0 + torch.arange(tq)  # [N, Tq]

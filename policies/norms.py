@@ -121,21 +121,28 @@ class KnormPolicy:
     name: str = "knorm"
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True))
     state: ClassVar[dict[str, float]] = {"score": float("nan")}
+    # Written where the tables keep it (RowsView.in_place): a decode step sets one value
+    # per row, so it is not copied out and back.
+    state_in_place: ClassVar[tuple[str, ...]] = ("score",)
 
     @staticmethod
     def select(policies: list[KnormPolicy], view: RowsView) -> torch.Tensor | None:
         """Members share their mode (the group key holds `needs`): all score every
         token (their first plan), or all record the new tokens' scores."""
         c = policies[0].config
-        score = view.state["score"]
         if view.key_norm is not None:
-            score.copy_(knorm_scores(view.key_norm))
+            score = view.layered("score")
+            score.copy_(knorm_scores(view.key_norm).view(score.shape))
         else:
-            assert view.new_key_norm is not None and view.new_slots is not None
-            score.scatter_(1, view.new_slots, knorm_scores(view.new_key_norm))
+            assert view.new_key_norm is not None
+            view.set_new("score", knorm_scores(view.new_key_norm))
         for p in policies:
             p.needs = _NEW_NORMS
-        return _select(view, view.budgets(c.budget, from_prompt=True), c.window, score)
+        keep = view.budgets(c.budget, from_prompt=True)
+        if view.within(keep):
+            return None
+        score = view.layered("score").reshape(view.positions.shape)  # [N, W]
+        return _select(view, keep, c.window, score)
 
     def idle(self, view: StepView) -> bool:
         """Before the first plan while every layer is within the budget (that plan

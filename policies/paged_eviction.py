@@ -75,6 +75,34 @@ def _block_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int], b
     return live & gone.gather(1, (rank // bs).clamp(max=nb - 1))
 
 
+def _record_scores(view: RowsView) -> None:
+    """S_i into the view's "score" state: every live token's on the first plan, this
+    step's new tokens' from then on (a stored token's norms never change)."""
+    scores = view.layered("score")  # [L, R, W]
+    if view.key_norm is not None and view.value_norm is not None:
+        scores.copy_(token_scores(view.value_norm, view.key_norm).view(scores.shape))
+        return
+    assert view.new_key_norm is not None and view.new_value_norm is not None
+    view.set_new("score", token_scores(view.new_value_norm, view.new_key_norm))
+
+
+def _block_drops_of(scores: torch.Tensor, view: RowsView, blocks: list[int],
+                    windows: list[int] | None) -> torch.Tensor:
+    """`_block_drops` for the rows that drop a block, the others dropping nothing: a
+    request's newest block fills on its own step, so a step's group usually has few
+    (rows are independent; the packed-rows shortcut only skips a sort)."""
+    rows = [i for i, b in enumerate(blocks) if b]
+    if len(rows) == len(blocks):
+        return _block_drops(scores, view.live, view.lengths, view.block_size, blocks, windows)
+    at = torch.tensor(rows)
+    sub = _block_drops(scores[at], view.positions[at] >= 0, [view.lengths[i] for i in rows],
+                       view.block_size, [blocks[i] for i in rows],
+                       None if windows is None else [windows[i] for i in rows])
+    mask = torch.zeros(scores.shape, dtype=torch.bool)
+    mask[at] = sub
+    return mask
+
+
 _NEW_NORMS = Needs(new_key_norm=True, new_value_norm=True)  # after the first plan
 
 
@@ -123,6 +151,9 @@ class PagedEvictionPolicy:
     name: str = "paged_eviction"
     needs: Needs = field(default_factory=lambda: Needs(key_norm=True, value_norm=True))
     state: ClassVar[dict[str, float]] = {"score": float("nan")}
+    # Written where the tables keep it (RowsView.in_place): a decode step sets one
+    # value per row and most steps drop nothing, so nothing is copied out or back.
+    state_in_place: ClassVar[tuple[str, ...]] = ("score",)
     block_size: int | None = None  # the pool's, learnt from the first view
 
     @staticmethod
@@ -150,23 +181,16 @@ class PagedEvictionPolicy:
             # one block per block boundary this step's tokens crossed, while n > C
             crossed = n // bs - (n - view.num_new) // bs
             blocks.append(min(crossed, -(-over // bs)) if decoding and crossed > 0 else 0)
-        scores = view.state["score"]  # [N, W]: S_i, recorded when each token was computed
-        if view.key_norm is not None and view.value_norm is not None:
-            scores.copy_(token_scores(view.value_norm, view.key_norm))
-        else:
-            assert view.new_key_norm is not None and view.new_value_norm is not None
-            assert view.new_slots is not None
-            scores.scatter_(1, view.new_slots, token_scores(view.new_value_norm, view.new_key_norm))
+        _record_scores(view)
         for p in policies:
             p.needs = _NEW_NORMS
         if not any(tokens) and not any(blocks):
             return None
-        live = view.live
+        scores = view.layered("score").reshape(view.positions.shape)  # [N, W]
         last = windows if c.window else 0
         drop = drop_lowest(view.positions, scores, tokens, last=last) if any(tokens) else None
         if any(blocks):
-            whole = _block_drops(scores, live, view.lengths, bs, blocks,
-                                 windows if c.window else None)
+            whole = _block_drops_of(scores, view, blocks, windows if c.window else None)
             drop = whole if drop is None else drop | whole
         return drop
 

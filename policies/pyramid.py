@@ -16,7 +16,7 @@ from pydantic import Field
 
 from policies.base import Needs, prefill_envelope, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
-from policies.rows import RowsView, keep_highest
+from policies.rows import NATIVE, RowsView, keep_highest
 from policies.snapkv import OddKernel, pool_scores
 
 
@@ -104,13 +104,21 @@ class PyramidPolicy:
     name: str = "pyramid"
     needs: Needs = field(default_factory=lambda: Needs(attention=True))
     # Per-slot state (name -> (a new slot's value, values per slot)): the window's
-    # queries, a ring (`_shift_window`). Per policy rather than per class: its size is
-    # the config's.
+    # queries, a ring, and their total (`_shift_window`). Per policy rather than per
+    # class: the ring's size is the config's.
     state: dict[str, tuple[float, int]] = field(init=False, repr=False)
+    derived_state: dict[str, tuple[float, int]] = field(init=False, repr=False)
+    state_in_place: tuple[str, ...] = field(init=False, repr=False)
+    state_columns: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         a = self.config.obs_window
-        self.state = {f"pyramid_window{a}": (0.0, a)}
+        ring, total = f"pyramid_window{a}", f"pyramid_total{a}"
+        self.state = {ring: (0.0, a)}
+        self.derived_state = {total: (0.0, _DIGITS)}  # the ring's sum (`_window_ring`)
+        # Updated where the tables keep them (RowsView.in_place), stored by columns
+        # (SlotTables.declare_state): a decode step writes one ring column per slot.
+        self.state_in_place = self.state_columns = (ring, total)
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
@@ -122,57 +130,73 @@ class PyramidPolicy:
         p = policies[0]
         c = p.config
         assert view.attention is not None
-        window = PyramidPolicy._shift_window(p, view)
         keep, edges = [], []  # per request, per layer
         nl = view.num_layers
+        at: dict[int, tuple[list[int], list[int]]] = {}  # seq_len -> (budgets, edges)
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
                                              view.prefill_done)):
             if done or s > pl:  # the prompt is complete: every layer to its budget
-                budgets = p.budgets(s, nl)
-                keep.append(budgets)
-                edges.append([int(b // (2 * c.omega)) for b in budgets])
+                if s not in at:  # a step's requests often share their lengths
+                    budgets = p.budgets(s, nl)
+                    at[s] = budgets, [int(b // (2 * c.omega)) for b in budgets]
+                keep.append(at[s][0])
+                edges.append(at[s][1])
             else:
                 keep.append(view.lengths[view.rows_of(r)])
                 edges.append([0] * nl)
         keep, edges = view.by_layer(keep), view.by_layer(edges)
-        if view.within(keep):
+        within = view.within(keep)
+        totals = PyramidPolicy._shift_window(p, view, want=not within)
+        if totals is None:
             return None
-        live = view.live
-        scores = PyramidPolicy._kept_order_pool(window.sum(dim=2).masked_fill(~live, 0.0),
-                                                live, c.kernel_size)
+        if c.kernel_size == 1 and NATIVE["state"] and totals.device.type == "cpu":
+            return _drop_near(p, view, totals, keep, edges)
+        scores = _torch_sums(p, view)
+        if c.kernel_size != 1:
+            scores = PyramidPolicy._kept_order_pool(scores, view.live, c.kernel_size)
         return keep_highest(view, scores, keep, first=edges, last=edges)
 
     @staticmethod
-    def _shift_window(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
+    def _shift_window(p: PyramidPolicy, view: RowsView, want: bool = True) -> torch.Tensor | None:
         """Write this step's window queries (summed over heads) into each slot's window
-        state; [N, W, α] the window after the step.
+        state; if `want`, the window's mass per slot [N, W] (0 on dead slots).
 
         The window is a ring: query q of a request (0-based) owns column q mod α, so a
         new query overwrites the one α before it, which leaves the window. A step writes
         only its queries' columns (one column in decode) instead of shifting all α: the
         shift was three passes over α values per slot, most of pyramid's step. A column
         no query in the window wrote is 0, and so is a new slot's whole ring (no earlier
-        query saw it), so the ring's sum is the window's exactly."""
+        query saw it), so the ring's sum is the window's exactly. Beside the ring each
+        slot keeps that sum, in fixed point (`_window_ring`), so a step reads and writes
+        one column and the total instead of every value: summing the whole ring each
+        step read α values per slot. Both are the tables' own slices (`state_in_place`):
+        copying them out and back cost more than the update."""
         assert view.attention is not None
         a = p.config.obs_window
         k = view.num_new
-        (name,) = p.state
+        (ring_name,), (total_name,) = p.state, p.derived_state
+        n, w = view.positions.shape
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
-        ring = view.state[name]  # [N, W, α]
         if min(firsts) >= k:  # no window query yet in any row: the state stays 0
-            return ring
-        kk = min(k, a)  # only the last α queries can stay in the window
-        new = view.attention[:, k - kk:].sum(dim=2)  # [N, kk, W]
-        if max(firsts) > k - kk:  # some rows' first queries are before their window
-            # (their columns hold 0: every earlier query was before the window too)
-            before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
-            new = new.masked_fill(before[:, :, None], 0.0)
-        q0 = view.row_tensor(view.per_row([s - k for s in view.seq_len]))  # [N, 1]
-        cols = (q0 + torch.arange(k - kk, k)) % a  # [N, kk], distinct per row
-        ring.scatter_(2, cols[:, None, :].expand(-1, ring.shape[1], -1), new.transpose(1, 2))
-        return ring
+            new, cols = torch.zeros(n, 0, w), torch.zeros(n, 0, dtype=torch.int64)
+        else:
+            kk = min(k, a)  # only the last α queries can stay in the window
+            att = view.attention[:, k - kk:]
+            new = att[:, :, 0] if att.shape[2] == 1 else att.sum(dim=2)  # [N, kk, W]
+            if max(firsts) > k - kk:  # some rows' first queries are before their window
+                # (their columns hold 0: every earlier query was before the window too)
+                before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
+                new = new.masked_fill(before[:, :, None], 0.0)
+            q0 = view.row_tensor(view.per_row([s - k for s in view.seq_len]))  # [N, 1]
+            cols = (q0 + torch.arange(k - kk, k)) % a  # [N, kk], distinct per row
+        ring = view.layered(ring_name)  # [L, R, W, α]
+        # The engine keeps the total beside the ring; a view without it (the pure
+        # policy tests') gets it from the ring: the same bits by construction.
+        total = view.layered(total_name) if total_name in view.state else \
+            _split(_fixed(ring, _shift(a)).sum(dim=3))
+        return _window_ring(ring, total, new, cols, view.positions, want, _shift(a))
 
     @staticmethod
     def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -201,3 +225,93 @@ class PyramidPolicy:
         L · max_live would hold about twice the memory the pyramid ever uses."""
         return num_layers * prefill_envelope(seq_len, prompt_len,
                                              resolve_budget(self.config.budget, seq_len))
+
+
+# The window total in fixed point (`_window_ring`): _DIGITS float32 digits of _DIGIT bits.
+_DIGITS, _DIGIT = 3, 21
+
+
+def _shift(alpha: int) -> int:
+    """Fractional bits of the window total: a query's mass (summed over at most 4,096
+    heads, so < 2^12) times 2^shift, over α queries, stays below 2^62."""
+    return 50 - max(0, (alpha - 1).bit_length())
+
+
+def _window_ring(ring: torch.Tensor, total: torch.Tensor, new: torch.Tensor,
+                 cols: torch.Tensor, positions: torch.Tensor, want: bool,
+                 shift: int) -> torch.Tensor | None:
+    """Write `new` [N, k, W] into the ring [L, R, W, α] at columns `cols` [N, k] and keep
+    each slot's window total; if `want`, the totals [N, W] (0 on dead slots).
+
+    The total is exact: a query's mass m counts as the integer round(m · 2^shift) (2^-45
+    at α = 32, far below float32's resolution of any mass that ranks), the total is
+    their int64 sum, held as _DIGITS float32 digits (state is float32), and an
+    overwritten column leaves it as the same integer it entered as; so it is the ring's
+    sum whatever the history, and the step touches one column instead of α. The C++ op
+    (policies/csrc/state_cpu.cpp) and this torch form give the same bits."""
+    n, w = positions.shape
+    if NATIVE["state"] and ring.device.type == "cpu":
+        out = torch.ops.kvserve_policy_state.window_ring(ring, total, new, cols, positions,
+                                                         want, shift)
+        return out if want else None
+    nl, r = ring.shape[:2]
+    k = new.shape[1]
+    digits = 2 ** (_DIGIT * torch.arange(_DIGITS))  # int64
+    s = (total.long() * digits).sum(dim=3)  # [L, R, W]
+    if k:
+        idx = cols.view(nl, r, 1, k).expand(nl, r, w, k)
+        values = new.reshape(nl, r, k, w).transpose(2, 3)
+        s += (_fixed(values, shift) - _fixed(ring.gather(3, idx), shift)).sum(dim=3)
+        ring.scatter_(3, idx, values)
+        total.copy_(_split(s))
+    if not want:
+        return None
+    return (s.reshape(n, w).float() * 2.0 ** -shift).masked_fill(positions < 0, 0.0)
+
+
+def _torch_sums(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
+    """The scores pyramid ranks by: each slot's window mass as torch sums its ring in
+    float32, [N, W] (0 on dead slots). A sum's last bits depend on its order and a near
+    tie between two slots breaks by them, so this is the reference `_drop_near` keeps.
+    The ring is summed from a row-major copy: torch sums an inner contiguous dim in its
+    own order, and a strided one (the tables keep the ring by columns) in another."""
+    c = p.config
+    ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
+    n, w = view.positions.shape
+    full = ring.contiguous().view(n, w, c.obs_window).sum(dim=2)
+    return full.masked_fill(view.positions < 0, 0.0)
+
+
+def _drop_near(p: PyramidPolicy, view: RowsView, totals: torch.Tensor, keep: list[int],
+               edges: list[int]) -> torch.Tensor:
+    """`keep_highest` over `_torch_sums`, summing only the rings that can decide it.
+
+    The exact totals bound every sum: a float32 sum of α non-negative values is within
+    α·2^-24 of the exact one, relatively. So a candidate whose exact total is above the
+    d-th lowest's times (1 + 4α·2^-24), plus 2^-30 for the totals' rounding, sums above
+    each of those d and is not dropped whatever its last bits: only the candidates at or
+    below that mark (`near_lowest`, a few per row in decode) are summed, by torch, from
+    the tables' ring, and the d lowest of those per row drop (`drop_among`, ties toward
+    the later slot as `drop_lowest`)."""
+    c = p.config
+    ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
+    drop = torch.tensor([max(0, m - k) for m, k in zip(view.lengths, keep)], dtype=torch.int64)
+    edge = torch.tensor(edges, dtype=torch.int64)
+    rows, slots = torch.ops.kvserve_policy_state.near_lowest(
+        totals, view.positions, edge, edge, drop,
+        4 * c.obs_window * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
+    r = view.num_requests
+    sums = ring[rows // r, rows % r, slots].sum(dim=1)  # [M, α] rows, summed as torch does
+    return torch.ops.kvserve_policy_state.drop_among(rows, slots, sums, drop,
+                                                     view.positions.shape[1])
+
+
+def _fixed(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """round(x · 2^shift) as int64, halves to even (as the C++ op's llrint)."""
+    return torch.round(x.double() * 2.0 ** shift).long()
+
+
+def _split(s: torch.Tensor) -> torch.Tensor:
+    """int64 [...] -> [..., _DIGITS] float32 digits (low first; the top one keeps the sign)."""
+    low = [(s >> (_DIGIT * d)) & (2 ** _DIGIT - 1) for d in range(_DIGITS - 1)]
+    return torch.stack([*low, s >> (_DIGIT * (_DIGITS - 1))], dim=-1).float()

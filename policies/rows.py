@@ -43,6 +43,10 @@ class RowsView:
     positions: torch.Tensor  # [N, W] int64: original position per slot, -1 = none
     block_size: int
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, W(, k)] float32
+    # Names of `state` handed as [L, R, W(, k)] slices of the engine's tables (the
+    # policy's `state_in_place`), updated in place without a copy out and back; read
+    # them through `layered`, which gives every state that shape.
+    in_place: frozenset[str] = frozenset()
     # [N, Tq, Hkv, W] float32: this step's queries' probability mass on each slot,
     # summed over the query heads of each kv group (0 on dead slots); Hkv is 1, the sum
     # over every head, unless the policy asked for `Needs.attention_heads`.
@@ -67,6 +71,22 @@ class RowsView:
         if self._live is None:
             self._live = self.positions >= 0
         return self._live
+
+    def layered(self, name: str) -> torch.Tensor:
+        """State `name` as [L, R, W(, k)] (row l·R + r at [l, r]): the tables' slice as
+        handed, or a view of the [N, W(, k)] copy."""
+        t = self.state[name]
+        if name in self.in_place:
+            return t
+        return t.view(self.num_layers, self.num_requests, *t.shape[1:])
+
+    def set_new(self, name: str, values: torch.Tensor) -> None:
+        """State `name` of this step's new tokens (`new_slots`) := values [N, k], written
+        through `layered` (in place in the tables for a `state_in_place` name)."""
+        assert self.new_slots is not None
+        t = self.layered(name)
+        rows = torch.arange(self.new_slots.shape[0])[:, None].expand_as(self.new_slots)
+        t[rows // self.num_requests, rows % self.num_requests, self.new_slots] = values
 
     def per_row(self, values: list[int] | list[float] | list[bool]) -> list:
         """Per-request host values repeated for each of its layers' rows."""
@@ -111,8 +131,9 @@ def _per_row(values: list[int] | int, n: int) -> torch.Tensor:
     return torch.tensor(values if isinstance(values, list) else [values] * n, dtype=torch.int64)
 
 
-# Set by the engine once the C++ selection (policies/csrc/select_cpu.cpp) is loaded.
-NATIVE: dict[str, bool] = {"select": False}
+# Set by the engine once the C++ selection (policies/csrc/select_cpu.cpp) and state
+# updates (state_cpu.cpp) are loaded.
+NATIVE: dict[str, bool] = {"select": False, "state": False}
 
 
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],

@@ -24,20 +24,25 @@ import torch
 from engine.runner import AttentionMass
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
-from kvpool.tables import consecutive, put_rows, take_rows
+from kvpool.tables import consecutive, put_rows, rows_slice, take_rows
 from policies import rows as policy_rows
 from policies.base import Needs
 from policies.norms import keydiff_scores
 from policies.rows import RowsView
 
-_SELECT_SOURCE = Path(policy_rows.__file__).parent / "csrc" / "select_cpu.cpp"
+_CSRC = Path(policy_rows.__file__).parent / "csrc"
+_SELECT_SOURCE, _STATE_SOURCE = _CSRC / "select_cpu.cpp", _CSRC / "state_cpu.cpp"
 
 
 def load_select() -> bool:
-    """Build and load the C++ selection (policies/csrc/select_cpu.cpp) once; the torch
-    form stays in use without a compiler (or with KVSERVE_CPU_KERNEL=0)."""
-    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _SELECT_SOURCE,
-                                            ["-O3", "-march=native"])
+    """Build and load the C++ selection (policies/csrc/select_cpu.cpp) and the state
+    updates (state_cpu.cpp) once; the torch forms stay in use without a compiler (or
+    with KVSERVE_CPU_KERNEL=0). Returns whether the selection loaded."""
+    flags = ["-O3", "-march=native"]
+    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _SELECT_SOURCE, flags)
+    # -fno-math-errno: llrint inlines (and vectorises) only without errno to set
+    policy_rows.NATIVE["state"] = load_ops("kvserve_state_cpu", _STATE_SOURCE,
+                                           [*flags, "-fno-math-errno"])
     return policy_rows.NATIVE["select"]
 
 
@@ -86,12 +91,26 @@ def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
             else g.index_select(1, torch.tensor(rows))
         s = sel.shape[-1]
         sel = sel[..., :width] if s >= width else torch.nn.functional.pad(sel, (0, width - s))
-        parts.append(sel if heads else sel.sum(dim=3, keepdim=True))
+        parts.append(sel if heads else head_sum(sel))
         order += which
     a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # back to member order
         a = a.index_select(1, torch.tensor(order).argsort())
     return _rows(a)
+
+
+def head_sum(mass: torch.Tensor) -> torch.Tensor:
+    """[L, r, Tq, Hkv, W] -> [L, r, Tq, 1, W] summed over the kv heads. Up to 4 heads as
+    one add per head in head order: the order torch's sum over a non-inner dim takes
+    there (the same bits, tests/test_policy_state.py; from 8 on it accumulates in
+    another order, so it sums), twice as fast on the slice of the runner's mass (a
+    strided reduction over a dim of 2 was 0.15 ms a step at 16 requests of ~1k tokens)."""
+    if not 2 <= mass.shape[3] <= 4:
+        return mass.sum(dim=3, keepdim=True)
+    out = mass.narrow(3, 0, 1) + mass.narrow(3, 1, 1)
+    for h in range(2, mass.shape[3]):
+        out += mass.narrow(3, h, 1)
+    return out
 
 
 def build_view(members: list[Member]) -> RowsView:
@@ -100,7 +119,10 @@ def build_view(members: list[Member]) -> RowsView:
     tables, nl, bs = first.tables, first.num_layers, first.bs
     policy = members[0].policy
     needs: Needs = policy.needs  # type: ignore[attr-defined]
-    tables.declare_state(getattr(policy, "state", {}))
+    # `derived_state`: per-slot values that cache a function of `state` (pyramid's
+    # window total), kept and moved like it; a view without them is still complete.
+    state = {**getattr(policy, "state", {}), **getattr(policy, "derived_state", {})}
+    tables.declare_state(state, getattr(policy, "state_columns", ()))
     nb = max(max(m.cache.nblocks) for m in members)
     width = nb * bs
     rows = [m.cache.row for m in members]
@@ -111,8 +133,12 @@ def build_view(members: list[Member]) -> RowsView:
         lengths=[m.cache.layer_live[layer] for layer in range(nl) for m in members],
         positions=_rows(take_rows(tables.slot_pos, rows, width)),
         block_size=bs)
-    for name in getattr(policy, "state", {}):
-        view.state[name] = _rows(take_rows(tables.state[name], rows, width))
+    view.in_place = frozenset(getattr(policy, "state_in_place", ()))
+    for name in state:
+        if name in view.in_place:  # [L, r, W, ...]: the tables' own slice when it can be
+            view.state[name] = rows_slice(tables.state[name], rows, width)
+        else:
+            view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
         view.attention = _attention(members, width, needs.attention_heads)
     new_norms = needs.new_key_norm or needs.new_value_norm
@@ -156,7 +182,10 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     width = view.positions.shape[1]
     r = len(members)
     for name, t in view.state.items():  # the policy's updates, one copy per name
-        put_rows(tables.state[name], rows, t.view(nl, r, *t.shape[1:]))
+        if name not in view.in_place:
+            put_rows(tables.state[name], rows, t.view(nl, r, *t.shape[1:]))
+        elif not consecutive(rows):  # a copy of scattered rows: back where it came from
+            put_rows(tables.state[name], rows, t)
     if drop is None:
         return [(0, 0)] * r
     return carry_out([m.cache for m in members], drop.view(nl, r, width),

@@ -69,7 +69,8 @@ class PolicyRunner:
             for (r, m), (evicted, freed) in zip(members, done):
                 if m.rotate is not None and evicted:
                     r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-                self._count(r, evicted, freed)
+                if evicted or freed or r.policy_name not in self.evicted_tokens:
+                    self._count(r, evicted, freed)
             share = (time.perf_counter() - t) / len(members)
             for r, _ in members:
                 self._after(r, share)

@@ -11,8 +11,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -81,10 +84,273 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
   return {counts, emptied, same};
 }
 
+// A per-slot state as runs of slots: for (layer, row, run c) the slots' values start at
+// base + ((layer · Rt + row) · runs + c) · S · bytes. A state [L, Rt, S, ...] is one run
+// of `bytes` per slot; one stored by columns ([L, Rt, k, S]) is k runs of one value.
+struct StateRuns {
+  char* base;
+  int64_t runs;
+  int64_t bytes;
+};
+
+std::vector<StateRuns> state_runs(const std::vector<at::Tensor>& states, const at::Tensor& columns,
+                                  int64_t nl, int64_t rt, int64_t s) {
+  TORCH_CHECK(columns.dim() == 1 && columns.size(0) == static_cast<int64_t>(states.size()) &&
+              columns.scalar_type() == at::kBool, "columns must be [states] bool");
+  const at::Tensor by_cols = columns.contiguous();
+  std::vector<StateRuns> out;
+  for (size_t t = 0; t < states.size(); ++t) {
+    const at::Tensor& x = states[t];
+    const bool by_col = by_cols.data_ptr<bool>()[t];
+    TORCH_CHECK(x.is_contiguous() && x.dim() >= 3 && x.size(0) == nl && x.size(1) == rt &&
+                x.size(by_col ? 3 : 2) == s && (!by_col || x.dim() == 4),
+                "a state must be a contiguous [L, Rt, Wt * bs, ...] or [L, Rt, k, Wt * bs] tensor");
+    const int64_t runs = by_col ? x.size(2) : 1;
+    out.push_back({static_cast<char*>(x.data_ptr()), runs,
+                   x.numel() / (nl * rt * s * runs) * static_cast<int64_t>(x.element_size())});
+  }
+  return out;
+}
+
+// base[j] = old base[order[j]] for j < n, items of `bytes` (through a buffer).
+void permute_slots(char* base, const int64_t* order, int64_t n, int64_t bytes, std::vector<char>& buf) {
+  buf.resize(n * bytes);
+  for (int64_t j = 0; j < n; ++j) std::memcpy(buf.data() + j * bytes, base + order[j] * bytes, bytes);
+  std::memcpy(base, buf.data(), n * bytes);
+}
+
+// Return the blocks of the caches' rows with no live slot to the pool and close the gaps
+// (SlotTables.free_dead_blocks, whose torch form this is: about twenty sweeps over the
+// rows' tables, positions and every per-slot state, most of a cheap policy's step on the
+// steps a block empties). Per (layer, row) among `only` layers: block j < nb is alive if
+// a slot holds a position, or it is the tail block (j = nb - 1) with room for appends
+// (next < nb·bs); the alive blocks move to the front in order, then the dead ones, then
+// the rest up to w (the torch form's stable argsort), positions and each state moving
+// with their block; the table and positions past the kept blocks become -1. table
+// [L, Rt, Wt], slot_pos [L, Rt, Wt·bs] and states [L, Rt, Wt·bs, ...] (contiguous; a
+// state with `columns` set is given as its storage [L, Rt, k, Wt·bs], k runs of slots)
+// are updated in place; nblocks and next [L, R] are the caches' per layer. Returns (the
+// freed block ids in [L, R, w] order, the dead blocks per (layer, cache) [L, R]).
+std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_pos,
+                                             std::vector<at::Tensor> states,
+                                             const at::Tensor& columns, const at::Tensor& rows, const at::Tensor& nblocks,
+                                             const at::Tensor& next, const at::Tensor& only,
+                                             int64_t bs, int64_t w) {
+  TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "table must be a contiguous [L, Rt, Wt] int64 tensor");
+  const int64_t nl = table.size(0), rt = table.size(1), wt = table.size(2), s = wt * bs;
+  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous() &&
+              slot_pos.size(0) == nl && slot_pos.size(1) == rt && slot_pos.size(2) == s,
+              "slot_pos must be a contiguous [L, Rt, Wt * bs] int64 tensor");
+  TORCH_CHECK(bs > 0 && w >= 0 && w <= wt, "w must be within the table's width");
+  const int64_t r = rows.size(0);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
+  for (const at::Tensor* t : {&nblocks, &next})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == nl && t->size(1) == r && t->scalar_type() == at::kLong,
+                "nblocks and next must be [L, R] int64");
+  TORCH_CHECK(only.dim() == 1 && only.size(0) == nl && only.scalar_type() == at::kBool, "only must be [L] bool");
+  const std::vector<StateRuns> st = state_runs(states, columns, nl, rt, s);
+  const at::Tensor rw = rows.contiguous(), nb_t = nblocks.contiguous(), nx_t = next.contiguous();
+  const at::Tensor on = only.contiguous();
+  const int64_t* rp = rw.data_ptr<int64_t>();
+  const int64_t *nbp = nb_t.data_ptr<int64_t>(), *nxp = nx_t.data_ptr<int64_t>();
+  const bool* op = on.data_ptr<bool>();
+  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
+  for (int64_t i = 0; i < nl * r; ++i) TORCH_CHECK(nbp[i] >= 0 && nbp[i] <= w, "nblocks out of range");
+  at::Tensor counts = at::zeros({nl, r}, rows.options());
+  int64_t* cp = counts.data_ptr<int64_t>();
+  int64_t* tp = table.data_ptr<int64_t>();
+  int64_t* sp = slot_pos.data_ptr<int64_t>();
+  std::vector<int64_t> freed, order;
+  std::vector<char> buf;
+  for (int64_t l = 0; l < nl; ++l) {
+    if (!op[l]) continue;
+    for (int64_t i = 0; i < r; ++i) {
+      const int64_t row = rp[i], nb = nbp[l * r + i], nxt = nxp[l * r + i];
+      int64_t* tbl = tp + (l * rt + row) * wt;
+      int64_t* pos = sp + (l * rt + row) * s;
+      order.clear();
+      int64_t ndead = 0;
+      for (int64_t j = 0; j < nb; ++j) {
+        bool alive = j == nb - 1 && nxt < nb * bs;
+        for (int64_t k = j * bs; k < (j + 1) * bs && !alive; ++k) alive = pos[k] >= 0;
+        if (alive) order.push_back(j);
+        else ++ndead;
+      }
+      if (ndead == 0) continue;
+      const int64_t kept = nb - ndead;
+      for (int64_t j = 0; j < nb; ++j) {  // the dead blocks, in order, after the kept ones
+        bool alive = j == nb - 1 && nxt < nb * bs;
+        for (int64_t k = j * bs; k < (j + 1) * bs && !alive; ++k) alive = pos[k] >= 0;
+        if (!alive) { order.push_back(j); freed.push_back(tbl[j]); }
+      }
+      for (int64_t j = nb; j < w; ++j) order.push_back(j);
+      cp[l * r + i] = ndead;
+      // Move whole blocks of every per-slot array by `order`, then clear what lies past
+      // the kept blocks.
+      permute_slots(reinterpret_cast<char*>(tbl), order.data(), w, sizeof(int64_t), buf);
+      permute_slots(reinterpret_cast<char*>(pos), order.data(), w, bs * sizeof(int64_t), buf);
+      for (int64_t j = kept; j < w; ++j) tbl[j] = -1;
+      for (int64_t k = kept * bs; k < w * bs; ++k) pos[k] = -1;
+      for (const StateRuns& x : st)
+        for (int64_t c = 0; c < x.runs; ++c)
+          permute_slots(x.base + ((l * rt + row) * x.runs + c) * s * x.bytes, order.data(), w,
+                        bs * x.bytes, buf);
+    }
+  }
+  at::Tensor ids = at::empty({static_cast<int64_t>(freed.size())}, rows.options());
+  std::memcpy(ids.data_ptr<int64_t>(), freed.data(), freed.size() * sizeof(int64_t));
+  return {ids, counts};
+}
+
+// Pack every (cache, layer)'s live tokens, in order, into its first blocks
+// (SlotTables.compact, whose torch form this is: a dozen sweeps over the rows' whole
+// width, a sort, and a gather/scatter of every moved slot's K/V through index tensors;
+// about 1.4 ms per call at 16 requests of ~1k tokens). Per (layer, row) of the `only`
+// layers whose live count n differs from its next slot (a hole): the live slots move
+// down in order, their K/V copied slot by slot in increasing order (a token only moves
+// down and no later move reads a slot already written, so no buffer is needed); the
+// positions and each state are permuted as the torch form's stable order (live first,
+// then the dead, over the whole width), the positions past n become -1 and the blocks
+// from ceil(n / bs) on are released. Nothing is changed and `declined` is returned when
+// a destination block is shared (ref > 1): the caller's torch form copies it first.
+// flats: the pool's [2, slots, ...] tensors (K/V, scales). Returns (declined, released
+// block ids, new nblocks [L, R] (-1: unchanged), live counts [L, R], holes [L, R]).
+std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
+    at::Tensor table, at::Tensor slot_pos, std::vector<at::Tensor> states,
+    const at::Tensor& columns, std::vector<at::Tensor> flats, const at::Tensor& rows,
+    const at::Tensor& next, const at::Tensor& only, const at::Tensor& ref, int64_t bs) {
+  TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "table must be a contiguous [L, Rt, Wt] int64 tensor");
+  const int64_t nl = table.size(0), rt = table.size(1), wt = table.size(2), s = wt * bs;
+  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous() &&
+              slot_pos.size(0) == nl && slot_pos.size(1) == rt && slot_pos.size(2) == s,
+              "slot_pos must be a contiguous [L, Rt, Wt * bs] int64 tensor");
+  const int64_t r = rows.size(0);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
+  TORCH_CHECK(next.dim() == 2 && next.size(0) == nl && next.size(1) == r && next.scalar_type() == at::kLong,
+              "next must be [L, R] int64");
+  TORCH_CHECK(only.dim() == 1 && only.size(0) == nl && only.scalar_type() == at::kBool, "only must be [L] bool");
+  TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(), "ref must be [blocks] int32");
+  const std::vector<StateRuns> st = state_runs(states, columns, nl, rt, s);
+  std::vector<int64_t> flat_bytes;  // per flat: bytes of one slot
+  for (const at::Tensor& f : flats) {
+    TORCH_CHECK(f.is_contiguous() && f.dim() >= 2 && f.size(0) == 2 && f.size(1) == ref.size(0) * bs,
+                "a pool tensor must be a contiguous [2, blocks * bs, ...] tensor");
+    flat_bytes.push_back(f.numel() / (2 * f.size(1)) * f.element_size());
+  }
+  const at::Tensor rw = rows.contiguous(), nx_t = next.contiguous(), on = only.contiguous();
+  const int64_t *rp = rw.data_ptr<int64_t>(), *nxp = nx_t.data_ptr<int64_t>();
+  const bool* op = on.data_ptr<bool>();
+  const int32_t* refp = ref.data_ptr<int32_t>();
+  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
+  at::Tensor want = at::full({nl, r}, -1, rows.options());
+  at::Tensor count = at::zeros({nl, r}, rows.options());
+  at::Tensor hole = at::zeros({nl, r}, only.options());
+  int64_t *wp = want.data_ptr<int64_t>(), *np = count.data_ptr<int64_t>();
+  bool* hp = hole.data_ptr<bool>();
+  int64_t* tp = table.data_ptr<int64_t>();
+  int64_t* sp = slot_pos.data_ptr<int64_t>();
+  const int64_t nblocks_pool = ref.size(0);
+  // Pass 1: live counts, holes, and whether every destination block is ours alone.
+  for (int64_t l = 0; l < nl; ++l)
+    for (int64_t i = 0; i < r; ++i) {
+      const int64_t* pos = sp + (l * rt + rp[i]) * s;
+      const int64_t* tbl = tp + (l * rt + rp[i]) * wt;
+      int64_t n = 0, first = -1;
+      for (int64_t j = 0; j < s; ++j) {
+        if (pos[j] >= 0) ++n;
+        else if (first < 0) first = j;
+      }
+      np[l * r + i] = n;
+      if (!op[l] || n == nxp[l * r + i]) continue;
+      hp[l * r + i] = true;
+      for (int64_t col = first / bs; first >= 0 && first < n && col <= (n - 1) / bs; ++col) {
+        const int64_t b = tbl[col];
+        if (b >= 0 && b < nblocks_pool && refp[b] > 1)
+          return {true, at::empty({0}, rows.options()), want, count, hole};
+      }
+    }
+  // Pass 2: move.
+  std::vector<int64_t> freed, order(s);
+  std::vector<char> buf;
+  for (int64_t l = 0; l < nl; ++l)
+    for (int64_t i = 0; i < r; ++i) {
+      if (!hp[l * r + i]) continue;
+      const int64_t row = rp[i], n = np[l * r + i];
+      int64_t* pos = sp + (l * rt + row) * s;
+      int64_t* tbl = tp + (l * rt + row) * wt;
+      int64_t k = 0;
+      for (int64_t j = 0; j < s; ++j) if (pos[j] >= 0) order[k++] = j;
+      for (int64_t j = 0; j < s; ++j) if (pos[j] < 0) order[k++] = j;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t src = order[j];
+        if (src == j) continue;
+        const int64_t from = tbl[src / bs] * bs + src % bs, to = tbl[j / bs] * bs + j % bs;
+        for (size_t f = 0; f < flats.size(); ++f) {
+          char* base = static_cast<char*>(flats[f].data_ptr());
+          const int64_t half = flats[f].size(1) * flat_bytes[f], e = flat_bytes[f];
+          std::memcpy(base + to * e, base + from * e, e);
+          std::memcpy(base + half + to * e, base + half + from * e, e);
+        }
+      }
+      permute_slots(reinterpret_cast<char*>(pos), order.data(), s, sizeof(int64_t), buf);
+      for (int64_t j = n; j < s; ++j) pos[j] = -1;
+      for (const StateRuns& x : st)
+        for (int64_t c = 0; c < x.runs; ++c)
+          permute_slots(x.base + ((l * rt + row) * x.runs + c) * s * x.bytes, order.data(), s,
+                        x.bytes, buf);
+      const int64_t keep_blocks = (n + bs - 1) / bs;
+      for (int64_t col = keep_blocks; col < wt; ++col) {
+        if (tbl[col] >= 0) freed.push_back(tbl[col]);
+        tbl[col] = -1;
+      }
+      wp[l * r + i] = keep_blocks;
+    }
+  at::Tensor ids = at::empty({static_cast<int64_t>(freed.size())}, rows.options());
+  std::memcpy(ids.data_ptr<int64_t>(), freed.data(), freed.size() * sizeof(int64_t));
+  return {false, ids, want, count, hole};
+}
+
+// BlockPool.release's reference counting (its torch form: an index_add, a gather, a
+// compare, a mask and a unique, each a dispatch that costs more than the work on the
+// few ids a plan frees): drop one reference per id in `ids` (int64) from `ref` (int32),
+// then return the ids whose count reached zero, sorted and unique.
+at::Tensor release_refs(at::Tensor ref, const at::Tensor& ids) {
+  TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(),
+              "ref must be a contiguous [blocks] int32 tensor");
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be [n] int64");
+  const at::Tensor x = ids.contiguous();
+  const int64_t* ip = x.data_ptr<int64_t>();
+  int32_t* rp = ref.data_ptr<int32_t>();
+  const int64_t n = x.size(0), nb = ref.size(0);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < nb, "block id out of range");
+  for (int64_t i = 0; i < n; ++i) --rp[ip[i]];
+  std::vector<int64_t> dead;
+  for (int64_t i = 0; i < n; ++i)
+    if (rp[ip[i]] == 0) dead.push_back(ip[i]);
+  std::sort(dead.begin(), dead.end());
+  dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
+  at::Tensor out = at::empty({static_cast<int64_t>(dead.size())}, x.options());
+  std::memcpy(out.data_ptr<int64_t>(), dead.data(), dead.size() * sizeof(int64_t));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_tables, m) {
   m.def("mark_dead(Tensor(a!) slot_pos, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor, Tensor)");
+  m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, Tensor rows, "
+        "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
+  m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
+  m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
+        "Tensor(d!)[] flats, Tensor rows, Tensor next, Tensor only, Tensor ref, int bs) "
+        "-> (bool, Tensor, Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) { m.impl("mark_dead", mark_dead); }
+TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
+  m.impl("mark_dead", mark_dead);
+  m.impl("free_dead", free_dead);
+  m.impl("compact_rows", compact_rows);
+  m.impl("release_refs", release_refs);
+}

@@ -1,0 +1,244 @@
+"""The policies' C++ state updates (`policies/csrc/state_cpu.cpp`) against their torch
+forms: pyramid's window ring and its fixed-point total (`policies/pyramid.py::_window_ring`:
+the same bits, and the total always the ring's sum) and LazyEviction's
+decode-step tracking (`policies/lazy_eviction.py::_tracked`), on slices of a larger
+table (as the engine hands them, in place), with dead slots, NaN (unseen) activation
+times, masses at the threshold and tokens after the query; and a policy run with and
+without the ops keeps the same tokens."""
+
+import math
+
+import pytest
+import torch
+
+from policies import pyramid, rows
+from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy, _track
+from policies.pyramid import PyramidConfig, PyramidPolicy
+from policies.rows import RowsView
+from scheduler.policy_rows import load_select
+from tests.policy_views import Sim
+
+
+@pytest.fixture
+def native():
+    if not load_select() or not rows.NATIVE["state"]:
+        pytest.skip("no C++ compiler")
+
+
+def _positions(g: torch.Generator, n: int, w: int) -> torch.Tensor:
+    pos = torch.arange(w).repeat(n, 1)
+    pos[torch.rand(n, w, generator=g) < 0.3] = -1
+    return pos
+
+
+def _ring_table(g: torch.Generator, nl: int, rows: int, slots: int, a: int,
+                columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ring [L, R, S, α] (stored by columns, as SlotTables keeps pyramid's, or by
+    slots) of masses with exact zeros and ties, and the total that matches it."""
+    ring = torch.rand(nl, rows, slots, a, generator=g) ** 4
+    ring[ring < 0.05] = 0.0
+    ring[..., 1] = ring[..., 0]
+    if columns:
+        ring = ring.transpose(2, 3).contiguous().transpose(2, 3)
+    total = pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3))
+    return ring, total
+
+
+SHIFT = pyramid._shift(32)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_window_ring_matches_torch(seed, native, monkeypatch):
+    g = torch.Generator().manual_seed(seed)
+    nl, r, big_r, w, a = 3, 4, 7, 40, [32, 5, 8][seed % 3]
+    k = [0, 1, 3][seed % 3 if seed < 3 else (seed + 1) % 3]
+    ring, total = _ring_table(g, nl, big_r, w + 9, a, columns=seed % 2 == 0)
+    n = nl * r
+    pos = _positions(g, n, w)
+    new = torch.rand(n, k, w, generator=g) * (pos >= 0)[:, None]
+    cols = torch.stack([torch.randperm(a, generator=g)[:k] for _ in range(n)])
+    want = seed != 4
+    got_ring, got_total = ring.clone(), total.clone()
+
+    def run(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
+        return pyramid._window_ring(x.narrow(1, 2, r).narrow(2, 0, w),
+                                    t.narrow(1, 2, r).narrow(2, 0, w), new, cols, pos, want, SHIFT)
+
+    got = run(got_ring, got_total)
+    monkeypatch.setitem(rows.NATIVE, "state", False)
+    ref = run(ring, total)
+    assert torch.equal(got_ring, ring) and torch.equal(got_total, total)  # in place, alike
+    # the running total is the window's: the fixed-point sum of the ring as it is now
+    assert torch.equal(total, pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3)))
+    if want:
+        assert torch.equal(got, ref)
+        exact = pyramid._fixed(ring.narrow(1, 2, r).narrow(2, 0, w), SHIFT).sum(dim=3)
+        want_scores = (exact.reshape(n, w).double() * 2.0 ** -SHIFT).float()
+        assert torch.equal(got, want_scores.masked_fill(pos < 0, 0.0))
+        assert torch.allclose(got, ring.narrow(1, 2, r).narrow(2, 0, w).double().sum(dim=3)
+                              .reshape(n, w).float().masked_fill(pos < 0, 0.0), rtol=1e-6, atol=0)
+    else:
+        assert got is None and ref is None
+
+
+def _lazy_view(g: torch.Generator, nl: int, r: int, w: int) -> RowsView:
+    prompt = torch.randint(5, 20, (r,), generator=g).tolist()
+    seq = [p + int(torch.randint(1, 30, (), generator=g)) for p in prompt]
+    pos = _positions(g, nl * r, w)
+    att = torch.rand(nl * r, 1, 1, w, generator=g) ** 6 * (pos >= 0)[:, None, None]
+    att[..., ::7] = 0.0
+    view = RowsView(num_layers=nl, num_new=1, seq_len=seq, prompt_len=prompt,
+                    prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
+                    positions=pos, block_size=4, attention=att,
+                    in_place=frozenset({"ts", "mri"}))
+    return view
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lazy_track_matches_torch(seed, native, monkeypatch):
+    g = torch.Generator().manual_seed(seed)
+    nl, r, w = 2, 3, 50
+    ts = torch.randint(-20, 40, (nl, 5, w + 3), generator=g).float()
+    ts[torch.rand(ts.shape, generator=g) < 0.3] = math.nan
+    mri = torch.randint(0, 9, (nl, 5, w + 3), generator=g).float()
+    view = _lazy_view(torch.Generator().manual_seed(100 + seed), nl, r, w)
+    total = view.attention.sum(dim=(-2, -1)).clamp_min(1e-30)  # as head_mean
+    p = view.attention[:, 0, 0] / total
+    alpha = float(p[p > 0].median())  # a float32 value: exact ties with some slots
+    assert bool((p == alpha).any())
+    got = {"ts": ts.clone(), "mri": mri.clone()}
+    _track(_with_state(view, got), alpha)
+    monkeypatch.setitem(rows.NATIVE, "state", False)
+    _track(_with_state(view, {"ts": ts, "mri": mri}), alpha)
+    assert torch.equal(got["ts"].nan_to_num(-99), ts.nan_to_num(-99))
+    assert torch.equal(got["mri"], mri)
+
+
+def _with_state(view: RowsView, table: dict) -> RowsView:
+    """The view over rows 1..r of `table`'s [L, 5, W + 3] tensors, in place."""
+    r, w = view.num_requests, view.positions.shape[1]
+    for name, t in table.items():
+        view.state[name] = t.narrow(1, 1, r).narrow(2, 0, w)
+    return view
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PyramidPolicy(PyramidConfig(budget=24, obs_window=8)),
+    lambda: LazyEvictionPolicy(LazyEvictionConfig(budget=20, window=4, alpha=0.02)),
+])
+def test_policies_keep_the_same_tokens_with_and_without_the_ops(make, native, monkeypatch):
+    plans = []
+    for on in (True, False):
+        monkeypatch.setitem(rows.NATIVE, "state", on)
+        sim, got = Sim(make(), seed=3), []
+        got.append(sim.step(40, 40))
+        for _ in range(30):
+            got.append(sim.step(1, 40))
+        plans.append([{k: v.tolist() for k, v in p.items()} for p in got])
+    assert plans[0] == plans[1]
+    assert any(plans[0])
+
+
+ENGINE_CONFIGS = [
+    *[{"name": "pyramid", "budget": 24, "obs_window": 8, "beta": 4}] * 3,
+    {"name": "pyramid", "budget": 20, "obs_window": 5, "compact": True},
+    *[{"name": "lazy_eviction", "budget": 24, "window": 6, "alpha": 0.01}] * 3,
+]
+
+
+def _live(llm) -> dict[str, list[list[int]]]:
+    out = {}
+    for r in llm.engine.scheduler.running:
+        sp = r.cache.slot_pos
+        out[r.request_id] = [sorted(sp[layer][sp[layer] >= 0].tolist()) for layer in range(sp.shape[0])]
+    return out
+
+
+def test_engine_keeps_the_same_tokens_with_and_without_the_ops(native, tmp_path, monkeypatch):
+    """On a real forward with blocks freed and compacted (state moving with its token):
+    the same kept positions every step with the C++ state updates and with the torch
+    forms, and pyramid's running window total stays the fixed-point sum of its ring."""
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
+    llms = [LLM(model, num_blocks=2000, block_size=4, max_num_batched_tokens=256)
+            for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    for i, cfg in enumerate(ENGINE_CONFIGS):
+        prompt = torch.randint(5, 250, (30 + 7 * i,), generator=gen).tolist()
+        for llm in llms:
+            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=60, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    steps = 0
+    while llms[0].engine.has_unfinished():
+        for llm, on in zip(llms, (True, False)):
+            monkeypatch.setitem(rows.NATIVE, "state", on)
+            llm.engine.step()
+        steps += 1
+        assert _live(llms[0]) == _live(llms[1]), steps
+        tables = llms[0].engine.scheduler.running[0].cache.tables if llms[0].engine.scheduler.running else None
+        for a in (8, 5):
+            if tables is None or f"pyramid_window{a}" not in tables.state:
+                continue
+            ring, total = tables.state[f"pyramid_window{a}"], tables.state[f"pyramid_total{a}"]
+            assert ring.stride(2) == 1 and total.stride(2) == 1  # stored by columns
+            live = tables.slot_pos >= 0
+            exact = pyramid._split(pyramid._fixed(ring, pyramid._shift(a)).sum(dim=3))
+            assert torch.equal(total[live], exact[live])
+    assert not llms[1].engine.has_unfinished()
+    for llm in llms:
+        llm.engine.check_invariants()
+    stats = llms[0].engine.stats()
+    assert stats.evicted_tokens_by_policy_total.get("lazy_eviction", 0) > 0
+    assert stats.freed_blocks_by_policy_total.get("pyramid", 0) > 0
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8])
+def test_head_sum_is_torch_sum(hkv):
+    """The view's mass summed over kv heads by a chain of adds (policy_rows.head_sum):
+    the same bits as torch's sum over that dim, on a strided slice as the runner's."""
+    from scheduler.policy_rows import head_sum
+
+    g = torch.Generator().manual_seed(hkv)
+    mass = torch.rand(3, 9, 2, hkv, 70, generator=g) ** 3
+    sel = mass.narrow(1, 2, 5)[..., :61]
+    assert torch.equal(head_sum(sel), sel.sum(dim=3, keepdim=True))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pyramid_ranks_by_torchs_float32_sums(seed, native, monkeypatch):
+    """Pyramid's drops are those of the window's float32 sums as torch takes them, also
+    where only their last bits differ: slots whose rings hold the same values in other
+    orders have equal exact totals but sums a bit apart, and the C++ path (exact totals
+    to find the few candidates that can be dropped, torch's sum for those) drops what
+    summing every slot drops."""
+    g = torch.Generator().manual_seed(seed)
+    nl, r, w, a = 2, 3, 64, 32
+    base = torch.rand(a, generator=g) ** 3
+    ring = (torch.rand(nl, r, w, a, generator=g) ** 3 + 0.2)
+    for row in range(nl * r):  # a third of each row: permutations of the lowest ring
+        for s in torch.randperm(w, generator=g)[: w // 3].tolist():
+            ring[row // r, row % r, s] = base[torch.randperm(a, generator=g)]
+    ring = ring.transpose(2, 3).contiguous().transpose(2, 3)  # by columns, as the tables
+    pos = torch.arange(w).repeat(nl * r, 1)
+    pos[:, 5] = -1
+    total = pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3))
+    sums = ring.reshape(nl * r, w, a).sum(dim=2)
+    assert (sums.view(nl * r, w)[:, :].unique().numel() < w * nl * r)  # ties exist ...
+    p = PyramidPolicy(PyramidConfig(budget=40, obs_window=a))
+    view = RowsView(num_layers=nl, num_new=1, seq_len=[w] * r, prompt_len=[10] * r,
+                    prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
+                    positions=pos, block_size=4, state={next(iter(p.state)): ring},
+                    in_place=frozenset(p.state))
+    keep = [w - 1 - d for d in [1, 3, 8, 20, 1, 2]]
+    edges = [2] * (nl * r)
+    totals = pyramid._window_ring(ring, total, torch.zeros(nl * r, 0, w),
+                                  torch.zeros(nl * r, 0, dtype=torch.int64), pos, True, SHIFT)
+    got = pyramid._drop_near(p, view, totals, keep, edges)
+    want = rows.keep_highest(view, pyramid._torch_sums(p, view), keep, first=edges, last=edges)
+    assert torch.equal(got, want)
+    assert got.sum(dim=1).tolist() == [1, 3, 8, 20, 1, 2]
+    exact_ties = (totals[:, None, :] == totals[:, :, None]).sum() > totals.numel()
+    assert exact_ties  # ... and equal exact totals whose float32 sums differ

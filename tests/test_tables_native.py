@@ -1,0 +1,176 @@
+"""The slot tables' C++ block freeing (`kvpool/csrc/tables_cpu.cpp::free_dead`) against
+its torch form (`SlotTables.free_dead_blocks`): random rows of tables, positions and
+per-slot state (a value, k values per slot, k values stored by columns) with emptied blocks, tail blocks with
+and without room, some layers only, rows not in table order; the tables, the state,
+the caches' sizes and the blocks released must all be the same."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvpool import tables as tables_mod
+from kvpool.tables import SlotTables
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release(self, ids: torch.Tensor) -> None:
+        self.released += sorted(ids.tolist())
+
+
+def _setup(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    nl, bs, nrows, width = 3, 4, 6, 8
+    t = SlotTables(nl, bs, rows=nrows, width_blocks=width)
+    t.declare_state({"score": 0.5, "ring": (0.0, 3), "cols": (-1.0, 5)}, columns=("cols",))
+    caches, next_id = [], 0
+    for row in [4, 1, 2, 5][: 2 + seed % 3]:
+        nb = [int(torch.randint(1, width + 1, (), generator=g)) for _ in range(nl)]
+        nxt = [b * bs - int(torch.randint(0, bs, (), generator=g)) for b in nb]
+        for layer in range(nl):
+            t.table[layer, row, : nb[layer]] = torch.arange(next_id, next_id + nb[layer])
+            next_id += nb[layer]
+            pos = torch.arange(nxt[layer])
+            pos[torch.rand(nxt[layer], generator=g) < 0.6] = -1
+            blocks = torch.rand(nb[layer], generator=g) < 0.4  # some blocks emptied whole
+            pos = pos.masked_fill(blocks.repeat_interleave(bs)[: nxt[layer]], -1)
+            t.slot_pos[layer, row, : nxt[layer]] = pos
+        caches.append(SimpleNamespace(row=row, nblocks=nb, next_slot=nxt))
+    t.state["score"].copy_(torch.rand(t.state["score"].shape, generator=g))
+    t.state["ring"].copy_(torch.rand(t.state["ring"].shape, generator=g))
+    t.state["cols"].copy_(torch.rand(t.state["cols"].shape, generator=g))  # stored by columns
+    return t, caches
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_free_dead_blocks_matches_torch(seed, monkeypatch):
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    layers = [0, 2] if seed % 4 == 3 else None
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        t, caches = _setup(seed)
+        pool = _Pool()
+        freed = t.free_dead_blocks(pool, caches, layers)
+        runs.append((t, [(c.nblocks, c.next_slot) for c in caches], pool.released, freed))
+    (a, ca, ra, fa), (b, cb, rb, fb) = runs
+    assert fa == fb and ca == cb and ra == rb
+    assert sum(fa) > 0
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    for name in a.state:
+        assert torch.equal(a.state[name], b.state[name]), name
+    assert a.state["cols"].stride(2) == 1  # still stored by columns
+
+
+def test_state_by_columns_reads_like_by_slots_and_survives_growth():
+    t = SlotTables(2, 4, rows=2, width_blocks=2)
+    t.declare_state({"a": (0.0, 3), "b": (0.0, 3)}, columns=("b",))
+    for name in ("a", "b"):
+        t.state[name][1, 1, 5] = torch.tensor([1.0, 2.0, 3.0])
+    t.fill_state(torch.arange(2)[:, None], 1, torch.tensor([[6], [6]]))
+    t.ensure_width(5)
+    t.acquire_row(), t.acquire_row(), t.acquire_row()
+    assert t.state["b"].stride(2) == 1 and t.state["a"].stride(3) == 1
+    assert torch.equal(t.state["a"], t.state["b"])
+    assert t.state["b"][1, 1, 5].tolist() == [1.0, 2.0, 3.0]
+
+
+def _pool_case(seed: int, shared: bool = False):
+    """Three caches of a real pool with scattered drops (their K/V random), as
+    compaction finds them; `shared`: one destination block held twice."""
+    from kvpool.pool import BlockPool
+    from kvpool.seq_cache import SeqCache
+
+    g = torch.Generator().manual_seed(seed)
+    pool = BlockPool(300, 4, 2, 8, dtype=[torch.float32, torch.bfloat16, "int8"][seed % 3])
+    pool.kv.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv.view(torch.uint8).shape,
+                                                  generator=g, dtype=torch.uint8))
+    if pool.scales is not None:  # a quantized pool: the scales move with their slots
+        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g).half())
+    t = SlotTables(3, 4)
+    t.declare_state({"score": 0.5, "ring": (0.0, 3), "cols": (-1.0, 5)}, columns=("cols",))
+    caches = []
+    for i in range(3):
+        c = SeqCache(pool, 3, tables=t)
+        c.append(torch.arange(20 + 9 * i))
+        caches.append(c)
+    for name in t.state:
+        t.state[name].copy_(torch.rand(t.state[name].shape, generator=g))
+    for c in caches:
+        width = max(c.nblocks) * 4
+        dead = torch.rand((3, 1, width), generator=g) < 0.3
+        if seed % 2 == 0:
+            dead[:, :, :8] = False  # the first blocks untouched: moves start later
+        t.evict_mask(pool, [c], dead)
+    if shared:
+        pool.ref[caches[1].table[0, 0]] += 1
+    return pool, t, caches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_compaction_matches_torch(seed, monkeypatch):
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    layers = [0, 2] if seed % 4 == 3 else None
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        pool, t, caches = _pool_case(seed)
+        free_before = pool.num_free
+        freed = t.compact(pool, caches, layers)
+        runs.append((pool, t, [(c.nblocks, c.next_slot, c.alike, c.layer_live) for c in caches],
+                     freed, pool.num_free - free_before))
+    (pa, a, ca, fa, na), (pb, b, cb, fb, nb) = runs
+    assert fa == fb and ca == cb and na == nb and sum(fa) > 0
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    for name in a.state:
+        assert torch.equal(a.state[name], b.state[name]), name
+    assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))  # every slot's K/V
+    if pa.scales is not None:
+        assert torch.equal(pa.scales, pb.scales)
+    assert torch.equal(pa.ref, pb.ref)
+
+
+def test_native_compaction_declines_a_shared_destination(monkeypatch):
+    """A destination block another request holds: the C++ pass changes nothing and the
+    torch form copies the block first (copy-on-write), as without the C++ pass."""
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        pool, t, caches = _pool_case(1, shared=True)
+        runs.append((pool, t, t.compact(pool, caches)))
+    (pa, a, fa), (pb, b, fb) = runs
+    assert fa == fb
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_release_matches_torch(seed, monkeypatch):
+    """BlockPool.release's C++ reference counting (csrc/tables_cpu.cpp::release_refs):
+    the same counts and the same free list as the torch form, ids repeated included."""
+    from kvpool import pool as pool_mod
+    from kvpool.pool import BlockPool
+
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(seed)
+    refs = torch.randint(1, 4, (64,), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, 64, (40,), generator=g)
+    pools = []
+    for native in (True, False):
+        monkeypatch.setattr(pool_mod, "load_mark", lambda n=native: n)
+        p = BlockPool(64, 4, 1, 8)
+        p.ref.copy_(refs)
+        p._free.clear()
+        p.release(ids)
+        p.release(ids[:7])
+        pools.append(p)
+    assert torch.equal(pools[0].ref, pools[1].ref)
+    assert pools[0]._free == pools[1]._free and pools[0]._free
