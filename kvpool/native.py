@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+# A build takes 25-60 s here. torch's lock file outlives a build that was killed (Ctrl-C,
+# a test timeout), and every later load then waits for it forever; one this old is such.
+STALE_LOCK_S = 600.0
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
 
@@ -34,8 +38,9 @@ def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> boo
     if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
         log.info("loading C++ ops %s (the first start compiles them)", name)
         load(name=name, sources=[str(source)], is_python_module=False, extra_cflags=cflags,
              extra_ldflags=ldflags, verbose=False)
@@ -43,3 +48,18 @@ def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> boo
     except Exception as exc:  # no compiler, no headers, ...: the torch path still works
         log.warning("C++ ops %s unavailable (%s); using the torch path", name, exc)
         return False
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove `build_dir`'s build lock if it is older than `max_age_s` (left by a killed
+    build: no live build holds a lock that long); returns whether it did."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("removing a stale C++ build lock %s (%.0f s old: a killed build)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
