@@ -12,6 +12,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -119,6 +120,18 @@ void permute_slots(char* base, const int64_t* order, int64_t n, int64_t bytes, s
   std::memcpy(base, buf.data(), n * bytes);
 }
 
+// The layered tables every pass below walks: table [L, Rt, Wt] and slot_pos
+// [L, Rt, Wt * bs], both contiguous int64; returns L, Rt, Wt and Wt * bs.
+std::array<int64_t, 4> check_tables(const at::Tensor& table, const at::Tensor& slot_pos, int64_t bs) {
+  TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
+              "table must be a contiguous [L, Rt, Wt] int64 tensor");
+  const int64_t nl = table.size(0), rt = table.size(1), wt = table.size(2), s = wt * bs;
+  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous() &&
+              slot_pos.size(0) == nl && slot_pos.size(1) == rt && slot_pos.size(2) == s,
+              "slot_pos must be a contiguous [L, Rt, Wt * bs] int64 tensor");
+  return {nl, rt, wt, s};
+}
+
 // Return the blocks of the caches' rows with no live slot to the pool and close the gaps
 // (SlotTables.free_dead_blocks, whose torch form this is: about twenty sweeps over the
 // rows' tables, positions and every per-slot state, most of a cheap policy's step on the
@@ -136,12 +149,8 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
                                              const at::Tensor& columns, const at::Tensor& rows, const at::Tensor& nblocks,
                                              const at::Tensor& next, const at::Tensor& only,
                                              int64_t bs, int64_t w) {
-  TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
-              "table must be a contiguous [L, Rt, Wt] int64 tensor");
-  const int64_t nl = table.size(0), rt = table.size(1), wt = table.size(2), s = wt * bs;
-  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous() &&
-              slot_pos.size(0) == nl && slot_pos.size(1) == rt && slot_pos.size(2) == s,
-              "slot_pos must be a contiguous [L, Rt, Wt * bs] int64 tensor");
+  const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
+  const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
   TORCH_CHECK(bs > 0 && w >= 0 && w <= wt, "w must be within the table's width");
   const int64_t r = rows.size(0);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
@@ -220,12 +229,8 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
     at::Tensor table, at::Tensor slot_pos, std::vector<at::Tensor> states,
     const at::Tensor& columns, std::vector<at::Tensor> flats, const at::Tensor& rows,
     const at::Tensor& next, const at::Tensor& only, const at::Tensor& ref, int64_t bs) {
-  TORCH_CHECK(table.dim() == 3 && table.scalar_type() == at::kLong && table.is_contiguous(),
-              "table must be a contiguous [L, Rt, Wt] int64 tensor");
-  const int64_t nl = table.size(0), rt = table.size(1), wt = table.size(2), s = wt * bs;
-  TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous() &&
-              slot_pos.size(0) == nl && slot_pos.size(1) == rt && slot_pos.size(2) == s,
-              "slot_pos must be a contiguous [L, Rt, Wt * bs] int64 tensor");
+  const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
+  const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
   const int64_t r = rows.size(0);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
   TORCH_CHECK(next.dim() == 2 && next.size(0) == nl && next.size(1) == r && next.scalar_type() == at::kLong,
