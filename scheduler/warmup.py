@@ -2,9 +2,9 @@
 
 Why: `/ready` tells a load balancer to route traffic here, so whatever is still lazy at
 that moment lands on the first client's TTFT. On CPU the lazy part is large: the greedy
-argmax op (`engine/csrc/greedy_cpu.cpp`), the policies' selection
-(`policies/csrc/select_cpu.cpp`), the tables' marking (`kvpool/csrc/tables_cpu.cpp`) and
-the pool's key statistics (`kvpool/csrc/key_stats_cpu.cpp`) are built on their first
+argmax op (`engine/csrc/greedy_cpu.cpp`), the policies' selection and state updates
+(`policies/csrc/select_cpu.cpp`, `state_cpu.cpp`), the tables' marking
+(`kvpool/csrc/tables_cpu.cpp`) and the pool's key statistics (`kvpool/csrc/key_stats_cpu.cpp`) are built on their first
 call (~10-25 s on a machine that has not cached it; a dlopen otherwise), and the first
 forward pays for oneDNN primitive creation, allocator growth and the tokenizer's first
 decode. On CUDA the Triton kernels compile on their first launch for each shape family.
@@ -32,6 +32,7 @@ from engine.sampling import SamplingParams
 from kvpool.cpu_attention import kernel_available
 from kvpool.key_stats import load_key_stats
 from kvpool.tables import load_mark
+from policies.rows import NATIVE
 from scheduler.outputs import EngineStats
 from scheduler.policy_rows import load_select
 
@@ -54,8 +55,10 @@ def load_native_ops(device: torch.device) -> dict[str, bool]:
     if device.type != "cpu":
         return {}
     greedy_tokens(torch.zeros(1, 2))  # builds/loads kvserve_greedy_cpu on its first call
-    return {"paged_decode_cpu": kernel_available(), "select_cpu": load_select(),
-            "tables_cpu": load_mark(), "key_stats_cpu": load_key_stats(),
+    select = load_select()  # and the policies' state updates beside the selection
+    return {"paged_decode_cpu": kernel_available(), "select_cpu": select,
+            "state_cpu": NATIVE["state"], "tables_cpu": load_mark(),
+            "key_stats_cpu": load_key_stats(),
             "greedy_cpu": hasattr(torch.ops, "kvserve_sampling")
             and hasattr(torch.ops.kvserve_sampling, "greedy")}
 
