@@ -107,6 +107,15 @@ def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.T
     return torch.full((*slots, k), fill, dtype=torch.float32)
 
 
+def _layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
+    """[L] bool: the layers a pass works on (None: all)."""
+    if layers is None:
+        return torch.ones(num_layers, dtype=torch.bool)
+    only = torch.zeros(num_layers, dtype=torch.bool)
+    only[layers] = True
+    return only
+
+
 def _by_columns(t: torch.Tensor) -> bool:
     """A state stored by columns (`_new_state`)."""
     return t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1
@@ -314,13 +323,9 @@ class SlotTables:
         nb = torch.tensor([c.nblocks for c in caches], dtype=torch.int64).t()  # [L, R]
         nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()
         if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
-            only = torch.ones(nl, dtype=torch.bool)
-            if layers is not None:
-                only = torch.zeros(nl, dtype=torch.bool)
-                only[layers] = True
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, *self._native_states(),
-                torch.tensor(rows, dtype=torch.int64), nb, nxt, only, bs, w)
+                torch.tensor(rows, dtype=torch.int64), nb, nxt, _layer_mask(nl, layers), bs, w)
             return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
         pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
@@ -331,9 +336,7 @@ class SlotTables:
         alive |= (cols == (nb - 1).clamp(min=0)[..., None]) & (nxt < nb * bs)[..., None]
         dead = held & ~alive
         if layers is not None:
-            only = torch.zeros(nl, dtype=torch.bool)
-            only[layers] = True
-            dead &= only[:, None, None]
+            dead &= _layer_mask(nl, layers)[:, None, None]
         counts = dead.sum(dim=2).t().tolist()  # [R][L]
         if not any(map(any, counts)):
             return [0] * len(caches)
@@ -397,9 +400,7 @@ class SlotTables:
         n = live.sum(dim=2)
         hole = n != nxt
         if layers is not None:
-            only = torch.zeros(nl, dtype=torch.bool)
-            only[layers] = True
-            hole &= only[:, None]
+            hole &= _layer_mask(nl, layers)[:, None]
         ar = torch.arange(s_len)
         order = torch.where(live, ar, s_len + ar).argsort(dim=2)  # live first, in order
         moved = (ar < n[..., None]) & (order != ar) & hole[..., None]
@@ -444,16 +445,11 @@ class SlotTables:
         and K/V moved slot by slot, no sort, no index tensors), for a pool without
         published blocks; None, with nothing changed, when a destination block is
         shared: the torch form copies it first."""
-        nl = self.num_layers
-        only = torch.ones(nl, dtype=torch.bool)
-        if layers is not None:
-            only = torch.zeros(nl, dtype=torch.bool)
-            only[layers] = True
         declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
             self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
             torch.tensor([c.row for c in caches], dtype=torch.int64),
-            torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t(), only,
-            pool.ref, self.bs)
+            torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t(),
+            _layer_mask(self.num_layers, layers), pool.ref, self.bs)
         if declined:
             return None
         counts = hole.t().tolist()

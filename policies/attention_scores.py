@@ -23,7 +23,14 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import Needs, StepView, chunked_envelope, head_mean, prompt_budget
+from policies.base import (
+    Needs,
+    StepView,
+    chunked_envelope,
+    head_mean,
+    prompt_budget,
+    sum_dims,
+)
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 from policies.rows import RowsView, keep_highest
 
@@ -77,9 +84,7 @@ class H2OPolicy:
         c = policies[0].config
         assert view.attention is not None
         acc = view.layered("acc")  # [L, R, W]
-        att = view.attention  # [N, Tq, Hkv, W]: a decode step's is [N, 1, 1, W], no sum
-        acc += (att[:, 0, 0] if att.shape[1] == att.shape[2] == 1 else att.sum(dim=(1, 2))
-                ).view(acc.shape)
+        acc += sum_dims(view.attention, (1, 2)).view(acc.shape)  # [N, Tq, Hkv, W] -> [N, W]
         acc = acc.reshape(view.positions.shape)  # [N, W]: a copy for the selection
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):

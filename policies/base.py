@@ -133,11 +133,25 @@ def prefill_envelope(seq_len: int, prompt_len: int | None, after: int) -> int:
     return min(seq_len, max(prompt_len - 1, after))
 
 
+def sum_dims(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """t summed over `dims`, which are dropped. Where they all have size 1 (a decode
+    step's one query, the view's one kv group) a view of t: the same values, and torch's
+    sum would still run a reduction kernel over them."""
+    if all(t.shape[d] == 1 for d in dims):
+        return t.squeeze(dims)
+    return t.sum(dim=dims)
+
+
+def head_parts(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`head_mean`'s numerator [..., Tq, n] and denominator [..., Tq], for a caller that
+    divides elsewhere (LazyEviction's C++ tracking) and must round as it does."""
+    return (sum_dims(attention, (-2,)),
+            attention.sum(dim=(-2, -1), keepdim=False).clamp_min(1e-30))
+
+
 def head_mean(attention: torch.Tensor) -> torch.Tensor:
     """[..., Tq, Hkv, n] mass summed per kv group -> [..., Tq, n] probability averaged
     over all query heads (each query row sums to 1 over its live tokens; a row of the
     view sums to H = Hkv·G)."""
-    total = attention.sum(dim=(-2, -1), keepdim=False).clamp_min(1e-30)
-    # one kv group (the decode-time view's, summed over heads): no sum over a dim of 1
-    per = attention.select(-2, 0) if attention.shape[-2] == 1 else attention.sum(dim=-2)
+    per, total = head_parts(attention)
     return per / total[..., None]

@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import Needs, chunked_envelope, head_mean, resolve_budget
+from policies.base import Needs, chunked_envelope, head_mean, head_parts, resolve_budget
 from policies.config import Budget, EvictingPolicyConfig, budget_field
 from policies.rows import NATIVE, RowsView, drop_lowest
 
@@ -124,9 +124,7 @@ class LazyEvictionPolicy:
         ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
         drop = drop_lowest(view.positions[at], importance(t, ts, mri),
                            [view.lengths[i] - keep[i] for i in rows], last=c.window)
-        mask = torch.zeros(view.positions.shape, dtype=torch.bool)
-        mask[at] = drop
-        return mask
+        return view.rows_mask(at, drop)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
@@ -143,11 +141,9 @@ def _track(view: RowsView, alpha: float) -> None:
     assert view.attention is not None
     ts, mri = view.layered("ts"), view.layered("mri")  # [L, R, W]
     if view.attention.shape[1] == 1 and NATIVE["state"] and ts.device.type == "cpu":
-        att = view.attention  # [N, 1, Hkv, W]
-        total = att.sum(dim=(-2, -1)).clamp_min(1e-30)  # as head_mean
-        mass = att[:, 0, 0] if att.shape[2] == 1 else att[:, 0].sum(dim=1)  # as head_mean
+        mass, total = head_parts(view.attention)  # [N, 1, W], [N, 1]
         torch.ops.kvserve_policy_state.lazy_track(
-            ts, mri, mass, total[:, 0], view.positions,
+            ts, mri, mass[:, 0], total[:, 0], view.positions,
             torch.tensor(view.per_row([s - 1 for s in view.seq_len])),
             torch.tensor(view.per_row(view.prompt_len)), alpha)
         return

@@ -98,9 +98,7 @@ def _block_drops_of(scores: torch.Tensor, view: RowsView, blocks: list[int],
     sub = _block_drops(scores[at], view.positions[at] >= 0, [view.lengths[i] for i in rows],
                        view.block_size, [blocks[i] for i in rows],
                        None if windows is None else [windows[i] for i in rows])
-    mask = torch.zeros(scores.shape, dtype=torch.bool)
-    mask[at] = sub
-    return mask
+    return view.rows_mask(at, sub)
 
 
 _NEW_NORMS = Needs(new_key_norm=True, new_value_norm=True)  # after the first plan

@@ -88,6 +88,14 @@ class RowsView:
         rows = torch.arange(self.new_slots.shape[0])[:, None].expand_as(self.new_slots)
         t[rows // self.num_requests, rows % self.num_requests, self.new_slots] = values
 
+    def rows_mask(self, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """A plan [N, W] from one made for some rows only (`rows` [M], `mask` [M, W]):
+        the other rows drop nothing. For policies that score only the rows deciding this
+        step (rows are independent)."""
+        out = torch.zeros(self.positions.shape, dtype=torch.bool)
+        out[rows] = mask
+        return out
+
     def per_row(self, values: list[int] | list[float] | list[bool]) -> list:
         """Per-request host values repeated for each of its layers' rows."""
         return [v for _ in range(self.num_layers) for v in values]
