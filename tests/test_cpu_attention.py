@@ -285,3 +285,30 @@ def test_fewer_sequences_than_threads_split_by_kv_heads(hq: int, hkv: int, d: in
         check(case, window=50, probs=True, atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d", "kv_dtype"), [(8, 8, 64, torch.bfloat16),
+                                                          (8, 2, 64, torch.float16),
+                                                          (4, 4, 64, torch.float32)])
+def test_a_call_from_dram_touches_rows_and_answers_the_same(hq: int, hkv: int, d: int,
+                                                             kv_dtype: torch.dtype) -> None:
+    """A call over more than 8 MB of K/V (`kStreamBytes`) reads its rows with demand
+    loads in address order instead of prefetches: only the memory traffic differs, so
+    the answers are the bits of the same sequences attended one per call (each under
+    the limit), and match the torch path. Evictions and a window leave tiles whose rows
+    are not consecutive, and short last tiles."""
+    lens = [1500, 1203, 700, 1499, 1388, 911, 1450, 1321, 1024, 1499, 640, 1333]
+    evict = {0: [*range(5, 40), 700], 2: [0, 1, 2, 17, 18, 650], 5: [*range(100, 400)]}
+    case = narrow_pool(make_case(lens, [1] * len(lens), evict=evict, extra_blocks=1, hq=hq,
+                                 hkv=hkv, d=d, bs=16), kv_dtype)
+    row_bytes = hkv * d * case["k_cache"].element_size()
+    assert 2 * case["slot_pos"].numel() * row_bytes > 8 << 20  # the whole call streams
+    assert 2 * case["slot_pos"].shape[1] * row_bytes < 8 << 20  # one sequence does not
+    out, mass = paged_attention_cpu(**case, window=1200, return_probs=True)
+    for i in range(len(lens)):
+        one = {k: (v[i : i + 1] if k in ("q", "table", "slot_pos", "q_pos") else v)
+               for k, v in case.items()}
+        o, m = paged_attention_cpu(**one, window=1200, return_probs=True)
+        assert torch.equal(o, out[i : i + 1]) and torch.equal(m, mass[i : i + 1])
+    check(case, window=1200, probs=True)

@@ -101,6 +101,7 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   const at::Half *ks = nullptr, *vs = nullptr;
   int64_t sstride = 0;
   float sfac = 1.f;
+  bool stream = false;  // the call's K/V come from DRAM: rows are touched, not prefetched
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -321,6 +322,19 @@ inline void prefetch(const void* p, int64_t bytes) {
     __builtin_prefetch(static_cast<const char*>(p) + o, 0, LOCALITY);
 }
 
+// Read one byte of every cache line of `bytes` from p, in address order. Over a pool
+// that comes from DRAM this beats prefetching: the tile loops read a row a head at a
+// time (stride: the row), which the hardware prefetchers follow badly, while these
+// loads walk each block's rows in order and stay many in flight. The 160M shape in
+// bf16, blocks in random order, 12 layers' pools cycled, one thread: 1.34-1.47x faster
+// a call from 9 MiB a layer up, e.g. 64 sequences of 400 slots 10.8 -> 7.3 ms
+// (loadtest/bench_decode_kernel.py; docs/benchmarks.md, session 17). In cache it only
+// adds loads (~20% at 8 sequences called back to back), hence `Batch::stream`.
+inline void touch(const void* p, int64_t bytes) {
+  const volatile char* c = static_cast<const volatile char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) (void)c[o];
+}
+
 // One sequence, head dim D = 16 * NV, query heads taken GC at a time (GC divides G).
 template <typename TKV, int NV, int GC>
 void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
@@ -357,7 +371,10 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   for (int64_t t = 0; t < np; t += 16) {
     for (int s = 0; s < 16; ++s) {  // the next tile's rows
       const int64_t next = phys[std::min(t + 16 + s, n - 1)];
-      prefetch(a.k + next, row_bytes);
+      if (a.stream)
+        touch(a.k + next, row_bytes);
+      else
+        prefetch(a.k + next, row_bytes);
       prefetch<2>(a.v + next, v_ahead);
     }
     // Usually the tile's 16 rows follow each other in one block: address them from the
@@ -416,8 +433,11 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   std::fill(ob, ob + Hq * D, 0.f);
   for (int64_t t0 = 0; t0 < n; t0 += PT) {
     const int64_t t1 = std::min(t0 + PT, n);
-    for (int64_t i = t0; i < t1; ++i)  // the next tile's rows, while this one is summed
-      prefetch(a.v + phys[std::min(i + PT, n - 1)], row_bytes);
+    for (int64_t i = t0; i < t1; ++i)  // from DRAM: this tile's rows, in order; else the
+      if (a.stream)                    // next tile's, while this one is summed
+        touch(a.v + phys[i], row_bytes);
+      else
+        prefetch(a.v + phys[std::min(i + PT, n - 1)], row_bytes);
     for (int64_t h = 0, hq = 0; h < a.Hkv; ++h) {
       const TKV* vh = a.v + h * D;
       const float* vs_h = vsc == nullptr ? nullptr : vsc + h * np;
@@ -554,11 +574,19 @@ SeqFn<TKV> vector_seq(const Batch<TKV>& a) {
   return nullptr;
 }
 
+// K/V bytes of one call from which they are taken to come from DRAM (`Batch::stream`):
+// a call is one layer, and a model of several layers whose calls read this much each
+// reads more per step than the L3 of this repo's machine (32 MB) holds. sysconf's
+// reading of the L3 is the host's in a VM (384 MB here), so the size is fixed.
+constexpr int64_t kStreamBytes = 8 << 20;
+
 // Every sequence of the batch through `seq`, in parallel. Fewer sequences than threads
 // (one long chat): each sequence is cut into slices of its kv heads, each a Batch of its
 // own over the same rows, so no core sits idle.
 template <typename TKV>
-void run(const Batch<TKV>& a, SeqFn<TKV> seq) {
+void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
+  Batch<TKV> a = batch;
+  a.stream = 2 * a.B * a.S * a.row_len * static_cast<int64_t>(sizeof(TKV)) > kStreamBytes;
   const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, D = a.D, S = a.S;
   const int64_t slices = B == 0 ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
   const int64_t scales = a.ks == nullptr ? 0 : Hkv * (S + 16);

@@ -1,0 +1,162 @@
+"""The CPU decode-attention kernel alone, and against another checkout's build of it.
+
+    python -m loadtest.bench_decode_kernel --shapes 8x400,32x200,64x400 --threads 1
+    python -m loadtest.bench_decode_kernel --base /tmp/base-checkout --rounds 2
+
+Why a benchmark of its own: a change to `kvpool/csrc/paged_decode_cpu.cpp` moves a
+decode step by a few percent, under the noise of an engine run on this 2-core machine,
+and the kernel's speed depends on whether a layer's K/V come from cache or DRAM. So the
+calls here cycle over `--layers` pools, as a model's layers do (the same pool called
+back to back would stay in L3 and flatter any prefetching), and `--base` runs another
+checkout's build (its own TORCH_EXTENSIONS_DIR: the op has one name) in a subprocess,
+interleaved with this one round by round, so the machine's drift hits both alike.
+Writes JSON with the environment fingerprint; prints a markdown table of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+NAME = "bench_decode_kernel"
+# The 160M model's attention (MHA, 12 heads of 64) and the 3m model's (GQA 8:2, d 32).
+HEADS = {"160m": (12, 12, 64), "3m": (8, 2, 32)}
+
+
+def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
+                seed: int, bs: int = 16) -> dict:
+    """`b` sequences of `n` cached tokens each decoding one, their blocks shuffled over
+    the pool as a served pool's are; the kwargs of `paged_attention_cpu`."""
+    g = torch.Generator().manual_seed(seed)
+    per = -(-n // bs)
+    ids = torch.randperm(b * per, generator=g)
+    slot_pos = torch.full((b, per * bs), -1, dtype=torch.int64)
+    slot_pos[:, :n] = torch.arange(n)
+    kv = torch.randn(2, b * per, bs, hkv, d, generator=g).to(dtype)
+    return {"q": torch.randn(b, 1, hq, d, generator=g), "k_cache": kv[0], "v_cache": kv[1],
+            "table": ids.view(b, per), "slot_pos": slot_pos,
+            "q_pos": torch.full((b, 1), n - 1, dtype=torch.int64), "scale": d**-0.5}
+
+
+def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: int,
+            dtype: torch.dtype, calls: int, threads: int) -> list[dict[str, float]]:
+    """Median and min ms per layer call for each (sequences, tokens) shape."""
+    from kvpool.cpu_attention import kernel_available, paged_attention_cpu
+
+    if not kernel_available():
+        raise SystemExit("the C++ decode kernel did not build")
+    torch.set_num_threads(threads)
+    hq, hkv, d = heads
+    rows = []
+    for b, n in shapes:
+        pools = []
+        for layer in range(layers):
+            pools.append(decode_case(b, n, hq, hkv, d, dtype, seed=layer))
+        for case in pools:  # warm: first-touch page faults, the op's first call
+            paged_attention_cpu(**case)
+        times = []
+        for _ in range(calls):
+            for case in pools:
+                t = time.perf_counter()
+                paged_attention_cpu(**case)
+                times.append(time.perf_counter() - t)
+        mib = 2 * b * n * hkv * d * pools[0]["k_cache"].element_size() / 2**20
+        rows.append({"seqs": b, "tokens": n, "mib_per_layer": round(mib, 1),
+                     "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3})
+        del pools
+    return rows
+
+
+def _run_base(base: str, argv: list[str]) -> list[dict[str, float]]:
+    """This module's --worker run inside the other checkout (its code, its build)."""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, ".torch_extensions_bench")}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        code = ("import runpy, sys; sys.path.insert(0, '.'); sys.argv = sys.argv[1:]; "
+                f"runpy.run_path({os.path.abspath(__file__)!r}, run_name='__main__')")
+        subprocess.run([sys.executable, "-c", code, "x", *argv, "--worker", out.name],
+                       cwd=base, env=env, check=True)
+        return json.load(open(out.name, encoding="utf-8"))
+
+
+def table(report: dict) -> str:
+    rounds = report["rounds"]
+    has_base = "base" in rounds[0]
+    head = "| sequences × tokens | MiB a layer | ms a call, this checkout |"
+    sep = "|---|---|---|"
+    if has_base:
+        head += " ms a call, base | base / this |"
+        sep += "---|---|"
+    lines = [head, sep]
+    for i, row in enumerate(rounds[0]["this"]):
+        new = [r["this"][i]["median_ms"] for r in rounds]
+        line = (f"| {row['seqs']} × {row['tokens']} | {row['mib_per_layer']} | "
+                f"{' / '.join(f'{x:.3f}' for x in new)} |")
+        if has_base:
+            old = [r["base"][i]["median_ms"] for r in rounds]
+            line += (f" {' / '.join(f'{x:.3f}' for x in old)} | "
+                     f"{statistics.median(old) / statistics.median(new):.2f}× |")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m loadtest.{NAME}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(HEADS), default="160m",
+                   help="attention shape (heads, kv heads, head dim)")
+    p.add_argument("--shapes", default="4x400,8x400,16x300,32x200,64x400",
+                   help="SEQUENCESxTOKENS, comma-separated")
+    p.add_argument("--layers", type=int, default=12, help="pools cycled, one per layer")
+    p.add_argument("--dtype", default="bfloat16", help="the pool's dtype")
+    p.add_argument("--calls", type=int, default=8, help="calls per layer per shape")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--base", help="another checkout to build and run the same way, interleaved")
+    p.add_argument("--rounds", type=int, default=2, help="rounds (each: this, then base)")
+    p.add_argument("--out", default="runs/")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # measure once, JSON to this path
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    args = (shapes, HEADS[a.model], a.layers, getattr(torch, a.dtype), a.calls, a.threads)
+    if a.worker:
+        with open(a.worker, "w", encoding="utf-8") as f:
+            json.dump(measure(*args), f)  # type: ignore[arg-type]
+        return {}
+    from loadtest.fingerprint import fingerprint
+
+    torch.set_num_threads(a.threads)
+    report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(argv),
+                    "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
+                    "settings": vars(a), "rounds": []}
+    worker_argv = [x for x in argv if not x.startswith("--base")]
+    for r in range(a.rounds):
+        got = {"this": measure(*args)}  # type: ignore[arg-type]
+        if a.base:
+            got["base"] = _run_base(a.base, [x for x in worker_argv if x != a.base])
+        report["rounds"].append(got)
+        print(f"round {r + 1}/{a.rounds} done", flush=True)
+    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"{NAME}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(table(report))
+    print(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

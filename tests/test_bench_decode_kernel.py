@@ -1,0 +1,47 @@
+"""loadtest/bench_decode_kernel.py: the kernel's A/B benchmark measures and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvpool import cpu_attention
+from kvpool.attention import paged_attention
+from loadtest import bench_decode_kernel as bench
+
+needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
+                                  reason="no C++ compiler for the decode kernel")
+
+
+def test_decode_case_is_a_valid_decode_batch() -> None:
+    """The benchmark's pools are what the engine hands the kernel: every sequence's n
+    tokens visible, blocks shuffled; the torch path and the kernel agree on it."""
+    case = bench.decode_case(3, 37, 4, 2, 16, torch.float32, seed=0)
+    assert case["table"].unique().numel() == case["table"].numel()  # no block twice
+    assert (case["slot_pos"] >= 0).sum(dim=1).tolist() == [37, 37, 37]
+    if cpu_attention.kernel_available():
+        want, _ = paged_attention(**case)
+        got, _ = cpu_attention.paged_attention_cpu(**case)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_run_writes_json_and_a_table(tmp_path, capsys) -> None:
+    report = bench.main(["--shapes", "2x40,3x20", "--layers", "2", "--calls", "1",
+                         "--rounds", "1", "--model", "3m", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("bench_decode_kernel-*.json")
+    saved = json.loads(path.read_text())
+    assert saved["rounds"] == report["rounds"] and "fingerprint" in saved
+    rows = saved["rounds"][0]["this"]
+    assert [(r["seqs"], r["tokens"]) for r in rows] == [(2, 40), (3, 20)]
+    assert all(0 < r["min_ms"] <= r["median_ms"] for r in rows)
+    assert "| 2 × 40 |" in capsys.readouterr().out
+
+
+def test_table_reports_base_over_this() -> None:
+    row = {"seqs": 8, "tokens": 400, "mib_per_layer": 9.4, "min_ms": 1.0}
+    report = {"rounds": [{"this": [{**row, "median_ms": 2.0}], "base": [{**row, "median_ms": 3.0}]},
+                         {"this": [{**row, "median_ms": 2.0}], "base": [{**row, "median_ms": 3.0}]}]}
+    assert "| 8 × 400 | 9.4 | 2.000 / 2.000 | 3.000 / 3.000 | 1.50× |" in bench.table(report)
