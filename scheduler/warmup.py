@@ -2,7 +2,7 @@
 
 Why: `/ready` tells a load balancer to route traffic here, so whatever is still lazy at
 that moment lands on the first client's TTFT. On CPU the lazy part is large: the greedy
-argmax op (`engine/csrc/greedy_cpu.cpp`), the policies' selection and state updates
+sampling ops (`engine/csrc/sampling_cpu.cpp`: greedy argmax, exponential race), the policies' selection and state updates
 (`policies/csrc/select_cpu.cpp`, `state_cpu.cpp`), the tables' marking
 (`kvpool/csrc/tables_cpu.cpp`) and the pool's key statistics (`kvpool/csrc/key_stats_cpu.cpp`) are built on their first
 call (~10-25 s on a machine that has not cached it; a dlopen otherwise), and the first
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.sampler import greedy_tokens
+from engine.sampler import load_sampling_ops
 from engine.sampling import SamplingParams
 from kvpool.cpu_attention import kernel_available
 from kvpool.key_stats import load_key_stats
@@ -54,13 +54,11 @@ def load_native_ops(device: torch.device) -> dict[str, bool]:
     """Build (or load from the on-disk cache) every C++ op this device uses."""
     if device.type != "cpu":
         return {}
-    greedy_tokens(torch.zeros(1, 2))  # builds/loads kvserve_greedy_cpu on its first call
     select = load_select()  # and the policies' state updates beside the selection
     return {"paged_decode_cpu": kernel_available(), "select_cpu": select,
             "state_cpu": NATIVE["state"], "tables_cpu": load_mark(),
             "key_stats_cpu": load_key_stats(),
-            "greedy_cpu": hasattr(torch.ops, "kvserve_sampling")
-            and hasattr(torch.ops.kvserve_sampling, "greedy")}
+            "sampling_cpu": load_sampling_ops()}
 
 
 def warm_up(core: Any) -> Warmup:

@@ -86,10 +86,9 @@ def test_greedy_op_equals_torch_max_on_ties_nans_and_odd_vocabularies():
     """The C++ greedy op must give torch.max's index: first of tied maxima, first NaN,
     index 0 for a row of -inf, any vocabulary size (vector body plus scalar tail), and
     a non-contiguous input."""
-    from engine.sampler import _GREEDY_SOURCE, greedy_tokens
-    from kvpool.native import load_ops
+    from engine.sampler import greedy_tokens, load_sampling_ops
 
-    if not load_ops("kvserve_greedy_cpu", _GREEDY_SOURCE, ["-O3", "-march=native"]):
+    if not load_sampling_ops():
         pytest.skip("no C++ compiler")
     g = torch.Generator().manual_seed(0)
     for vocab in (1, 7, 16, 17, 4096, 32000, 32003):
@@ -115,7 +114,80 @@ def test_greedy_tokens_without_the_op_use_torch(monkeypatch):
     from engine import sampler
     from kvpool import native
 
-    monkeypatch.setattr(native, "_loaded", {"kvserve_greedy_cpu": False})
+    monkeypatch.setattr(native, "_loaded", {"kvserve_sampling_cpu": False})
     x = torch.randn(4, 100)
     assert torch.equal(sampler.greedy_tokens(x), x.max(dim=-1).indices)
     assert torch.equal(sampler.greedy_tokens(x.double()), x.double().max(dim=-1).indices)
+
+
+def _race_torch(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The exponential race's tensor form (what runs off CPU): the reference."""
+    expo = -torch.log(uniform_noise(seed, step, probs.shape[1]))
+    return (probs / expo).argmax(dim=-1)
+
+
+def test_race_op_draws_the_tensor_forms_tokens():
+    """The C++ race hashes the same noise and compares the same keys as the tensor form:
+    the same token for every row, over peaked, flat and truncated distributions, odd
+    vocabularies (vector body and scalar tail), seeds past 32 bits and negative ones,
+    NaN rows (the first NaN wins, as argmax) and a non-contiguous input."""
+    from engine.sampler import exponential_race, load_sampling_ops
+
+    if not load_sampling_ops():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(3)
+    for vocab in (1, 5, 16, 17, 1000, 32000, 32003):
+        rows = 24
+        logits = torch.randn(rows, vocab, generator=g) * torch.linspace(0.1, 8, rows)[:, None]
+        probs = torch.softmax(logits, dim=-1)
+        if vocab > 20:
+            probs[1, 10:] = 0.0  # truncated (top-k / top-p)
+            probs[2] = 0.0
+            probs[2, vocab - 1] = 1.0  # all mass in the scalar tail
+            probs[3, 7] = float("nan")
+            probs[3, 19] = float("nan")
+        seed = torch.randint(-(2**40), 2**40, (rows,), generator=g)
+        step = torch.randint(0, 5000, (rows,), generator=g)
+        want = _race_torch(probs, seed, step)
+        got = torch.ops.kvserve_sampling.race(probs, seed, step)
+        assert torch.equal(got, want), vocab
+        assert torch.equal(exponential_race(probs, seed, step), want)
+        if vocab > 20:
+            assert got[2] == vocab - 1 and got[3] == 7
+    # Seed 166's noise at step 0 is exactly 1.0 at token 24417 (E = -log 1 = -0): a
+    # token of p = 0 there has the key 0 / -0 = NaN, which argmax takes; p > 0: -inf.
+    seed, step = torch.tensor([166, 166]), torch.zeros(2, dtype=torch.int64)
+    assert uniform_noise(seed, step, 32000)[0, 24417] == 1.0
+    probs = torch.softmax(torch.randn(2, 32000, generator=g), dim=-1)
+    probs[0, 24417] = 0.0
+    want = _race_torch(probs, seed, step)
+    assert want[0] == 24417 and want[1] != 24417
+    assert torch.equal(torch.ops.kvserve_sampling.race(probs, seed, step), want)
+    wide = torch.softmax(torch.randn(6, 128, generator=g), dim=-1)[:, ::2]
+    s, t = torch.arange(6), torch.zeros(6, dtype=torch.int64)
+    assert torch.equal(exponential_race(wide, s, t), _race_torch(wide, s, t))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.kvserve_sampling.race(wide.double(), s, t)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.kvserve_sampling.race(wide.contiguous(), s.int(), t)
+
+
+def test_race_op_matches_over_many_draws():
+    """Many seeded draws over a realistic vocabulary: each the tensor form's token (a
+    libm logf and torch's may differ in the last place, which could only matter at a
+    near-tie; none in these draws), and the frequencies follow the probabilities."""
+    from engine.sampler import load_sampling_ops
+
+    if not load_sampling_ops():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(4)
+    probs = torch.softmax(torch.randn(1, 32000, generator=g) * 3, dim=-1).expand(512, -1)
+    seed = torch.arange(512) * 7919
+    for step in (0, 1, 99):
+        st = torch.full((512,), step)
+        assert torch.equal(torch.ops.kvserve_sampling.race(probs.contiguous(), seed, st),
+                           _race_torch(probs, seed, st))
+    small = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).expand(20000, 4).contiguous()
+    toks = torch.ops.kvserve_sampling.race(small, torch.arange(20000), torch.zeros(20000, dtype=torch.int64))
+    freq = torch.bincount(toks, minlength=4).float() / 20000
+    assert torch.allclose(freq, small[0], atol=0.015)

@@ -46,7 +46,7 @@ def test_engine_warms_up_before_loaded(model_dir: str) -> None:
         w = engine.warmup_report
         assert w is not None and w.steps >= 2 and w.seconds > 0
         assert w.native_ops == {} or set(w.native_ops) == {
-            "paged_decode_cpu", "greedy_cpu", "select_cpu", "state_cpu", "tables_cpu", "key_stats_cpu"}
+            "paged_decode_cpu", "sampling_cpu", "select_cpu", "state_cpu", "tables_cpu", "key_stats_cpu"}
         s = engine.stats
         assert (s.blocks_used, s.num_running, s.num_waiting) == (0, 0, 0)
         assert s.blocks_total == 96
