@@ -45,6 +45,8 @@ def test_engine_warms_up_before_loaded(model_dir: str) -> None:
         await engine.start()
         w = engine.warmup_report
         assert w is not None and w.steps >= 2 and w.seconds > 0
+        done, total = w.row_buckets  # oneDNN row buckets: all of them for a tiny model
+        assert total > 32 and done in (0, total)  # 0: no packing in this torch build
         assert w.native_ops == {} or set(w.native_ops) == {
             "paged_decode_cpu", "sampling_cpu", "select_cpu", "state_cpu", "tables_cpu", "key_stats_cpu"}
         s = engine.stats
@@ -82,3 +84,45 @@ def test_warm_up_draws_no_seed(model_dir: str) -> None:
         return tokens
 
     assert asyncio.run(first_tokens(True)) == asyncio.run(first_tokens(False))
+
+
+def test_step_buckets_cover_every_step_shape() -> None:
+    """Every row count a step can have pads to a listed bucket: decode batches (head
+    included) up to max_num_seqs, then prefill steps' larger buckets without the head."""
+    from engine.cpu_linear import padded_rows
+    from scheduler.warmup import step_buckets
+
+    got = step_buckets(48, 300)
+    heads = [n for n, head in got if head]
+    assert heads == [*range(1, 33), 36, 40, 44, 48]
+    assert [n for n, head in got if not head] == [52, 56, 60, 64, 72, 80, 88, 96, 104, 112, 120, 128,
+                                                  144, 160, 176, 192, 208, 224, 240,
+                                                  256, 288, 320]
+    listed = {n for n, _ in got}
+    assert all(padded_rows(rows) in listed for rows in range(1, 301))
+
+
+def test_warm_buckets_runs_each_shape_once_per_bucket_within_the_deadline() -> None:
+    """Each distinct packed weight shape runs once at each bucket (layers of one shape
+    share oneDNN's state: one of them runs); the output head (vocab outputs) only where
+    asked; nothing once the deadline has passed."""
+    import time
+
+    import torch
+    from torch import nn
+
+    from engine.cpu_linear import PackedLinear, packing_available, warm_buckets
+
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN prepacking in this torch build")
+    model = nn.Sequential(*(PackedLinear(nn.Linear(16, 32, bias=False)) for _ in range(3)),
+                          PackedLinear(nn.Linear(32, 16)), PackedLinear(nn.Linear(16, 50)))
+    seen: list[tuple[int, int, int]] = []
+    for i, m in enumerate(model):
+        m.register_forward_hook(lambda mod, args, out, i=i: seen.append((i, *args[0].shape)))
+    later = time.perf_counter() + 60
+    assert warm_buckets(model, [(1, True), (40, False)], vocab=50, deadline=later) == 2
+    assert seen == [(0, 1, 16), (3, 1, 32), (4, 1, 16), (0, 40, 16), (3, 40, 32)]
+    seen.clear()
+    assert warm_buckets(model, [(1, True)], vocab=50, deadline=time.perf_counter() - 1) == 0
+    assert seen == []
