@@ -17,7 +17,8 @@ embedding), so memory does not double. Results match `F.linear` to fp32 rounding
 summation order differs): tests/test_cpu_linear.py.
 
 Row counts are rounded up to a bucket (`padded_rows`: exact up to 32, then eight
-buckets an octave, at most 12.5% padding). oneDNN builds and keeps state for every
+buckets an octave, at most 12.5% padding; on an AMD CPU fewer than 6 rows pad to 6,
+which oneDNN runs ~20% faster than one row). oneDNN builds and keeps state for every
 input shape it sees, and a server's steps have any row count up to
 max_num_batched_tokens: without buckets one weight fed 1-2,048 rows twice grew the
 process by 7 GB (glibc kept what oneDNN's per-shape allocations fragmented), and the
@@ -63,10 +64,31 @@ def pack_min_elements(vendor: str, mkl: bool) -> int:
 PACK_MIN_ELEMENTS = pack_min_elements(cpuinfo("vendor_id"), torch.backends.mkl.is_available())
 
 
-def padded_rows(rows: int) -> int:
-    """The bucket `rows` rounds up to: itself up to 32, then 8 buckets an octave."""
+# Fewer rows than this are padded to it: oneDNN's kernels for 1-4 rows are slower than
+# its 6-row one on an AMD EPYC (AVX-512, avx512_bf16), which streams each weight once
+# for 6 rows as fast as for one. The 160M model's linear layers over all 12 layers and
+# the output head, median ms, rows 1 / 2 / 4 / 6 (loadtest/bench_linear_rows.py;
+# docs/benchmarks.md, session 17):
+# fp32 two threads 24.7 / 26.7 / 21.7 / 19.9, one thread 38.0 / 44.5 / 32.9 / 31.2;
+# bf16 two threads 12.7 / 13.4 / 12.0 / 10.7, one thread 20.6 / 22.9 / 18.6 / 18.6.
+# A batch of one (a chat at concurrency 1) is the row count that matters most. Not
+# measured on other vendors' CPUs, which keep exact small buckets.
+_MIN_ROWS_AMD = 6
+
+
+def min_rows(vendor: str) -> int:
+    """The smallest bucket for this CPU vendor (`_MIN_ROWS_AMD`)."""
+    return _MIN_ROWS_AMD if vendor == "AuthenticAMD" else 1
+
+
+MIN_ROWS = min_rows(cpuinfo("vendor_id"))
+
+
+def padded_rows(rows: int, smallest: int = MIN_ROWS) -> int:
+    """The bucket `rows` rounds up to: `smallest` below it, itself up to 32, then 8
+    buckets an octave."""
     if rows <= _EXACT_ROWS:
-        return rows
+        return max(rows, smallest)
     step = 1 << (rows.bit_length() - 4)
     return -(-rows // step) * step
 

@@ -45,3 +45,21 @@ def test_table_reports_base_over_this() -> None:
     report = {"rounds": [{"this": [{**row, "median_ms": 2.0}], "base": [{**row, "median_ms": 3.0}]},
                          {"this": [{**row, "median_ms": 2.0}], "base": [{**row, "median_ms": 3.0}]}]}
     assert "| 8 × 400 | 9.4 | 2.000 / 2.000 | 3.000 / 3.000 | 1.50× |" in bench.table(report)
+
+
+def test_linear_rows_benchmark_measures_every_row_count(tmp_path) -> None:
+    """loadtest/bench_linear_rows.py (the measurement behind cpu_linear.MIN_ROWS): one
+    pass over the model's weights per row count, JSON with the fingerprint."""
+    from engine.cpu_linear import packing_available
+    from loadtest import bench_linear_rows
+
+    if not packing_available(torch.float32):
+        pytest.skip("no oneDNN prepacking in this torch build")
+    assert bench_linear_rows.shapes("3m") == [(256, 384, 4), (256, 256, 4), (256, 1376, 4),
+                                              (688, 256, 4), (256, 4096, 1)]
+    report = bench_linear_rows.main(["--model", "tiny", "--dtypes", "float32", "--rows", "1,6",
+                                     "--reps", "1", "--threads", "1", "--out", str(tmp_path)])
+    got = report["seconds_by_rows"]["float32"]
+    assert set(got) == {1, 6} and all(t > 0 for t in got.values())
+    (path,) = tmp_path.glob("bench_linear_rows-*.json")
+    assert "fingerprint" in json.loads(path.read_text())
