@@ -64,7 +64,7 @@ def pack_min_elements(vendor: str, mkl: bool) -> int:
 PACK_MIN_ELEMENTS = pack_min_elements(cpuinfo("vendor_id"), torch.backends.mkl.is_available())
 
 
-# Fewer rows than this are padded to it: oneDNN's kernels for 1-4 rows are slower than
+# Fewer rows than this are padded to it: oneDNN's kernels for 1-3 rows are slower than
 # its 6-row one on an AMD EPYC (AVX-512, avx512_bf16), which streams each weight once
 # for 6 rows as fast as for one. The 160M model's linear layers over all 12 layers and
 # the output head, median ms, rows 1 / 2 / 4 / 6 (loadtest/bench_linear_rows.py;
