@@ -90,3 +90,28 @@ def test_native_drop_earliest_matches_torch(seed, monkeypatch):
     live = (positions >= 0).sum(1)
     assert native.sum(1).tolist() == [max(0, min(d, n - first)) for d, n in zip(drop, live.tolist())]
     assert rows.drop_earliest(view, [0] * len(drop), first) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_single_drop_on_long_rows_matches_torch(seed, monkeypatch):
+    """Decode's one drop per row on rows of a thousand slots (the C++ op's vectorised
+    minimum and its search from the end in blocks of 16): ties across blocks, 0 and -0,
+    NaN and infinities, rows whose only candidates are +inf or NaN."""
+    if not load_select():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(seed)
+    n, w = 16, 1003
+    positions = torch.arange(w).repeat(n, 1)
+    positions[torch.rand(n, w, generator=g) < 0.2] = -1
+    values = torch.tensor([0.0, -0.0, 1.0, 2.0, float("nan"), float("inf"), -float("inf")])
+    pick = torch.randint(0, 4 if seed < 2 else 7, (n, w), generator=g)
+    scores = values[pick]
+    scores[0] = float("inf")  # only +inf candidates
+    scores[1] = float("nan")  # only NaN candidates
+    scores[2, ::3] = float("inf")
+    scores[2, 1::3] = float("nan")
+    for first, last in ((0, 0), (4, 1), (0, 32)):
+        native = rows.drop_lowest(positions, scores, [1] * n, first, last)
+        monkeypatch.setitem(rows.NATIVE, "select", False)
+        assert torch.equal(native, rows.drop_lowest(positions, scores, [1] * n, first, last))
+        monkeypatch.setitem(rows.NATIVE, "select", True)

@@ -20,6 +20,21 @@
 
 namespace {
 
+// Whether any of n bools is set, read 8 bytes at a time (a bool is 0 or 1): a plan's
+// mask has a flag in a few blocks of a row, and a byte loop over every block was most
+// of `mark_dead` (~1 ns a byte).
+inline bool any_flag(const bool* f, int64_t n) {
+  uint64_t acc = 0;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t x;
+    std::memcpy(&x, f + j, 8);
+    acc |= x;
+  }
+  for (; j < n; ++j) acc |= static_cast<uint64_t>(f[j]);
+  return acc != 0;
+}
+
 // slot_pos [L, Rt, S] int64, updated in place; rows [R] the caches' rows; dead [L, R, W]
 // bool (W <= S, a multiple of bs); alike [R] bool (caches whose layers hold the same
 // slots). Returns (counts [L, R] int64: slots that died; emptied [R] bool: a block of the
@@ -57,8 +72,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
         for (int64_t l = 1; l < nl && mp[i]; ++l) {
           const int64_t* pl = sp + (l * rt + row) * s;
           const bool* dl = dp + (l * r + i) * w;
-          for (int64_t j = 0; j < w; ++j)
-            if ((dl[j] && pl[j] >= 0) != (d0[j] && p0[j] >= 0)) { mp[i] = false; break; }
+          // Only the blocks where either layer has a flag can differ (a plan drops a few
+          // slots of a thousand): a word-wise OR finds them.
+          for (int64_t blk = 0; blk < w && mp[i]; blk += bs) {
+            if (!any_flag(d0 + blk, bs) && !any_flag(dl + blk, bs)) continue;
+            for (int64_t j = blk; j < blk + bs; ++j)
+              if ((dl[j] && pl[j] >= 0) != (d0[j] && p0[j] >= 0)) { mp[i] = false; break; }
+          }
         }
       }
       for (int64_t l = 0; l < nl; ++l) {
@@ -66,9 +86,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
         const bool* dl = dp + (l * r + i) * w;
         int64_t n = 0;
         for (int64_t blk = 0; blk < w; blk += bs) {
-          bool some = false;  // an OR over the block's flags (vectorised): most have none
-          for (int64_t j = blk; j < blk + bs; ++j) some |= dl[j];
-          if (!some) continue;
+          if (!any_flag(dl + blk, bs)) continue;  // most blocks have no flag
           bool hit = false;
           for (int64_t j = blk; j < blk + bs; ++j)
             if (dl[j] && p[j] >= 0) { p[j] = -1; ++n; hit = true; }

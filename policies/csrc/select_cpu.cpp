@@ -38,6 +38,47 @@ inline bool before(const Key& a, const Key& b) {
 
 constexpr int64_t kSmall = 16;
 
+// The lowest score among the live slots of [a, b) (+inf if none; a NaN never wins), in
+// 16 running minima that the compiler keeps in one vector register: a single running
+// minimum is a reduction it may not reorder. A minimum does not depend on the order
+// (0 and -0 may swap, which `==` cannot tell apart), so this is the scalar loop's value.
+inline float lowest(const float* s, const int64_t* pos, int64_t a, int64_t b) {
+  constexpr int64_t kLanes = 16;
+  float m[kLanes];
+  for (int64_t k = 0; k < kLanes; ++k) m[k] = INFINITY;
+  int64_t j = a;
+  for (; j + kLanes <= b; j += kLanes)
+    for (int64_t k = 0; k < kLanes; ++k) {
+      const float v = pos[j + k] >= 0 ? s[j + k] : INFINITY;
+      m[k] = v < m[k] ? v : m[k];
+    }
+  float lo = INFINITY;
+  for (; j < b; ++j) {
+    const float v = pos[j] >= 0 ? s[j] : INFINITY;
+    lo = v < lo ? v : lo;
+  }
+  for (int64_t k = 0; k < kLanes; ++k) lo = m[k] < lo ? m[k] : lo;
+  return lo;
+}
+
+// The latest slot in [a, b) that is live and holds `lo` (-1 if none). Blocks of 16 from
+// the end, each a branch-free pass the compiler vectorises, then a stop at the first
+// block with a hit: the scalar search from the end (a compare, a NaN check and a branch
+// per slot) read half a row on average and was most of a decode step's selection.
+inline int64_t last_equal(const float* s, const int64_t* pos, int64_t a, int64_t b, float lo) {
+  constexpr int64_t kBlock = 16;
+  int64_t j = b;
+  for (; j - kBlock >= a; j -= kBlock) {
+    uint32_t hit = 0;
+    for (int64_t k = 0; k < kBlock; ++k)
+      hit |= static_cast<uint32_t>(pos[j - kBlock + k] >= 0 && s[j - kBlock + k] == lo) << k;
+    if (hit) return j - kBlock + (31 - __builtin_clz(hit));
+  }
+  for (--j; j >= a; --j)
+    if (pos[j] >= 0 && s[j] == lo) return j;
+  return -1;
+}
+
 void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, int64_t last,
                 int64_t d, bool* out) {
   if (d <= 0) return;
@@ -49,15 +90,17 @@ void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, in
   if (b <= a) return;
   std::vector<Key> buf;
   if (d == 1) {  // decode at the budget: the lowest score, then its latest slot
-    // Two passes the compiler vectorises (min, then a search from the end that stops at
-    // once), not one branchy scan. A NaN never compares, so it is taken only when
-    // every candidate is NaN (then the latest one, as `before` orders them).
-    float lo = INFINITY;
-    for (int64_t j = a; j < b; ++j) {
-      const float v = pos[j] >= 0 ? s[j] : INFINITY;
-      lo = v < lo ? v : lo;
-    }
+    // Two passes the compiler vectorises (`lowest`, then `last_equal` from the end,
+    // which stops at the first block with a hit). A NaN never compares, so it is taken
+    // only when no candidate is below +inf: then the scalar search from the end below
+    // (the latest +inf, else the latest NaN, as `before` orders them).
+    const float lo = lowest(s, pos, a, b);
     int64_t at = -1, nan_at = -1;
+    if (lo < INFINITY) {  // a minimum below +inf: its latest live slot
+      at = last_equal(s, pos, a, b, lo);
+      if (at >= 0) out[at] = true;
+      return;
+    }
     for (int64_t j = b - 1; j >= a && at < 0; --j) {
       if (pos[j] < 0) continue;
       if (s[j] == lo) at = j;
