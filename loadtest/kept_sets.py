@@ -135,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.compare:
         return compare(*args.compare)
-    bc.pin_threads("loadtest.kept_sets", args.threads, argv)
+    if argv is None:  # a command line: threads pinned as the benchmarks pin them
+        bc.pin_threads("loadtest.kept_sets", args.threads, argv)
+    else:  # in process (tests): torch's interop threads can be set only once
+        torch.set_num_threads(args.threads)
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "compare"},
                     "policies": {}}
     with tempfile.TemporaryDirectory(prefix="kept-sets-") as path:

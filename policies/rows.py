@@ -57,6 +57,9 @@ class RowsView:
     # [N, W] float32: `policies.norms.keydiff_scores` of the row's live keys (dead: any)
     key_diversity: torch.Tensor | None = None
     new_slots: torch.Tensor | None = None  # [N, num_new]: this step's tokens' slots
+    # [3, N, num_new]: (layer, request, slot) of each of them, as `layered` indexes: the
+    # engine builds it with `new_slots` in one host-made tensor (`set_new` else derives it).
+    new_index: torch.Tensor | None = None
     new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     new_value_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     _live: torch.Tensor | None = field(default=None, repr=False)
@@ -85,6 +88,9 @@ class RowsView:
         through `layered` (in place in the tables for a `state_in_place` name)."""
         assert self.new_slots is not None
         t = self.layered(name)
+        if self.new_index is not None:
+            t[self.new_index[0], self.new_index[1], self.new_index[2]] = values
+            return
         rows = torch.arange(self.new_slots.shape[0])[:, None].expand_as(self.new_slots)
         t[rows // self.num_requests, rows % self.num_requests, self.new_slots] = values
 

@@ -131,11 +131,15 @@ std::vector<StateRuns> state_runs(const std::vector<at::Tensor>& states, const a
   return out;
 }
 
-// base[j] = old base[order[j]] for j < n, items of `bytes` (through a buffer).
-void permute_slots(char* base, const int64_t* order, int64_t n, int64_t bytes, std::vector<char>& buf) {
-  buf.resize(n * bytes);
-  for (int64_t j = 0; j < n; ++j) std::memcpy(buf.data() + j * bytes, base + order[j] * bytes, bytes);
-  std::memcpy(base, buf.data(), n * bytes);
+// base[j] = old base[order[j]] for from <= j < n, items of `bytes` (through a buffer);
+// order maps [from, n) onto itself (the items before `from` stay where they are).
+void permute_slots(char* base, const int64_t* order, int64_t n, int64_t bytes, std::vector<char>& buf,
+                   int64_t from = 0) {
+  if (n <= from) return;
+  buf.resize((n - from) * bytes);
+  for (int64_t j = from; j < n; ++j)
+    std::memcpy(buf.data() + (j - from) * bytes, base + order[j] * bytes, bytes);
+  std::memcpy(base + from * bytes, buf.data(), (n - from) * bytes);
 }
 
 // The layered tables every pass below walks: table [L, Rt, Wt] and slot_pos
@@ -214,15 +218,18 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
       for (int64_t j = nb; j < w; ++j) order.push_back(j);
       cp[l * r + i] = ndead;
       // Move whole blocks of every per-slot array by `order`, then clear what lies past
-      // the kept blocks.
-      permute_slots(reinterpret_cast<char*>(tbl), order.data(), w, sizeof(int64_t), buf);
-      permute_slots(reinterpret_cast<char*>(pos), order.data(), w, bs * sizeof(int64_t), buf);
+      // the kept blocks. Only [d0, nb) moves (d0 the first dead block: the blocks before
+      // it and from nb on map onto themselves), not the whole width.
+      int64_t d0 = 0;
+      while (d0 < nb && order[d0] == d0) ++d0;
+      permute_slots(reinterpret_cast<char*>(tbl), order.data(), nb, sizeof(int64_t), buf, d0);
+      permute_slots(reinterpret_cast<char*>(pos), order.data(), nb, bs * sizeof(int64_t), buf, d0);
       for (int64_t j = kept; j < w; ++j) tbl[j] = -1;
       for (int64_t k = kept * bs; k < w * bs; ++k) pos[k] = -1;
       for (const StateRuns& x : st)
         for (int64_t c = 0; c < x.runs; ++c)
-          permute_slots(x.base + ((l * rt + row) * x.runs + c) * s * x.bytes, order.data(), w,
-                        bs * x.bytes, buf);
+          permute_slots(x.base + ((l * rt + row) * x.runs + c) * s * x.bytes, order.data(), nb,
+                        bs * x.bytes, buf, d0);
     }
   }
   at::Tensor ids = at::empty({static_cast<int64_t>(freed.size())}, rows.options());
