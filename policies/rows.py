@@ -75,6 +75,13 @@ class RowsView:
             self._live = self.positions >= 0
         return self._live
 
+    @property
+    def live_or_positions(self) -> torch.Tensor:
+        """What `drop_lowest` reads to tell live slots: the live mask if a policy has
+        built it already (a byte a slot), else the positions (a mask made only for the
+        selection would cost more than the eight bytes a slot it saves)."""
+        return self._live if self._live is not None else self.positions
+
     def layered(self, name: str) -> torch.Tensor:
         """State `name` as [L, R, W(, k)] (row l·R + r at [l, r]): the tables' slice as
         handed, or a view of the [N, W(, k)] copy."""
@@ -153,7 +160,9 @@ NATIVE: dict[str, bool] = {"select": False, "state": False}
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                 first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The policies' one selection: the [N, W] bool mask of the drop[i] lowest-scoring
-    candidates of each row, a candidate being a live slot (positions >= 0) outside the
+    candidates of each row, a candidate being a live slot (positions >= 0; `positions`
+    may also be the rows' bool live mask, `RowsView.live`, which the C++ op reads at a
+    byte a slot instead of eight) outside the
     row's first `first[i]` and last `last[i]` live slots (sinks, the recent window;
     an int for every row). Ties toward the later slot (among equal scores the earlier
     token stays) and a NaN above every number: exactly the last drop[i] candidates of a
@@ -172,7 +181,7 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
         return torch.ops.kvserve_policies.select_drop(
             scores.float(), positions, _per_row(first, n), _per_row(last, n),
             torch.tensor(drop, dtype=torch.int64))
-    live = positions >= 0
+    live = positions if positions.dtype == torch.bool else positions >= 0
     cand = live
     if first != 0:
         cand = cand & (live.cumsum(dim=1) > _per_row(first, n)[:, None])
@@ -220,5 +229,5 @@ def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
     """The drop mask that leaves keep[i] live tokens in row i: its first `first` and
     last `last` live ones (together at most keep[i]) and the highest `scores` among the
     rest. Rows already within keep[i] drop nothing."""
-    return drop_lowest(view.positions, scores,
+    return drop_lowest(view.live_or_positions, scores,
                        [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last)

@@ -115,3 +115,16 @@ def test_native_single_drop_on_long_rows_matches_torch(seed, monkeypatch):
         monkeypatch.setitem(rows.NATIVE, "select", False)
         assert torch.equal(native, rows.drop_lowest(positions, scores, [1] * n, first, last))
         monkeypatch.setitem(rows.NATIVE, "select", True)
+
+
+@pytest.mark.parametrize("seed", range(9))
+@pytest.mark.parametrize("native", [False, True])
+def test_a_live_mask_selects_as_the_positions(seed, native, monkeypatch):
+    """`drop_lowest` given the rows' bool live mask (what `keep_highest` hands it) drops
+    what it drops given their positions, in the C++ op and in the torch form."""
+    if native and not load_select():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setitem(rows.NATIVE, "select", native)
+    positions, scores, drop, first, last = _case(seed)
+    assert torch.equal(rows.drop_lowest(positions >= 0, scores, drop, first, last),
+                       rows.drop_lowest(positions, scores, drop, first, last))
