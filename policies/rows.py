@@ -160,7 +160,8 @@ NATIVE: dict[str, bool] = {"select": False, "state": False}
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                 first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The policies' one selection: the [N, W] bool mask of the drop[i] lowest-scoring
-    candidates of each row, a candidate being a live slot (positions >= 0; `positions`
+    candidates of each row (`scores` [N, W], or a state as `RowsView.layered` gives it,
+    [L, R, W], which the C++ op reads in place), a candidate being a live slot (positions >= 0; `positions`
     may also be the rows' bool live mask, `RowsView.live`, which the C++ op reads at a
     byte a slot instead of eight) outside the
     row's first `first[i]` and last `last[i]` live slots (sinks, the recent window;
@@ -173,17 +174,18 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     value t, then every candidate < t and of those == t the last ones; a NaN among the
     lowest (sort and top-k may order NaN differently), a threshold at the mask's +inf
     (NaN candidates to drop) or a large drop takes the sort."""
-    n = scores.shape[0]
+    n = positions.shape[0]
     dmax = max(drop, default=0)
     if dmax == 0:
-        return torch.zeros(scores.shape, dtype=torch.bool)
-    if NATIVE["select"] and scores.device.type == "cpu":
+        return torch.zeros(positions.shape, dtype=torch.bool)
+    if NATIVE["select"] and scores.device.type == "cpu":  # reads [L, R, W] scores in place
         # the three per-row counts as one host-made tensor (each is ~6 us to make)
         counts = torch.tensor([first if isinstance(first, list) else [first] * n,
                                last if isinstance(last, list) else [last] * n, drop],
                               dtype=torch.int64)
         return torch.ops.kvserve_policies.select_drop(
             scores.float(), positions, counts[0], counts[1], counts[2])
+    scores = scores.reshape(positions.shape)  # [L, R, W] state -> [N, W] (a copy)
     live = positions if positions.dtype == torch.bool else positions >= 0
     cand = live
     if first != 0:
@@ -230,7 +232,8 @@ def drop_earliest(view: RowsView, drop: list[int], first: int = 0) -> torch.Tens
 def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
                  first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The drop mask that leaves keep[i] live tokens in row i: its first `first` and
-    last `last` live ones (together at most keep[i]) and the highest `scores` among the
-    rest. Rows already within keep[i] drop nothing."""
+    last `last` live ones (together at most keep[i]) and the highest `scores` ([N, W],
+    or [L, R, W] as `drop_lowest` takes it) among the rest. Rows already within keep[i]
+    drop nothing."""
     return drop_lowest(view.live_or_positions, scores,
                        [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last)

@@ -128,3 +128,20 @@ def test_a_live_mask_selects_as_the_positions(seed, native, monkeypatch):
     positions, scores, drop, first, last = _case(seed)
     assert torch.equal(rows.drop_lowest(positions >= 0, scores, drop, first, last),
                        rows.drop_lowest(positions, scores, drop, first, last))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("native", [False, True])
+def test_layered_scores_select_as_rows(seed, native, monkeypatch):
+    """Scores handed as [L, R, W] (a state slice of wider tables, `RowsView.layered`,
+    which the C++ op reads in place) select what their [N, W] copy (row l·R + r)
+    selects."""
+    if native and not load_select():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setitem(rows.NATIVE, "select", native)
+    positions, scores, drop, first, last = _case(seed)  # 12 rows: 3 layers x 4 requests
+    wide = torch.randn(3, 7, scores.shape[1] + 5)  # the tables: more rows and slots
+    layered = wide.narrow(1, 2, 4).narrow(2, 0, scores.shape[1])
+    layered.copy_(scores.view(3, 4, -1))
+    assert torch.equal(rows.drop_lowest(positions, layered, drop, first, last),
+                       rows.drop_lowest(positions, scores, drop, first, last))
