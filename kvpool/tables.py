@@ -107,10 +107,15 @@ def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.T
     return torch.full((*slots, k), fill, dtype=torch.float32)
 
 
+_ALL_LAYERS: dict[int, torch.Tensor] = {}  # read only: made once per layer count
+
+
 def _layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
-    """[L] bool: the layers a pass works on (None: all)."""
+    """[L] bool: the layers a pass works on (None: all, one shared tensor)."""
     if layers is None:
-        return torch.ones(num_layers, dtype=torch.bool)
+        if num_layers not in _ALL_LAYERS:
+            _ALL_LAYERS[num_layers] = torch.ones(num_layers, dtype=torch.bool)
+        return _ALL_LAYERS[num_layers]
     only = torch.zeros(num_layers, dtype=torch.bool)
     only[layers] = True
     return only
@@ -320,8 +325,9 @@ class SlotTables:
         # Only the blocks these caches hold: the tables' width may be twice that.
         nl, bs, w = self.num_layers, self.bs, max(max(c.nblocks) for c in caches)
         rows = [c.row for c in caches]
-        nb = torch.tensor([c.nblocks for c in caches], dtype=torch.int64).t()  # [L, R]
-        nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()
+        sizes = torch.tensor([[c.nblocks for c in caches], [c.next_slot for c in caches]],
+                             dtype=torch.int64)  # [2, R, L]: one tensor made on the host
+        nb, nxt = sizes[0].t(), sizes[1].t()  # [L, R]
         if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, *self._native_states(),

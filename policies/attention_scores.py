@@ -85,10 +85,10 @@ class H2OPolicy:
         assert view.attention is not None
         acc = view.layered("acc")  # [L, R, W]
         acc += sum_dims(view.attention, (1, 2)).view(acc.shape)  # [N, Tq, Hkv, W] -> [N, W]
-        acc = acc.reshape(view.positions.shape)  # [N, W]: a copy for the selection
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None
+        # [L, R, W] as it is: the selection reads the tables' slice in place
         return keep_highest(view, acc, keep, last=[min(c.window, k) for k in keep])
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,

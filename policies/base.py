@@ -41,6 +41,15 @@ class Needs:
     new_key_norm: bool = False
     new_value_norm: bool = False  # ‖V‖₂ of this step's new tokens only (the same reason)
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: every running request's group key holds its
+        policy's `Needs`, and the generated hash re-hashed eight fields each step."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @dataclass
 class StepView:

@@ -141,7 +141,7 @@ class KnormPolicy:
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None
-        score = view.layered("score").reshape(view.positions.shape)  # [N, W]
+        score = view.layered("score")  # [L, R, W]: the selection reads it in place
         return _select(view, keep, c.window, score)
 
     def idle(self, view: StepView) -> bool:

@@ -186,7 +186,7 @@ class PagedEvictionPolicy:
             return None
         scores = view.layered("score").reshape(view.positions.shape)  # [N, W]
         last = windows if c.window else 0
-        drop = drop_lowest(view.positions, scores, tokens, last=last) if any(tokens) else None
+        drop = drop_lowest(view.live_or_positions, scores, tokens, last=last) if any(tokens) else None
         if any(blocks):
             whole = _block_drops_of(scores, view, blocks, windows if c.window else None)
             drop = whole if drop is None else drop | whole

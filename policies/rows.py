@@ -57,6 +57,9 @@ class RowsView:
     # [N, W] float32: `policies.norms.keydiff_scores` of the row's live keys (dead: any)
     key_diversity: torch.Tensor | None = None
     new_slots: torch.Tensor | None = None  # [N, num_new]: this step's tokens' slots
+    # [3, N, num_new]: (layer, request, slot) of each of them, as `layered` indexes: the
+    # engine builds it with `new_slots` in one host-made tensor (`set_new` else derives it).
+    new_index: torch.Tensor | None = None
     new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     new_value_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     _live: torch.Tensor | None = field(default=None, repr=False)
@@ -72,6 +75,13 @@ class RowsView:
             self._live = self.positions >= 0
         return self._live
 
+    @property
+    def live_or_positions(self) -> torch.Tensor:
+        """What `drop_lowest` reads to tell live slots: the live mask if a policy has
+        built it already (a byte a slot), else the positions (a mask made only for the
+        selection would cost more than the eight bytes a slot it saves)."""
+        return self._live if self._live is not None else self.positions
+
     def layered(self, name: str) -> torch.Tensor:
         """State `name` as [L, R, W(, k)] (row l·R + r at [l, r]): the tables' slice as
         handed, or a view of the [N, W(, k)] copy."""
@@ -85,6 +95,9 @@ class RowsView:
         through `layered` (in place in the tables for a `state_in_place` name)."""
         assert self.new_slots is not None
         t = self.layered(name)
+        if self.new_index is not None:
+            t[self.new_index[0], self.new_index[1], self.new_index[2]] = values
+            return
         rows = torch.arange(self.new_slots.shape[0])[:, None].expand_as(self.new_slots)
         t[rows // self.num_requests, rows % self.num_requests, self.new_slots] = values
 
@@ -147,7 +160,10 @@ NATIVE: dict[str, bool] = {"select": False, "state": False}
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                 first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The policies' one selection: the [N, W] bool mask of the drop[i] lowest-scoring
-    candidates of each row, a candidate being a live slot (positions >= 0) outside the
+    candidates of each row (`scores` [N, W], or a state as `RowsView.layered` gives it,
+    [L, R, W], which the C++ op reads in place), a candidate being a live slot (positions >= 0; `positions`
+    may also be the rows' bool live mask, `RowsView.live`, which the C++ op reads at a
+    byte a slot instead of eight) outside the
     row's first `first[i]` and last `last[i]` live slots (sinks, the recent window;
     an int for every row). Ties toward the later slot (among equal scores the earlier
     token stays) and a NaN above every number: exactly the last drop[i] candidates of a
@@ -158,15 +174,19 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     value t, then every candidate < t and of those == t the last ones; a NaN among the
     lowest (sort and top-k may order NaN differently), a threshold at the mask's +inf
     (NaN candidates to drop) or a large drop takes the sort."""
-    n = scores.shape[0]
+    n = positions.shape[0]
     dmax = max(drop, default=0)
     if dmax == 0:
-        return torch.zeros(scores.shape, dtype=torch.bool)
-    if NATIVE["select"] and scores.device.type == "cpu":
+        return torch.zeros(positions.shape, dtype=torch.bool)
+    if NATIVE["select"] and scores.device.type == "cpu":  # reads [L, R, W] scores in place
+        # the three per-row counts as one host-made tensor (each is ~6 us to make)
+        counts = torch.tensor([first if isinstance(first, list) else [first] * n,
+                               last if isinstance(last, list) else [last] * n, drop],
+                              dtype=torch.int64)
         return torch.ops.kvserve_policies.select_drop(
-            scores.float(), positions, _per_row(first, n), _per_row(last, n),
-            torch.tensor(drop, dtype=torch.int64))
-    live = positions >= 0
+            scores.float(), positions, counts[0], counts[1], counts[2])
+    scores = scores.reshape(positions.shape)  # [L, R, W] state -> [N, W] (a copy)
+    live = positions if positions.dtype == torch.bool else positions >= 0
     cand = live
     if first != 0:
         cand = cand & (live.cumsum(dim=1) > _per_row(first, n)[:, None])
@@ -212,7 +232,8 @@ def drop_earliest(view: RowsView, drop: list[int], first: int = 0) -> torch.Tens
 def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
                  first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The drop mask that leaves keep[i] live tokens in row i: its first `first` and
-    last `last` live ones (together at most keep[i]) and the highest `scores` among the
-    rest. Rows already within keep[i] drop nothing."""
-    return drop_lowest(view.positions, scores,
+    last `last` live ones (together at most keep[i]) and the highest `scores` ([N, W],
+    or [L, R, W] as `drop_lowest` takes it) among the rest. Rows already within keep[i]
+    drop nothing."""
+    return drop_lowest(view.live_or_positions, scores,
                        [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last)

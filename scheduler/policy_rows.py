@@ -141,8 +141,9 @@ def build_view(members: list[Member]) -> RowsView:
             view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
         view.attention = _attention(members, width, needs.attention_heads)
-    new_norms = needs.new_key_norm or needs.new_value_norm
-    if needs.key_norm or needs.keys or needs.value_norm or new_norms or needs.key_diversity:
+    if needs.new_key_norm or needs.new_value_norm:
+        _new_norms(view, members, needs)
+    if needs.key_norm or needs.keys or needs.value_norm or needs.key_diversity:
         table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]
         pool, n = first.pool, table.shape[0]
         if needs.key_diversity:  # the pool's C++ op, else keydiff_scores over the keys
@@ -157,17 +158,35 @@ def build_view(members: list[Member]) -> RowsView:
             for name, t in stats.items():
                 if name != "keys" or needs.keys:
                     setattr(view, name, t)
-        if new_norms:
-            k = view.num_new
-            nxt = torch.tensor([m.cache.next_slot[layer] for layer in range(nl)
-                                for m in members])[:, None]
-            view.new_slots = nxt - k + torch.arange(k)  # [N, k]
-            phys = table.gather(1, view.new_slots // bs) * bs + view.new_slots % bs
-            got = pool.gather_stats(phys.view(-1), key_norm=needs.new_key_norm,
-                                    value_norm=needs.new_value_norm)
-            for name, t in got.items():
-                setattr(view, f"new_{name}", t.view(n, k, -1))
     return view
+
+
+def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
+    """The norms of this step's new tokens (the last `num_new` slots of every row) and
+    where they are (`new_slots`, `new_index`). The slots are host ints, so their
+    indexes into the tables are made on the host, each set as one tensor: the torch
+    arithmetic over [N, k] index tensors it replaces was ten small ops a step."""
+    first = members[0].cache
+    tables, nl, bs, k = first.tables, first.num_layers, first.bs, view.num_new
+    n, rt, wt = nl * len(members), tables.table.shape[1], tables.table.shape[2]
+    layer_of, req_of, slot_of, block_of, offset_of = [], [], [], [], []
+    for layer in range(nl):
+        for i, m in enumerate(members):
+            base = (layer * rt + m.cache.row) * wt
+            for slot in range(m.cache.next_slot[layer] - k, m.cache.next_slot[layer]):
+                layer_of.append(layer)
+                req_of.append(i)
+                slot_of.append(slot)
+                block_of.append(base + slot // bs)
+                offset_of.append(slot % bs)
+    index = torch.tensor([layer_of, req_of, slot_of, block_of, offset_of], dtype=torch.int64)
+    view.new_index = index[:3].view(3, n, k)
+    view.new_slots = view.new_index[2]
+    phys = tables.table.view(-1).index_select(0, index[3]).mul_(bs).add_(index[4])
+    got = first.pool.gather_stats(phys, key_norm=needs.new_key_norm,
+                                  value_norm=needs.new_value_norm)
+    for name, t in got.items():
+        setattr(view, f"new_{name}", t.view(n, k, -1))
 
 
 def run_group(members: list[Member]) -> list[tuple[int, int]]:

@@ -39,41 +39,59 @@ class PolicyRunner:
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan,
         requests of equal policies together (`scheduler/policy_rows.py`).
-        `attention` maps a chunk's index to its attention mass (runner output)."""
+        `attention` maps a chunk's index to its attention mass (runner output).
+
+        This runs for every request on every step, so its Python is kept to what
+        changes between steps (issue 18: per-request bookkeeping was a third of a cheap
+        policy's step): a request's group key is rebuilt only when its step size or its
+        policy's `needs` changes, and time and counters are added once per group."""
         groups: dict[tuple, list[tuple[Request, Member]]] = {}
+        idle_s: dict[str, float] = {}
         for i, c in enumerate(chunks):
             r = c.request
-            if r.policy is None or r.cache is None:  # full cache, or finished this step
+            policy = r.policy
+            cache = r.cache
+            if policy is None or cache is None:  # full cache, or finished this step
                 continue
             t = time.perf_counter()
-            first_full = not r.prefill_done and r.num_computed >= len(r.prompt_ids)
-            r.prefill_done = r.prefill_done or first_full
-            idle = getattr(r.policy, "idle", None)
+            first_full = False
+            if not r.prefill_done:
+                first_full = r.prefill_done = r.num_computed >= len(r.prompt_ids)
+            idle = getattr(policy, "idle", None)
             # sizes only (the live counts are host ints): enough for `idle` to decide
-            if idle is None or not idle(StepView(
+            if idle is not None and idle(StepView(
                     seq_len=r.num_computed, prompt_len=len(r.prompt_ids), num_new=c.num_tokens,
-                    prefill_done=first_full, block_size=r.cache.bs, lengths=r.cache.layer_live)):
-                m = Member(r.cache, r.policy, r.num_computed, len(r.prompt_ids), c.num_tokens,
-                           first_full, attention.get(i), self.rotate if r.rope_shift else None,
-                           getattr(r.kv_policy, "compact", False))
+                    prefill_done=first_full, block_size=cache.bs, lengths=cache.layer_live)):
+                self._note_reserve(r)
+                name = r.policy_name
+                idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
+                continue
+            m = Member(cache, policy, r.num_computed, len(r.prompt_ids), c.num_tokens,
+                       first_full, attention.get(i), self.rotate if r.rope_shift else None,
+                       getattr(r.kv_policy, "compact", False))
+            key = r.policy_group
+            if key is None or key[2] != c.num_tokens or key[3] is not policy.needs:  # type: ignore[attr-defined]
                 if r.policy_key is None:
                     r.policy_key = r.kv_policy.model_dump_json()  # type: ignore[attr-defined]
-                key = group_key(r.policy, r.policy_key, c.num_tokens) if self.batch else (id(r),)
-                groups.setdefault(key, []).append((r, m))
-                continue
-            self._after(r, time.perf_counter() - t)
+                key = r.policy_group = group_key(policy, r.policy_key, c.num_tokens)
+            groups.setdefault(key if self.batch else (id(r),), []).append((r, m))
+        for name, sec in idle_s.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + sec
         for members in groups.values():
             t = time.perf_counter()
-            members.sort(key=lambda rm: rm[1].cache.row)  # consecutive rows read as slices
+            if len(members) > 1:
+                members.sort(key=lambda rm: rm[1].cache.row)  # consecutive rows read as slices
             done = run_group([m for _, m in members])
+            name = members[0][0].policy_name  # one policy config per group
+            if name not in self.evicted_tokens:
+                self._count(members[0][0], 0, 0)
             for (r, m), (evicted, freed) in zip(members, done):
-                if m.rotate is not None and evicted:
-                    r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-                if evicted or freed or r.policy_name not in self.evicted_tokens:
+                if evicted or freed:
+                    if m.rotate is not None and evicted:
+                        r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
                     self._count(r, evicted, freed)
-            share = (time.perf_counter() - t) / len(members)
-            for r, _ in members:
-                self._after(r, share)
+                self._note_reserve(r)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
         self._compact()
 
     def _count(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
@@ -83,12 +101,12 @@ class PolicyRunner:
         self.evicted_tokens[name] = self.evicted_tokens.get(name, 0) + evicted
         self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed_blocks
 
-    def _after(self, r: Request, seconds: float) -> None:
-        """Account the policy's time; note a request about to outgrow its reservation."""
-        assert r.cache is not None
-        if r.reserve_blocks and r.cache.num_blocks + r.cache.blocks_needed(1) > r.reserve_blocks:
+    def _note_reserve(self, r: Request) -> None:
+        """Note a request about to outgrow its reservation (`_compact`)."""
+        c = r.cache
+        assert c is not None
+        if r.reserve_blocks and c.num_blocks + c.blocks_needed(1) > r.reserve_blocks:
             self._to_compact.append(r)
-        self.seconds[r.policy_name] = self.seconds.get(r.policy_name, 0.0) + seconds
 
     def _compact(self) -> None:
         """Scattered survivors pin partly dead blocks: pack them, in place and for every

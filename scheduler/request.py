@@ -32,6 +32,9 @@ class Request:
     # The kv_policy as canonical JSON, set on its first policy step: requests with equal
     # keys share a policy group (a string hashes once; a pydantic model on every step).
     policy_key: str | None = None
+    # Its policy group's key as of its last policy step (`PolicyRunner.run`: rebuilt
+    # when the step size or the policy's `needs` changes, not built anew every step).
+    policy_group: tuple | None = None
     # RoPE shift: positions inside the cache are re-numbered after eviction, so the
     # position given to the next token is num_computed - pos_offset.
     pos_offset: int = 0

@@ -90,3 +90,58 @@ def test_native_drop_earliest_matches_torch(seed, monkeypatch):
     live = (positions >= 0).sum(1)
     assert native.sum(1).tolist() == [max(0, min(d, n - first)) for d, n in zip(drop, live.tolist())]
     assert rows.drop_earliest(view, [0] * len(drop), first) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_native_single_drop_on_long_rows_matches_torch(seed, monkeypatch):
+    """Decode's one drop per row on rows of a thousand slots (the C++ op's vectorised
+    minimum and its search from the end in blocks of 16): ties across blocks, 0 and -0,
+    NaN and infinities, rows whose only candidates are +inf or NaN."""
+    if not load_select():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(seed)
+    n, w = 16, 1003
+    positions = torch.arange(w).repeat(n, 1)
+    positions[torch.rand(n, w, generator=g) < 0.2] = -1
+    values = torch.tensor([0.0, -0.0, 1.0, 2.0, float("nan"), float("inf"), -float("inf")])
+    pick = torch.randint(0, 4 if seed < 2 else 7, (n, w), generator=g)
+    scores = values[pick]
+    scores[0] = float("inf")  # only +inf candidates
+    scores[1] = float("nan")  # only NaN candidates
+    scores[2, ::3] = float("inf")
+    scores[2, 1::3] = float("nan")
+    for first, last in ((0, 0), (4, 1), (0, 32)):
+        native = rows.drop_lowest(positions, scores, [1] * n, first, last)
+        monkeypatch.setitem(rows.NATIVE, "select", False)
+        assert torch.equal(native, rows.drop_lowest(positions, scores, [1] * n, first, last))
+        monkeypatch.setitem(rows.NATIVE, "select", True)
+
+
+@pytest.mark.parametrize("seed", range(9))
+@pytest.mark.parametrize("native", [False, True])
+def test_a_live_mask_selects_as_the_positions(seed, native, monkeypatch):
+    """`drop_lowest` given the rows' bool live mask (what `keep_highest` hands it) drops
+    what it drops given their positions, in the C++ op and in the torch form."""
+    if native and not load_select():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setitem(rows.NATIVE, "select", native)
+    positions, scores, drop, first, last = _case(seed)
+    assert torch.equal(rows.drop_lowest(positions >= 0, scores, drop, first, last),
+                       rows.drop_lowest(positions, scores, drop, first, last))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("native", [False, True])
+def test_layered_scores_select_as_rows(seed, native, monkeypatch):
+    """Scores handed as [L, R, W] (a state slice of wider tables, `RowsView.layered`,
+    which the C++ op reads in place) select what their [N, W] copy (row l·R + r)
+    selects."""
+    if native and not load_select():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setitem(rows.NATIVE, "select", native)
+    positions, scores, drop, first, last = _case(seed)  # 12 rows: 3 layers x 4 requests
+    wide = torch.randn(3, 7, scores.shape[1] + 5)  # the tables: more rows and slots
+    layered = wide.narrow(1, 2, 4).narrow(2, 0, scores.shape[1])
+    layered.copy_(scores.view(3, 4, -1))
+    assert torch.equal(rows.drop_lowest(positions, layered, drop, first, last),
+                       rows.drop_lowest(positions, scores, drop, first, last))

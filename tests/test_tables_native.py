@@ -174,3 +174,40 @@ def test_native_release_matches_torch(seed, monkeypatch):
         pools.append(p)
     assert torch.equal(pools[0].ref, pools[1].ref)
     assert pools[0]._free == pools[1]._free and pools[0]._free
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_marking_matches_torch(seed):
+    """`mark_dead` (csrc/tables_cpu.cpp) against `SlotTables._mark_dead`: blocks of 16 (its
+    word-wise flag scan reads 8 at a time), rows whose layers hold the same slots
+    (`alike`) and lose the same ones or not, flags on dead slots, a row with no flag."""
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(seed)
+    nl, bs, nrows, width = 3, 16, 6, 5
+    t = SlotTables(nl, bs, rows=nrows, width_blocks=width)
+    rows = torch.tensor([4, 1, 2, 5, 0][: 3 + seed % 3], dtype=torch.int64)
+    r, w = rows.numel(), width * bs
+    alike = torch.rand(r, generator=g) < 0.6
+    for i, row in enumerate(rows.tolist()):
+        pos = torch.arange(w)
+        pos[torch.rand(w, generator=g) < 0.3] = -1
+        for layer in range(nl):
+            p = pos.clone()
+            if not alike[i]:
+                p[torch.rand(w, generator=g) < 0.2] = -1
+            t.slot_pos[layer, row, :w] = p
+    dead = torch.rand(nl, r, w, generator=g) < 0.02
+    for i in range(r):
+        if alike[i] and i % 2 == 0:  # every layer drops the same slots
+            dead[:, i] = dead[0, i]
+    dead[:, r - 1] = False  # a row that drops nothing
+    sp = t.slot_pos.clone()
+    cnt, emptied, same = torch.ops.kvserve_tables.mark_dead(t.slot_pos, rows, dead, alike, bs)
+    native = t.slot_pos.clone()
+    t.slot_pos.copy_(sp)
+    counts, emptied_t, same_t = t._mark_dead(rows, dead, alike, None)
+    assert torch.equal(native, t.slot_pos)
+    assert cnt.t().tolist() == counts
+    assert torch.equal(emptied, emptied_t)
+    assert same.tolist() == same_t

@@ -21,6 +21,11 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVSERVE_AVX512 1
+#include <immintrin.h>
+#endif
+
 namespace {
 
 struct Key {
@@ -38,28 +43,97 @@ inline bool before(const Key& a, const Key& b) {
 
 constexpr int64_t kSmall = 16;
 
-void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, int64_t last,
+// Whether slot j holds a token: from its position (int64, -1 = none) or from a live mask
+// (bool, 1 byte a slot: 8x less to read than the positions, which a step's other passes
+// have long pushed out of cache by the time it selects).
+inline bool alive(const int64_t* p, int64_t j) { return p[j] >= 0; }
+inline bool alive(const bool* p, int64_t j) { return p[j]; }
+
+#ifdef KVSERVE_AVX512
+// The 16 live flags of slots j..j+15 as a mask.
+inline __mmask16 live16(const int64_t* p, int64_t j) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask8 lo = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j), zero);
+  const __mmask8 hi = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j + 8), zero);
+  return static_cast<__mmask16>(lo | (static_cast<unsigned>(hi) << 8));
+}
+inline __mmask16 live16(const bool* p, int64_t j) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
+  return _mm_test_epi8_mask(x, x);
+}
+#endif
+
+// The lowest score among the live slots of [a, b) (+inf if none; a NaN never wins).
+// With AVX-512, 16 running minima in one register (`<` ordered, as the scalar loop's
+// compare): GCC leaves the scalar form a branch per slot, since a select between a
+// loaded score and +inf is a load it will not hoist. A minimum does not depend on the
+// order (0 and -0 may swap, which `==` cannot tell apart), so it is the scalar value.
+template <typename P>
+inline float lowest(const float* s, const P* pos, int64_t a, int64_t b) {
+  float lo = INFINITY;
+  int64_t j = a;
+#ifdef KVSERVE_AVX512
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  __m512 m = inf;
+  for (; j + 16 <= b; j += 16) {
+    const __m512 v = _mm512_mask_blend_ps(live16(pos, j), inf, _mm512_loadu_ps(s + j));
+    m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, m, _CMP_LT_OQ), m, v);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  for (float x : lanes) lo = x < lo ? x : lo;
+#endif
+  for (; j < b; ++j) {
+    const float v = alive(pos, j) ? s[j] : INFINITY;
+    lo = v < lo ? v : lo;
+  }
+  return lo;
+}
+
+// The latest slot in [a, b) that is live and holds `lo` (-1 if none): 16 slots at a
+// time from the end (AVX-512), stopping at the first block with a hit. The scalar
+// search read half a row on average, a compare and a branch per slot.
+template <typename P>
+inline int64_t last_equal(const float* s, const P* pos, int64_t a, int64_t b, float lo) {
+  int64_t j = b;
+#ifdef KVSERVE_AVX512
+  const __m512 want = _mm512_set1_ps(lo);
+  for (; j - 16 >= a; j -= 16) {
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(live16(pos, j - 16), _mm512_loadu_ps(s + j - 16),
+                                                  want, _CMP_EQ_OQ);
+    if (hit) return j - 16 + (31 - __builtin_clz(static_cast<unsigned>(hit)));
+  }
+#endif
+  for (--j; j >= a; --j)
+    if (alive(pos, j) && s[j] == lo) return j;
+  return -1;
+}
+
+template <typename P>
+void select_row(const float* s, const P* pos, int64_t w, int64_t first, int64_t last,
                 int64_t d, bool* out) {
   if (d <= 0) return;
   // The candidates lie between the first `first` live slots and the last `last` ones:
   // find both edges by walking in from each end (a few slots), then read the middle once.
   int64_t a = 0, b = w;
-  for (int64_t k = 0; a < w && k < first; ++a) k += pos[a] >= 0;
-  for (int64_t k = 0; b > a && k < last; --b) k += pos[b - 1] >= 0;
+  for (int64_t k = 0; a < w && k < first; ++a) k += alive(pos, a);
+  for (int64_t k = 0; b > a && k < last; --b) k += alive(pos, b - 1);
   if (b <= a) return;
   std::vector<Key> buf;
   if (d == 1) {  // decode at the budget: the lowest score, then its latest slot
-    // Two passes the compiler vectorises (min, then a search from the end that stops at
-    // once), not one branchy scan. A NaN never compares, so it is taken only when
-    // every candidate is NaN (then the latest one, as `before` orders them).
-    float lo = INFINITY;
-    for (int64_t j = a; j < b; ++j) {
-      const float v = pos[j] >= 0 ? s[j] : INFINITY;
-      lo = v < lo ? v : lo;
-    }
+    // Two vector passes (`lowest`, then `last_equal` from the end,
+    // which stops at the first block with a hit). A NaN never compares, so it is taken
+    // only when no candidate is below +inf: then the scalar search from the end below
+    // (the latest +inf, else the latest NaN, as `before` orders them).
+    const float lo = lowest(s, pos, a, b);
     int64_t at = -1, nan_at = -1;
+    if (lo < INFINITY) {  // a minimum below +inf: its latest live slot
+      at = last_equal(s, pos, a, b, lo);
+      if (at >= 0) out[at] = true;
+      return;
+    }
     for (int64_t j = b - 1; j >= a && at < 0; --j) {
-      if (pos[j] < 0) continue;
+      if (!alive(pos, j)) continue;
       if (s[j] == lo) at = j;
       else if (nan_at < 0 && std::isnan(s[j])) nan_at = j;
     }
@@ -70,7 +144,7 @@ void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, in
   if (d <= kSmall) {
     buf.reserve(d + 1);
     for (int64_t j = a; j < b; ++j) {
-      if (pos[j] < 0) continue;
+      if (!alive(pos, j)) continue;
       const Key k{s[j], std::isnan(s[j]), j};
       if ((int64_t)buf.size() == d && !before(k, buf.back())) continue;
       buf.insert(std::upper_bound(buf.begin(), buf.end(), k, before), k);
@@ -79,7 +153,7 @@ void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, in
   } else {
     buf.reserve(b - a);
     for (int64_t j = a; j < b; ++j)
-      if (pos[j] >= 0) buf.push_back(Key{s[j], std::isnan(s[j]), j});
+      if (alive(pos, j)) buf.push_back(Key{s[j], std::isnan(s[j]), j});
     d = std::min<int64_t>(d, buf.size());
     if (d == 0) return;
     std::nth_element(buf.begin(), buf.begin() + (d - 1), buf.end(), before);
@@ -88,27 +162,40 @@ void select_row(const float* s, const int64_t* pos, int64_t w, int64_t first, in
   for (const Key& k : buf) out[k.slot] = true;
 }
 
+// scores [N, W], or [L, R, W] with row l·R + r at [l, r] and unit stride along W (a
+// policy's per-slot state as the tables' own slice, `RowsView.layered`: read in place
+// instead of copied into [N, W] first); positions [N, W] int64, or a bool live mask.
 at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
                        const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop) {
-  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat,
-              "scores must be [N, W] float32");
-  TORCH_CHECK(positions.sizes() == scores.sizes() && positions.scalar_type() == at::kLong,
-              "positions must be [N, W] int64 like scores");
-  const int64_t n = scores.size(0), w = scores.size(1);
+  const bool mask = positions.scalar_type() == at::kBool;
+  TORCH_CHECK(positions.dim() == 2 && (mask || positions.scalar_type() == at::kLong),
+              "positions must be [N, W]: int64 positions or a bool live mask");
+  const int64_t n = positions.size(0), w = positions.size(1);
+  const bool layered = scores.dim() == 3;
+  TORCH_CHECK(scores.scalar_type() == at::kFloat &&
+              ((scores.dim() == 2 && scores.size(0) == n && scores.size(1) == w) ||
+               (layered && scores.size(0) * scores.size(1) == n && scores.size(2) == w)),
+              "scores must be [N, W] or [L, R, W] float32, with N = L·R rows of positions' W");
   for (const at::Tensor* t : {&first, &last, &drop})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
                 "first, last and drop must be [N] int64");
-  const at::Tensor s = scores.contiguous(), p = positions.contiguous();
+  const at::Tensor s = layered && scores.stride(2) == 1 ? scores : scores.contiguous();
+  const int64_t rr = layered ? s.size(1) : 1;  // rows per layer
+  const int64_t s0 = layered ? s.stride(0) : w * rr, s1 = layered ? s.stride(1) : w;
+  const at::Tensor p = positions.contiguous();
   const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
-  at::Tensor out = at::zeros({n, w}, scores.options().dtype(at::kBool));
+  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
   const float* sp = s.data_ptr<float>();
-  const int64_t* pp = p.data_ptr<int64_t>();
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
-  at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i)
-      select_row(sp + i * w, pp + i * w, w, fp[i], lp[i], dp[i], op + i * w);
-  });
+  const auto run = [&](const auto* pp) {
+    at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i)
+        select_row(sp + (i / rr) * s0 + (i % rr) * s1, pp + i * w, w, fp[i], lp[i], dp[i], op + i * w);
+    });
+  };
+  if (mask) run(p.data_ptr<bool>());
+  else run(p.data_ptr<int64_t>());
   return out;
 }
 

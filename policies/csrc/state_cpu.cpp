@@ -19,7 +19,72 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define KVSERVE_AVX512 1
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#ifdef KVSERVE_AVX512
+// The live flags (position >= 0) of slots j..j+15 as a mask.
+inline __mmask16 live16(const int64_t* p, int64_t j) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask8 lo = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j), zero);
+  const __mmask8 hi = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j + 8), zero);
+  return static_cast<__mmask16>(lo | (static_cast<unsigned>(hi) << 8));
+}
+#endif
+
+// The lowest of s over the live slots of [a, b) (+inf if none; a NaN never wins), 16
+// running minima at a time with AVX-512: GCC leaves the scalar form a branch per slot
+// (select_cpu.cpp's `lowest`, of which this is the int64-position case).
+inline float live_min(const float* s, const int64_t* pos, int64_t a, int64_t b) {
+  float lo = INFINITY;
+  int64_t j = a;
+#ifdef KVSERVE_AVX512
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  __m512 m = inf;
+  for (; j + 16 <= b; j += 16) {
+    const __m512 v = _mm512_mask_blend_ps(live16(pos, j), inf, _mm512_loadu_ps(s + j));
+    m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, m, _CMP_LT_OQ), m, v);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  for (float x : lanes) lo = x < lo ? x : lo;
+#endif
+  for (; j < b; ++j) {
+    const float v = pos[j] >= 0 ? s[j] : INFINITY;
+    lo = v < lo ? v : lo;
+  }
+  return lo;
+}
+
+// Append (i, j) for every live slot j of [a, b) with double(s[j]) <= thr, in slot order;
+// 16 slots a compare with AVX-512 (a hit is rare: the few near a row's lowest).
+inline void live_at_most(const float* s, const int64_t* pos, int64_t a, int64_t b, double thr,
+                         int64_t i, std::vector<int64_t>& rows, std::vector<int64_t>& slots) {
+  int64_t j = a;
+#ifdef KVSERVE_AVX512
+  const __m512d t = _mm512_set1_pd(thr);
+  for (; j + 16 <= b; j += 16) {
+    const __m512 x = _mm512_loadu_ps(s + j);
+    const __mmask8 lo = _mm512_cmp_pd_mask(_mm512_cvtps_pd(_mm512_castps512_ps256(x)), t, _CMP_LE_OQ);
+    const __mmask8 hi = _mm512_cmp_pd_mask(
+        _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), t, _CMP_LE_OQ);
+    unsigned hit = live16(pos, j) & (lo | (static_cast<unsigned>(hi) << 8));
+    for (; hit; hit &= hit - 1) {
+      rows.push_back(i);
+      slots.push_back(j + __builtin_ctz(hit));
+    }
+  }
+#endif
+  for (; j < b; ++j)
+    if (pos[j] >= 0 && static_cast<double>(s[j]) <= thr) {
+      rows.push_back(i);
+      slots.push_back(j);
+    }
+}
 
 void check_rows(const at::Tensor& state, int64_t n, int64_t w, const char* what) {
   TORCH_CHECK(state.dim() >= 3 && state.size(0) * state.size(1) == n && state.size(2) == w,
@@ -81,7 +146,10 @@ inline __attribute__((always_inline)) void ring_row(
     }
   }
   if (row.out != nullptr)
-    for (int64_t s = 0; s < w; ++s) row.out[s] = row.pos[s] >= 0 ? static_cast<float>(sum[s]) * down : 0.0f;
+    for (int64_t s = 0; s < w; ++s) {  // both sides computed: a select, not a branch
+      const float v = static_cast<float>(sum[s]) * down;
+      row.out[s] = row.pos[s] >= 0 ? v : 0.0f;
+    }
 }
 
 at::Tensor window_ring(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
@@ -217,10 +285,7 @@ std::tuple<at::Tensor, at::Tensor> near_lowest(const at::Tensor& scores, const a
       for (int64_t k = 0; b > a && k < lp[i]; --b) k += pos[b - 1] >= 0;
       float kth = INFINITY;  // the d-th lowest candidate total
       if (dp[i] == 1) {  // decode at the budget: the lowest, one vectorised pass
-        for (int64_t j = a; j < b; ++j) {
-          const float v = pos[j] >= 0 ? s[j] : INFINITY;
-          kth = v < kth ? v : kth;
-        }
+        kth = live_min(s, pos, a, b);
         if (kth == INFINITY) continue;
       } else {
         vals.clear();
@@ -231,12 +296,7 @@ std::tuple<at::Tensor, at::Tensor> near_lowest(const at::Tensor& scores, const a
         std::nth_element(vals.begin(), vals.begin() + k, vals.end());
         kth = vals[k];
       }
-      const double thr = static_cast<double>(kth) * (1.0 + rel) + abs;
-      for (int64_t j = a; j < b; ++j)
-        if (pos[j] >= 0 && static_cast<double>(s[j]) <= thr) {
-          rows.push_back(i);
-          slots.push_back(j);
-        }
+      live_at_most(s, pos, a, b, static_cast<double>(kth) * (1.0 + rel) + abs, i, rows, slots);
     }
   }
   const int64_t m = rows.size();
