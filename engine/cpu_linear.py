@@ -96,11 +96,9 @@ def padded_rows(rows: int, smallest: int = MIN_ROWS) -> int:
 def row_buckets(limit: int) -> list[int]:
     """Every bucket a step of at most `limit` rows can pad to, ascending."""
     out, rows = [], 1
-    while rows <= limit:
+    while rows <= limit:  # the last bucket appended is padded_rows(limit)
         out.append(padded_rows(rows))
         rows = out[-1] + 1
-    if out and out[-1] < padded_rows(limit):
-        out.append(padded_rows(limit))
     return out
 
 

@@ -141,11 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(argv),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "settings": vars(a), "rounds": []}
-    worker_argv = [x for x in argv if not x.startswith("--base")]
+    same = ["--model", a.model, "--shapes", a.shapes, "--layers", str(a.layers),
+            "--dtype", a.dtype, "--calls", str(a.calls), "--threads", str(a.threads)]
     for r in range(a.rounds):
         got = {"this": measure(*args)}  # type: ignore[arg-type]
         if a.base:
-            got["base"] = _run_base(a.base, [x for x in worker_argv if x != a.base])
+            got["base"] = _run_base(a.base, same)
         report["rounds"].append(got)
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
