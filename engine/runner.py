@@ -19,6 +19,7 @@ import torch
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
 from kvpool.attention import PAD_QUERY_POS, causal_self_attention, paged_attention
+from kvpool.host import int64_tensor
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 
@@ -38,7 +39,7 @@ class PromptScoring:
     top_n: int  # alternatives per row
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqInput:
     """One request's share of a step."""
 
@@ -106,8 +107,8 @@ def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
     lens = [len(s.token_ids) for s in seqs]
     tq = max(lens)
     if tq == 1:  # decode: no padding
-        q_index = torch.tensor([offsets[i] for i in members], dtype=torch.int64)[:, None]
-        q_pos = torch.tensor([s.start_pos for s in seqs], dtype=torch.int64)[:, None]
+        q_index = int64_tensor([offsets[i] for i in members])[:, None]
+        q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
         return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs)
     ar = torch.arange(tq)
@@ -199,8 +200,8 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
         # The step's inputs: host lists to tensors, one copy each to the device.
-        input_ids = torch.tensor(ids, dtype=torch.int64)
-        positions = torch.tensor(pos, dtype=torch.int64)
+        input_ids = int64_tensor(ids)
+        positions = int64_tensor(pos)
         write_slots = _write_slots(inputs, offsets, total, cfg.num_layers,
                                    decode_slots)  # [L, T]
         scored = [i for i, s in enumerate(inputs) if s.score is not None]
@@ -312,7 +313,7 @@ def _score_rows(inputs: list[SeqInput], offsets: list[int], scored: list[int]
         a = offsets[i] + sc.offset
         rows.extend(range(a, a + len(sc.targets)))
         targets.extend(sc.targets)
-    return torch.tensor(rows, dtype=torch.int64), torch.tensor(targets, dtype=torch.int64)
+    return int64_tensor(rows), int64_tensor(targets)
 
 
 def upload(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:

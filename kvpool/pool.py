@@ -288,15 +288,24 @@ class BlockPool:
 
     def allocate(self, n: int) -> torch.Tensor:
         """n fresh block ids (ref count 1) as an int64 tensor."""
-        if n > self.num_free:
-            raise PoolExhausted(f"asked for {n} blocks, {self.num_free} free")
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
+        ids = torch.tensor(self.take(n), dtype=torch.int64)
+        self.ref[ids] = 1
+        return ids
+
+    def take(self, n: int) -> list[int]:
+        """n block ids off the free list, for a caller that sets their reference counts
+        to 1 itself in the same pass that uses them (SlotTables.append_decode's C++
+        form); until it does they are neither free nor counted."""
+        if n > self.num_free:
+            raise PoolExhausted(f"asked for {n} blocks, {self.num_free} free")
+        if n <= 0:
+            return []
         while len(self._free) < n:  # recycle the least recently used cached prefix
             self.forget(self.hash_of[next(iter(self._cached))])
-        ids = torch.tensor(self._free[-n:][::-1], dtype=torch.int64)
+        ids = self._free[-n:][::-1]
         del self._free[-n:]
-        self.ref[ids] = 1
         return ids
 
     def incref(self, ids: torch.Tensor) -> None:

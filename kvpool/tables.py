@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvpool.host import int64_tensor
 from kvpool.native import load_ops
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def take_rows(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
     about 3x cheaper than `index_select` on the sliced table, which is the fallback."""
     if consecutive(rows):
         return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width).contiguous()
-    return t.narrow(2, 0, width).index_select(1, torch.tensor(rows, dtype=torch.int64))
+    return t.narrow(2, 0, width).index_select(1, int64_tensor(rows))
 
 
 def rows_slice(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
@@ -85,7 +86,7 @@ def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
     if consecutive(rows):
         t.narrow(1, rows[0], len(rows)).narrow(2, 0, w).copy_(value)
     else:
-        t.narrow(2, 0, w).index_copy_(1, torch.tensor(rows, dtype=torch.int64), value)
+        t.narrow(2, 0, w).index_copy_(1, int64_tensor(rows), value)
 
 
 def _over(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> torch.Tensor:
@@ -107,6 +108,8 @@ def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.T
     return torch.full((*slots, k), fill, dtype=torch.float32)
 
 
+_plus_one = (1).__add__
+_NO_COLUMNS = torch.zeros(0, dtype=torch.bool)  # read only: no states to pass a C++ pass
 _ALL_LAYERS: dict[int, torch.Tensor] = {}  # read only: made once per layer count
 
 
@@ -212,46 +215,57 @@ class SlotTables:
 
         The caller has checked that the pool holds the blocks this needs (`need`, the
         caches' `blocks_needed(1)` summed, if it has it): they are taken in one
-        allocation. Python does the per-request arithmetic on ints; the tensors see one
-        allocation, one table write, one position write and one gather."""
+        allocation. Python does the per-request arithmetic on ints; on CPU the tensors
+        see one C++ pass over one host-made plan (csrc/tables_cpu.cpp::append_slots),
+        elsewhere one allocation, one table write, one position write and one gather."""
         nl, bs = self.num_layers, self.bs
         if need is None:
             need = sum(c.blocks_needed(1) for c in caches)
-        ids = pool.allocate(need) if need else None  # raises before anything changes
-        new_l: list[int] = []  # (layer, row, column) of each new block
-        new_r: list[int] = []
-        new_c: list[int] = []
+        native = self.table.device.type == "cpu" and load_mark()
+        taken = pool.take(need) if native else None  # either raises before anything changes
+        ids = pool.allocate(need) if need and not native else None
+        new: list[int] = []  # (layer, row, column) of each new block, flat
         rows: list[int] = []
         first: list[int] = []  # the slot index of layer 0 (of every layer if aligned)
-        uneven: dict[int, list[int]] = {}  # column -> per-layer slot indices
-        layers = range(nl)
+        uneven: dict[int, list[int]] = {}  # cache -> per-layer slot indices
+        widest = 0
         for i, c in enumerate(caches):
             row = c.row
             rows.append(row)
             if c.aligned:
                 nb, nxt = c.nblocks[0], c.next_slot[0]
                 if nxt >= nb * bs:
-                    new_l.extend(layers)
-                    new_r.extend([row] * nl)
-                    new_c.extend([nb] * nl)
-                    c.nblocks = [nb + 1] * nl
+                    for layer in range(nl):
+                        new += (layer, row, nb)
+                    nb += 1
+                    c.nblocks = [nb] * nl
                 c.next_slot = [nxt + 1] * nl
                 first.append(nxt)
+                if nb > widest:
+                    widest = nb
             else:
-                for layer in layers:
+                for layer in range(nl):
                     nb, nxt = c.nblocks[layer], c.next_slot[layer]
                     if nxt >= nb * bs:
-                        new_l.append(layer)
-                        new_r.append(row)
-                        new_c.append(nb)
+                        new += (layer, row, nb)
                         c.nblocks[layer] = nb + 1
                 uneven[i] = list(c.next_slot)
                 c.next_slot = [x + 1 for x in c.next_slot]
                 first.append(uneven[i][0])
-            c.layer_live = [x + 1 for x in c.layer_live]
-        self.ensure_width(max(max(c.nblocks) for c in caches))
+                widest = max(widest, *c.nblocks)
+            c.layer_live = list(map(_plus_one, c.layer_live))  # no comprehension frame
+        self.ensure_width(widest)
+        if native:
+            assert taken is not None
+            plan = rows + positions + first + new + taken
+            for i, cols in uneven.items():
+                plan += (i, *cols)
+            states, columns = self._native_states()
+            return torch.ops.kvserve_tables.append_slots(
+                self.table, self.slot_pos, states, columns, list(self.fills.values()), pool.ref,
+                int64_tensor(plan), len(rows), len(taken), len(uneven), bs)
         if ids is not None:
-            self.table[new_l, new_r, new_c] = ids
+            self.table[new[0::3], new[1::3], new[2::3]] = ids
         row_t = torch.tensor(rows, dtype=torch.int64)
         idx = torch.tensor(first, dtype=torch.int64).expand(nl, -1)  # [L, B]
         if uneven:
@@ -273,7 +287,7 @@ class SlotTables:
         (the torch form reuses it and updates it; the C++ form, csrc/tables_cpu.cpp,
         writes `slot_pos` in place in one pass)."""
         r = dead.shape[1]
-        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        rows = int64_tensor([c.row for c in caches])
         alike = torch.tensor([c.alike for c in caches], dtype=torch.bool)
         if dead.device.type == "cpu" and load_mark():
             cnt, emptied, same_t = torch.ops.kvserve_tables.mark_dead(
@@ -331,7 +345,7 @@ class SlotTables:
         if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, *self._native_states(),
-                torch.tensor(rows, dtype=torch.int64), nb, nxt, _layer_mask(nl, layers), bs, w)
+                int64_tensor(rows), nb, nxt, _layer_mask(nl, layers), bs, w)
             return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
         pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
@@ -399,7 +413,7 @@ class SlotTables:
                 return done
         nl, bs, w = self.num_layers, self.bs, self.width
         s_len = w * bs
-        rows = torch.tensor([c.row for c in caches], dtype=torch.int64)
+        rows = int64_tensor([c.row for c in caches])
         nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()  # [L, R]
         sp = self.slot_pos.index_select(1, rows)  # [L, R, S]
         live = sp >= 0
@@ -453,7 +467,7 @@ class SlotTables:
         shared: the torch form copies it first."""
         declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
             self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
-            torch.tensor([c.row for c in caches], dtype=torch.int64),
+            int64_tensor([c.row for c in caches]),
             torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t(),
             _layer_mask(self.num_layers, layers), pool.ref, self.bs)
         if declined:
@@ -474,6 +488,8 @@ class SlotTables:
 
     def _native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The states as the C++ ops take them (storage order) and which are by columns."""
+        if not self.state:
+            return [], _NO_COLUMNS
         cols = [_by_columns(t) for t in self.state.values()]
         return ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
                 torch.tensor(cols, dtype=torch.bool))

@@ -140,7 +140,8 @@ def pin_threads(module: str, threads: int, argv: list[str] | None,
         os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],
                   {**os.environ, **env})
     choice = cpu_threads.apply(choice)
-    torch.set_num_interop_threads(threads)
+    if torch.get_num_interop_threads() != threads:  # settable once a process
+        torch.set_num_interop_threads(threads)
     return choice.fields()
 
 
@@ -240,6 +241,24 @@ def drive(engine, desc: str, progress: bool = True, collect: dict[str, list[int]
     engine.on_step = None
     return Drive(wall, recs, steps, max(running, default=0),
                  float(np.mean(running)) if running else 0.0)
+
+
+def run_in_checkout(base: str, script: str, argv: list[str]) -> object:
+    """`script` (a loadtest module's file) run with `argv + ["--worker", PATH]` inside
+    another checkout: its code and its own build of the C++ ops (they have one name, so
+    a separate TORCH_EXTENSIONS_DIR); returns the JSON the worker wrote to PATH. How a
+    benchmark compares this tree with a base, round by round in one run."""
+    import subprocess
+    import tempfile
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, ".torch_extensions_bench")}
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        code = ("import runpy, sys; sys.path.insert(0, '.'); sys.argv = sys.argv[1:]; "
+                f"runpy.run_path({os.path.abspath(script)!r}, run_name='__main__')")
+        subprocess.run([sys.executable, "-c", code, "x", *argv, "--worker", out.name],
+                       cwd=base, env=env, check=True)
+        with open(out.name, encoding="utf-8") as f:
+            return json.load(f)
 
 
 def pct(values: list[float], q: float) -> float | None:

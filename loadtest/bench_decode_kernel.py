@@ -20,9 +20,7 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -74,17 +72,6 @@ def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: 
                      "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3})
         del pools
     return rows
-
-
-def _run_base(base: str, argv: list[str]) -> list[dict[str, float]]:
-    """This module's --worker run inside the other checkout (its code, its build)."""
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, ".torch_extensions_bench")}
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        code = ("import runpy, sys; sys.path.insert(0, '.'); sys.argv = sys.argv[1:]; "
-                f"runpy.run_path({os.path.abspath(__file__)!r}, run_name='__main__')")
-        subprocess.run([sys.executable, "-c", code, "x", *argv, "--worker", out.name],
-                       cwd=base, env=env, check=True)
-        return json.load(open(out.name, encoding="utf-8"))
 
 
 def table(report: dict) -> str:
@@ -145,8 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
             "--dtype", a.dtype, "--calls", str(a.calls), "--threads", str(a.threads)]
     for r in range(a.rounds):
         got = {"this": measure(*args)}  # type: ignore[arg-type]
-        if a.base:
-            got["base"] = _run_base(a.base, same)
+        if a.base:  # imported here, not in the worker: a base checkout may lack it
+            from loadtest.bench_common import run_in_checkout
+
+            got["base"] = run_in_checkout(a.base, __file__, same)
         report["rounds"].append(got)
         print(f"round {r + 1}/{a.rounds} done", flush=True)
     report["fingerprint"]["loadavg_at_end"] = os.getloadavg()

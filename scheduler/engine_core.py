@@ -30,6 +30,7 @@ from scheduler.detokenizer import Detokenizer
 from scheduler.limits import fit_max_tokens, fit_shifted_positions, shifts_rope
 from scheduler.outputs import (
     EngineStats,
+    KVUsage,
     RequestOutput,
     RequestRejected,
     StepStats,
@@ -228,8 +229,13 @@ class EngineCore:
         if not plan.chunks:
             return []
         now = time.monotonic()
-        inputs = []
-        for c in plan.chunks:
+        inputs: list[SeqInput] = []
+        done: list[Chunk] = []  # chunks that reach the end of their known tokens: sampled
+        scored: list[Request] = []  # ... of scoring requests (max_tokens 0): finish now
+        params: list[SamplingParams] = []
+        seeds: list[int] = []
+        steps: list[int] = []
+        for c in plan.chunks:  # one pass: at 64 decoding every per-request pass shows
             r = c.request
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
@@ -237,26 +243,26 @@ class EngineCore:
             kv, cache = r.kv, r.cache
             assert cache is not None
             kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
-            kv.peak_bytes = kv.peak_blocks * self.pool.block_bytes
             kv.peak_live_tokens = max(kv.peak_live_tokens, cache.live // cache.num_layers)
+            p, completes = r.params, c.completes
+            sampled = completes and p.max_tokens > 0
+            if sampled:
+                done.append(c)
+                params.append(p)
+                seeds.append(r.seed)
+                steps.append(len(r.output_ids))
+            elif completes:
+                scored.append(r)
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
-                                   c.start - r.pos_offset, c.slots, r.cache,
-                                   c.completes and r.params.max_tokens > 0,
+                                   c.start - r.pos_offset, c.slots, cache, sampled,
                                    r.policy is not None and r.policy.needs.attention,
-                                   _prompt_scoring(r, c)))
+                                   _prompt_scoring(r, c) if r.prompt_logprobs is not None else None))
         t1 = time.perf_counter()
         out = self.runner.execute(inputs, plan.decode_slots)
         t2 = time.perf_counter()
         for i, scores in out.scores.items():
             _add_prompt_logprobs(plan.chunks[i].request, scores)
-        # Chunks that reach the end of their known tokens: a token is sampled for each,
-        # except for scoring requests (max_tokens 0), which finish after their prefill.
-        done = [c for c in plan.chunks if c.completes and c.request.params.max_tokens > 0]
-        scored = [c.request for c in plan.chunks
-                  if c.completes and c.request.params.max_tokens == 0]
-        reqs = [c.request for c in done]
-        batch = SamplingBatch.build([r.params for r in reqs], [r.seed for r in reqs],
-                                    [len(r.output_ids) for r in reqs], out.logits.device)
+        batch = SamplingBatch.build(params, seeds, steps, out.logits.device)
         ids = sample(out.logits, batch)  # on the model's device
         lp = None
         if batch.max_logprobs is not None:
@@ -270,8 +276,9 @@ class EngineCore:
         t4 = time.perf_counter()
         self.policies.run(plan.chunks, out.attention)  # the slot layout the forward saw
         t5 = time.perf_counter()
-        for c in plan.chunks:
-            self._trim_windows(c.request)
+        if self._min_window < 2**62:  # a model with sliding-window layers
+            for c in plan.chunks:
+                self._trim_windows(c.request)
         if self.cost_model is not None and len(plan.chunks) == 1 and plan.chunks[0].num_tokens > 1:
             self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
         if self.on_step is not None:
@@ -286,13 +293,13 @@ class EngineCore:
                  ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
+        self._generation_tokens += len(tokens)
         for row, (c, tok) in enumerate(zip(done, tokens)):
             r = c.request
             if r.first_token_time is None:
                 r.first_token_time = now
                 self._prompt_tokens += len(r.prompt_ids)
             r.output_ids.append(tok)
-            self._generation_tokens += 1
             if lp is not None and r.params.logprobs is not None:
                 k = r.params.logprobs
                 top = list(zip(lp[1][row][:k], lp[2][row][:k]))
@@ -351,16 +358,24 @@ class EngineCore:
         if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
             assert not r.scoring_prompt, "a request's first output follows its prefill"
             prompt_lps, r.prompt_logprobs_sent = r.prompt_logprobs, True
+        finished = r.finish_reason is not None
+        # Positional, in RequestOutput's field order: a keyword call costs 2.5x as much,
+        # and this runs for every request every step.
         out = RequestOutput(
-            request_id=r.request_id, new_token_ids=r.pending_ids,
-            new_text=text, logprobs=r.pending_logprobs if r.params.logprobs is not None else None,
-            finished=r.finish_reason is not None, finish_reason=r.finish_reason,
-            num_prompt_tokens=len(r.prompt_ids), num_output_tokens=len(r.output_ids),
-            kv=r.kv if r.finish_reason is not None else None, arrival_time=r.arrival_time,
-            first_scheduled_time=r.first_scheduled_time, first_token_time=r.first_token_time,
-            num_preemptions=r.num_preemptions, prompt_logprobs=prompt_lps)
-        r.pending_ids, r.pending_logprobs = [], []
+            r.request_id, r.pending_ids, text,
+            r.pending_logprobs if r.params.logprobs is not None else None,  # logprobs
+            finished, r.finish_reason, len(r.prompt_ids), len(r.output_ids),
+            self._final_kv(r) if finished else None,  # kv
+            r.arrival_time, r.first_scheduled_time, r.first_token_time, r.num_preemptions,
+            prompt_lps)
+        r.pending_ids = []
+        if r.pending_logprobs:
+            r.pending_logprobs = []
         return out
+
+    def _final_kv(self, r: Request) -> KVUsage:
+        r.kv.peak_bytes = r.kv.peak_blocks * self.pool.block_bytes
+        return r.kv
 
     # ---- introspection -------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -17,7 +17,7 @@ class RequestRejected(ValueError):
         self.param = param
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     logprob: float
@@ -25,7 +25,7 @@ class TokenLogprob:
     rank: int | None = None  # the token's rank in its distribution (1 = most likely); prompt only
 
 
-@dataclass
+@dataclass(slots=True)
 class KVUsage:
     """This request's KV footprint, reported in `usage.kv_cache`."""
 
@@ -36,7 +36,7 @@ class KVUsage:
     peak_bytes: int = 0  # peak_blocks × the pool's bytes per block (scales included)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """Delta since the previous output of the same request."""
 
@@ -58,7 +58,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class StepStats:
     """One engine step, for histograms (seconds)."""
 

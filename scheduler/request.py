@@ -17,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Request:
     request_id: str
     prompt_ids: list[int]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.manager import KVCacheManager
+from kvpool.seq_cache import SeqCache
 from policies.catalog import build_policy
 from scheduler.preemption import CostModel
 from scheduler.request import Request, Status
@@ -48,7 +49,7 @@ STARVATION_LIMIT = 3
 OVER_QUOTA = -1
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     request: Request
     start: int  # first token (by count of tokens computed) computed this step
@@ -138,31 +139,42 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         preempted: list[Request] = []
-        decoding: list[Request] = []  # their blocks are counted in `pending`, taken below
+        # Decoding requests' caches and next positions; their blocks are counted in
+        # `pending` and taken below, all at once.
+        caches: list[SeqCache] = []
+        positions: list[int] = []
         pending = 0
+        free = self.pool.num_free  # changes only where this loop preempts or appends
         queue = sorted(self.running, key=_key)
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget, req.max_chunk)
-            assert req.cache is not None
-            need = req.cache.blocks_needed(n)
-            while need + pending > self.pool.num_free:
-                victim = self._victim(queue) or req
-                if victim is not req:
-                    queue.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is req:
-                    break
+            cache = req.cache
+            assert cache is not None
+            need = cache.blocks_needed(n)
+            if need + pending > free:
+                while need + pending > self.pool.num_free:
+                    victim = self._victim(queue) or req
+                    if victim is not req:
+                        queue.remove(victim)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is req:
+                        break
+                free = self.pool.num_free
             if req.status is Status.RUNNING:
                 if n == 1:
-                    decoding.append(req)
+                    caches.append(cache)
+                    positions.append(req.num_computed - req.pos_offset)
                     pending += need
                     chunks.append(Chunk(req, req.num_computed, 1, None))
                 else:
                     chunks.append(self._chunk(req, n))
+                    free = self.pool.num_free
                 budget -= n
-        plan = Plan(chunks, preempted, self._append_decode(decoding, pending))
+        # Every decode token's slots in one batch: the ops do not grow with their number.
+        slots = self.kv.append_decode(caches, positions, pending) if caches else None
+        plan = Plan(chunks, preempted, slots)
         if preempted:  # memory is short: bring nobody in this step
             return plan
         reserved = self._reserved() if self.waiting or self.swapped else 0  # only if needed
@@ -339,16 +351,6 @@ class Scheduler:
         start = req.num_computed
         first = start - req.pos_offset
         return Chunk(req, start, n, req.cache.append(torch.arange(first, first + n)))
-
-    def _append_decode(self, reqs: list[Request], need: int) -> torch.Tensor | None:
-        """Every decode token's slots in one batch (`SlotTables.append_decode`; `need`:
-        the blocks counted while planning): the ops do not grow with the number of
-        decoding requests."""
-        if not reqs:
-            return None
-        caches = [r.cache for r in reqs]
-        return self.kv.append_decode(caches,  # type: ignore[arg-type]
-                                     [r.num_computed - r.pos_offset for r in reqs], need)
 
     # ---- after the forward ---------------------------------------------------------
     def publish(self, chunks: list[Chunk]) -> None:

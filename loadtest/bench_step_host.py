@@ -1,0 +1,149 @@
+"""The engine step's host work at N decoding requests, and against another checkout.
+
+    python -m loadtest.bench_step_host --model 3m --running 64 --rounds 3
+    python -m loadtest.bench_step_host --base /tmp/base-checkout --rounds 3
+
+Issue 18's figure: the share of a decode step spent outside the model forward
+(scheduling, the decode append, sampling, advancing requests, policies) with `--running`
+requests decoding, the same measure as `bench_offline --profile`'s "outside forward"
+column. Why a benchmark of its own: a change to that bookkeeping moves a 3M model's step
+by a few percent, under this machine's drift between two runs, so `--base` runs another
+checkout's code (and its own build of the C++ ops) in a subprocess, interleaved with this
+one round by round, and the table compares medians.
+
+Each round builds the engine, starts `--running` requests of the same seeded prompts
+(greedy, EOS ignored, long enough to outlive the round), steps until all decode, then
+times `--steps` steps through `StepStats`. Threads are `kvserve generate`'s defaults
+(`--threads`). Writes JSON with the environment fingerprint; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+NAME = "bench_step_host"
+PARTS = ("forward_ms", "outside_ms", "schedule_advance_ms", "sample_ms", "policy_ms")
+
+
+def measure(model: str, running: int, steps: int, kv_policy: str | None) -> dict[str, float]:
+    """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
+    from engine.sampling import SamplingParams
+    from loadtest.bench_common import MODEL_CONFIGS, build_model
+    from loadtest.bench_offline import Workload
+    from scheduler.llm import LLM
+
+    with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as path:
+        build_model(model, path)
+        vocab = int(MODEL_CONFIGS[model]["vocab_size"])
+        w = Workload.draw(running, (32, 500), (24, 256), vocab, seed=0)
+        llm = LLM(path, kv_cache_memory="1GiB", max_num_seqs=running,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False)
+        eng, seen = llm.engine, []
+        eng.on_step = seen.append
+        policy = json.loads(kv_policy) if kv_policy else None
+        for i, p in enumerate(w.prompts):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=steps + 200, temperature=0,
+                                                       ignore_eos=True, detokenize=False),
+                            kv_policy=policy)
+        while not seen or seen[-1].num_prefill_tokens or seen[-1].num_seqs < running:
+            eng.step()
+        for _ in range(8):  # past the first decode steps' one-time costs
+            eng.step()
+        seen.clear()
+        for _ in range(steps):
+            eng.step()
+        assert all(s.num_decode_tokens == running for s in seen), "a request left early"
+        n = len(seen)
+        total = sum(s.total_s for s in seen)
+        forward = sum(s.forward_s for s in seen)
+        return {"step_ms": 1e3 * total / n, "forward_ms": 1e3 * forward / n,
+                "outside_ms": 1e3 * (total - forward) / n,
+                "schedule_advance_ms": 1e3 * sum(s.schedule_s for s in seen) / n,
+                "sample_ms": 1e3 * sum(s.sample_s for s in seen) / n,
+                "policy_ms": 1e3 * sum(s.policy_s for s in seen) / n,
+                "outside_share": (total - forward) / total}
+
+
+def table(report: dict) -> str:
+    rounds = report["rounds"]
+    sides = ["this", "base"] if "base" in rounds[0] else ["this"]
+    head = "| per decode step | " + " | ".join(
+        f"{s} checkout (rounds)" for s in sides) + (" | base / this |" if len(sides) == 2 else " |")
+    lines = [head, "|---" * (len(sides) + 1 + (len(sides) == 2)) + "|"]
+    for key in ("step_ms", *PARTS, "outside_share"):
+        cells = []
+        med = {}
+        for side in sides:
+            xs = [r[side][key] for r in rounds]
+            med[side] = statistics.median(xs)
+            fmt = (lambda x: f"{100 * x:.1f}%") if key == "outside_share" else (lambda x: f"{x:.3f}")
+            cells.append(" / ".join(fmt(x) for x in xs))
+        line = f"| {key.replace('_ms', ' ms').replace('_', ' ')} | " + " | ".join(cells) + " |"
+        if len(sides) == 2:
+            line += f" {med['base'] / med['this']:.2f}× |" if med["this"] else " — |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m loadtest.{NAME}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="3m", help="a loadtest model config (3m, 160m, tiny)")
+    p.add_argument("--running", type=int, default=64, help="requests decoding")
+    p.add_argument("--steps", type=int, default=200, help="steps timed per round")
+    p.add_argument("--kv-policy", help="a kv_policy (JSON) for every request; default full")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: cores)")
+    p.add_argument("--base", help="another checkout to run the same way, interleaved")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (each: this, then base)")
+    p.add_argument("--out", default="runs/")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # measure once, JSON to this path
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    from engine import cpu_threads
+    from loadtest.bench_common import pin_threads
+
+    threads = a.threads or cpu_threads.plan(None, None).threads
+    choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait="spin")
+    args = (a.model, a.running, a.steps, a.kv_policy)
+    if a.worker:
+        with open(a.worker, "w", encoding="utf-8") as f:
+            json.dump(measure(*args), f)
+        return {}
+    from loadtest.bench_common import run_in_checkout
+    from loadtest.fingerprint import fingerprint
+
+    shown = sys.argv[1:] if argv is None else argv
+    report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(shown),
+                    "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
+                    "threads": choice, "settings": vars(a), "rounds": []}
+    same = ["--model", a.model, "--running", str(a.running), "--steps", str(a.steps),
+            "--threads", str(threads), *(["--kv-policy", a.kv_policy] if a.kv_policy else [])]
+    for r in range(a.rounds):
+        got = {"this": measure(*args)}
+        if a.base:
+            got["base"] = run_in_checkout(a.base, __file__, same)
+        report["rounds"].append(got)
+        print(f"round {r + 1}/{a.rounds}: outside forward {100 * got['this']['outside_share']:.1f}%"
+              + (f" (base {100 * got['base']['outside_share']:.1f}%)" if a.base else ""), flush=True)
+    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, f"{NAME}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    print(table(report))
+    print(f"wrote {path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
