@@ -111,11 +111,13 @@ class SeqCache:
 
     def blocks_needed(self, n: int) -> int:
         """Blocks that appending n tokens to every layer would allocate."""
-        if self.uniform:
-            return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
         if n == 1:  # every running request, every step: a layer whose last block is full
+            if self.uniform:
+                return self.num_layers if self.next_slot[0] >= self.nblocks[0] * self.bs else 0
             bs = self.bs
             return sum(s >= b * bs for b, s in zip(self.nblocks, self.next_slot))
+        if self.uniform:
+            return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
 
     def owned_blocks(self) -> torch.Tensor:

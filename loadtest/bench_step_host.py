@@ -32,7 +32,8 @@ NAME = "bench_step_host"
 PARTS = ("forward_ms", "outside_ms", "schedule_advance_ms", "sample_ms", "policy_ms")
 
 
-def measure(model: str, running: int, steps: int, kv_policy: str | None) -> dict[str, float]:
+def measure(model: str, dtype: str, running: int, steps: int,
+            kv_policy: str | None) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
     from engine.sampling import SamplingParams
     from loadtest.bench_common import MODEL_CONFIGS, build_model
@@ -43,7 +44,7 @@ def measure(model: str, running: int, steps: int, kv_policy: str | None) -> dict
         build_model(model, path)
         vocab = int(MODEL_CONFIGS[model]["vocab_size"])
         w = Workload.draw(running, (32, 500), (24, 256), vocab, seed=0)
-        llm = LLM(path, kv_cache_memory="1GiB", max_num_seqs=running,
+        llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=running,
                   max_num_batched_tokens=2048, enable_prefix_caching=False)
         eng, seen = llm.engine, []
         eng.on_step = seen.append
@@ -96,6 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m loadtest.{NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="3m", help="a loadtest model config (3m, 160m, tiny)")
+    p.add_argument("--dtype", default="float32", help="the model's dtype (and the pool's)")
     p.add_argument("--running", type=int, default=64, help="requests decoding")
     p.add_argument("--steps", type=int, default=200, help="steps timed per round")
     p.add_argument("--kv-policy", help="a kv_policy (JSON) for every request; default full")
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     threads = a.threads or cpu_threads.plan(None, None).threads
     choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait="spin")
-    args = (a.model, a.running, a.steps, a.kv_policy)
+    args = (a.model, a.dtype, a.running, a.steps, a.kv_policy)
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(shown),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "threads": choice, "settings": vars(a), "rounds": []}
-    same = ["--model", a.model, "--running", str(a.running), "--steps", str(a.steps),
+    same = ["--model", a.model, "--dtype", a.dtype, "--running", str(a.running), "--steps", str(a.steps),
             "--threads", str(threads), *(["--kv-policy", a.kv_policy] if a.kv_policy else [])]
     for r in range(a.rounds):
         got = {"this": measure(*args)}

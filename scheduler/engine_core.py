@@ -235,8 +235,13 @@ class EngineCore:
         params: list[SamplingParams] = []
         seeds: list[int] = []
         steps: list[int] = []
+        n_dec = n_pre = 0
         for c in plan.chunks:  # one pass: at 64 decoding every per-request pass shows
             r = c.request
+            if c.num_tokens == 1:
+                n_dec += 1
+            else:
+                n_pre += c.num_tokens
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             # The peak is now, with this step's slots taken and its plan not yet run.
@@ -257,6 +262,9 @@ class EngineCore:
                                    c.start - r.pos_offset, c.slots, cache, sampled,
                                    r.policy is not None and r.policy.needs.attention,
                                    _prompt_scoring(r, c) if r.prompt_logprobs is not None else None))
+            # Counted as computed now (nothing before the advance reads it): a step that
+            # fails fails every request in it, so no later step sees the count early.
+            r.num_computed += c.num_tokens
         t1 = time.perf_counter()
         out = self.runner.execute(inputs, plan.decode_slots)
         t2 = time.perf_counter()
@@ -269,8 +277,6 @@ class EngineCore:
             lp = top_logprobs(out.logits, ids, batch.max_logprobs)
         tokens, lp = to_host(ids, lp)  # the step's one device-to-host copy
         t3 = time.perf_counter()
-        for c in plan.chunks:
-            c.request.num_computed += c.num_tokens
         self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
         outputs = self._advance(done, tokens, lp) + self._finish_scored(scored)
         t4 = time.perf_counter()
@@ -282,8 +288,6 @@ class EngineCore:
         if self.cost_model is not None and len(plan.chunks) == 1 and plan.chunks[0].num_tokens > 1:
             self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
         if self.on_step is not None:
-            n_dec = sum(1 for c in plan.chunks if c.num_tokens == 1)
-            n_pre = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
             self.on_step(StepStats(len(plan.chunks), n_pre, n_dec, t1 - t0 + t4 - t3,
                                    t2 - t1, t3 - t2, t5 - t4, t5 - t0))
         return outputs

@@ -145,7 +145,7 @@ class Scheduler:
         positions: list[int] = []
         pending = 0
         free = self.pool.num_free  # changes only where this loop preempts or appends
-        queue = sorted(self.running, key=_key)
+        queue = list(self.running)  # kept in _key order (`_resume`): no sort per step
         while queue and budget > 0:
             req = queue.pop(0)
             n = min(req.num_tokens - req.num_computed, budget, req.max_chunk)
@@ -294,7 +294,9 @@ class Scheduler:
                 self.cost.observe_copy(moved, time.perf_counter() - t)
         req.status = Status.RUNNING
         req.resume_mark = len(req.output_ids)
-        self.running.append(req)
+        # In (starved, priority, arrival) order, after equal keys: the order planning
+        # visits them in, kept here because a running request's key never changes.
+        bisect.insort_right(self.running, req, key=_key)
 
     def _victim(self, queue: list[Request]) -> Request | None:
         """Lowest priority, then one whose growth nobody reserved, then newest; skip

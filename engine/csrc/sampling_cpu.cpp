@@ -19,8 +19,10 @@
 // division and tie rule (first maximum; a NaN wins), so the same token unless a libm
 // logf and torch's differ in the last place at a near-tie.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -73,7 +75,12 @@ at::Tensor greedy(const at::Tensor& logits) {
   at::Tensor out = at::empty({rows}, l.options().dtype(at::kLong));
   const float* p = l.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) o[r] = first_max(p + r * vocab, vocab);
+  // Rows in parallel once a share is worth waking a thread for (256 KiB of logits):
+  // at 64 rows of a 4k vocabulary the logits arrive from the LM head's two threads,
+  // and one thread reading all of them was ~60 us of a 3M model's 8 ms step.
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / vocab), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) o[r] = first_max(p + r * vocab, vocab);
+  });
   return out;
 }
 
