@@ -19,3 +19,16 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+def bool_tensor(values: list[bool]) -> torch.Tensor:
+    """A new 1-D bool CPU tensor of `values` (one byte each, as torch stores bools)."""
+    if not values:
+        return torch.empty(0, dtype=torch.bool)
+    return torch.frombuffer(bytearray(values), dtype=torch.bool)
+
+
+def int64_rows(rows: list[list[int]]) -> torch.Tensor:
+    """[len(rows), k] int64 from equal-length host rows (per cache, one value per layer),
+    made as one flat `int64_tensor`."""
+    return int64_tensor([x for row in rows for x in row]).view(len(rows), -1)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool.host import int64_tensor
+from kvpool.host import bool_tensor, int64_rows, int64_tensor
 from kvpool.native import load_ops
 
 if TYPE_CHECKING:
@@ -288,7 +288,7 @@ class SlotTables:
         writes `slot_pos` in place in one pass)."""
         r = dead.shape[1]
         rows = int64_tensor([c.row for c in caches])
-        alike = torch.tensor([c.alike for c in caches], dtype=torch.bool)
+        alike = bool_tensor([c.alike for c in caches])
         if dead.device.type == "cpu" and load_mark():
             cnt, emptied, same_t = torch.ops.kvserve_tables.mark_dead(
                 self.slot_pos, rows, dead, alike, self.bs)
@@ -339,9 +339,8 @@ class SlotTables:
         # Only the blocks these caches hold: the tables' width may be twice that.
         nl, bs, w = self.num_layers, self.bs, max(max(c.nblocks) for c in caches)
         rows = [c.row for c in caches]
-        sizes = torch.tensor([[c.nblocks for c in caches], [c.next_slot for c in caches]],
-                             dtype=torch.int64)  # [2, R, L]: one tensor made on the host
-        nb, nxt = sizes[0].t(), sizes[1].t()  # [L, R]
+        sizes = int64_rows([c.nblocks for c in caches] + [c.next_slot for c in caches])
+        nb, nxt = sizes[: len(caches)].t(), sizes[len(caches) :].t()  # [L, R] each
         if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, *self._native_states(),
@@ -414,7 +413,7 @@ class SlotTables:
         nl, bs, w = self.num_layers, self.bs, self.width
         s_len = w * bs
         rows = int64_tensor([c.row for c in caches])
-        nxt = torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t()  # [L, R]
+        nxt = int64_rows([c.next_slot for c in caches]).t()  # [L, R]
         sp = self.slot_pos.index_select(1, rows)  # [L, R, S]
         live = sp >= 0
         n = live.sum(dim=2)
@@ -468,7 +467,7 @@ class SlotTables:
         declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
             self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
             int64_tensor([c.row for c in caches]),
-            torch.tensor([c.next_slot for c in caches], dtype=torch.int64).t(),
+            int64_rows([c.next_slot for c in caches]).t(),
             _layer_mask(self.num_layers, layers), pool.ref, self.bs)
         if declined:
             return None

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.runner import AttentionMass
+from kvpool.host import int64_tensor
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import consecutive, put_rows, rows_slice, take_rows
@@ -88,14 +89,14 @@ def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
     for group, rows, which in groups.values():
         g = group[:, :, :tq]  # [L, r, Tq, Hkv, S]: a slice when the rows are consecutive
         sel = g.narrow(1, rows[0], len(rows)) if consecutive(rows) \
-            else g.index_select(1, torch.tensor(rows))
+            else g.index_select(1, int64_tensor(rows))
         s = sel.shape[-1]
         sel = sel[..., :width] if s >= width else torch.nn.functional.pad(sel, (0, width - s))
         parts.append(sel if heads else head_sum(sel))
         order += which
     a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # back to member order
-        a = a.index_select(1, torch.tensor(order).argsort())
+        a = a.index_select(1, int64_tensor(order).argsort())
     return _rows(a)
 
 
@@ -169,17 +170,14 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     first = members[0].cache
     tables, nl, bs, k = first.tables, first.num_layers, first.bs, view.num_new
     n, rt, wt = nl * len(members), tables.table.shape[1], tables.table.shape[2]
-    layer_of, req_of, slot_of, block_of, offset_of = [], [], [], [], []
+    flat: list[int] = []  # per new slot: layer, member, slot, table entry, offset
     for layer in range(nl):
         for i, m in enumerate(members):
             base = (layer * rt + m.cache.row) * wt
-            for slot in range(m.cache.next_slot[layer] - k, m.cache.next_slot[layer]):
-                layer_of.append(layer)
-                req_of.append(i)
-                slot_of.append(slot)
-                block_of.append(base + slot // bs)
-                offset_of.append(slot % bs)
-    index = torch.tensor([layer_of, req_of, slot_of, block_of, offset_of], dtype=torch.int64)
+            end = m.cache.next_slot[layer]
+            for slot in range(end - k, end):
+                flat += (layer, i, slot, base + slot // bs, slot % bs)
+    index = int64_tensor(flat).view(-1, 5).t().contiguous()  # [5, n * k]
     view.new_index = index[:3].view(3, n, k)
     view.new_slots = view.new_index[2]
     phys = tables.table.view(-1).index_select(0, index[3]).mul_(bs).add_(index[4])
