@@ -261,6 +261,24 @@ def run_in_checkout(base: str, script: str, argv: list[str]) -> object:
             return json.load(f)
 
 
+def ab_rounds(name: str, report: dict, out: str, rounds: int, base: str | None, script: str,
+              argv: list[str], measure, table, say=None) -> dict:
+    """A benchmark's rounds, this tree then `base` (`run_in_checkout` with `argv`) in each,
+    so the machine's drift hits both alike; appends them to `report["rounds"]`, saves it
+    (`save_run`), prints `table(report)`. `say(round)`: a progress line per round."""
+    for r in range(rounds):
+        got = {"this": measure()}
+        if base:
+            got["base"] = run_in_checkout(base, script, argv)
+        report["rounds"].append(got)
+        print(f"round {r + 1}/{rounds}" + (f": {say(got)}" if say else " done"), flush=True)
+    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
+    path = save_run(report, out, name)
+    print(table(report))
+    print(f"wrote {path}")
+    return report
+
+
 def pct(values: list[float], q: float) -> float | None:
     """numpy's linear-interpolation percentile (as loadtest/metrics.py); None if empty."""
     return float(np.percentile(values, q)) if values else None
@@ -302,13 +320,19 @@ def default_paths(args, name: str) -> None:
     args.plot = args.plot or (os.path.join(base, f"{name}.png") if base else f"docs/img/{name}.png")
 
 
-def save_json(report: dict, out_dir: str, name: str, results: str) -> str:
-    """runs/<name>-<UTC stamp>.json, copied to the final results path; returns the first."""
+def save_run(report: dict, out_dir: str, name: str) -> str:
+    """runs/<name>-<UTC stamp>.json; returns its path."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     os.makedirs(out_dir, exist_ok=True)
     run_path = os.path.join(out_dir, f"{name}-{stamp}.json")
     with open(run_path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
+    return run_path
+
+
+def save_json(report: dict, out_dir: str, name: str, results: str) -> str:
+    """runs/<name>-<UTC stamp>.json, copied to the final results path; returns the first."""
+    run_path = save_run(report, out_dir, name)
     os.makedirs(os.path.dirname(results) or ".", exist_ok=True)
     shutil.copyfile(run_path, results)
     return run_path

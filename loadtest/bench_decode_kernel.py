@@ -130,23 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
                     "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--shapes", a.shapes, "--layers", str(a.layers),
             "--dtype", a.dtype, "--calls", str(a.calls), "--threads", str(a.threads)]
-    for r in range(a.rounds):
-        got = {"this": measure(*args)}  # type: ignore[arg-type]
-        if a.base:  # imported here, not in the worker: a base checkout may lack it
-            from loadtest.bench_common import run_in_checkout
+    # imported here, not in the worker: a base checkout may lack it
+    from loadtest.bench_common import ab_rounds
 
-            got["base"] = run_in_checkout(a.base, __file__, same)
-        report["rounds"].append(got)
-        print(f"round {r + 1}/{a.rounds} done", flush=True)
-    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"{NAME}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(table(report))
-    print(f"wrote {path}")
-    return report
-
+    return ab_rounds(NAME, report, a.out, a.rounds, a.base, __file__, same,
+                     lambda: measure(*args), table)  # type: ignore[arg-type]
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import time
 
 NAME = "bench_step_host"
 PARTS = ("forward_ms", "outside_ms", "schedule_advance_ms", "sample_ms", "policy_ms")
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)
         return {}
-    from loadtest.bench_common import run_in_checkout
+    from loadtest.bench_common import ab_rounds
     from loadtest.fingerprint import fingerprint
 
     shown = sys.argv[1:] if argv is None else argv
@@ -130,22 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "threads": choice, "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--dtype", a.dtype, "--running", str(a.running), "--steps", str(a.steps),
             "--threads", str(threads), *(["--kv-policy", a.kv_policy] if a.kv_policy else [])]
-    for r in range(a.rounds):
-        got = {"this": measure(*args)}
-        if a.base:
-            got["base"] = run_in_checkout(a.base, __file__, same)
-        report["rounds"].append(got)
-        print(f"round {r + 1}/{a.rounds}: outside forward {100 * got['this']['outside_share']:.1f}%"
-              + (f" (base {100 * got['base']['outside_share']:.1f}%)" if a.base else ""), flush=True)
-    report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"{NAME}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(table(report))
-    print(f"wrote {path}")
-    return report
+    def say(got: dict) -> str:
+        line = f"outside forward {100 * got['this']['outside_share']:.1f}%"
+        return line + (f" (base {100 * got['base']['outside_share']:.1f}%)" if "base" in got else "")
 
+    return ab_rounds(NAME, report, a.out, a.rounds, a.base, __file__, same,
+                     lambda: measure(*args), table, say)
 
 if __name__ == "__main__":
     main()
