@@ -312,3 +312,25 @@ def test_a_call_from_dram_touches_rows_and_answers_the_same(hq: int, hkv: int, d
         o, m = paged_attention_cpu(**one, window=1200, return_probs=True)
         assert torch.equal(o, out[i : i + 1]) and torch.equal(m, mass[i : i + 1])
     check(case, window=1200, probs=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_wider_tables_are_read_in_place(kv_dtype: torch.dtype) -> None:
+    """The runner hands the kernel rows of the engine's shared tables as views (row
+    stride wider than the batch's blocks; `SlotTables.rows_of`): the kernel reads each
+    row at its stride, never the columns past it, which here hold visible-looking
+    positions and real block ids, and answers the bits of the contiguous call."""
+    case = narrow_pool(make_case([37, 5, 64, 20], [1, 1, 1, 1], evict={2: [3, 4, 40]},
+                                 hq=4, hkv=2, d=32, bs=8), kv_dtype)
+    b, nb = case["table"].shape
+    s = case["slot_pos"].shape[1]
+    table = torch.zeros(b + 2, nb + 3, dtype=torch.int64)  # block 0 exists: never read
+    slot_pos = torch.zeros(b + 2, s + 3 * 8, dtype=torch.int64)  # position 0: visible
+    table[1 : b + 1, :nb] = case["table"]
+    slot_pos[1 : b + 1, :s] = case["slot_pos"]
+    view = {**case, "table": table[1 : b + 1, :nb], "slot_pos": slot_pos[1 : b + 1, :s]}
+    assert not view["table"].is_contiguous() and not view["slot_pos"].is_contiguous()
+    want, want_mass = paged_attention_cpu(**case, window=None, return_probs=True)
+    got, mass = paged_attention_cpu(**view, window=None, return_probs=True)
+    assert torch.equal(got, want) and torch.equal(mass, want_mass)

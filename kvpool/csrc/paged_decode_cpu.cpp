@@ -96,6 +96,9 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   float* mass;  // [B, Hkv, S], rows ms0 apart, or nullptr when not requested
   const int64_t *table, *slot_pos, *q_pos;
   int64_t B, Hq, Hkv, G, D, bs, NB, S, row_len, window, ms0;
+  // Row strides of table and slot_pos: the runner hands the engine's shared tables'
+  // rows as they are (a view, wider than NB and S), not a copy of them.
+  int64_t ts, ps;
   // Quantized codes only (int8, fp8): slot s's scale at kv head h is ks[s * sstride + h],
   // times sfac (fp8 codes are widened as fp16 bit patterns 2^8 below their value).
   const at::Half *ks = nullptr, *vs = nullptr;
@@ -132,9 +135,9 @@ int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* lo
   const int64_t lo = (a.window > 0 && qp >= a.window) ? qp - a.window + 1 : 0;
   int64_t n = 0;
   for (int64_t j = 0; j < a.NB; ++j) {
-    const int64_t blk = a.table[b * a.NB + j];
+    const int64_t blk = a.table[b * a.ts + j];
     if (blk < 0) continue;
-    const int64_t* pos = a.slot_pos + b * a.S + j * a.bs;
+    const int64_t* pos = a.slot_pos + b * a.ps + j * a.bs;
     for (int64_t o = 0; o < a.bs; ++o) {
       phys[n] = (blk * a.bs + o) * a.row_len;
       logical[n] = j * a.bs + o;
@@ -405,8 +408,8 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
     }
   }
   for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) prefetch(a.v + phys[i], row_bytes);
-  if (b + 1 < a.B && a.table[(b + 1) * a.NB] >= 0) {  // the next sequence's first block
-    const int64_t first = a.table[(b + 1) * a.NB] * a.bs * rl;
+  if (b + 1 < a.B && a.table[(b + 1) * a.ts] >= 0) {  // the next sequence's first block
+    const int64_t first = a.table[(b + 1) * a.ts] * a.bs * rl;
     prefetch<2>(a.k + first, a.bs * row_bytes);
     prefetch<2>(a.v + first, a.bs * row_bytes);
   }
@@ -613,13 +616,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const Batch<TKV> a{io, k_cache.data_ptr<TKV>(), v_cache.data_ptr<TKV>(), mass,
                      table.data_ptr<int64_t>(), slot_pos.data_ptr<int64_t>(),
                      q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
-                     Hkv * D, window, Hkv * NB * bs};
+                     Hkv * D, window, Hkv * NB * bs, table.stride(0), slot_pos.stride(0)};
   SeqFn<TKV> seq = vector_seq(a);
   run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
 
 bool is_float_type(at::ScalarType t) {  // what QueryIO and the dispatch below take
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf || t == at::kDouble;
+}
+
+// A [B, n] int64 table or position rows as the kernel reads them: a view whose rows are
+// contiguous (each row read at its own stride) as it is, anything else copied.
+at::Tensor rows_of(const at::Tensor& x) {
+  return x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
 }
 
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
@@ -637,8 +646,8 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share a head dim");
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
-  const at::Tensor t = table.contiguous(), p = slot_pos.contiguous(), qp = q_pos.contiguous();
-  TORCH_CHECK(p.size(0) == q.size(0) && p.size(1) == t.size(1) * k_cache.size(1) &&
+  const at::Tensor t = rows_of(table), p = rows_of(slot_pos), qp = q_pos.contiguous();
+  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == q.size(0) && p.size(1) == t.size(1) * k_cache.size(1) &&
                   qp.numel() == q.size(0), "slot_pos must be [B, NB*bs] and q_pos [B]");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor mass = return_probs
@@ -723,7 +732,7 @@ template <typename TC>
 bool vector_codes_as(const Batch<uint8_t>& a, const QuantRows& r, float sfac) {
   Batch<TC> c{a.io, reinterpret_cast<const TC*>(a.k), reinterpret_cast<const TC*>(a.v), a.mass,
               a.table, a.slot_pos, a.q_pos, a.B, a.Hq, a.Hkv, a.G, a.D, a.bs, a.NB, a.S,
-              a.row_len, a.window, a.ms0, r.ks, r.vs, a.Hkv, sfac};
+              a.row_len, a.window, a.ms0, a.ts, a.ps, r.ks, r.vs, a.Hkv, sfac};
   const SeqFn<TC> seq = vector_seq(c);
   if (seq == nullptr) return false;
   run(c, seq);
@@ -755,8 +764,8 @@ std::vector<at::Tensor> paged_decode_quant(
               "codes and scales do not match the head dim");
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
-  const at::Tensor t = table.contiguous(), p = slot_pos.contiguous(), qp = q_pos.contiguous();
-  TORCH_CHECK(p.size(0) == B && p.size(1) == NB * bs && qp.numel() == B,
+  const at::Tensor t = rows_of(table), p = rows_of(slot_pos), qp = q_pos.contiguous();
+  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == B && p.size(1) == NB * bs && qp.numel() == B,
               "slot_pos must be [B, NB*bs] and q_pos [B]");
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   at::Tensor mass = return_probs ? at::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
@@ -768,7 +777,7 @@ std::vector<at::Tensor> paged_decode_quant(
                          return_probs ? mass.data_ptr<float>() : nullptr,
                          t.data_ptr<int64_t>(), p.data_ptr<int64_t>(), qp.data_ptr<int64_t>(),
                          B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window,
-                         Hkv * NB * bs};
+                         Hkv * NB * bs, t.stride(0), p.stride(0)};
   const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
                     mode, ng, D / ng};
   if (mode != 3 && vector_codes(a, r, mode)) return {out, mass};
