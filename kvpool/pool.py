@@ -167,6 +167,10 @@ class BlockPool:
         """Store K/V [T, Hkv, D] at physical slots [T] (rounded to the pool's dtype, or
         quantized with a scale per token and kv head / group)."""
         if self.quant is None:
+            if (slots.device.type == "cpu" and k.stride(-1) == 1 and v.stride(-1) == 1
+                    and load_mark()):  # one C++ pass (csrc/tables_cpu.cpp::write_kv)
+                torch.ops.kvserve_tables.write_kv(self._flat[0], self._flat[1], slots, k, v)
+                return
             self._flat[0][slots] = k.to(self.kv.dtype)
             self._flat[1][slots] = v.to(self.kv.dtype)
             return

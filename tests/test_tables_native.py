@@ -247,3 +247,40 @@ def test_native_marking_matches_torch(seed):
     assert cnt.t().tolist() == counts
     assert torch.equal(emptied, emptied_t)
     assert same.tolist() == same_t
+
+
+@pytest.mark.parametrize(("model_dtype", "pool_dtype"), [
+    (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_native_kv_write_matches_torch(model_dtype, pool_dtype, monkeypatch):
+    """BlockPool.write's C++ pass (csrc/tables_cpu.cpp::write_kv) against its torch form
+    (two index_puts): K and V as the runner hands them, strided views of one QKV output,
+    in any order of slots, rounded to the pool's dtype as `.to()` rounds (values between
+    two representable ones, an infinity, a NaN): the pool's bytes are the same, but for
+    the NaN's payload (torch's vector conversion keeps its bits, the C++ pass writes the
+    canonical NaN)."""
+    from kvpool import pool as pool_mod
+    from kvpool.pool import BlockPool
+
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(1)
+    t, hkv, d = 300, 2, 32  # more rows than the C++ pass's grain: rows in parallel
+    qkv = (torch.randn(t, (4 + 2 * hkv) * d, generator=g) * 3).to(model_dtype)
+    qkv[0, 4 * d] = float("nan")
+    qkv[1, 4 * d + 1] = float("inf")
+    k = qkv[:, 4 * d : (4 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (4 + hkv) * d :].view(t, hkv, d)
+    assert not k.is_contiguous()
+    slots = torch.randperm(64 * 8, generator=g)[:t]
+    pools = []
+    for native in (True, False):
+        monkeypatch.setattr(pool_mod, "load_mark", lambda n=native: n)
+        p = BlockPool(64, 8, hkv, d, dtype=pool_dtype)
+        p.write(slots, k, v)
+        pools.append(p)
+    a, b = pools[0].kv, pools[1].kv
+    nan = a.isnan()
+    assert torch.equal(nan, b.isnan()) and nan.sum() == 1  # a NaN stays a NaN (its bits may not)
+    assert torch.equal(a.masked_fill(nan, 0).view(torch.uint8), b.masked_fill(nan, 0).view(torch.uint8))
+    assert a.isinf().sum() == 1

@@ -1,8 +1,10 @@
-// Carrying out a plan's drops in the shared slot tables on CPU, in one pass.
+// The host-side passes of the shared slot tables and the pool on CPU, each one op where
+// the torch form is several dispatches a step: carrying out a plan's drops (mark_dead,
+// free_dead, compact_rows), the decode append (append_slots), reference counts
+// (release_refs) and a step's K/V writes (write_kv). kvpool/tables.py and kvpool/pool.py
+// call them and keep their torch forms as the fallback (no compiler, another device).
 //
-// Registered as torch.ops.kvserve_tables.mark_dead; kvpool/tables.py::SlotTables.evict_mask
-// calls it and keeps its torch form as the fallback (no compiler, another device).
-// Why a kernel: the torch form is about ten memory-bound sweeps over [layers, rows, slots]
+// mark_dead, why a kernel: the torch form is about ten memory-bound sweeps over [layers, rows, slots]
 // (read the rows' positions, mask the live drops, count them, write -1, write the rows
 // back, find the emptied blocks, compare layers), at 64 rows of a thousand slots most of
 // a cheap policy's step. Here each (layer, row) reads the drop mask once and touches the
@@ -16,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -405,6 +408,52 @@ at::Tensor append_slots(at::Tensor table, at::Tensor slot_pos, std::vector<at::T
   return out;
 }
 
+// A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
+// their pool slots [T], in the pool's dtype: BlockPool.write, whose torch form is two
+// index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
+// decode step for 8 writes). Converted as torch's .to() converts (round to nearest even; a
+// NaN is written as the canonical NaN, where torch's vector conversion may keep its bits).
+template <typename TS, typename TD>
+void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots) {
+  const int64_t n = src.size(0), hkv = src.size(1), d = src.size(2);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  const TS* sp = src.data_ptr<TS>();
+  TD* dp = dst.data_ptr<TD>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const TS* x = sp + t * s0 + h * s1;
+        TD* y = dp + (slots[t] * hkv + h) * d;
+        if constexpr (std::is_same_v<TS, TD>) {
+          std::memcpy(y, x, d * sizeof(TD));
+        } else {
+          for (int64_t i = 0; i < d; ++i) y[i] = static_cast<TD>(static_cast<float>(x[i]));
+        }
+      }
+  });
+}
+
+void write_kv(at::Tensor k_flat, at::Tensor v_flat, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots must be [T] int64");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < sl.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_flat.size(0), "slot out of range");
+  for (auto [dst, src] : {std::pair<at::Tensor*, const at::Tensor*>{&k_flat, &k}, {&v_flat, &v}}) {
+    TORCH_CHECK(dst->dim() == 3 && dst->is_contiguous(), "the pool planes must be contiguous [slots, Hkv, D]");
+    TORCH_CHECK(src->dim() == 3 && src->stride(2) == 1 && src->size(0) == sl.size(0) &&
+                    src->size(1) == dst->size(1) && src->size(2) == dst->size(2),
+                "k and v must be [T, Hkv, D] with unit last stride");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src->scalar_type(), "write_kv", [&] {
+      using TS = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst->scalar_type(), "write_kv", [&] {
+        put_rows<TS, scalar_t>(*src, *dst, sp);
+      });
+    });
+  }
+}
+
 // BlockPool.release's reference counting (its torch form: an index_add, a gather, a
 // compare, a mask and a unique, each a dispatch that costs more than the work on the
 // few ids a plan frees): drop one reference per id in `ids` (int64) from `ref` (int32),
@@ -436,6 +485,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, Tensor rows, "
         "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("append_slots(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
         "float[] fills, Tensor(d!) ref, Tensor plan, int b, int k, int u, int bs) -> Tensor");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
@@ -448,5 +498,6 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("free_dead", free_dead);
   m.impl("compact_rows", compact_rows);
   m.impl("release_refs", release_refs);
+  m.impl("write_kv", write_kv);
   m.impl("append_slots", append_slots);
 }
