@@ -51,7 +51,7 @@ class Needs:
         return h
 
 
-@dataclass
+@dataclass(slots=True)
 class StepView:
     """A request's step in sizes only, for `Policy.idle`: the engine decides from it
     whether the policy has anything to do before it builds any view."""

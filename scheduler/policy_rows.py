@@ -50,7 +50,7 @@ def load_select() -> bool:
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@dataclass
+@dataclass(slots=True)
 class Member:
     cache: SeqCache
     policy: object  # a policy with `select`

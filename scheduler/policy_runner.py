@@ -59,9 +59,9 @@ class PolicyRunner:
                 first_full = r.prefill_done = r.num_computed >= len(r.prompt_ids)
             idle = getattr(policy, "idle", None)
             # sizes only (the live counts are host ints): enough for `idle` to decide
-            if idle is not None and idle(StepView(
-                    seq_len=r.num_computed, prompt_len=len(r.prompt_ids), num_new=c.num_tokens,
-                    prefill_done=first_full, block_size=cache.bs, lengths=cache.layer_live)):
+            # (positional: seq_len, prompt_len, num_new, prefill_done, block_size, lengths)
+            if idle is not None and idle(StepView(r.num_computed, len(r.prompt_ids), c.num_tokens,
+                                                  first_full, cache.bs, cache.layer_live)):
                 self._note_reserve(r)
                 name = r.policy_name
                 idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
@@ -83,22 +83,22 @@ class PolicyRunner:
                 members.sort(key=lambda rm: rm[1].cache.row)  # consecutive rows read as slices
             done = run_group([m for _, m in members])
             name = members[0][0].policy_name  # one policy config per group
-            if name not in self.evicted_tokens:
-                self._count(members[0][0], 0, 0)
+            evicted_tokens = freed_blocks = 0  # the group's, added to the counters once
             for (r, m), (evicted, freed) in zip(members, done):
                 if evicted or freed:
                     if m.rotate is not None and evicted:
                         r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-                    self._count(r, evicted, freed)
+                    tokens = evicted // self.num_layers
+                    r.kv.evicted_tokens += tokens
+                    evicted_tokens += tokens
+                    freed_blocks += freed
                 self._note_reserve(r)
+            self._count(name, evicted_tokens, freed_blocks)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
         self._compact()
 
-    def _count(self, r: Request, evicted_slots: int, freed_blocks: int) -> None:
-        name = r.policy_name
-        evicted = evicted_slots // self.num_layers
-        r.kv.evicted_tokens += evicted
-        self.evicted_tokens[name] = self.evicted_tokens.get(name, 0) + evicted
+    def _count(self, name: str, evicted_tokens: int, freed_blocks: int) -> None:
+        self.evicted_tokens[name] = self.evicted_tokens.get(name, 0) + evicted_tokens
         self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed_blocks
 
     def _note_reserve(self, r: Request) -> None:
