@@ -19,46 +19,18 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include "live_slots.h"
+
+#if defined(KVSERVE_LIVE16) && defined(__AVX512DQ__)  // live16: live_slots.h
 #define KVSERVE_AVX512 1
-#include <immintrin.h>
 #endif
 
 namespace {
 
-#ifdef KVSERVE_AVX512
-// The live flags (position >= 0) of slots j..j+15 as a mask.
-inline __mmask16 live16(const int64_t* p, int64_t j) {
-  const __m512i zero = _mm512_setzero_si512();
-  const __mmask8 lo = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j), zero);
-  const __mmask8 hi = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j + 8), zero);
-  return static_cast<__mmask16>(lo | (static_cast<unsigned>(hi) << 8));
-}
+using live_slots::lowest;  // live_slots.h (select_cpu.cpp's too)
+#ifdef KVSERVE_LIVE16
+using live_slots::live16;
 #endif
-
-// The lowest of s over the live slots of [a, b) (+inf if none; a NaN never wins), 16
-// running minima at a time with AVX-512: GCC leaves the scalar form a branch per slot
-// (select_cpu.cpp's `lowest`, of which this is the int64-position case).
-inline float live_min(const float* s, const int64_t* pos, int64_t a, int64_t b) {
-  float lo = INFINITY;
-  int64_t j = a;
-#ifdef KVSERVE_AVX512
-  const __m512 inf = _mm512_set1_ps(INFINITY);
-  __m512 m = inf;
-  for (; j + 16 <= b; j += 16) {
-    const __m512 v = _mm512_mask_blend_ps(live16(pos, j), inf, _mm512_loadu_ps(s + j));
-    m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, m, _CMP_LT_OQ), m, v);
-  }
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, m);
-  for (float x : lanes) lo = x < lo ? x : lo;
-#endif
-  for (; j < b; ++j) {
-    const float v = pos[j] >= 0 ? s[j] : INFINITY;
-    lo = v < lo ? v : lo;
-  }
-  return lo;
-}
 
 // Append (i, j) for every live slot j of [a, b) with double(s[j]) <= thr, in slot order;
 // 16 slots a compare with AVX-512 (a hit is rare: the few near a row's lowest).
@@ -285,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor> near_lowest(const at::Tensor& scores, const a
       for (int64_t k = 0; b > a && k < lp[i]; --b) k += pos[b - 1] >= 0;
       float kth = INFINITY;  // the d-th lowest candidate total
       if (dp[i] == 1) {  // decode at the budget: the lowest, one vectorised pass
-        kth = live_min(s, pos, a, b);
+        kth = lowest(s, pos, a, b);
         if (kth == INFINITY) continue;
       } else {
         vals.clear();

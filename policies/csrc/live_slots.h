@@ -1,0 +1,63 @@
+// Reading a row's live slots, shared by the policies' C++ selection (select_cpu.cpp) and
+// state updates (state_cpu.cpp). A slot is live from its position (int64, -1 = none) or
+// from a live mask (bool, 1 byte a slot: 8x less to read than the positions, which a
+// step's other passes have long pushed out of cache by the time a policy selects).
+//
+// Included by both sources; ninja's header dependencies rebuild both when it changes.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace live_slots {
+
+inline bool alive(const int64_t* p, int64_t j) { return p[j] >= 0; }
+inline bool alive(const bool* p, int64_t j) { return p[j]; }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KVSERVE_LIVE16 1
+// The 16 live flags of slots j..j+15 as a mask.
+inline __mmask16 live16(const int64_t* p, int64_t j) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask8 lo = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j), zero);
+  const __mmask8 hi = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(p + j + 8), zero);
+  return static_cast<__mmask16>(lo | (static_cast<unsigned>(hi) << 8));
+}
+inline __mmask16 live16(const bool* p, int64_t j) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
+  return _mm_test_epi8_mask(x, x);
+}
+#endif
+
+// The lowest score among the live slots of [a, b) (+inf if none; a NaN never wins).
+// With AVX-512, 16 running minima in one register (`<` ordered, as the scalar loop's
+// compare): GCC leaves the scalar form a branch per slot, since a select between a
+// loaded score and +inf is a load it will not hoist. A minimum does not depend on the
+// order (0 and -0 may swap, which `==` cannot tell apart), so it is the scalar value.
+template <typename P>
+inline float lowest(const float* s, const P* pos, int64_t a, int64_t b) {
+  float lo = INFINITY;
+  int64_t j = a;
+#ifdef KVSERVE_LIVE16
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  __m512 m = inf;
+  for (; j + 16 <= b; j += 16) {
+    const __m512 v = _mm512_mask_blend_ps(live16(pos, j), inf, _mm512_loadu_ps(s + j));
+    m = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, m, _CMP_LT_OQ), m, v);
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, m);
+  for (float x : lanes) lo = x < lo ? x : lo;
+#endif
+  for (; j < b; ++j) {
+    const float v = alive(pos, j) ? s[j] : INFINITY;
+    lo = v < lo ? v : lo;
+  }
+  return lo;
+}
+
+}  // namespace live_slots
