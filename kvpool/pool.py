@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from kvpool import key_stats
+from kvpool.host import int64_tensor
 from kvpool.quant import FORMATS, KVFormat, QuantCache, dequantize, quantize
 from kvpool.tables import load_mark
 
@@ -294,7 +295,7 @@ class BlockPool:
         """n fresh block ids (ref count 1) as an int64 tensor."""
         if n == 0:
             return torch.empty(0, dtype=torch.int64)
-        ids = torch.tensor(self.take(n), dtype=torch.int64)
+        ids = int64_tensor(self.take(n))
         self.ref[ids] = 1
         return ids
 

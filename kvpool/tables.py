@@ -494,7 +494,7 @@ class SlotTables:
             return [], _NO_COLUMNS
         cols = [_by_columns(t) for t in self.state.values()]
         return ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
-                torch.tensor(cols, dtype=torch.bool))
+                bool_tensor(cols))
 
     def _copy_on_write(self, pool: BlockPool, caches: list[SeqCache], table: torch.Tensor,
                        dest: torch.Tensor, hole: torch.Tensor) -> bool:

@@ -373,7 +373,7 @@ class EngineCore:
             r.arrival_time, r.first_scheduled_time, r.first_token_time, r.num_preemptions,
             prompt_lps)
         r.pending_ids = []
-        if r.pending_logprobs:
+        if r.params.logprobs is not None:  # only then was the list handed over
             r.pending_logprobs = []
         return out
 
