@@ -19,6 +19,11 @@ import torch
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
 from kvpool.attention import PAD_QUERY_POS, causal_self_attention, paged_attention
+from kvpool.cpu_attention import (
+    fuses_key_diversity,
+    paged_attention_cpu,
+    paged_decode_key_diversity,
+)
 from kvpool.host import int64_tensor
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
@@ -52,31 +57,40 @@ class SeqInput:
     wants_logits: bool  # the chunk reaches the end of the known tokens
     wants_attention: bool = False  # return per-slot attention mass (eviction policies)
     score: PromptScoring | None = None  # prompt logprobs of this chunk's rows
+    # Return KeyDiff's per-slot score from the decode kernel (`Needs.key_diversity`),
+    # where the runner's attention fuses it (`fuses_key_diversity`); else nothing, and
+    # the policy bridge asks the pool's op.
+    wants_key_diversity: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class AttentionMass:
-    """One input's attention mass, kept as its group's whole tensor and a row, so a
-    group of any size costs one stack and one copy, and a batched consumer selects its
-    rows in one op.
+    """One input's per-slot statistics from attention, kept as its group's whole tensors
+    and a row, so a group of any size costs one stack and one copy, and a batched
+    consumer selects its rows in one op.
 
-    `group`: [L, B, Tq, Hkv, S] float32 on the host: for each layer, row and query, the
-    probability of every slot summed over its kv group's query heads; S indexes the
-    row's slots in table order (slot j = table[j // bs] at offset j % bs)."""
+    `group`: [L, B, Tq, Hkv, S] float32 on the host (None unless `wants_attention`):
+    for each layer, row and query, the probability of every slot summed over its kv
+    group's query heads; S indexes the row's slots in table order (slot j =
+    table[j // bs] at offset j % bs). `key_diversity`: [L, B, S] float32, KeyDiff's
+    score of every live slot (0 elsewhere), None unless asked and fused."""
 
-    group: torch.Tensor
+    group: torch.Tensor | None
     row: int
     num_tokens: int  # the input's queries (the first Tq of its row)
+    key_diversity: torch.Tensor | None = None
 
     def layers(self) -> torch.Tensor:
         """[L, num_tokens, Hkv, S]: this input's mass, indexable by layer."""
+        assert self.group is not None
         return self.group[:, self.row, : self.num_tokens]
 
 
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [N, V] float32 on the model's device, a row per wants_logits
-    # seq index -> attention mass, for the inputs that asked (wants_attention)
+    # seq index -> attention statistics, for the inputs that asked (wants_attention,
+    # or wants_key_diversity where fused)
     attention: dict[int, AttentionMass] = field(default_factory=dict)
     # seq index -> its scored rows (SeqInput.score), on the host
     scores: dict[int, TokenScores] = field(default_factory=dict)
@@ -91,13 +105,14 @@ class _Group:
     tables: torch.Tensor  # [L, B, NB]
     slot_pos: torch.Tensor  # [L, B, NB*bs]
     want_probs: bool
+    want_kd: bool  # decode rows whose KeyDiff score the kernel returns
     # Decode rows of the whole step in input order (a decode-only step with one group):
     # attention takes q as it is and its output is the layer's, no gather or scatter.
     whole: bool = False
 
 
 def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
-                 want_probs: bool) -> _Group:
+                 want_probs: bool, want_kd: bool = False) -> _Group:
     seqs = [inputs[i] for i in members]
     tables = seqs[0].cache.tables
     assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
@@ -110,13 +125,13 @@ def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
         q_index = int64_tensor([offsets[i] for i in members])[:, None]
         q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
-        return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs)
+        return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd)
     ar = torch.arange(tq)
     valid = ar[None, :] < torch.tensor(lens)[:, None]
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
     starts = torch.tensor([s.start_pos for s in seqs])[:, None]
     q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
-    return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs)
+    return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, False)
 
 
 # Attention cost is (sequences × the group's longest context): a group is split when the
@@ -184,6 +199,9 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.device = device
         self.scale = config.head_dim**-0.5
+        # KeyDiff's scores from the decode kernel (`wants_key_diversity`) where it serves
+        # this pool; decided on the first step that asks (the kernel builds then).
+        self._fuse_kd: bool | None = None
 
     def execute(self, inputs: list[SeqInput],
                 decode_slots: torch.Tensor | None = None) -> StepOutput:
@@ -209,16 +227,18 @@ class ModelRunner:
 
         windows = cfg.sliding_windows
         fresh = _fresh_prompts(inputs, windows)
-        buckets: dict[tuple[bool, bool], list[int]] = {}
+        buckets: dict[tuple[bool, bool, bool], list[int]] = {}
         for i, s in enumerate(inputs):
             if i not in fresh:
-                buckets.setdefault((len(s.token_ids) == 1, s.wants_attention), []).append(i)
+                decode = len(s.token_ids) == 1
+                kd = decode and s.wants_key_diversity and self._fuses_kd()
+                buckets.setdefault((decode, s.wants_attention, kd), []).append(i)
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
         groups = [
-            _build_group(part, inputs, offsets, want)
-            for (decode, want), m in sorted(buckets.items())
+            _build_group(part, inputs, offsets, want, kd)
+            for (decode, want, kd), m in sorted(buckets.items())
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
@@ -227,12 +247,13 @@ class ModelRunner:
                 flat += [g.q_index, g.valid, g.q_pos, g.tables, g.slot_pos]
             up = upload(flat, dev)
             input_ids, positions, write_slots, score_rows, score_targets = up[:5]
-            groups = [_Group(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs)
+            groups = [_Group(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs, g.want_kd)
                       for j, g in enumerate(groups)]
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
+        kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_kd}
         pool = self.pool
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -244,11 +265,13 @@ class ModelRunner:
                 out[a : a + n] = causal_self_attention(q[a : a + n], k[a : a + n],
                                                        v[a : a + n], self.scale)
             for j, g in enumerate(groups):
-                o, probs = pool.attend(
-                    self.attention_fn, q[:, None] if whole else q[g.q_index],
-                    g.tables[layer], g.slot_pos[layer], g.q_pos, self.scale,
-                    windows[layer], g.want_probs,
-                )
+                args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
+                        g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
+                if g.want_kd:
+                    o, probs, kd = pool.attend(paged_decode_key_diversity, *args)
+                    kds[j].append(kd)
+                else:
+                    o, probs = pool.attend(self.attention_fn, *args)
                 if whole:
                     out = o[:, 0]
                 else:
@@ -268,13 +291,20 @@ class ModelRunner:
                 hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
             logits = self.model.compute_logits(hidden)
             attention: dict[int, AttentionMass] = {}
-            for j, layers in mass.items():  # one stack and one copy per group
-                stacked = torch.stack(layers).cpu()
+            for j in mass.keys() | kds.keys():  # one stack and one copy per group
+                stacked = torch.stack(mass[j]).cpu() if j in mass else None
+                kd = torch.stack(kds[j]) if j in kds else None  # on the CPU already
                 for row, i in enumerate(groups[j].members):
-                    attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids))
+                    attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids), kd)
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
         return StepOutput(logits=logits.float(), attention=attention, scores=scores)
+
+    def _fuses_kd(self) -> bool:
+        if self._fuse_kd is None:
+            self._fuse_kd = (self.attention_fn is paged_attention_cpu
+                             and fuses_key_diversity(self.pool, self.config.sliding_windows))
+        return self._fuse_kd
 
     def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
                inputs: list[SeqInput], scored: list[int]) -> dict[int, TokenScores]:

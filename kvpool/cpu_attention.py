@@ -43,7 +43,9 @@ from pathlib import Path
 import torch
 
 from kvpool.attention import paged_attention
+from kvpool.key_stats import native_key_diversity
 from kvpool.native import load_ops
+from kvpool.pool import BlockPool
 from kvpool.quant import QuantCache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
@@ -94,8 +96,37 @@ def paged_attention_cpu(
             int(window or 0), return_probs, quant.fmt.code,
         )
         return out[:, None], (mass[:, None] if return_probs else None)
-    out, mass = torch.ops.kvserve.paged_decode(
+    out, mass, _ = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
         int(window or 0), return_probs,
     )
     return out[:, None], (mass[:, None] if return_probs else None)
+
+
+def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:
+    """Whether `paged_decode_key_diversity` serves this pool: the kernel built, a float
+    pool on the CPU (the op's dtypes) and no sliding window (decode then sees exactly the
+    live slots KeyDiff scores)."""
+    return (pool.quant is None and native_key_diversity(pool.k_cache)
+            and all(w is None for w in windows) and kernel_available())
+
+
+def paged_decode_key_diversity(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int | None = None,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
+    score of every visible slot, [B, S] float32 (0 where none): `kvpool.key_stats`'
+    `key_diversity`, the same bits (one C++ code path, key_diversity.h), computed per
+    sequence right after its attention read its keys. They are then in cache, where the
+    separate op read every live key from DRAM again after the step: at 16 requests of
+    ~1k tokens that op was ~1 ms, ~20% of a 3m model's decode step (issue 18: a policy's
+    statistics accumulated during attention, not gathered after the step). Callers
+    check `fuses_key_diversity` first."""
+    assert q.shape[1] == 1 and not window, "decode rows without a window"
+    out, mass, kd = torch.ops.kvserve.paged_decode(
+        q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale), 0,
+        return_probs, True,
+    )
+    return out[:, None], (mass[:, None] if return_probs else None), kd

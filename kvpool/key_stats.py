@@ -8,7 +8,10 @@ for the keys themselves (`Needs.keys`), the engine copied them all into a padded
 [rows, slots, Hkv, D] tensor and the policy made about six passes over it — about 67%
 of a decode step at 16 requests of ~1k tokens (issue 18). The pool owns K, so it
 computes the statistic where K lies: two reads of each row's keys, one float out per
-slot (`Needs.key_diversity`, `RowsView.key_diversity`).
+slot (`Needs.key_diversity`, `RowsView.key_diversity`). On decode steps the CPU decode
+kernel runs the same code (csrc/key_diversity.h) over each sequence's keys right after
+its attention read them (`kvpool.cpu_attention.paged_decode_key_diversity`), so the keys
+come from DRAM once a step; this op serves prompt steps and the other paths.
 
 `policies.norms.keydiff_scores` is the reference and the fallback: without a compiler,
 with KVSERVE_CPU_KERNEL=0, for a quantized pool (whose keys attention sees dequantized)

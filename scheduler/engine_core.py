@@ -24,6 +24,7 @@ from kvpool.manager import MIN_PREFILL_CHUNK, KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
 from kvpool.quant import FORMATS
 from kvpool.swap import SwapSpace
+from policies.base import Needs
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer
@@ -42,6 +43,7 @@ from scheduler.prefix import block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import Chunk, MemoryConfig, Scheduler
 
+_NO_NEEDS = Needs()  # a request without a policy asks the runner for nothing
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *_DTYPES, *FORMATS)  # what --kv-cache-dtype accepts
@@ -258,10 +260,12 @@ class EngineCore:
                 steps.append(len(r.output_ids))
             elif completes:
                 scored.append(r)
+            needs = r.policy.needs if r.policy is not None else _NO_NEEDS
             inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
                                    c.start - r.pos_offset, c.slots, cache, sampled,
-                                   r.policy is not None and r.policy.needs.attention,
-                                   _prompt_scoring(r, c) if r.prompt_logprobs is not None else None))
+                                   needs.attention,
+                                   _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
+                                   needs.key_diversity))
             # Counted as computed now (nothing before the advance reads it): a step that
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += c.num_tokens

@@ -74,30 +74,50 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[2:])
 
 
-def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
-    """The members' mass [L·R, Tq, Hkv, W]: per runner group (usually one) a row
-    select, sliced or zero-padded to W slots, joined in member order; summed over the
-    kv heads (Hkv = 1) unless `heads`, in the same pass that copies it out."""
-    tq = members[0].num_new
+def _from_runner(members: list[Member], width: int,
+                 pick: Callable[[AttentionMass], torch.Tensor | None],
+                 post: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The members' rows of a statistic the runner returned, [L·R, ..., W]: `pick`
+    gives a member's group tensor [L, B, ..., S]; per runner group (usually one) a row
+    select, sliced or zero-padded to W slots and `post` applied in the same pass,
+    joined in member order."""
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for i, m in enumerate(members):
         assert m.attention is not None
-        g = groups.setdefault(id(m.attention.group), (m.attention.group, [], []))
+        t = pick(m.attention)
+        assert t is not None
+        g = groups.setdefault(id(t), (t, [], []))
         g[1].append(m.attention.row)
         g[2].append(i)
     parts, order = [], []
-    for group, rows, which in groups.values():
-        g = group[:, :, :tq]  # [L, r, Tq, Hkv, S]: a slice when the rows are consecutive
-        sel = g.narrow(1, rows[0], len(rows)) if consecutive(rows) \
-            else g.index_select(1, int64_tensor(rows))
+    for t, rows, which in groups.values():
+        sel = t.narrow(1, rows[0], len(rows)) if consecutive(rows) \
+            else t.index_select(1, int64_tensor(rows))
         s = sel.shape[-1]
         sel = sel[..., :width] if s >= width else torch.nn.functional.pad(sel, (0, width - s))
-        parts.append(sel if heads else head_sum(sel))
+        parts.append(sel if post is None else post(sel))
         order += which
     a = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
     if order != sorted(order):  # back to member order
         a = a.index_select(1, int64_tensor(order).argsort())
     return _rows(a)
+
+
+def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
+    """The members' mass [L·R, Tq, Hkv, W], summed over the kv heads (Hkv = 1) unless
+    `heads`, in the same pass that copies it out."""
+    tq = members[0].num_new
+    return _from_runner(members, width, lambda a: a.group,
+                        lambda sel: sel[:, :, :tq] if heads else head_sum(sel[:, :, :tq]))
+
+
+def _fused_key_diversity(members: list[Member], width: int) -> torch.Tensor | None:
+    """KeyDiff's scores [L·R, W] as the decode kernel returned them with attention
+    (`Needs.key_diversity` where the runner fuses it), or None if any member's are
+    missing (a prefill chunk, a pool the kernel does not serve): the pool's op then."""
+    if any(m.attention is None or m.attention.key_diversity is None for m in members):
+        return None
+    return _from_runner(members, width, lambda a: a.key_diversity)
 
 
 def head_sum(mass: torch.Tensor) -> torch.Tensor:
@@ -144,10 +164,13 @@ def build_view(members: list[Member]) -> RowsView:
         view.attention = _attention(members, width, needs.attention_heads)
     if needs.new_key_norm or needs.new_value_norm:
         _new_norms(view, members, needs)
-    if needs.key_norm or needs.keys or needs.value_norm or needs.key_diversity:
+    if needs.key_diversity:  # from the decode kernel, else the pool's C++ op, else torch
+        view.key_diversity = _fused_key_diversity(members, width)
+    pool_diversity = needs.key_diversity and view.key_diversity is None
+    if needs.key_norm or needs.keys or needs.value_norm or pool_diversity:
         table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]
         pool, n = first.pool, table.shape[0]
-        if needs.key_diversity:  # the pool's C++ op, else keydiff_scores over the keys
+        if pool_diversity:
             view.key_diversity = pool.key_diversity(table, view.positions)
         torch_diversity = needs.key_diversity and view.key_diversity is None
         if needs.key_norm or needs.keys or needs.value_norm or torch_diversity:

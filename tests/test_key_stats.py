@@ -109,3 +109,91 @@ def test_build_view_falls_back_to_keydiff_scores(dtype, monkeypatch) -> None:
     live = native.live
     torch.testing.assert_close(native.key_diversity[live], fallback.key_diversity[live],
                                atol=1e-5, rtol=0)
+
+
+def _decode_case(dtype: torch.dtype, head_dim: int, lengths: list[int], seed: int):
+    """A pool with keys that share a direction, rows over it (`_rows`), GQA queries."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = BlockPool(96, 16, 2, head_dim, dtype=dtype)
+    keys = torch.randn(pool.k_cache.shape, generator=gen)
+    keys[..., 0] += 1.5
+    pool.k_cache.copy_(keys)
+    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=gen))
+    table, pos = _rows(pool, lengths, gen)
+    q = torch.randn(len(lengths), 1, 4, head_dim, generator=gen).to(dtype)
+    q_pos = pos.max(dim=1).values.clamp(min=0)
+    return pool, table, pos, q, q_pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 24])  # AVX-512 tiles; portable loop
+@pytest.mark.parametrize("lengths", [[200, 37, 1, 16, 95, 0], [300]])  # [300]: head slices
+def test_decode_kernel_returns_the_ops_key_diversity(dtype, head_dim, lengths) -> None:
+    """The decode kernel's KeyDiff scores (computed per sequence right after its
+    attention) are the pool op's bit for bit (one code path, key_diversity.h, built
+    without -ffast-math in both), also when one sequence is cut into kv-head slices
+    across threads; the attention output is the plain kernel's."""
+    from kvpool.cpu_attention import (
+        kernel_available,
+        paged_attention_cpu,
+        paged_decode_key_diversity,
+    )
+
+    if not kernel_available():
+        pytest.skip("no C++ compiler")
+    pool, table, pos, q, q_pos = _decode_case(dtype, head_dim, lengths, head_dim)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a lone sequence is then cut into one slice per kv head
+    try:
+        out, mass, kd = paged_decode_key_diversity(q, pool.k_cache, pool.v_cache, table,
+                                                   pos, q_pos, 0.125, None, True)
+        plain, plain_mass = paged_attention_cpu(q, pool.k_cache, pool.v_cache, table, pos,
+                                                q_pos, 0.125, None, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(kd, pool.key_diversity(table, pos))
+    assert torch.equal(out, plain) and torch.equal(mass, plain_mass)
+
+
+def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:
+    """On a real model forward, KeyDiff requests get their decode steps' scores from
+    the decode kernel (the pool's op then only runs on prompt steps) and keep exactly
+    what an engine asking the pool's op every step keeps."""
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    model = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
+    llms = [LLM(model, num_blocks=800, block_size=4, max_num_batched_tokens=256)
+            for _ in range(2)]
+    llms[1].engine.runner._fuse_kd = False
+    calls = [0, 0]
+    for i, llm in enumerate(llms):
+        op = llm.engine.pool.key_diversity
+
+        def counted(table, positions, op=op, i=i):
+            calls[i] += 1
+            return op(table, positions)
+
+        llm.engine.pool.key_diversity = counted  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(3)
+    configs = [{"name": "keydiff", "budget": 24}] * 3 + [{"name": "keydiff", "budget": 0.5},
+                                                         {"name": "keydiff", "budget": 20,
+                                                          "compact": True}]
+    for i, cfg in enumerate(configs):
+        prompt = torch.randint(5, 250, (30 + 7 * i,), generator=gen).tolist()
+        for llm in llms:
+            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=60, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    steps = 0
+    while llms[0].engine.has_unfinished():
+        for llm in llms:
+            llm.engine.step()
+        steps += 1
+        kept = [{r.request_id: r.cache.slot_pos.tolist() for r in llm.engine.scheduler.running}
+                for llm in llms]
+        assert kept[0] == kept[1], steps
+    assert not llms[1].engine.has_unfinished()
+    assert calls[1] > 40 and calls[0] <= len(configs), calls
+    for llm in llms:
+        llm.engine.check_invariants()

@@ -37,6 +37,12 @@
 #include <type_traits>
 #include <vector>
 
+// Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+#include "key_diversity.h"
+#pragma GCC pop_options
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSERVE_AVX512 1
 #include <immintrin.h>
@@ -105,6 +111,10 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   int64_t sstride = 0;
   float sfac = 1.f;
   bool stream = false;  // the call's K/V come from DRAM: rows are touched, not prefetched
+  // KeyDiff's score per visible slot, [B, S] rows kd0 apart, or nullptr when not asked
+  // (`key_diversity_seq`).
+  float* kd = nullptr;
+  int64_t kd0 = 0;
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -542,6 +552,26 @@ void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
   });
 }
 
+// KeyDiff's score of sequence b's visible slots (key_diversity.h, the maths of the
+// pool's op kvserve_keys::key_diversity), run right after the sequence's attention read
+// its K rows: they are still in L2, where the separate op read every key from DRAM
+// after the step. Decode without a window sees exactly the live slots the policy scores.
+template <typename TKV>
+void key_diversity_seq(const Batch<TKV>& a, int64_t b, Scratch& w, keydiff::Scratch& s) {
+  if constexpr (is_code<TKV> || std::is_same_v<TKV, uint8_t>) {
+    TORCH_CHECK(false, "key_diversity is for float pools");
+  } else {
+  const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data());
+  if (n == 0) return;
+  const TKV** rows = reinterpret_cast<const TKV**>(s.rows.data());
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = a.k + w.phys[i];
+    s.logical[i] = w.logical[i];
+  }
+  keydiff::score_listed<TKV>(n, a.Hkv, a.D, a.kd + b * a.kd0, s);
+  }
+}
+
 // kv heads [h0, h1) of every sequence: q, out, K, V and mass start at the slice's first
 // head; row and batch strides stay the whole call's.
 template <typename TKV>
@@ -601,22 +631,32 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
               std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1)),
               std::vector<float>(scales), std::vector<float>(scales),
               std::vector<int64_t>(a.ks == nullptr ? 0 : S)};
-    for (int64_t t = begin; t < end; ++t) seq(parts[t % slices], t / slices, w);
+    if (a.kd == nullptr) {
+      for (int64_t t = begin; t < end; ++t) seq(parts[t % slices], t / slices, w);
+      return;
+    }
+    keydiff::Scratch kds(S, Hkv, D);
+    for (int64_t t = begin; t < end; ++t) {
+      seq(parts[t % slices], t / slices, w);
+      if (t % slices == 0) key_diversity_seq(a, t / slices, w, kds);  // every head
+    }
   });
 }
 
 template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
-            double scale, int64_t window, at::Tensor& out, float* mass) {
+            double scale, int64_t window, at::Tensor& out, float* mass, float* kd) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
                    Hq, D, static_cast<float>(scale), Hq * D};
-  const Batch<TKV> a{io, k_cache.data_ptr<TKV>(), v_cache.data_ptr<TKV>(), mass,
+  Batch<TKV> a{io, k_cache.data_ptr<TKV>(), v_cache.data_ptr<TKV>(), mass,
                      table.data_ptr<int64_t>(), slot_pos.data_ptr<int64_t>(),
                      q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
                      Hkv * D, window, Hkv * NB * bs, table.stride(0), slot_pos.stride(0)};
+  a.kd = kd;
+  a.kd0 = NB * bs;
   SeqFn<TKV> seq = vector_seq(a);
   run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
@@ -634,7 +674,8 @@ at::Tensor rows_of(const at::Tensor& x) {
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& table,
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
-                                     double scale, int64_t window, bool return_probs) {
+                                     double scale, int64_t window, bool return_probs,
+                                     bool key_diversity) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -654,10 +695,14 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
       ? at::zeros({q.size(0), k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
+  TORCH_CHECK(!key_diversity || window == 0, "key_diversity needs every live slot visible (no window)");
+  at::Tensor kd = key_diversity ? at::zeros({q.size(0), p.size(1)}, q.options().dtype(at::kFloat))
+                                : at::empty({0}, q.options().dtype(at::kFloat));
+  float* kp = key_diversity ? kd.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
-                                                         window, out, mp); });
-  return {out, mass};
+                                                         window, out, mp, kp); });
+  return {out, mass, kd};
 }
 
 
@@ -794,7 +839,7 @@ std::vector<at::Tensor> paged_decode_quant(
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
-        "Tensor q_pos, float scale, int window, bool return_probs) -> Tensor[]");
+        "Tensor q_pos, float scale, int window, bool return_probs, bool key_diversity=False) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode) -> Tensor[]");

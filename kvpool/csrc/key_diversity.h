@@ -1,0 +1,280 @@
+// KeyDiff's key diversity over a listed set of live key rows, shared by the pool's op
+// (key_stats_cpu.cpp: rows of blocks, after the step) and the decode kernel
+// (paged_decode_cpu.cpp: each sequence's visible rows, right after its attention, while
+// its keys are still in cache). One code path, so both give the same bits.
+//
+// Maths as policies/norms.py::keydiff_scores (fp32): u = k / max(|k|, 1e-12)
+// (F.normalize), anchor_h = mean over the listed slots of u_h, divided by
+// max(|anchor_h|, 1e-8); score = -mean over kv heads of u_h . anchor_h.
+//
+// Included by both sources; ninja's header dependencies rebuild both when it changes.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVSERVE_KEYDIFF_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace keydiff {
+
+// A key row of n values as fp32: the pool's own memory for an fp32 pool, else widened
+// into `buf` (exact: bf16 is the top half of an fp32, fp16 converts exactly).
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    int64_t x = 0;
+#ifdef KVSERVE_KEYDIFF_AVX512
+    if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+      for (; x + 16 <= n; x += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x));
+        __m512 f;
+        if constexpr (std::is_same_v<T, c10::BFloat16>)
+          f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        else
+          f = _mm512_cvtph_ps(h);
+        _mm512_storeu_ps(buf + x, f);
+      }
+    }
+#endif
+    for (; x < n; ++x) buf[x] = static_cast<float>(src[x]);
+    return buf;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t x = 0;
+  float s = 0.f;
+#ifdef KVSERVE_KEYDIFF_AVX512
+  if (n >= 16) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (x = 16; x + 16 <= n; x += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + x), _mm512_loadu_ps(b + x), acc);
+    s = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; x < n; ++x) s += a[x] * b[x];
+  return s;
+}
+
+inline void axpy(float c, const float* x, float* y, int64_t n) {  // y += c * x
+  int64_t i = 0;
+#ifdef KVSERVE_KEYDIFF_AVX512
+  const __m512 cv = _mm512_set1_ps(c);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(cv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += c * x[i];
+}
+
+// The anchors' sums over `count` live slots -> their means, each divided by its norm
+// clamped at 1e-8 (keydiff_scores' clamp).
+inline void normalise_anchor(float* anchor, int64_t H, int64_t D, int64_t count) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* ah = anchor + h * D;
+    for (int64_t x = 0; x < D; ++x) ah[x] /= static_cast<float>(count);
+    const float c = 1.f / std::max(std::sqrt(dot(ah, ah, D)), 1e-8f);
+    for (int64_t x = 0; x < D; ++x) ah[x] *= c;
+  }
+}
+
+// Per thread, reused across rows: `rows` and `logical` list a row's live key rows (each
+// the start of its Hkv * D values) and their slots; the caller fills them.
+struct Scratch {
+  std::vector<float> inv, anchor, buf;
+  std::vector<const void*> rows;
+  std::vector<int64_t> logical;
+  Scratch(int64_t slots, int64_t H, int64_t D)
+      : inv((slots + 15) / 16 * 16 * H), anchor(H * D), buf(H * D), rows((slots + 15) / 16 * 16),
+        logical((slots + 15) / 16 * 16) {}
+};
+
+// The portable form (any head dim): pass 1 sums the unit keys (their inverse norms kept
+// per slot and head), pass 2 takes each unit key's dot with its head's normalised anchor.
+template <typename T>
+void score_listed_portable(int64_t n, int64_t H, int64_t D, float* out, Scratch& s) {
+  const int64_t HD = H * D;
+  const T* const* rows = reinterpret_cast<const T* const*>(s.rows.data());
+  const int64_t* logical = s.logical.data();
+  std::fill(s.anchor.begin(), s.anchor.end(), 0.f);
+  float* inv = s.inv.data();
+  float* anchor = s.anchor.data();
+  float* buf = s.buf.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = as_float(rows[i], buf, HD);
+    for (int64_t h = 0; h < H; ++h) {
+      const float* kh = k + h * D;
+      const float c = 1.f / std::max(std::sqrt(dot(kh, kh, D)), 1e-12f);
+      inv[i * H + h] = c;
+      axpy(c, kh, anchor + h * D, D);
+    }
+  }
+  normalise_anchor(anchor, H, D, n);
+  const float mean = 1.f / static_cast<float>(H);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = as_float(rows[i], buf, HD);
+    float sum = 0.f;
+    for (int64_t h = 0; h < H; ++h) sum += dot(k + h * D, anchor + h * D, D) * inv[i * H + h];
+    out[logical[i]] = -sum * mean;
+  }
+}
+
+#ifdef KVSERVE_KEYDIFF_AVX512
+// A head's D = 16 * NV values of T as NV fp32 vectors, in an order of lanes of its own:
+// norms and dot products do not depend on it, and the anchors are summed from (and
+// dotted with) rows loaded the same way. bf16 pairs come 32 at a time in one load,
+// the even elements shifted up and the odd ones masked (bf16 is the top half of an
+// fp32): two plain ALU ops, where a widening per 16 takes the shuffle port twice.
+template <typename T, int NV>
+inline void load_row(const T* p, __m512* v) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int c = 0; c < NV; ++c) v[c] = _mm512_loadu_ps(p + 16 * c);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+    const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int c = 0; c < NV / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512(p + 32 * c);
+      v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
+    }
+  } else {
+    for (int c = 0; c < NV; ++c) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      else
+        v[c] = _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// Sixteen vectors' lane sums as one vector (lane s = the sum of v[s]), by the folds of
+// paged_decode_cpu.cpp's tile_scores: pairs of vectors folded in halves, four levels,
+// then one permute undoing the folds' bit-reversed order.
+constexpr int fold_index(int h, int i) { return (i / h) % 2 == 0 ? i + h : 16 + i - h; }
+
+template <int H>
+inline __m512 fold(__m512 u, __m512 v) {
+  constexpr __mmask16 odd = H == 8 ? 0xFF00 : H == 4 ? 0xF0F0 : H == 2 ? 0xCCCC : 0xAAAA;
+  const __m512i idx = _mm512_setr_epi32(
+      fold_index(H, 0), fold_index(H, 1), fold_index(H, 2), fold_index(H, 3),
+      fold_index(H, 4), fold_index(H, 5), fold_index(H, 6), fold_index(H, 7),
+      fold_index(H, 8), fold_index(H, 9), fold_index(H, 10), fold_index(H, 11),
+      fold_index(H, 12), fold_index(H, 13), fold_index(H, 14), fold_index(H, 15));
+  return _mm512_add_ps(_mm512_mask_blend_ps(odd, u, v), _mm512_permutex2var_ps(u, idx, v));
+}
+
+constexpr int bitrev4(int j) { return ((j & 1) << 3) | ((j & 2) << 1) | ((j & 4) >> 1) | ((j & 8) >> 3); }
+
+inline __m512 sum16(const __m512* v) {
+  __m512 f[8];
+  for (int s = 0; s < 8; ++s) f[s] = fold<8>(v[2 * s], v[2 * s + 1]);
+  for (int s = 0; s < 4; ++s) f[s] = fold<4>(f[2 * s], f[2 * s + 1]);
+  for (int s = 0; s < 2; ++s) f[s] = fold<2>(f[2 * s], f[2 * s + 1]);
+  const __m512i order = _mm512_setr_epi32(
+      bitrev4(0), bitrev4(1), bitrev4(2), bitrev4(3), bitrev4(4), bitrev4(5), bitrev4(6),
+      bitrev4(7), bitrev4(8), bitrev4(9), bitrev4(10), bitrev4(11), bitrev4(12), bitrev4(13),
+      bitrev4(14), bitrev4(15));
+  return _mm512_permutexvar_ps(order, fold<1>(f[0], f[1]));
+}
+
+// Prefetch the key rows of a tile (16 slots) into L1.
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t bytes) {
+  for (int s = 0; s < 16; ++s)
+    for (int64_t o = 0; o < bytes; o += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[s]) + o, 0, 3);
+}
+
+// D = 16 * NV: both passes 16 listed slots at a time (the list padded to whole tiles
+// with its first row), so a norm, a square root and a division, and a cosine's sum, are
+// one vector op per 16 slots. Pass 1 prefetches two tiles ahead (blocks lie anywhere in
+// the pool: the hardware prefetcher cannot follow); pass 2 finds the row's keys in L2.
+// (Prefetching the next row's keys into L2 during pass 2 measured slower.)
+template <typename T, int NV>
+void score_listed_avx512(int64_t n, int64_t H, float* out, Scratch& s) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t HD = H * D;
+  const T** rows = reinterpret_cast<const T**>(s.rows.data());
+  const int64_t* logical = s.logical.data();
+  const int64_t np = (n + 15) / 16 * 16;
+  for (int64_t i = n; i < np; ++i) rows[i] = rows[0];
+  const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(T));
+  float* inv = s.inv.data();  // [H][np]
+  float* anchor = s.anchor.data();
+  std::fill(anchor, anchor + HD, 0.f);
+  __m512 v[16], x[NV];
+  for (int64_t t = 0; t < np; t += 16) {  // pass 1: inverse norms, the anchors' sums
+    const __mmask16 valid = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    if (t + 32 < np) prefetch_rows(rows + t + 32, row_bytes);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int i = 0; i < 16; ++i) {
+        load_row<T, NV>(rows[t + i] + h * D, x);
+        __m512 acc = _mm512_mul_ps(x[0], x[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(x[c], x[c], acc);
+        v[i] = acc;
+      }
+      const __m512 norm = _mm512_max_ps(_mm512_sqrt_ps(sum16(v)), _mm512_set1_ps(1e-12f));
+      const __m512 c16 = _mm512_maskz_div_ps(valid, _mm512_set1_ps(1.f), norm);
+      float* ih = inv + h * np + t;
+      _mm512_storeu_ps(ih, c16);
+      __m512 acc[NV];
+      for (int c = 0; c < NV; ++c) acc[c] = _mm512_loadu_ps(anchor + h * D + 16 * c);
+      for (int i = 0; i < 16; ++i) {
+        const __m512 ci = _mm512_set1_ps(ih[i]);
+        load_row<T, NV>(rows[t + i] + h * D, x);
+        for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(ci, x[c], acc[c]);
+      }
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(anchor + h * D + 16 * c, acc[c]);
+    }
+  }
+  normalise_anchor(anchor, H, D, n);
+  const __m512 scale = _mm512_set1_ps(-1.f / static_cast<float>(H));
+  alignas(64) float res[16];
+  for (int64_t t = 0; t < np; t += 16) {  // pass 2: the cosines, mean over heads
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t h = 0; h < H; ++h) {
+      __m512 ah[NV];
+      for (int c = 0; c < NV; ++c) ah[c] = _mm512_loadu_ps(anchor + h * D + 16 * c);
+      for (int i = 0; i < 16; ++i) {
+        load_row<T, NV>(rows[t + i] + h * D, x);
+        __m512 acc = _mm512_mul_ps(ah[0], x[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm512_fmadd_ps(ah[c], x[c], acc);
+        v[i] = acc;
+      }
+      sum = _mm512_fmadd_ps(sum16(v), _mm512_loadu_ps(inv + h * np + t), sum);
+    }
+    _mm512_store_ps(res, _mm512_mul_ps(sum, scale));
+    for (int64_t i = 0; i < std::min<int64_t>(16, n - t); ++i) out[logical[t + i]] = res[i];
+  }
+}
+
+#endif  // KVSERVE_KEYDIFF_AVX512
+
+// Scores the n > 0 key rows listed in s.rows / s.logical (T: float, BFloat16, Half or
+// double;
+// each row Hkv * D values, its kv heads in order): out[logical[i]] = slot i's score.
+// Slots not listed are left as they are.
+template <typename T>
+void score_listed(int64_t n, int64_t H, int64_t D, float* out, Scratch& s) {
+#ifdef KVSERVE_KEYDIFF_AVX512
+  if constexpr (!std::is_same_v<T, double>) {
+    if (D == 16) return score_listed_avx512<T, 1>(n, H, out, s);
+    if (D == 32) return score_listed_avx512<T, 2>(n, H, out, s);
+    if (D == 64) return score_listed_avx512<T, 4>(n, H, out, s);
+    if (D == 128) return score_listed_avx512<T, 8>(n, H, out, s);
+  }
+#endif
+  score_listed_portable<T>(n, H, D, out, s);
+}
+
+}  // namespace keydiff
