@@ -61,6 +61,7 @@ class SeqInput:
     # where the runner's attention fuses it (`fuses_key_diversity`); else nothing, and
     # the policy bridge asks the pool's op.
     wants_key_diversity: bool = False
+    attention_heads: bool = False  # the mass per kv head (`Needs.attention_heads`)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,8 @@ class AttentionMass:
 
     `group`: [L, B, Tq, Hkv, S] float32 on the host (None unless `wants_attention`):
     for each layer, row and query, the probability of every slot summed over its kv
-    group's query heads; S indexes the row's slots in table order (slot j =
+    group's query heads (Hkv = 1: over every head, where the decode kernel summed them
+    for a policy that reads no head apart); S indexes the row's slots in table order (slot j =
     table[j // bs] at offset j % bs). `key_diversity`: [L, B, S] float32, KeyDiff's
     score of every live slot (0 elsewhere), None unless asked and fused."""
 
@@ -106,13 +108,14 @@ class _Group:
     slot_pos: torch.Tensor  # [L, B, NB*bs]
     want_probs: bool
     want_kd: bool  # decode rows whose KeyDiff score the kernel returns
+    sum_heads: bool = False  # the kernel may sum the mass over kv heads (`_sums_heads`)
     # Decode rows of the whole step in input order (a decode-only step with one group):
     # attention takes q as it is and its output is the layer's, no gather or scatter.
     whole: bool = False
 
 
 def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
-                 want_probs: bool, want_kd: bool = False) -> _Group:
+                 want_probs: bool, want_kd: bool = False, sum_heads: bool = False) -> _Group:
     seqs = [inputs[i] for i in members]
     tables = seqs[0].cache.tables
     assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
@@ -125,7 +128,8 @@ def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
         q_index = int64_tensor([offsets[i] for i in members])[:, None]
         q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
-        return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd)
+        return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd,
+                      sum_heads)
     ar = torch.arange(tq)
     valid = ar[None, :] < torch.tensor(lens)[:, None]
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
@@ -227,18 +231,23 @@ class ModelRunner:
 
         windows = cfg.sliding_windows
         fresh = _fresh_prompts(inputs, windows)
-        buckets: dict[tuple[bool, bool, bool], list[int]] = {}
+        # The decode kernel sums the mass over kv heads for policies that read no head
+        # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
+        kernel = self.attention_fn is paged_attention_cpu
+        sums_heads = kernel and 1 < cfg.num_kv_heads <= 4
+        buckets: dict[tuple[bool, bool, bool, bool], list[int]] = {}
         for i, s in enumerate(inputs):
             if i not in fresh:
                 decode = len(s.token_ids) == 1
-                kd = decode and s.wants_key_diversity and self._fuses_kd()
-                buckets.setdefault((decode, s.wants_attention, kd), []).append(i)
+                kd = decode and s.wants_key_diversity and kernel and self._fuses_kd()
+                summed = s.wants_attention and not s.attention_heads and sums_heads
+                buckets.setdefault((decode, s.wants_attention, kd, summed), []).append(i)
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
         groups = [
-            _build_group(part, inputs, offsets, want, kd)
-            for (decode, want, kd), m in sorted(buckets.items())
+            _build_group(part, inputs, offsets, want, kd, summed)
+            for (decode, want, kd, summed), m in sorted(buckets.items())
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
@@ -247,8 +256,8 @@ class ModelRunner:
                 flat += [g.q_index, g.valid, g.q_pos, g.tables, g.slot_pos]
             up = upload(flat, dev)
             input_ids, positions, write_slots, score_rows, score_targets = up[:5]
-            groups = [_Group(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs, g.want_kd)
-                      for j, g in enumerate(groups)]
+            groups = [_Group(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs, g.want_kd,
+                             g.sum_heads) for j, g in enumerate(groups)]
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
@@ -267,11 +276,12 @@ class ModelRunner:
             for j, g in enumerate(groups):
                 args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
+                kw = {"sum_heads": True} if g.sum_heads else {}
                 if g.want_kd:
-                    o, probs, kd = pool.attend(paged_decode_key_diversity, *args)
+                    o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw)
                     kds[j].append(kd)
                 else:
-                    o, probs = pool.attend(self.attention_fn, *args)
+                    o, probs = pool.attend(self.attention_fn, *args, **kw)
                 if whole:
                     out = o[:, 0]
                 else:
@@ -302,8 +312,7 @@ class ModelRunner:
 
     def _fuses_kd(self) -> bool:
         if self._fuse_kd is None:
-            self._fuse_kd = (self.attention_fn is paged_attention_cpu
-                             and fuses_key_diversity(self.pool, self.config.sliding_windows))
+            self._fuse_kd = fuses_key_diversity(self.pool, self.config.sliding_windows)
         return self._fuse_kd
 
     def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,

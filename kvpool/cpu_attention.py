@@ -84,8 +84,13 @@ def paged_attention_cpu(
     window: int | None = None,
     return_probs: bool = False,
     quant: QuantCache | None = None,
+    sum_heads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel."""
+    """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel.
+
+    `sum_heads`: the kernel may return the mass summed over the kv heads, [B, 1, 1, S]
+    (the heads added in order, as the policy bridge's `head_sum` adds them: the same
+    bits, half the bytes at two kv heads); the other paths return it per kv head."""
     if q.shape[1] != 1 or not kernel_available():
         return paged_attention(q, k_cache, v_cache, table, slot_pos, q_pos, scale, window,
                                return_probs, quant)
@@ -98,7 +103,7 @@ def paged_attention_cpu(
         return out[:, None], (mass[:, None] if return_probs else None)
     out, mass, _ = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
-        int(window or 0), return_probs,
+        int(window or 0), return_probs, False, sum_heads,
     )
     return out[:, None], (mass[:, None] if return_probs else None)
 
@@ -114,7 +119,7 @@ def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:
 def paged_decode_key_diversity(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int | None = None,
-    return_probs: bool = False,
+    return_probs: bool = False, sum_heads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
     score of every visible slot, [B, S] float32 (0 where none): `kvpool.key_stats`'
@@ -127,6 +132,6 @@ def paged_decode_key_diversity(
     assert q.shape[1] == 1 and not window, "decode rows without a window"
     out, mass, kd = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale), 0,
-        return_probs, True,
+        return_probs, True, sum_heads,
     )
     return out[:, None], (mass[:, None] if return_probs else None), kd

@@ -180,15 +180,15 @@ class BlockPool:
             self._flat[i][slots] = codes
             self._flat_scales[i][slots] = sc
 
-    def attend(self, fn, q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attend(self, fn, q: torch.Tensor, *args, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`fn(q, k_cache, v_cache, *args)`: one of kvpool's paged attention functions
         (torch, C++ or Triton, same contract) over this pool's blocks; a quantized pool
         adds `quant=` (format and scales), and the function dequantizes what it reads."""
         if self.quant is None:
-            return fn(q, self.k_cache, self.v_cache, *args)
+            return fn(q, self.k_cache, self.v_cache, *args, **kw)
         sc = self.scales
         return fn(q, self.k_cache, self.v_cache, *args,
-                  quant=QuantCache(self.quant, sc[0], sc[1]))
+                  quant=QuantCache(self.quant, sc[0], sc[1]), **kw)
 
     def read_slots(self, phys: torch.Tensor, which: int) -> torch.Tensor:
         """K (which=0) or V (1) of physical slots [m], float32 on the pool's device:

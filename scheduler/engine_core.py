@@ -265,7 +265,7 @@ class EngineCore:
                                    c.start - r.pos_offset, c.slots, cache, sampled,
                                    needs.attention,
                                    _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
-                                   needs.key_diversity))
+                                   needs.key_diversity, needs.attention_heads))
             # Counted as computed now (nothing before the advance reads it): a step that
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += c.num_tokens

@@ -105,10 +105,11 @@ def _from_runner(members: list[Member], width: int,
 
 def _attention(members: list[Member], width: int, heads: bool) -> torch.Tensor:
     """The members' mass [L·R, Tq, Hkv, W], summed over the kv heads (Hkv = 1) unless
-    `heads`, in the same pass that copies it out."""
+    `heads`, in the same pass that copies it out (or as the decode kernel summed them)."""
     tq = members[0].num_new
     return _from_runner(members, width, lambda a: a.group,
-                        lambda sel: sel[:, :, :tq] if heads else head_sum(sel[:, :, :tq]))
+                        lambda sel: sel[:, :, :tq] if heads or sel.shape[3] == 1
+                        else head_sum(sel[:, :, :tq]))
 
 
 def _fused_key_diversity(members: list[Member], width: int) -> torch.Tensor | None:

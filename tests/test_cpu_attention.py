@@ -72,6 +72,35 @@ def test_evicted_slots_padded_table_and_window(hq: int, hkv: int, d: int, bs: in
 
 
 @needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [*SHAPES, (6, 3, 16, 16), (8, 4, 32, 16),
+                                                    (4, 1, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mass_summed_over_kv_heads_is_head_sums_bits(hq: int, hkv: int, d: int, bs: int,
+                                                     dtype: torch.dtype, threads: int) -> None:
+    """`sum_heads`: the kernel's one mass row per sequence is the per-head mass added in
+    head order exactly as the policy bridge's head_sum adds it (bit for bit: the
+    policies' kept sets depend on it), the output unchanged; also for a lone sequence,
+    which is then not cut into kv-head slices."""
+    from scheduler.policy_rows import head_sum
+
+    evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
+    for prefixes in ([9, 30, 2, 99, 500], [301]):
+        case = make_case(prefixes, [1] * len(prefixes), evict=evict, extra_blocks=2, hq=hq,
+                         hkv=hkv, d=d, bs=bs, dtype=dtype)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, mass = paged_attention_cpu(**case, return_probs=True)
+            out_sum, summed = paged_attention_cpu(**case, return_probs=True, sum_heads=True)
+        finally:
+            torch.set_num_threads(before)
+        assert summed.shape == (len(prefixes), 1, 1, mass.shape[-1])
+        assert torch.equal(out_sum, out)
+        assert torch.equal(summed[None], head_sum(mass[None]))
+
+
+@needs_kernel
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), SHAPES)
 def test_invisible_slots_are_never_read(hq: int, hkv: int, d: int, bs: int) -> None:
     """Evicted slots, a last block's unwritten tail and unused blocks may hold anything

@@ -115,6 +115,7 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   // (`key_diversity_seq`).
   float* kd = nullptr;
   int64_t kd0 = 0;
+  bool mass_sum = false;  // mass as [B, 1, S]: summed over the kv heads (`write_mass`)
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -158,13 +159,33 @@ int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* lo
   return n;
 }
 
+// *dst += x as one rounded add of the two: the empty asm makes x opaque, so -ffast-math
+// cannot reassociate the add with the sum that made x (it would then round differently
+// from head_sum's add of whole heads).
+inline void add_to(float* dst, float x) {
+  asm("" : "+v"(x));
+  *dst += x;
+}
+
 // Attention mass, only when asked for: probability per slot summed over each kv group's
 // heads, head hq's probabilities being p[hq * stride + i] * (norm ? norm[hq] : 1).
+// `mass_sum`: one row per sequence, the kv groups' sums added in head order, which is
+// how the policy bridge's head_sum adds them (scheduler/policy_rows.py): the same bits,
+// in a row Hkv times smaller (tests/test_cpu_attention.py checks both).
 template <typename TKV>
 void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t n,
                 const float* p, int64_t stride, const float* norm) {
   for (int64_t h = 0; h < a.Hkv; ++h) {
-    float* mrow = a.mass + b * a.ms0 + h * a.S;
+    float* mrow = a.mass + b * a.ms0 + (a.mass_sum ? 0 : h * a.S);
+    if (a.mass_sum && h > 0) {
+      for (int64_t i = 0; i < n; ++i) {
+        float s = 0.f;
+        for (int64_t g = h * a.G; g < (h + 1) * a.G; ++g)
+          s += p[g * stride + i] * (norm ? norm[g] : 1.f);
+        add_to(mrow + logical[i], s);
+      }
+      continue;
+    }
     for (int64_t i = 0; i < n; ++i) {
       float s = 0.f;
       for (int64_t g = h * a.G; g < (h + 1) * a.G; ++g)
@@ -621,7 +642,8 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
   Batch<TKV> a = batch;
   a.stream = 2 * a.B * a.S * a.row_len * static_cast<int64_t>(sizeof(TKV)) > kStreamBytes;
   const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, D = a.D, S = a.S;
-  const int64_t slices = B == 0 ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
+  // (Not with `mass_sum`: a slice would write its heads' part of the one mass row.)
+  const int64_t slices = B == 0 || a.mass_sum ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
   const int64_t scales = a.ks == nullptr ? 0 : Hkv * (S + 16);
   std::vector<Batch<TKV>> parts;
   for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
@@ -646,7 +668,8 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
 template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
-            double scale, int64_t window, at::Tensor& out, float* mass, float* kd) {
+            double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
+            bool mass_sum) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
@@ -657,6 +680,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                      Hkv * D, window, Hkv * NB * bs, table.stride(0), slot_pos.stride(0)};
   a.kd = kd;
   a.kd0 = NB * bs;
+  a.mass_sum = mass_sum;
+  if (mass_sum) a.ms0 = NB * bs;
   SeqFn<TKV> seq = vector_seq(a);
   run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
@@ -675,7 +700,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                                      const at::Tensor& v_cache, const at::Tensor& table,
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool return_probs,
-                                     bool key_diversity) {
+                                     bool key_diversity, bool sum_heads) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -692,7 +717,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                   qp.numel() == q.size(0), "slot_pos must be [B, NB*bs] and q_pos [B]");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor mass = return_probs
-      ? at::zeros({q.size(0), k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
+      ? at::zeros({q.size(0), sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
   TORCH_CHECK(!key_diversity || window == 0, "key_diversity needs every live slot visible (no window)");
@@ -701,7 +726,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   float* kp = key_diversity ? kd.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
-                                                         window, out, mp, kp); });
+                                                         window, out, mp, kp, sum_heads); });
   return {out, mass, kd};
 }
 
@@ -839,7 +864,8 @@ std::vector<at::Tensor> paged_decode_quant(
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
-        "Tensor q_pos, float scale, int window, bool return_probs, bool key_diversity=False) -> Tensor[]");
+        "Tensor q_pos, float scale, int window, bool return_probs, bool key_diversity=False, "
+        "bool sum_heads=False) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode) -> Tensor[]");
