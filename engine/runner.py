@@ -62,6 +62,9 @@ class SeqInput:
     # the policy bridge asks the pool's op.
     wants_key_diversity: bool = False
     attention_heads: bool = False  # the mass per kv head (`Needs.attention_heads`)
+    # Return the K and V norms of this step's tokens (`Needs.new_key_norm` /
+    # `new_value_norm`), taken as the runner writes them (`new_norms`).
+    wants_norms: bool = False
 
 
 @dataclass(slots=True)
@@ -81,6 +84,12 @@ class AttentionMass:
     row: int
     num_tokens: int  # the input's queries (the first Tq of its row)
     key_diversity: torch.Tensor | None = None
+    # `wants_norms`: the step's tokens' ‖K‖ and ‖V‖ per kv head as stored, [L, T, Hkv]
+    # float32 on the host (every input's, packed token axis), and where this input's
+    # tokens start on it.
+    key_norm: torch.Tensor | None = None
+    value_norm: torch.Tensor | None = None
+    token: int = 0
 
     def layers(self) -> torch.Tensor:
         """[L, num_tokens, Hkv, S]: this input's mass, indexable by layer."""
@@ -92,7 +101,7 @@ class AttentionMass:
 class StepOutput:
     logits: torch.Tensor  # [N, V] float32 on the model's device, a row per wants_logits
     # seq index -> attention statistics, for the inputs that asked (wants_attention,
-    # or wants_key_diversity where fused)
+    # wants_norms, or wants_key_diversity where fused)
     attention: dict[int, AttentionMass] = field(default_factory=dict)
     # seq index -> its scored rows (SeqInput.score), on the host
     scores: dict[int, TokenScores] = field(default_factory=dict)
@@ -264,9 +273,14 @@ class ModelRunner:
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
         kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_kd}
         pool = self.pool
+        norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if pool.quant is None and any(s.wants_norms for s in inputs):
+            norms = []
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(write_slots[layer], k, v)
+            if norms is not None:
+                norms.append(new_norms(k, v, pool.k_cache.dtype))
             whole = bool(groups) and groups[0].whole
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
@@ -306,6 +320,14 @@ class ModelRunner:
                 kd = torch.stack(kds[j]) if j in kds else None  # on the CPU already
                 for row, i in enumerate(groups[j].members):
                     attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids), kd)
+            if norms is not None:  # [L, T, Hkv] each, one stack and one copy
+                kn = torch.stack([x[0] for x in norms]).cpu()
+                vn = torch.stack([x[1] for x in norms]).cpu()
+                for i, s in enumerate(inputs):
+                    if s.wants_norms:
+                        a = attention.get(i) or AttentionMass(None, 0, len(s.token_ids))
+                        a.key_norm, a.value_norm, a.token = kn, vn, offsets[i]
+                        attention[i] = a
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
         return StepOutput(logits=logits.float(), attention=attention, scores=scores)
@@ -339,6 +361,19 @@ class ModelRunner:
                                  [t[:k] for t in host.top_logprobs[a:b]])
             a = b
         return out
+
+
+def new_norms(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """‖K‖ and ‖V‖ per token and kv head ([T, Hkv] float32) of a layer's K/V [T, Hkv, D]
+    as an unquantized pool of `dtype` stores them: the same values, laid out as the pool
+    hands them back (`BlockPool.gather_stats`: contiguous fp32 rows), so the same norms
+    bit for bit. The policies that keep each token's score from the step that computed
+    it (knorm, paged_eviction) read these instead of gathering the step's slots back out
+    of the pool after the step (an index built per (layer, request) on the host and a
+    gather: most of their step's bridge, issue 18)."""
+    return (torch.linalg.vector_norm(k.to(dtype).contiguous().float(), dim=-1),
+            torch.linalg.vector_norm(v.to(dtype).contiguous().float(), dim=-1))
 
 
 def _score_rows(inputs: list[SeqInput], offsets: list[int], scored: list[int]

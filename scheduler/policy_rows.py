@@ -188,23 +188,41 @@ def build_view(members: list[Member]) -> RowsView:
 
 def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     """The norms of this step's new tokens (the last `num_new` slots of every row) and
-    where they are (`new_slots`, `new_index`). The slots are host ints, so their
-    indexes into the tables are made on the host, each set as one tensor: the torch
-    arithmetic over [N, k] index tensors it replaces was ten small ops a step."""
+    where they are (`new_slots`, `new_index`, made on the host as one tensor: torch
+    arithmetic over [N, k] index tensors was ten small ops a step). The norms are the
+    runner's, taken as it wrote the step's K/V (`engine.runner.new_norms`), else (a
+    quantized pool) read back from the step's slots."""
     first = members[0].cache
-    tables, nl, bs, k = first.tables, first.num_layers, first.bs, view.num_new
-    n, rt, wt = nl * len(members), tables.table.shape[1], tables.table.shape[2]
-    flat: list[int] = []  # per new slot: layer, member, slot, table entry, offset
-    for layer in range(nl):
-        for i, m in enumerate(members):
-            base = (layer * rt + m.cache.row) * wt
-            end = m.cache.next_slot[layer]
-            for slot in range(end - k, end):
-                flat += (layer, i, slot, base + slot // bs, slot % bs)
-    index = int64_tensor(flat).view(-1, 5).t().contiguous()  # [5, n * k]
-    view.new_index = index[:3].view(3, n, k)
-    view.new_slots = view.new_index[2]
-    phys = tables.table.view(-1).index_select(0, index[3]).mul_(bs).add_(index[4])
+    nl, k, r = first.num_layers, view.num_new, len(members)
+    n = nl * r
+    if k == 1:  # decode: one slot per (layer, member), the last one written
+        slots = [m.cache.next_slot[layer] - 1 for layer in range(nl) for m in members]
+        index = int64_tensor([x for layer in range(nl) for x in [layer] * r]
+                             + list(range(r)) * nl + slots).view(3, n, 1)
+    else:
+        index = int64_tensor([x for layer in range(nl) for x in [layer] * (r * k)]
+                             + [i for i in range(r) for _ in range(k)] * nl
+                             + [s for layer in range(nl) for m in members
+                                for s in range(m.cache.next_slot[layer] - k,
+                                               m.cache.next_slot[layer])]).view(3, n, k)
+    view.new_index = index
+    view.new_slots = index[2]
+    runner = [m.attention for m in members]
+    if all(a is not None and a.key_norm is not None for a in runner):
+        tokens = int64_tensor([a.token + j for a in runner for j in range(k)])  # type: ignore[union-attr]
+        a0 = runner[0]
+        assert a0 is not None and a0.key_norm is not None and a0.value_norm is not None
+        if needs.new_key_norm:
+            view.new_key_norm = a0.key_norm.index_select(1, tokens).view(n, k, -1)
+        if needs.new_value_norm:
+            view.new_value_norm = a0.value_norm.index_select(1, tokens).view(n, k, -1)
+        return
+    tables, bs = first.tables, first.bs
+    rows = int64_tensor([m.cache.row for m in members]).repeat(nl)
+    # the slots' table entries: (layer · Rt + row) · Wt + slot // bs, offset slot % bs
+    entry = ((index[0].view(-1) * tables.table.shape[1] + rows.repeat_interleave(k))
+             * tables.table.shape[2] + index[2].view(-1) // bs)
+    phys = tables.table.view(-1).index_select(0, entry).mul_(bs).add_(index[2].view(-1) % bs)
     got = first.pool.gather_stats(phys, key_norm=needs.new_key_norm,
                                   value_norm=needs.new_value_norm)
     for name, t in got.items():

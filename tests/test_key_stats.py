@@ -197,3 +197,74 @@ def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:
     assert calls[1] > 40 and calls[0] <= len(configs), calls
     for llm in llms:
         llm.engine.check_invariants()
+
+
+class _NewNorms:
+    needs = Needs(new_key_norm=True, new_value_norm=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1, 3])
+def test_runner_norms_are_the_pools_bits(dtype: torch.dtype, k: int) -> None:
+    """The new tokens' norms the runner takes as it writes K/V (`engine.runner.new_norms`,
+    read from the step's packed token axis) are the ones read back out of the pool's
+    slots after the step, bit for bit, with the same new-slot index: knorm and
+    paged_eviction keep the same scores either way."""
+    from engine.runner import AttentionMass, new_norms
+
+    gen = torch.Generator().manual_seed(k)
+    from kvpool.tables import SlotTables
+
+    pool = BlockPool(64, 4, 2, 32, dtype=dtype)
+    tables = SlotTables(3, 4)  # one step's requests share the engine's tables
+    caches, members, ks, vs = [], [], [], []
+    for n in [13, 7 + k, 22]:
+        c = SeqCache(pool, 3, tables=tables)
+        slots = c.append(torch.arange(n))  # [L, n]: the last k are "this step's"
+        kv = torch.randn(2, 3, n, 2, 32, generator=gen) * 3  # fp32, like an fp32 model's
+        for layer in range(3):
+            pool.write(slots[layer], kv[0, layer], kv[1, layer])
+        evict_positions(c, {1: torch.tensor([0, 2])})
+        caches.append(c)
+        ks.append(kv[0, :, n - k:])
+        vs.append(kv[1, :, n - k:])
+    # the step's packed token axis: the three inputs' k tokens each, in order
+    step = [new_norms(torch.cat([x[layer] for x in ks]), torch.cat([x[layer] for x in vs]),
+                      pool.k_cache.dtype) for layer in range(3)]
+    kn, vn = (torch.stack([s[j] for s in step]) for j in (0, 1))
+    for i, c in enumerate(caches):
+        a = AttentionMass(None, 0, k, key_norm=kn, value_norm=vn, token=i * k)
+        members.append(Member(c, _NewNorms(), 30, 10, k, False, a))
+    fused = build_view(members)
+    pooled = build_view([Member(m.cache, m.policy, 30, 10, k, False, None) for m in members])
+    assert torch.equal(fused.new_index, pooled.new_index)
+    assert torch.equal(fused.new_key_norm, pooled.new_key_norm)
+    assert torch.equal(fused.new_value_norm, pooled.new_value_norm)
+
+
+def test_norm_policies_read_no_slot_back_in_decode(tmp_path) -> None:
+    """knorm and paged_eviction take their decode steps' new-token norms from the
+    runner: after the prompt steps (whose first plan scores every live token from the
+    pool) the pool is never asked for a slot's norms again."""
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    llm = LLM(make_tiny_model("llama", tmp_path, max_position_embeddings=512),
+              num_blocks=400, block_size=4, max_num_batched_tokens=256)
+    eng = llm.engine
+    for i, cfg in enumerate([{"name": "knorm", "budget": 16},
+                             {"name": "paged_eviction", "budget": 16}]):
+        eng.add_request(f"r{i}", list(range(5, 45)), SamplingParams(
+            max_tokens=30, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    out: dict[str, int] = {}
+    while len(out) < 2 or min(out.values()) < 2:  # the prompts, in chunks of about the
+        for o in eng.step():                       # budget (bounded prefill), then decode
+            out[o.request_id] = out.get(o.request_id, 0) + len(o.new_token_ids)
+    calls = []
+    gather = eng.pool.gather_stats
+    eng.pool.gather_stats = lambda *a, **kw: calls.append(1) or gather(*a, **kw)  # type: ignore[method-assign]
+    while eng.has_unfinished():
+        eng.step()
+    assert not calls
+    eng.check_invariants()
