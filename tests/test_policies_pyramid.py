@@ -149,3 +149,34 @@ def test_budgets_past_the_clamp_do_not_depend_on_the_length():
         for n in range(s_star - 3, s_star + 40):
             assert layer_budgets(total, n, layers, beta, window) == \
                 list(_layer_budgets.__wrapped__(total, n, layers, beta, window)), (total, n)
+
+
+def _fraction_budgets(total: int, seq_len: int, num_layers: int, beta: int,
+                      window: int) -> list[int]:
+    """layer_budgets as 002 eq. 2 reads, in exact rationals (the form it replaced)."""
+    from fractions import Fraction
+
+    if num_layers == 1:
+        return [total]
+    c_min = Fraction(total, beta)
+    c_max = 2 * total - c_min
+    if c_max >= seq_len - window:
+        c_max = Fraction(seq_len - window)
+        c_min = 2 * total - c_max
+    if not (seq_len >= c_max >= c_min >= window):
+        return [total] * num_layers
+    step = (c_max - c_min) / (num_layers - 1)
+    return [round(c_max - layer * step) for layer in range(num_layers)]
+
+
+def test_integer_budgets_are_the_rational_ones():
+    """The integer arithmetic (over a common denominator, halves to even) gives the
+    exact-rational budgets everywhere, across the clamp and the uniform fallback."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        total = rng.randrange(1, 3000)
+        args = (total, rng.randrange(1, 4 * total + 100), rng.randrange(1, 40),
+                rng.randrange(1, 30), rng.randrange(0, 200))
+        assert layer_budgets(*args) == _fraction_budgets(*args), args

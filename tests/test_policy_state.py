@@ -50,7 +50,8 @@ SHIFT = pyramid._shift(32)
 @pytest.mark.parametrize("seed", range(8))
 def test_window_ring_matches_torch(seed, native, monkeypatch):
     g = torch.Generator().manual_seed(seed)
-    nl, r, big_r, w, a = 3, 4, 7, 40, [32, 5, 8][seed % 3]
+    # w: whole vectors of 8 slots for the AVX-512 pass, and tails after them
+    nl, r, big_r, w, a = 3, 4, 7, [40, 45, 17, 7][seed % 4], [32, 5, 8][seed % 3]
     k = [0, 1, 3][seed % 3 if seed < 3 else (seed + 1) % 3]
     ring, total = _ring_table(g, nl, big_r, w + 9, a, columns=seed % 2 == 0)
     n = nl * r
@@ -242,3 +243,20 @@ def test_pyramid_ranks_by_torchs_float32_sums(seed, native, monkeypatch):
     assert got.sum(dim=1).tolist() == [1, 3, 8, 20, 1, 2]
     exact_ties = (totals[:, None, :] == totals[:, :, None]).sum() > totals.numel()
     assert exact_ties  # ... and equal exact totals whose float32 sums differ
+
+
+def test_ring_values_are_the_rings_as_indexed():
+    """`ring_values` (the rings of the slots `near_lowest` found, one C++ pass over the
+    tables' column layout) is advanced indexing's [M, α], and torch sums it to the same
+    bits (what `_drop_near` ranks by)."""
+    if not load_select() or not rows.NATIVE["state"]:
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(0)
+    ring = torch.rand(3, 9, 70, 32, generator=g) ** 3
+    ring = ring.transpose(2, 3).contiguous().transpose(2, 3).narrow(1, 2, 5)  # [3, 5, 70, 32]
+    rows_t = torch.randint(0, 15, (40,), generator=g)
+    slots = torch.randint(0, 70, (40,), generator=g)
+    got = torch.ops.kvserve_policy_state.ring_values(ring, rows_t, slots)
+    want = ring[rows_t // 5, rows_t % 5, slots]
+    assert torch.equal(got, want)
+    assert torch.equal(got.sum(dim=1), want.sum(dim=1))

@@ -92,7 +92,8 @@ inline int64_t fixed(float x, double up) { return std::llrint(static_cast<double
 // One row of `window_ring`; inlined with unit strides for the tables' column layout.
 inline __attribute__((always_inline)) void ring_row(
     const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r2, int64_t r3,
-    int64_t t2, int64_t t3, double up, float down) {
+    int64_t t2, int64_t t3, double up, float down, int64_t mass_stride = -1) {
+  const int64_t ms = mass_stride < 0 ? w : mass_stride;  // between a row's query rows
   const float* d0 = row.total;
   const float* d1 = row.total + t3;
   const float* d2 = row.total + 2 * t3;
@@ -101,7 +102,7 @@ inline __attribute__((always_inline)) void ring_row(
              static_cast<int64_t>(d2[s * t2]) * (int64_t{1} << (2 * kDigit));
   for (int64_t j = 0; j < k; ++j) {
     float* col = row.ring + row.cols[j] * r3;
-    const float* mj = row.mass + j * w;
+    const float* mj = row.mass + j * ms;
     for (int64_t s = 0; s < w; ++s) {
       sum[s] += fixed(mj[s], up) - fixed(col[s * r2], up);
       col[s * r2] = mj[s];
@@ -123,6 +124,53 @@ inline __attribute__((always_inline)) void ring_row(
       row.out[s] = row.pos[s] >= 0 ? v : 0.0f;
     }
 }
+
+#ifdef KVSERVE_AVX512
+// `ring_row` for the tables' column layout (unit slot strides), 8 slots at a time: the
+// same integer arithmetic, so the same bits (each conversion rounds as its scalar twin:
+// float -> double exactly, llrint and int64 -> float to nearest even, the digits are
+// integers). Scalar, the two llrint calls a slot (a double rounding each) and the int64
+// sum through three float digits were ~5 ns a slot, most of pyramid's step.
+inline void ring_row_avx512(const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r3,
+                            int64_t t3, double up, float down) {
+  float* d0 = row.total;
+  float* d1 = row.total + t3;
+  float* d2 = row.total + 2 * t3;
+  const __m512d upv = _mm512_set1_pd(up);
+  const __m512i digit = _mm512_set1_epi64(kDigitMask);
+  const __m256 downv = _mm256_set1_ps(down);
+  int64_t s = 0;
+  for (; s + 8 <= w; s += 8) {
+    __m512i v = _mm512_add_epi64(
+        _mm512_cvttps_epi64(_mm256_loadu_ps(d0 + s)),
+        _mm512_slli_epi64(_mm512_cvttps_epi64(_mm256_loadu_ps(d1 + s)), kDigit));
+    v = _mm512_add_epi64(v, _mm512_slli_epi64(_mm512_cvttps_epi64(_mm256_loadu_ps(d2 + s)),
+                                              2 * kDigit));
+    for (int64_t j = 0; j < k; ++j) {
+      float* col = row.ring + row.cols[j] * r3 + s;
+      const __m256 m = _mm256_loadu_ps(row.mass + j * w + s);
+      const __m512i fm = _mm512_cvtpd_epi64(_mm512_mul_pd(_mm512_cvtps_pd(m), upv));
+      const __m512i fc = _mm512_cvtpd_epi64(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(col)), upv));
+      v = _mm512_add_epi64(v, _mm512_sub_epi64(fm, fc));
+      _mm256_storeu_ps(col, m);
+    }
+    if (k) {
+      _mm256_storeu_ps(d0 + s, _mm512_cvtepi64_ps(_mm512_and_si512(v, digit)));
+      _mm256_storeu_ps(d1 + s, _mm512_cvtepi64_ps(_mm512_and_si512(_mm512_srai_epi64(v, kDigit), digit)));
+      _mm256_storeu_ps(d2 + s, _mm512_cvtepi64_ps(_mm512_srai_epi64(v, 2 * kDigit)));
+    }
+    if (row.out != nullptr) {
+      const __mmask8 live = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(row.pos + s), _mm512_setzero_si512());
+      _mm256_storeu_ps(row.out + s, _mm256_maskz_mul_ps(live, _mm512_cvtepi64_ps(v), downv));
+    }
+  }
+  if (s < w) {  // the last slots, as ring_row does them
+    const RingRow tail{row.ring + s, row.total + s, row.mass + s, row.cols, row.pos + s,
+                       row.out == nullptr ? nullptr : row.out + s};
+    ring_row(tail, sum, w - s, k, 1, r3, 1, t3, up, down, w);
+  }
+}
+#endif
 
 at::Tensor window_ring(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
                        const at::Tensor& cols, const at::Tensor& positions, bool want,
@@ -160,7 +208,11 @@ at::Tensor window_ring(at::Tensor ring, at::Tensor total, const at::Tensor& mass
       const RingRow row{rp + (i / r) * r0 + (i % r) * r1, tp + (i / r) * t0 + (i % r) * t1,
                         mp + i * k * w, cp + i * k, pp + i * w, want ? op + i * w : nullptr};
       if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
+#ifdef KVSERVE_AVX512
+        ring_row_avx512(row, sum.data(), w, k, r3, t3, up, down);
+#else
         ring_row(row, sum.data(), w, k, 1, r3, 1, t3, up, down);
+#endif
       else
         ring_row(row, sum.data(), w, k, r2, r3, t2, t3, up, down);
     }
@@ -322,12 +374,38 @@ at::Tensor drop_among(const at::Tensor& rows, const at::Tensor& slots, const at:
 
 }  // namespace
 
+// ring[rows // r, rows % r, slots] ([M, α], contiguous): the rings of the few slots
+// `near_lowest` found, copied out of the tables' column layout in one pass (torch's
+// advanced indexing with three index tensors, and the divisions making them, were most
+// of `_drop_near`). ring [L, r, W, α] float32, any strides; rows, slots [M] int64.
+at::Tensor ring_values(const at::Tensor& ring, const at::Tensor& rows, const at::Tensor& slots) {
+  TORCH_CHECK(ring.dim() == 4 && ring.scalar_type() == at::kFloat, "ring must be [L, R, W, a] float32");
+  TORCH_CHECK(rows.dim() == 1 && slots.sizes() == rows.sizes() && rows.scalar_type() == at::kLong &&
+                  slots.scalar_type() == at::kLong, "rows and slots must be [M] int64");
+  const int64_t m = rows.size(0), r = ring.size(1), w = ring.size(2), a = ring.size(3);
+  const at::Tensor rw = rows.contiguous(), sl = slots.contiguous();
+  const int64_t *rp = rw.data_ptr<int64_t>(), *sp = sl.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i)
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < ring.size(0) * r && sp[i] >= 0 && sp[i] < w,
+                "row or slot out of range");
+  at::Tensor out = at::empty({m, a}, ring.options());
+  const float* src = ring.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t s0 = ring.stride(0), s1 = ring.stride(1), s2 = ring.stride(2), s3 = ring.stride(3);
+  for (int64_t i = 0; i < m; ++i) {
+    const float* x = src + (rp[i] / r) * s0 + (rp[i] % r) * s1 + sp[i] * s2;
+    for (int64_t c = 0; c < a; ++c) dst[i * a + c] = x[c * s3];
+  }
+  return out;
+}
+
 TORCH_LIBRARY(kvserve_policy_state, m) {
   m.def("window_ring(Tensor(a!) ring, Tensor(b!) total, Tensor mass, Tensor cols, Tensor positions, "
         "bool want, int shift) -> Tensor");
   m.def("near_lowest(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop, "
         "float rel, float abs) -> (Tensor, Tensor)");
   m.def("drop_among(Tensor rows, Tensor slots, Tensor values, Tensor drop, int w) -> Tensor");
+  m.def("ring_values(Tensor ring, Tensor rows, Tensor slots) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "Tensor qpos, Tensor prompt, float alpha) -> ()");
 }
@@ -337,4 +415,5 @@ TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
   m.impl("lazy_track", lazy_track);
   m.impl("near_lowest", near_lowest);
   m.impl("drop_among", drop_among);
+  m.impl("ring_values", ring_values);
 }
