@@ -18,7 +18,7 @@ from pydantic import Field
 
 from policies.base import Needs, StepView, chunked_envelope, prompt_budget, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
-from policies.rows import RowsView, drop_lowest
+from policies.rows import NATIVE, RowsView, drop_lowest
 
 
 class PagedEvictionConfig(EvictingPolicyConfig):
@@ -92,6 +92,9 @@ def _block_drops_of(scores: torch.Tensor, view: RowsView, blocks: list[int],
     request's newest block fills on its own step, so a step's group usually has few
     (rows are independent; the packed-rows shortcut only skips a sort)."""
     rows = [i for i, b in enumerate(blocks) if b]
+    if NATIVE["select"] and scores.device.type == "cpu":
+        return _block_drops_native(scores, view, rows, blocks, windows)
+    scores = scores.reshape(view.positions.shape)  # [L, R, W] state -> [N, W]
     if len(rows) == len(blocks):
         return _block_drops(scores, view.live, view.lengths, view.block_size, blocks, windows)
     at = torch.tensor(rows)
@@ -99,6 +102,22 @@ def _block_drops_of(scores: torch.Tensor, view: RowsView, blocks: list[int],
                        view.block_size, [blocks[i] for i in rows],
                        None if windows is None else [windows[i] for i in rows])
     return view.rows_mask(at, sub)
+
+
+def _block_drops_native(scores: torch.Tensor, view: RowsView, rows: list[int],
+                        blocks: list[int], windows: list[int] | None) -> torch.Tensor:
+    """`_block_drops_of` in two C++ passes (policies/csrc/select_cpu.cpp: the deciding
+    rows' live scores packed, then the blocks' selection and mask) around torch's block
+    means, so the same drops bit for bit; `scores` may be the [L, R, W] state in place."""
+    bs = view.block_size
+    at = torch.tensor(rows, dtype=torch.int64)
+    packed = torch.ops.kvserve_policies.pack_live(scores, view.positions, at, bs)
+    means = packed.view(len(rows), -1, bs).mean(dim=2)  # [M, nb]: block j's mean if full
+    protect = windows or [0] * len(blocks)
+    counts = torch.tensor([[max(0, view.lengths[i] - protect[i]) // bs for i in rows],
+                           [blocks[i] for i in rows]], dtype=torch.int64)
+    return torch.ops.kvserve_policies.block_drops(means, view.positions, at, counts[0],
+                                                  counts[1], bs)
 
 
 _NEW_NORMS = Needs(new_key_norm=True, new_value_norm=True)  # after the first plan
@@ -184,7 +203,7 @@ class PagedEvictionPolicy:
             p.needs = _NEW_NORMS
         if not any(tokens) and not any(blocks):
             return None
-        scores = view.layered("score").reshape(view.positions.shape)  # [N, W]
+        scores = view.layered("score")  # [L, R, W]: read in place by the C++ selections
         last = windows if c.window else 0
         drop = drop_lowest(view.live_or_positions, scores, tokens, last=last) if any(tokens) else None
         if any(blocks):

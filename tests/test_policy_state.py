@@ -260,3 +260,37 @@ def test_ring_values_are_the_rings_as_indexed():
     want = ring[rows_t // 5, rows_t % 5, slots]
     assert torch.equal(got, want)
     assert torch.equal(got.sum(dim=1), want.sum(dim=1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_paged_block_drops_match_torch(seed, native, monkeypatch):
+    """PagedEviction's block mode in C++ (pack_live, torch's block means, block_drops)
+    drops what the torch form drops: packed rows and rows with holes, a state read as
+    [L, R, W] in place, windows, several blocks a row, tied and NaN means, rows that do
+    not decide."""
+    from policies.paged_eviction import _block_drops_of
+
+    g = torch.Generator().manual_seed(seed)
+    nl, r, bs = 2, 5, 4
+    w = bs * 12
+    n = nl * r
+    pos = torch.arange(w).repeat(n, 1)
+    lengths = torch.randint(bs, w, (n,), generator=g)
+    pos[torch.arange(w) >= lengths[:, None]] = -1
+    if seed % 2:  # holes (a row not compacted yet)
+        pos[torch.rand(n, w, generator=g) < 0.2] = -1
+    state = torch.rand(nl, r + 3, w + 5, generator=g).round(decimals=1)  # ties
+    if seed == 4:
+        state[0, 1, :8] = float("nan")
+    scores = state.narrow(1, 1, r).narrow(2, 0, w)  # [L, R, W] as the tables hand it
+    view = RowsView(num_layers=nl, num_new=1, seq_len=[w] * r, prompt_len=[4] * r,
+                    prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
+                    positions=pos, block_size=bs)
+    blocks = [int(x) for x in torch.randint(0, 3, (n,), generator=g)]
+    blocks[0] = 1
+    windows = None if seed % 3 == 0 else [int(x) for x in torch.randint(0, 9, (n,), generator=g)]
+    got = _block_drops_of(scores, view, blocks, windows)
+    monkeypatch.setitem(rows.NATIVE, "select", False)
+    want = _block_drops_of(scores, view, blocks, windows)
+    assert torch.equal(got, want)
+    assert got.any()

@@ -186,12 +186,107 @@ at::Tensor drop_earliest(const at::Tensor& positions, const at::Tensor& first, c
 
 }  // namespace
 
+// PagedEviction's block mode (policies/paged_eviction.py::_block_drops, whose torch form
+// these two are): in two passes over the rows that drop a block instead of a dozen torch
+// ops (a packed check, flips, a selection, a gather, a mask scattered back over every
+// row), each paying its cold code after the forward. The block means between them stay
+// torch's (`mean` over each block's bs packed values), so they are the same bits.
+//
+// Scores rows[i] of [N, W] or [L, R, W] (as select_drop takes them) with each row's live
+// slots (positions >= 0) first, in slot order, then zeros: [M, P], P = W rounded up to
+// bs. Logical block j of a row is its live slots of kept-order rank j·bs .. j·bs + bs - 1.
+at::Tensor pack_live(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& rows,
+                     int64_t bs) {
+  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
+  const int64_t n = positions.size(0), w = positions.size(1);
+  const bool layered = scores.dim() == 3;
+  TORCH_CHECK(scores.scalar_type() == at::kFloat &&
+              ((scores.dim() == 2 && scores.size(0) == n && scores.size(1) == w) ||
+               (layered && scores.size(0) * scores.size(1) == n && scores.size(2) == w)),
+              "scores must be [N, W] or [L, R, W] float32, with N = L·R rows of positions' W");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && bs > 0, "rows must be [M] int64");
+  const at::Tensor sc = layered && scores.stride(2) == 1 ? scores : scores.contiguous();
+  const int64_t rr = layered ? sc.size(1) : 1;
+  const int64_t s0 = layered ? sc.stride(0) : w * rr, s1 = layered ? sc.stride(1) : w;
+  const at::Tensor p = positions.contiguous(), rw = rows.contiguous();
+  const int64_t m = rows.size(0), width = (w + bs - 1) / bs * bs;
+  at::Tensor out = at::zeros({m, width}, scores.options());
+  const float* sp = sc.data_ptr<float>();
+  const int64_t *pp = p.data_ptr<int64_t>(), *rp = rw.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = rp[i];
+    TORCH_CHECK(r >= 0 && r < n, "row out of range");
+    const float* src = sp + (r / rr) * s0 + (r % rr) * s1;
+    const int64_t* pos = pp + r * w;
+    float* dst = op + i * width;
+    int64_t k = 0;
+    for (int64_t j = 0; j < w; ++j)
+      if (pos[j] >= 0) dst[k++] = src[j];
+  }
+  return out;
+}
+
+// The drop mask [N, W] of rows[i]'s drop[i] lowest-mean candidate blocks (blocks
+// j < nfull[i] of `means` [M, nb]; ties toward the earlier block, a NaN above every
+// number): the live slots of those blocks' ranks. Other rows drop nothing.
+at::Tensor block_drops(const at::Tensor& means, const at::Tensor& positions, const at::Tensor& rows,
+                       const at::Tensor& nfull, const at::Tensor& drop, int64_t bs) {
+  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
+  const int64_t n = positions.size(0), w = positions.size(1), m = rows.size(0);
+  TORCH_CHECK(means.dim() == 2 && means.size(0) == m && means.scalar_type() == at::kFloat,
+              "means must be [M, nb] float32");
+  for (const at::Tensor* t : {&rows, &nfull, &drop})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == m && t->scalar_type() == at::kLong,
+                "rows, nfull and drop must be [M] int64");
+  const int64_t nb = means.size(1);
+  const at::Tensor mn = means.contiguous(), p = positions.contiguous();
+  const at::Tensor rw = rows.contiguous(), nf = nfull.contiguous(), dr = drop.contiguous();
+  const float* mp = mn.data_ptr<float>();
+  const int64_t *pp = p.data_ptr<int64_t>(), *rp = rw.data_ptr<int64_t>();
+  const int64_t *fp = nf.data_ptr<int64_t>(), *dp = dr.data_ptr<int64_t>();
+  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  bool* op = out.data_ptr<bool>();
+  std::vector<int64_t> cand;
+  std::vector<char> gone(nb);
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t r = rp[i], c = std::min(fp[i], nb), d = std::min(dp[i], c);
+    TORCH_CHECK(r >= 0 && r < n, "row out of range");
+    if (d <= 0) continue;
+    const float* mean = mp + i * nb;
+    cand.resize(c);
+    for (int64_t j = 0; j < c; ++j) cand[j] = j;
+    const auto lower = [&](int64_t a, int64_t b) {  // mean ascending (NaN last), then index
+      const bool na = std::isnan(mean[a]), nb_ = std::isnan(mean[b]);
+      if (na != nb_) return nb_;
+      if (!na && mean[a] != mean[b]) return mean[a] < mean[b];
+      return a < b;
+    };
+    std::partial_sort(cand.begin(), cand.begin() + d, cand.end(), lower);
+    std::fill(gone.begin(), gone.end(), 0);
+    for (int64_t j = 0; j < d; ++j) gone[cand[j]] = 1;
+    const int64_t* pos = pp + r * w;
+    bool* row = op + r * w;
+    for (int64_t j = 0, rank = 0; j < w; ++j)
+      if (pos[j] >= 0) {
+        row[j] = gone[std::min(rank / bs, nb - 1)];
+        ++rank;
+      }
+  }
+  return out;
+}
+
 TORCH_LIBRARY(kvserve_policies, m) {
   m.def("select_drop(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop) -> Tensor");
   m.def("drop_earliest(Tensor positions, Tensor first, Tensor drop) -> Tensor");
+  m.def("pack_live(Tensor scores, Tensor positions, Tensor rows, int bs) -> Tensor");
+  m.def("block_drops(Tensor means, Tensor positions, Tensor rows, Tensor nfull, Tensor drop, "
+        "int bs) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_policies, CPU, m) {
   m.impl("select_drop", select_drop);
   m.impl("drop_earliest", drop_earliest);
+  m.impl("pack_live", pack_live);
+  m.impl("block_drops", block_drops);
 }
