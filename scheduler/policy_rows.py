@@ -262,14 +262,22 @@ def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
     shift); per cache (evicted slots, freed blocks)."""
     first = caches[0]
     done = first.tables.evict_mask(first.pool, caches, dead, positions)
-    for i, c in enumerate(caches):
-        evicted, freed = done[i]
-        if evicted and (compact[i] or rotate[i] is not None):
-            layers = [x for x, hit in enumerate(dead[:, i].any(dim=1).tolist()) if hit]
-            if compact[i]:
-                freed += first.tables.compact(c.pool, [c], layers)[0]
-            if rotate[i] is not None:
-                for layer in layers:
-                    c.renumber(layer, rotate[i])
-            done[i] = (evicted, freed)
+    asked = [i for i, (evicted, _) in enumerate(done)
+             if evicted and (compact[i] or rotate[i] is not None)]
+    if not asked:
+        return done
+    hit = dead.any(dim=2).t().tolist()  # [R][L]: the layers that lost tokens, one op
+    layers = {i: [x for x, h in enumerate(hit[i]) if h] for i in asked}
+    packs: dict[tuple[int, ...], list[int]] = {}  # compacted together: the same layers
+    for i in asked:
+        if compact[i]:
+            packs.setdefault(tuple(layers[i]), []).append(i)
+    for which_layers, which in packs.items():
+        freed = first.tables.compact(first.pool, [caches[i] for i in which], list(which_layers))
+        for i, f in zip(which, freed):
+            done[i] = (done[i][0], done[i][1] + f)
+    for i in asked:  # after the packing, as one request at a time did it
+        if rotate[i] is not None:
+            for layer in layers[i]:
+                caches[i].renumber(layer, rotate[i])
     return done

@@ -25,6 +25,7 @@ CONFIGS = [
     *[{"name": "tova", "budget": 32}] * 3,
     *[{"name": "knorm", "budget": 32, "window": 4}] * 3,
     *[{"name": "keydiff", "budget": 32}] * 3,
+    *[{"name": "paged_eviction", "budget": 32}] * 3,  # compacts after its drops: together
     *[{"name": "lazy_eviction", "budget": 32, "window": 8}] * 3,
     *[{"name": "streaming", "sink": 4, "window": 28}] * 2,
     {"name": "h2o", "budget": 40, "window": 4},
@@ -90,7 +91,7 @@ def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypat
         assert llm.engine.pool.num_used == 0
     # The batches really ran, for every policy class with a batched step.
     assert {n for n, k in batched.items() if k > 40} == {
-        "h2o", "tova", "knorm", "keydiff", "lazy_eviction", "streaming"}, batched
+        "h2o", "tova", "knorm", "keydiff", "paged_eviction", "lazy_eviction", "streaming"}, batched
 
 
 def _cache(tables: SlotTables, pool: BlockPool, n: int = 30) -> SeqCache:
