@@ -36,6 +36,20 @@ class PolicyRunner:
     def admitted(self, name: str) -> None:
         self.requests[name] = self.requests.get(name, 0) + 1
 
+    def acts(self, r: Request, c: Chunk) -> bool:
+        """Whether r's policy will act after the step that computes chunk c (its `idle`
+        says no), asked before the forward, from the same sizes `run` will see, by a
+        statistic only acting requests should pay for: KeyDiff's scores in the decode
+        kernel (a request within its budget would have them computed for nothing)."""
+        idle = getattr(r.policy, "idle", None)
+        if idle is None:
+            return True
+        n = r.num_computed + c.num_tokens  # as `run` sees it: counted before the forward
+        first_full = not r.prefill_done and n >= len(r.prompt_ids)
+        assert r.cache is not None
+        return not idle(StepView(n, len(r.prompt_ids), c.num_tokens, first_full,
+                                 r.cache.bs, r.cache.layer_live))
+
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan,
         requests of equal policies together (`scheduler/policy_rows.py`).

@@ -268,3 +268,35 @@ def test_norm_policies_read_no_slot_back_in_decode(tmp_path) -> None:
         eng.step()
     assert not calls
     eng.check_invariants()
+
+
+def test_keydiff_within_budget_costs_the_decode_kernel_nothing(tmp_path, monkeypatch) -> None:
+    """A KeyDiff request whose layers are all within its budget is idle after the step,
+    so the decode kernel does not score its keys for it (`PolicyRunner.acts`, asked
+    before the forward); once past the budget it does."""
+    from engine import runner as runner_mod
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    calls: list[int] = []
+    real = runner_mod.paged_decode_key_diversity
+
+    def counted(q, *a, **kw):
+        calls.append(q.shape[0])
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(runner_mod, "paged_decode_key_diversity", counted)
+    llm = LLM(make_tiny_model("llama", tmp_path, max_position_embeddings=512),
+              num_blocks=400, block_size=4, max_num_batched_tokens=256)
+    eng = llm.engine
+    eng.add_request("r", list(range(5, 25)), SamplingParams(  # 20 prompt tokens
+        max_tokens=20, temperature=0, ignore_eos=True, detokenize=False),
+        kv_policy={"name": "keydiff", "budget": 30})
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+    # one call per layer of a step that scores: the decode steps computing positions
+    # 20..29 leave every layer within 30 tokens (idle); those computing 30..38 do not
+    assert steps == 20 and len(calls) == 9 * eng.runner.config.num_layers, (len(calls), steps)
