@@ -24,7 +24,7 @@ from kvpool.cpu_attention import (
     paged_attention_cpu,
     paged_decode_key_diversity,
 )
-from kvpool.host import int64_tensor
+from kvpool.host import bool_tensor, int64_tensor
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 
@@ -116,7 +116,9 @@ class _Group:
     tables: torch.Tensor  # [L, B, NB]
     slot_pos: torch.Tensor  # [L, B, NB*bs]
     want_probs: bool
-    want_kd: bool  # decode rows whose KeyDiff score the kernel returns
+    # Decode groups: [B] bool, the members whose KeyDiff scores the kernel returns
+    # (None: no member's); a flag per row, so scoring some splits no group.
+    want_kd: torch.Tensor | None
     sum_heads: bool = False  # the kernel may sum the mass over kv heads (`_sums_heads`)
     # Decode rows of the whole step in input order (a decode-only step with one group):
     # attention takes q as it is and its output is the layer's, no gather or scatter.
@@ -124,7 +126,8 @@ class _Group:
 
 
 def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
-                 want_probs: bool, want_kd: bool = False, sum_heads: bool = False) -> _Group:
+                 want_probs: bool, want_kd: torch.Tensor | None = None,
+                 sum_heads: bool = False) -> _Group:
     seqs = [inputs[i] for i in members]
     tables = seqs[0].cache.tables
     assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
@@ -144,12 +147,18 @@ def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
     starts = torch.tensor([s.start_pos for s in seqs])[:, None]
     q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
-    return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, False)
+    return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, None)
 
 
 # Attention cost is (sequences × the group's longest context): a group is split when the
 # padding it would carry outweighs one more kernel call per layer.
 _MIN_SPLIT = 8
+
+
+def _kd_rows(members: list[int], inputs: list[SeqInput]) -> torch.Tensor | None:
+    """The decode group's [B] flags of the members that want KeyDiff's scores, or None."""
+    flags = [inputs[i].wants_key_diversity for i in members]
+    return bool_tensor(flags) if any(flags) else None
 
 
 def _split_by_length(members: list[int], inputs: list[SeqInput]) -> list[list[int]]:
@@ -244,19 +253,20 @@ class ModelRunner:
         # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
         kernel = self.attention_fn is paged_attention_cpu
         sums_heads = kernel and 1 < cfg.num_kv_heads <= 4
-        buckets: dict[tuple[bool, bool, bool, bool], list[int]] = {}
+        buckets: dict[tuple[bool, bool, bool], list[int]] = {}
         for i, s in enumerate(inputs):
             if i not in fresh:
-                decode = len(s.token_ids) == 1
-                kd = decode and s.wants_key_diversity and kernel and self._fuses_kd()
                 summed = s.wants_attention and not s.attention_heads and sums_heads
-                buckets.setdefault((decode, s.wants_attention, kd, summed), []).append(i)
+                buckets.setdefault((len(s.token_ids) == 1, s.wants_attention, summed),
+                                   []).append(i)
+        fuse_kd = kernel and any(s.wants_key_diversity for s in inputs) and self._fuses_kd()
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
         groups = [
-            _build_group(part, inputs, offsets, want, kd, summed)
-            for (decode, want, kd, summed), m in sorted(buckets.items())
+            _build_group(part, inputs, offsets, want,
+                         _kd_rows(part, inputs) if decode and fuse_kd else None, summed)
+            for (decode, want, summed), m in sorted(buckets.items())
             for part in (_split_by_length(m, inputs) if pads or not decode else [m])
         ]
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
@@ -271,7 +281,8 @@ class ModelRunner:
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
-        kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_kd}
+        kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups)
+                                              if g.want_kd is not None}
         pool = self.pool
         norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if pool.quant is None and any(s.wants_norms for s in inputs):
@@ -291,8 +302,9 @@ class ModelRunner:
                 args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
                 kw = {"sum_heads": True} if g.sum_heads else {}
-                if g.want_kd:
-                    o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw)
+                if g.want_kd is not None:
+                    o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw,
+                                               rows=g.want_kd)
                     kds[j].append(kd)
                 else:
                     o, probs = pool.attend(self.attention_fn, *args, **kw)
@@ -319,7 +331,9 @@ class ModelRunner:
                 stacked = torch.stack(mass[j]).cpu() if j in mass else None
                 kd = torch.stack(kds[j]) if j in kds else None  # on the CPU already
                 for row, i in enumerate(groups[j].members):
-                    attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids), kd)
+                    if stacked is not None or inputs[i].wants_key_diversity:
+                        attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids),
+                                                     kd if inputs[i].wants_key_diversity else None)
             if norms is not None:  # [L, T, Hkv] each, one stack and one copy
                 kn = torch.stack([x[0] for x in norms]).cpu()
                 vn = torch.stack([x[1] for x in norms]).cpu()

@@ -103,7 +103,7 @@ def paged_attention_cpu(
         return out[:, None], (mass[:, None] if return_probs else None)
     out, mass, _ = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
-        int(window or 0), return_probs, False, sum_heads,
+        int(window or 0), return_probs, None, sum_heads,
     )
     return out[:, None], (mass[:, None] if return_probs else None)
 
@@ -119,10 +119,11 @@ def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:
 def paged_decode_key_diversity(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int | None = None,
-    return_probs: bool = False, sum_heads: bool = False,
+    return_probs: bool = False, sum_heads: bool = False, rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
-    score of every visible slot, [B, S] float32 (0 where none): `kvpool.key_stats`'
+    score of every visible slot, [B, S] float32 (0 where none), of the rows flagged in
+    `rows` ([B] bool; all by default, the others stay 0): `kvpool.key_stats`'
     `key_diversity`, the same bits (one C++ code path, key_diversity.h), computed per
     sequence right after its attention read its keys. They are then in cache, where the
     separate op read every live key from DRAM again after the step: at 16 requests of
@@ -132,6 +133,7 @@ def paged_decode_key_diversity(
     assert q.shape[1] == 1 and not window, "decode rows without a window"
     out, mass, kd = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale), 0,
-        return_probs, True, sum_heads,
+        return_probs, torch.ones(q.shape[0], dtype=torch.bool) if rows is None else rows,
+        sum_heads,
     )
     return out[:, None], (mass[:, None] if return_probs else None), kd

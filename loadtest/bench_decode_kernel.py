@@ -2,6 +2,7 @@
 
     python -m loadtest.bench_decode_kernel --shapes 8x400,32x200,64x400 --threads 1
     python -m loadtest.bench_decode_kernel --base /tmp/base-checkout --rounds 2
+    python -m loadtest.bench_decode_kernel --model 3m --key-diversity --shapes 16x1025
 
 Why a benchmark of its own: a change to `kvpool/csrc/paged_decode_cpu.cpp` moves a
 decode step by a few percent, under the noise of an engine run on this 2-core machine,
@@ -10,7 +11,9 @@ calls here cycle over `--layers` pools, as a model's layers do (the same pool ca
 back to back would stay in L3 and flatter any prefetching), and `--base` runs another
 checkout's build (its own TORCH_EXTENSIONS_DIR: the op has one name) in a subprocess,
 interleaved with this one round by round, so the machine's drift hits both alike.
-Writes JSON with the environment fingerprint; prints a markdown table of medians.
+`--key-diversity` also times, in the same rounds, the kernel returning KeyDiff's scores
+(`paged_decode_key_diversity`) and the pool's separate op over the same rows
+(`kvserve_keys.key_diversity`), the two ways a KeyDiff step gets them. Writes JSON with the environment fingerprint; prints a markdown table of medians.
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
 
 
 def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: int,
-            dtype: torch.dtype, calls: int, threads: int) -> list[dict[str, float]]:
-    """Median and min ms per layer call for each (sequences, tokens) shape."""
+            dtype: torch.dtype, calls: int, threads: int,
+            key_diversity: bool = False) -> list[dict[str, float]]:
+    """Median and min ms per layer call for each (sequences, tokens) shape; with
+    `key_diversity` also the medians of the kernel returning KeyDiff's scores and of
+    the pool's op computing them alone."""
     from kvpool.cpu_attention import kernel_available, paged_attention_cpu
 
     if not kernel_available():
@@ -61,15 +67,29 @@ def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: 
             pools.append(decode_case(b, n, hq, hkv, d, dtype, seed=layer))
         for case in pools:  # warm: first-touch page faults, the op's first call
             paged_attention_cpu(**case)
-        times = []
+        ways = {"": paged_attention_cpu}
+        if key_diversity:
+            from kvpool.cpu_attention import paged_decode_key_diversity
+            from kvpool.key_stats import key_diversity as pool_op
+            from kvpool.key_stats import load_key_stats
+
+            load_key_stats()
+            ways["kd_"] = paged_decode_key_diversity
+            ways["op_"] = lambda **c: pool_op(c["k_cache"], c["table"], c["slot_pos"])
+        times: dict[str, list[float]] = {w: [] for w in ways}
         for _ in range(calls):
             for case in pools:
-                t = time.perf_counter()
-                paged_attention_cpu(**case)
-                times.append(time.perf_counter() - t)
+                for w, fn in ways.items():  # interleaved: the same cache state for each
+                    t = time.perf_counter()
+                    fn(**case)
+                    times[w].append(time.perf_counter() - t)
         mib = 2 * b * n * hkv * d * pools[0]["k_cache"].element_size() / 2**20
-        rows.append({"seqs": b, "tokens": n, "mib_per_layer": round(mib, 1),
-                     "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3})
+        row = {"seqs": b, "tokens": n, "mib_per_layer": round(mib, 1),
+               "median_ms": statistics.median(times[""]) * 1e3, "min_ms": min(times[""]) * 1e3}
+        for w in ways:
+            if w:
+                row[f"{w}median_ms"] = statistics.median(times[w]) * 1e3
+        rows.append(row)
         del pools
     return rows
 
@@ -82,6 +102,10 @@ def table(report: dict) -> str:
     if has_base:
         head += " ms a call, base | base / this |"
         sep += "---|---|"
+    kd = "kd_median_ms" in rounds[0]["this"][0]
+    if kd:
+        head += " with KeyDiff's scores | + KeyDiff | KeyDiff op alone |"
+        sep += "---|---|---|"
     lines = [head, sep]
     for i, row in enumerate(rounds[0]["this"]):
         new = [r["this"][i]["median_ms"] for r in rounds]
@@ -91,6 +115,10 @@ def table(report: dict) -> str:
             old = [r["base"][i]["median_ms"] for r in rounds]
             line += (f" {' / '.join(f'{x:.3f}' for x in old)} | "
                      f"{statistics.median(old) / statistics.median(new):.2f}× |")
+        if kd:
+            fused = statistics.median([r["this"][i]["kd_median_ms"] for r in rounds])
+            op = statistics.median([r["this"][i]["op_median_ms"] for r in rounds])
+            line += (f" {fused:.3f} | {fused - statistics.median(new):+.3f} | {op:.3f} |")
         lines.append(line)
     return "\n".join(lines)
 
@@ -106,6 +134,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="the pool's dtype")
     p.add_argument("--calls", type=int, default=8, help="calls per layer per shape")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--key-diversity", action="store_true",
+                   help="also time the kernel with KeyDiff's scores, and the pool's op alone")
     p.add_argument("--base", help="another checkout to build and run the same way, interleaved")
     p.add_argument("--rounds", type=int, default=2, help="rounds (each: this, then base)")
     p.add_argument("--out", default="runs/")
@@ -117,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     a = parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
-    args = (shapes, HEADS[a.model], a.layers, getattr(torch, a.dtype), a.calls, a.threads)
+    args = (shapes, HEADS[a.model], a.layers, getattr(torch, a.dtype), a.calls, a.threads,
+            a.key_diversity)
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)  # type: ignore[arg-type]

@@ -40,6 +40,18 @@ def test_run_writes_json_and_a_table(tmp_path, capsys) -> None:
     assert "| 2 × 40 |" in capsys.readouterr().out
 
 
+@needs_kernel
+def test_key_diversity_columns(tmp_path, capsys) -> None:
+    """`--key-diversity`: the kernel with KeyDiff's scores and the pool's op alone, timed
+    in the same rounds as attention alone, each a column of the table."""
+    report = bench.main(["--shapes", "2x40", "--layers", "2", "--calls", "2", "--rounds", "1",
+                         "--model", "3m", "--key-diversity", "--out", str(tmp_path)])
+    (row,) = report["rounds"][0]["this"]
+    assert row["kd_median_ms"] > 0 and row["op_median_ms"] > 0
+    out = capsys.readouterr().out
+    assert "KeyDiff op alone" in out and "| 2 × 40 |" in out
+
+
 def test_table_reports_base_over_this() -> None:
     row = {"seqs": 8, "tokens": 400, "mib_per_layer": 9.4, "min_ms": 1.0}
     report = {"rounds": [{"this": [{**row, "median_ms": 2.0}], "base": [{**row, "median_ms": 3.0}]},

@@ -153,6 +153,12 @@ def test_decode_kernel_returns_the_ops_key_diversity(dtype, head_dim, lengths) -
         torch.set_num_threads(threads)
     assert torch.equal(kd, pool.key_diversity(table, pos))
     assert torch.equal(out, plain) and torch.equal(mass, plain_mass)
+    # only the flagged rows are scored (the rest of a decode group: zeros)
+    rows = torch.arange(len(lengths)) % 2 == 0
+    out_some, _, some = paged_decode_key_diversity(q, pool.k_cache, pool.v_cache, table, pos,
+                                                   q_pos, 0.125, None, False, rows=rows)
+    assert torch.equal(some[rows], kd[rows]) and not some[~rows].any()
+    assert torch.equal(out_some, plain)
 
 
 def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:

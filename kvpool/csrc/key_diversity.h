@@ -26,6 +26,14 @@
 
 namespace keydiff {
 
+// Compiled without -ffast-math wherever this header is included (the decode kernel's
+// source has it), so both users give the same bits: a division turned into a
+// reciprocal's product, or a reassociated sum, would round the anchor and the scores
+// apart. The AVX-512 per-slot loops are outside this region: compiled with the
+// includer's flags they give the same bits (tests/test_key_stats.py checks it, in the
+// decode kernel too) and run ~1.7x faster than inside it.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
 // A key row of n values as fp32: the pool's own memory for an fp32 pool, else widened
 // into `buf` (exact: bf16 is the top half of an fp32, fp16 converts exactly).
 template <typename T>
@@ -78,8 +86,9 @@ inline void axpy(float c, const float* x, float* y, int64_t n) {  // y += c * x
 }
 
 // The anchors' sums over `count` live slots -> their means, each divided by its norm
-// clamped at 1e-8 (keydiff_scores' clamp).
-inline void normalise_anchor(float* anchor, int64_t H, int64_t D, int64_t count) {
+// clamped at 1e-8 (keydiff_scores' clamp). Once per row: out of line (below).
+__attribute__((noinline)) inline void normalise_anchor(float* anchor, int64_t H, int64_t D,
+                                                       int64_t count) {
   for (int64_t h = 0; h < H; ++h) {
     float* ah = anchor + h * D;
     for (int64_t x = 0; x < D; ++x) ah[x] /= static_cast<float>(count);
@@ -128,6 +137,7 @@ void score_listed_portable(int64_t n, int64_t H, int64_t D, float* out, Scratch&
     out[logical[i]] = -sum * mean;
   }
 }
+#pragma GCC pop_options
 
 #ifdef KVSERVE_KEYDIFF_AVX512
 // A head's D = 16 * NV values of T as NV fp32 vectors, in an order of lanes of its own:

@@ -35,13 +35,11 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <optional>
 #include <vector>
 
 // Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math")
-#include "key_diversity.h"
-#pragma GCC pop_options
+#include "key_diversity.h"  // the pool op's scoring: the same bits
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSERVE_AVX512 1
@@ -111,9 +109,10 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   int64_t sstride = 0;
   float sfac = 1.f;
   bool stream = false;  // the call's K/V come from DRAM: rows are touched, not prefetched
-  // KeyDiff's score per visible slot, [B, S] rows kd0 apart, or nullptr when not asked
-  // (`key_diversity_seq`).
+  // KeyDiff's score per visible slot, [B, S] rows kd0 apart, of the sequences flagged in
+  // kd_rows [B], or nullptr when not asked (`key_diversity_seq`).
   float* kd = nullptr;
+  const bool* kd_rows = nullptr;
   int64_t kd0 = 0;
   bool mass_sum = false;  // mass as [B, 1, S]: summed over the kv heads (`write_mass`)
 };
@@ -660,7 +659,7 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
     keydiff::Scratch kds(S, Hkv, D);
     for (int64_t t = begin; t < end; ++t) {
       seq(parts[t % slices], t / slices, w);
-      if (t % slices == 0) key_diversity_seq(a, t / slices, w, kds);  // every head
+      if (t % slices == 0 && a.kd_rows[t / slices]) key_diversity_seq(a, t / slices, w, kds);
     }
   });
 }
@@ -669,7 +668,7 @@ template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
-            bool mass_sum) {
+            const bool* kd_rows, bool mass_sum) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
@@ -679,6 +678,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                      q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
                      Hkv * D, window, Hkv * NB * bs, table.stride(0), slot_pos.stride(0)};
   a.kd = kd;
+  a.kd_rows = kd_rows;
   a.kd0 = NB * bs;
   a.mass_sum = mass_sum;
   if (mass_sum) a.ms0 = NB * bs;
@@ -700,7 +700,8 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                                      const at::Tensor& v_cache, const at::Tensor& table,
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool return_probs,
-                                     bool key_diversity, bool sum_heads) {
+                                     const std::optional<at::Tensor>& key_diversity,
+                                     bool sum_heads) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -720,13 +721,22 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
       ? at::zeros({q.size(0), sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
-  TORCH_CHECK(!key_diversity || window == 0, "key_diversity needs every live slot visible (no window)");
-  at::Tensor kd = key_diversity ? at::zeros({q.size(0), p.size(1)}, q.options().dtype(at::kFloat))
-                                : at::empty({0}, q.options().dtype(at::kFloat));
-  float* kp = key_diversity ? kd.data_ptr<float>() : nullptr;
+  // key_diversity: [B] bool, the rows whose KeyDiff scores to return (others: 0)
+  const bool want_kd = key_diversity.has_value();
+  at::Tensor kd_rows;
+  if (want_kd) {
+    kd_rows = key_diversity->contiguous();
+    TORCH_CHECK(kd_rows.scalar_type() == at::kBool && kd_rows.dim() == 1 && kd_rows.size(0) == q.size(0),
+                "key_diversity must be a [B] bool tensor of the rows to score");
+    TORCH_CHECK(window == 0, "key_diversity needs every live slot visible (no window)");
+  }
+  at::Tensor kd = want_kd ? at::zeros({q.size(0), p.size(1)}, q.options().dtype(at::kFloat))
+                          : at::empty({0}, q.options().dtype(at::kFloat));
+  float* kp = want_kd ? kd.data_ptr<float>() : nullptr;
+  const bool* kr = want_kd ? kd_rows.data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
-                                                         window, out, mp, kp, sum_heads); });
+                                                         window, out, mp, kp, kr, sum_heads); });
   return {out, mass, kd};
 }
 
@@ -864,7 +874,7 @@ std::vector<at::Tensor> paged_decode_quant(
 
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
-        "Tensor q_pos, float scale, int window, bool return_probs, bool key_diversity=False, "
+        "Tensor q_pos, float scale, int window, bool return_probs, Tensor? key_diversity=None, "
         "bool sum_heads=False) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
