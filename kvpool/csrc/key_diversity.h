@@ -167,9 +167,9 @@ inline void load_row(const T* p, __m512* v) {
   }
 }
 
-// Sixteen vectors' lane sums as one vector (lane s = the sum of v[s]), by the folds of
-// paged_decode_cpu.cpp's tile_scores: pairs of vectors folded in halves, four levels,
-// then one permute undoing the folds' bit-reversed order.
+// Sixteen vectors' lane sums as one vector (lane s = the sum of v[s]), by folds (the
+// decode kernel's tile_scores takes `fold` from here too): pairs of vectors folded in
+// halves, four levels, then one permute undoing the folds' bit-reversed order.
 constexpr int fold_index(int h, int i) { return (i / h) % 2 == 0 ? i + h : 16 + i - h; }
 
 template <int H>

@@ -279,20 +279,10 @@ inline __m512 load_bcast(const T* p) {
   }
 }
 
-constexpr int fold_index(int h, int i) { return (i / h) % 2 == 0 ? i + h : 16 + i - h; }
-
 // One step of summing vectors lane-group-wise: lanes in groups of 2H, the even groups
-// keep u's partial sums and the odd ones v's, each folded in half.
-template <int H>
-inline __m512 fold(__m512 u, __m512 v) {
-  constexpr __mmask16 odd = H == 8 ? 0xFF00 : H == 4 ? 0xF0F0 : H == 2 ? 0xCCCC : 0xAAAA;
-  const __m512i idx = _mm512_setr_epi32(
-      fold_index(H, 0), fold_index(H, 1), fold_index(H, 2), fold_index(H, 3),
-      fold_index(H, 4), fold_index(H, 5), fold_index(H, 6), fold_index(H, 7),
-      fold_index(H, 8), fold_index(H, 9), fold_index(H, 10), fold_index(H, 11),
-      fold_index(H, 12), fold_index(H, 13), fold_index(H, 14), fold_index(H, 15));
-  return _mm512_add_ps(_mm512_mask_blend_ps(odd, u, v), _mm512_permutex2var_ps(u, idx, v));
-}
+// keep u's partial sums and the odd ones v's, each folded in half (key_diversity.h's,
+// which sums KeyDiff's tiles the same way).
+using keydiff::fold;
 
 constexpr int log2i(int r) { return r >= 16 ? 4 : r >= 8 ? 3 : r >= 4 ? 2 : 1; }
 constexpr int bitrev(int bits, int j) {

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "live_slots.h"
@@ -118,36 +119,49 @@ void select_row(const float* s, const P* pos, int64_t w, int64_t first, int64_t 
   for (const Key& k : buf) out[k.slot] = true;
 }
 
-// scores [N, W], or [L, R, W] with row l·R + r at [l, r] and unit stride along W (a
-// policy's per-slot state as the tables' own slice, `RowsView.layered`: read in place
-// instead of copied into [N, W] first); positions [N, W] int64, or a bool live mask.
+// Scores as [N, W] rows, or [L, R, W] with row l·R + r at [l, r] and unit stride along W
+// (a policy's per-slot state as the tables' own slice, `RowsView.layered`): read in place
+// instead of copied into [N, W] first. Row i starts at data + (i / rr) * s0 + (i % rr) * s1.
+struct ScoreRows {
+  at::Tensor t;  // keeps a contiguous copy alive when one was made
+  const float* data;
+  int64_t rr, s0, s1;
+  const float* row(int64_t i) const { return data + (i / rr) * s0 + (i % rr) * s1; }
+};
+
+ScoreRows score_rows(const at::Tensor& scores, int64_t n, int64_t w) {
+  const bool layered = scores.dim() == 3;
+  TORCH_CHECK(scores.scalar_type() == at::kFloat &&
+              ((scores.dim() == 2 && scores.size(0) == n && scores.size(1) == w) ||
+               (layered && scores.size(0) * scores.size(1) == n && scores.size(2) == w)),
+              "scores must be [N, W] or [L, R, W] float32, with N = L·R rows of positions' W");
+  at::Tensor s = layered && scores.stride(2) == 1 ? scores : scores.contiguous();
+  const int64_t rr = layered ? s.size(1) : 1;
+  const int64_t s0 = layered ? s.stride(0) : w * rr, s1 = layered ? s.stride(1) : w;
+  const float* data = s.data_ptr<float>();
+  return {std::move(s), data, rr, s0, s1};
+}
+
+// scores [N, W] or [L, R, W] (`score_rows`); positions [N, W] int64, or a bool live mask.
 at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
                        const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop) {
   const bool mask = positions.scalar_type() == at::kBool;
   TORCH_CHECK(positions.dim() == 2 && (mask || positions.scalar_type() == at::kLong),
               "positions must be [N, W]: int64 positions or a bool live mask");
   const int64_t n = positions.size(0), w = positions.size(1);
-  const bool layered = scores.dim() == 3;
-  TORCH_CHECK(scores.scalar_type() == at::kFloat &&
-              ((scores.dim() == 2 && scores.size(0) == n && scores.size(1) == w) ||
-               (layered && scores.size(0) * scores.size(1) == n && scores.size(2) == w)),
-              "scores must be [N, W] or [L, R, W] float32, with N = L·R rows of positions' W");
+  const ScoreRows sr = score_rows(scores, n, w);
   for (const at::Tensor* t : {&first, &last, &drop})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
                 "first, last and drop must be [N] int64");
-  const at::Tensor s = layered && scores.stride(2) == 1 ? scores : scores.contiguous();
-  const int64_t rr = layered ? s.size(1) : 1;  // rows per layer
-  const int64_t s0 = layered ? s.stride(0) : w * rr, s1 = layered ? s.stride(1) : w;
   const at::Tensor p = positions.contiguous();
   const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
   at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
-  const float* sp = s.data_ptr<float>();
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
   const auto run = [&](const auto* pp) {
     at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i)
-        select_row(sp + (i / rr) * s0 + (i % rr) * s1, pp + i * w, w, fp[i], lp[i], dp[i], op + i * w);
+        select_row(sr.row(i), pp + i * w, w, fp[i], lp[i], dp[i], op + i * w);
     });
   };
   if (mask) run(p.data_ptr<bool>());
@@ -199,25 +213,17 @@ at::Tensor pack_live(const at::Tensor& scores, const at::Tensor& positions, cons
                      int64_t bs) {
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
   const int64_t n = positions.size(0), w = positions.size(1);
-  const bool layered = scores.dim() == 3;
-  TORCH_CHECK(scores.scalar_type() == at::kFloat &&
-              ((scores.dim() == 2 && scores.size(0) == n && scores.size(1) == w) ||
-               (layered && scores.size(0) * scores.size(1) == n && scores.size(2) == w)),
-              "scores must be [N, W] or [L, R, W] float32, with N = L·R rows of positions' W");
+  const ScoreRows sr = score_rows(scores, n, w);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && bs > 0, "rows must be [M] int64");
-  const at::Tensor sc = layered && scores.stride(2) == 1 ? scores : scores.contiguous();
-  const int64_t rr = layered ? sc.size(1) : 1;
-  const int64_t s0 = layered ? sc.stride(0) : w * rr, s1 = layered ? sc.stride(1) : w;
   const at::Tensor p = positions.contiguous(), rw = rows.contiguous();
   const int64_t m = rows.size(0), width = (w + bs - 1) / bs * bs;
   at::Tensor out = at::zeros({m, width}, scores.options());
-  const float* sp = sc.data_ptr<float>();
   const int64_t *pp = p.data_ptr<int64_t>(), *rp = rw.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
     const int64_t r = rp[i];
     TORCH_CHECK(r >= 0 && r < n, "row out of range");
-    const float* src = sp + (r / rr) * s0 + (r % rr) * s1;
+    const float* src = sr.row(r);
     const int64_t* pos = pp + r * w;
     float* dst = op + i * width;
     int64_t k = 0;
