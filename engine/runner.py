@@ -16,15 +16,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention_groups import (
+    AttentionGroup,
+    build_group,
+    fresh_prompts,
+    kd_rows,
+    split_by_length,
+    step_slots,
+)
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
-from kvpool.attention import PAD_QUERY_POS, causal_self_attention, paged_attention
+from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.cpu_attention import (
     fuses_key_diversity,
     paged_attention_cpu,
     paged_decode_key_diversity,
 )
-from kvpool.host import bool_tensor, int64_tensor
+from kvpool.host import int64_tensor
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 
@@ -69,9 +77,9 @@ class SeqInput:
 
 @dataclass(slots=True)
 class AttentionMass:
-    """One input's per-slot statistics from attention, kept as its group's whole tensors
-    and a row, so a group of any size costs one stack and one copy, and a batched
-    consumer selects its rows in one op.
+    """One input's statistics from the forward (attention mass, KeyDiff's scores, its
+    tokens' K/V norms), kept as its group's whole tensors and a row, so a group of any
+    size costs one stack and one copy, and a batched consumer selects its rows in one op.
 
     `group`: [L, B, Tq, Hkv, S] float32 on the host (None unless `wants_attention`):
     for each layer, row and query, the probability of every slot summed over its kv
@@ -107,111 +115,6 @@ class StepOutput:
     scores: dict[int, TokenScores] = field(default_factory=dict)
 
 
-@dataclass
-class _Group:
-    members: list[int]  # indices into the step's SeqInput list
-    q_index: torch.Tensor  # [B, Tq] rows of the packed token axis (padding -> 0)
-    valid: torch.Tensor  # [B, Tq] bool
-    q_pos: torch.Tensor  # [B, Tq]
-    tables: torch.Tensor  # [L, B, NB]
-    slot_pos: torch.Tensor  # [L, B, NB*bs]
-    want_probs: bool
-    # Decode groups: [B] bool, the members whose KeyDiff scores the kernel returns
-    # (None: no member's); a flag per row, so scoring some splits no group.
-    want_kd: torch.Tensor | None
-    sum_heads: bool = False  # the kernel may sum the mass over kv heads (`_sums_heads`)
-    # Decode rows of the whole step in input order (a decode-only step with one group):
-    # attention takes q as it is and its output is the layer's, no gather or scatter.
-    whole: bool = False
-
-
-def _build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
-                 want_probs: bool, want_kd: torch.Tensor | None = None,
-                 sum_heads: bool = False) -> _Group:
-    seqs = [inputs[i] for i in members]
-    tables = seqs[0].cache.tables
-    assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
-    # The members' rows of the shared tables: one gather each, whatever their number.
-    table, slot_pos = tables.rows_of([s.cache for s in seqs],
-                                     max(s.cache.max_blocks for s in seqs))
-    lens = [len(s.token_ids) for s in seqs]
-    tq = max(lens)
-    if tq == 1:  # decode: no padding
-        q_index = int64_tensor([offsets[i] for i in members])[:, None]
-        q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
-        valid = torch.ones_like(q_index, dtype=torch.bool)
-        return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd,
-                      sum_heads)
-    ar = torch.arange(tq)
-    valid = ar[None, :] < torch.tensor(lens)[:, None]
-    q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
-    starts = torch.tensor([s.start_pos for s in seqs])[:, None]
-    q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
-    return _Group(members, q_index, valid, q_pos, table, slot_pos, want_probs, None)
-
-
-# Attention cost is (sequences × the group's longest context): a group is split when the
-# padding it would carry outweighs one more kernel call per layer.
-_MIN_SPLIT = 8
-
-
-def _kd_rows(members: list[int], inputs: list[SeqInput]) -> torch.Tensor | None:
-    """The decode group's [B] flags of the members that want KeyDiff's scores, or None."""
-    flags = [inputs[i].wants_key_diversity for i in members]
-    return bool_tensor(flags) if any(flags) else None
-
-
-def _split_by_length(members: list[int], inputs: list[SeqInput]) -> list[list[int]]:
-    """Order a group by cached length and cut it where padding would waste the most.
-
-    Greedy halving: a sorted run is cut in two at its median while the halves would
-    save at least a tenth of its padded work. Decode batches of mixed lengths (the
-    common case under continuous batching) typically end up in 2-4 groups."""
-    def cost(run: list[int]) -> int:
-        return len(run) * max(inputs[i].cache.max_blocks + len(inputs[i].token_ids) for i in run)
-
-    order = sorted(members, key=lambda i: inputs[i].cache.max_blocks + len(inputs[i].token_ids))
-    out, todo = [], [order]
-    while todo:
-        run = todo.pop()
-        half = len(run) // 2
-        if half >= _MIN_SPLIT and cost(run[:half]) + cost(run[half:]) < 0.9 * cost(run):
-            todo += [run[half:], run[:half]]
-        else:
-            out.append(run)
-    return out
-
-
-def _write_slots(inputs: list[SeqInput], offsets: list[int], total: int, num_layers: int,
-                 decode_slots: torch.Tensor | None) -> torch.Tensor:
-    """[L, T] pool slots of the packed token axis: the decode tokens' come as one
-    [L, D] tensor from the scheduler (a decode-only step uses it as it is)."""
-    if decode_slots is not None and decode_slots.shape[1] == len(inputs) == total:
-        return decode_slots
-    out = torch.empty(num_layers, total, dtype=torch.int64)
-    cols = [offsets[i] for i, s in enumerate(inputs) if s.slots is None]
-    if cols:
-        assert decode_slots is not None and decode_slots.shape[1] == len(cols)
-        out[:, cols] = decode_slots
-    for i, s in enumerate(inputs):
-        if s.slots is not None:
-            out[:, offsets[i] : offsets[i] + len(s.token_ids)] = s.slots
-    return out
-
-
-def _fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]:
-    """Inputs that are a prompt's first chunk with nothing else cached (no prefix hit),
-    needing no attention statistics and no sliding window shorter than the chunk: their
-    attention is plain causal self-attention over the chunk's own keys."""
-    limit = min((w for w in windows if w is not None), default=None)
-    return {
-        i for i, s in enumerate(inputs)
-        if len(s.token_ids) > 1 and s.start_pos == 0 and not s.wants_attention
-        and s.cache.live == len(s.token_ids) * s.cache.num_layers
-        and (limit is None or len(s.token_ids) <= limit)
-    }
-
-
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: BlockPool,
                  attention_fn: AttentionFn, device: torch.device) -> None:
@@ -242,13 +145,13 @@ class ModelRunner:
         # The step's inputs: host lists to tensors, one copy each to the device.
         input_ids = int64_tensor(ids)
         positions = int64_tensor(pos)
-        write_slots = _write_slots(inputs, offsets, total, cfg.num_layers,
-                                   decode_slots)  # [L, T]
+        write_slots = step_slots(inputs, offsets, total, cfg.num_layers,
+                                  decode_slots)  # [L, T]
         scored = [i for i, s in enumerate(inputs) if s.score is not None]
         score_rows, score_targets = _score_rows(inputs, offsets, scored)
 
         windows = cfg.sliding_windows
-        fresh = _fresh_prompts(inputs, windows)
+        fresh = fresh_prompts(inputs, windows)
         # The decode kernel sums the mass over kv heads for policies that read no head
         # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
         kernel = self.attention_fn is paged_attention_cpu
@@ -264,10 +167,10 @@ class ModelRunner:
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
         groups = [
-            _build_group(part, inputs, offsets, want,
-                         _kd_rows(part, inputs) if decode and fuse_kd else None, summed)
+            build_group(part, inputs, offsets, want,
+                         kd_rows(part, inputs) if decode and fuse_kd else None, summed)
             for (decode, want, summed), m in sorted(buckets.items())
-            for part in (_split_by_length(m, inputs) if pads or not decode else [m])
+            for part in (split_by_length(m, inputs) if pads or not decode else [m])
         ]
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
             flat = [input_ids, positions, write_slots, score_rows, score_targets]
@@ -275,7 +178,7 @@ class ModelRunner:
                 flat += [g.q_index, g.valid, g.q_pos, g.tables, g.slot_pos]
             up = upload(flat, dev)
             input_ids, positions, write_slots, score_rows, score_targets = up[:5]
-            groups = [_Group(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs, g.want_kd,
+            groups = [AttentionGroup(g.members, *up[5 + 5 * j : 10 + 5 * j], g.want_probs, g.want_kd,
                              g.sum_heads) for j, g in enumerate(groups)]
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):

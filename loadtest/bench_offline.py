@@ -477,7 +477,7 @@ _PROFILE_POINTS = (
     ("engine step", "scheduler/engine_core.py", "step"),
     ("schedule (plan + block allocation)", "scheduler/scheduler.py", "schedule"),
     ("runner.execute (input prep + forward + logits)", "engine/runner.py", "execute"),
-    ("  build block-table groups", "engine/runner.py", "_build_group"),
+    ("  build block-table groups", "engine/attention_groups.py", "build_group"),
     ("  model forward (decoder layers)", "engine/models/llama.py", "forward"),
     ("    attention callback (KV write + paged attention)", "engine/runner.py", "attn"),
     ("      paged_attention (gather + sdpa)", "kvpool/attention.py", "paged_attention"),

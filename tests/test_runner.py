@@ -65,7 +65,7 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
     """A prompt's first chunk with nothing cached takes plain causal SDPA; it must give
     what the paged path gives for the same chunk (which the bystander-free first test
     pins against transformers), and only such chunks may take it."""
-    from engine.runner import _fresh_prompts
+    from engine.attention_groups import fresh_prompts
     from kvpool.attention import causal_self_attention, paged_attention
 
     llm = LLM(llama, num_blocks=64, block_size=4)
@@ -89,10 +89,10 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
     fresh = SeqInput([5] * 11, 0, slots, cache, True)
     other = SeqCache(eng.pool, cfg.num_layers)
     stats = SeqInput([5] * 6, 0, other.append(torch.arange(6)), other, True, True)
-    assert _fresh_prompts([fresh, stats], [None] * cfg.num_layers) == {0}
-    assert _fresh_prompts([fresh], [8] * cfg.num_layers) == set()  # window < chunk
+    assert fresh_prompts([fresh, stats], [None] * cfg.num_layers) == {0}
+    assert fresh_prompts([fresh], [8] * cfg.num_layers) == set()  # window < chunk
     later = SeqInput([5] * 3, 11, cache.append(torch.arange(11, 14)), cache, True)
-    assert _fresh_prompts([later], [None] * cfg.num_layers) == set()  # cached prefix
+    assert fresh_prompts([later], [None] * cfg.num_layers) == set()  # cached prefix
 
 
 @pytest.mark.parametrize("kv_policy", ["full", {"name": "h2o", "budget": 24, "window": 4}])

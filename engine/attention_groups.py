@@ -1,0 +1,127 @@
+"""How a step's inputs are grouped for attention (the runner's one call per layer per group).
+
+Why groups: decode rows (one query each) and prefill chunks (padded to the longest) must
+not pad each other, and requests whose policy reads attention mass go apart, so nobody
+else pays for the explicit softmax. A decode group takes per-row flags instead where a
+statistic costs only the rows that ask (KeyDiff's scores): splitting a group costs a
+gather and a scatter of q per layer. Each group reads its members' rows of the shared
+`SlotTables` in one op; the torch path splits a group further by length (padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvpool.attention import PAD_QUERY_POS
+from kvpool.host import bool_tensor, int64_tensor
+
+if TYPE_CHECKING:  # the runner's input type (engine.runner imports this module)
+    from engine.runner import SeqInput
+
+
+@dataclass
+class AttentionGroup:
+    members: list[int]  # indices into the step's SeqInput list
+    q_index: torch.Tensor  # [B, Tq] rows of the packed token axis (padding -> 0)
+    valid: torch.Tensor  # [B, Tq] bool
+    q_pos: torch.Tensor  # [B, Tq]
+    tables: torch.Tensor  # [L, B, NB]
+    slot_pos: torch.Tensor  # [L, B, NB*bs]
+    want_probs: bool
+    # Decode groups: [B] bool, the members whose KeyDiff scores the kernel returns
+    # (None: no member's); a flag per row, so scoring some splits no group.
+    want_kd: torch.Tensor | None
+    sum_heads: bool = False  # the kernel may sum the mass over kv heads (`execute`)
+    # Decode rows of the whole step in input order (a decode-only step with one group):
+    # attention takes q as it is and its output is the layer's, no gather or scatter.
+    whole: bool = False
+
+
+def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
+                 want_probs: bool, want_kd: torch.Tensor | None = None,
+                 sum_heads: bool = False) -> AttentionGroup:
+    seqs = [inputs[i] for i in members]
+    tables = seqs[0].cache.tables
+    assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
+    # The members' rows of the shared tables: one gather each, whatever their number.
+    table, slot_pos = tables.rows_of([s.cache for s in seqs],
+                                     max(s.cache.max_blocks for s in seqs))
+    lens = [len(s.token_ids) for s in seqs]
+    tq = max(lens)
+    if tq == 1:  # decode: no padding
+        q_index = int64_tensor([offsets[i] for i in members])[:, None]
+        q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
+        valid = torch.ones_like(q_index, dtype=torch.bool)
+        return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd,
+                      sum_heads)
+    ar = torch.arange(tq)
+    valid = ar[None, :] < torch.tensor(lens)[:, None]
+    q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
+    starts = torch.tensor([s.start_pos for s in seqs])[:, None]
+    q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
+    return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, None)
+
+
+# Attention cost is (sequences × the group's longest context): a group is split when the
+# padding it would carry outweighs one more kernel call per layer.
+MIN_SPLIT = 8
+
+
+def kd_rows(members: list[int], inputs: list[SeqInput]) -> torch.Tensor | None:
+    """The decode group's [B] flags of the members that want KeyDiff's scores, or None."""
+    flags = [inputs[i].wants_key_diversity for i in members]
+    return bool_tensor(flags) if any(flags) else None
+
+
+def split_by_length(members: list[int], inputs: list[SeqInput]) -> list[list[int]]:
+    """Order a group by cached length and cut it where padding would waste the most.
+
+    Greedy halving: a sorted run is cut in two at its median while the halves would
+    save at least a tenth of its padded work. Decode batches of mixed lengths (the
+    common case under continuous batching) typically end up in 2-4 groups."""
+    def cost(run: list[int]) -> int:
+        return len(run) * max(inputs[i].cache.max_blocks + len(inputs[i].token_ids) for i in run)
+
+    order = sorted(members, key=lambda i: inputs[i].cache.max_blocks + len(inputs[i].token_ids))
+    out, todo = [], [order]
+    while todo:
+        run = todo.pop()
+        half = len(run) // 2
+        if half >= MIN_SPLIT and cost(run[:half]) + cost(run[half:]) < 0.9 * cost(run):
+            todo += [run[half:], run[:half]]
+        else:
+            out.append(run)
+    return out
+
+
+def step_slots(inputs: list[SeqInput], offsets: list[int], total: int, num_layers: int,
+                 decode_slots: torch.Tensor | None) -> torch.Tensor:
+    """[L, T] pool slots of the packed token axis: the decode tokens' come as one
+    [L, D] tensor from the scheduler (a decode-only step uses it as it is)."""
+    if decode_slots is not None and decode_slots.shape[1] == len(inputs) == total:
+        return decode_slots
+    out = torch.empty(num_layers, total, dtype=torch.int64)
+    cols = [offsets[i] for i, s in enumerate(inputs) if s.slots is None]
+    if cols:
+        assert decode_slots is not None and decode_slots.shape[1] == len(cols)
+        out[:, cols] = decode_slots
+    for i, s in enumerate(inputs):
+        if s.slots is not None:
+            out[:, offsets[i] : offsets[i] + len(s.token_ids)] = s.slots
+    return out
+
+
+def fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]:
+    """Inputs that are a prompt's first chunk with nothing else cached (no prefix hit),
+    needing no attention statistics and no sliding window shorter than the chunk: their
+    attention is plain causal self-attention over the chunk's own keys."""
+    limit = min((w for w in windows if w is not None), default=None)
+    return {
+        i for i, s in enumerate(inputs)
+        if len(s.token_ids) > 1 and s.start_pos == 0 and not s.wants_attention
+        and s.cache.live == len(s.token_ids) * s.cache.num_layers
+        and (limit is None or len(s.token_ids) <= limit)
+    }
