@@ -45,10 +45,7 @@ class PolicyRunner:
         if idle is None:
             return True
         n = r.num_computed + c.num_tokens  # as `run` sees it: counted before the forward
-        first_full = not r.prefill_done and n >= len(r.prompt_ids)
-        assert r.cache is not None
-        return not idle(StepView(n, len(r.prompt_ids), c.num_tokens, first_full,
-                                 r.cache.bs, r.cache.layer_live))
+        return not idle(_sizes(r, c, n, not r.prefill_done and n >= len(r.prompt_ids)))
 
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan,
@@ -72,10 +69,7 @@ class PolicyRunner:
             if not r.prefill_done:
                 first_full = r.prefill_done = r.num_computed >= len(r.prompt_ids)
             idle = getattr(policy, "idle", None)
-            # sizes only (the live counts are host ints): enough for `idle` to decide
-            # (positional: seq_len, prompt_len, num_new, prefill_done, block_size, lengths)
-            if idle is not None and idle(StepView(r.num_computed, len(r.prompt_ids), c.num_tokens,
-                                                  first_full, cache.bs, cache.layer_live)):
+            if idle is not None and idle(_sizes(r, c, r.num_computed, first_full)):
                 self._note_reserve(r)
                 name = r.policy_name
                 idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
@@ -138,3 +132,12 @@ class PolicyRunner:
             name = r.policy_name
             self.freed_blocks[name] = self.freed_blocks.get(name, 0) + f
             self.seconds[name] = self.seconds.get(name, 0.0) + share
+
+
+def _sizes(r: Request, c: Chunk, seq_len: int, first_full: bool) -> StepView:
+    """The step in sizes only (the live counts are host ints): enough for `idle` to
+    decide. Positional: seq_len, prompt_len, num_new, prefill_done, block_size, lengths."""
+    cache = r.cache
+    assert cache is not None
+    return StepView(seq_len, len(r.prompt_ids), c.num_tokens, first_full, cache.bs,
+                    cache.layer_live)

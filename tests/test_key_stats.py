@@ -165,9 +165,8 @@ def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:
     """On a real model forward, KeyDiff requests get their decode steps' scores from
     the decode kernel (the pool's op then only runs on prompt steps) and keep exactly
     what an engine asking the pool's op every step keeps."""
-    from engine.sampling import SamplingParams
     from scheduler.llm import LLM
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_model, submit_each
 
     model = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
     llms = [LLM(model, num_blocks=800, block_size=4, max_num_batched_tokens=256)
@@ -182,15 +181,10 @@ def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:
             return op(table, positions)
 
         llm.engine.pool.key_diversity = counted  # type: ignore[method-assign]
-    gen = torch.Generator().manual_seed(3)
     configs = [{"name": "keydiff", "budget": 24}] * 3 + [{"name": "keydiff", "budget": 0.5},
                                                          {"name": "keydiff", "budget": 20,
                                                           "compact": True}]
-    for i, cfg in enumerate(configs):
-        prompt = torch.randint(5, 250, (30 + 7 * i,), generator=gen).tolist()
-        for llm in llms:
-            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
-                max_tokens=60, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    submit_each(llms, configs, seed=3)
     steps = 0
     while llms[0].engine.has_unfinished():
         for llm in llms:

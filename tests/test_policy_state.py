@@ -159,19 +159,13 @@ def test_engine_keeps_the_same_tokens_with_and_without_the_ops(native, tmp_path,
     """On a real forward with blocks freed and compacted (state moving with its token):
     the same kept positions every step with the C++ state updates and with the torch
     forms, and pyramid's running window total stays the fixed-point sum of its ring."""
-    from engine.sampling import SamplingParams
     from scheduler.llm import LLM
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_model, submit_each
 
     model = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
     llms = [LLM(model, num_blocks=2000, block_size=4, max_num_batched_tokens=256)
             for _ in range(2)]
-    gen = torch.Generator().manual_seed(0)
-    for i, cfg in enumerate(ENGINE_CONFIGS):
-        prompt = torch.randint(5, 250, (30 + 7 * i,), generator=gen).tolist()
-        for llm in llms:
-            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
-                max_tokens=60, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+    submit_each(llms, ENGINE_CONFIGS, seed=0)
     steps = 0
     while llms[0].engine.has_unfinished():
         for llm, on in zip(llms, (True, False)):

@@ -155,3 +155,17 @@ def make_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     make_tokenizer().save_pretrained(path)
     return path
+
+
+def submit_each(llms: list, configs: list[dict], seed: int, max_tokens: int = 60) -> None:
+    """The same greedy requests (one per kv_policy config, prompts of 30 + 7·i random
+    tokens) to every engine of a side-by-side test, so their steps can be compared."""
+    from engine.sampling import SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    for i, cfg in enumerate(configs):
+        prompt = torch.randint(5, 250, (30 + 7 * i,), generator=gen).tolist()
+        for llm in llms:
+            llm.engine.add_request(f"r{i}", prompt, SamplingParams(
+                max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False),
+                kv_policy=cfg)
