@@ -144,8 +144,7 @@ def _track(view: RowsView, alpha: float) -> None:
         mass, total = head_parts(view.attention)  # [N, 1, W], [N, 1]
         torch.ops.kvserve_policy_state.lazy_track(
             ts, mri, mass[:, 0], total[:, 0], view.positions,
-            torch.tensor(view.per_row([s - 1 for s in view.seq_len])),
-            torch.tensor(view.per_row(view.prompt_len)), alpha)
+            [s - 1 for s in view.seq_len], view.prompt_len, alpha)
         return
     new_ts, new_mri = _tracked(view, alpha)
     ts.copy_(new_ts.view(ts.shape))

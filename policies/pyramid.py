@@ -157,20 +157,25 @@ class PyramidPolicy:
                 edges.append([0] * nl)
         keep, edges = view.by_layer(keep), view.by_layer(edges)
         within = view.within(keep)
-        totals = PyramidPolicy._shift_window(p, view, want=not within)
-        if totals is None:
+        if not within and c.kernel_size == 1 and NATIVE["state"] \
+                and view.positions.device.type == "cpu":  # the window and the plan, one op
+            drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
+            return PyramidPolicy._shift_window(p, view, drop, edges)
+        PyramidPolicy._shift_window(p, view)
+        if within:
             return None
-        if c.kernel_size == 1 and NATIVE["state"] and totals.device.type == "cpu":
-            return _drop_near(p, view, totals, keep, edges)
         scores = _torch_sums(p, view)
         if c.kernel_size != 1:
             scores = PyramidPolicy._kept_order_pool(scores, view.live, c.kernel_size)
         return keep_highest(view, scores, keep, first=edges, last=edges)
 
     @staticmethod
-    def _shift_window(p: PyramidPolicy, view: RowsView, want: bool = True) -> torch.Tensor | None:
+    def _shift_window(p: PyramidPolicy, view: RowsView, drop: list[int] | None = None,
+                      edges: list[int] | None = None) -> torch.Tensor | None:
         """Write this step's window queries (summed over heads) into each slot's window
-        state; if `want`, the window's mass per slot [N, W] (0 on dead slots).
+        state; given `drop` and `edges` (per row; C++ only), return the plan too: the
+        drop mask `keep_highest` makes over `_torch_sums` keeping `edges` sinks and
+        recent tokens.
 
         The window is a ring: query q of a request (0-based) owns column q mod α, so a
         new query overwrites the one α before it, which leaves the window. A step writes
@@ -181,7 +186,17 @@ class PyramidPolicy:
         slot keeps that sum, in fixed point (`_window_ring`), so a step reads and writes
         one column and the total instead of every value: summing the whole ring each
         step read α values per slot. Both are the tables' own slices (`state_in_place`):
-        copying them out and back cost more than the update."""
+        copying them out and back cost more than the update.
+
+        The plan (`state_cpu.cpp::pyramid_window`) sums only the rings that can decide
+        it. The exact totals bound every float32 sum: a sum of α non-negative values is
+        within α·2^-24 of the exact one, relatively. So a candidate whose exact total is
+        above the d-th lowest's times (1 + 4α·2^-24), plus 2^-30 for the totals'
+        rounding, sums above each of those d and is not dropped whatever its last bits:
+        only the candidates at or below that mark (a few per row in decode) are summed,
+        by torch, and the d lowest of those per row drop, ties toward the later slot as
+        in `drop_lowest`. The update and the plan are one op: after the forward each
+        distinct op of a policy step starts cold, and this was five."""
         assert view.attention is not None
         a = p.config.obs_window
         k = view.num_new
@@ -190,8 +205,9 @@ class PyramidPolicy:
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
+        cols: list[int] = []  # row by row, query q's column q mod α (distinct per row)
         if min(firsts) >= k:  # no window query yet in any row: the state stays 0
-            new, cols = torch.zeros(n, 0, w), torch.zeros(n, 0, dtype=torch.int64)
+            new = torch.zeros(n, 0, w)
         else:
             kk = min(k, a)  # only the last α queries can stay in the window
             att = view.attention[:, k - kk:]
@@ -200,15 +216,21 @@ class PyramidPolicy:
                 # (their columns hold 0: every earlier query was before the window too)
                 before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
                 new = new.masked_fill(before[:, :, None], 0.0)
-            # [N, kk]: query q's column q mod α (distinct per row), made on the host
-            cols = torch.tensor(view.per_row([[(s - k + j) % a for j in range(k - kk, k)]
-                                              for s in view.seq_len]), dtype=torch.int64)
+            per_request = [[(s - k + j) % a for j in range(k - kk, k)] for s in view.seq_len]
+            cols = [x for row in view.per_row(per_request) for x in row]
         ring = view.layered(ring_name)  # [L, R, W, α]
         # The engine keeps the total beside the ring; a view without it (the pure
         # policy tests') gets it from the ring: the same bits by construction.
         total = view.layered(total_name) if total_name in view.state else \
             _split(_fixed(ring, _shift(a)).sum(dim=3))
-        return _window_ring(ring, total, new, cols, view.positions, want, _shift(a))
+        if NATIVE["state"] and ring.device.type == "cpu":
+            plan = torch.ops.kvserve_policy_state.pyramid_window(
+                ring, total, new, cols, view.positions, edges or [], drop or [], _shift(a),
+                4 * a * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
+            return plan if drop else None
+        _window_ring(ring, total, new, torch.tensor(cols, dtype=torch.int64).view(n, new.shape[1]),
+                     _shift(a))
+        return None
 
     @staticmethod
     def _kept_order_pool(scores: torch.Tensor, live: torch.Tensor, kernel: int) -> torch.Tensor:
@@ -250,41 +272,34 @@ def _shift(alpha: int) -> int:
 
 
 def _window_ring(ring: torch.Tensor, total: torch.Tensor, new: torch.Tensor,
-                 cols: torch.Tensor, positions: torch.Tensor, want: bool,
-                 shift: int) -> torch.Tensor | None:
+                 cols: torch.Tensor, shift: int) -> None:
     """Write `new` [N, k, W] into the ring [L, R, W, α] at columns `cols` [N, k] and keep
-    each slot's window total; if `want`, the totals [N, W] (0 on dead slots).
+    each slot's window total, in place: the torch form of `pyramid_window`'s update
+    (state_cpu.cpp), the same bits.
 
     The total is exact: a query's mass m counts as the integer round(m · 2^shift) (2^-45
     at α = 32, far below float32's resolution of any mass that ranks), the total is
     their int64 sum, held as _DIGITS float32 digits (state is float32), and an
     overwritten column leaves it as the same integer it entered as; so it is the ring's
-    sum whatever the history, and the step touches one column instead of α. The C++ op
-    (policies/csrc/state_cpu.cpp) and this torch form give the same bits."""
-    n, w = positions.shape
-    if NATIVE["state"] and ring.device.type == "cpu":
-        out = torch.ops.kvserve_policy_state.window_ring(ring, total, new, cols, positions,
-                                                         want, shift)
-        return out if want else None
-    nl, r = ring.shape[:2]
+    sum whatever the history, and the step touches one column instead of α."""
+    nl, r, w = ring.shape[:3]
     k = new.shape[1]
+    if not k:
+        return
     digits = 2 ** (_DIGIT * torch.arange(_DIGITS))  # int64
     s = (total.long() * digits).sum(dim=3)  # [L, R, W]
-    if k:
-        idx = cols.view(nl, r, 1, k).expand(nl, r, w, k)
-        values = new.reshape(nl, r, k, w).transpose(2, 3)
-        s += (_fixed(values, shift) - _fixed(ring.gather(3, idx), shift)).sum(dim=3)
-        ring.scatter_(3, idx, values)
-        total.copy_(_split(s))
-    if not want:
-        return None
-    return (s.reshape(n, w).float() * 2.0 ** -shift).masked_fill(positions < 0, 0.0)
+    idx = cols.view(nl, r, 1, k).expand(nl, r, w, k)
+    values = new.reshape(nl, r, k, w).transpose(2, 3)
+    s += (_fixed(values, shift) - _fixed(ring.gather(3, idx), shift)).sum(dim=3)
+    ring.scatter_(3, idx, values)
+    total.copy_(_split(s))
 
 
 def _torch_sums(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
     """The scores pyramid ranks by: each slot's window mass as torch sums its ring in
     float32, [N, W] (0 on dead slots). A sum's last bits depend on its order and a near
-    tie between two slots breaks by them, so this is the reference `_drop_near` keeps.
+    tie between two slots breaks by them, so this is the reference the C++ plan keeps
+    (`PyramidPolicy._shift_window`).
     The ring is summed from a row-major copy: torch sums an inner contiguous dim in its
     own order, and a strided one (the tables keep the ring by columns) in another."""
     c = p.config
@@ -292,30 +307,6 @@ def _torch_sums(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
     n, w = view.positions.shape
     full = ring.contiguous().view(n, w, c.obs_window).sum(dim=2)
     return full.masked_fill(view.positions < 0, 0.0)
-
-
-def _drop_near(p: PyramidPolicy, view: RowsView, totals: torch.Tensor, keep: list[int],
-               edges: list[int]) -> torch.Tensor:
-    """`keep_highest` over `_torch_sums`, summing only the rings that can decide it.
-
-    The exact totals bound every sum: a float32 sum of α non-negative values is within
-    α·2^-24 of the exact one, relatively. So a candidate whose exact total is above the
-    d-th lowest's times (1 + 4α·2^-24), plus 2^-30 for the totals' rounding, sums above
-    each of those d and is not dropped whatever its last bits: only the candidates at or
-    below that mark (`near_lowest`, a few per row in decode) are summed, by torch, from
-    the tables' ring, and the d lowest of those per row drop (`drop_among`, ties toward
-    the later slot as `drop_lowest`)."""
-    c = p.config
-    ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
-    drop = torch.tensor([max(0, m - k) for m, k in zip(view.lengths, keep)], dtype=torch.int64)
-    edge = torch.tensor(edges, dtype=torch.int64)
-    rows, slots = torch.ops.kvserve_policy_state.near_lowest(
-        totals, view.positions, edge, edge, drop,
-        4 * c.obs_window * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
-    sums = torch.ops.kvserve_policy_state.ring_values(ring, rows, slots).sum(dim=1)  # [M, α]
-    # rows summed as torch does (ring_values: ring[rows // R, rows % R, slots], one pass)
-    return torch.ops.kvserve_policy_state.drop_among(rows, slots, sums, drop,
-                                                     view.positions.shape[1])
 
 
 def _fixed(x: torch.Tensor, shift: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The policies' C++ state updates (`policies/csrc/state_cpu.cpp`) against their torch
-forms: pyramid's window ring and its fixed-point total (`policies/pyramid.py::_window_ring`:
-the same bits, and the total always the ring's sum) and LazyEviction's
+forms: pyramid's window ring and its fixed-point total (`pyramid_window` against
+`policies/pyramid.py::_window_ring`: the same bits, and the total always the ring's sum;
+its plan against `keep_highest` over torch's sums) and LazyEviction's
 decode-step tracking (`policies/lazy_eviction.py::_tracked`), on slices of a larger
 table (as the engine hands them, in place), with dead slots, NaN (unseen) activation
 times, masses at the threshold and tokens after the query; and a policy run with and
@@ -48,7 +49,7 @@ SHIFT = pyramid._shift(32)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_window_ring_matches_torch(seed, native, monkeypatch):
+def test_window_ring_matches_torch(seed, native):
     g = torch.Generator().manual_seed(seed)
     # w: whole vectors of 8 slots for the AVX-512 pass, and tails after them
     nl, r, big_r, w, a = 3, 4, 7, [40, 45, 17, 7][seed % 4], [32, 5, 8][seed % 3]
@@ -58,28 +59,18 @@ def test_window_ring_matches_torch(seed, native, monkeypatch):
     pos = _positions(g, n, w)
     new = torch.rand(n, k, w, generator=g) * (pos >= 0)[:, None]
     cols = torch.stack([torch.randperm(a, generator=g)[:k] for _ in range(n)])
-    want = seed != 4
     got_ring, got_total = ring.clone(), total.clone()
 
-    def run(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor | None:
-        return pyramid._window_ring(x.narrow(1, 2, r).narrow(2, 0, w),
-                                    t.narrow(1, 2, r).narrow(2, 0, w), new, cols, pos, want, SHIFT)
+    def part(x: torch.Tensor) -> torch.Tensor:
+        return x.narrow(1, 2, r).narrow(2, 0, w)
 
-    got = run(got_ring, got_total)
-    monkeypatch.setitem(rows.NATIVE, "state", False)
-    ref = run(ring, total)
+    plan = torch.ops.kvserve_policy_state.pyramid_window(  # an update only: no drops asked
+        part(got_ring), part(got_total), new, cols.flatten().tolist(), pos, [], [], SHIFT, 0.0, 0.0)
+    assert plan.shape == (0, w)
+    pyramid._window_ring(part(ring), part(total), new, cols, SHIFT)
     assert torch.equal(got_ring, ring) and torch.equal(got_total, total)  # in place, alike
     # the running total is the window's: the fixed-point sum of the ring as it is now
     assert torch.equal(total, pyramid._split(pyramid._fixed(ring, SHIFT).sum(dim=3)))
-    if want:
-        assert torch.equal(got, ref)
-        exact = pyramid._fixed(ring.narrow(1, 2, r).narrow(2, 0, w), SHIFT).sum(dim=3)
-        want_scores = (exact.reshape(n, w).double() * 2.0 ** -SHIFT).float()
-        assert torch.equal(got, want_scores.masked_fill(pos < 0, 0.0))
-        assert torch.allclose(got, ring.narrow(1, 2, r).narrow(2, 0, w).double().sum(dim=3)
-                              .reshape(n, w).float().masked_fill(pos < 0, 0.0), rtol=1e-6, atol=0)
-    else:
-        assert got is None and ref is None
 
 
 def _lazy_view(g: torch.Generator, nl: int, r: int, w: int) -> RowsView:
@@ -229,31 +220,16 @@ def test_pyramid_ranks_by_torchs_float32_sums(seed, native, monkeypatch):
                     in_place=frozenset(p.state))
     keep = [w - 1 - d for d in [1, 3, 8, 20, 1, 2]]
     edges = [2] * (nl * r)
-    totals = pyramid._window_ring(ring, total, torch.zeros(nl * r, 0, w),
-                                  torch.zeros(nl * r, 0, dtype=torch.int64), pos, True, SHIFT)
-    got = pyramid._drop_near(p, view, totals, keep, edges)
+    drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
+    got = torch.ops.kvserve_policy_state.pyramid_window(
+        ring, total, torch.zeros(nl * r, 0, w), [], pos, edges, drop, SHIFT,
+        4 * a * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
     want = rows.keep_highest(view, pyramid._torch_sums(p, view), keep, first=edges, last=edges)
     assert torch.equal(got, want)
     assert got.sum(dim=1).tolist() == [1, 3, 8, 20, 1, 2]
+    totals = pyramid._fixed(ring, SHIFT).sum(dim=3).view(nl * r, w)
     exact_ties = (totals[:, None, :] == totals[:, :, None]).sum() > totals.numel()
     assert exact_ties  # ... and equal exact totals whose float32 sums differ
-
-
-def test_ring_values_are_the_rings_as_indexed():
-    """`ring_values` (the rings of the slots `near_lowest` found, one C++ pass over the
-    tables' column layout) is advanced indexing's [M, α], and torch sums it to the same
-    bits (what `_drop_near` ranks by)."""
-    if not load_select() or not rows.NATIVE["state"]:
-        pytest.skip("no C++ compiler")
-    g = torch.Generator().manual_seed(0)
-    ring = torch.rand(3, 9, 70, 32, generator=g) ** 3
-    ring = ring.transpose(2, 3).contiguous().transpose(2, 3).narrow(1, 2, 5)  # [3, 5, 70, 32]
-    rows_t = torch.randint(0, 15, (40,), generator=g)
-    slots = torch.randint(0, 70, (40,), generator=g)
-    got = torch.ops.kvserve_policy_state.ring_values(ring, rows_t, slots)
-    want = ring[rows_t // 5, rows_t % 5, slots]
-    assert torch.equal(got, want)
-    assert torch.equal(got.sum(dim=1), want.sum(dim=1))
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -32,10 +32,10 @@ using live_slots::lowest;  // live_slots.h (select_cpu.cpp's too)
 using live_slots::live16;
 #endif
 
-// Append (i, j) for every live slot j of [a, b) with double(s[j]) <= thr, in slot order;
-// 16 slots a compare with AVX-512 (a hit is rare: the few near a row's lowest).
+// Append every live slot j of [a, b) with double(s[j]) <= thr, in slot order; 16 slots
+// a compare with AVX-512 (a hit is rare: the few near a row's lowest).
 inline void live_at_most(const float* s, const int64_t* pos, int64_t a, int64_t b, double thr,
-                         int64_t i, std::vector<int64_t>& rows, std::vector<int64_t>& slots) {
+                         std::vector<int64_t>& slots) {
   int64_t j = a;
 #ifdef KVSERVE_AVX512
   const __m512d t = _mm512_set1_pd(thr);
@@ -45,17 +45,11 @@ inline void live_at_most(const float* s, const int64_t* pos, int64_t a, int64_t 
     const __mmask8 hi = _mm512_cmp_pd_mask(
         _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))), t, _CMP_LE_OQ);
     unsigned hit = live16(pos, j) & (lo | (static_cast<unsigned>(hi) << 8));
-    for (; hit; hit &= hit - 1) {
-      rows.push_back(i);
-      slots.push_back(j + __builtin_ctz(hit));
-    }
+    for (; hit; hit &= hit - 1) slots.push_back(j + __builtin_ctz(hit));
   }
 #endif
   for (; j < b; ++j)
-    if (pos[j] >= 0 && static_cast<double>(s[j]) <= thr) {
-      rows.push_back(i);
-      slots.push_back(j);
-    }
+    if (pos[j] >= 0 && static_cast<double>(s[j]) <= thr) slots.push_back(j);
 }
 
 void check_rows(const at::Tensor& state, int64_t n, int64_t w, const char* what) {
@@ -172,62 +166,15 @@ inline void ring_row_avx512(const RingRow& row, int64_t* sum, int64_t w, int64_t
 }
 #endif
 
-at::Tensor window_ring(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
-                       const at::Tensor& cols, const at::Tensor& positions, bool want,
-                       int64_t shift) {
-  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
-              "positions must be [N, W] int64");
-  const int64_t n = positions.size(0), w = positions.size(1);
-  check_rows(ring, n, w, "ring");
-  check_rows(total, n, w, "total");
-  TORCH_CHECK(ring.dim() == 4 && total.dim() == 4 && total.size(3) == 3 &&
-              total.size(1) == ring.size(1), "ring must be [L, R, W, a], total [L, R, W, 3]");
-  TORCH_CHECK(mass.dim() == 3 && mass.size(0) == n && mass.size(2) == w &&
-              mass.scalar_type() == at::kFloat, "mass must be [N, k, W] float32");
-  TORCH_CHECK(cols.dim() == 2 && cols.size(0) == n && cols.size(1) == mass.size(1) &&
-              cols.scalar_type() == at::kLong, "cols must be [N, k] int64");
-  TORCH_CHECK(shift >= 0 && shift <= 60, "shift out of range");
-  const int64_t a = ring.size(3), k = mass.size(1), r = ring.size(1);
-  const at::Tensor m = mass.contiguous(), c = cols.contiguous(), p = positions.contiguous();
-  at::Tensor out = at::zeros({want ? n : 0, w}, mass.options());
-  float* rp = ring.data_ptr<float>();
-  float* tp = total.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
-  const int64_t* cp = c.data_ptr<int64_t>();
-  const int64_t* pp = p.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t r0 = ring.stride(0), r1 = ring.stride(1), r2 = ring.stride(2), r3 = ring.stride(3);
-  const int64_t t0 = total.stride(0), t1 = total.stride(1), t2 = total.stride(2), t3 = total.stride(3);
-  const double up = std::ldexp(1.0, static_cast<int>(shift));
-  const float down = std::ldexp(1.0f, -static_cast<int>(shift));
-  for (int64_t i = 0; i < n * k; ++i)
-    TORCH_CHECK(cp[i] >= 0 && cp[i] < a, "ring column out of range");
-  at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
-    std::vector<int64_t> sum(w);
-    for (int64_t i = lo; i < hi; ++i) {
-      const RingRow row{rp + (i / r) * r0 + (i % r) * r1, tp + (i / r) * t0 + (i % r) * t1,
-                        mp + i * k * w, cp + i * k, pp + i * w, want ? op + i * w : nullptr};
-      if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
-#ifdef KVSERVE_AVX512
-        ring_row_avx512(row, sum.data(), w, k, r3, t3, up, down);
-#else
-        ring_row(row, sum.data(), w, k, 1, r3, 1, t3, up, down);
-#endif
-      else
-        ring_row(row, sum.data(), w, k, r2, r3, t2, t3, up, down);
-    }
-  });
-  return out;
-}
-
 // LazyEviction's Recurrence Interval Tracking for one query per row (a decode step;
 // policies/lazy_eviction.py::_tracked, whose torch form this is): a slot is activated
 // when mass / total >= alpha (float32, as `head_mean` divides), it is live and not
 // after the query; then MRI = max(MRI, t - TS), TS = max(TS, t). A NaN TS (not seen
 // yet) becomes the slot's birth time first. ts, mri: [L, R, W] float32 (any strides
-// over L and R), updated in place; mass [N, W]; total, qpos, prompt [N].
+// over L and R), updated in place; mass [N, W], total [N] (N = L·R rows, row i is
+// request i % R); qpos, prompt [R]: each request's query position and prompt length.
 void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at::Tensor& total,
-                const at::Tensor& positions, const at::Tensor& qpos, const at::Tensor& prompt,
+                const at::Tensor& positions, at::IntArrayRef qpos, at::IntArrayRef prompt,
                 double alpha) {
   TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
               "positions must be [N, W] int64");
@@ -240,16 +187,14 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
               "mass must be [N, W] float32");
   TORCH_CHECK(total.dim() == 1 && total.size(0) == n && total.scalar_type() == at::kFloat,
               "total must be [N] float32");
-  for (const at::Tensor* t : {&qpos, &prompt})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
-                "qpos and prompt must be [N] int64");
-  const at::Tensor m = mass.contiguous(), tot = total.contiguous(), p = positions.contiguous();
-  const at::Tensor q = qpos.contiguous(), pr = prompt.contiguous();
   const int64_t r = ts.size(1);
+  TORCH_CHECK(static_cast<int64_t>(qpos.size()) == r && static_cast<int64_t>(prompt.size()) == r,
+              "qpos and prompt must hold one value a request");
+  const at::Tensor m = mass.contiguous(), tot = total.contiguous(), p = positions.contiguous();
   float *tp = ts.data_ptr<float>(), *mp = mri.data_ptr<float>();
   const float* ap = m.data_ptr<float>();
   const float* sp = tot.data_ptr<float>();
-  const int64_t *pp = p.data_ptr<int64_t>(), *qp = q.data_ptr<int64_t>(), *rp = pr.data_ptr<int64_t>();
+  const int64_t* pp = p.data_ptr<int64_t>();
   const float a32 = static_cast<float>(alpha);  // torch compares a float32 tensor in float32
   at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
@@ -258,9 +203,33 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
       const float* ai = ap + i * w;
       const int64_t* pi = pp + i * w;
       const float den = sp[i];
-      const int64_t qi = qp[i], pl = rp[i];
+      const int64_t qi = qpos[i % r], pl = prompt[i % r];
       const double t = static_cast<double>(qi - pl + 1);
-      for (int64_t s = 0; s < w; ++s) {
+      int64_t s = 0;
+#ifdef KVSERVE_AVX512
+      // 8 slots at a time in double, each step as the scalar loop takes it (the same
+      // division, compares and roundings; std::max(a, b) as a < b ? b : a): the same
+      // bits. Scalar, the branches on NaN and activation were ~2.5 ns a slot.
+      const __m256 denv = _mm256_set1_ps(den), av = _mm256_set1_ps(a32);
+      const __m512i qv = _mm512_set1_epi64(qi), zero = _mm512_setzero_si512();
+      const __m512i born = _mm512_set1_epi64(pl - 1);
+      const __m512d tv = _mm512_set1_pd(t);
+      for (; s + 8 <= w; s += 8) {
+        const __m512i pos = _mm512_loadu_si512(pi + s);
+        __m512d old = _mm512_cvtps_pd(_mm256_loadu_ps(tsr + s));
+        old = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(old, old, _CMP_UNORD_Q), old,
+                                   _mm512_cvtepi64_pd(_mm512_sub_epi64(pos, born)));
+        const __mmask8 act =
+            _mm256_cmp_ps_mask(_mm256_div_ps(_mm256_loadu_ps(ai + s), denv), av, _CMP_GE_OQ) &
+            _mm512_cmple_epi64_mask(pos, qv) & _mm512_cmpge_epi64_mask(pos, zero);
+        const __m512d was = _mm512_cvtps_pd(_mm256_loadu_ps(mr + s)), gap = _mm512_sub_pd(tv, old);
+        const __m512d most = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(was, gap, _CMP_LT_OQ), was, gap);
+        _mm256_mask_storeu_ps(mr + s, act, _mm512_cvtpd_ps(most));
+        const __m512d later = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(old, tv, _CMP_LT_OQ), old, tv);
+        _mm256_storeu_ps(tsr + s, _mm512_cvtpd_ps(_mm512_mask_blend_pd(act, old, later)));
+      }
+#endif
+      for (; s < w; ++s) {
         double old = tsr[s];
         if (std::isnan(old)) old = static_cast<double>(pi[s] - pl + 1);
         const bool act = ai[s] / den >= a32 && pi[s] <= qi && pi[s] >= 0;
@@ -274,146 +243,143 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
   });
 }
 
-// Pyramid's selection reads the window's float32 sum as torch sums it (the ring's α
+// Pyramid's selection ranks by the window's float32 sum as torch sums it (the ring's α
 // values in torch's order), which can differ from the exact total in its last bits and
-// so break near ties differently. Only candidates near each row's d-th lowest can be
-// dropped: this marks, per row, the candidates (live slots outside the first `first` and
-// last `last` live ones) whose exact total is at most the d-th lowest candidate's times
-// (1 + rel) plus `abs` (rel and abs bound the float32 sum's error and the total's
-// rounding, policies/pyramid.py::_near_lowest); the caller sums those exactly as torch
-// does and ranks every other candidate above them.
-std::tuple<at::Tensor, at::Tensor> near_lowest(const at::Tensor& scores, const at::Tensor& positions,
-                                               const at::Tensor& first, const at::Tensor& last,
-                                               const at::Tensor& drop, double rel, double abs) {
-  TORCH_CHECK(scores.dim() == 2 && scores.scalar_type() == at::kFloat, "scores must be [N, W] float32");
-  TORCH_CHECK(positions.sizes() == scores.sizes() && positions.scalar_type() == at::kLong,
-              "positions must be [N, W] int64 like scores");
-  const int64_t n = scores.size(0), w = scores.size(1);
-  for (const at::Tensor* t : {&first, &last, &drop})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
-                "first, last and drop must be [N] int64");
-  const at::Tensor sc = scores.contiguous(), p = positions.contiguous();
-  const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
-  const float* sp = sc.data_ptr<float>();
-  const int64_t* pp = p.data_ptr<int64_t>();
-  const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
-  std::vector<int64_t> rows, slots;  // in row order, one thread (a few per row)
-  {
-    std::vector<float> vals;
-    for (int64_t i = 0; i < n; ++i) {
-      if (dp[i] <= 0) continue;
-      const int64_t* pos = pp + i * w;
-      const float* s = sp + i * w;
-      int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
-      for (int64_t k = 0; a < w && k < fp[i]; ++a) k += pos[a] >= 0;
-      for (int64_t k = 0; b > a && k < lp[i]; --b) k += pos[b - 1] >= 0;
-      float kth = INFINITY;  // the d-th lowest candidate total
-      if (dp[i] == 1) {  // decode at the budget: the lowest, one vectorised pass
-        kth = lowest(s, pos, a, b);
-        if (kth == INFINITY) continue;
-      } else {
-        vals.clear();
-        for (int64_t j = a; j < b; ++j)
-          if (pos[j] >= 0) vals.push_back(s[j]);
-        if (vals.empty()) continue;
-        const int64_t k = std::min<int64_t>(dp[i], vals.size()) - 1;
-        std::nth_element(vals.begin(), vals.begin() + k, vals.end());
-        kth = vals[k];
-      }
-      live_at_most(s, pos, a, b, static_cast<double>(kth) * (1.0 + rel) + abs, i, rows, slots);
-    }
+// so break near ties differently. Only candidates near a row's d-th lowest can be
+// dropped: the candidates (live slots outside the first and last `edge` live ones)
+// whose exact total is at most the d-th lowest candidate's times (1 + rel) plus `abs`
+// (rel and abs bound the float32 sum's error and the total's rounding,
+// policies/pyramid.py::_drop_near). Appends those slots, in slot order.
+void near_lowest(const float* s, const int64_t* pos, int64_t w, int64_t edge, int64_t drop,
+                 double rel, double abs, std::vector<int64_t>& slots, std::vector<float>& vals) {
+  int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
+  for (int64_t k = 0; a < w && k < edge; ++a) k += pos[a] >= 0;
+  for (int64_t k = 0; b > a && k < edge; --b) k += pos[b - 1] >= 0;
+  float kth = INFINITY;  // the d-th lowest candidate total
+  if (drop == 1) {  // decode at the budget: the lowest, one vectorised pass
+    kth = lowest(s, pos, a, b);
+    if (kth == INFINITY) return;
+  } else {
+    vals.clear();
+    for (int64_t j = a; j < b; ++j)
+      if (pos[j] >= 0) vals.push_back(s[j]);
+    if (vals.empty()) return;
+    const int64_t k = std::min<int64_t>(drop, vals.size()) - 1;
+    std::nth_element(vals.begin(), vals.begin() + k, vals.end());
+    kth = vals[k];
   }
-  const int64_t m = rows.size();
-  at::Tensor r = at::empty({m}, positions.options()), c = at::empty({m}, positions.options());
-  std::memcpy(r.data_ptr<int64_t>(), rows.data(), m * sizeof(int64_t));
-  std::memcpy(c.data_ptr<int64_t>(), slots.data(), m * sizeof(int64_t));
-  return {r, c};
+  live_at_most(s, pos, a, b, static_cast<double>(kth) * (1.0 + rel) + abs, slots);
 }
 
-// The drop mask [N, W] of the drop[i] lowest `values` among row i's entries (rows,
-// slots: `near_lowest`'s lists, in row then slot order), ties toward the later slot:
-// the selection `drop_lowest` makes over a whole row, here over the only entries of it
-// that can be dropped.
-at::Tensor drop_among(const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& values,
-                      const at::Tensor& drop, int64_t w) {
-  TORCH_CHECK(rows.dim() == 1 && slots.sizes() == rows.sizes() && values.sizes() == rows.sizes() &&
-              rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
-              values.scalar_type() == at::kFloat, "rows, slots [M] int64 and values [M] float32");
-  TORCH_CHECK(drop.dim() == 1 && drop.scalar_type() == at::kLong, "drop must be [N] int64");
-  const int64_t n = drop.size(0), m = rows.size(0);
-  const at::Tensor rr = rows.contiguous(), ss = slots.contiguous(), vv = values.contiguous();
-  const at::Tensor dd = drop.contiguous();
-  const int64_t *rp = rr.data_ptr<int64_t>(), *sp = ss.data_ptr<int64_t>(), *dp = dd.data_ptr<int64_t>();
-  const float* vp = vv.data_ptr<float>();
-  at::Tensor out = at::zeros({n, w}, drop.options().dtype(at::kBool));
-  bool* op = out.data_ptr<bool>();
-  std::vector<int64_t> idx;
-  for (int64_t a = 0; a < m;) {
-    int64_t b = a;
-    while (b < m && rp[b] == rp[a]) ++b;
-    const int64_t i = rp[a];
-    TORCH_CHECK(i >= 0 && i < n, "row out of range");
-    idx.resize(b - a);
-    for (int64_t k = a; k < b; ++k) idx[k - a] = k;
-    // ascending value, a NaN above every number, ties: the later slot first
-    std::sort(idx.begin(), idx.end(), [&](int64_t x, int64_t y) {
-      const bool nx = std::isnan(vp[x]), ny = std::isnan(vp[y]);
-      if (nx != ny) return !nx;
-      if (!nx && vp[x] != vp[y]) return vp[x] < vp[y];
-      return sp[x] > sp[y];
-    });
-    const int64_t d = std::min<int64_t>(std::max<int64_t>(dp[i], 0), b - a);
-    for (int64_t k = 0; k < d; ++k) {
-      TORCH_CHECK(sp[idx[k]] >= 0 && sp[idx[k]] < w, "slot out of range");
-      op[i * w + sp[idx[k]]] = true;
-    }
-    a = b;
-  }
-  return out;
+// Mark the drop lowest of one row's candidates (`slots`, ascending; `values` their
+// sums) in `out` [W], ties toward the later slot: the selection `drop_lowest` makes over
+// a whole row, here over the only slots of it that can be dropped.
+void drop_among(const int64_t* slots, const float* values, int64_t m, int64_t drop, bool* out,
+                std::vector<int64_t>& idx) {
+  idx.resize(m);
+  for (int64_t k = 0; k < m; ++k) idx[k] = k;
+  // ascending value, a NaN above every number, ties: the later slot first
+  std::sort(idx.begin(), idx.end(), [&](int64_t x, int64_t y) {
+    const bool nx = std::isnan(values[x]), ny = std::isnan(values[y]);
+    if (nx != ny) return !nx;
+    if (!nx && values[x] != values[y]) return values[x] < values[y];
+    return slots[x] > slots[y];
+  });
+  for (int64_t k = 0; k < std::min(std::max<int64_t>(drop, 0), m); ++k) out[slots[idx[k]]] = true;
 }
 
 }  // namespace
 
-// ring[rows // r, rows % r, slots] ([M, α], contiguous): the rings of the few slots
-// `near_lowest` found, copied out of the tables' column layout in one pass (torch's
-// advanced indexing with three index tensors, and the divisions making them, were most
-// of `_drop_near`). ring [L, r, W, α] float32, any strides; rows, slots [M] int64.
-at::Tensor ring_values(const at::Tensor& ring, const at::Tensor& rows, const at::Tensor& slots) {
-  TORCH_CHECK(ring.dim() == 4 && ring.scalar_type() == at::kFloat, "ring must be [L, R, W, a] float32");
-  TORCH_CHECK(rows.dim() == 1 && slots.sizes() == rows.sizes() && rows.scalar_type() == at::kLong &&
-                  slots.scalar_type() == at::kLong, "rows and slots must be [M] int64");
-  const int64_t m = rows.size(0), r = ring.size(1), w = ring.size(2), a = ring.size(3);
-  const at::Tensor rw = rows.contiguous(), sl = slots.contiguous();
-  const int64_t *rp = rw.data_ptr<int64_t>(), *sp = sl.data_ptr<int64_t>();
-  for (int64_t i = 0; i < m; ++i)
-    TORCH_CHECK(rp[i] >= 0 && rp[i] < ring.size(0) * r && sp[i] >= 0 && sp[i] < w,
-                "row or slot out of range");
-  at::Tensor out = at::empty({m, a}, ring.options());
-  const float* src = ring.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const int64_t s0 = ring.stride(0), s1 = ring.stride(1), s2 = ring.stride(2), s3 = ring.stride(3);
-  for (int64_t i = 0; i < m; ++i) {
-    const float* x = src + (rp[i] / r) * s0 + (rp[i] % r) * s1 + sp[i] * s2;
-    for (int64_t c = 0; c < a; ++c) dst[i * a + c] = x[c * s3];
-  }
+// Pyramid's step, one pass per row (policies/pyramid.py::PyramidPolicy.select; its torch
+// form: `_window_ring`, then `keep_highest` over `_torch_sums`): write this step's window
+// queries' mass into their ring columns and keep each slot's window total exact (above),
+// then, in the rows that must drop (drop[i] > 0), find the candidates near the lowest
+// total (`near_lowest`) while the row's totals are in cache, sum those candidates' rings
+// as torch sums them (their [M, α] values copied out of the tables' column layout, then
+// torch's own sum over dim 1: the same kernel, the same bits as the torch form's sums),
+// and mark the drop[i] lowest among them. One op instead of four and the Python between
+// them: after the forward, each distinct op of a policy step starts cold.
+// ring [L, R, W, α], total [L, R, W, 3] (any strides); mass [L·R, k, W]; cols [L·R·k]
+// (row i's k columns, distinct); positions [L·R, W]; edges, drop [L·R] or drop empty
+// (update only). Returns the drop mask [L·R, W], or [0, W] when drop is empty.
+at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
+                          at::IntArrayRef cols, const at::Tensor& positions,
+                          at::IntArrayRef edges, at::IntArrayRef drop, int64_t shift,
+                          double rel, double abs) {
+  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
+              "positions must be [N, W] int64");
+  const int64_t n = positions.size(0), w = positions.size(1);
+  check_rows(ring, n, w, "ring");
+  check_rows(total, n, w, "total");
+  TORCH_CHECK(ring.dim() == 4 && total.dim() == 4 && total.size(3) == 3 &&
+              total.size(1) == ring.size(1), "ring must be [L, R, W, a], total [L, R, W, 3]");
+  TORCH_CHECK(mass.dim() == 3 && mass.size(0) == n && mass.size(2) == w &&
+              mass.scalar_type() == at::kFloat, "mass must be [N, k, W] float32");
+  const int64_t a = ring.size(3), k = mass.size(1), r = ring.size(1);
+  TORCH_CHECK(static_cast<int64_t>(cols.size()) == n * k, "cols must hold N * k columns");
+  for (const int64_t c : cols) TORCH_CHECK(c >= 0 && c < a, "ring column out of range");
+  const bool select = !drop.empty();
+  TORCH_CHECK(!select || (static_cast<int64_t>(drop.size()) == n &&
+                          static_cast<int64_t>(edges.size()) == n),
+              "edges and drop must hold one value a row");
+  TORCH_CHECK(shift >= 0 && shift <= 60, "shift out of range");
+  const at::Tensor m = mass.contiguous(), p = positions.contiguous();
+  float* rp = ring.data_ptr<float>();
+  float* tp = total.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  const int64_t* cp = cols.data();
+  const int64_t* pp = p.data_ptr<int64_t>();
+  const int64_t r0 = ring.stride(0), r1 = ring.stride(1), r2 = ring.stride(2), r3 = ring.stride(3);
+  const int64_t t0 = total.stride(0), t1 = total.stride(1), t2 = total.stride(2), t3 = total.stride(3);
+  const double up = std::ldexp(1.0, static_cast<int>(shift));
+  const float down = std::ldexp(1.0f, -static_cast<int>(shift));
+  std::vector<std::vector<int64_t>> near(select ? n : 0);  // per row, its candidates
+  at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> sum(w);
+    std::vector<float> totals(select ? w : 0), vals;
+    for (int64_t i = lo; i < hi; ++i) {
+      const bool sel = select && drop[i] > 0;
+      const RingRow row{rp + (i / r) * r0 + (i % r) * r1, tp + (i / r) * t0 + (i % r) * t1,
+                        mp + i * k * w, cp + i * k, pp + i * w, sel ? totals.data() : nullptr};
+      if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
+#ifdef KVSERVE_AVX512
+        ring_row_avx512(row, sum.data(), w, k, r3, t3, up, down);
+#else
+        ring_row(row, sum.data(), w, k, 1, r3, 1, t3, up, down);
+#endif
+      else
+        ring_row(row, sum.data(), w, k, r2, r3, t2, t3, up, down);
+      if (sel) near_lowest(totals.data(), pp + i * w, w, edges[i], drop[i], rel, abs, near[i], vals);
+    }
+  });
+  if (!select) return at::empty({0, w}, positions.options().dtype(at::kBool));
+  int64_t count = 0;
+  for (const auto& x : near) count += x.size();
+  at::Tensor values = at::empty({count, a}, mass.options());  // the candidates' rings
+  float* vp = values.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    for (const int64_t s : near[i]) {
+      const float* x = rp + (i / r) * r0 + (i % r) * r1 + s * r2;
+      for (int64_t c = 0; c < a; ++c) *vp++ = x[c * r3];
+    }
+  const at::Tensor sums = values.sum(1);  // torch's order: the torch form's bits
+  const float* sp = sums.data_ptr<float>();
+  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  bool* op = out.data_ptr<bool>();
+  std::vector<int64_t> idx;
+  for (int64_t i = 0, off = 0; i < n; off += near[i].size(), ++i)
+    if (!near[i].empty()) drop_among(near[i].data(), sp + off, near[i].size(), drop[i], op + i * w, idx);
   return out;
 }
 
 TORCH_LIBRARY(kvserve_policy_state, m) {
-  m.def("window_ring(Tensor(a!) ring, Tensor(b!) total, Tensor mass, Tensor cols, Tensor positions, "
-        "bool want, int shift) -> Tensor");
-  m.def("near_lowest(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop, "
-        "float rel, float abs) -> (Tensor, Tensor)");
-  m.def("drop_among(Tensor rows, Tensor slots, Tensor values, Tensor drop, int w) -> Tensor");
-  m.def("ring_values(Tensor ring, Tensor rows, Tensor slots) -> Tensor");
+  m.def("pyramid_window(Tensor(a!) ring, Tensor(b!) total, Tensor mass, int[] cols, Tensor positions, "
+        "int[] edges, int[] drop, int shift, float rel, float abs) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
-        "Tensor qpos, Tensor prompt, float alpha) -> ()");
+        "int[] qpos, int[] prompt, float alpha) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
-  m.impl("window_ring", window_ring);
+  m.impl("pyramid_window", pyramid_window);
   m.impl("lazy_track", lazy_track);
-  m.impl("near_lowest", near_lowest);
-  m.impl("drop_among", drop_among);
-  m.impl("ring_values", ring_values);
 }
