@@ -143,42 +143,61 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
     return out
 
 
-def _decode_rate(path: str, args: argparse.Namespace, n: int, prompt: int) -> float:
-    """Output tokens/s of `n` eviction-free requests decoding after `prompt`-token
-    prompts, over the steps with all `n` running and no prefill."""
+def _decode_rate(path: str, args: argparse.Namespace, n: int, context: int) -> float:
+    """Output tokens/s of `n` eviction-free requests decoding `--ceiling-steps` tokens
+    around `context` tokens each (prompts of context - steps/2, so the steps' mean
+    context is `context`), from the median step with all `n` running and no prefill: a
+    short window's mean moved by a third between two runs of the same commit (session
+    20), which made the policies' share of the ceiling swing as much."""
     vocab = int(bc.MODEL_CONFIGS[args.model]["vocab_size"])
     layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
-    steps = args.overhead_steps
+    steps = args.ceiling_steps
+    prompt = max(1, context - steps // 2)
     eng = _engine(path, n * layers * (math.ceil((prompt + steps) / 16) + 1), n, args)
-    _submit(eng, prompt, [steps] * n, vocab, "full", args.seed + 2, f"ceiling-{prompt}")
+    _submit(eng, prompt, [steps] * n, vocab, "full", args.seed + 2, f"ceiling-{n}-{prompt}")
     d = bc.drive(eng, f"ceiling {n} x {prompt}", progress=False)
-    sel = [s.total_s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
-    return n * len(sel) / sum(sel)
+    sel = sorted(s.total_s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0)
+    return n / sel[len(sel) // 2]
 
 
 def run_ceiling(path: str, args: argparse.Namespace, blocks: int, budget: int,
                 full_tok_s: float, best_full_tok_s: float) -> dict:
     """The most any policy at this budget could serve here: as many requests as the pool
     holds at exactly `budget` tokens each (no slack, no partly filled block), decoding
-    with an eviction that costs nothing (a `full` engine whose prompts are `budget`
-    long), no prefill and no last wave. An upper bound on part 1's policies, measured
+    with an eviction that costs nothing (a `full` engine whose contexts stay near
+    `budget`), no prefill and no last wave. An upper bound on part 1's policies, measured
     on the same machine in the same run, so `× full` above reads against what the
     hardware allows rather than against the target alone.
 
-    The same batch after 16-token prompts splits that step: what is left with (almost)
-    no K/V to read — weights, norms, sampling, the step's fixed cost — is paid per
-    token with or without eviction; only the rest shrinks with the budget.
+    `tok_s_waves` is the same bound in the waves this pool forces on any policy that
+    evicts after the step's token is written (each request holds budget + 1 tokens
+    during a step: at the issue's sizes 31 fit, not 32, so 64 equal requests run as
+    31 + 31 + 2 and the last two decode their whole length nearly alone): each wave's
+    step time measured at its size, over `--gen` steps each. Equal lengths only
+    (`--gen-spread 0`); prefill is left out of both.
+
+    The same batch with almost no K/V (1-token prompts) splits that step: what is left
+    with little K/V to read — weights, norms, sampling, the step's fixed cost — is paid
+    per token with or without eviction; only the rest shrinks with the budget.
     """
     layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
     n = max(1, blocks // (layers * math.ceil(budget / 16)))
     at_budget = _decode_rate(path, args, n, budget)
-    no_kv = _decode_rate(path, args, n, 16)
-    out = {"requests": n, "prompt": budget, "tok_s": at_budget,
+    no_kv = _decode_rate(path, args, n, 1)
+    out = {"requests": n, "prompt": budget, "steps": args.ceiling_steps, "tok_s": at_budget,
            "tok_s_vs_full": at_budget / full_tok_s, "tok_s_vs_best_full": at_budget / best_full_tok_s,
            "tok_s_no_kv": no_kv, "kv_share_of_step": 1 - at_budget / no_kv}
+    fit = max(1, blocks // (layers * math.ceil((budget + 1) / 16)))
+    if args.gen_spread == 0:
+        waves = [fit] * (args.requests // fit) + ([args.requests % fit] if args.requests % fit else [])
+        step_s = {m: m / _decode_rate(path, args, m, budget) for m in set(waves)}
+        out["waves"] = waves
+        out["tok_s_waves"] = args.requests / sum(step_s[m] for m in waves)
+        out["tok_s_waves_vs_full"] = out["tok_s_waves"] / full_tok_s
     print(f"[ceiling] {n} x {budget} tokens, free eviction: {at_budget:.1f} tok/s = "
           f"{out['tok_s_vs_full']:.2f}x full; K/V reading {out['kv_share_of_step']:.0%} of "
-          "its step", flush=True)
+          "its step" + (f"; in waves of {out['waves']}: {out['tok_s_waves']:.1f} tok/s"
+                        if "waves" in out else ""), flush=True)
     return out
 
 
@@ -261,6 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "halves the per-token compute where the CPU has bf16 dot products)")
     p.add_argument("--overhead-batch", type=int, default=16)
     p.add_argument("--overhead-steps", type=int, default=64)
+    p.add_argument("--ceiling-steps", type=int, default=256,
+                   help="decode steps a ceiling rate is the median of")
     p.add_argument("--kvpress-python", default=kvpress_compare.DEFAULT_PYTHON,
                    help="python of kvpress's venv (`make kvpress-venv`): the quality part "
                         "adds each shared method's kvpress press; skipped without it, "
@@ -274,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.requests, a.fit, a.prompt, a.gen = "tiny", 10, 3, 32, 64
-        a.overhead_batch, a.overhead_steps, a.ppl_windows = 4, 8, 2
+        a.overhead_batch, a.overhead_steps, a.ceiling_steps, a.ppl_windows = 4, 8, 8, 2
     a.command = f"python -m loadtest.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
@@ -301,7 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = bc.new_report(NAME, args, (
                         "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
                         "policies", "seed",
-                        "overhead_batch", "overhead_steps", "quality_budgets", "ppl_windows",
+                        "overhead_batch", "overhead_steps", "ceiling_steps", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
                         "needle_tasks", "demo_model", "kvpress_python", "quality_variants",
                         "quality_min_prefill_chunk",

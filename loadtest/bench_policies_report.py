@@ -90,13 +90,27 @@ def _ceiling(t: dict) -> list[str]:
     return [
         "", f"**Ceiling on this machine.** A policy that cost nothing, held exactly the budget "
         f"and kept the pool full ({c['requests']} requests of {c['prompt']} tokens, decoding "
-        f"with no prefill and no last wave: a `full` engine, same run) would serve "
+        f"with no prefill and no last wave: a `full` engine, same run, the median of "
+        f"{c.get('steps', 64)} steps) would serve "
         f"{c['tok_s']:.1f} tok/s = **{c['tok_s_vs_full']:.2f}× full** "
         f"({c['tok_s_vs_best_full']:.2f}× the fastest `full`); the best policy, {name}, "
-        f"reaches {r['tok_s'] / c['tok_s']:.0%} of it. The same batch after 16-token prompts "
+        f"reaches {r['tok_s'] / c['tok_s']:.0%} of it. The same batch with almost no K/V "
         f"serves {c['tok_s_no_kv']:.1f} tok/s: reading {c['prompt']} tokens of K/V is "
         f"{c['kv_share_of_step']:.0%} of that step, and the rest (weights, per-token compute, "
-        "the step's fixed cost) is paid with or without eviction."]
+        "the step's fixed cost) is paid with or without eviction.", *_waves(c, name, r)]
+
+
+def _waves(c: dict, name: str, r: dict) -> list[str]:
+    if "tok_s_waves" not in c:  # unequal lengths, or a report from before session 20
+        return []
+    w = c["waves"]
+    return [
+        "", f"**In the waves this pool allows.** A request holds budget + 1 tokens during a "
+        f"step, so {w[0]} fit at once and the {sum(w)} requests run as "
+        f"{' + '.join(map(str, w))}; free eviction in those waves (each wave's step measured "
+        f"at its size) would serve {c['tok_s_waves']:.1f} tok/s = "
+        f"{c['tok_s_waves_vs_full']:.2f}× full; {name} reaches "
+        f"{r['tok_s'] / c['tok_s_waves']:.0%} of that."]
 
 
 def _overhead(o: dict) -> list[str]:
@@ -193,8 +207,12 @@ def plot(report: dict, path: str) -> None:
                            va="bottom", fontsize=7)
         top = max(r["tok_s"] for r in t.values())
         if "ceiling" in report["throughput"]:
-            c = report["throughput"]["ceiling"]["tok_s"]
+            ceiling = report["throughput"]["ceiling"]
+            c = ceiling["tok_s"]
             ax[0].axhline(c, color="k", lw=1, ls="--", label="ceiling: free eviction, pool full")
+            if "tok_s_waves" in ceiling:
+                ax[0].axhline(ceiling["tok_s_waves"], color="k", lw=1, ls=":",
+                              label="the same in the pool's waves")
             ax[0].legend(fontsize=7, loc="upper left")
             top = max(top, c)
         ax[0].set_ylim(0, 1.25 * top)

@@ -63,6 +63,10 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     assert c["tok_s_vs_full"] == pytest.approx(c["tok_s"] / full["tok_s"])
     assert c["tok_s_vs_best_full"] == pytest.approx(c["tok_s"] / fastest)
     assert c["kv_share_of_step"] == pytest.approx(1 - c["tok_s"] / c["tok_s_no_kv"])
+    # the waves the pool forces: requests holding budget + 1 tokens, as many as fit
+    fit = t["num_blocks"] // (2 * math.ceil((t["budget_tokens"] + 1) / 16))
+    assert sum(c["waves"]) == st["requests"] and max(c["waves"]) == fit
+    assert c["tok_s_waves_vs_full"] == pytest.approx(c["tok_s_waves"] / full["tok_s"])
 
     o = report["overhead"]
     for name, r in o["policies"].items():
@@ -105,7 +109,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
         doc = f.read()
     assert "## KV eviction policies under memory pressure (issue 5)" in doc
     assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
-    assert "**Ceiling on this machine.**" in doc
+    assert "**Ceiling on this machine.**" in doc and "**In the waves this pool allows.**" in doc
     with open(os.path.join(out, "bench_policies.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
