@@ -128,7 +128,8 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
              "mean_peak_live_tokens": sum(x["peak_live_tokens"] for x in recs) / len(recs),
              "max_peak_live_tokens": max(x["peak_live_tokens"] for x in recs),
              "preemptions": sum(st.preemptions_total.values()),
-             "policy_share": sum(s.policy_s for s in d.steps) / steps_total}
+             "policy_share": sum(s.policy_s for s in d.steps) / steps_total,
+             "anatomy": step_anatomy(d.steps)}
         out["policies"][name] = r
         print(f"[throughput] {name}: {r['tok_s']:.1f} tok/s, max {r['max_running']} / mean "
               f"{r['mean_running']:.1f} running, {r['preemptions']} preemptions, "
@@ -140,6 +141,25 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
             r[f"{k}_vs_full"] = r[k] / full[k] if full[k] else None
         r["tok_s_vs_best_full"] = r["tok_s"] / best
     out["ceiling"] = run_ceiling(path, args, blocks, budget, full["tok_s"], best)
+    return out
+
+
+def step_anatomy(steps: list) -> dict[str, dict[str, float]]:
+    """Where a run's time went, by kind of step: prefill (any prompt tokens), decode with
+    the batch at least half of its largest ("wide": the waves the pool holds) and decode
+    with fewer ("narrow": ramps and a last wave of stragglers); per kind the steps, their
+    seconds, and the forward's and the policy's seconds in them. Read beside the ceiling
+    (which has no prefill and no narrow steps): what separates a policy from it."""
+    top = max((s.num_seqs for s in steps if not s.num_prefill_tokens), default=0)
+    out = {k: {"steps": 0, "s": 0.0, "forward_s": 0.0, "policy_s": 0.0}
+           for k in ("prefill", "wide", "narrow")}
+    for s in steps:
+        kind = "prefill" if s.num_prefill_tokens else "wide" if 2 * s.num_seqs >= top else "narrow"
+        o = out[kind]
+        o["steps"] += 1
+        o["s"] += s.total_s
+        o["forward_s"] += s.forward_s
+        o["policy_s"] += s.policy_s
     return out
 
 

@@ -97,7 +97,27 @@ def _ceiling(t: dict) -> list[str]:
         f"reaches {r['tok_s'] / c['tok_s']:.0%} of it. The same batch with almost no K/V "
         f"serves {c['tok_s_no_kv']:.1f} tok/s: reading {c['prompt']} tokens of K/V is "
         f"{c['kv_share_of_step']:.0%} of that step, and the rest (weights, per-token compute, "
-        "the step's fixed cost) is paid with or without eviction.", *_waves(c, name, r)]
+        "the step's fixed cost) is paid with or without eviction.", *_waves(c, name, r),
+        *_anatomy(t)]
+
+
+def _anatomy(t: dict) -> list[str]:
+    rows = [(n, r["anatomy"]) for n, r in t["policies"].items() if "anatomy" in r]
+    if not rows:  # a report from before session 20
+        return []
+    lines = ["", "Where each run's time went (`step_anatomy`: wide = decode steps with at least "
+             "half the largest batch, narrow = fewer running, e.g. a last wave):", "",
+             "| policy | prefill s (steps) | wide decode s (steps) | ms / wide step "
+             "| forward / policy in wide steps | narrow decode s (steps) |",
+             "|---|---|---|---|---|---|"]
+    for name, a in rows:
+        p, w, n = a["prefill"], a["wide"], a["narrow"]
+        ms = 1e3 * w["s"] / w["steps"] if w["steps"] else 0.0
+        lines.append(
+            f"| {name} | {p['s']:.1f} ({p['steps']}) | {w['s']:.1f} ({w['steps']}) | {ms:.2f} "
+            f"| {w['forward_s'] / max(w['s'], 1e-9):.0%} / {w['policy_s'] / max(w['s'], 1e-9):.1%} "
+            f"| {n['s']:.1f} ({n['steps']}) |")
+    return lines
 
 
 def _waves(c: dict, name: str, r: dict) -> list[str]:

@@ -46,6 +46,10 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
         assert r["tok_s_vs_full"] == pytest.approx(r["tok_s"] / t["policies"]["full"]["tok_s"])
         assert 0 < r["p50_e2e_s"] <= r["p99_e2e_s"]
         assert 0 <= r["policy_share"] < 1
+        a = r["anatomy"]  # every step counted once, by kind
+        assert sum(k["steps"] for k in a.values()) == r["steps"]
+        assert a["prefill"]["steps"] > 0 and a["wide"]["steps"] > 0
+        assert all(k["forward_s"] + k["policy_s"] <= k["s"] for k in a.values())
     full = t["policies"]["full"]
     assert full["max_peak_live_tokens"] == ctx - 1  # a full cache keeps every token
     assert full["preemptions"] > 0  # the pool really is too small for a full cache
@@ -110,6 +114,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     assert "## KV eviction policies under memory pressure (issue 5)" in doc
     assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
     assert "**Ceiling on this machine.**" in doc and "**In the waves this pool allows.**" in doc
+    assert "Where each run's time went" in doc
     with open(os.path.join(out, "bench_policies.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
