@@ -9,6 +9,10 @@ are both small. Three parts, each policy at one budget (`loadtest/policy_eval.py
    asking for `--gen` tokens (EOS ignored, all submitted at once), every policy at 25% of
    prompt + gen: max and mean concurrent requests, output tokens/s, ratio to full
    (target ≥ 3× for the best). The random-weight 3m model: only speed and memory count.
+   Beside them the ceiling (`run_ceiling`: free eviction with the pool packed at the
+   budget, also in the waves the pool forces) and each run's step anatomy
+   (`step_anatomy`: prefill, wide and narrow decode steps), which say how far the best
+   policy is from what the hardware allows and where the rest goes.
 2. overhead: every policy at the same batch (`--overhead-batch` requests decoding) on a
    pool without pressure: StepStats.policy_s / total_s and EngineStats.policy_seconds_total.
 3. quality on the demo model (`engine/demo/model`, skipped if missing): teacher-forced
