@@ -119,10 +119,14 @@ class LazyEvictionPolicy:
         rows = [i for i, (n, k) in enumerate(zip(view.lengths, keep)) if n > k]
         r = view.num_requests
         at = torch.tensor(rows)
-        t = torch.tensor([t_now[i % r] for i in rows], dtype=torch.float64)[:, None]
-        # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
-        ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
-        drop = drop_lowest(view.positions[at], importance(t, ts, mri),
+        times = [t_now[i % r] for i in rows]
+        if NATIVE["state"] and view.positions.device.type == "cpu":  # one pass (C++)
+            scores = torch.ops.kvserve_policy_state.lazy_importance(
+                view.layered("ts"), view.layered("mri"), rows, times)
+        else:  # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
+            ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
+            scores = importance(torch.tensor(times, dtype=torch.float64)[:, None], ts, mri)
+        drop = drop_lowest(view.positions[at], scores,
                            [view.lengths[i] - keep[i] for i in rows], last=c.window)
         return view.rows_mask(at, drop)
 

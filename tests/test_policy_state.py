@@ -106,6 +106,33 @@ def test_lazy_track_matches_torch(seed, native, monkeypatch):
     assert torch.equal(got["mri"], mri)
 
 
+@pytest.mark.parametrize("w", [1040, 50])
+def test_lazy_importance_matches_torch(w, native):
+    """`lazy_importance` (eq. 2 in one C++ pass, torch's own vector exp) scores every slot
+    of the deciding rows as the torch form does once the selection has read it as
+    float32: over the integer TS/MRI the tracking makes (MRI 0 and 1 and t = TS, where the
+    printed formulas divide by zero, included), on rows of a slice of a larger table,
+    with W a multiple of 16 (torch's vector loop whole) and not (its scalar tail)."""
+    from policies.lazy_eviction import importance
+
+    g = torch.Generator().manual_seed(w)
+    nl, big_r, r = 3, 6, 4
+    ts = torch.randint(-30, 60, (nl, big_r, w + 5), generator=g).float()
+    mri = torch.randint(0, 70, (nl, big_r, w + 5), generator=g).float()
+    mri[torch.rand(mri.shape, generator=g) < 0.2] = 1.0
+    mri[torch.rand(mri.shape, generator=g) < 0.2] = 0.0
+    ts_v, mri_v = ts.narrow(1, 1, r).narrow(2, 0, w), mri.narrow(1, 1, r).narrow(2, 0, w)
+    rows_ = [0, 3, 4, 7, 10, 11]
+    times = [60, 60, 60, 75, 1000, 61]
+    ts_v[1, 0, :7] = 60.0  # row 4 (layer 1, request 0) at t = TS: H1 = 1
+    got = torch.ops.kvserve_policy_state.lazy_importance(ts_v, mri_v, rows_, times)
+    at = torch.tensor(rows_)
+    want = importance(torch.tensor(times, dtype=torch.float64)[:, None],
+                      ts_v[at // r, at % r].double(), mri_v[at // r, at % r].double())
+    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    assert bool((want == 1.0).any()) and bool((want == 0.0).any())
+
+
 def _with_state(view: RowsView, table: dict) -> RowsView:
     """The view over rows 1..r of `table`'s [L, 5, W + 3] tensors, in place."""
     r, w = view.num_requests, view.positions.shape[1]

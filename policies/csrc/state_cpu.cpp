@@ -243,6 +243,76 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
   });
 }
 
+#ifdef KVSERVE_AVX512
+// torch's own exp for 8 doubles (Vectorized<double>::exp on AVX-512, exported by
+// libtorch_cpu): the torch form's exps are these bits. Weak: a torch without the symbol
+// leaves it null, and std::exp serves (the same float32 scores but in rare last bits).
+extern "C" __m512d Sleef_expd8_u10(__m512d) __attribute__((weak));
+#endif
+
+// LazyEviction's importance I_t (004_a0d6af55e6947072.txt eq. 2;
+// policies/lazy_eviction.py::importance, whose torch form this is) of every slot of the
+// deciding rows, as the selection reads it (float32): H1 = 2σ(-(t - TS)/MRI) (1 at
+// t = TS, 0 at MRI = 0 < t - TS) plus H2 = 2σ(-1/(MRI - 1)) (0 at MRI = 0 and 1), in
+// double, each σ(v) as torch's vector kernel takes it: 1 / (1 + exp(0 - v)). One pass
+// instead of a gather, two casts and a dozen sweeps over [M, W] in double.
+// ts, mri [L, R, W] float32 (slots contiguous); rows: the deciding rows (l·R + r); t:
+// each one's time. Returns [M, W] float32.
+at::Tensor lazy_importance(const at::Tensor& ts, const at::Tensor& mri, at::IntArrayRef rows,
+                           at::IntArrayRef t) {
+  TORCH_CHECK(ts.dim() == 3 && mri.sizes() == ts.sizes() && ts.stride(2) == 1 &&
+                  mri.stride(2) == 1 && ts.scalar_type() == at::kFloat &&
+                  mri.scalar_type() == at::kFloat,
+              "ts and mri must be [L, R, W] float32 with slots contiguous");
+  TORCH_CHECK(rows.size() == t.size(), "one time a row");
+  const int64_t r = ts.size(1), w = ts.size(2), m = rows.size();
+  for (const int64_t i : rows) TORCH_CHECK(i >= 0 && i < ts.size(0) * r, "row out of range");
+  at::Tensor out = at::empty({m, w}, ts.options());
+  float* op = out.data_ptr<float>();
+  const auto h = [](double x, double y) {  // 2σ(-x) + (2σ(-y) or 0), x, y as below
+    return 2.0 * (1.0 / (1.0 + std::exp(0.0 - -x))) + y;
+  };
+  for (int64_t k = 0; k < m; ++k) {
+    const int64_t i = rows[k];
+    const float* tr = ts.data_ptr<float>() + (i / r) * ts.stride(0) + (i % r) * ts.stride(1);
+    const float* mr = mri.data_ptr<float>() + (i / r) * mri.stride(0) + (i % r) * mri.stride(1);
+    const double tk = static_cast<double>(t[k]);
+    float* o = op + k * w;
+    int64_t s = 0;
+#ifdef KVSERVE_AVX512
+    if (Sleef_expd8_u10 != nullptr) {
+      const __m512d zero = _mm512_setzero_pd(), one = _mm512_set1_pd(1.0), two = _mm512_set1_pd(2.0);
+      const __m512d inf = _mm512_set1_pd(INFINITY), tv = _mm512_set1_pd(tk);
+      const auto sigma2 = [&](__m512d x) {  // 2σ(-x) = 2 · 1 / (1 + exp(0 - (-x)))
+        const __m512d v = _mm512_sub_pd(zero, x);
+        return _mm512_mul_pd(two, _mm512_div_pd(one, _mm512_add_pd(one, Sleef_expd8_u10(_mm512_sub_pd(zero, v)))));
+      };
+      for (; s + 8 <= w; s += 8) {
+        const __m512d e = _mm512_sub_pd(tv, _mm512_cvtps_pd(_mm256_loadu_ps(tr + s)));
+        const __m512d mm = _mm512_cvtps_pd(_mm256_loadu_ps(mr + s));
+        const __mmask8 m0 = _mm512_cmp_pd_mask(mm, zero, _CMP_EQ_OQ);
+        const __mmask8 m1 = _mm512_cmp_pd_mask(mm, one, _CMP_EQ_OQ);
+        // x1 = e == 0 ? 0 : (mri == 0 ? inf : e / max(mri, 1)); torch's clamp_min keeps a NaN
+        const __m512d den = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(mm, one, _CMP_LT_OQ), mm, one);
+        __m512d x1 = _mm512_mask_blend_pd(m0, _mm512_div_pd(e, den), inf);
+        x1 = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(e, zero, _CMP_EQ_OQ), x1, zero);
+        const __m512d x2 = _mm512_mask_blend_pd(m1, _mm512_div_pd(one, _mm512_sub_pd(mm, one)), inf);
+        const __m512d h2 = _mm512_mask_blend_pd(m0, sigma2(x2), zero);
+        _mm256_storeu_ps(o + s, _mm512_cvtpd_ps(_mm512_add_pd(sigma2(x1), h2)));
+      }
+    }
+#endif
+    for (; s < w; ++s) {
+      const double e = tk - static_cast<double>(tr[s]), mm = mr[s];
+      const double x1 = e == 0.0 ? 0.0 : mm == 0.0 ? INFINITY : e / (mm < 1.0 ? 1.0 : mm);
+      const double x2 = mm == 1.0 ? INFINITY : 1.0 / (mm - 1.0);
+      const double h2 = mm == 0.0 ? 0.0 : h(x2, 0.0);
+      o[s] = static_cast<float>(h(x1, h2));
+    }
+  }
+  return out;
+}
+
 // Pyramid's selection ranks by the window's float32 sum as torch sums it (the ring's α
 // values in torch's order), which can differ from the exact total in its last bits and
 // so break near ties differently. Only candidates near a row's d-th lowest can be
@@ -377,9 +447,11 @@ TORCH_LIBRARY(kvserve_policy_state, m) {
         "int[] edges, int[] drop, int shift, float rel, float abs) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "int[] qpos, int[] prompt, float alpha) -> ()");
+  m.def("lazy_importance(Tensor ts, Tensor mri, int[] rows, int[] t) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
   m.impl("pyramid_window", pyramid_window);
   m.impl("lazy_track", lazy_track);
+  m.impl("lazy_importance", lazy_importance);
 }
