@@ -221,14 +221,14 @@ def test_head_sum_is_torch_sum(hkv):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_pyramid_ranks_by_torchs_float32_sums(seed, native, monkeypatch):
+def test_pyramid_ranks_by_torchs_float32_sums(seed, native):
     """Pyramid's drops are those of the window's float32 sums as torch takes them, also
     where only their last bits differ: slots whose rings hold the same values in other
     orders have equal exact totals but sums a bit apart, and the C++ path (exact totals
     to find the few candidates that can be dropped, torch's sum for those) drops what
-    summing every slot drops."""
+    summing every slot drops; over whole vectors of slots and a tail past them."""
     g = torch.Generator().manual_seed(seed)
-    nl, r, w, a = 2, 3, 64, 32
+    nl, r, w, a = 2, 3, [64, 61][seed % 2], 32
     base = torch.rand(a, generator=g) ** 3
     ring = (torch.rand(nl, r, w, a, generator=g) ** 3 + 0.2)
     for row in range(nl * r):  # a third of each row: permutations of the lowest ring

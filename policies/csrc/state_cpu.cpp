@@ -319,7 +319,7 @@ at::Tensor lazy_importance(const at::Tensor& ts, const at::Tensor& mri, at::IntA
 // dropped: the candidates (live slots outside the first and last `edge` live ones)
 // whose exact total is at most the d-th lowest candidate's times (1 + rel) plus `abs`
 // (rel and abs bound the float32 sum's error and the total's rounding,
-// policies/pyramid.py::_drop_near). Appends those slots, in slot order.
+// policies/pyramid.py::PyramidPolicy._shift_window). Appends those slots, in slot order.
 void near_lowest(const float* s, const int64_t* pos, int64_t w, int64_t edge, int64_t drop,
                  double rel, double abs, std::vector<int64_t>& slots, std::vector<float>& vals) {
   int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
