@@ -8,10 +8,11 @@ from that layer's table. Every layer has its own table because policies keep dif
 tokens (and pyramid budgets different counts) per layer. A full-cache request keeps all
 layers identical (`uniform`).
 
-The table and positions are this request's *row* of the engine's shared `SlotTables`
-(kvpool/tables.py), so a step handles every request's row with batched ops; the sizes
-(blocks, appended and live slots per layer) are plain ints here, so deciding what to do
-costs no tensor op. Operations on one request (a prefill chunk, a per-request policy
+The table, positions and sizes (blocks, appended and live slots per layer) are this
+request's *row* of the engine's shared `SlotTables` (kvpool/tables.py), so a step
+handles every request's row with batched ops, the decode append reads and bumps the
+sizes in C++, and Python reads them as ints through the tables' memoryview (`sz`), so
+deciding what to do costs no tensor op. Operations on one request (a prefill chunk, a per-request policy
 plan, swap) live here; those of a whole batch in `SlotTables`, which this class also
 calls for its own row so that each mechanism has one implementation.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvpool.pool import BlockPool
-from kvpool.tables import SlotTables
+from kvpool.tables import LIVE, NBLOCKS, NEXT, SlotTables
 
 
 def _blocks_for(nblocks: int, next_slot: int, n: int, bs: int) -> int:
@@ -33,12 +34,10 @@ class SeqCache:
     # Slots, not a __dict__: every decode step reads each running cache's sizes, and a
     # compact object is fewer cache lines to miss after the forward has run.
     __slots__ = (
+        "_o",
         "_row",
         "alike",
         "bs",
-        "layer_live",
-        "nblocks",
-        "next_slot",
         "num_layers",
         "pool",
         "swapped",
@@ -55,15 +54,13 @@ class SeqCache:
         self.bs = pool.block_size
         self.tables = tables if tables is not None else SlotTables(num_layers, self.bs, 1)
         assert self.tables.num_layers == num_layers and self.tables.bs == self.bs
-        self._row: int | None = None
+        self._row: int | None = None  # taken on first use: until then every size is 0
+        self._o = 0  # where the row's sizes start in `tables.sz`
         self.ensure_capacity(max(1, capacity_blocks))
-        self.nblocks = [0] * num_layers  # blocks held per layer
-        self.next_slot = [0] * num_layers  # slots appended per layer (live or dead)
         self.uniform = True  # every layer holds the same slots (no eviction yet)
         # Every layer holds the same positions in the same logical slots (evicted alike,
         # as position-only policies do): per-layer sizes are then all live // layers.
         self.alike = True
-        self.layer_live = [0] * num_layers  # live slots per layer
         self.swapped = False  # table holds host swap-space ids instead of pool ids
 
     # ---- the row ---------------------------------------------------------------------
@@ -73,7 +70,72 @@ class SeqCache:
         `release`)."""
         if self._row is None:
             self._row = self.tables.acquire_row()
+            self._o = self._row * 3 * self.num_layers
         return self._row
+
+    # ---- sizes: the row's slice of `tables.sizes` ----------------------------------------
+    def _get(self, field: int) -> list[int]:
+        if self._row is None:
+            return [0] * self.num_layers
+        o = self._o + field * self.num_layers
+        return self.tables.sz[o : o + self.num_layers].tolist()
+
+    def _set(self, field: int, values: list[int]) -> None:
+        o = self._o + field * self.num_layers if self._row is not None else \
+            (self.row * 3 + field) * self.num_layers  # taking a row may grow the tables
+        sz = self.tables.sz
+        for i, x in enumerate(values):
+            sz[o + i] = x
+
+    def sizes(self) -> tuple[list[int], list[int], list[int]]:
+        """(blocks held, slots appended, live slots) per layer, in one read."""
+        nl = self.num_layers
+        if self._row is None:
+            return [0] * nl, [0] * nl, [0] * nl
+        z = self.tables.sz[self._o : self._o + 3 * nl].tolist()
+        return z[:nl], z[nl : 2 * nl], z[2 * nl :]
+
+    def peak(self) -> tuple[int, int]:
+        """(blocks over all layers, live tokens summed over layers // layers): the most
+        this cache has held right after an append (`SlotTables.peaks`)."""
+        if self._row is None:
+            return 0, 0
+        pk, o = self.tables.pk, 2 * self._row
+        return pk[o], pk[o + 1]
+
+    def _note_peak(self) -> None:
+        """Fold the sizes now into `peak` (the C++ decode append does it itself)."""
+        pk, o = self.tables.pk, 2 * self.row
+        pk[o] = max(pk[o], self.num_blocks)
+        pk[o + 1] = max(pk[o + 1], self.live // self.num_layers)
+
+    # Copies, per layer: write a whole list back (`c.nblocks = [...]`), never an item.
+    @property
+    def nblocks(self) -> list[int]:
+        """Blocks held per layer."""
+        return self._get(NBLOCKS)
+
+    @nblocks.setter
+    def nblocks(self, values: list[int]) -> None:
+        self._set(NBLOCKS, values)
+
+    @property
+    def next_slot(self) -> list[int]:
+        """Slots appended per layer, live or dead."""
+        return self._get(NEXT)
+
+    @next_slot.setter
+    def next_slot(self, values: list[int]) -> None:
+        self._set(NEXT, values)
+
+    @property
+    def layer_live(self) -> list[int]:
+        """Live slots per layer."""
+        return self._get(LIVE)
+
+    @layer_live.setter
+    def layer_live(self, values: list[int]) -> None:
+        self._set(LIVE, values)
 
     @property
     def table(self) -> torch.Tensor:
@@ -91,19 +153,28 @@ class SeqCache:
     def aligned(self) -> bool:
         """Every layer holds the same number of blocks and slots (the next token lands in
         the same logical slot everywhere): a decode append is then plain int arithmetic."""
-        nb, nxt, nl = self.nblocks[0], self.next_slot[0], self.num_layers
-        return self.uniform or (self.nblocks.count(nb) == nl and self.next_slot.count(nxt) == nl)
+        if self.uniform:
+            return True
+        nb, nxt, nl = self.nblocks, self.next_slot, self.num_layers
+        return nb.count(nb[0]) == nl and nxt.count(nxt[0]) == nl
 
     # ---- sizes -------------------------------------------------------------------
     @property
     def live(self) -> int:
         """Live slots summed over layers."""
-        return sum(self.layer_live)
+        if self._row is None:
+            return 0
+        o = self._o + LIVE * self.num_layers
+        return sum(self.tables.sz[o : o + self.num_layers])
 
     @property
     def num_blocks(self) -> int:
         """Blocks held in all layers together."""
-        return self.nblocks[0] * self.num_layers if self.uniform else sum(self.nblocks)
+        if self._row is None:
+            return 0
+        if self.uniform:
+            return self.tables.sz[self._o] * self.num_layers
+        return sum(self.tables.sz[self._o : self._o + self.num_layers])
 
     @property
     def max_blocks(self) -> int:
@@ -111,11 +182,12 @@ class SeqCache:
 
     def blocks_needed(self, n: int) -> int:
         """Blocks that appending n tokens to every layer would allocate."""
-        if n == 1:  # every running request, every step: a layer whose last block is full
+        if n == 1 and self._row is not None:  # every running request, every step
+            sz, o, nl = self.tables.sz, self._o, self.num_layers  # a layer whose last block is full
             if self.uniform:
-                return self.num_layers if self.next_slot[0] >= self.nblocks[0] * self.bs else 0
+                return nl if sz[o + nl] >= sz[o] * self.bs else 0
             bs = self.bs
-            return sum(s >= b * bs for b, s in zip(self.nblocks, self.next_slot))
+            return sum(sz[o + nl + i] >= sz[o + i] * bs for i in range(nl))
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
@@ -144,6 +216,7 @@ class SeqCache:
         self.nblocks = [k] * self.num_layers
         self.next_slot = [k * bs] * self.num_layers
         self.layer_live = [k * bs] * self.num_layers
+        self._note_peak()
 
     def swap_out(self, swap) -> int:
         """Copy every held block to host swap space and free it on the device; returns
@@ -202,25 +275,28 @@ class SeqCache:
             self.tables.fill_state(slice(None), self.row, slice(nxt, nxt + n))
             self.next_slot = [nxt + n] * nl
             self.layer_live = [x + n for x in self.layer_live]
+            self._note_peak()
             return slots
-        need = [_blocks_for(b, s, n, bs) for b, s in zip(self.nblocks, self.next_slot)]
+        nblocks, next_slot = self.nblocks, self.next_slot
+        need = [_blocks_for(b, s, n, bs) for b, s in zip(nblocks, next_slot)]
         total = sum(need)
         if total:
             ids = self.pool.allocate(total)
-            self.ensure_capacity(max(b + k for b, k in zip(self.nblocks, need)))
+            self.ensure_capacity(max(b + k for b, k in zip(nblocks, need)))
             off = 0
             for layer, k in enumerate(need):  # only the layers whose tail block is full
                 if k:
-                    nb = self.nblocks[layer]
+                    nb = nblocks[layer]
                     self.table[layer, nb : nb + k] = ids[off : off + k]
-                    self.nblocks[layer] = nb + k
                     off += k
-        j = torch.tensor(self.next_slot)[:, None] + torch.arange(n)  # [L, n]
+            self.nblocks = [b + k for b, k in zip(nblocks, need)]
+        j = torch.tensor(next_slot)[:, None] + torch.arange(n)  # [L, n]
         slots = self.table.gather(1, j // bs) * bs + j % bs
         self.slot_pos.scatter_(1, j, positions.to(torch.int64).expand(nl, n))
         self.tables.fill_state(torch.arange(nl)[:, None], self.row, j)
-        self.next_slot = [x + n for x in self.next_slot]
+        self.next_slot = [x + n for x in next_slot]
         self.layer_live = [x + n for x in self.layer_live]
+        self._note_peak()
         return slots
 
     # ---- shrinking -----------------------------------------------------------------
@@ -251,7 +327,9 @@ class SeqCache:
         if ndead == 0:
             return 0
         pos[dead] = -1
-        self.layer_live[layer] -= ndead
+        live = self.layer_live
+        live[layer] -= ndead
+        self.layer_live = live
         self.uniform = self.alike = False
         return self._free_dead_blocks([layer])
 
@@ -310,12 +388,9 @@ class SeqCache:
         assert not self.swapped, "release() of a swapped cache"
         self.pool.release(self.owned_blocks())
         if self._row is not None:
-            self.tables.release_row(self._row)  # -1 filled
+            self.tables.release_row(self._row)  # -1 filled, sizes 0
             self._row = None
-        self.nblocks = [0] * self.num_layers
-        self.next_slot = [0] * self.num_layers
         self.uniform = self.alike = True
-        self.layer_live = [0] * self.num_layers
 
     def discard_swapped(self, swap) -> None:
         """A swapped request was aborted: free its host blocks."""

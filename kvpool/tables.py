@@ -21,6 +21,16 @@ must change only its own request's view (eviction is a mark, not a copy). A
 Rows and width grow by doubling (a copy, rare), so memory follows the concurrency and
 context actually seen rather than `max_num_seqs × max_model_len`.
 
+Each row's sizes live here too, as one host array both Python and the C++ passes read:
+
+    sizes[R, 3, L]          per layer: blocks held (NBLOCKS), slots appended, live or
+                            dead (NEXT), live slots (LIVE)
+
+so a decode append is one C++ pass over the step's rows that reads and bumps them in
+place (issue 18: lengths updated in place, no per-request Python), while Python reads
+one size through `sz`, a flat memoryview of the same memory (~40 ns an int, a list's
+speed; a tensor element would be ~1 µs). `SeqCache` is a view of its row.
+
 Beside the positions, a policy's per-token state lives here too (`state`: named
 `[L, R, W * bs]` float32 tensors, created when a policy first declares one): H2O's
 cumulative attention, LazyEviction's activation times. State is per logical slot for
@@ -36,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool.host import bool_tensor, int64_rows, int64_tensor
+from kvpool.host import bool_tensor, int64_tensor
 from kvpool.native import load_ops
 
 if TYPE_CHECKING:
@@ -108,7 +118,15 @@ def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.T
     return torch.full((*slots, k), fill, dtype=torch.float32)
 
 
-_plus_one = (1).__add__
+NBLOCKS, NEXT, LIVE = 0, 1, 2  # sizes[row, field, layer]
+
+
+def _int_view(t: torch.Tensor) -> memoryview:
+    """A flat int64 memoryview of a contiguous CPU tensor's memory (reads and writes
+    land in the tensor)."""
+    return memoryview(t.numpy()).cast("B").cast("q")
+
+
 _NO_COLUMNS = torch.zeros(0, dtype=torch.bool)  # read only: no states to pass a C++ pass
 _ALL_LAYERS: dict[int, torch.Tensor] = {}  # read only: made once per layer count
 
@@ -139,6 +157,13 @@ class SlotTables:
         self.slot_pos = torch.full((num_layers, max(1, rows), max(1, width_blocks) * block_size),
                                    -1, dtype=torch.int64)
         self._free_rows = list(range(self.table.shape[1] - 1, -1, -1))
+        self.sizes = torch.zeros((self.table.shape[1], 3, num_layers), dtype=torch.int64)
+        self.sz = _int_view(self.sizes)  # rebound when the rows grow: never keep it
+        # Per row, the most blocks (all layers) and live tokens (summed over layers //
+        # layers) it has held right after an append: a request's reported peak, kept
+        # where the sizes change instead of read from every request every step.
+        self.peaks = torch.zeros((self.table.shape[1], 2), dtype=torch.int64)
+        self.pk = _int_view(self.peaks)
         self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
 
@@ -179,11 +204,15 @@ class SlotTables:
     def release_row(self, row: int) -> None:
         self.table[:, row].fill_(-1)
         self.slot_pos[:, row].fill_(-1)
+        self.sizes[row] = 0
+        self.peaks[row] = 0
         self._free_rows.append(row)
 
     def ensure_width(self, blocks: int) -> None:
-        if blocks > self.width:
-            self._grow(width=max(blocks, 2 * self.width))
+        """Room for `blocks` blocks a row, and one more: a decode append adds at most one
+        block a layer and cannot grow the tensors inside its C++ pass."""
+        if blocks + 1 > self.width:
+            self._grow(width=max(blocks + 1, 2 * self.width))
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         nl, r, w = self.table.shape
@@ -193,6 +222,13 @@ class SlotTables:
         pos = torch.full((nl, rows, width * self.bs), -1, dtype=torch.int64)
         pos[:, :r, : w * self.bs] = self.slot_pos
         self.table, self.slot_pos = table, pos
+        if rows != r:
+            sizes = torch.zeros((rows, 3, nl), dtype=torch.int64)
+            sizes[:r] = self.sizes
+            self.sizes, self.sz = sizes, _int_view(sizes)
+            peaks = torch.zeros((rows, 2), dtype=torch.int64)
+            peaks[:r] = self.peaks
+            self.peaks, self.pk = peaks, _int_view(peaks)
         for name, old in self.state.items():
             k = old.shape[3] if old.dim() == 4 else 0
             new = _new_state(pos.shape, k, self.fills[name], _by_columns(old))
@@ -218,66 +254,44 @@ class SlotTables:
 
         The caller has checked that the pool holds the blocks this needs (`need`, the
         caches' `blocks_needed(1)` summed, if it has it): they are taken in one
-        allocation. Python does the per-request arithmetic on ints; on CPU the tensors
-        see one C++ pass over one host-made plan (csrc/tables_cpu.cpp::append_slots),
-        elsewhere one allocation, one table write, one position write and one gather."""
+        allocation. On CPU the whole append is one C++ pass over the rows
+        (csrc/tables_cpu.cpp::append_rows): it reads each row's sizes, links a new block
+        where a layer's last one is full, writes the positions and state fills, and bumps
+        the sizes in place; Python only lists the rows. Elsewhere the same as torch ops
+        over the sizes: an allocation, a table write, a position write and a gather."""
         nl, bs = self.num_layers, self.bs
         if need is None:
             need = sum(c.blocks_needed(1) for c in caches)
-        native = self.table.device.type == "cpu" and load_mark()
-        taken = pool.take(need) if native else None  # either raises before anything changes
-        ids = pool.allocate(need) if need and not native else None
-        new: list[int] = []  # (layer, row, column) of each new block, flat
-        rows: list[int] = []
-        first: list[int] = []  # the slot index of layer 0 (of every layer if aligned)
-        uneven: dict[int, list[int]] = {}  # cache -> per-layer slot indices
-        widest = 0
-        for i, c in enumerate(caches):
-            row = c.row
-            rows.append(row)
-            if c.aligned:
-                nb, nxt = c.nblocks[0], c.next_slot[0]
-                if nxt >= nb * bs:
-                    for layer in range(nl):
-                        new += (layer, row, nb)
-                    nb += 1
-                    c.nblocks = [nb] * nl
-                c.next_slot = [nxt + 1] * nl
-                first.append(nxt)
-                if nb > widest:
-                    widest = nb
-            else:
-                for layer in range(nl):
-                    nb, nxt = c.nblocks[layer], c.next_slot[layer]
-                    if nxt >= nb * bs:
-                        new += (layer, row, nb)
-                        c.nblocks[layer] = nb + 1
-                uneven[i] = list(c.next_slot)
-                c.next_slot = [x + 1 for x in c.next_slot]
-                first.append(uneven[i][0])
-                widest = max(widest, *c.nblocks)
-            c.layer_live = list(map(_plus_one, c.layer_live))  # no comprehension frame
-        self.ensure_width(widest)
-        if native:
-            assert taken is not None
-            plan = rows + positions + first + new + taken
-            for i, cols in uneven.items():
-                plan += (i, *cols)
+        rows = [c.row for c in caches]
+        if self.table.device.type == "cpu" and load_mark():
+            taken = pool.take(need)  # raises before anything changes
             states, columns = self._native_states()
-            return torch.ops.kvserve_tables.append_slots(
-                self.table, self.slot_pos, states, columns, list(self.fills.values()), pool.ref,
-                int64_tensor(plan), len(rows), len(taken), len(uneven), bs)
-        if ids is not None:
-            self.table[new[0::3], new[1::3], new[2::3]] = ids
-        row_t = torch.tensor(rows, dtype=torch.int64)
-        idx = torch.tensor(first, dtype=torch.int64).expand(nl, -1)  # [L, B]
-        if uneven:
-            idx = idx.clone()
-            idx[:, list(uneven)] = torch.tensor(list(uneven.values()), dtype=torch.int64).t()
+            slots, widest = torch.ops.kvserve_tables.append_rows(
+                self.table, self.slot_pos, self.sizes, self.peaks, states, columns,
+                list(self.fills.values()), pool.ref, int64_tensor(rows + positions + taken),
+                len(rows), bs)
+            self.ensure_width(widest)  # the next append's new blocks fit
+            return slots
+        row_t = int64_tensor(rows)
+        sizes = self.sizes.index_select(0, row_t)  # [B, 3, L]
+        nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, B]
+        full = nxt >= nb * bs
+        self.ensure_width(int(nb.max()) + 1)
         lay = torch.arange(nl)[:, None]
-        self.slot_pos[lay, row_t, idx] = torch.tensor(positions, dtype=torch.int64)
-        self.fill_state(lay, row_t, idx)
-        return self.table[lay, row_t, idx // bs] * bs + idx % bs
+        if need:  # new blocks in (cache, layer) order, as the C++ pass takes them
+            ids = pool.allocate(need)
+            ci, li = full.t().nonzero().unbind(1)  # (cache, layer) pairs
+            self.table[li, row_t[ci], nb[li, ci]] = ids
+        self.slot_pos[lay, row_t, nxt] = int64_tensor(positions)
+        self.fill_state(lay, row_t, nxt)
+        slots = self.table[lay, row_t, nxt // bs] * bs + nxt % bs
+        sizes[:, NBLOCKS] += full.t()
+        sizes[:, NEXT:] += 1
+        self.sizes.index_copy_(0, row_t, sizes)
+        now = torch.stack([sizes[:, NBLOCKS].sum(1), sizes[:, LIVE].sum(1) // nl], dim=1)
+        self.peaks.index_copy_(0, row_t, torch.maximum(self.peaks.index_select(0, row_t), now))
+        self.ensure_width(int(sizes[:, NBLOCKS].max()))
+        return slots
 
     # ---- what eviction changes -------------------------------------------------------
     def evict_mask(self, pool: BlockPool, caches: list[SeqCache], dead: torch.Tensor,
@@ -340,14 +354,16 @@ class SlotTables:
         the pool and close the gaps in their tables, keeping the order of the rest;
         returns the blocks freed per cache. A tail block with room for appends stays."""
         # Only the blocks these caches hold: the tables' width may be twice that.
-        nl, bs, w = self.num_layers, self.bs, max(max(c.nblocks) for c in caches)
+        nl, bs = self.num_layers, self.bs
         rows = [c.row for c in caches]
-        sizes = int64_rows([c.nblocks for c in caches] + [c.next_slot for c in caches])
-        nb, nxt = sizes[: len(caches)].t(), sizes[len(caches) :].t()  # [L, R] each
+        row_t = int64_tensor(rows)
+        sizes = self.sizes.index_select(0, row_t)
+        nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, R] each
+        w = int(nb.max())
         if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, *self._native_states(),
-                int64_tensor(rows), nb, nxt, _layer_mask(nl, layers), bs, w)
+                row_t, nb, nxt, _layer_mask(nl, layers), bs, w)
             return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
         pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
@@ -387,11 +403,13 @@ class SlotTables:
         if not any(map(any, counts)):
             return [0] * len(caches)
         pool.release(ids)
-        bs = self.bs
+        bs, nl, sz = self.bs, self.num_layers, self.sz
         for c, per_layer in zip(caches, counts):
             if any(per_layer):
-                c.nblocks = [b - x for b, x in zip(c.nblocks, per_layer)]
-                c.next_slot = [s - x * bs for s, x in zip(c.next_slot, per_layer)]
+                o = c.row * 3 * nl
+                for layer, x in enumerate(per_layer):
+                    sz[o + NBLOCKS * nl + layer] -= x
+                    sz[o + NEXT * nl + layer] -= x * bs
         return [sum(x) for x in counts]
 
     def compact(self, pool: BlockPool, caches: list[SeqCache],
@@ -416,7 +434,7 @@ class SlotTables:
         nl, bs, w = self.num_layers, self.bs, self.width
         s_len = w * bs
         rows = int64_tensor([c.row for c in caches])
-        nxt = int64_rows([c.next_slot for c in caches]).t()  # [L, R]
+        nxt = self.sizes[:, NEXT].index_select(0, rows).t()  # [L, R]
         sp = self.slot_pos.index_select(1, rows)  # [L, R, S]
         live = sp >= 0
         n = live.sum(dim=2)
@@ -467,10 +485,10 @@ class SlotTables:
         and K/V moved slot by slot, no sort, no index tensors), for a pool without
         published blocks; None, with nothing changed, when a destination block is
         shared: the torch form copies it first."""
+        rows = int64_tensor([c.row for c in caches])
         declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
             self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
-            int64_tensor([c.row for c in caches]),
-            int64_rows([c.next_slot for c in caches]).t(),
+            rows, self.sizes[:, NEXT].index_select(0, rows).t(),
             _layer_mask(self.num_layers, layers), pool.ref, self.bs)
         if declined:
             return None

@@ -246,11 +246,8 @@ class EngineCore:
                 n_pre += c.num_tokens
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
-            # The peak is now, with this step's slots taken and its plan not yet run.
-            kv, cache = r.kv, r.cache
+            cache = r.cache  # its peak sizes are kept as its slots are taken (SeqCache.peak)
             assert cache is not None
-            kv.peak_blocks = max(kv.peak_blocks, cache.num_blocks)
-            kv.peak_live_tokens = max(kv.peak_live_tokens, cache.live // cache.num_layers)
             p, completes = r.params, c.completes
             sampled = completes and p.max_tokens > 0
             if sampled:

@@ -145,14 +145,15 @@ def build_view(members: list[Member]) -> RowsView:
     # window total), kept and moved like it; a view without them is still complete.
     state = {**getattr(policy, "state", {}), **getattr(policy, "derived_state", {})}
     tables.declare_state(state, getattr(policy, "state_columns", ()))
-    nb = max(max(m.cache.nblocks) for m in members)
-    width = nb * bs
     rows = [m.cache.row for m in members]
+    sizes = [m.cache.sizes() for m in members]  # (blocks, next, live) per layer each
+    nb = max(max(z[0]) for z in sizes)
+    width = nb * bs
     view = RowsView(
         num_layers=nl, num_new=members[0].num_new,
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
-        lengths=[m.cache.layer_live[layer] for layer in range(nl) for m in members],
+        lengths=[z[2][layer] for layer in range(nl) for z in sizes],
         positions=_rows(take_rows(tables.slot_pos, rows, width)),
         block_size=bs)
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
@@ -195,16 +196,16 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     first = members[0].cache
     nl, k, r = first.num_layers, view.num_new, len(members)
     n = nl * r
+    nexts = [m.cache.next_slot for m in members]
     if k == 1:  # decode: one slot per (layer, member), the last one written
-        slots = [m.cache.next_slot[layer] - 1 for layer in range(nl) for m in members]
+        slots = [nxt[layer] - 1 for layer in range(nl) for nxt in nexts]
         index = int64_tensor([x for layer in range(nl) for x in [layer] * r]
                              + list(range(r)) * nl + slots).view(3, n, 1)
     else:
         index = int64_tensor([x for layer in range(nl) for x in [layer] * (r * k)]
                              + [i for i in range(r) for _ in range(k)] * nl
-                             + [s for layer in range(nl) for m in members
-                                for s in range(m.cache.next_slot[layer] - k,
-                                               m.cache.next_slot[layer])]).view(3, n, k)
+                             + [s for layer in range(nl) for nxt in nexts
+                                for s in range(nxt[layer] - k, nxt[layer])]).view(3, n, k)
     view.new_index = index
     view.new_slots = index[2]
     runner = [m.attention for m in members]

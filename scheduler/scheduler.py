@@ -120,8 +120,7 @@ class Scheduler:
                 break
         self._unpend(req)
         if req.cache is not None:
-            self.kv.release(req.cache)
-            req.cache = None
+            self._release(req)
         req.status = Status.FINISHED
 
     def has_work(self) -> bool:
@@ -329,8 +328,7 @@ class Scheduler:
             self.swapped.append(req)
             self.swapped.sort(key=_key)
             return
-        self.kv.release(req.cache)
-        req.cache = None
+        self._release(req)
         req.num_computed = 0
         req.window_trimmed = 0
         req.pos_offset = 0
@@ -338,6 +336,16 @@ class Scheduler:
         if req.policy is not None:  # its state described tokens that are gone
             req.policy = build_policy(req.kv_policy)
         self.add(req)
+
+    def _release(self, req: Request) -> None:
+        """Give a request's cache back, its peak sizes kept in the request's usage."""
+        assert req.cache is not None
+        blocks, live = req.cache.peak()
+        kv = req.kv
+        kv.peak_blocks = max(kv.peak_blocks, blocks)
+        kv.peak_live_tokens = max(kv.peak_live_tokens, live)
+        self.kv.release(req.cache)
+        req.cache = None
 
     def _mode(self, req: Request) -> str:
         mode = self.mem.preemption_mode

@@ -38,7 +38,9 @@ def _setup(seed: int):
             blocks = torch.rand(nb[layer], generator=g) < 0.4  # some blocks emptied whole
             pos = pos.masked_fill(blocks.repeat_interleave(bs)[: nxt[layer]], -1)
             t.slot_pos[layer, row, : nxt[layer]] = pos
-        caches.append(SimpleNamespace(row=row, nblocks=nb, next_slot=nxt))
+        t.sizes[row, 0] = torch.tensor(nb)
+        t.sizes[row, 1] = torch.tensor(nxt)
+        caches.append(SimpleNamespace(row=row))
     t.state["score"].copy_(torch.rand(t.state["score"].shape, generator=g))
     t.state["ring"].copy_(torch.rand(t.state["ring"].shape, generator=g))
     t.state["cols"].copy_(torch.rand(t.state["cols"].shape, generator=g))  # stored by columns
@@ -56,9 +58,9 @@ def test_native_free_dead_blocks_matches_torch(seed, monkeypatch):
         t, caches = _setup(seed)
         pool = _Pool()
         freed = t.free_dead_blocks(pool, caches, layers)
-        runs.append((t, [(c.nblocks, c.next_slot) for c in caches], pool.released, freed))
+        runs.append((t, t.sizes.clone(), pool.released, freed))
     (a, ca, ra, fa), (b, cb, rb, fb) = runs
-    assert fa == fb and ca == cb and ra == rb
+    assert fa == fb and torch.equal(ca, cb) and ra == rb
     assert sum(fa) > 0
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
     for name in a.state:
@@ -153,7 +155,7 @@ def test_native_compaction_declines_a_shared_destination(monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_native_decode_append_matches_torch(seed, monkeypatch):
-    """SlotTables.append_decode's C++ pass (csrc/tables_cpu.cpp::append_slots) against its
+    """SlotTables.append_decode's C++ pass (csrc/tables_cpu.cpp::append_rows) against its
     torch form over nine steps: caches whose layers hold different block counts after
     eviction (uneven) beside one that never evicted (aligned), block boundaries crossed
     in some layers and not others, three kinds of per-slot state. The slots returned,

@@ -1,6 +1,6 @@
 // The host-side passes of the shared slot tables and the pool on CPU, each one op where
 // the torch form is several dispatches a step: carrying out a plan's drops (mark_dead,
-// free_dead, compact_rows), the decode append (append_slots), reference counts
+// free_dead, compact_rows), the decode append (append_rows), reference counts
 // (release_refs) and a step's K/V writes (write_kv). kvpool/tables.py and kvpool/pool.py
 // call them and keep their torch forms as the fallback (no compiler, another device).
 //
@@ -345,57 +345,85 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
   return {false, ids, want, count, hole};
 }
 
-// Every decoding cache's next slot in one pass (SlotTables.append_decode, whose torch form
-// is about ten dispatches: a table write, three small tensors, a position write, a state
-// fill per name and a gather; at 64 rows on a 3M model, where the step is 8 ms, they were
-// a quarter of the step outside the forward, most of it each op's first-touch cost after
-// the forward). `plan` is one int64 tensor made on the host:
-//   rows [b] | positions [b] | slot index of layer 0 [b] | new blocks (layer, row, column) [3k]
-//   | their ids [k] | caches whose layers differ (cache i, slot index per layer) [u (L + 1)]
-// The new blocks go into the table with reference count 1 in `ref`; each appended slot
-// gets its position and every state its fill (states as `state_runs` takes them).
-// Returns the physical slots [L, b] to write this step's K/V to.
-at::Tensor append_slots(at::Tensor table, at::Tensor slot_pos, std::vector<at::Tensor> states,
-                        const at::Tensor& columns, std::vector<double> fills, at::Tensor ref,
-                        const at::Tensor& plan, int64_t b, int64_t k, int64_t u, int64_t bs) {
+// Every decoding cache's next slot in one pass (SlotTables.append_decode). The rows' sizes
+// (sizes [Rt, 3, L] int64: blocks held, slots appended, live slots per layer) are read and
+// bumped here, so the host lists only the rows: a per-request Python pass over the sizes
+// was ~1.5 us a request, a tenth of a 3M model's 64-request step outside the forward. The
+// torch form is about ten dispatches. `plan` is one int64 tensor made on the host:
+//   rows [b] | positions [b] | new block ids [k]
+// A layer whose last block is full takes the next id (rows in order, layers within a row,
+// the order the torch form uses), with reference count 1 in `ref`; each appended slot gets
+// its position and every state its fill (states as `state_runs` takes them). Everything is
+// checked before anything is written. Returns the physical slots [L, b] to write this
+// step's K/V to and the most blocks a row now holds in a layer (the caller widens the
+// tables so that the next append fits). `peaks` [Rt, 2] int64 keeps each row's most blocks
+// (all layers) and live tokens (summed over layers // layers) right after an append.
+std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes,
+                                            at::Tensor peaks, std::vector<at::Tensor> states, const at::Tensor& columns,
+                                            std::vector<double> fills, at::Tensor ref, const at::Tensor& plan,
+                                            int64_t b, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
+  TORCH_CHECK(sizes.dim() == 3 && sizes.scalar_type() == at::kLong && sizes.is_contiguous() &&
+              sizes.size(0) >= rt && sizes.size(1) == 3 && sizes.size(2) == nl,
+              "sizes must be a contiguous [Rt, 3, L] int64 tensor");
+  TORCH_CHECK(peaks.dim() == 2 && peaks.scalar_type() == at::kLong && peaks.is_contiguous() &&
+              peaks.size(0) == sizes.size(0) && peaks.size(1) == 2, "peaks must be a contiguous [Rt, 2] int64 tensor");
   TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(), "ref must be [blocks] int32");
-  TORCH_CHECK(plan.dim() == 1 && plan.scalar_type() == at::kLong && plan.is_contiguous() && b >= 0 && k >= 0 &&
-              u >= 0 && plan.size(0) == 3 * b + 4 * k + u * (nl + 1), "plan does not match b, k and u");
+  TORCH_CHECK(plan.dim() == 1 && plan.scalar_type() == at::kLong && plan.is_contiguous() && b >= 0 &&
+              plan.size(0) >= 2 * b, "plan does not match b");
   TORCH_CHECK(fills.size() == states.size(), "one fill per state");
   const std::vector<StateRuns> st = state_runs(states, columns, nl, rt, s);
   const int64_t* p = plan.data_ptr<int64_t>();
-  const int64_t *rows = p, *pos = p + b, *first = p + 2 * b, *blk = p + 3 * b, *ids = blk + 3 * k,
-                *uneven = ids + k;
+  const int64_t *rows = p, *pos = p + b, *ids = p + 2 * b;
+  const int64_t k = plan.size(0) - 2 * b;
   int64_t* tp = table.data_ptr<int64_t>();
   int64_t* sp = slot_pos.data_ptr<int64_t>();
+  int64_t* zp = sizes.data_ptr<int64_t>();
   int32_t* refp = ref.data_ptr<int32_t>();
-  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(rows[i] >= 0 && rows[i] < rt, "row out of range");
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t l = blk[3 * j], row = blk[3 * j + 1], col = blk[3 * j + 2], id = ids[j];
-    TORCH_CHECK(l >= 0 && l < nl && row >= 0 && row < rt && col >= 0 && col < wt && id >= 0 &&
-                id < ref.size(0), "new block out of range");
-    tp[(l * rt + row) * wt + col] = id;
-    refp[id] = 1;
+  int64_t need = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < rt, "row out of range");
+    const int64_t* z = zp + rows[i] * 3 * nl;
+    for (int64_t l = 0; l < nl; ++l) {
+      const int64_t nb = z[l], nxt = z[nl + l];
+      TORCH_CHECK(nb >= 0 && nxt >= 0 && nxt <= nb * bs, "sizes out of range");
+      const int64_t lr = l * rt + rows[i];
+      if (nxt == nb * bs) {
+        TORCH_CHECK(nb < wt, "the tables are too narrow for a new block");
+        ++need;
+      } else {
+        TORCH_CHECK(tp[lr * wt + nxt / bs] >= 0, "appending into a column with no block");
+      }
+      // Right after the forward none of this is in cache: ask for the lines the second
+      // pass writes now, so that their misses overlap instead of queueing one by one.
+      __builtin_prefetch(sp + lr * s + nxt, 1);
+    }
   }
-  std::vector<int64_t> idx(nl * b);  // [L, b]: the slot index each (layer, cache) appends at
-  for (int64_t l = 0; l < nl; ++l) std::copy(first, first + b, idx.begin() + l * b);
-  for (int64_t q = 0; q < u; ++q) {
-    const int64_t* e = uneven + q * (nl + 1);
-    TORCH_CHECK(e[0] >= 0 && e[0] < b, "uneven cache out of range");
-    for (int64_t l = 0; l < nl; ++l) idx[l * b + e[0]] = e[1 + l];
-  }
+  TORCH_CHECK(need == k, "the plan's new blocks do not match the rows' sizes");
+  for (int64_t j = 0; j < k; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < ref.size(0), "new block out of range");
   at::Tensor out = at::empty({nl, b}, plan.options());
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t l = 0; l < nl; ++l)
-    for (int64_t i = 0; i < b; ++i) {
-      const int64_t slot = idx[l * b + i], lr = l * rt + rows[i];
-      TORCH_CHECK(slot >= 0 && slot < s, "slot index out of range");
-      const int64_t block = tp[lr * wt + slot / bs];
-      TORCH_CHECK(block >= 0, "appending into a column with no block");
+  int64_t* pk = peaks.data_ptr<int64_t>();
+  int64_t taken = 0, widest = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    int64_t* z = zp + rows[i] * 3 * nl;
+    int64_t blocks = 0, live = 0;
+    for (int64_t l = 0; l < nl; ++l) {
+      const int64_t lr = l * rt + rows[i], slot = z[nl + l];
+      if (slot == z[l] * bs) {
+        const int64_t id = ids[taken++];
+        tp[lr * wt + z[l]] = id;
+        refp[id] = 1;
+        ++z[l];
+      }
+      widest = std::max(widest, z[l]);
+      ++z[nl + l];
+      ++z[2 * nl + l];
+      blocks += z[l];
+      live += z[2 * nl + l];
       sp[lr * s + slot] = pos[i];
-      op[l * b + i] = block * bs + slot % bs;
+      op[l * b + i] = tp[lr * wt + slot / bs] * bs + slot % bs;
       for (size_t t = 0; t < st.size(); ++t) {
         const float fill = static_cast<float>(fills[t]);
         const int64_t per = st[t].bytes / static_cast<int64_t>(sizeof(float));  // values a slot per run
@@ -405,7 +433,11 @@ at::Tensor append_slots(at::Tensor table, at::Tensor slot_pos, std::vector<at::T
         }
       }
     }
-  return out;
+    int64_t* q = pk + rows[i] * 2;
+    q[0] = std::max(q[0], blocks);
+    q[1] = std::max(q[1], live / nl);
+  }
+  return {out, widest};
 }
 
 // A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
@@ -486,8 +518,9 @@ TORCH_LIBRARY(kvserve_tables, m) {
         "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
-  m.def("append_slots(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
-        "float[] fills, Tensor(d!) ref, Tensor plan, int b, int k, int u, int bs) -> Tensor");
+  m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
+        "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, Tensor plan, int b, int bs) "
+        "-> (Tensor, int)");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
         "Tensor(d!)[] flats, Tensor rows, Tensor next, Tensor only, Tensor ref, int bs) "
         "-> (bool, Tensor, Tensor, Tensor, Tensor)");
@@ -499,5 +532,5 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("compact_rows", compact_rows);
   m.impl("release_refs", release_refs);
   m.impl("write_kv", write_kv);
-  m.impl("append_slots", append_slots);
+  m.impl("append_rows", append_rows);
 }
