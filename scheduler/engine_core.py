@@ -345,8 +345,9 @@ class EngineCore:
         text, hit = r.detok.add([tok]) if r.detok is not None else ("", False)
         if hit:
             return text, "stop"
-        if len(r.output_ids) >= p.max_tokens or (
-                r.num_tokens >= self.max_model_len and not r.rope_shift):
+        # max_tokens is within the context unless the request shifts RoPE positions
+        # (add_request: `fit_max_tokens`, the one context rule), so it is the one bound.
+        if len(r.output_ids) >= p.max_tokens:
             return text, "length"
         return text, None
 
