@@ -103,11 +103,15 @@ class KVCacheManager:
         return SeqCache(self.pool, self.num_layers, -(-tokens // self.block_size) + 1,
                         tables=self.tables)
 
-    def append_decode(self, caches: list[SeqCache], positions: list[int],
+    def decode_need(self, rows: list[int]) -> int:
+        """Blocks a decode append of these cache rows would take."""
+        return self.tables.decode_need(rows)
+
+    def append_decode(self, rows: list[int], positions: list[int],
                       need: int | None = None) -> torch.Tensor:
-        """Every decoding cache's next slot in one batch: [L, B] physical slots (`need`:
-        the blocks that takes, if the caller counted them)."""
-        return self.tables.append_decode(self.pool, caches, positions, need)
+        """Every decoding cache's next slot in one batch (`rows`: the caches' rows):
+        [L, B] physical slots (`need`: the blocks that takes, if the caller counted)."""
+        return self.tables.append_decode(self.pool, rows, positions, need)
 
     def release(self, cache: SeqCache) -> None:
         """Give back everything a cache holds (device blocks, or swap space)."""

@@ -178,7 +178,10 @@ class SeqCache:
 
     @property
     def max_blocks(self) -> int:
-        return self.nblocks[0] if self.uniform else max(self.nblocks)
+        if self._row is None:
+            return 0
+        sz, o = self.tables.sz, self._o
+        return sz[o] if self.uniform else max(sz[o : o + self.num_layers])
 
     def blocks_needed(self, n: int) -> int:
         """Blocks that appending n tokens to every layer would allocate."""

@@ -247,22 +247,30 @@ class SlotTables:
         rows = [c.row for c in caches]
         return rows_slice(self.table, rows, nb), rows_slice(self.slot_pos, rows, nb * self.bs)
 
-    def append_decode(self, pool: BlockPool, caches: list[SeqCache],
+    def decode_need(self, rows: list[int]) -> int:
+        """Blocks a decode append of these rows takes (a layer whose last block is
+        full takes one): one C++ pass on CPU."""
+        if not rows:
+            return 0
+        if self.table.device.type == "cpu" and load_mark():
+            return torch.ops.kvserve_tables.decode_need(self.sizes, rows, self.bs)
+        sizes = self.sizes.index_select(0, int64_tensor(rows))
+        return int((sizes[:, NEXT] >= sizes[:, NBLOCKS] * self.bs).sum())
+
+    def append_decode(self, pool: BlockPool, rows: list[int],
                       positions: list[int], need: int | None = None) -> torch.Tensor:
-        """Give each cache's next token (original position `positions[i]`) a slot in
+        """Give each row's next token (original position `positions[i]`) a slot in
         every layer; returns the physical slots [L, B] to write K/V to.
 
-        The caller has checked that the pool holds the blocks this needs (`need`, the
-        caches' `blocks_needed(1)` summed, if it has it): they are taken in one
-        allocation. On CPU the whole append is one C++ pass over the rows
+        The caller has checked that the pool holds the blocks this needs (`need`, if it
+        counted them; else `decode_need`): they are taken in one allocation. On CPU the whole append is one C++ pass over the rows
         (csrc/tables_cpu.cpp::append_rows): it reads each row's sizes, links a new block
         where a layer's last one is full, writes the positions and state fills, and bumps
         the sizes in place; Python only lists the rows. Elsewhere the same as torch ops
         over the sizes: an allocation, a table write, a position write and a gather."""
         nl, bs = self.num_layers, self.bs
         if need is None:
-            need = sum(c.blocks_needed(1) for c in caches)
-        rows = [c.row for c in caches]
+            need = self.decode_need(rows)
         if self.table.device.type == "cpu" and load_mark():
             taken = pool.take(need)  # raises before anything changes
             states, columns = self._native_states()

@@ -199,7 +199,9 @@ class EngineCore:
                       priority=priority, kv_policy=config, policy_name=config.name,
                       policy=policy, rope_shift=rope_shift, tenant=tenant,
                       block_hashes=block_hashes(prompt_ids, bs, cache_salt),
-                      reserve_blocks=reserve, peak_blocks=need, max_chunk=chunk)
+                      reserve_blocks=reserve, peak_blocks=need, max_chunk=chunk,
+                      stop_ids=frozenset(params.stop_token_ids).union(
+                          () if params.ignore_eos else self._eos))
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
         if params.prompt_logprobs is not None:
@@ -339,15 +341,14 @@ class EngineCore:
             return self.model.rotary.rotate(keys, delta, scaled=False)
 
     def _check_stop(self, r: Request, tok: int) -> tuple[str, str | None]:
-        p = r.params
-        if tok in p.stop_token_ids or (tok in self._eos and not p.ignore_eos):
+        if tok in r.stop_ids:
             return "", "stop"
         text, hit = r.detok.add([tok]) if r.detok is not None else ("", False)
         if hit:
             return text, "stop"
         # max_tokens is within the context unless the request shifts RoPE positions
         # (add_request: `fit_max_tokens`, the one context rule), so it is the one bound.
-        if len(r.output_ids) >= p.max_tokens:
+        if len(r.output_ids) >= r.params.max_tokens:
             return text, "length"
         return text, None
 

@@ -52,6 +52,8 @@ class Request:
     # (streaming) gets chunks no longer than its bound, so its cache stays within twice
     # that from the first prompt token on (`KVCacheManager.prefill_chunk`).
     max_chunk: int = 2**62
+    # Token ids that end it: its stop_token_ids, and the model's EOS unless ignore_eos.
+    stop_ids: frozenset[int] = frozenset()
     registered: int = 0  # prompt blocks published to (or taken from) the prefix cache
     resume_mark: int = 0  # len(output_ids) when last resumed (thrash protection)
     output_ids: list[int] = field(default_factory=list)

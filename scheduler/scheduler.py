@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.manager import KVCacheManager
-from kvpool.seq_cache import SeqCache
 from policies.catalog import build_policy
 from scheduler.preemption import CostModel
 from scheduler.request import Request, Status
@@ -57,11 +56,8 @@ class Chunk:
     # [L, num_tokens] pool slots to write K/V to; None for a decode token, whose slots
     # are the plan's `decode_slots` column (all decode tokens get theirs in one batch).
     slots: torch.Tensor | None
-
-    @property
-    def completes(self) -> bool:
-        """The chunk reaches the last known token, so it yields logits to sample from."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    # The chunk reaches the last known token, so it yields logits to sample from.
+    completes: bool
 
 
 @dataclass
@@ -138,19 +134,29 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         preempted: list[Request] = []
-        # Decoding requests' caches and next positions; their blocks are counted in
-        # `pending` and taken below, all at once.
-        caches: list[SeqCache] = []
+        # Decoding requests' cache rows and next positions; their blocks are taken below,
+        # all at once. While the pool holds a block per layer for every one of them
+        # (`roomy`), nobody counts: the C++ append counts as it goes. Once it might not,
+        # `pending` counts them exactly, and preemption decides on exact counts.
+        rows: list[int] = []
         positions: list[int] = []
         pending = 0
+        roomy = True
+        nl = self.num_layers
         free = self.pool.num_free  # changes only where this loop preempts or appends
         queue = list(self.running)  # kept in _key order (`_resume`): no sort per step
         while queue and budget > 0:
             req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed, budget, req.max_chunk)
+            left = req.num_tokens - req.num_computed
+            n = min(left, budget, req.max_chunk)
             cache = req.cache
             assert cache is not None
-            need = cache.blocks_needed(n)
+            if n == 1 and roomy and nl * (len(rows) + 1) <= free:
+                need = 0
+            else:
+                if roomy:
+                    roomy, pending = False, self.kv.decode_need(rows)
+                need = cache.blocks_needed(n)
             if need + pending > free:
                 while need + pending > self.pool.num_free:
                     victim = self._victim(queue) or req
@@ -163,16 +169,17 @@ class Scheduler:
                 free = self.pool.num_free
             if req.status is Status.RUNNING:
                 if n == 1:
-                    caches.append(cache)
+                    rows.append(cache.row)
                     positions.append(req.num_computed - req.pos_offset)
                     pending += need
-                    chunks.append(Chunk(req, req.num_computed, 1, None))
+                    chunks.append(Chunk(req, req.num_computed, 1, None, left == 1))
                 else:
                     chunks.append(self._chunk(req, n))
                     free = self.pool.num_free
                 budget -= n
         # Every decode token's slots in one batch: the ops do not grow with their number.
-        slots = self.kv.append_decode(caches, positions, pending) if caches else None
+        slots = self.kv.append_decode(rows, positions, None if roomy else pending) \
+            if rows else None
         plan = Plan(chunks, preempted, slots)
         if preempted:  # memory is short: bring nobody in this step
             return plan
@@ -360,7 +367,8 @@ class Scheduler:
         assert req.cache is not None
         start = req.num_computed
         first = start - req.pos_offset
-        return Chunk(req, start, n, req.cache.append(torch.arange(first, first + n)))
+        return Chunk(req, start, n, req.cache.append(torch.arange(first, first + n)),
+                     start + n == req.num_tokens)
 
     # ---- after the forward ---------------------------------------------------------
     def publish(self, chunks: list[Chunk]) -> None:

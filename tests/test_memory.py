@@ -318,3 +318,29 @@ def test_thrash_protection_and_starvation_order():
     sched.add(Request("early", [1], GREEDY, 0, arrival_time=1.0))
     sched.add(starved)
     assert sched.waiting[0] is starved
+
+
+@pytest.mark.parametrize("spare, preempted", [(0, 0), (-1, 1)])
+def test_decode_blocks_are_counted_exactly_when_the_pool_is_tight(spare, preempted):
+    """While the pool holds a block per layer for every decoding request, planning counts
+    nothing (the C++ append counts as it goes); once it may not, it counts exactly. A
+    pool short of that worst case (6 blocks) but not of the real need (2: one request
+    at a block boundary, two layers) preempts nobody; one block less preempts one."""
+    kv = KVCacheManager(BlockPool(64, 4, 1, 2), 2, watermark=0)
+    sched = Scheduler(kv, 8, 64)
+    for i, n in enumerate((4, 3, 3)):  # r0 fills its block; r1, r2 have room left
+        sched.add(Request(f"r{i}", [1] * n, GREEDY, 0, arrival_time=float(i)))
+    plan = sched.schedule()
+    assert [c.num_tokens for c in plan.chunks] == [4, 3, 3]
+    for c in plan.chunks:  # the prefill ran and sampled a token
+        c.request.num_computed += c.num_tokens
+        c.request.output_ids.append(5)
+    assert kv.decode_need([r.cache.row for r in sched.running]) == 2
+    kv.pool.allocate(kv.pool.num_free - (2 + spare))
+    plan = sched.schedule()
+    assert [r.request_id for r in plan.preempted] == ["r2"][:preempted]
+    assert len(plan.chunks) == 3 - preempted and plan.decode_slots is not None
+    assert plan.decode_slots.shape == (2, 3 - preempted)
+    assert kv.pool.num_free == spare + preempted * 2  # r2's two blocks came back
+    r0 = sched.running[0]
+    assert r0.request_id == "r0" and r0.cache.nblocks == [2, 2]

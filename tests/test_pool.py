@@ -90,7 +90,7 @@ def test_eviction_frees_whole_blocks_and_keeps_positions():
 
 
 def _decode(pool: BlockPool, caches: list[SeqCache], positions: list[int]) -> torch.Tensor:
-    return caches[0].tables.append_decode(pool, caches, positions)
+    return caches[0].tables.append_decode(pool, [c.row for c in caches], positions)
 
 
 def test_append_decode_equals_append_and_sees_table_writes() -> None:
@@ -233,7 +233,7 @@ def test_append_decode_on_an_exhausted_pool_changes_nothing() -> None:
     before = [(list(x.nblocks), list(x.next_slot), x.slot_pos.clone(), x.table.clone(), x.live)
               for x in (a, c)]
     with pytest.raises(PoolExhausted):
-        tables.append_decode(pool, [a, c], [3, 4])
+        tables.append_decode(pool, [a.row, c.row], [3, 4])
     for x, b in zip((a, c), before):
         assert (list(x.nblocks), list(x.next_slot), x.live) == (b[0], b[1], b[4])
         assert torch.equal(x.slot_pos, b[2]) and torch.equal(x.table, b[3])

@@ -159,7 +159,8 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
     torch form over nine steps: caches whose layers hold different block counts after
     eviction (uneven) beside one that never evicted (aligned), block boundaries crossed
     in some layers and not others, three kinds of per-slot state. The slots returned,
-    the tables, positions, states, reference counts, free list and sizes all agree."""
+    the tables, positions, states, reference counts, free list and sizes all agree, and
+    both forms of `decode_need` count what the caches' `blocks_needed(1)` count."""
     from kvpool.seq_cache import SeqCache
 
     if not tables_mod.load_mark():
@@ -177,7 +178,9 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
         slots = []
         for step in range(9):
             pos = [100 * i + step for i in range(len(caches))]
-            slots.append(t.append_decode(pool, caches, pos))
+            rows = [c.row for c in caches]
+            assert t.decode_need(rows) == sum(c.blocks_needed(1) for c in caches)
+            slots.append(t.append_decode(pool, rows, pos))
         runs.append((pool, t, slots, [(c.nblocks, c.next_slot, c.layer_live) for c in caches]))
     (pa, a, sa, ca), (pb, b, sb, cb) = runs
     assert ca == cb

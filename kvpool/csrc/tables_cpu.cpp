@@ -440,6 +440,23 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
   return {out, widest};
 }
 
+// The blocks `append_rows` would take for these rows: a layer whose last block is full
+// takes one. The scheduler asks once for a step's decoding rows when the pool might run
+// short, instead of asking every request in Python.
+int64_t decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+  TORCH_CHECK(sizes.dim() == 3 && sizes.scalar_type() == at::kLong && sizes.is_contiguous() && sizes.size(1) == 3,
+              "sizes must be a contiguous [Rt, 3, L] int64 tensor");
+  const int64_t rt = sizes.size(0), nl = sizes.size(2);
+  const int64_t* zp = sizes.data_ptr<int64_t>();
+  int64_t need = 0;
+  for (const int64_t row : rows) {
+    TORCH_CHECK(row >= 0 && row < rt, "row out of range");
+    const int64_t* z = zp + row * 3 * nl;
+    for (int64_t l = 0; l < nl; ++l) need += z[nl + l] >= z[l] * bs;
+  }
+  return need;
+}
+
 // A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
 // their pool slots [T], in the pool's dtype: BlockPool.write, whose torch form is two
 // index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
@@ -518,6 +535,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
         "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def("decode_need(Tensor sizes, int[] rows, int bs) -> int");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, Tensor plan, int b, int bs) "
         "-> (Tensor, int)");
@@ -533,4 +551,5 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("release_refs", release_refs);
   m.impl("write_kv", write_kv);
   m.impl("append_rows", append_rows);
+  m.impl("decode_need", decode_need);
 }
