@@ -37,6 +37,14 @@ class SamplingBatch:
     needs_min_p: bool = False  # some row uses min-p (decided here: no device sync later)
 
     @staticmethod
+    def greedy(max_logprobs: int | None = None) -> SamplingBatch:
+        """Every row greedy (the common offline case): `sample` reads no parameter
+        tensor, so none is built — six small tensors a step saved."""
+        none = _NO_ROWS
+        return SamplingBatch(none, none, none, none, none, none, all_greedy=True,
+                             needs_sort=False, max_logprobs=max_logprobs)
+
+    @staticmethod
     def build(params: list[SamplingParams], seeds: list[int], steps: list[int],
               device: torch.device | str = "cpu") -> SamplingBatch:
         """`device`: where the logits are; the parameters go there in one copy, so
@@ -44,11 +52,7 @@ class SamplingBatch:
         temps = [p.temperature for p in params]
         lps = [p.logprobs for p in params if p.logprobs is not None]
         if not any(temps):
-            # Every row greedy (the common offline case): `sample` reads no parameter
-            # tensor, so none is built — six small tensors a step saved.
-            none = _NO_ROWS
-            return SamplingBatch(none, none, none, none, none, none, all_greedy=True,
-                                 needs_sort=False, max_logprobs=max(lps) if lps else None)
+            return SamplingBatch.greedy(max(lps) if lps else None)
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]

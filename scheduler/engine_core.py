@@ -44,6 +44,7 @@ from scheduler.request import Request
 from scheduler.scheduler import Chunk, MemoryConfig, Scheduler
 
 _NO_NEEDS = Needs()  # a request without a policy asks the runner for nothing
+_ALL_GREEDY = SamplingBatch.greedy()  # read only
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *_DTYPES, *FORMATS)  # what --kv-cache-dtype accepts
@@ -153,6 +154,9 @@ class EngineCore:
         self._min_window = min(windows) if windows else 2**62  # effectively never trims
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        # Requests here whose rows need sampling parameters (a temperature, logprobs):
+        # while there are none, a step builds no parameter lists at all.
+        self._sampling = 0
         self._default_policy = parse_kv_policy(config.default_kv_policy)
         self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies)
 
@@ -207,13 +211,19 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
         self.requests[request_id] = req
+        self._sampling += _needs_params(params)
         self.scheduler.add(req)
         self.policies.admitted(config.name)
 
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is not None:
+            self._forget(req)
             self.scheduler.remove(req)
+
+    def _forget(self, r: Request) -> None:
+        del self.requests[r.request_id]
+        self._sampling -= _needs_params(r.params)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -254,9 +264,10 @@ class EngineCore:
             sampled = completes and p.max_tokens > 0
             if sampled:
                 done.append(c)
-                params.append(p)
-                seeds.append(r.seed)
-                steps.append(len(r.output_ids))
+                if self._sampling:
+                    params.append(p)
+                    seeds.append(r.seed)
+                    steps.append(len(r.output_ids))
             elif completes:
                 scored.append(r)
             needs = r.policy.needs if r.policy is not None else _NO_NEEDS
@@ -275,7 +286,8 @@ class EngineCore:
         t2 = time.perf_counter()
         for i, scores in out.scores.items():
             _add_prompt_logprobs(plan.chunks[i].request, scores)
-        batch = SamplingBatch.build(params, seeds, steps, out.logits.device)
+        batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
+            if self._sampling else _ALL_GREEDY
         ids = sample(out.logits, batch)  # on the model's device
         lp = None
         if batch.max_logprobs is not None:
@@ -320,7 +332,7 @@ class EngineCore:
                 if r.detok is not None:
                     text += r.detok.flush()
                 self.scheduler.remove(r)
-                del self.requests[r.request_id]
+                self._forget(r)
             outputs.append(self._output(r, text))
         return outputs
 
@@ -332,7 +344,7 @@ class EngineCore:
             self._prompt_tokens += len(r.prompt_ids)
             r.finish_reason = "length"
             self.scheduler.remove(r)
-            del self.requests[r.request_id]
+            self._forget(r)
             outputs.append(self._output(r, ""))
         return outputs
 
@@ -416,6 +428,11 @@ class EngineCore:
         sched = self.scheduler
         self.kv.check_invariants([r.cache for r in sched.running if r.cache is not None],
                                  [r.cache for r in sched.swapped if r.cache is not None])
+
+
+def _needs_params(p: SamplingParams) -> bool:
+    """Whether a request's sampled rows need a `SamplingBatch` built from parameters."""
+    return p.temperature != 0.0 or p.logprobs is not None
 
 
 def _prompt_scoring(r: Request, c: Chunk) -> PromptScoring | None:

@@ -191,3 +191,33 @@ def test_race_op_matches_over_many_draws():
     toks = torch.ops.kvserve_sampling.race(small, torch.arange(20000), torch.zeros(20000, dtype=torch.int64))
     freq = torch.bincount(toks, minlength=4).float() / 20000
     assert torch.allclose(freq, small[0], atol=0.015)
+
+
+def test_engine_builds_sampling_parameters_only_while_a_request_needs_them(tmp_path):
+    """EngineCore counts the requests whose rows need parameters (a temperature,
+    logprobs); while none is left, greedy rows are sampled without building any. A
+    seeded sampled request draws the same tokens beside greedy ones as alone, and the
+    greedy ones the same tokens before, beside and after it (finished or aborted)."""
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    llm = LLM(make_tiny_model("llama", tmp_path), num_blocks=256, block_size=4)
+    eng = llm.engine
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, detokenize=False)
+    hot = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True,
+                         detokenize=False)
+    alone = [o.token_ids for o in llm.generate([[5, 6, 7], [9, 9]], [hot, greedy])]
+    assert eng._sampling == 0
+    eng.add_request("g", [9, 9], greedy)
+    eng.add_request("s", [5, 6, 7], hot)
+    eng.add_request("x", [4, 4], hot)
+    assert eng._sampling == 2
+    eng.abort_request("x")
+    tokens: dict[str, list[int]] = {"g": [], "s": []}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id] += o.new_token_ids
+    assert eng._sampling == 0
+    assert [tokens["s"], tokens["g"]] == alone
+    after = llm.generate([[9, 9]], greedy)[0].token_ids
+    assert after == tokens["g"]
