@@ -321,11 +321,12 @@ class EngineCore:
                 r.first_token_time = now
                 self._prompt_tokens += len(r.prompt_ids)
             r.output_ids.append(tok)
-            if lp is not None and r.params.logprobs is not None:
-                k = r.params.logprobs
-                top = list(zip(lp[1][row][:k], lp[2][row][:k]))
-                r.pending_logprobs.append(TokenLogprob(tok, lp[0][row], top))
-            r.pending_ids.append(tok)
+            logprobs = None
+            if (k := r.params.logprobs) is not None:
+                logprobs = []
+                if lp is not None:
+                    top = list(zip(lp[1][row][:k], lp[2][row][:k]))
+                    logprobs.append(TokenLogprob(tok, lp[0][row], top))
             text, finish = self._check_stop(r, tok)
             if finish is not None:
                 r.finish_reason = finish
@@ -333,7 +334,7 @@ class EngineCore:
                     text += r.detok.flush()
                 self.scheduler.remove(r)
                 self._forget(r)
-            outputs.append(self._output(r, text))
+            outputs.append(self._output(r, [tok], text, logprobs))
         return outputs
 
     def _finish_scored(self, reqs: list[Request]) -> list[RequestOutput]:
@@ -345,7 +346,7 @@ class EngineCore:
             r.finish_reason = "length"
             self.scheduler.remove(r)
             self._forget(r)
-            outputs.append(self._output(r, ""))
+            outputs.append(self._output(r, [], "", [] if r.params.logprobs is not None else None))
         return outputs
 
     def _rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
@@ -374,7 +375,10 @@ class EngineCore:
                 r.cache.drop_before(layer, r.num_computed - w + 1)
         r.window_trimmed = min_pos
 
-    def _output(self, r: Request, text: str) -> RequestOutput:
+    def _output(self, r: Request, ids: list[int], text: str,
+                logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        """The step's delta of one request: every running request reports every step, so
+        the new ids (and logprobs) are the step's own, never a backlog."""
         prompt_lps = None
         if r.prompt_logprobs is not None and not r.prompt_logprobs_sent:
             assert not r.scoring_prompt, "a request's first output follows its prefill"
@@ -382,17 +386,12 @@ class EngineCore:
         finished = r.finish_reason is not None
         # Positional, in RequestOutput's field order: a keyword call costs 2.5x as much,
         # and this runs for every request every step.
-        out = RequestOutput(
-            r.request_id, r.pending_ids, text,
-            r.pending_logprobs if r.params.logprobs is not None else None,  # logprobs
+        return RequestOutput(
+            r.request_id, ids, text, logprobs,
             finished, r.finish_reason, len(r.prompt_ids), len(r.output_ids),
             self._final_kv(r) if finished else None,  # kv
             r.arrival_time, r.first_scheduled_time, r.first_token_time, r.num_preemptions,
             prompt_lps)
-        r.pending_ids = []
-        if r.params.logprobs is not None:  # only then was the list handed over
-            r.pending_logprobs = []
-        return out
 
     def _final_kv(self, r: Request) -> KVUsage:
         r.kv.peak_bytes = r.kv.peak_blocks * self.pool.block_bytes

@@ -69,9 +69,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     kv: KVUsage = field(default_factory=KVUsage)
-    # Outputs not yet reported upward (token ids and their logprobs).
-    pending_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list = field(default_factory=list)
     # With params.prompt_logprobs: one entry per prompt token scored so far ([None] for
     # the first). It only grows: a recompute after preemption scores from where it is.
     prompt_logprobs: list[TokenLogprob | None] | None = None
