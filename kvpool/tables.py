@@ -276,7 +276,7 @@ class SlotTables:
             states, columns = self._native_states()
             slots, widest = torch.ops.kvserve_tables.append_rows(
                 self.table, self.slot_pos, self.sizes, self.peaks, states, columns,
-                list(self.fills.values()), pool.ref, int64_tensor(rows + positions + taken),
+                list(self.fills.values()), pool.ref, rows + positions + taken,
                 len(rows), bs)
             self.ensure_width(widest)  # the next append's new blocks fit
             return slots

@@ -349,7 +349,7 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
 // (sizes [Rt, 3, L] int64: blocks held, slots appended, live slots per layer) are read and
 // bumped here, so the host lists only the rows: a per-request Python pass over the sizes
 // was ~1.5 us a request, a tenth of a 3M model's 64-request step outside the forward. The
-// torch form is about ten dispatches. `plan` is one int64 tensor made on the host:
+// torch form is about ten dispatches. `plan` is one host list of ints:
 //   rows [b] | positions [b] | new block ids [k]
 // A layer whose last block is full takes the next id (rows in order, layers within a row,
 // the order the torch form uses), with reference count 1 in `ref`; each appended slot gets
@@ -360,7 +360,7 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
 // (all layers) and live tokens (summed over layers // layers) right after an append.
 std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes,
                                             at::Tensor peaks, std::vector<at::Tensor> states, const at::Tensor& columns,
-                                            std::vector<double> fills, at::Tensor ref, const at::Tensor& plan,
+                                            std::vector<double> fills, at::Tensor ref, c10::IntArrayRef plan,
                                             int64_t b, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
@@ -370,20 +370,33 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
   TORCH_CHECK(peaks.dim() == 2 && peaks.scalar_type() == at::kLong && peaks.is_contiguous() &&
               peaks.size(0) == sizes.size(0) && peaks.size(1) == 2, "peaks must be a contiguous [Rt, 2] int64 tensor");
   TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(), "ref must be [blocks] int32");
-  TORCH_CHECK(plan.dim() == 1 && plan.scalar_type() == at::kLong && plan.is_contiguous() && b >= 0 &&
-              plan.size(0) >= 2 * b, "plan does not match b");
+  TORCH_CHECK(b >= 0 && static_cast<int64_t>(plan.size()) >= 2 * b, "plan does not match b");
   TORCH_CHECK(fills.size() == states.size(), "one fill per state");
   const std::vector<StateRuns> st = state_runs(states, columns, nl, rt, s);
-  const int64_t* p = plan.data_ptr<int64_t>();
+  const int64_t* p = plan.data();
   const int64_t *rows = p, *pos = p + b, *ids = p + 2 * b;
-  const int64_t k = plan.size(0) - 2 * b;
+  const int64_t k = static_cast<int64_t>(plan.size()) - 2 * b;
   int64_t* tp = table.data_ptr<int64_t>();
   int64_t* sp = slot_pos.data_ptr<int64_t>();
   int64_t* zp = sizes.data_ptr<int64_t>();
   int32_t* refp = ref.data_ptr<int32_t>();
-  int64_t need = 0;
+  // Right after the forward none of this is in cache, and each (row, layer) touches its
+  // own lines: ask for all of them first, so that their misses overlap instead of
+  // queueing behind each other (the sizes, then the table and position lines they point to).
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(rows[i] >= 0 && rows[i] < rt, "row out of range");
+    for (int64_t f = 0; f < 3 * nl; f += 8) __builtin_prefetch(zp + rows[i] * 3 * nl + f, 1);
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    const int64_t* z = zp + rows[i] * 3 * nl;
+    for (int64_t l = 0; l < nl; ++l) {
+      const int64_t lr = l * rt + rows[i], nxt = z[nl + l];
+      __builtin_prefetch(tp + lr * wt + nxt / bs, 1);
+      __builtin_prefetch(sp + lr * s + nxt, 1);
+    }
+  }
+  int64_t need = 0;
+  for (int64_t i = 0; i < b; ++i) {
     const int64_t* z = zp + rows[i] * 3 * nl;
     for (int64_t l = 0; l < nl; ++l) {
       const int64_t nb = z[l], nxt = z[nl + l];
@@ -395,14 +408,11 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
       } else {
         TORCH_CHECK(tp[lr * wt + nxt / bs] >= 0, "appending into a column with no block");
       }
-      // Right after the forward none of this is in cache: ask for the lines the second
-      // pass writes now, so that their misses overlap instead of queueing one by one.
-      __builtin_prefetch(sp + lr * s + nxt, 1);
     }
   }
   TORCH_CHECK(need == k, "the plan's new blocks do not match the rows' sizes");
   for (int64_t j = 0; j < k; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < ref.size(0), "new block out of range");
-  at::Tensor out = at::empty({nl, b}, plan.options());
+  at::Tensor out = at::empty({nl, b}, table.options());
   int64_t* op = out.data_ptr<int64_t>();
   int64_t* pk = peaks.data_ptr<int64_t>();
   int64_t taken = 0, widest = 0;
@@ -448,9 +458,12 @@ int64_t decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) 
               "sizes must be a contiguous [Rt, 3, L] int64 tensor");
   const int64_t rt = sizes.size(0), nl = sizes.size(2);
   const int64_t* zp = sizes.data_ptr<int64_t>();
+  for (const int64_t row : rows) {  // cold after the forward: every row's misses at once
+    TORCH_CHECK(row >= 0 && row < rt, "row out of range");
+    for (int64_t f = 0; f < 2 * nl; f += 8) __builtin_prefetch(zp + row * 3 * nl + f);
+  }
   int64_t need = 0;
   for (const int64_t row : rows) {
-    TORCH_CHECK(row >= 0 && row < rt, "row out of range");
     const int64_t* z = zp + row * 3 * nl;
     for (int64_t l = 0; l < nl; ++l) need += z[nl + l] >= z[l] * bs;
   }
@@ -537,7 +550,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_need(Tensor sizes, int[] rows, int bs) -> int");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
-        "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, Tensor plan, int b, int bs) "
+        "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, int b, int bs) "
         "-> (Tensor, int)");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
         "Tensor(d!)[] flats, Tensor rows, Tensor next, Tensor only, Tensor ref, int bs) "
