@@ -284,7 +284,7 @@ class SlotTables:
         sizes = self.sizes.index_select(0, row_t)  # [B, 3, L]
         nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, B]
         full = nxt >= nb * bs
-        self.ensure_width(int(nb.max()) + 1)
+        self.ensure_width(int(nb.max()))  # and one block more: room for this append
         lay = torch.arange(nl)[:, None]
         if need:  # new blocks in (cache, layer) order, as the C++ pass takes them
             ids = pool.allocate(need)
@@ -310,13 +310,14 @@ class SlotTables:
         way a policy's plan reaches the pool: a fixed number of ops for any batch.
         `positions`: the caches' `slot_pos[:, rows, :W]` if the caller read it already
         (the torch form reuses it and updates it; the C++ form, csrc/tables_cpu.cpp,
-        writes `slot_pos` in place in one pass)."""
+        writes `slot_pos` in place in one pass). Both take the dead slots off the rows'
+        live counts (`sizes`)."""
         r = dead.shape[1]
         rows = int64_tensor([c.row for c in caches])
         alike = bool_tensor([c.alike for c in caches])
         if dead.device.type == "cpu" and load_mark():
             cnt, emptied, same_t = torch.ops.kvserve_tables.mark_dead(
-                self.slot_pos, rows, dead, alike, self.bs)
+                self.slot_pos, self.sizes, rows, dead, alike, self.bs)
             counts, same = cnt.t().tolist(), same_t.tolist()  # counts [R][L]
         else:
             counts, emptied, same = self._mark_dead(rows, dead, alike, positions)
@@ -324,7 +325,6 @@ class SlotTables:
             return [(0, 0)] * r
         for c, k, s in zip(caches, counts, same):
             if any(k):
-                c.layer_live = [x - y for x, y in zip(c.layer_live, k)]
                 c.alike = c.alike and s
                 c.uniform = False
         hit = [i for i, e in enumerate(emptied.tolist()) if e]
@@ -341,9 +341,11 @@ class SlotTables:
         sp = positions if positions is not None else \
             self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
         d = dead & (sp >= 0)
-        counts = d.sum(dim=2).t().tolist()  # [R][L]
+        died = d.sum(dim=2).t()  # [R, L]
+        counts = died.tolist()
         if not any(map(any, counts)):
             return counts, torch.zeros(r, dtype=torch.bool), [True] * r
+        self.sizes[:, LIVE].index_add_(0, rows, -died)
         sp.masked_fill_(d, -1)
         self.slot_pos[:, :, :w].index_copy_(1, rows, sp)
         same = [True] * r
@@ -365,14 +367,17 @@ class SlotTables:
         nl, bs = self.num_layers, self.bs
         rows = [c.row for c in caches]
         row_t = int64_tensor(rows)
+        if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
+            states, columns = self._native_states()  # it shortens the rows' sizes too
+            ids, ndead = torch.ops.kvserve_tables.free_dead(
+                self.table, self.slot_pos, self.sizes, states, columns, row_t,
+                _layer_mask(nl, layers), bs)
+            if ids.numel():
+                pool.release(ids)
+            return ndead.sum(dim=0).tolist()
         sizes = self.sizes.index_select(0, row_t)
         nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, R] each
         w = int(nb.max())
-        if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
-            ids, ndead = torch.ops.kvserve_tables.free_dead(
-                self.table, self.slot_pos, *self._native_states(),
-                row_t, nb, nxt, _layer_mask(nl, layers), bs, w)
-            return self._freed(pool, caches, ids, ndead.t().tolist())
         table = take_rows(self.table, rows, w)  # [L, R, w]
         pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
         cols = torch.arange(w)
@@ -406,8 +411,9 @@ class SlotTables:
 
     def _freed(self, pool: BlockPool, caches: list[SeqCache], ids: torch.Tensor,
                counts: list[list[int]]) -> list[int]:
-        """`free_dead_blocks`' bookkeeping: release `ids` and shorten each cache by its
-        dead blocks per layer (`counts` [R][L]); returns the blocks freed per cache."""
+        """The torch form of `free_dead_blocks`' bookkeeping (the C++ pass does it in
+        place): release `ids` and shorten each cache by its dead blocks per layer
+        (`counts` [R][L]); returns the blocks freed per cache."""
         if not any(map(any, counts)):
             return [0] * len(caches)
         pool.release(ids)
@@ -489,30 +495,23 @@ class SlotTables:
 
     def _compact_native(self, pool: BlockPool, caches: list[SeqCache],
                         layers: list[int] | None) -> list[int] | None:
-        """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state
-        and K/V moved slot by slot, no sort, no index tensors), for a pool without
-        published blocks; None, with nothing changed, when a destination block is
-        shared: the torch form copies it first."""
+        """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state,
+        K/V and the rows' sizes moved slot by slot, no sort, no index tensors), for a
+        pool without published blocks; None, with nothing changed, when a destination
+        block is shared: the torch form copies it first."""
         rows = int64_tensor([c.row for c in caches])
-        declined, ids, want, live, hole = torch.ops.kvserve_tables.compact_rows(
-            self.table, self.slot_pos, *self._native_states(), pool.slot_arrays(),
-            rows, self.sizes[:, NEXT].index_select(0, rows).t(),
+        states, columns = self._native_states()
+        declined, ids, gone, _, hole = torch.ops.kvserve_tables.compact_rows(
+            self.table, self.slot_pos, self.sizes, states, columns, pool.slot_arrays(), rows,
             _layer_mask(self.num_layers, layers), pool.ref, self.bs)
         if declined:
             return None
-        counts = hole.t().tolist()
-        if not any(map(any, counts)):
-            return [0] * len(caches)
-        pool.release(ids)
-        freed = []
-        for c, h, nb, k in zip(caches, counts, want.t().tolist(), live.t().tolist()):
-            size = sum(c.nblocks)
-            if any(h):
+        if ids.numel():
+            pool.release(ids)
+        for c, h in zip(caches, hole.any(dim=0).tolist()):
+            if h:
                 c.alike = False  # layers are packed each on their own
-            c.next_slot = [k_ if h_ else s_ for k_, h_, s_ in zip(k, h, c.next_slot)]
-            c.nblocks = [b_ if h_ else o_ for b_, h_, o_ in zip(nb, h, c.nblocks)]
-            freed.append(size - sum(c.nblocks))
-        return freed
+        return gone.sum(dim=0).tolist()
 
     def _native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The states as the C++ ops take them (storage order) and which are by columns."""

@@ -221,7 +221,8 @@ def test_native_release_matches_torch(seed, monkeypatch):
 def test_native_marking_matches_torch(seed):
     """`mark_dead` (csrc/tables_cpu.cpp) against `SlotTables._mark_dead`: blocks of 16 (its
     word-wise flag scan reads 8 at a time), rows whose layers hold the same slots
-    (`alike`) and lose the same ones or not, flags on dead slots, a row with no flag."""
+    (`alike`) and lose the same ones or not, flags on dead slots, a row with no flag; the
+    same positions, counts and live sizes after."""
     if not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
     g = torch.Generator().manual_seed(seed)
@@ -243,12 +244,15 @@ def test_native_marking_matches_torch(seed):
         if alike[i] and i % 2 == 0:  # every layer drops the same slots
             dead[:, i] = dead[0, i]
     dead[:, r - 1] = False  # a row that drops nothing
-    sp = t.slot_pos.clone()
-    cnt, emptied, same = torch.ops.kvserve_tables.mark_dead(t.slot_pos, rows, dead, alike, bs)
-    native = t.slot_pos.clone()
+    t.sizes[:, 2] = 1000  # live counts: both forms take the dead slots off them
+    sp, sizes = t.slot_pos.clone(), t.sizes.clone()
+    cnt, emptied, same = torch.ops.kvserve_tables.mark_dead(t.slot_pos, t.sizes, rows, dead, alike, bs)
+    native, native_sizes = t.slot_pos.clone(), t.sizes.clone()
     t.slot_pos.copy_(sp)
+    t.sizes.copy_(sizes)
     counts, emptied_t, same_t = t._mark_dead(rows, dead, alike, None)
-    assert torch.equal(native, t.slot_pos)
+    assert torch.equal(native, t.slot_pos) and torch.equal(native_sizes, t.sizes)
+    assert native_sizes[rows, 2].t().tolist() != sizes[rows, 2].t().tolist()  # some died
     assert cnt.t().tolist() == counts
     assert torch.equal(emptied, emptied_t)
     assert same.tolist() == same_t

@@ -38,14 +38,22 @@ inline bool any_flag(const bool* f, int64_t n) {
   return acc != 0;
 }
 
-// slot_pos [L, Rt, S] int64, updated in place; rows [R] the caches' rows; dead [L, R, W]
-// bool (W <= S, a multiple of bs); alike [R] bool (caches whose layers hold the same
-// slots). Returns (counts [L, R] int64: slots that died; emptied [R] bool: a block of the
-// row lost its last live slot; same [R] bool: every layer lost the same slots, computed
-// for alike rows only).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, const at::Tensor& rows,
-                                                         const at::Tensor& dead, const at::Tensor& alike,
-                                                         int64_t bs) {
+// Each row's sizes [Rt, 3, L] int64 (blocks held, slots appended, live slots per layer:
+// kvpool/tables.py's SlotTables.sizes), read and updated in place by the passes below.
+void check_sizes(const at::Tensor& sizes, int64_t rt, int64_t nl) {
+  TORCH_CHECK(sizes.dim() == 3 && sizes.scalar_type() == at::kLong && sizes.is_contiguous() &&
+              sizes.size(0) >= rt && sizes.size(1) == 3 && sizes.size(2) == nl,
+              "sizes must be a contiguous [Rt, 3, L] int64 tensor");
+}
+
+// slot_pos [L, Rt, S] int64, updated in place; sizes: each row's live counts lose the
+// slots that died; rows [R] the caches' rows; dead [L, R, W] bool (W <= S, a multiple of
+// bs); alike [R] bool (caches whose layers hold the same slots). Returns (counts [L, R]
+// int64: slots that died; emptied [R] bool: a block of the row lost its last live slot;
+// same [R] bool: every layer lost the same slots, computed for alike rows only).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, at::Tensor sizes,
+                                                         const at::Tensor& rows, const at::Tensor& dead,
+                                                         const at::Tensor& alike, int64_t bs) {
   TORCH_CHECK(slot_pos.dim() == 3 && slot_pos.scalar_type() == at::kLong && slot_pos.is_contiguous(),
               "slot_pos must be a contiguous [L, Rt, S] int64 tensor");
   TORCH_CHECK(dead.dim() == 3 && dead.scalar_type() == at::kBool, "dead must be [L, R, W] bool");
@@ -54,6 +62,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
   TORCH_CHECK(slot_pos.size(0) == nl && w <= s && bs > 0 && w % bs == 0, "dead does not fit slot_pos");
   TORCH_CHECK(rows.dim() == 1 && rows.size(0) == r && rows.scalar_type() == at::kLong, "rows must be [R] int64");
   TORCH_CHECK(alike.dim() == 1 && alike.size(0) == r && alike.scalar_type() == at::kBool, "alike must be [R] bool");
+  check_sizes(sizes, rt, nl);
+  int64_t* zp = sizes.data_ptr<int64_t>();
   const at::Tensor d = dead.contiguous(), rw = rows.contiguous(), al = alike.contiguous();
   at::Tensor counts = at::zeros({nl, r}, rows.options());
   at::Tensor emptied = at::zeros({r}, alike.options());
@@ -100,6 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, co
           }
         }
         cp[l * r + i] = n;
+        zp[(row * 3 + 2) * nl + l] -= n;
       }
     }
   });
@@ -167,30 +178,33 @@ std::array<int64_t, 4> check_tables(const at::Tensor& table, const at::Tensor& s
 // with their block; the table and positions past the kept blocks become -1. table
 // [L, Rt, Wt], slot_pos [L, Rt, Wt·bs] and states [L, Rt, Wt·bs, ...] (contiguous; a
 // state with `columns` set is given as its storage [L, Rt, k, Wt·bs], k runs of slots)
-// are updated in place; nblocks and next [L, R] are the caches' per layer. Returns (the
+// are updated in place, and so are the rows' sizes (blocks held and slots appended lose
+// the dead blocks; w is the most blocks any of the rows holds in any layer). Returns (the
 // freed block ids in [L, R, w] order, the dead blocks per (layer, cache) [L, R]).
-std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_pos,
+std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes,
                                              std::vector<at::Tensor> states,
-                                             const at::Tensor& columns, const at::Tensor& rows, const at::Tensor& nblocks,
-                                             const at::Tensor& next, const at::Tensor& only,
-                                             int64_t bs, int64_t w) {
+                                             const at::Tensor& columns, const at::Tensor& rows,
+                                             const at::Tensor& only, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
-  TORCH_CHECK(bs > 0 && w >= 0 && w <= wt, "w must be within the table's width");
   const int64_t r = rows.size(0);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
-  for (const at::Tensor* t : {&nblocks, &next})
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == nl && t->size(1) == r && t->scalar_type() == at::kLong,
-                "nblocks and next must be [L, R] int64");
   TORCH_CHECK(only.dim() == 1 && only.size(0) == nl && only.scalar_type() == at::kBool, "only must be [L] bool");
+  check_sizes(sizes, rt, nl);
   const std::vector<StateRuns> st = state_runs(states, columns, nl, rt, s);
-  const at::Tensor rw = rows.contiguous(), nb_t = nblocks.contiguous(), nx_t = next.contiguous();
-  const at::Tensor on = only.contiguous();
+  const at::Tensor rw = rows.contiguous(), on = only.contiguous();
   const int64_t* rp = rw.data_ptr<int64_t>();
-  const int64_t *nbp = nb_t.data_ptr<int64_t>(), *nxp = nx_t.data_ptr<int64_t>();
+  int64_t* zp = sizes.data_ptr<int64_t>();
   const bool* op = on.data_ptr<bool>();
-  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
-  for (int64_t i = 0; i < nl * r; ++i) TORCH_CHECK(nbp[i] >= 0 && nbp[i] <= w, "nblocks out of range");
+  int64_t w = 0;
+  for (int64_t i = 0; i < r; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
+    for (int64_t l = 0; l < nl; ++l) {
+      const int64_t nb = zp[rp[i] * 3 * nl + l];
+      TORCH_CHECK(nb >= 0 && nb <= wt, "nblocks out of range");
+      w = std::max(w, nb);
+    }
+  }
   at::Tensor counts = at::zeros({nl, r}, rows.options());
   int64_t* cp = counts.data_ptr<int64_t>();
   int64_t* tp = table.data_ptr<int64_t>();
@@ -200,7 +214,9 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
   for (int64_t l = 0; l < nl; ++l) {
     if (!op[l]) continue;
     for (int64_t i = 0; i < r; ++i) {
-      const int64_t row = rp[i], nb = nbp[l * r + i], nxt = nxp[l * r + i];
+      const int64_t row = rp[i];
+      int64_t* z = zp + row * 3 * nl;
+      const int64_t nb = z[l], nxt = z[nl + l];
       int64_t* tbl = tp + (l * rt + row) * wt;
       int64_t* pos = sp + (l * rt + row) * s;
       order.clear();
@@ -220,6 +236,8 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
       }
       for (int64_t j = nb; j < w; ++j) order.push_back(j);
       cp[l * r + i] = ndead;
+      z[l] -= ndead;
+      z[nl + l] -= ndead * bs;
       // Move whole blocks of every per-slot array by `order`, then clear what lies past
       // the kept blocks. Only [d0, nb) moves (d0 the first dead block: the blocks before
       // it and from nb on map onto themselves), not the whole width.
@@ -251,18 +269,20 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
 // then the dead, over the whole width), the positions past n become -1 and the blocks
 // from ceil(n / bs) on are released. Nothing is changed and `declined` is returned when
 // a destination block is shared (ref > 1): the caller's torch form copies it first.
-// flats: the pool's [2, slots, ...] tensors (K/V, scales). Returns (declined, released
-// block ids, new nblocks [L, R] (-1: unchanged), live counts [L, R], holes [L, R]).
+// A packed (layer, row)'s sizes become its kept blocks and live count (appends resume
+// after the live slots). flats: the pool's [2, slots, ...] tensors (K/V, scales).
+// Returns (declined, released block ids, blocks released [L, R], live counts [L, R],
+// holes [L, R]).
 std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
-    at::Tensor table, at::Tensor slot_pos, std::vector<at::Tensor> states,
+    at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, std::vector<at::Tensor> states,
     const at::Tensor& columns, std::vector<at::Tensor> flats, const at::Tensor& rows,
-    const at::Tensor& next, const at::Tensor& only, const at::Tensor& ref, int64_t bs) {
+    const at::Tensor& only, const at::Tensor& ref, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
   const int64_t r = rows.size(0);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be [R] int64");
-  TORCH_CHECK(next.dim() == 2 && next.size(0) == nl && next.size(1) == r && next.scalar_type() == at::kLong,
-              "next must be [L, R] int64");
+  check_sizes(sizes, rt, nl);
+  int64_t* zp = sizes.data_ptr<int64_t>();
   TORCH_CHECK(only.dim() == 1 && only.size(0) == nl && only.scalar_type() == at::kBool, "only must be [L] bool");
   TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(), "ref must be [blocks] int32");
   const std::vector<StateRuns> st = state_runs(states, columns, nl, rt, s);
@@ -272,15 +292,15 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
                 "a pool tensor must be a contiguous [2, blocks * bs, ...] tensor");
     flat_bytes.push_back(f.numel() / (2 * f.size(1)) * f.element_size());
   }
-  const at::Tensor rw = rows.contiguous(), nx_t = next.contiguous(), on = only.contiguous();
-  const int64_t *rp = rw.data_ptr<int64_t>(), *nxp = nx_t.data_ptr<int64_t>();
+  const at::Tensor rw = rows.contiguous(), on = only.contiguous();
+  const int64_t* rp = rw.data_ptr<int64_t>();
   const bool* op = on.data_ptr<bool>();
   const int32_t* refp = ref.data_ptr<int32_t>();
   for (int64_t i = 0; i < r; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
-  at::Tensor want = at::full({nl, r}, -1, rows.options());
+  at::Tensor gone = at::zeros({nl, r}, rows.options());
   at::Tensor count = at::zeros({nl, r}, rows.options());
   at::Tensor hole = at::zeros({nl, r}, only.options());
-  int64_t *wp = want.data_ptr<int64_t>(), *np = count.data_ptr<int64_t>();
+  int64_t *gp = gone.data_ptr<int64_t>(), *np = count.data_ptr<int64_t>();
   bool* hp = hole.data_ptr<bool>();
   int64_t* tp = table.data_ptr<int64_t>();
   int64_t* sp = slot_pos.data_ptr<int64_t>();
@@ -296,12 +316,12 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
         else if (first < 0) first = j;
       }
       np[l * r + i] = n;
-      if (!op[l] || n == nxp[l * r + i]) continue;
+      if (!op[l] || n == zp[(rp[i] * 3 + 1) * nl + l]) continue;
       hp[l * r + i] = true;
       for (int64_t col = first / bs; first >= 0 && first < n && col <= (n - 1) / bs; ++col) {
         const int64_t b = tbl[col];
         if (b >= 0 && b < nblocks_pool && refp[b] > 1)
-          return {true, at::empty({0}, rows.options()), want, count, hole};
+          return {true, at::empty({0}, rows.options()), gone, count, hole};
       }
     }
   // Pass 2: move.
@@ -335,14 +355,18 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
                         x.bytes, buf);
       const int64_t keep_blocks = (n + bs - 1) / bs;
       for (int64_t col = keep_blocks; col < wt; ++col) {
-        if (tbl[col] >= 0) freed.push_back(tbl[col]);
+        if (tbl[col] >= 0) {
+          freed.push_back(tbl[col]);
+          ++gp[l * r + i];
+        }
         tbl[col] = -1;
       }
-      wp[l * r + i] = keep_blocks;
+      zp[(row * 3) * nl + l] = keep_blocks;
+      zp[(row * 3 + 1) * nl + l] = n;
     }
   at::Tensor ids = at::empty({static_cast<int64_t>(freed.size())}, rows.options());
   std::memcpy(ids.data_ptr<int64_t>(), freed.data(), freed.size() * sizeof(int64_t));
-  return {false, ids, want, count, hole};
+  return {false, ids, gone, count, hole};
 }
 
 // Every decoding cache's next slot in one pass (SlotTables.append_decode). The rows' sizes
@@ -364,9 +388,7 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
                                             int64_t b, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
-  TORCH_CHECK(sizes.dim() == 3 && sizes.scalar_type() == at::kLong && sizes.is_contiguous() &&
-              sizes.size(0) >= rt && sizes.size(1) == 3 && sizes.size(2) == nl,
-              "sizes must be a contiguous [Rt, 3, L] int64 tensor");
+  check_sizes(sizes, rt, nl);
   TORCH_CHECK(peaks.dim() == 2 && peaks.scalar_type() == at::kLong && peaks.is_contiguous() &&
               peaks.size(0) == sizes.size(0) && peaks.size(1) == 2, "peaks must be a contiguous [Rt, 2] int64 tensor");
   TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(), "ref must be [blocks] int32");
@@ -454,9 +476,9 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
 // takes one. The scheduler asks once for a step's decoding rows when the pool might run
 // short, instead of asking every request in Python.
 int64_t decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
-  TORCH_CHECK(sizes.dim() == 3 && sizes.scalar_type() == at::kLong && sizes.is_contiguous() && sizes.size(1) == 3,
-              "sizes must be a contiguous [Rt, 3, L] int64 tensor");
+  TORCH_CHECK(sizes.dim() == 3, "sizes must be a contiguous [Rt, 3, L] int64 tensor");
   const int64_t rt = sizes.size(0), nl = sizes.size(2);
+  check_sizes(sizes, rt, nl);
   const int64_t* zp = sizes.data_ptr<int64_t>();
   for (const int64_t row : rows) {  // cold after the forward: every row's misses at once
     TORCH_CHECK(row >= 0 && row < rt, "row out of range");
@@ -543,17 +565,18 @@ at::Tensor release_refs(at::Tensor ref, const at::Tensor& ids) {
 }  // namespace
 
 TORCH_LIBRARY(kvserve_tables, m) {
-  m.def("mark_dead(Tensor(a!) slot_pos, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor, Tensor)");
-  m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, Tensor rows, "
-        "Tensor nblocks, Tensor next, Tensor only, int bs, int w) -> (Tensor, Tensor)");
+  m.def("mark_dead(Tensor(a!) slot_pos, Tensor(b!) sizes, Tensor rows, Tensor dead, Tensor alike, int bs) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, Tensor columns, "
+        "Tensor rows, Tensor only, int bs) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_need(Tensor sizes, int[] rows, int bs) -> int");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, int b, int bs) "
         "-> (Tensor, int)");
-  m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!)[] states, Tensor columns, "
-        "Tensor(d!)[] flats, Tensor rows, Tensor next, Tensor only, Tensor ref, int bs) "
+  m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, "
+        "Tensor columns, Tensor(e!)[] flats, Tensor rows, Tensor only, Tensor ref, int bs) "
         "-> (bool, Tensor, Tensor, Tensor, Tensor)");
 }
 
