@@ -105,13 +105,12 @@ class KVCacheManager:
 
     def decode_need(self, rows: list[int]) -> int:
         """Blocks a decode append of these cache rows would take."""
-        return self.tables.decode_need(rows)
+        return self.tables.decode_need(rows)[0]
 
-    def append_decode(self, rows: list[int], positions: list[int],
-                      need: int | None = None) -> torch.Tensor:
+    def append_decode(self, rows: list[int], positions: list[int]) -> torch.Tensor:
         """Every decoding cache's next slot in one batch (`rows`: the caches' rows):
-        [L, B] physical slots (`need`: the blocks that takes, if the caller counted)."""
-        return self.tables.append_decode(self.pool, rows, positions, need)
+        [L, B] physical slots. The caller has checked that the pool holds the blocks."""
+        return self.tables.append_decode(self.pool, rows, positions)
 
     def release(self, cache: SeqCache) -> None:
         """Give back everything a cache holds (device blocks, or swap space)."""

@@ -189,8 +189,8 @@ class SeqCache:
             sz, o, nl = self.tables.sz, self._o, self.num_layers  # a layer whose last block is full
             if self.uniform:
                 return nl if sz[o + nl] >= sz[o] * self.bs else 0
-            bs = self.bs
-            return sum(sz[o + nl + i] >= sz[o + i] * bs for i in range(nl))
+            z, bs = sz[o : o + 2 * nl].tolist(), self.bs
+            return sum(x >= b * bs for b, x in zip(z[:nl], z[nl:]))
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))

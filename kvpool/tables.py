@@ -209,10 +209,8 @@ class SlotTables:
         self._free_rows.append(row)
 
     def ensure_width(self, blocks: int) -> None:
-        """Room for `blocks` blocks a row, and one more: a decode append adds at most one
-        block a layer and cannot grow the tensors inside its C++ pass."""
-        if blocks + 1 > self.width:
-            self._grow(width=max(blocks + 1, 2 * self.width))
+        if blocks > self.width:
+            self._grow(width=max(blocks, 2 * self.width))
 
     def _grow(self, rows: int | None = None, width: int | None = None) -> None:
         nl, r, w = self.table.shape
@@ -247,44 +245,41 @@ class SlotTables:
         rows = [c.row for c in caches]
         return rows_slice(self.table, rows, nb), rows_slice(self.slot_pos, rows, nb * self.bs)
 
-    def decode_need(self, rows: list[int]) -> int:
-        """Blocks a decode append of these rows takes (a layer whose last block is
-        full takes one): one C++ pass on CPU."""
+    def decode_need(self, rows: list[int]) -> tuple[int, int]:
+        """(blocks a decode append of these rows takes, the most blocks a row then holds
+        in a layer): a layer whose last block is full takes one. One C++ pass on CPU."""
         if not rows:
-            return 0
+            return 0, 0
         if self.table.device.type == "cpu" and load_mark():
             return torch.ops.kvserve_tables.decode_need(self.sizes, rows, self.bs)
         sizes = self.sizes.index_select(0, int64_tensor(rows))
-        return int((sizes[:, NEXT] >= sizes[:, NBLOCKS] * self.bs).sum())
+        after = sizes[:, NBLOCKS] + (sizes[:, NEXT] >= sizes[:, NBLOCKS] * self.bs)
+        return int((after - sizes[:, NBLOCKS]).sum()), int(after.max())
 
     def append_decode(self, pool: BlockPool, rows: list[int],
-                      positions: list[int], need: int | None = None) -> torch.Tensor:
+                      positions: list[int]) -> torch.Tensor:
         """Give each row's next token (original position `positions[i]`) a slot in
-        every layer; returns the physical slots [L, B] to write K/V to.
+        every layer; returns the physical slots [L, B] to write K/V to. The caller has
+        checked that the pool holds the blocks this takes (`decode_need`).
 
-        The caller has checked that the pool holds the blocks this needs (`need`, if it
-        counted them; else `decode_need`): they are taken in one allocation. On CPU the whole append is one C++ pass over the rows
+        On CPU the whole append is one C++ pass over the rows
         (csrc/tables_cpu.cpp::append_rows): it reads each row's sizes, links a new block
         where a layer's last one is full, writes the positions and state fills, and bumps
         the sizes in place; Python only lists the rows. Elsewhere the same as torch ops
         over the sizes: an allocation, a table write, a position write and a gather."""
         nl, bs = self.num_layers, self.bs
-        if need is None:
-            need = self.decode_need(rows)
+        need, widest = self.decode_need(rows)
+        self.ensure_width(widest)
         if self.table.device.type == "cpu" and load_mark():
             taken = pool.take(need)  # raises before anything changes
             states, columns = self._native_states()
-            slots, widest = torch.ops.kvserve_tables.append_rows(
+            return torch.ops.kvserve_tables.append_rows(
                 self.table, self.slot_pos, self.sizes, self.peaks, states, columns,
-                list(self.fills.values()), pool.ref, rows + positions + taken,
-                len(rows), bs)
-            self.ensure_width(widest)  # the next append's new blocks fit
-            return slots
+                list(self.fills.values()), pool.ref, rows + positions + taken, len(rows), bs)
         row_t = int64_tensor(rows)
         sizes = self.sizes.index_select(0, row_t)  # [B, 3, L]
         nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, B]
         full = nxt >= nb * bs
-        self.ensure_width(int(nb.max()))  # and one block more: room for this append
         lay = torch.arange(nl)[:, None]
         if need:  # new blocks in (cache, layer) order, as the C++ pass takes them
             ids = pool.allocate(need)
@@ -298,7 +293,6 @@ class SlotTables:
         self.sizes.index_copy_(0, row_t, sizes)
         now = torch.stack([sizes[:, NBLOCKS].sum(1), sizes[:, LIVE].sum(1) // nl], dim=1)
         self.peaks.index_copy_(0, row_t, torch.maximum(self.peaks.index_select(0, row_t), now))
-        self.ensure_width(int(sizes[:, NBLOCKS].max()))
         return slots
 
     # ---- what eviction changes -------------------------------------------------------

@@ -136,7 +136,7 @@ class Scheduler:
         preempted: list[Request] = []
         # Decoding requests' cache rows and next positions; their blocks are taken below,
         # all at once. While the pool holds a block per layer for every one of them
-        # (`roomy`), nobody counts: the C++ append counts as it goes. Once it might not,
+        # (`roomy`), nobody counts: the append counts in one C++ pass. Once it might not,
         # `pending` counts them exactly, and preemption decides on exact counts.
         rows: list[int] = []
         positions: list[int] = []
@@ -178,8 +178,7 @@ class Scheduler:
                     free = self.pool.num_free
                 budget -= n
         # Every decode token's slots in one batch: the ops do not grow with their number.
-        slots = self.kv.append_decode(rows, positions, None if roomy else pending) \
-            if rows else None
+        slots = self.kv.append_decode(rows, positions) if rows else None
         plan = Plan(chunks, preempted, slots)
         if preempted:  # memory is short: bring nobody in this step
             return plan

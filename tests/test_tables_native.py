@@ -179,7 +179,10 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
         for step in range(9):
             pos = [100 * i + step for i in range(len(caches))]
             rows = [c.row for c in caches]
-            assert t.decode_need(rows) == sum(c.blocks_needed(1) for c in caches)
+            need, widest = t.decode_need(rows)
+            assert need == sum(c.blocks_needed(1) for c in caches)
+            assert widest == max(b + (x >= b * 4) for c in caches
+                                 for b, x in zip(c.nblocks, c.next_slot))
             slots.append(t.append_decode(pool, rows, pos))
         runs.append((pool, t, slots, [(c.nblocks, c.next_slot, c.layer_live) for c in caches]))
     (pa, a, sa, ca), (pb, b, sb, cb) = runs

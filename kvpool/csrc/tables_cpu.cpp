@@ -378,14 +378,13 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
 // A layer whose last block is full takes the next id (rows in order, layers within a row,
 // the order the torch form uses), with reference count 1 in `ref`; each appended slot gets
 // its position and every state its fill (states as `state_runs` takes them). Everything is
-// checked before anything is written. Returns the physical slots [L, b] to write this
-// step's K/V to and the most blocks a row now holds in a layer (the caller widens the
-// tables so that the next append fits). `peaks` [Rt, 2] int64 keeps each row's most blocks
+// checked before anything is written (the caller widened the tables and took the ids
+// `decode_need` counts). Returns the physical slots [L, b] to write this step's K/V to.
+// `peaks` [Rt, 2] int64 keeps each row's most blocks
 // (all layers) and live tokens (summed over layers // layers) right after an append.
-std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes,
-                                            at::Tensor peaks, std::vector<at::Tensor> states, const at::Tensor& columns,
-                                            std::vector<double> fills, at::Tensor ref, c10::IntArrayRef plan,
-                                            int64_t b, int64_t bs) {
+at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, at::Tensor peaks,
+                       std::vector<at::Tensor> states, const at::Tensor& columns,
+                       std::vector<double> fills, at::Tensor ref, c10::IntArrayRef plan, int64_t b, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
   check_sizes(sizes, rt, nl);
@@ -437,7 +436,7 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
   at::Tensor out = at::empty({nl, b}, table.options());
   int64_t* op = out.data_ptr<int64_t>();
   int64_t* pk = peaks.data_ptr<int64_t>();
-  int64_t taken = 0, widest = 0;
+  int64_t taken = 0;
   for (int64_t i = 0; i < b; ++i) {
     int64_t* z = zp + rows[i] * 3 * nl;
     int64_t blocks = 0, live = 0;
@@ -449,7 +448,6 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
         refp[id] = 1;
         ++z[l];
       }
-      widest = std::max(widest, z[l]);
       ++z[nl + l];
       ++z[2 * nl + l];
       blocks += z[l];
@@ -469,13 +467,13 @@ std::tuple<at::Tensor, int64_t> append_rows(at::Tensor table, at::Tensor slot_po
     q[0] = std::max(q[0], blocks);
     q[1] = std::max(q[1], live / nl);
   }
-  return {out, widest};
+  return out;
 }
 
-// The blocks `append_rows` would take for these rows: a layer whose last block is full
-// takes one. The scheduler asks once for a step's decoding rows when the pool might run
-// short, instead of asking every request in Python.
-int64_t decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+// The blocks `append_rows` would take for these rows (a layer whose last block is full
+// takes one) and the most blocks a row will then hold in a layer (the width the tables
+// need). Asked once for a step's decoding rows, instead of every request in Python.
+std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
   TORCH_CHECK(sizes.dim() == 3, "sizes must be a contiguous [Rt, 3, L] int64 tensor");
   const int64_t rt = sizes.size(0), nl = sizes.size(2);
   check_sizes(sizes, rt, nl);
@@ -484,12 +482,16 @@ int64_t decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) 
     TORCH_CHECK(row >= 0 && row < rt, "row out of range");
     for (int64_t f = 0; f < 2 * nl; f += 8) __builtin_prefetch(zp + row * 3 * nl + f);
   }
-  int64_t need = 0;
+  int64_t need = 0, widest = 0;
   for (const int64_t row : rows) {
     const int64_t* z = zp + row * 3 * nl;
-    for (int64_t l = 0; l < nl; ++l) need += z[nl + l] >= z[l] * bs;
+    for (int64_t l = 0; l < nl; ++l) {
+      const bool full = z[nl + l] >= z[l] * bs;
+      need += full;
+      widest = std::max(widest, z[l] + full);
+    }
   }
-  return need;
+  return {need, widest};
 }
 
 // A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
@@ -571,10 +573,10 @@ TORCH_LIBRARY(kvserve_tables, m) {
         "Tensor rows, Tensor only, int bs) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
-  m.def("decode_need(Tensor sizes, int[] rows, int bs) -> int");
+  m.def("decode_need(Tensor sizes, int[] rows, int bs) -> (int, int)");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, int b, int bs) "
-        "-> (Tensor, int)");
+        "-> Tensor");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, "
         "Tensor columns, Tensor(e!)[] flats, Tensor rows, Tensor only, Tensor ref, int bs) "
         "-> (bool, Tensor, Tensor, Tensor, Tensor)");
