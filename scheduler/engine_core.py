@@ -327,7 +327,10 @@ class EngineCore:
                 if lp is not None:
                     top = list(zip(lp[1][row][:k], lp[2][row][:k]))
                     logprobs.append(TokenLogprob(tok, lp[0][row], top))
-            text, finish = self._check_stop(r, tok)
+            if r.detok is None and tok not in r.stop_ids and len(r.output_ids) < r.params.max_tokens:
+                text, finish = "", None  # `_check_stop`'s answer without the call (most rows)
+            else:
+                text, finish = self._check_stop(r, tok)
             if finish is not None:
                 r.finish_reason = finish
                 if r.detok is not None:

@@ -144,9 +144,11 @@ class Scheduler:
         roomy = True
         nl = self.num_layers
         free = self.pool.num_free  # changes only where this loop preempts or appends
-        queue = list(self.running)  # kept in _key order (`_resume`): no sort per step
+        # In _key order (`_resume` keeps `running` so): no sort per step. Reversed, so the
+        # next request pops off the end and a victim is removed from what is left.
+        queue = self.running[::-1]
         while queue and budget > 0:
-            req = queue.pop(0)
+            req = queue.pop()
             left = req.num_tokens - req.num_computed
             n = min(left, budget, req.max_chunk)
             cache = req.cache
@@ -159,7 +161,7 @@ class Scheduler:
                 need = cache.blocks_needed(n)
             if need + pending > free:
                 while need + pending > self.pool.num_free:
-                    victim = self._victim(queue) or req
+                    victim = self._victim(queue[::-1]) or req  # in planning order
                     if victim is not req:
                         queue.remove(victim)
                     self._preempt(victim)
