@@ -238,3 +238,21 @@ def test_append_decode_on_an_exhausted_pool_changes_nothing() -> None:
         assert (list(x.nblocks), list(x.next_slot), x.live) == (b[0], b[1], b[4])
         assert torch.equal(x.slot_pos, b[2]) and torch.equal(x.table, b[3])
     assert pool.num_free == 2
+
+
+def test_peak_is_kept_where_slots_are_taken() -> None:
+    """A cache's peak (blocks over all layers, live tokens a layer) is raised by appends,
+    prefill and decode alike, and never lowered by eviction; release forgets it (the
+    scheduler folds it into the request's usage first)."""
+    pool = BlockPool(100, 4, 2, 8)
+    tables = SlotTables(2, 4)
+    c = SeqCache(pool, 2, tables=tables)
+    c.append(torch.arange(10))  # 3 blocks a layer, 10 live
+    assert c.peak() == (6, 10)
+    c.evict_mask(torch.isin(c.slot_pos, torch.arange(8)))  # two blocks a layer freed
+    assert (c.num_blocks, c.live) == (2, 4) and c.peak() == (6, 10)
+    for pos in range(10, 20):
+        tables.append_decode(pool, [c.row], [pos])
+    assert (c.num_blocks, c.live // 2) == (6, 12) and c.peak() == (6, 12)
+    c.release()
+    assert c.peak() == (0, 0) and pool.num_free == 100
