@@ -38,25 +38,31 @@ class AttentionGroup:
     # Decode rows of the whole step in input order (a decode-only step with one group):
     # attention takes q as it is and its output is the layer's, no gather or scatter.
     whole: bool = False
+    # [B] int64: `tables` / `slot_pos` are every row of the engine's tables and member b
+    # reads row table_rows[b] (`SlotTables.rows_of(whole=True)`); None: row b is member b.
+    table_rows: torch.Tensor | None = None
 
 
 def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
                  want_probs: bool, want_kd: torch.Tensor | None = None,
-                 sum_heads: bool = False) -> AttentionGroup:
+                 sum_heads: bool = False, in_place: bool = False) -> AttentionGroup:
+    """`in_place`: a decode group's attention reads rows by index (the C++ kernel), so
+    rows that are not consecutive are not gathered (`SlotTables.rows_of(whole=True)`)."""
     seqs = [inputs[i] for i in members]
     tables = seqs[0].cache.tables
     assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
-    # The members' rows of the shared tables: one gather each, whatever their number.
-    table, slot_pos = tables.rows_of([s.cache for s in seqs],
-                                     max(s.cache.max_blocks for s in seqs))
     lens = [len(s.token_ids) for s in seqs]
     tq = max(lens)
+    # The members' rows of the shared tables: views, or one gather each, whatever B.
+    table, slot_pos, rows = tables.rows_of([s.cache for s in seqs],
+                                           max(s.cache.max_blocks for s in seqs),
+                                           whole=in_place and tq == 1)
     if tq == 1:  # decode: no padding
         q_index = int64_tensor([offsets[i] for i in members])[:, None]
         q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
         return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd,
-                      sum_heads)
+                              sum_heads, table_rows=rows)
     ar = torch.arange(tq)
     valid = ar[None, :] < torch.tensor(lens)[:, None]
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)

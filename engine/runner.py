@@ -168,7 +168,7 @@ class ModelRunner:
         pads = self.attention_fn is paged_attention
         groups = [
             build_group(part, inputs, offsets, want,
-                         kd_rows(part, inputs) if decode and fuse_kd else None, summed)
+                         kd_rows(part, inputs) if decode and fuse_kd else None, summed, kernel)
             for (decode, want, summed), m in sorted(buckets.items())
             for part in (split_by_length(m, inputs) if pads or not decode else [m])
         ]
@@ -205,6 +205,8 @@ class ModelRunner:
                 args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
                 kw = {"sum_heads": True} if g.sum_heads else {}
+                if g.table_rows is not None:  # the C++ kernel's: rows read in place
+                    kw["table_rows"] = g.table_rows
                 if g.want_kd is not None:
                     o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw,
                                                rows=g.want_kd)

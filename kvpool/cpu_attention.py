@@ -85,25 +85,31 @@ def paged_attention_cpu(
     return_probs: bool = False,
     quant: QuantCache | None = None,
     sum_heads: bool = False,
+    table_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel.
 
     `sum_heads`: the kernel may return the mass summed over the kv heads, [B, 1, 1, S]
     (the heads added in order, as the policy bridge's `head_sum` adds them: the same
-    bits, half the bytes at two kv heads); the other paths return it per kv head."""
+    bits, half the bytes at two kv heads); the other paths return it per kv head.
+    `table_rows` [B] int64: `table` and `slot_pos` are the engine's tables whole
+    ([R, NB], [R, NB*bs]) and sequence b reads row `table_rows[b]` in place (a step's
+    rows that are not consecutive, `SlotTables.rows_of`); the torch path gathers them."""
     if q.shape[1] != 1 or not kernel_available():
+        if table_rows is not None:
+            table, slot_pos = table.index_select(0, table_rows), slot_pos.index_select(0, table_rows)
         return paged_attention(q, k_cache, v_cache, table, slot_pos, q_pos, scale, window,
                                return_probs, quant)
     if quant is not None:  # codes reinterpreted as bytes; the kernel decodes them
         out, mass = torch.ops.kvserve.paged_decode_quant(
             q[:, 0], k_cache.view(torch.uint8), v_cache.view(torch.uint8), quant.k_scale,
             quant.v_scale, table, slot_pos, q_pos.reshape(-1), float(scale),
-            int(window or 0), return_probs, quant.fmt.code,
+            int(window or 0), return_probs, quant.fmt.code, table_rows,
         )
         return out[:, None], (mass[:, None] if return_probs else None)
     out, mass, _ = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
-        int(window or 0), return_probs, None, sum_heads,
+        int(window or 0), return_probs, None, sum_heads, table_rows,
     )
     return out[:, None], (mass[:, None] if return_probs else None)
 
@@ -120,6 +126,7 @@ def paged_decode_key_diversity(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int | None = None,
     return_probs: bool = False, sum_heads: bool = False, rows: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
     score of every visible slot, [B, S] float32 (0 where none), of the rows flagged in
@@ -129,11 +136,11 @@ def paged_decode_key_diversity(
     separate op read every live key from DRAM again after the step: at 16 requests of
     ~1k tokens that op was ~1 ms, ~20% of a 3m model's decode step (issue 18: a policy's
     statistics accumulated during attention, not gathered after the step). Callers
-    check `fuses_key_diversity` first."""
+    check `fuses_key_diversity` first. `table_rows`: as `paged_attention_cpu`'s."""
     assert q.shape[1] == 1 and not window, "decode rows without a window"
     out, mass, kd = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale), 0,
         return_probs, torch.ones(q.shape[0], dtype=torch.bool) if rows is None else rows,
-        sum_heads,
+        sum_heads, table_rows,
     )
     return out[:, None], (mass[:, None] if return_probs else None), kd

@@ -234,16 +234,24 @@ class SlotTables:
             self.state[name] = new
 
     # ---- what a step reads -----------------------------------------------------------
-    def rows_of(self, caches: list[SeqCache], nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tables [L, B, nb], slot positions [L, B, nb * bs]) of the caches' rows, for
-        the step's attention to read: views of the tables when the rows are consecutive
-        (they usually are; the C++ decode kernel reads rows at their stride, and copying
-        64 rows' positions was ~0.2 ms of a 3m model's 8 ms step), else one gather each,
-        whatever B. Columns past a row's blocks are -1, so rows of different lengths pad
-        correctly. Read only: nothing changes the tables while the forward runs."""
+    def rows_of(self, caches: list[SeqCache], nb: int, whole: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(tables [L, B, nb], slot positions [L, B, nb * bs], None) of the caches' rows,
+        for the step's attention to read: views of the tables when the rows are
+        consecutive (the C++ decode kernel reads rows at their stride, and copying 64
+        rows' positions was ~0.2 ms of a 3m model's 8 ms step), else one gather each,
+        whatever B. `whole` (a reader that takes a row index: the C++ decode kernel):
+        rows that are not consecutive come as every row's views ([L, R, ...]) and the
+        rows' indices [B], and nothing is copied; they stop being consecutive as soon as
+        a request finishes. Columns past a row's blocks are -1, so rows of different
+        lengths pad correctly. Read only: nothing changes the tables while the forward
+        runs."""
         self.ensure_width(nb)
-        rows = [c.row for c in caches]
-        return rows_slice(self.table, rows, nb), rows_slice(self.slot_pos, rows, nb * self.bs)
+        rows, s = [c.row for c in caches], nb * self.bs
+        if whole and not consecutive(rows):
+            return (self.table.narrow(2, 0, nb), self.slot_pos.narrow(2, 0, s),
+                    int64_tensor(rows))
+        return rows_slice(self.table, rows, nb), rows_slice(self.slot_pos, rows, s), None
 
     def decode_need(self, rows: list[int]) -> tuple[int, int]:
         """(blocks a decode append of these rows takes, the most blocks a row then holds

@@ -363,3 +363,38 @@ def test_rows_of_wider_tables_are_read_in_place(kv_dtype: torch.dtype) -> None:
     want, want_mass = paged_attention_cpu(**case, window=None, return_probs=True)
     got, mass = paged_attention_cpu(**view, window=None, return_probs=True)
     assert torch.equal(got, want) and torch.equal(mass, want_mass)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_rows_by_index_are_read_in_place(kv_dtype: torch.dtype, monkeypatch) -> None:
+    """Rows that are not consecutive (a request finished between two others) reach the
+    kernel as the engine's whole tables and each sequence's row index (`table_rows`;
+    `SlotTables.rows_of(whole=True)`), nothing gathered: the same bits as the gathered
+    call, KeyDiff's fused scores included, and the torch path (no kernel) gathers them."""
+    from kvpool.cpu_attention import paged_decode_key_diversity
+
+    case = narrow_pool(make_case([37, 5, 64, 20], [1, 1, 1, 1], evict={2: [3, 4, 40]},
+                                 hq=4, hkv=2, d=32, bs=8), kv_dtype)
+    b, nb = case["table"].shape
+    s = case["slot_pos"].shape[1]
+    rows = torch.tensor([5, 0, 3, 6])  # rows 1, 2 and 4 belong to nobody in this call
+    table = torch.zeros(7, nb + 3, dtype=torch.int64)  # block 0 exists: never read
+    slot_pos = torch.zeros(7, s + 3 * 8, dtype=torch.int64)  # position 0: visible
+    table[rows, :nb] = case["table"]
+    slot_pos[rows, :s] = case["slot_pos"]
+    whole = {**case, "table": table[:, :nb], "slot_pos": slot_pos[:, :s]}
+    want, want_mass = paged_attention_cpu(**case, window=None, return_probs=True)
+    got, mass = paged_attention_cpu(**whole, window=None, return_probs=True, table_rows=rows)
+    assert torch.equal(got, want) and torch.equal(mass, want_mass)
+    if kv_dtype == torch.float32:  # KeyDiff's fused scores take float pools
+        kd_want = paged_decode_key_diversity(**case, return_probs=True)
+        kd_got = paged_decode_key_diversity(**whole, return_probs=True, table_rows=rows)
+        assert all(torch.equal(x, y) for x, y in zip(kd_got, kd_want))
+    monkeypatch.setattr(cpu_attention, "kernel_available", lambda: False)
+    torch_want, _ = paged_attention_cpu(**case, window=None)
+    torch_got, _ = paged_attention_cpu(**whole, window=None, table_rows=rows)
+    assert torch.equal(torch_got, torch_want)
+    with pytest.raises(RuntimeError, match="row"):
+        monkeypatch.undo()
+        paged_attention_cpu(**whole, window=None, table_rows=torch.tensor([5, 0, 3, 7]))

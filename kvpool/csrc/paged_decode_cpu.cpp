@@ -115,6 +115,11 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   const bool* kd_rows = nullptr;
   int64_t kd0 = 0;
   bool mass_sum = false;  // mass as [B, 1, S]: summed over the kv heads (`write_mass`)
+  // The table row of sequence b: rows[b] of the tables handed in whole when the step's
+  // rows are not consecutive (gathering them was a copy of every row's positions a
+  // step), else b.
+  const int64_t* rows = nullptr;
+  int64_t row(int64_t b) const { return rows == nullptr ? b : rows[b]; }
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -145,9 +150,9 @@ int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* lo
   const int64_t lo = (a.window > 0 && qp >= a.window) ? qp - a.window + 1 : 0;
   int64_t n = 0;
   for (int64_t j = 0; j < a.NB; ++j) {
-    const int64_t blk = a.table[b * a.ts + j];
+    const int64_t blk = a.table[a.row(b) * a.ts + j];
     if (blk < 0) continue;
-    const int64_t* pos = a.slot_pos + b * a.ps + j * a.bs;
+    const int64_t* pos = a.slot_pos + a.row(b) * a.ps + j * a.bs;
     for (int64_t o = 0; o < a.bs; ++o) {
       phys[n] = (blk * a.bs + o) * a.row_len;
       logical[n] = j * a.bs + o;
@@ -428,8 +433,8 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
     }
   }
   for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) prefetch(a.v + phys[i], row_bytes);
-  if (b + 1 < a.B && a.table[(b + 1) * a.ts] >= 0) {  // the next sequence's first block
-    const int64_t first = a.table[(b + 1) * a.ts] * a.bs * rl;
+  if (b + 1 < a.B && a.table[a.row(b + 1) * a.ts] >= 0) {  // the next sequence's first block
+    const int64_t first = a.table[a.row(b + 1) * a.ts] * a.bs * rl;
     prefetch<2>(a.k + first, a.bs * row_bytes);
     prefetch<2>(a.v + first, a.bs * row_bytes);
   }
@@ -658,7 +663,7 @@ template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
-            const bool* kd_rows, bool mass_sum) {
+            const bool* kd_rows, bool mass_sum, const int64_t* rows) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
@@ -669,6 +674,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
                      Hkv * D, window, Hkv * NB * bs, table.stride(0), slot_pos.stride(0)};
   a.kd = kd;
   a.kd_rows = kd_rows;
+  a.rows = rows;
   a.kd0 = NB * bs;
   a.mass_sum = mass_sum;
   if (mass_sum) a.ms0 = NB * bs;
@@ -686,12 +692,28 @@ at::Tensor rows_of(const at::Tensor& x) {
   return x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= x.size(1) ? x : x.contiguous();
 }
 
+// `rows` [B] int64: the table rows of the call's sequences, when table and slot_pos are
+// handed whole ([Rt, NB] and [Rt, NB*bs] views of the engine's tables); none: row b is
+// sequence b. Checked here, read by the kernels as `Batch::rows`.
+const int64_t* table_rows(const std::optional<at::Tensor>& rows, int64_t B, int64_t rt, at::Tensor& keep) {
+  if (!rows.has_value()) {
+    TORCH_CHECK(rt == B, "table and slot_pos must have a row per sequence, or rows must be given");
+    return nullptr;
+  }
+  keep = rows->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1 && keep.size(0) == B,
+              "rows must be a [B] int64 tensor");
+  const int64_t* r = keep.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < rt, "row out of range");
+  return r;
+}
+
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& table,
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool return_probs,
                                      const std::optional<at::Tensor>& key_diversity,
-                                     bool sum_heads) {
+                                     bool sum_heads, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -704,8 +726,10 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
   const at::Tensor t = rows_of(table), p = rows_of(slot_pos), qp = q_pos.contiguous();
-  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == q.size(0) && p.size(1) == t.size(1) * k_cache.size(1) &&
+  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == t.size(0) && p.size(1) == t.size(1) * k_cache.size(1) &&
                   qp.numel() == q.size(0), "slot_pos must be [B, NB*bs] and q_pos [B]");
+  at::Tensor rows_keep;
+  const int64_t* rp = table_rows(rows, q.size(0), t.size(0), rows_keep);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor mass = return_probs
       ? at::zeros({q.size(0), sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
@@ -726,7 +750,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   const bool* kr = want_kd ? kd_rows.data_ptr<bool>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
-                                                         window, out, mp, kp, kr, sum_heads); });
+                                                         window, out, mp, kp, kr, sum_heads, rp); });
   return {out, mass, kd};
 }
 
@@ -803,6 +827,7 @@ bool vector_codes_as(const Batch<uint8_t>& a, const QuantRows& r, float sfac) {
   Batch<TC> c{a.io, reinterpret_cast<const TC*>(a.k), reinterpret_cast<const TC*>(a.v), a.mass,
               a.table, a.slot_pos, a.q_pos, a.B, a.Hq, a.Hkv, a.G, a.D, a.bs, a.NB, a.S,
               a.row_len, a.window, a.ms0, a.ts, a.ps, r.ks, r.vs, a.Hkv, sfac};
+  c.rows = a.rows;
   const SeqFn<TC> seq = vector_seq(c);
   if (seq == nullptr) return false;
   run(c, seq);
@@ -817,7 +842,7 @@ std::vector<at::Tensor> paged_decode_quant(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& table,
     const at::Tensor& slot_pos, const at::Tensor& q_pos, double scale, int64_t window,
-    bool return_probs, int64_t mode) {
+    bool return_probs, int64_t mode, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(is_float_type(q.scalar_type()), "q must be a float tensor");
   TORCH_CHECK(mode >= 1 && mode <= 3, "mode must be 1 (int8), 2 (fp8 e4m3) or 3 (int4)");
@@ -835,19 +860,22 @@ std::vector<at::Tensor> paged_decode_quant(
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
   const at::Tensor t = rows_of(table), p = rows_of(slot_pos), qp = q_pos.contiguous();
-  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == B && p.size(1) == NB * bs && qp.numel() == B,
+  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == t.size(0) && p.size(1) == NB * bs && qp.numel() == B,
               "slot_pos must be [B, NB*bs] and q_pos [B]");
+  at::Tensor rows_keep;
+  const int64_t* rp = table_rows(rows, B, t.size(0), rows_keep);
   at::Tensor out = at::empty({B, Hq, D}, q.options());
   at::Tensor mass = return_probs ? at::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
                                  : at::empty({0}, q.options().dtype(at::kFloat));
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
                    Hq, D, static_cast<float>(scale), Hq * D};
   const int64_t rl = Hkv * k_codes.size(3);
-  const Batch<uint8_t> a{io, k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
-                         return_probs ? mass.data_ptr<float>() : nullptr,
-                         t.data_ptr<int64_t>(), p.data_ptr<int64_t>(), qp.data_ptr<int64_t>(),
-                         B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window,
-                         Hkv * NB * bs, t.stride(0), p.stride(0)};
+  Batch<uint8_t> a{io, k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                   return_probs ? mass.data_ptr<float>() : nullptr,
+                   t.data_ptr<int64_t>(), p.data_ptr<int64_t>(), qp.data_ptr<int64_t>(),
+                   B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window,
+                   Hkv * NB * bs, t.stride(0), p.stride(0)};
+  a.rows = rp;
   const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
                     mode, ng, D / ng};
   if (mode != 3 && vector_codes(a, r, mode)) return {out, mass};
@@ -865,10 +893,10 @@ std::vector<at::Tensor> paged_decode_quant(
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
         "Tensor q_pos, float scale, int window, bool return_probs, Tensor? key_diversity=None, "
-        "bool sum_heads=False) -> Tensor[]");
+        "bool sum_heads=False, Tensor? rows=None) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
-        "bool return_probs, int mode) -> Tensor[]");
+        "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
