@@ -47,3 +47,25 @@ def test_earliest_of_several_stop_strings_wins():
     d = Detokenizer(TOK, ["world", "lo w"])
     out, hit = _feed(d, _ids("hello world"))
     assert hit and out == "hel"
+
+
+def test_native_stream_and_window_give_the_same_deltas():
+    """The tokenizers library's DecodeStream (one Rust call per token) and the window of
+    two decodes give the same deltas, token by token: random byte tokens (broken UTF-8
+    included), special tokens, ids past the vocabulary, and text with a stop string."""
+    import random
+
+    assert Detokenizer(TOK, [])._stream is not None, "the test tokenizer takes the native path"
+    rng = random.Random(0)
+    for trial in range(20):
+        ids = [rng.randrange(TOK.vocab_size + 3) for _ in range(200)]
+        ids[::17] = _ids("naïve café — ok ✓ STOP")[: len(ids[::17])]
+        stop = ["STOP"] if trial % 2 else []
+        stream, window = Detokenizer(TOK, stop), Detokenizer(TOK, stop)
+        window._stream = None
+        for t in ids:
+            a, b = stream.add([t]), window.add([t])
+            assert a == b
+            if a[1]:
+                break
+        assert stream.flush() == window.flush()
