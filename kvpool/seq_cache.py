@@ -131,7 +131,11 @@ class SeqCache:
     @property
     def layer_live(self) -> list[int]:
         """Live slots per layer."""
-        return self._get(LIVE)
+        if self._row is None:
+            return [0] * self.num_layers
+        nl = self.num_layers
+        o = self._o + LIVE * nl
+        return self.tables.sz[o : o + nl].tolist()
 
     @layer_live.setter
     def layer_live(self, values: list[int]) -> None:
@@ -190,10 +194,20 @@ class SeqCache:
             if self.uniform:
                 return nl if sz[o + nl] >= sz[o] * self.bs else 0
             z, bs = sz[o : o + 2 * nl].tolist(), self.bs
-            return sum(x >= b * bs for b, x in zip(z[:nl], z[nl:]))
+            return sum([x >= b * bs for b, x in zip(z[:nl], z[nl:])])
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
+
+    def blocks_at_next(self) -> int:
+        """Blocks held in all layers once the next token is appended (`num_blocks +
+        blocks_needed(1)` in one read: asked for every bounded request every step)."""
+        nl, bs = self.num_layers, self.bs
+        if self._row is None:
+            return nl
+        z = self.tables.sz[self._o : self._o + 2 * nl].tolist()
+        nb = z[:nl]
+        return sum(nb) + sum([x >= b * bs for b, x in zip(nb, z[nl:])])
 
     def owned_blocks(self) -> torch.Tensor:
         """Every pool block id held, one entry per reference (for invariant checks)."""

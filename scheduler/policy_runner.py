@@ -113,7 +113,10 @@ class PolicyRunner:
         """Note a request about to outgrow its reservation (`_compact`)."""
         c = r.cache
         assert c is not None
-        if r.reserve_blocks and c.num_blocks + c.blocks_needed(1) > r.reserve_blocks:
+        # A block per layer is the most the next token can add: only a cache that close
+        # to its reservation is counted exactly.
+        if r.reserve_blocks and c.num_blocks + c.num_layers > r.reserve_blocks \
+                and c.blocks_at_next() > r.reserve_blocks:
             self._to_compact.append(r)
 
     def _compact(self) -> None:
