@@ -87,14 +87,6 @@ class SeqCache:
         for i, x in enumerate(values):
             sz[o + i] = x
 
-    def sizes(self) -> tuple[list[int], list[int], list[int]]:
-        """(blocks held, slots appended, live slots) per layer, in one read."""
-        nl = self.num_layers
-        if self._row is None:
-            return [0] * nl, [0] * nl, [0] * nl
-        z = self.tables.sz[self._o : self._o + 3 * nl].tolist()
-        return z[:nl], z[nl : 2 * nl], z[2 * nl :]
-
     def peak(self) -> tuple[int, int]:
         """(blocks over all layers, live tokens summed over layers // layers): the most
         this cache has held right after an append (`SlotTables.peaks`)."""

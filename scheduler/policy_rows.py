@@ -61,6 +61,9 @@ class Member:
     attention: AttentionMass | None  # the runner's output for this request
     rotate: Rotate | None = None  # `rope: "shift"`: re-number survivors, re-rotate keys
     compact: bool = False
+    # Its cache's live slots per layer, if the caller read them already this step (the
+    # runner does, for `idle`); None: the view reads them.
+    lengths: list[int] | None = None
 
 
 def group_key(policy: object, config: Hashable, num_new: int) -> tuple:
@@ -146,14 +149,14 @@ def build_view(members: list[Member]) -> RowsView:
     state = {**getattr(policy, "state", {}), **getattr(policy, "derived_state", {})}
     tables.declare_state(state, getattr(policy, "state_columns", ()))
     rows = [m.cache.row for m in members]
-    sizes = [m.cache.sizes() for m in members]  # (blocks, next, live) per layer each
-    nb = max(max(z[0]) for z in sizes)
+    lives = [m.cache.layer_live if m.lengths is None else m.lengths for m in members]
+    nb = max(m.cache.max_blocks for m in members)
     width = nb * bs
     view = RowsView(
         num_layers=nl, num_new=members[0].num_new,
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
-        lengths=[z[2][layer] for layer in range(nl) for z in sizes],
+        lengths=[live[layer] for layer in range(nl) for live in lives],
         positions=_rows(take_rows(tables.slot_pos, rows, width)),
         block_size=bs)
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))

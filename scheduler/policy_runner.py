@@ -45,7 +45,9 @@ class PolicyRunner:
         if idle is None:
             return True
         n = r.num_computed + c.num_tokens  # as `run` sees it: counted before the forward
-        return not idle(_sizes(r, c, n, not r.prefill_done and n >= len(r.prompt_ids)))
+        assert r.cache is not None
+        return not idle(_sizes(r, c, n, not r.prefill_done and n >= len(r.prompt_ids),
+                               r.cache.layer_live))
 
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan,
@@ -69,14 +71,15 @@ class PolicyRunner:
             if not r.prefill_done:
                 first_full = r.prefill_done = r.num_computed >= len(r.prompt_ids)
             idle = getattr(policy, "idle", None)
-            if idle is not None and idle(_sizes(r, c, r.num_computed, first_full)):
+            live = cache.layer_live  # read once: `idle` decides on it, the group's view reads it
+            if idle is not None and idle(_sizes(r, c, r.num_computed, first_full, live)):
                 self._note_reserve(r)
                 name = r.policy_name
                 idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
                 continue
             m = Member(cache, policy, r.num_computed, len(r.prompt_ids), c.num_tokens,
                        first_full, attention.get(i), self.rotate if r.rope_shift else None,
-                       getattr(r.kv_policy, "compact", False))
+                       getattr(r.kv_policy, "compact", False), live)
             key = r.policy_group
             if key is None or key[2] != c.num_tokens or key[3] is not policy.needs:  # type: ignore[attr-defined]
                 if r.policy_key is None:
@@ -137,10 +140,11 @@ class PolicyRunner:
             self.seconds[name] = self.seconds.get(name, 0.0) + share
 
 
-def _sizes(r: Request, c: Chunk, seq_len: int, first_full: bool) -> StepView:
-    """The step in sizes only (the live counts are host ints): enough for `idle` to
-    decide. Positional: seq_len, prompt_len, num_new, prefill_done, block_size, lengths."""
+def _sizes(r: Request, c: Chunk, seq_len: int, first_full: bool,
+           lengths: list[int]) -> StepView:
+    """The step in sizes only (`lengths`: the cache's live slots per layer, host ints):
+    enough for `idle` to decide. Positional: seq_len, prompt_len, num_new, prefill_done,
+    block_size, lengths."""
     cache = r.cache
     assert cache is not None
-    return StepView(seq_len, len(r.prompt_ids), c.num_tokens, first_full, cache.bs,
-                    cache.layer_live)
+    return StepView(seq_len, len(r.prompt_ids), c.num_tokens, first_full, cache.bs, lengths)
