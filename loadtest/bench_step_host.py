@@ -14,7 +14,8 @@ one round by round, and the table compares medians.
 Each round builds the engine, starts `--running` requests of the same seeded prompts
 (greedy, EOS ignored, long enough to outlive the round), steps until all decode, then
 times `--steps` steps through `StepStats`. Threads are `kvserve generate`'s defaults
-(`--threads`). Writes JSON with the environment fingerprint; prints a markdown table.
+(`--threads`); `--detokenize` makes the requests detokenize, as served ones do.
+Writes JSON with the environment fingerprint; prints a markdown table.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ PARTS = ("forward_ms", "outside_ms", "schedule_advance_ms", "sample_ms", "policy
 
 
 def measure(model: str, dtype: str, running: int, steps: int,
-            kv_policy: str | None) -> dict[str, float]:
+            kv_policy: str | None, detokenize: bool = False) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
     from engine.sampling import SamplingParams
     from loadtest.bench_common import MODEL_CONFIGS, build_model
@@ -50,7 +51,7 @@ def measure(model: str, dtype: str, running: int, steps: int,
         policy = json.loads(kv_policy) if kv_policy else None
         for i, p in enumerate(w.prompts):
             eng.add_request(f"r{i}", p, SamplingParams(max_tokens=steps + 200, temperature=0,
-                                                       ignore_eos=True, detokenize=False),
+                                                       ignore_eos=True, detokenize=detokenize),
                             kv_policy=policy)
         while not seen or seen[-1].num_prefill_tokens or seen[-1].num_seqs < running:
             eng.step()
@@ -100,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--running", type=int, default=64, help="requests decoding")
     p.add_argument("--steps", type=int, default=200, help="steps timed per round")
     p.add_argument("--kv-policy", help="a kv_policy (JSON) for every request; default full")
+    p.add_argument("--detokenize", action="store_true",
+                   help="requests detokenize their tokens, as a served request does")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: cores)")
     p.add_argument("--base", help="another checkout to run the same way, interleaved")
     p.add_argument("--rounds", type=int, default=3, help="rounds (each: this, then base)")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     threads = a.threads or cpu_threads.plan(None, None).threads
     choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait="spin")
-    args = (a.model, a.dtype, a.running, a.steps, a.kv_policy)
+    args = (a.model, a.dtype, a.running, a.steps, a.kv_policy, a.detokenize)
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "threads": choice, "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--dtype", a.dtype, "--running", str(a.running), "--steps", str(a.steps),
-            "--threads", str(threads), *(["--kv-policy", a.kv_policy] if a.kv_policy else [])]
+            "--threads", str(threads), *(["--kv-policy", a.kv_policy] if a.kv_policy else []),
+            *(["--detokenize"] if a.detokenize else [])]
     def say(got: dict) -> str:
         line = f"outside forward {100 * got['this']['outside_share']:.1f}%"
         return line + (f" (base {100 * got['base']['outside_share']:.1f}%)" if "base" in got else "")

@@ -29,6 +29,8 @@ def test_worker_measures_once_into_a_file(tmp_path) -> None:
     out = tmp_path / "w.json"
     assert bench.main([*TINY, "--worker", str(out)]) == {}
     assert set(json.loads(out.read_text())) == {"step_ms", "outside_share", *bench.PARTS}
+    assert bench.main([*TINY, "--detokenize", "--worker", str(out)]) == {}  # served requests
+    assert 0 < json.loads(out.read_text())["outside_share"] < 1
 
 
 def test_table_reports_base_over_this() -> None:
