@@ -84,7 +84,9 @@ print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]
 
 def test_health_p95_under_load(served: tuple[ServerThread, AsyncEngine, StepCounter]) -> None:
     server, engine, counter = served
-    n_clients, max_tokens = 64, 32
+    # Long enough that the busy period holds 20+ probes however fast the engine steps
+    # (32 tokens gave 17 once the step's host work shrank).
+    n_clients, max_tokens = 64, 64
 
     async def main() -> list[float]:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as probe:
