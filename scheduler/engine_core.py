@@ -270,14 +270,16 @@ class EngineCore:
                     steps.append(len(r.output_ids))
             elif completes:
                 scored.append(r)
-            needs = r.policy.needs if r.policy is not None else _NO_NEEDS
-            inputs.append(SeqInput(r.token_slice(c.start, c.start + c.num_tokens),
-                                   c.start - r.pos_offset, c.slots, cache, sampled,
-                                   needs.attention,
-                                   _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
-                                   needs.key_diversity and self.policies.acts(r, c),
-                                   needs.attention_heads,
-                                   needs.new_key_norm or needs.new_value_norm))
+            tokens = r.token_slice(c.start, c.start + c.num_tokens)
+            if r.policy is None and r.prompt_logprobs is None:  # asks for nothing more
+                inputs.append(SeqInput(tokens, c.start - r.pos_offset, c.slots, cache, sampled))
+            else:
+                needs = r.policy.needs if r.policy is not None else _NO_NEEDS
+                inputs.append(SeqInput(
+                    tokens, c.start - r.pos_offset, c.slots, cache, sampled, needs.attention,
+                    _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
+                    needs.key_diversity and self.policies.acts(r, c), needs.attention_heads,
+                    needs.new_key_norm or needs.new_value_norm))
             # Counted as computed now (nothing before the advance reads it): a step that
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += c.num_tokens
