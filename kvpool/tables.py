@@ -71,9 +71,11 @@ def consecutive(rows: list[int]) -> bool:
 
 
 def take_rows(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
-    """t[:, rows, :width] ([L, R, width, ...]) as a new contiguous tensor. Rows are handed
+    """t[:, rows, :width] ([L, R, width, ...]) as a contiguous tensor. Rows are handed
     out in order, so a batch's rows are usually consecutive: then it is a slice copy,
-    about 3x cheaper than `index_select` on the sliced table, which is the fallback."""
+    about 3x cheaper than `index_select` on the sliced table, which is the fallback.
+    When that slice is contiguous already (every row of t, its whole width) it is t's
+    own memory, not a copy: a caller that writes into the result writes into t."""
     if consecutive(rows):
         return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width).contiguous()
     return t.narrow(2, 0, width).index_select(1, int64_tensor(rows))
