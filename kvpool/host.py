@@ -26,9 +26,3 @@ def bool_tensor(values: list[bool]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.bool)
     return torch.frombuffer(bytearray(values), dtype=torch.bool)
-
-
-def int64_rows(rows: list[list[int]]) -> torch.Tensor:
-    """[len(rows), k] int64 from equal-length host rows (per cache, one value per layer),
-    made as one flat `int64_tensor`."""
-    return int64_tensor([x for row in rows for x in row]).view(len(rows), -1)

@@ -30,6 +30,22 @@ def _blocks_for(nblocks: int, next_slot: int, n: int, bs: int) -> int:
     return max(0, n - (nblocks * bs - next_slot) + bs - 1) // bs
 
 
+def _size_field(field: int, doc: str) -> property:
+    """A per-layer size of the cache's row (`SlotTables.sizes[row, field]`), read as a
+    list of ints (0s before the row is taken) and written back whole."""
+    def get(self: SeqCache) -> list[int]:
+        if self._row is None:
+            return [0] * self.num_layers
+        nl = self.num_layers
+        o = self._o + field * nl
+        return self.tables.sz[o : o + nl].tolist()
+
+    def put(self: SeqCache, values: list[int]) -> None:
+        self._set(field, values)
+
+    return property(get, put, doc=doc)
+
+
 class SeqCache:
     # Slots, not a __dict__: every decode step reads each running cache's sizes, and a
     # compact object is fewer cache lines to miss after the forward has run.
@@ -74,12 +90,6 @@ class SeqCache:
         return self._row
 
     # ---- sizes: the row's slice of `tables.sizes` ----------------------------------------
-    def _get(self, field: int) -> list[int]:
-        if self._row is None:
-            return [0] * self.num_layers
-        o = self._o + field * self.num_layers
-        return self.tables.sz[o : o + self.num_layers].tolist()
-
     def _set(self, field: int, values: list[int]) -> None:
         o = self._o + field * self.num_layers if self._row is not None else \
             (self.row * 3 + field) * self.num_layers  # taking a row may grow the tables
@@ -102,36 +112,9 @@ class SeqCache:
         pk[o + 1] = max(pk[o + 1], self.live // self.num_layers)
 
     # Copies, per layer: write a whole list back (`c.nblocks = [...]`), never an item.
-    @property
-    def nblocks(self) -> list[int]:
-        """Blocks held per layer."""
-        return self._get(NBLOCKS)
-
-    @nblocks.setter
-    def nblocks(self, values: list[int]) -> None:
-        self._set(NBLOCKS, values)
-
-    @property
-    def next_slot(self) -> list[int]:
-        """Slots appended per layer, live or dead."""
-        return self._get(NEXT)
-
-    @next_slot.setter
-    def next_slot(self, values: list[int]) -> None:
-        self._set(NEXT, values)
-
-    @property
-    def layer_live(self) -> list[int]:
-        """Live slots per layer."""
-        if self._row is None:
-            return [0] * self.num_layers
-        nl = self.num_layers
-        o = self._o + LIVE * nl
-        return self.tables.sz[o : o + nl].tolist()
-
-    @layer_live.setter
-    def layer_live(self, values: list[int]) -> None:
-        self._set(LIVE, values)
+    nblocks = _size_field(NBLOCKS, "Blocks held per layer.")
+    next_slot = _size_field(NEXT, "Slots appended per layer, live or dead.")
+    layer_live = _size_field(LIVE, "Live slots per layer.")
 
     @property
     def table(self) -> torch.Tensor:
@@ -190,16 +173,6 @@ class SeqCache:
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
         return sum(_blocks_for(b, s, n, self.bs) for b, s in zip(self.nblocks, self.next_slot))
-
-    def blocks_at_next(self) -> int:
-        """Blocks held in all layers once the next token is appended (`num_blocks +
-        blocks_needed(1)` in one read: asked for every bounded request every step)."""
-        nl, bs = self.num_layers, self.bs
-        if self._row is None:
-            return nl
-        z = self.tables.sz[self._o : self._o + 2 * nl].tolist()
-        nb = z[:nl]
-        return sum(nb) + sum([x >= b * bs for b, x in zip(nb, z[nl:])])
 
     def owned_blocks(self) -> torch.Tensor:
         """Every pool block id held, one entry per reference (for invariant checks)."""

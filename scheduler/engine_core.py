@@ -329,10 +329,7 @@ class EngineCore:
                 if lp is not None:
                     top = list(zip(lp[1][row][:k], lp[2][row][:k]))
                     logprobs.append(TokenLogprob(tok, lp[0][row], top))
-            if r.detok is None and tok not in r.stop_ids and len(r.output_ids) < r.params.max_tokens:
-                text, finish = "", None  # `_check_stop`'s answer without the call (most rows)
-            else:
-                text, finish = self._check_stop(r, tok)
+            text, finish = self._check_stop(r, tok)
             if finish is not None:
                 r.finish_reason = finish
                 if r.detok is not None:
@@ -361,9 +358,11 @@ class EngineCore:
     def _check_stop(self, r: Request, tok: int) -> tuple[str, str | None]:
         if tok in r.stop_ids:
             return "", "stop"
-        text, hit = r.detok.add([tok]) if r.detok is not None else ("", False)
-        if hit:
-            return text, "stop"
+        text = ""
+        if r.detok is not None:
+            text, hit = r.detok.add([tok])
+            if hit:
+                return text, "stop"
         # max_tokens is within the context unless the request shifts RoPE positions
         # (add_request: `fit_max_tokens`, the one context rule), so it is the one bound.
         if len(r.output_ids) >= r.params.max_tokens:

@@ -119,7 +119,7 @@ class PolicyRunner:
         # A block per layer is the most the next token can add: only a cache that close
         # to its reservation is counted exactly.
         if r.reserve_blocks and c.num_blocks + c.num_layers > r.reserve_blocks \
-                and c.blocks_at_next() > r.reserve_blocks:
+                and c.num_blocks + c.blocks_needed(1) > r.reserve_blocks:
             self._to_compact.append(r)
 
     def _compact(self) -> None:

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from kvpool.host import bool_tensor, int64_rows, int64_tensor
+from kvpool.host import bool_tensor, int64_tensor
 
 
 def test_int64_tensor_equals_torch_tensor_and_owns_its_values() -> None:
@@ -24,8 +24,6 @@ def test_int64_tensor_equals_torch_tensor_and_owns_its_values() -> None:
         int64_tensor([1.5])
 
 
-def test_bool_tensor_and_rows() -> None:
+def test_bool_tensor() -> None:
     assert bool_tensor([True, False, True]).tolist() == [True, False, True]
     assert bool_tensor([]).dtype == torch.bool and bool_tensor([]).numel() == 0
-    rows = int64_rows([[1, 2, 3], [4, 5, 6]])
-    assert rows.shape == (2, 3) and rows.t().tolist() == [[1, 4], [2, 5], [3, 6]]
