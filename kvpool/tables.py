@@ -306,16 +306,14 @@ class SlotTables:
         return slots
 
     # ---- what eviction changes -------------------------------------------------------
-    def evict_mask(self, pool: BlockPool, caches: list[SeqCache], dead: torch.Tensor,
-                   positions: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    def evict_mask(self, pool: BlockPool, caches: list[SeqCache],
+                   dead: torch.Tensor) -> list[tuple[int, int]]:
         """Mark the slots where `dead` [L, R, W] is True dead (W a multiple of the block
         size, at least every cache's held width) and free the blocks that leaves without
         a live slot; per cache (slots evicted over all layers, blocks freed). The one
         way a policy's plan reaches the pool: a fixed number of ops for any batch.
-        `positions`: the caches' `slot_pos[:, rows, :W]` if the caller read it already
-        (the torch form reuses it and updates it; the C++ form, csrc/tables_cpu.cpp,
-        writes `slot_pos` in place in one pass). Both take the dead slots off the rows'
-        live counts (`sizes`)."""
+        The C++ form (csrc/tables_cpu.cpp) writes `slot_pos` in place in one pass; both
+        take the dead slots off the rows' live counts (`sizes`)."""
         r = dead.shape[1]
         rows = int64_tensor([c.row for c in caches])
         alike = bool_tensor([c.alike for c in caches])
@@ -324,7 +322,7 @@ class SlotTables:
                 self.slot_pos, self.sizes, rows, dead, alike, self.bs)
             counts, same = cnt.t().tolist(), same_t.tolist()  # counts [R][L]
         else:
-            counts, emptied, same = self._mark_dead(rows, dead, alike, positions)
+            counts, emptied, same = self._mark_dead(rows, dead, alike)
         if not any(map(any, counts)):
             return [(0, 0)] * r
         for c, k, s in zip(caches, counts, same):
@@ -335,15 +333,13 @@ class SlotTables:
         freed = dict(zip(hit, self.free_dead_blocks(pool, [caches[i] for i in hit]))) if hit else {}
         return [(sum(k), freed.get(i, 0)) for i, k in enumerate(counts)]
 
-    def _mark_dead(self, rows: torch.Tensor, dead: torch.Tensor, alike: torch.Tensor,
-                   positions: torch.Tensor | None
+    def _mark_dead(self, rows: torch.Tensor, dead: torch.Tensor, alike: torch.Tensor
                    ) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
         """`evict_mask`'s marking as torch ops (csrc/tables_cpu.cpp's contract): per cache
         the slots that died per layer, whether a block lost its last live slot, and
         (alike caches) whether every layer lost the same slots."""
         nl, r, w = dead.shape
-        sp = positions if positions is not None else \
-            self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
+        sp = self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
         d = dead & (sp >= 0)
         died = d.sum(dim=2).t()  # [R, L]
         counts = died.tolist()

@@ -120,13 +120,13 @@ class LazyEvictionPolicy:
         r = view.num_requests
         at = torch.tensor(rows)
         times = [t_now[i % r] for i in rows]
-        if NATIVE["state"] and view.positions.device.type == "cpu":  # one pass (C++)
+        if NATIVE["state"] and view.slot_pos.device.type == "cpu":  # one pass (C++)
             scores = torch.ops.kvserve_policy_state.lazy_importance(
                 view.layered("ts"), view.layered("mri"), rows, times)
         else:  # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
             ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
             scores = importance(torch.tensor(times, dtype=torch.float64)[:, None], ts, mri)
-        drop = drop_lowest(view.positions[at], scores,
+        drop = drop_lowest(view.positions_of(at), scores,
                            [view.lengths[i] - keep[i] for i in rows], last=c.window)
         return view.rows_mask(at, drop)
 
@@ -147,7 +147,7 @@ def _track(view: RowsView, alpha: float) -> None:
     if view.attention.shape[1] == 1 and NATIVE["state"] and ts.device.type == "cpu":
         mass, total = head_parts(view.attention)  # [N, 1, W], [N, 1]
         torch.ops.kvserve_policy_state.lazy_track(
-            ts, mri, mass[:, 0], total[:, 0], view.positions,
+            ts, mri, mass[:, 0], total[:, 0], view.slot_pos,
             [s - 1 for s in view.seq_len], view.prompt_len, alpha)
         return
     new_ts, new_mri = _tracked(view, alpha)

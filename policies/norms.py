@@ -150,8 +150,10 @@ class KnormPolicy:
         """Before the first plan while every layer is within the budget (that plan
         scores every live token); after it never, since every new token's score must
         be recorded when it is computed (a ratio budget may grow past n)."""
+        if not self.needs.key_norm:  # after the first plan: asked every step, so first
+            return False
         budget = prompt_budget(self.config.budget, view)
-        return self.needs.key_norm and all(n <= budget for n in view.lengths)
+        return all(n <= budget for n in view.lengths)
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:

@@ -94,11 +94,11 @@ def _block_drops_of(scores: torch.Tensor, view: RowsView, blocks: list[int],
     rows = [i for i, b in enumerate(blocks) if b]
     if NATIVE["select"] and scores.device.type == "cpu":
         return _block_drops_native(scores, view, rows, blocks, windows)
-    scores = scores.reshape(view.positions.shape)  # [L, R, W] state -> [N, W]
+    scores = scores.reshape(view.shape)  # [L, R, W] state -> [N, W]
     if len(rows) == len(blocks):
         return _block_drops(scores, view.live, view.lengths, view.block_size, blocks, windows)
     at = torch.tensor(rows)
-    sub = _block_drops(scores[at], view.positions[at] >= 0, [view.lengths[i] for i in rows],
+    sub = _block_drops(scores[at], view.positions_of(at) >= 0, [view.lengths[i] for i in rows],
                        view.block_size, [blocks[i] for i in rows],
                        None if windows is None else [windows[i] for i in rows])
     return view.rows_mask(at, sub)
@@ -111,12 +111,12 @@ def _block_drops_native(scores: torch.Tensor, view: RowsView, rows: list[int],
     means, so the same drops bit for bit; `scores` may be the [L, R, W] state in place."""
     bs = view.block_size
     at = torch.tensor(rows, dtype=torch.int64)
-    packed = torch.ops.kvserve_policies.pack_live(scores, view.positions, at, bs)
+    packed = torch.ops.kvserve_policies.pack_live(scores, view.slot_pos, at, bs)
     means = packed.view(len(rows), -1, bs).mean(dim=2)  # [M, nb]: block j's mean if full
     protect = windows or [0] * len(blocks)
     counts = torch.tensor([[max(0, view.lengths[i] - protect[i]) // bs for i in rows],
                            [blocks[i] for i in rows]], dtype=torch.int64)
-    return torch.ops.kvserve_policies.block_drops(means, view.positions, at, counts[0],
+    return torch.ops.kvserve_policies.block_drops(means, view.slot_pos, at, counts[0],
                                                   counts[1], bs)
 
 

@@ -158,7 +158,7 @@ class PyramidPolicy:
         keep, edges = view.by_layer(keep), view.by_layer(edges)
         within = view.within(keep)
         if not within and c.kernel_size == 1 and NATIVE["state"] \
-                and view.positions.device.type == "cpu":  # the window and the plan, one op
+                and view.slot_pos.device.type == "cpu":  # the window and the plan, one op
             drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
             return PyramidPolicy._shift_window(p, view, drop, edges)
         PyramidPolicy._shift_window(p, view)
@@ -201,7 +201,7 @@ class PyramidPolicy:
         a = p.config.obs_window
         k = view.num_new
         (ring_name,), (total_name,) = p.state, p.derived_state
-        n, w = view.positions.shape
+        n, w = view.shape
         # Per request, the first of this step's queries inside the window: those at or
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
@@ -225,7 +225,7 @@ class PyramidPolicy:
             _split(_fixed(ring, _shift(a)).sum(dim=3))
         if NATIVE["state"] and ring.device.type == "cpu":
             plan = torch.ops.kvserve_policy_state.pyramid_window(
-                ring, total, new, cols, view.positions, edges or [], drop or [], _shift(a),
+                ring, total, new, cols, view.slot_pos, edges or [], drop or [], _shift(a),
                 4 * a * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30)
             return plan if drop else None
         _window_ring(ring, total, new, torch.tensor(cols, dtype=torch.int64).view(n, new.shape[1]),
@@ -304,7 +304,7 @@ def _torch_sums(p: PyramidPolicy, view: RowsView) -> torch.Tensor:
     own order, and a strided one (the tables keep the ring by columns) in another."""
     c = p.config
     ring = view.layered(next(iter(p.state)))  # [L, R, W, α]
-    n, w = view.positions.shape
+    n, w = view.shape
     full = ring.contiguous().view(n, w, c.obs_window).sum(dim=2)
     return full.masked_fill(view.positions < 0, 0.0)
 

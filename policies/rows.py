@@ -40,7 +40,10 @@ class RowsView:
     prompt_len: list[int]
     prefill_done: list[bool]  # per request: this step computed the last prompt token
     lengths: list[int]  # per row: live slots before the plan (host ints, no sync)
-    positions: torch.Tensor  # [N, W] int64: original position per slot, -1 = none
+    # Original position per slot, -1 = none: [N, W] int64, or [L, R, W] as the engine's
+    # tables hold it (row l·R + r at [l, r], their own slice when the rows are
+    # consecutive). The C++ ops read either in place; `positions` is the [N, W] form.
+    slot_pos: torch.Tensor
     block_size: int
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # [N, W(, k)] float32
     # Names of `state` handed as [L, R, W(, k)] slices of the engine's tables (the
@@ -63,24 +66,48 @@ class RowsView:
     new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     new_value_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     _live: torch.Tensor | None = field(default=None, repr=False)
+    _positions: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def num_requests(self) -> int:
         return len(self.seq_len)
 
     @property
+    def shape(self) -> tuple[int, int]:
+        """(N, W): rows and slots."""
+        w = self.slot_pos.shape[-1]
+        return self.slot_pos.numel() // max(1, w), w
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[N, W] int64 positions: `slot_pos`, or its copy made on first use when it is
+        the tables' [L, R, W] slice. For the torch forms: the C++ ops read `slot_pos`
+        where it lies (copying ~0.5 MB of positions out of the tables was ~70 us of a
+        policy step at 16 requests of ~1k tokens)."""
+        if self._positions is None:
+            self._positions = self.slot_pos.reshape(self.shape)
+        return self._positions
+
+    def positions_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """[M, W] int64: the positions of rows `rows` [M], copied from `slot_pos`."""
+        if self.slot_pos.dim() == 2:
+            return self.slot_pos[rows]
+        r = self.slot_pos.shape[1]
+        return self.slot_pos[rows // r, rows % r]
+
+    @property
     def live(self) -> torch.Tensor:
         """[N, W] bool: the slots holding a token."""
         if self._live is None:
-            self._live = self.positions >= 0
+            self._live = (self.slot_pos >= 0).reshape(self.shape)
         return self._live
 
     @property
     def live_or_positions(self) -> torch.Tensor:
         """What `drop_lowest` reads to tell live slots: the live mask if a policy has
-        built it already (a byte a slot), else the positions (a mask made only for the
-        selection would cost more than the eight bytes a slot it saves)."""
-        return self._live if self._live is not None else self.positions
+        built it already (a byte a slot), else the positions where they lie (a mask made
+        only for the selection would cost more than the eight bytes a slot it saves)."""
+        return self._live if self._live is not None else self.slot_pos
 
     def layered(self, name: str) -> torch.Tensor:
         """State `name` as [L, R, W(, k)] (row l·R + r at [l, r]): the tables' slice as
@@ -105,7 +132,7 @@ class RowsView:
         """A plan [N, W] from one made for some rows only (`rows` [M], `mask` [M, W]):
         the other rows drop nothing. For policies that score only the rows deciding this
         step (rows are independent)."""
-        out = torch.zeros(self.positions.shape, dtype=torch.bool)
+        out = torch.zeros(self.shape, dtype=torch.bool)
         out[rows] = mask
         return out
 
@@ -161,9 +188,10 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                 first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
     """The policies' one selection: the [N, W] bool mask of the drop[i] lowest-scoring
     candidates of each row (`scores` [N, W], or a state as `RowsView.layered` gives it,
-    [L, R, W], which the C++ op reads in place), a candidate being a live slot (positions >= 0; `positions`
-    may also be the rows' bool live mask, `RowsView.live`, which the C++ op reads at a
-    byte a slot instead of eight) outside the
+    [L, R, W], which the C++ op reads in place), a candidate being a live slot
+    (positions >= 0; `positions` [N, W] or [L, R, W] as `RowsView.slot_pos`, or the rows'
+    bool live mask, `RowsView.live`, which the C++ op reads at a byte a slot instead of
+    eight) outside the
     row's first `first[i]` and last `last[i]` live slots (sinks, the recent window;
     an int for every row). Ties toward the later slot (among equal scores the earlier
     token stays) and a NaN above every number: exactly the last drop[i] candidates of a
@@ -174,10 +202,10 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     value t, then every candidate < t and of those == t the last ones; a NaN among the
     lowest (sort and top-k may order NaN differently), a threshold at the mask's +inf
     (NaN candidates to drop) or a large drop takes the sort."""
-    n = positions.shape[0]
+    n, w = len(drop), positions.shape[-1]
     dmax = max(drop, default=0)
     if dmax == 0:
-        return torch.zeros(positions.shape, dtype=torch.bool)
+        return torch.zeros(n, w, dtype=torch.bool)
     if NATIVE["select"] and scores.device.type == "cpu":  # reads [L, R, W] scores in place
         # the three per-row counts as one host-made tensor (each is ~6 us to make)
         counts = torch.tensor([first if isinstance(first, list) else [first] * n,
@@ -185,7 +213,8 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                               dtype=torch.int64)
         return torch.ops.kvserve_policies.select_drop(
             scores.float(), positions, counts[0], counts[1], counts[2])
-    scores = scores.reshape(positions.shape)  # [L, R, W] state -> [N, W] (a copy)
+    positions = positions.reshape(n, w)  # [L, R, W] -> [N, W] (a copy)
+    scores = scores.reshape(n, w)  # [L, R, W] state -> [N, W] (a copy)
     live = positions if positions.dtype == torch.bool else positions >= 0
     cand = live
     if first != 0:
@@ -220,10 +249,9 @@ def drop_earliest(view: RowsView, drop: list[int], first: int = 0) -> torch.Tens
     On CPU a C++ walk stops at each row's last drop; the torch form is a cumsum."""
     if not any(drop):
         return None
-    if NATIVE["select"] and view.positions.device.type == "cpu":
-        n = view.positions.shape[0]
+    if NATIVE["select"] and view.slot_pos.device.type == "cpu":
         return torch.ops.kvserve_policies.drop_earliest(
-            view.positions, _per_row(first, n), torch.tensor(drop, dtype=torch.int64))
+            view.slot_pos, _per_row(first, len(drop)), torch.tensor(drop, dtype=torch.int64))
     live = view.live
     rank = live.cumsum(dim=1)  # 1 on the first live slot
     return live & (rank > first) & (rank <= view.row_tensor(drop) + first)

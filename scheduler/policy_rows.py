@@ -157,8 +157,7 @@ def build_view(members: list[Member]) -> RowsView:
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
         lengths=[live[layer] for layer in range(nl) for live in lives],
-        positions=_rows(take_rows(tables.slot_pos, rows, width)),
-        block_size=bs)
+        slot_pos=rows_slice(tables.slot_pos, rows, width), block_size=bs)
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
     for name in state:
         if name in view.in_place:  # [L, r, W, ...]: the tables' own slice when it can be
@@ -242,7 +241,7 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     first = members[0].cache
     tables, nl = first.tables, first.num_layers
     rows = [m.cache.row for m in members]
-    width = view.positions.shape[1]
+    width = view.shape[1]
     r = len(members)
     for name, t in view.state.items():  # the policy's updates, one copy per name
         if name not in view.in_place:
@@ -252,20 +251,17 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     if drop is None:
         return [(0, 0)] * r
     return carry_out([m.cache for m in members], drop.view(nl, r, width),
-                     [m.compact for m in members], [m.rotate for m in members],
-                     view.positions.view(nl, r, width))
+                     [m.compact for m in members], [m.rotate for m in members])
 
 
 def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
-              rotate: list[Rotate | None],
-              positions: torch.Tensor | None = None) -> list[tuple[int, int]]:
+              rotate: list[Rotate | None]) -> list[tuple[int, int]]:
     """Drop the slots where `dead` [L, R, W] is True (`SlotTables.evict_mask`: emptied
-    blocks freed at once; `positions` the rows' slot positions if already read), then,
-    for the caches that asked, pack the survivors of the layers that lost tokens
-    (`compact`) or re-number them 0..n-1 and re-rotate their keys (`rotate`, RoPE
-    shift); per cache (evicted slots, freed blocks)."""
+    blocks freed at once), then, for the caches that asked, pack the survivors of the
+    layers that lost tokens (`compact`) or re-number them 0..n-1 and re-rotate their
+    keys (`rotate`, RoPE shift); per cache (evicted slots, freed blocks)."""
     first = caches[0]
-    done = first.tables.evict_mask(first.pool, caches, dead, positions)
+    done = first.tables.evict_mask(first.pool, caches, dead)
     asked = [i for i, (evicted, _) in enumerate(done)
              if evicted and (compact[i] or rotate[i] is not None)]
     if not asked:

@@ -67,7 +67,7 @@ def run_step(policy, v: LayersView) -> Eviction:
                                                      value=-1) for lv in layers])
     rv = RowsView(num_layers=nl, num_new=v.num_new, seq_len=[v.seq_len],
                   prompt_len=[v.prompt_len], prefill_done=[v.prefill_done],
-                  lengths=[lv.positions.numel() for lv in layers], positions=positions,
+                  lengths=[lv.positions.numel() for lv in layers], slot_pos=positions,
                   block_size=v.block_size)
     fills = getattr(policy, "state", {})
     # per layer (positions, {state name: values}), as the tables would hold them

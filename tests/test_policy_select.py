@@ -81,7 +81,7 @@ def test_native_drop_earliest_matches_torch(seed, monkeypatch):
     drop[0] = 0
     view = rows.RowsView(num_layers=1, num_new=1, seq_len=[0], prompt_len=[0],
                          prefill_done=[True], lengths=(positions >= 0).sum(1).tolist(),
-                         positions=positions, block_size=16)
+                         slot_pos=positions, block_size=16)
     first = seed % 5
     native = rows.drop_earliest(view, drop, first)
     monkeypatch.setitem(rows.NATIVE, "select", False)

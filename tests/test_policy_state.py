@@ -81,7 +81,7 @@ def _lazy_view(g: torch.Generator, nl: int, r: int, w: int) -> RowsView:
     att[..., ::7] = 0.0
     view = RowsView(num_layers=nl, num_new=1, seq_len=seq, prompt_len=prompt,
                     prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
-                    positions=pos, block_size=4, attention=att,
+                    slot_pos=pos, block_size=4, attention=att,
                     in_place=frozenset({"ts", "mri"}))
     return view
 
@@ -243,7 +243,7 @@ def test_pyramid_ranks_by_torchs_float32_sums(seed, native):
     p = PyramidPolicy(PyramidConfig(budget=40, obs_window=a))
     view = RowsView(num_layers=nl, num_new=1, seq_len=[w] * r, prompt_len=[10] * r,
                     prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
-                    positions=pos, block_size=4, state={next(iter(p.state)): ring},
+                    slot_pos=pos, block_size=4, state={next(iter(p.state)): ring},
                     in_place=frozenset(p.state))
     keep = [w - 1 - d for d in [1, 3, 8, 20, 1, 2]]
     edges = [2] * (nl * r)
@@ -282,7 +282,7 @@ def test_paged_block_drops_match_torch(seed, native, monkeypatch):
     scores = state.narrow(1, 1, r).narrow(2, 0, w)  # [L, R, W] as the tables hand it
     view = RowsView(num_layers=nl, num_new=1, seq_len=[w] * r, prompt_len=[4] * r,
                     prefill_done=[False] * r, lengths=(pos >= 0).sum(dim=1).tolist(),
-                    positions=pos, block_size=bs)
+                    slot_pos=pos, block_size=bs)
     blocks = [int(x) for x in torch.randint(0, 3, (n,), generator=g)]
     blocks[0] = 1
     windows = None if seed % 3 == 0 else [int(x) for x in torch.randint(0, 9, (n,), generator=g)]
@@ -291,3 +291,46 @@ def test_paged_block_drops_match_torch(seed, native, monkeypatch):
     want = _block_drops_of(scores, view, blocks, windows)
     assert torch.equal(got, want)
     assert got.any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ops_read_positions_in_place_as_rows(seed, native):
+    """Every C++ op that reads positions gives the same answer from the tables' own
+    [L, R, W] slice (rows r0.., a width short of the table's: strided, as
+    `RowsView.slot_pos` hands it) as from its [N, W] copy; and `RowsView.positions`,
+    `live`, `shape` and `positions_of` read it as rows l·R + r."""
+    g = torch.Generator().manual_seed(seed)
+    nl, r, w, bs = 3, 5, 40, 4
+    table = _positions(g, nl * (r + 4), w + 12).view(nl, r + 4, w + 12)
+    sp = table.narrow(1, 2, r).narrow(2, 0, w)  # [L, R, W], not contiguous
+    flat = sp.reshape(nl * r, w).clone()
+    n = nl * r
+    assert not sp.is_contiguous()
+    scores = torch.rand(n, w, generator=g).round(decimals=1)
+    counts = [torch.randint(0, 3, (n,), generator=g) for _ in range(3)]
+    ops = torch.ops.kvserve_policies
+    for pos in (flat, sp):  # the same rows either way
+        got = [ops.select_drop(scores, pos, *counts), ops.drop_earliest(pos, counts[0], counts[2])]
+        at = torch.tensor([0, 3, n - 1])
+        packed = ops.pack_live(scores, pos, at, bs)
+        got += [packed, ops.block_drops(packed.view(3, -1, bs).mean(dim=2), pos, at,
+                                        torch.tensor([5, 5, 5]), torch.tensor([1, 2, 1]), bs)]
+        ts = torch.full((nl, r, w), float("nan"))
+        mri = torch.zeros(nl, r, w)
+        mass = torch.rand(n, w, generator=torch.Generator().manual_seed(seed))
+        ops_state = torch.ops.kvserve_policy_state
+        ops_state.lazy_track(ts, mri, mass, mass.sum(dim=1), pos, [w - 1] * r, [4] * r, 0.02)
+        ring, total = _ring_table(torch.Generator().manual_seed(seed), nl, r, w, 8, True)
+        plan = ops_state.pyramid_window(ring, total, mass[:, None], [w % 8] * n, pos,
+                                        [2] * n, [1] * n, SHIFT, 4 * 8 * 2.0 ** -24, 2.0 ** -30)
+        got += [ts, mri, ring, total, plan]
+        if pos is flat:
+            want = got
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert want[0].any() and want[1].any() and want[-1].any()
+    view = RowsView(num_layers=nl, num_new=1, seq_len=[w] * r, prompt_len=[4] * r,
+                    prefill_done=[False] * r, lengths=(flat >= 0).sum(dim=1).tolist(),
+                    slot_pos=sp, block_size=bs)
+    assert view.shape == (n, w)
+    assert torch.equal(view.positions, flat) and torch.equal(view.live, flat >= 0)
+    assert torch.equal(view.positions_of(torch.tensor([1, 7, n - 1])), flat[[1, 7, n - 1]])

@@ -253,7 +253,7 @@ def test_native_marking_matches_torch(seed):
     native, native_sizes = t.slot_pos.clone(), t.sizes.clone()
     t.slot_pos.copy_(sp)
     t.sizes.copy_(sizes)
-    counts, emptied_t, same_t = t._mark_dead(rows, dead, alike, None)
+    counts, emptied_t, same_t = t._mark_dead(rows, dead, alike)
     assert torch.equal(native, t.slot_pos) and torch.equal(native_sizes, t.sizes)
     assert native_sizes[rows, 2].t().tolist() != sizes[rows, 2].t().tolist()  # some died
     assert cnt.t().tolist() == counts

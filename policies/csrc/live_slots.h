@@ -6,6 +6,8 @@
 // Included by both sources; ninja's header dependencies rebuild both when it changes.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -14,6 +16,30 @@
 #endif
 
 namespace live_slots {
+
+// A view's rows as [N, W], or as [L, R, W] with row l·R + r at [l, r]: the tables' own
+// slice (positions, a policy's state), read in place where the view hands it so, with
+// no [N, W] copy first. Any strides but a unit one along W (else a contiguous copy,
+// kept alive here). Row i starts at data + (i / rr) * s0 + (i % rr) * s1.
+template <typename T>
+struct Rows {
+  at::Tensor t;
+  const T* data;
+  int64_t n, w, rr, s0, s1;
+  const T* row(int64_t i) const { return data + (i / rr) * s0 + (i % rr) * s1; }
+};
+
+template <typename T>
+Rows<T> rows_of(const at::Tensor& x, const char* what) {
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.scalar_type() == c10::CppTypeToScalarType<T>::value,
+              what, " must be [N, W] or [L, R, W] ", c10::CppTypeToScalarType<T>::value);
+  at::Tensor c = x.stride(-1) == 1 ? x : x.contiguous();
+  const bool layered = c.dim() == 3;
+  const int64_t rr = layered ? c.size(1) : 1;
+  const int64_t s0 = c.stride(0), s1 = layered ? c.stride(1) : 0;
+  const T* data = c.data_ptr<T>();
+  return {std::move(c), data, layered ? x.size(0) * rr : x.size(0), x.size(-1), rr, s0, s1};
+}
 
 inline bool alive(const int64_t* p, int64_t j) { return p[j] >= 0; }
 inline bool alive(const bool* p, int64_t j) { return p[j]; }

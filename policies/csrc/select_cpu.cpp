@@ -119,53 +119,40 @@ void select_row(const float* s, const P* pos, int64_t w, int64_t first, int64_t 
   for (const Key& k : buf) out[k.slot] = true;
 }
 
-// Scores as [N, W] rows, or [L, R, W] with row l·R + r at [l, r] and unit stride along W
-// (a policy's per-slot state as the tables' own slice, `RowsView.layered`): read in place
-// instead of copied into [N, W] first. Row i starts at data + (i / rr) * s0 + (i % rr) * s1.
-struct ScoreRows {
-  at::Tensor t;  // keeps a contiguous copy alive when one was made
-  const float* data;
-  int64_t rr, s0, s1;
-  const float* row(int64_t i) const { return data + (i / rr) * s0 + (i % rr) * s1; }
-};
+using live_slots::Rows;
+using live_slots::rows_of;
 
-ScoreRows score_rows(const at::Tensor& scores, int64_t n, int64_t w) {
-  const bool layered = scores.dim() == 3;
-  TORCH_CHECK(scores.scalar_type() == at::kFloat &&
-              ((scores.dim() == 2 && scores.size(0) == n && scores.size(1) == w) ||
-               (layered && scores.size(0) * scores.size(1) == n && scores.size(2) == w)),
-              "scores must be [N, W] or [L, R, W] float32, with N = L·R rows of positions' W");
-  at::Tensor s = layered && scores.stride(2) == 1 ? scores : scores.contiguous();
-  const int64_t rr = layered ? s.size(1) : 1;
-  const int64_t s0 = layered ? s.stride(0) : w * rr, s1 = layered ? s.stride(1) : w;
-  const float* data = s.data_ptr<float>();
-  return {std::move(s), data, rr, s0, s1};
+// Scores as [N, W] rows, or [L, R, W] (a policy's per-slot state as the tables' own
+// slice, `RowsView.layered`), read in place: N rows of the positions' W slots.
+Rows<float> score_rows(const at::Tensor& scores, int64_t n, int64_t w) {
+  Rows<float> sr = rows_of<float>(scores, "scores");
+  TORCH_CHECK(sr.n == n && sr.w == w, "scores must hold N = L·R rows of positions' W slots");
+  return sr;
 }
 
-// scores [N, W] or [L, R, W] (`score_rows`); positions [N, W] int64, or a bool live mask.
+// scores and positions [N, W] or [L, R, W] (`Rows`); positions int64, or a bool live
+// mask [N, W].
 at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
                        const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop) {
   const bool mask = positions.scalar_type() == at::kBool;
-  TORCH_CHECK(positions.dim() == 2 && (mask || positions.scalar_type() == at::kLong),
-              "positions must be [N, W]: int64 positions or a bool live mask");
-  const int64_t n = positions.size(0), w = positions.size(1);
-  const ScoreRows sr = score_rows(scores, n, w);
+  const int64_t n = positions.dim() == 3 ? positions.size(0) * positions.size(1) : positions.size(0);
+  const int64_t w = positions.size(-1);
+  const Rows<float> sr = score_rows(scores, n, w);
   for (const at::Tensor* t : {&first, &last, &drop})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
                 "first, last and drop must be [N] int64");
-  const at::Tensor p = positions.contiguous();
   const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
   at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
-  const auto run = [&](const auto* pp) {
+  const auto run = [&](const auto& pr) {
     at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i)
-        select_row(sr.row(i), pp + i * w, w, fp[i], lp[i], dp[i], op + i * w);
+        select_row(sr.row(i), pr.row(i), w, fp[i], lp[i], dp[i], op + i * w);
     });
   };
-  if (mask) run(p.data_ptr<bool>());
-  else run(p.data_ptr<int64_t>());
+  if (mask) run(rows_of<bool>(positions, "a live mask"));
+  else run(rows_of<int64_t>(positions, "positions"));
   return out;
 }
 
@@ -173,19 +160,18 @@ at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
 // streaming family's middle): a walk from the row's start that stops at its last drop,
 // where the torch form sweeps every row whole with a cumsum and three compares.
 at::Tensor drop_earliest(const at::Tensor& positions, const at::Tensor& first, const at::Tensor& drop) {
-  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
-  const int64_t n = positions.size(0), w = positions.size(1);
+  const Rows<int64_t> pr = rows_of<int64_t>(positions, "positions");
+  const int64_t n = pr.n, w = pr.w;
   for (const at::Tensor* t : {&first, &drop})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
                 "first and drop must be [N] int64");
-  const at::Tensor p = positions.contiguous(), f = first.contiguous(), d = drop.contiguous();
+  const at::Tensor f = first.contiguous(), d = drop.contiguous();
   at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
-  const int64_t* pp = p.data_ptr<int64_t>();
   const int64_t *fp = f.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
   at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
-      const int64_t* row = pp + i * w;
+      const int64_t* row = pr.row(i);
       int64_t skip = fp[i], left = dp[i];
       for (int64_t j = 0; j < w && left > 0; ++j) {
         if (row[j] < 0) continue;
@@ -211,20 +197,20 @@ at::Tensor drop_earliest(const at::Tensor& positions, const at::Tensor& first, c
 // bs. Logical block j of a row is its live slots of kept-order rank j·bs .. j·bs + bs - 1.
 at::Tensor pack_live(const at::Tensor& scores, const at::Tensor& positions, const at::Tensor& rows,
                      int64_t bs) {
-  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
-  const int64_t n = positions.size(0), w = positions.size(1);
-  const ScoreRows sr = score_rows(scores, n, w);
+  const Rows<int64_t> pr = rows_of<int64_t>(positions, "positions");
+  const int64_t n = pr.n, w = pr.w;
+  const Rows<float> sr = score_rows(scores, n, w);
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && bs > 0, "rows must be [M] int64");
-  const at::Tensor p = positions.contiguous(), rw = rows.contiguous();
+  const at::Tensor rw = rows.contiguous();
   const int64_t m = rows.size(0), width = (w + bs - 1) / bs * bs;
   at::Tensor out = at::zeros({m, width}, scores.options());
-  const int64_t *pp = p.data_ptr<int64_t>(), *rp = rw.data_ptr<int64_t>();
+  const int64_t* rp = rw.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
     const int64_t r = rp[i];
     TORCH_CHECK(r >= 0 && r < n, "row out of range");
     const float* src = sr.row(r);
-    const int64_t* pos = pp + r * w;
+    const int64_t* pos = pr.row(r);
     float* dst = op + i * width;
     int64_t k = 0;
     for (int64_t j = 0; j < w; ++j)
@@ -238,18 +224,18 @@ at::Tensor pack_live(const at::Tensor& scores, const at::Tensor& positions, cons
 // number): the live slots of those blocks' ranks. Other rows drop nothing.
 at::Tensor block_drops(const at::Tensor& means, const at::Tensor& positions, const at::Tensor& rows,
                        const at::Tensor& nfull, const at::Tensor& drop, int64_t bs) {
-  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong, "positions must be [N, W] int64");
-  const int64_t n = positions.size(0), w = positions.size(1), m = rows.size(0);
+  const Rows<int64_t> pr = rows_of<int64_t>(positions, "positions");
+  const int64_t n = pr.n, w = pr.w, m = rows.size(0);
   TORCH_CHECK(means.dim() == 2 && means.size(0) == m && means.scalar_type() == at::kFloat,
               "means must be [M, nb] float32");
   for (const at::Tensor* t : {&rows, &nfull, &drop})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == m && t->scalar_type() == at::kLong,
                 "rows, nfull and drop must be [M] int64");
   const int64_t nb = means.size(1);
-  const at::Tensor mn = means.contiguous(), p = positions.contiguous();
+  const at::Tensor mn = means.contiguous();
   const at::Tensor rw = rows.contiguous(), nf = nfull.contiguous(), dr = drop.contiguous();
   const float* mp = mn.data_ptr<float>();
-  const int64_t *pp = p.data_ptr<int64_t>(), *rp = rw.data_ptr<int64_t>();
+  const int64_t* rp = rw.data_ptr<int64_t>();
   const int64_t *fp = nf.data_ptr<int64_t>(), *dp = dr.data_ptr<int64_t>();
   at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
   bool* op = out.data_ptr<bool>();
@@ -271,7 +257,7 @@ at::Tensor block_drops(const at::Tensor& means, const at::Tensor& positions, con
     std::partial_sort(cand.begin(), cand.begin() + d, cand.end(), lower);
     std::fill(gone.begin(), gone.end(), 0);
     for (int64_t j = 0; j < d; ++j) gone[cand[j]] = 1;
-    const int64_t* pos = pp + r * w;
+    const int64_t* pos = pr.row(r);
     bool* row = op + r * w;
     for (int64_t j = 0, rank = 0; j < w; ++j)
       if (pos[j] >= 0) {

@@ -28,6 +28,8 @@
 namespace {
 
 using live_slots::lowest;  // live_slots.h (select_cpu.cpp's too)
+using live_slots::Rows;
+using live_slots::rows_of;
 #ifdef KVSERVE_LIVE16
 using live_slots::live16;
 #endif
@@ -176,32 +178,30 @@ inline void ring_row_avx512(const RingRow& row, int64_t* sum, int64_t w, int64_t
 void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at::Tensor& total,
                 const at::Tensor& positions, at::IntArrayRef qpos, at::IntArrayRef prompt,
                 double alpha) {
-  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
-              "positions must be [N, W] int64");
-  const int64_t n = positions.size(0), w = positions.size(1);
+  const Rows<int64_t> pr = rows_of<int64_t>(positions, "positions");
+  const int64_t n = pr.n, w = pr.w;
   check_rows(ts, n, w, "ts");
   check_rows(mri, n, w, "mri");
   TORCH_CHECK(ts.dim() == 3 && mri.dim() == 3 && ts.stride(2) == 1 && mri.stride(2) == 1 &&
               ts.size(1) == mri.size(1), "ts and mri must be [L, R, W] with slots contiguous");
-  TORCH_CHECK(mass.sizes() == positions.sizes() && mass.scalar_type() == at::kFloat,
-              "mass must be [N, W] float32");
+  TORCH_CHECK(mass.dim() == 2 && mass.size(0) == n && mass.size(1) == w &&
+              mass.scalar_type() == at::kFloat, "mass must be [N, W] float32");
   TORCH_CHECK(total.dim() == 1 && total.size(0) == n && total.scalar_type() == at::kFloat,
               "total must be [N] float32");
   const int64_t r = ts.size(1);
   TORCH_CHECK(static_cast<int64_t>(qpos.size()) == r && static_cast<int64_t>(prompt.size()) == r,
               "qpos and prompt must hold one value a request");
-  const at::Tensor m = mass.contiguous(), tot = total.contiguous(), p = positions.contiguous();
+  const at::Tensor m = mass.contiguous(), tot = total.contiguous();
   float *tp = ts.data_ptr<float>(), *mp = mri.data_ptr<float>();
   const float* ap = m.data_ptr<float>();
   const float* sp = tot.data_ptr<float>();
-  const int64_t* pp = p.data_ptr<int64_t>();
   const float a32 = static_cast<float>(alpha);  // torch compares a float32 tensor in float32
   at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       float* tsr = tp + (i / r) * ts.stride(0) + (i % r) * ts.stride(1);
       float* mr = mp + (i / r) * mri.stride(0) + (i % r) * mri.stride(1);
       const float* ai = ap + i * w;
-      const int64_t* pi = pp + i * w;
+      const int64_t* pi = pr.row(i);
       const float den = sp[i];
       const int64_t qi = qpos[i % r], pl = prompt[i % r];
       const double t = static_cast<double>(qi - pl + 1);
@@ -370,15 +370,14 @@ void drop_among(const int64_t* slots, const float* values, int64_t m, int64_t dr
 // and mark the drop[i] lowest among them. One op instead of four and the Python between
 // them: after the forward, each distinct op of a policy step starts cold.
 // ring [L, R, W, α], total [L, R, W, 3] (any strides); mass [L·R, k, W]; cols [L·R·k]
-// (row i's k columns, distinct); positions [L·R, W]; edges, drop [L·R] or drop empty
+// (row i's k columns, distinct); positions [L·R, W] or [L, R, W] (`Rows`); edges, drop [L·R] or drop empty
 // (update only). Returns the drop mask [L·R, W], or [0, W] when drop is empty.
 at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
                           at::IntArrayRef cols, const at::Tensor& positions,
                           at::IntArrayRef edges, at::IntArrayRef drop, int64_t shift,
                           double rel, double abs) {
-  TORCH_CHECK(positions.dim() == 2 && positions.scalar_type() == at::kLong,
-              "positions must be [N, W] int64");
-  const int64_t n = positions.size(0), w = positions.size(1);
+  const Rows<int64_t> pr = rows_of<int64_t>(positions, "positions");
+  const int64_t n = pr.n, w = pr.w;
   check_rows(ring, n, w, "ring");
   check_rows(total, n, w, "total");
   TORCH_CHECK(ring.dim() == 4 && total.dim() == 4 && total.size(3) == 3 &&
@@ -393,12 +392,11 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
                           static_cast<int64_t>(edges.size()) == n),
               "edges and drop must hold one value a row");
   TORCH_CHECK(shift >= 0 && shift <= 60, "shift out of range");
-  const at::Tensor m = mass.contiguous(), p = positions.contiguous();
+  const at::Tensor m = mass.contiguous();
   float* rp = ring.data_ptr<float>();
   float* tp = total.data_ptr<float>();
   const float* mp = m.data_ptr<float>();
   const int64_t* cp = cols.data();
-  const int64_t* pp = p.data_ptr<int64_t>();
   const int64_t r0 = ring.stride(0), r1 = ring.stride(1), r2 = ring.stride(2), r3 = ring.stride(3);
   const int64_t t0 = total.stride(0), t1 = total.stride(1), t2 = total.stride(2), t3 = total.stride(3);
   const double up = std::ldexp(1.0, static_cast<int>(shift));
@@ -410,7 +408,7 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
     for (int64_t i = lo; i < hi; ++i) {
       const bool sel = select && drop[i] > 0;
       const RingRow row{rp + (i / r) * r0 + (i % r) * r1, tp + (i / r) * t0 + (i % r) * t1,
-                        mp + i * k * w, cp + i * k, pp + i * w, sel ? totals.data() : nullptr};
+                        mp + i * k * w, cp + i * k, pr.row(i), sel ? totals.data() : nullptr};
       if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
 #ifdef KVSERVE_AVX512
         ring_row_avx512(row, sum.data(), w, k, r3, t3, up, down);
@@ -419,7 +417,7 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
 #endif
       else
         ring_row(row, sum.data(), w, k, r2, r3, t2, t3, up, down);
-      if (sel) near_lowest(totals.data(), pp + i * w, w, edges[i], drop[i], rel, abs, near[i], vals);
+      if (sel) near_lowest(totals.data(), pr.row(i), w, edges[i], drop[i], rel, abs, near[i], vals);
     }
   });
   if (!select) return at::empty({0, w}, positions.options().dtype(at::kBool));
