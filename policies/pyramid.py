@@ -70,6 +70,16 @@ def _layer_budgets(total: int, seq_len: int, num_layers: int, beta: int,
                  for layer in range(num_layers))
 
 
+@functools.lru_cache(maxsize=4096)
+def _plan(budget: int | float, beta: int, omega: float, window: int, seq_len: int,
+          num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per layer, the budget C_l and the sinks (= recent tokens) floor(C_l / (2ω)) the
+    lambda mask keeps at this length. Cached: a step's requests are usually a token or
+    a few apart, so the next step asks for lengths this one asked for."""
+    budgets = layer_budgets(resolve_budget(budget, seq_len), seq_len, num_layers, beta, window)
+    return tuple(budgets), tuple(int(b // (2 * omega)) for b in budgets)
+
+
 def _round_half_even(num: int, den: int) -> int:
     """round(num / den) for den > 0, halves to even (as round() of a Fraction)."""
     q, r = divmod(num, den)
@@ -133,8 +143,7 @@ class PyramidPolicy:
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
-        total = resolve_budget(c.budget, seq_len)
-        return layer_budgets(total, seq_len, num_layers, c.beta, c.obs_window)
+        return list(_plan(c.budget, c.beta, c.omega, c.obs_window, seq_len, num_layers)[0])
 
     @staticmethod
     def select(policies: list[PyramidPolicy], view: RowsView) -> torch.Tensor | None:
@@ -143,15 +152,12 @@ class PyramidPolicy:
         assert view.attention is not None
         keep, edges = [], []  # per request, per layer
         nl = view.num_layers
-        at: dict[int, tuple[list[int], list[int]]] = {}  # seq_len -> (budgets, edges)
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
                                              view.prefill_done)):
             if done or s > pl:  # the prompt is complete: every layer to its budget
-                if s not in at:  # a step's requests often share their lengths
-                    budgets = p.budgets(s, nl)
-                    at[s] = budgets, [int(b // (2 * c.omega)) for b in budgets]
-                keep.append(at[s][0])
-                edges.append(at[s][1])
+                budgets, sinks = _plan(c.budget, c.beta, c.omega, c.obs_window, s, nl)
+                keep.append(budgets)
+                edges.append(sinks)
             else:
                 keep.append(view.lengths[view.rows_of(r)])
                 edges.append([0] * nl)
@@ -216,8 +222,11 @@ class PyramidPolicy:
                 # (their columns hold 0: every earlier query was before the window too)
                 before = torch.arange(k - kk, k) < view.row_tensor(view.per_row(firsts))
                 new = new.masked_fill(before[:, :, None], 0.0)
-            per_request = [[(s - k + j) % a for j in range(k - kk, k)] for s in view.seq_len]
-            cols = [x for row in view.per_row(per_request) for x in row]
+            if k == 1:  # decode: row l·R + r's query in column (s_r - 1) mod α
+                cols = [(s - 1) % a for s in view.seq_len] * view.num_layers
+            else:
+                per_request = [[(s - k + j) % a for j in range(k - kk, k)] for s in view.seq_len]
+                cols = [x for row in view.per_row(per_request) for x in row]
         ring = view.layered(ring_name)  # [L, R, W, α]
         # The engine keeps the total beside the ring; a view without it (the pure
         # policy tests') gets it from the ring: the same bits by construction.
