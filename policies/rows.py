@@ -18,6 +18,7 @@ token when blocks are freed or compacted, so no policy re-aligns state by positi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -202,7 +203,8 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     value t, then every candidate < t and of those == t the last ones; a NaN among the
     lowest (sort and top-k may order NaN differently), a threshold at the mask's +inf
     (NaN candidates to drop) or a large drop takes the sort."""
-    n, w = len(drop), positions.shape[-1]
+    w = positions.shape[-1]
+    n = math.prod(positions.shape[:-1])
     dmax = max(drop, default=0)
     if dmax == 0:
         return torch.zeros(n, w, dtype=torch.bool)
