@@ -137,7 +137,8 @@ class KnormPolicy:
             score.copy_(knorm_scores(view.key_norm).view(score.shape))
         else:
             assert view.new_key_norm is not None
-            view.set_new("score", knorm_scores(view.new_key_norm))
+            key_norm = view.new_key_norm
+            view.set_new_norm_score("score", key_norm, None, lambda: knorm_scores(key_norm))
         for p in policies:
             p.needs = _NEW_NORMS
         keep = view.budgets(c.budget, from_prompt=True)

@@ -82,8 +82,9 @@ def _record_scores(view: RowsView) -> None:
     if view.key_norm is not None and view.value_norm is not None:
         scores.copy_(token_scores(view.value_norm, view.key_norm).view(scores.shape))
         return
-    assert view.new_key_norm is not None and view.new_value_norm is not None
-    view.set_new("score", token_scores(view.new_value_norm, view.new_key_norm))
+    k, v = view.new_key_norm, view.new_value_norm
+    assert k is not None and v is not None
+    view.set_new_norm_score("score", k, v, lambda: token_scores(v, k))
 
 
 def _block_drops_of(scores: torch.Tensor, view: RowsView, blocks: list[int],

@@ -19,6 +19,7 @@ token when blocks are freed or compacted, so no policy re-aligns state by positi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,23 @@ class RowsView:
             return
         rows = torch.arange(self.new_slots.shape[0])[:, None].expand_as(self.new_slots)
         t[rows // self.num_requests, rows % self.num_requests, self.new_slots] = values
+
+    def set_new_norm_score(self, name: str, key_norm: torch.Tensor,
+                           value_norm: torch.Tensor | None,
+                           torch_form: Callable[[], torch.Tensor]) -> None:
+        """`set_new(name, torch_form())` for the two scores of the new tokens' norms
+        ([N, k, Hkv] each): knorm's -mean over heads of ‖k‖ (`value_norm` None) and
+        PagedEviction's mean of ‖v‖ / max(‖k‖, 1e-12). On CPU with up to four kv heads
+        one C++ op (state_cpu.cpp::new_scores) gives the torch form's bits: torch sums
+        that few values of an inner dim in order, then divides. After the forward each
+        of the torch form's ops (the mean, a negation or a clamp and a division, the
+        scatter) starts cold, ~50 us a step together."""
+        if NATIVE["state"] and self.new_index is not None and key_norm.device.type == "cpu" \
+                and key_norm.shape[-1] <= 4:
+            torch.ops.kvserve_policy_state.new_scores(self.layered(name), self.new_index,
+                                                      key_norm, value_norm)
+            return
+        self.set_new(name, torch_form())
 
     def rows_mask(self, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A plan [N, W] from one made for some rows only (`rows` [M], `mask` [M, W]):

@@ -334,3 +334,39 @@ def test_ops_read_positions_in_place_as_rows(seed, native):
     assert view.shape == (n, w)
     assert torch.equal(view.positions, flat) and torch.equal(view.live, flat >= 0)
     assert torch.equal(view.positions_of(torch.tensor([1, 7, n - 1])), flat[[1, 7, n - 1]])
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("k", [1, 3])
+def test_new_norm_scores_match_torch(heads, k, native, monkeypatch):
+    """knorm's and PagedEviction's new-token scores written by one C++ op
+    (`RowsView.set_new_norm_score`) are the torch form's bits, into a strided [L, R, W]
+    slice of a state: norms over a wide range (the sum's order shows), zero and tiny key
+    norms (the clamp), a NaN; five heads take the torch form."""
+    from policies.norms import knorm_scores
+    from policies.paged_eviction import token_scores
+
+    g = torch.Generator().manual_seed(heads * 10 + k)
+    nl, r, w = 3, 4, 40
+    n = nl * r
+    kn = (torch.randn(n, k, heads, generator=g) * 30).abs() ** 3
+    vn = (torch.randn(n, k, heads, generator=g) * 30).abs() ** 3
+    kn[0, 0, 0], kn[1, 0, 0], vn[2, 0, 0] = 0.0, 1e-14, float("nan")
+    slots = torch.randperm(w, generator=g)[: n * k].view(n, k)  # distinct per row
+    layer = torch.arange(n).div(r, rounding_mode="floor")[:, None].expand(n, k)
+    index = torch.stack([layer, (torch.arange(n) % r)[:, None].expand(n, k), slots])
+    out = {}
+    for use in (True, False):
+        monkeypatch.setitem(rows.NATIVE, "state", use)
+        table = torch.zeros(nl, r + 2, 2 * w + 8)
+        view = RowsView(num_layers=nl, num_new=k, seq_len=[w] * r, prompt_len=[4] * r,
+                        prefill_done=[False] * r, lengths=[w] * n,
+                        slot_pos=torch.arange(w).repeat(n, 1), block_size=4,
+                        state={"a": table.narrow(1, 1, r).narrow(2, 0, w),
+                               "b": table.narrow(1, 1, r).narrow(2, w + 4, w)},
+                        in_place=frozenset({"a", "b"}), new_slots=slots, new_index=index)
+        view.set_new_norm_score("a", kn, None, lambda: knorm_scores(kn))
+        view.set_new_norm_score("b", kn, vn, lambda: token_scores(vn, kn))
+        out[use] = table
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(out[True]).any() and (out[True] != 0).sum() > n * k

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -440,16 +441,67 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
   return out;
 }
 
+// The new tokens' scores of knorm (-mean over the kv heads of ‖k‖; value_norm absent) and
+// PagedEviction's token mode (mean over the heads of ‖v‖ / max(‖k‖, 1e-12)) written into
+// their slots of a state, in one pass (policies/rows.py::RowsView.set_new_norm_score,
+// whose torch form is the policy's score then `set_new`): the torch form's bits for up
+// to four heads, where torch sums an inner dim's values in order and then divides by
+// their count (a true division, as here: no reciprocal, no reassociation without
+// -ffast-math). state [L, R, W] float32 (any strides); index [3, N, k] int64 (layer,
+// request, slot of each new token, `RowsView.new_index`); key_norm, value_norm [N, k, H].
+void new_scores(at::Tensor state, const at::Tensor& index, const at::Tensor& key_norm,
+                const std::optional<at::Tensor>& value_norm) {
+  TORCH_CHECK(state.dim() == 3 && state.scalar_type() == at::kFloat, "state must be [L, R, W] float32");
+  TORCH_CHECK(index.dim() == 3 && index.size(0) == 3 && index.scalar_type() == at::kLong,
+              "index must be [3, N, k] int64");
+  const int64_t n = index.size(1), k = index.size(2), m = n * k;
+  TORCH_CHECK(key_norm.dim() == 3 && key_norm.size(0) == n && key_norm.size(1) == k &&
+              key_norm.scalar_type() == at::kFloat, "key_norm must be [N, k, H] float32");
+  const int64_t h = key_norm.size(2);
+  TORCH_CHECK(h >= 1 && h <= 4, "up to 4 heads (torch sums more in another order)");
+  const bool paged = value_norm.has_value() && value_norm->defined();
+  TORCH_CHECK(!paged || (value_norm->sizes() == key_norm.sizes() &&
+                         value_norm->scalar_type() == at::kFloat),
+              "value_norm must be shaped as key_norm, float32");
+  const at::Tensor ix = index.contiguous(), kn = key_norm.contiguous();
+  const at::Tensor vn = paged ? value_norm->contiguous() : at::Tensor();
+  const int64_t* ip = ix.data_ptr<int64_t>();
+  const float* kp = kn.data_ptr<float>();
+  const float* vp = paged ? vn.data_ptr<float>() : nullptr;
+  float* sp = state.data_ptr<float>();
+  const float count = static_cast<float>(h);
+  for (int64_t t = 0; t < m; ++t) {
+    const int64_t l = ip[t], r = ip[m + t], slot = ip[2 * m + t];
+    TORCH_CHECK(l >= 0 && l < state.size(0) && r >= 0 && r < state.size(1) && slot >= 0 &&
+                slot < state.size(2), "new token index out of range");
+    const float* kt = kp + t * h;
+    float sum;
+    if (paged) {
+      const float* vt = vp + t * h;
+      const auto ratio = [&](int64_t j) { return vt[j] / (kt[j] < 1e-12f ? 1e-12f : kt[j]); };
+      sum = ratio(0);
+      for (int64_t j = 1; j < h; ++j) sum += ratio(j);
+    } else {
+      sum = kt[0];
+      for (int64_t j = 1; j < h; ++j) sum += kt[j];
+    }
+    const float mean = sum / count;
+    sp[l * state.stride(0) + r * state.stride(1) + slot * state.stride(2)] = paged ? mean : -mean;
+  }
+}
+
 TORCH_LIBRARY(kvserve_policy_state, m) {
   m.def("pyramid_window(Tensor(a!) ring, Tensor(b!) total, Tensor mass, int[] cols, Tensor positions, "
         "int[] edges, int[] drop, int shift, float rel, float abs) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "int[] qpos, int[] prompt, float alpha) -> ()");
   m.def("lazy_importance(Tensor ts, Tensor mri, int[] rows, int[] t) -> Tensor");
+  m.def("new_scores(Tensor(a!) state, Tensor index, Tensor key_norm, Tensor? value_norm) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
   m.impl("pyramid_window", pyramid_window);
   m.impl("lazy_track", lazy_track);
   m.impl("lazy_importance", lazy_importance);
+  m.impl("new_scores", new_scores);
 }
