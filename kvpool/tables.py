@@ -312,17 +312,27 @@ class SlotTables:
         size, at least every cache's held width) and free the blocks that leaves without
         a live slot; per cache (slots evicted over all layers, blocks freed). The one
         way a policy's plan reaches the pool: a fixed number of ops for any batch.
-        The C++ form (csrc/tables_cpu.cpp) writes `slot_pos` in place in one pass; both
-        take the dead slots off the rows' live counts (`sizes`)."""
+        The C++ form (csrc/tables_cpu.cpp::evict_rows) marks and frees in one call, the
+        torch form is `_mark_dead` then `free_dead_blocks`; both take the dead slots off
+        the rows' live counts (`sizes`)."""
         r = dead.shape[1]
         rows = int64_tensor([c.row for c in caches])
         alike = bool_tensor([c.alike for c in caches])
-        if dead.device.type == "cpu" and load_mark():
-            cnt, emptied, same_t = torch.ops.kvserve_tables.mark_dead(
-                self.slot_pos, self.sizes, rows, dead, alike, self.bs)
-            counts, same = cnt.t().tolist(), same_t.tolist()  # counts [R][L]
-        else:
-            counts, emptied, same = self._mark_dead(rows, dead, alike)
+        if dead.device.type == "cpu" and load_mark():  # marking and freeing, one pass
+            states, columns = self._native_states()
+            info, ids = torch.ops.kvserve_tables.evict_rows(
+                self.table, self.slot_pos, self.sizes, states, columns, rows, dead, alike,
+                self.bs)
+            if ids.numel():
+                pool.release(ids)
+            done = []
+            for c, (died, freed, same_slots) in zip(caches, info.tolist()):
+                if died:
+                    c.alike = c.alike and bool(same_slots)
+                    c.uniform = False
+                done.append((died, freed))
+            return done
+        counts, emptied, same = self._mark_dead(rows, dead, alike)
         if not any(map(any, counts)):
             return [(0, 0)] * r
         for c, k, s in zip(caches, counts, same):

@@ -296,3 +296,50 @@ def test_native_kv_write_matches_torch(model_dtype, pool_dtype, monkeypatch):
     assert torch.equal(nan, b.isnan()) and nan.sum() == 1  # a NaN stays a NaN (its bits may not)
     assert torch.equal(a.masked_fill(nan, 0).view(torch.uint8), b.masked_fill(nan, 0).view(torch.uint8))
     assert a.isinf().sum() == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_native_evict_mask_matches_torch(seed, monkeypatch):
+    """`evict_mask`'s one C++ call (`evict_rows`: marking, then freeing in the rows a
+    block emptied in) against its torch form (`_mark_dead`, then `free_dead_blocks`): the
+    same counts and freed blocks per cache, tables, positions, sizes, states, released
+    ids and alike/uniform flags; caches that drop nothing, drop the same slots in every
+    layer, or empty whole blocks."""
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    from kvpool.pool import BlockPool
+    from kvpool.seq_cache import SeqCache
+
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        g = torch.Generator().manual_seed(seed)
+        pool = BlockPool(200, 4, 2, 8)
+        t = SlotTables(3, 4)
+        t.declare_state({"score": 0.5, "cols": (-1.0, 3)}, columns=("cols",))
+        caches = []
+        for i in range(4):
+            c = SeqCache(pool, 3, tables=t)
+            c.append(torch.arange(21 + 7 * i))
+            caches.append(c)
+        for name in t.state:
+            t.state[name].copy_(torch.rand(t.state[name].shape, generator=g))
+        width = max(max(c.nblocks) for c in caches) * 4
+        dead = torch.rand(3, 4, width, generator=g) < 0.25
+        dead[:, 1] = dead[0, 1]  # every layer drops the same slots
+        dead[:, 2] = False  # one drops nothing
+        dead[seed % 3, 3, 4:8] = True  # a whole block of one layer
+        released: list[int] = []
+        release = pool.release
+        monkeypatch.setattr(pool, "release", lambda ids, out=released, free=release: (
+            out.extend(ids.tolist()), free(ids)))
+        done = t.evict_mask(pool, caches, dead)
+        runs.append((done, released, t, [(c.alike, c.uniform, c.nblocks, c.next_slot, c.layer_live)
+                                         for c in caches], pool.num_free))
+    (da, ra, a, ca, fa), (db, rb, b, cb, fb) = runs
+    assert da == db and ra == rb and ca == cb and fa == fb
+    assert any(f for _, f in da) and da[2] == (0, 0)
+    assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
+    assert torch.equal(a.sizes, b.sizes)
+    for name in a.state:
+        assert torch.equal(a.state[name], b.state[name]), name

@@ -258,6 +258,46 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
   return {ids, counts};
 }
 
+// `mark_dead`, then `free_dead` over every layer of the rows in which a block lost its
+// last live slot: SlotTables.evict_mask's native form, one dispatch and one small result
+// where the two passes and the Python between them (the counts as lists, the emptied
+// rows, a second rows tensor, the freed counts summed) were ~50 us of a policy step.
+// Returns (info [R, 3] int64: per cache the slots that died over all layers, the blocks
+// freed, and 1 if every layer lost the same slots (computed for alike rows, else 1);
+// the freed block ids, as free_dead orders them).
+std::tuple<at::Tensor, at::Tensor> evict_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes,
+                                              std::vector<at::Tensor> states,
+                                              const at::Tensor& columns, const at::Tensor& rows,
+                                              const at::Tensor& dead, const at::Tensor& alike,
+                                              int64_t bs) {
+  const auto [counts, emptied, same] = mark_dead(slot_pos, sizes, rows, dead, alike, bs);
+  const int64_t nl = counts.size(0), r = counts.size(1);
+  at::Tensor info = at::zeros({r, 3}, rows.options());
+  int64_t* ip = info.data_ptr<int64_t>();
+  const int64_t* cp = counts.data_ptr<int64_t>();
+  const bool* ep = emptied.data_ptr<bool>();
+  const bool* mp = same.data_ptr<bool>();
+  const at::Tensor rw = rows.contiguous();
+  std::vector<int64_t> hit, hit_rows;
+  for (int64_t i = 0; i < r; ++i) {
+    for (int64_t l = 0; l < nl; ++l) ip[i * 3] += cp[l * r + i];
+    ip[i * 3 + 2] = mp[i];
+    if (ep[i]) {
+      hit.push_back(i);
+      hit_rows.push_back(rw.data_ptr<int64_t>()[i]);
+    }
+  }
+  if (hit.empty()) return {info, at::empty({0}, rows.options())};
+  const at::Tensor sub = at::tensor(hit_rows, rows.options());
+  const at::Tensor all = at::ones({nl}, alike.options());
+  const auto [ids, ndead] = free_dead(table, slot_pos, sizes, std::move(states), columns, sub, all, bs);
+  const int64_t* dp = ndead.data_ptr<int64_t>();
+  const int64_t m = static_cast<int64_t>(hit.size());
+  for (int64_t k = 0; k < m; ++k)
+    for (int64_t l = 0; l < nl; ++l) ip[hit[k] * 3 + 1] += dp[l * m + k];
+  return {info, ids};
+}
+
 // Pack every (cache, layer)'s live tokens, in order, into its first blocks
 // (SlotTables.compact, whose torch form this is: a dozen sweeps over the rows' whole
 // width, a sort, and a gather/scatter of every moved slot's K/V through index tensors;
@@ -571,6 +611,8 @@ TORCH_LIBRARY(kvserve_tables, m) {
         "-> (Tensor, Tensor, Tensor)");
   m.def("free_dead(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, Tensor columns, "
         "Tensor rows, Tensor only, int bs) -> (Tensor, Tensor)");
+  m.def("evict_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, "
+        "Tensor columns, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_need(Tensor sizes, int[] rows, int bs) -> (int, int)");
@@ -585,6 +627,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
 TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("mark_dead", mark_dead);
   m.impl("free_dead", free_dead);
+  m.impl("evict_rows", evict_rows);
   m.impl("compact_rows", compact_rows);
   m.impl("release_refs", release_refs);
   m.impl("write_kv", write_kv);
