@@ -168,6 +168,8 @@ class SlotTables:
         self.pk = _int_view(self.peaks)
         self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
+        # `_native_states`' answer, kept until a state is added or the tensors grow
+        self._native: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def declare_state(self, fills: dict[str, float | tuple[float, int]],
                       columns: tuple[str, ...] | frozenset[str] = ()) -> None:
@@ -180,6 +182,7 @@ class SlotTables:
             if name not in self.state:
                 self.state[name] = _new_state(self.slot_pos.shape, k, fill, name in columns)
                 self.fills[name] = fill
+                self._native = None
             t = self.state[name]
             assert (t.dim() == 4 and t.shape[3] == k) or (t.dim() == 3 and not k), \
                 f"slot state {name!r} declared with two shapes"
@@ -234,6 +237,7 @@ class SlotTables:
             new = _new_state(pos.shape, k, self.fills[name], _by_columns(old))
             new[:, :r, : w * self.bs] = old
             self.state[name] = new
+        self._native = None
 
     # ---- what a step reads -----------------------------------------------------------
     def rows_of(self, caches: list[SeqCache], nb: int, whole: bool = False
@@ -524,12 +528,13 @@ class SlotTables:
         return gone.sum(dim=0).tolist()
 
     def _native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The states as the C++ ops take them (storage order) and which are by columns."""
-        if not self.state:
-            return [], _NO_COLUMNS
-        cols = [_by_columns(t) for t in self.state.values()]
-        return ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
-                bool_tensor(cols))
+        """The states as the C++ ops take them (storage order) and which are by columns;
+        made once per set of tensors (every plan and decode append asks: ~5 us a call)."""
+        if self._native is None:
+            cols = [_by_columns(t) for t in self.state.values()]
+            self._native = ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
+                            bool_tensor(cols) if cols else _NO_COLUMNS)
+        return self._native
 
     def _copy_on_write(self, pool: BlockPool, caches: list[SeqCache], table: torch.Tensor,
                        dest: torch.Tensor, hole: torch.Tensor) -> bool:
