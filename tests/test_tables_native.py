@@ -81,11 +81,24 @@ def test_state_by_columns_reads_like_by_slots_and_survives_growth():
     assert t.state["b"][1, 1, 5].tolist() == [1.0, 2.0, 3.0]
 
 
+def _filled(pool, t: SlotTables, g: torch.Generator, lengths: list[int]) -> list:
+    """Caches of 3 layers holding `lengths` tokens in `t`, every state random."""
+    from kvpool.seq_cache import SeqCache
+
+    caches = []
+    for n in lengths:
+        c = SeqCache(pool, 3, tables=t)
+        c.append(torch.arange(n))
+        caches.append(c)
+    for name in t.state:
+        t.state[name].copy_(torch.rand(t.state[name].shape, generator=g))
+    return caches
+
+
 def _pool_case(seed: int, shared: bool = False):
     """Three caches of a real pool with scattered drops (their K/V random), as
     compaction finds them; `shared`: one destination block held twice."""
     from kvpool.pool import BlockPool
-    from kvpool.seq_cache import SeqCache
 
     g = torch.Generator().manual_seed(seed)
     pool = BlockPool(300, 4, 2, 8, dtype=[torch.float32, torch.bfloat16, "int8"][seed % 3])
@@ -95,13 +108,7 @@ def _pool_case(seed: int, shared: bool = False):
         pool.scales.copy_(torch.rand(pool.scales.shape, generator=g).half())
     t = SlotTables(3, 4)
     t.declare_state({"score": 0.5, "ring": (0.0, 3), "cols": (-1.0, 5)}, columns=("cols",))
-    caches = []
-    for i in range(3):
-        c = SeqCache(pool, 3, tables=t)
-        c.append(torch.arange(20 + 9 * i))
-        caches.append(c)
-    for name in t.state:
-        t.state[name].copy_(torch.rand(t.state[name].shape, generator=g))
+    caches = _filled(pool, t, g, [20 + 9 * i for i in range(3)])
     for c in caches:
         width = max(c.nblocks) * 4
         dead = torch.rand((3, 1, width), generator=g) < 0.3
@@ -308,7 +315,6 @@ def test_native_evict_mask_matches_torch(seed, monkeypatch):
     if not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
     from kvpool.pool import BlockPool
-    from kvpool.seq_cache import SeqCache
 
     runs = []
     for native in (True, False):
@@ -317,13 +323,7 @@ def test_native_evict_mask_matches_torch(seed, monkeypatch):
         pool = BlockPool(200, 4, 2, 8)
         t = SlotTables(3, 4)
         t.declare_state({"score": 0.5, "cols": (-1.0, 3)}, columns=("cols",))
-        caches = []
-        for i in range(4):
-            c = SeqCache(pool, 3, tables=t)
-            c.append(torch.arange(21 + 7 * i))
-            caches.append(c)
-        for name in t.state:
-            t.state[name].copy_(torch.rand(t.state[name].shape, generator=g))
+        caches = _filled(pool, t, g, [21 + 7 * i for i in range(4)])
         width = max(max(c.nblocks) for c in caches) * 4
         dead = torch.rand(3, 4, width, generator=g) < 0.25
         dead[:, 1] = dead[0, 1]  # every layer drops the same slots
