@@ -319,7 +319,6 @@ class SlotTables:
         The C++ form (csrc/tables_cpu.cpp::evict_rows) marks and frees in one call, the
         torch form is `_mark_dead` then `free_dead_blocks`; both take the dead slots off
         the rows' live counts (`sizes`)."""
-        r = dead.shape[1]
         rows = int64_tensor([c.row for c in caches])
         alike = bool_tensor([c.alike for c in caches])
         if dead.device.type == "cpu" and load_mark():  # marking and freeing, one pass
@@ -327,25 +326,28 @@ class SlotTables:
             info, ids = torch.ops.kvserve_tables.evict_rows(
                 self.table, self.slot_pos, self.sizes, states, columns, rows, dead, alike,
                 self.bs)
-            if ids.numel():
-                pool.release(ids)
-            done = []
-            for c, (died, freed, same_slots) in zip(caches, info.tolist()):
-                if died:
-                    c.alike = c.alike and bool(same_slots)
-                    c.uniform = False
-                done.append((died, freed))
-            return done
+            pool.release(ids)
+            per_cache = info.tolist()
+        else:
+            per_cache = self._evict_torch(pool, caches, rows, dead, alike)
+        done = []
+        for c, (died, freed, same) in zip(caches, per_cache):
+            if died:
+                c.alike = c.alike and bool(same)
+                c.uniform = False
+            done.append((died, freed))
+        return done
+
+    def _evict_torch(self, pool: BlockPool, caches: list[SeqCache], rows: torch.Tensor,
+                     dead: torch.Tensor, alike: torch.Tensor) -> list[tuple[int, int, bool]]:
+        """`evict_rows`' torch form: per cache (slots that died over all layers, blocks
+        freed, whether every layer lost the same slots)."""
         counts, emptied, same = self._mark_dead(rows, dead, alike)
         if not any(map(any, counts)):
-            return [(0, 0)] * r
-        for c, k, s in zip(caches, counts, same):
-            if any(k):
-                c.alike = c.alike and s
-                c.uniform = False
+            return [(0, 0, True)] * len(caches)
         hit = [i for i, e in enumerate(emptied.tolist()) if e]
         freed = dict(zip(hit, self.free_dead_blocks(pool, [caches[i] for i in hit]))) if hit else {}
-        return [(sum(k), freed.get(i, 0)) for i, k in enumerate(counts)]
+        return [(sum(k), freed.get(i, 0), s) for i, (k, s) in enumerate(zip(counts, same))]
 
     def _mark_dead(self, rows: torch.Tensor, dead: torch.Tensor, alike: torch.Tensor
                    ) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
@@ -386,8 +388,7 @@ class SlotTables:
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, self.sizes, states, columns, row_t,
                 _layer_mask(nl, layers), bs)
-            if ids.numel():
-                pool.release(ids)
+            pool.release(ids)
             return ndead.sum(dim=0).tolist()
         sizes = self.sizes.index_select(0, row_t)
         nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, R] each
@@ -520,8 +521,7 @@ class SlotTables:
             _layer_mask(self.num_layers, layers), pool.ref, self.bs)
         if declined:
             return None
-        if ids.numel():
-            pool.release(ids)
+        pool.release(ids)
         for c, h in zip(caches, hole.any(dim=0).tolist()):
             if h:
                 c.alike = False  # layers are packed each on their own

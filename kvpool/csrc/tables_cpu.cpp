@@ -278,13 +278,14 @@ std::tuple<at::Tensor, at::Tensor> evict_rows(at::Tensor table, at::Tensor slot_
   const bool* ep = emptied.data_ptr<bool>();
   const bool* mp = same.data_ptr<bool>();
   const at::Tensor rw = rows.contiguous();
+  const int64_t* rp = rw.data_ptr<int64_t>();
   std::vector<int64_t> hit, hit_rows;
   for (int64_t i = 0; i < r; ++i) {
     for (int64_t l = 0; l < nl; ++l) ip[i * 3] += cp[l * r + i];
     ip[i * 3 + 2] = mp[i];
     if (ep[i]) {
       hit.push_back(i);
-      hit_rows.push_back(rw.data_ptr<int64_t>()[i]);
+      hit_rows.push_back(rp[i]);
     }
   }
   if (hit.empty()) return {info, at::empty({0}, rows.options())};
