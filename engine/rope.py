@@ -91,7 +91,11 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] int positions -> (cos, sin), each [T, rotary_dim // 2] float32."""
         in_table = False
-        if positions.numel() > 0:  # one host sync per step (forward calls this once)
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph (engine/cuda_graphs.py) cannot sync; it runs only for
+            # models whose every position is in the table
+            in_table = True
+        elif positions.numel() > 0:  # one host sync per step (forward calls this once)
             lo, hi = (int(v) for v in torch.aminmax(positions))
             in_table = lo >= 0 and hi < self.cos_table.shape[0]
         if in_table:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from kvpool.cpu_attention import (
 from kvpool.host import int64_tensor
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
+
+if TYPE_CHECKING:  # imported by the engine on CUDA only (it imports Triton)
+    from engine.cuda_graphs import DecodeGraphs
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 # Scored rows' logits are computed this many [rows x vocab] elements at a time (64 MiB of
@@ -127,10 +131,16 @@ class ModelRunner:
         # KeyDiff's scores from the decode kernel (`wants_key_diversity`) where it serves
         # this pool; decided on the first step that asks (the kernel builds then).
         self._fuse_kd: bool | None = None
+        # CUDA graphs for decode steps (engine/cuda_graphs.py), set by the engine on CUDA.
+        self.graphs: DecodeGraphs | None = None
 
     def execute(self, inputs: list[SeqInput],
                 decode_slots: torch.Tensor | None = None) -> StepOutput:
         """`decode_slots`: [L, D] slots of the inputs whose `slots` is None, in order."""
+        if self.graphs is not None and decode_slots is not None:
+            logits = self.graphs.run(inputs, decode_slots)
+            if logits is not None:  # the step was a graph's; else it runs eagerly here
+                return StepOutput(logits=logits)
         cfg, dev = self.config, self.device
         offsets: list[int] = []
         ids: list[int] = []

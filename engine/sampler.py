@@ -57,8 +57,11 @@ class SamplingBatch:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         # One float64 host tensor (exact for ids, seeds and steps < 2**53), one copy.
-        packed = torch.tensor([temps, top_p, top_k, min_p, seeds, steps],
-                              dtype=torch.float64).to(device)
+        packed = torch.tensor([temps, top_p, top_k, min_p, seeds, steps], dtype=torch.float64)
+        if torch.device(device).type == "cuda":  # pinned: an asynchronous copy, no sync
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
         f32, i64 = packed[[0, 1, 3]].float(), packed[[2, 4, 5]].long()
         return SamplingBatch(
             temperature=f32[0], top_p=f32[1], top_k=i64[0], min_p=f32[2],

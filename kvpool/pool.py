@@ -91,13 +91,18 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype | str = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", scratch: bool = False) -> None:
         """`dtype`: a float dtype, or a quantized format's name (`kvpool.quant.FORMATS`:
-        int8, fp8_e4m3, int4), whose codes go in `kv` and fp16 scales in `scales`."""
+        int8, fp8_e4m3, int4), whose codes go in `kv` and fp16 scales in `scales`.
+        `scratch`: one more block past the `num_blocks` handed out, never owned or
+        counted, whose first slot (`scratch_slot`) takes writes nobody reads (a CUDA
+        graph's padded rows, engine/cuda_graphs.py), so an idle pool still reads 0 used."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.scratch_slot: int | None = num_blocks * block_size if scratch else None
+        allocated = num_blocks + int(scratch)
         self.head_dim = head_dim
         self.quant: KVFormat | None = _format(dtype)
         self.scales: torch.Tensor | None = None  # [2, N, bs, Hkv, NG] with a quant format
@@ -105,7 +110,7 @@ class BlockPool:
         if self.quant is not None:
             self.quant.check(head_dim)
             width = self.quant.packed_dim(head_dim)
-            self.scales = torch.zeros(2, num_blocks, block_size, num_kv_heads,
+            self.scales = torch.zeros(2, allocated, block_size, num_kv_heads,
                                       self.quant.num_groups(head_dim), dtype=torch.float16,
                                       device=device)
             dtype = self.quant.storage
@@ -113,7 +118,7 @@ class BlockPool:
         # maps only on first touch, so the process would creep up to the pool's size as
         # blocks are first used (a soak would read that as a leak). Touch it all now:
         # the pool's memory is reserved at start-up, as operators expect.
-        self.kv = torch.empty(2, num_blocks, block_size, num_kv_heads, width,
+        self.kv = torch.empty(2, allocated, block_size, num_kv_heads, width,
                               dtype=dtype, device=device)
         advise_huge_pages(self.kv)
         self.kv.view(torch.uint8).zero_()  # fp8 has no zero_ on every device
@@ -287,9 +292,11 @@ class BlockPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pool, scales included."""
-        extra = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
-        return self.kv.numel() * self.kv.element_size() + extra
+        """Bytes of the pool's `num_blocks` blocks, scales included (what the pool was
+        sized to; a scratch block is one more, not counted)."""
+        n = self.num_blocks
+        extra = 0 if self.scales is None else self.scales[:, :n].numel() * self.scales.element_size()
+        return self.kv[:, :n].numel() * self.kv.element_size() + extra
 
     def allocate(self, n: int) -> torch.Tensor:
         """n fresh block ids (ref count 1) as an int64 tensor."""

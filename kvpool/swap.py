@@ -47,9 +47,12 @@ class SwapSpace:
         self._free.extend(ids.tolist())
 
     def store(self, ids: torch.Tensor, data: list[torch.Tensor]) -> None:
-        """Host blocks `ids` <- `BlockPool.read_blocks` output."""
+        """Host blocks `ids` <- `BlockPool.read_blocks` output. The copy to the host
+        blocks: an asynchronous one hands the host scatter a buffer the GPU has not
+        filled yet, and the blocks came back as garbage (every swap test failed on an
+        H200, session 23)."""
         for t, d in zip(self.tensors, data):
-            t[:, ids] = d.to("cpu", non_blocking=True)
+            t[:, ids] = d.cpu()
 
     def load(self, ids: torch.Tensor) -> list[torch.Tensor]:
         """Host blocks `ids`, for `BlockPool.write_blocks`."""

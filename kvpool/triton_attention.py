@@ -86,7 +86,7 @@ def _load_rows(PTR, SC, blk, off, kvh, d, sn, ss, sh, sd, scn, scs, sch, scg, ma
 
 @_jit
 def _attn_kernel(
-    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART,
+    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART, SLEN,
     sq_b, sq_t, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
     sv_n, sv_s, sv_h, sv_d,
@@ -97,9 +97,11 @@ def _attn_kernel(
     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
-    QUANT: tl.constexpr, GS: tl.constexpr,
+    QUANT: tl.constexpr, GS: tl.constexpr, DYN_S: tl.constexpr,
 ):
-    """Online-softmax attention of one (query-row tile, sequence × kv head, split)."""
+    """Online-softmax attention of one (query-row tile, sequence × kv head, split).
+    DYN_S: only the first SLEN[0] slots of each row are walked (a CUDA graph's static
+    tables are wider than the step's; what lies beyond is stale)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -122,6 +124,8 @@ def _attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+    if DYN_S:
+        S = tl.minimum(tl.load(SLEN).to(tl.int32), S)
     first = pid_s * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_N))
     for tile in range(first, last):
@@ -289,11 +293,15 @@ def paged_attention_triton(
     quant: QuantCache | None = None,
     *,
     num_splits: int | None = None,
+    slot_count: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `kvpool.attention.paged_attention` (same arguments and results).
 
     `num_splits` (keyword only) forces the split-KV factor; None picks it from the
-    grid size and the GPU's SM count. Every tensor is addressed through its strides, so
+    grid size and the GPU's SM count. `slot_count` (keyword only): a one-element int
+    tensor on the device; only the first `slot_count[0]` slots of every row are read
+    (a CUDA graph's tables have a fixed width, wider than the step's; the count is read
+    on the device at replay, engine/cuda_graphs.py). Not with `return_probs`. Every tensor is addressed through its strides, so
     views need no copy (q sliced out of a fused qkv projection, k_cache = kv[0]).
     """
     if triton is None:
@@ -322,6 +330,8 @@ def paged_attention_triton(
              if return_probs else None)
     if out.numel() == 0 or s_len == 0:
         return out.zero_(), probs
+    if slot_count is not None and return_probs:
+        raise ValueError("slot_count is for the attention pass alone, not return_probs")
 
     block_d = _pow2(d)
     rows = tq * g
@@ -349,12 +359,12 @@ def paged_attention_triton(
 
     _attn_kernel[(m_tiles, b * hkv, splits)](
         q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
-        m_part, l_part, *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
+        m_part, l_part, slot_count if slot_count is not None else q_pos, *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
         *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
         scale_log2, win, tq, s_len, hkv, tiles_per_split,
         G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
-        PRECISION=precision, QUANT=mode, GS=gs, num_warps=4,
+        PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, num_warps=4,
     )
     if splits > 1:
         _combine_kernel[(m_tiles, b * hkv)](

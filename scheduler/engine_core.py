@@ -82,6 +82,9 @@ class EngineConfig:
     # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
     # False keeps torch's dense F.linear (for comparison).
     cpu_prepack: bool = True
+    # On CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py); True runs them
+    # eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
 
     DEFAULT_KV_MEMORY = "512MiB"
 
@@ -119,10 +122,20 @@ class EngineCore:
                                                   mc.head_dim, kv_dtype)
             mem = parse_bytes(config.kv_cache_memory or EngineConfig.DEFAULT_KV_MEMORY)
             num_blocks = mem // per_block
+        # Decode steps replay CUDA graphs (engine/cuda_graphs.py) where every position
+        # is in the rotary table (a graph cannot check); their padded rows write the
+        # pool's scratch block.
+        graphs = (self.device.type == "cuda" and not config.enforce_eager
+                  and self.max_model_len <= self.model.rotary.cos_table.shape[0])
         self.pool = BlockPool(num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                              dtype=kv_dtype, device=self.device)
+                              dtype=kv_dtype, device=self.device, scratch=graphs)
         self.runner = ModelRunner(self.model, mc, self.pool, select_attention(self.device),
                                   self.device)
+        if graphs:
+            from engine.cuda_graphs import DecodeGraphs  # imports Triton: CUDA only
+
+            self.runner.graphs = DecodeGraphs(self.runner, config.max_num_seqs,
+                                              self.max_model_len)
         if config.preemption_mode not in MODES:
             raise ValueError(f"preemption_mode must be one of {MODES}")
         if not 0 <= config.watermark < 1:

@@ -63,13 +63,14 @@ class Warmup:
 
 
 def load_native_ops(device: torch.device) -> dict[str, bool]:
-    """Build (or load from the on-disk cache) every C++ op this device uses."""
-    if device.type != "cpu":
-        return {}
+    """Build (or load from the on-disk cache) every C++ op this device uses. The
+    tables and the policies' selection run on the host whatever the device (on a GPU
+    too: a first eviction once built its ops inside a client's request, ~15 s)."""
     select = load_select()  # and the policies' state updates beside the selection
-    return {"paged_decode_cpu": kernel_available(), "select_cpu": select,
-            "state_cpu": NATIVE["state"], "tables_cpu": load_mark(),
-            "key_stats_cpu": load_key_stats(),
+    host = {"select_cpu": select, "state_cpu": NATIVE["state"], "tables_cpu": load_mark()}
+    if device.type != "cpu":
+        return host
+    return {**host, "paged_decode_cpu": kernel_available(), "key_stats_cpu": load_key_stats(),
             "sampling_cpu": load_sampling_ops()}
 
 
@@ -110,6 +111,9 @@ def warm_up(core: Any) -> Warmup:
         for rid in ids:  # no-op for finished requests; frees the blocks of stuck ones
             core.abort_request(rid)
         core.on_step = on_step
+    graphs = getattr(getattr(core, "runner", None), "graphs", None)
+    if graphs is not None:  # CUDA: every decode bucket's graph, before any client's step
+        graphs.capture_all()
     w = Warmup(time.perf_counter() - t0, ops, steps, baseline=core.stats(),
                row_buckets=(warmed, len(buckets)))
     logger.info("warmed up", extra={"fields": {"warmup_s": round(w.seconds, 3),

@@ -176,6 +176,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of blocks kept free when admitting")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share computed prompt blocks between requests")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
+                   "(as vLLM's flag): slower, for debugging and comparison")
     g.add_argument("--no-batch-policies", action="store_true",
                    help="step every request's kv_policy alone (same plans, slower): "
                         "decode steps at the budget are otherwise batched per policy")
@@ -190,7 +193,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               swap_space=a.swap_space, watermark=a.watermark,
               reserve_preempted=not a.no_reserve_preempted,
               enable_prefix_caching=not a.no_prefix_caching,
-              batch_policies=not a.no_batch_policies)
+              batch_policies=not a.no_batch_policies, enforce_eager=a.enforce_eager)
     # Given only when set: EngineConfig keeps the default (importing it here would load
     # torch before the arguments are parsed).
     if a.min_prefill_chunk is not None:

@@ -21,13 +21,15 @@ def make_case(
     evict: dict[int, list[int]] | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device: torch.device | str = DEV,
 ) -> dict:
     """Sequences with `prefixes[i]` cached tokens plus a chunk of `chunks[i]` queries.
 
     The chunk's own keys are already in the cache (the runner writes before attending),
     so sequence i holds positions 0 .. prefix+chunk-1 in shuffled pool blocks. Queries
     are padded to the longest chunk with PAD_QUERY_POS. `evict` maps a sequence to the
-    logical slots marked dead; `extra_blocks` adds -1 columns to the table.
+    logical slots marked dead; `extra_blocks` adds -1 columns to the table. `device`:
+    the Triton tests' default (CUDA where there is one); the CPU kernel's tests pass "cpu".
     """
     g = torch.Generator().manual_seed(seed)
     lens = [p + c for p, c in zip(prefixes, chunks)]
@@ -52,7 +54,7 @@ def make_case(
     fused = torch.randn(len(lens), tq, hq + 2, d, generator=g)
     kv = torch.randn(2, num_blocks, bs, hkv, d, generator=g)
     return {
-        "q": fused[:, :, :hq].to(DEV, dtype), "k_cache": kv[0].to(DEV, dtype),
-        "v_cache": kv[1].to(DEV, dtype), "table": table.to(DEV),
-        "slot_pos": slot_pos.to(DEV), "q_pos": q_pos.to(DEV), "scale": d**-0.5,
+        "q": fused[:, :, :hq].to(device, dtype), "k_cache": kv[0].to(device, dtype),
+        "v_cache": kv[1].to(device, dtype), "table": table.to(device),
+        "slot_pos": slot_pos.to(device), "q_pos": q_pos.to(device), "scale": d**-0.5,
     }

@@ -22,7 +22,13 @@ import torch
 from kvpool import cpu_attention, native
 from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.cpu_attention import paged_attention_cpu
-from tests.attention_cases import make_case
+from tests import attention_cases
+
+
+def make_case(*args, **kw) -> dict:
+    """The shared cases on the CPU whatever else the machine has: this is the CPU
+    kernel (on a CUDA machine the shared default is the GPU, for the Triton tests)."""
+    return attention_cases.make_case(*args, device="cpu", **kw)
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
                                   reason="no C++ compiler for the CPU kernel")

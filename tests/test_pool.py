@@ -256,3 +256,20 @@ def test_peak_is_kept_where_slots_are_taken() -> None:
     assert (c.num_blocks, c.live // 2) == (6, 12) and c.peak() == (6, 12)
     c.release()
     assert c.peak() == (0, 0) and pool.num_free == 100
+
+
+def test_scratch_block_is_outside_the_accounting() -> None:
+    """A CUDA graph's padded rows write the scratch block (engine/cuda_graphs.py): it is
+    allocated past the blocks handed out, never owned, and an idle pool reads 0 used."""
+    pool = BlockPool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2, scratch=True)
+    assert pool.kv.shape[1] == 5 and pool.scratch_slot == 8
+    assert (pool.num_free, pool.num_used) == (4, 0)
+    plain = BlockPool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2)
+    assert pool.nbytes == plain.nbytes and pool.block_bytes == plain.block_bytes
+    ids = pool.allocate(4)
+    assert sorted(ids.tolist()) == [0, 1, 2, 3] and pool.num_free == 0
+    pool.write(torch.tensor([pool.scratch_slot]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    pool.check_invariants([ids])
+    pool.release(ids)
+    pool.check_invariants([])
+    assert BlockPool(4, 2, 1, 2).scratch_slot is None

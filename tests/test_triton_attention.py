@@ -56,6 +56,27 @@ def test_decode_long_and_split_kv() -> None:
     check(case, num_splits=3, window=70, probs=True)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_slot_count_reads_only_the_leading_slots(num_splits: int) -> None:
+    """A CUDA graph's tables are wider than the step's (engine/cuda_graphs.py): past
+    `slot_count` lie stale blocks and positions that would be visible. The kernel must
+    answer as if the tables ended there, split or not."""
+    case = make_case([149, 36], [1, 1], bs=8, hq=4, hkv=2, extra_blocks=3)
+    count = 40  # slots 40.. of both rows are stale: positions that pass every check
+    stale = {**case, "slot_pos": case["slot_pos"].clone()}
+    stale["slot_pos"][:, count:] = torch.arange(count, stale["slot_pos"].shape[1])
+    stale["table"] = case["table"].clamp(min=0)
+    out, _ = paged_attention_triton(**stale, num_splits=num_splits,
+                                    slot_count=torch.tensor([count], device=DEV))
+    nb = count // 8
+    cut = {**case, "table": case["table"][:, :nb], "slot_pos": case["slot_pos"][:, :count]}
+    ref, _ = paged_attention(**{k: (v.float() if k in ("q", "k_cache", "v_cache") else v)
+                                for k, v in cut.items()})
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="slot_count"):
+        paged_attention_triton(**stale, return_probs=True, slot_count=torch.tensor([count]))
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (8, 1), (2, 2)])
 def test_prefill_chunk_over_cached_prefix(hq: int, hkv: int) -> None:
     """Chunks attend causally to an earlier cached prefix; padded rows included."""

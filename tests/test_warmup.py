@@ -47,8 +47,9 @@ def test_engine_warms_up_before_loaded(model_dir: str) -> None:
         assert w is not None and w.steps >= 2 and w.seconds > 0
         done, total = w.row_buckets  # oneDNN row buckets: all of them for a tiny model
         assert total > 32 and done in (0, total)  # 0: no packing in this torch build
-        assert w.native_ops == {} or set(w.native_ops) == {
-            "paged_decode_cpu", "sampling_cpu", "select_cpu", "state_cpu", "tables_cpu", "key_stats_cpu"}
+        host = {"select_cpu", "state_cpu", "tables_cpu"}  # on any device
+        assert set(w.native_ops) in (host, host | {
+            "paged_decode_cpu", "sampling_cpu", "key_stats_cpu"})
         s = engine.stats
         assert (s.blocks_used, s.num_running, s.num_waiting) == (0, 0, 0)
         assert s.blocks_total == 96

@@ -1,0 +1,249 @@
+"""kvserve on a GPU against HF transformers on the same GPU, in one run (issue 23).
+
+The workload is shared/gpu/gpu_probe.py's, the first GPU measurement: a random-weight
+model (`bench_common.build_model`), bf16 weights and KV, N requests of P random prompt
+tokens generating G each, greedy, EOS ignored, all submitted at once, `max_num_seqs=N`,
+no prefix caching. Runs, each on a fresh engine after a warm-up:
+
+- kvserve `full` with CUDA graphs (engine/cuda_graphs.py) and with `enforce_eager`;
+- kvserve policies at their budget (streaming runs inside graphs; h2o reads attention
+  mass, so its steps run eagerly): the step and its policy share;
+- HF `generate` (dynamic cache; static cache) on the same prompts as one batch;
+- pressure: a pool that fits `--pressure-fit` full requests, N requests of P + 2G
+  tokens, `full` against streaming (the best policy where the others read attention).
+
+Each kvserve run reports output tok/s, the mean decode step at N running (total,
+forward, schedule, sample, policy), and the GPU's busy share over 10 such steps
+(torch.profiler: CUDA kernel and copy time over wall time). Writes JSON with the
+environment fingerprint (GPU included) and a markdown table to docs/benchmarks.md.
+
+    python -m loadtest.bench_gpu --model 160m          # the issue's run (about 3 min)
+    python -m loadtest.bench_gpu --model 160m --parts kvserve,hf --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+PROFILE_AT, PROFILE_STEPS = 40, 10  # decode steps into the run, and how many
+
+
+def build(model: str, out_dir: str) -> str:
+    from loadtest.bench_common import build_model
+
+    path = os.path.join(out_dir, model)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_model(model, path)
+    return path
+
+
+def gpu_busy(steps: int, engine: Any) -> float:
+    """CUDA time (kernels and copies) over wall time across `steps` engine steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    busy = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return busy / 1e6 / wall
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> float:
+    """GPU milliseconds of one replay (CUDA events; the buffers hold the last step)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = None,
+                eager: bool = False, memory: str = "8GiB", num_blocks: int | None = None,
+                profile: bool = True) -> dict:
+    from engine.sampling import SamplingParams
+    from scheduler.engine_core import EngineConfig, EngineCore
+    from scheduler.warmup import warm_up
+
+    n = len(prompts)
+    stats: list = []
+    kw: dict[str, Any] = ({"num_blocks": num_blocks} if num_blocks else
+                          {"kv_cache_memory": memory})
+    eng = EngineCore(EngineConfig(model=path, dtype="bfloat16", kv_cache_dtype="bfloat16",
+                                  max_num_seqs=n, max_num_batched_tokens=8192,
+                                  enable_prefix_caching=False, enforce_eager=eager, **kw),
+                     on_step=stats.append)
+    t0 = time.perf_counter()
+    warm_up(eng)  # as the server does: native ops, every graph bucket captured
+    warmup_s = time.perf_counter() - t0
+
+    def params(g: int) -> SamplingParams:
+        return SamplingParams(max_tokens=g, temperature=0, ignore_eos=True, detokenize=False)
+
+    for i in range(4):  # and this run's policy and shapes: Triton compiles, allocator grows
+        eng.add_request(f"w{i}", prompts[i], params(8), kv_policy=policy)
+    while eng.has_unfinished():
+        eng.step()
+    stats.clear()
+    graph_steps0 = eng.runner.graphs.steps if eng.runner.graphs else 0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params(gen), kv_policy=policy)
+    busy, steps = None, 0
+    while eng.has_unfinished():
+        steps += 1
+        if profile and steps == PROFILE_AT:
+            busy = gpu_busy(PROFILE_STEPS, eng)
+        else:
+            eng.step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    full = [s for s in stats if s.num_prefill_tokens == 0 and s.num_seqs == n]
+    r: dict[str, Any] = dict(tok_s=n * gen / wall, wall_s=wall, steps=len(stats),
+                             warmup_s=warmup_s, gpu_busy=busy,
+                             graph_steps=(eng.runner.graphs.steps - graph_steps0
+                                          if eng.runner.graphs else 0))
+    if full:
+        for key, field in (("step_ms", "total_s"), ("forward_ms", "forward_s"),
+                           ("schedule_ms", "schedule_s"), ("sample_ms", "sample_s"),
+                           ("policy_ms", "policy_s")):
+            r[key] = sum(getattr(s, field) for s in full) / len(full) * 1e3
+        r["decode_steps_at_n"] = len(full)
+        r["policy_share"] = r["policy_ms"] / r["step_ms"]
+    graphs = eng.runner.graphs
+    if graphs is not None and n in graphs.graphs:  # the forward's GPU time alone
+        r["replay_ms"] = replay_ms(graphs.graphs[n])
+    del eng
+    torch.cuda.empty_cache()
+    return r
+
+
+def run_hf(path: str, prompts: list[list[int]], gen: int, cache: str | None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts, device="cuda")
+    kw = {"cache_implementation": cache} if cache else {}
+    m.generate(ids[:4, :64], max_new_tokens=8, do_sample=False, eos_token_id=None,
+               pad_token_id=0, **kw)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen,
+               min_new_tokens=gen, do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    del m
+    torch.cuda.empty_cache()
+    return dict(tok_s=len(prompts) * gen / wall, wall_s=wall)
+
+
+def pressure_blocks(path: str, fit: int, tokens: int, block_size: int = 16) -> int:
+    from engine.model_config import load_model_config
+
+    layers = load_model_config(path).num_layers
+    return fit * layers * -(-tokens // block_size)
+
+
+def table(report: dict) -> str:
+    rows = ["| run | output tok/s | × HF generate | step ms at N | forward | schedule | "
+            "sample | policy share | GPU busy | replay GPU ms |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    hf = report["runs"].get("hf_generate", {}).get("tok_s")
+
+    def f(x: Any, fmt: str = "{:.2f}") -> str:
+        return fmt.format(x) if isinstance(x, int | float) else "–"
+
+    for label, r in report["runs"].items():
+        if "error" in r:
+            rows.append(f"| {label} | failed: {r['error'][:60]} | | | | | | | | |")
+            continue
+        ratio = r["tok_s"] / hf if hf else None
+        rows.append(f"| {label} | {r['tok_s']:,.0f} | {f(ratio, '{:.1f}×')} | "
+                    f"{f(r.get('step_ms'))} | {f(r.get('forward_ms'))} | "
+                    f"{f(r.get('schedule_ms'))} | {f(r.get('sample_ms'))} | "
+                    f"{f(r.get('policy_share'), '{:.0%}')} | {f(r.get('gpu_busy'), '{:.0%}')} | "
+                    f"{f(r.get('replay_ms'))} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="160m")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--gen", type=int, default=256)
+    p.add_argument("--parts", default="kvserve,policies,hf,pressure")
+    p.add_argument("--pressure-fit", type=int, default=8)
+    p.add_argument("--models-dir", default=None, help="where the random models are built")
+    p.add_argument("--out", default="runs/")
+    p.add_argument("--quick", action="store_true", help="8 requests of 32/32")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA device")
+    if a.quick:
+        a.requests, a.prompt, a.gen = 8, 32, 32
+    from loadtest.fingerprint import fingerprint
+
+    path = build(a.model, a.models_dir or tempfile.mkdtemp(prefix="bench-gpu-"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(6, 32000) for _ in range(a.prompt)] for _ in range(a.requests)]
+    parts = a.parts.split(",")
+    report: dict[str, Any] = {
+        "benchmark": "bench_gpu", "command": "python -m loadtest.bench_gpu " + " ".join(argv or sys.argv[1:]),
+        "fingerprint": {**fingerprint(), "gpu": torch.cuda.get_device_name()},
+        "settings": vars(a), "runs": {}}
+    plan: list[tuple[str, Any]] = []
+    if "kvserve" in parts:
+        plan += [("kvserve full graphs", lambda: run_kvserve(path, prompts, a.gen)),
+                 ("kvserve full eager", lambda: run_kvserve(path, prompts, a.gen, eager=True))]
+    if "policies" in parts:
+        plan += [("kvserve streaming 128 graphs", lambda: run_kvserve(
+                     path, prompts, a.gen, policy={"name": "streaming", "sink": 4, "window": 124})),
+                 ("kvserve h2o 128 (eager)", lambda: run_kvserve(
+                     path, prompts, a.gen, policy={"name": "h2o", "budget": 128}))]
+    if "hf" in parts:
+        plan += [("hf_generate", lambda: run_hf(path, prompts, a.gen, None)),
+                 ("hf_generate static cache", lambda: run_hf(path, prompts, a.gen, "static"))]
+    if "pressure" in parts:
+        long = a.prompt + 2 * a.gen
+        blocks = pressure_blocks(path, a.pressure_fit, long)
+        report["pressure"] = {"num_blocks": blocks, "fits_full": a.pressure_fit, "gen": 2 * a.gen}
+        plan += [(f"pressure {label}", lambda pol=pol: run_kvserve(
+                     path, prompts, 2 * a.gen, policy=pol, num_blocks=blocks, profile=False))
+                 for label, pol in (("full", None), ("streaming 128", {
+                     "name": "streaming", "sink": 4, "window": 124}))]
+    os.makedirs(a.out, exist_ok=True)
+    out_path = os.path.join(a.out, f"bench_gpu_{a.model}.json")
+    for i, (label, fn) in enumerate(plan):
+        print(f"[{i + 1}/{len(plan)}] {label} ...", flush=True)
+        try:
+            report["runs"][label] = fn()
+        except Exception as e:  # one failed run must not cost the others (a lent GPU's minutes)
+            report["runs"][label] = {"error": repr(e)[:500]}
+        print(f"    {json.dumps(report['runs'][label])}", flush=True)
+        with open(out_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    print(table(report), flush=True)
+    print(f"wrote {out_path}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Decode steps through engine/cuda_graphs.py: static buffers, padded buckets, eviction
+between replays.
+
+Without capture (`capture=False`: on a CPU through Triton's interpreter) every other
+part runs: the staging copy, padding a batch up to its bucket (padded rows write the
+pool's scratch block and see nothing), tables wider than the step (`slot_count`), and a
+policy evicting between steps. The generations must equal the eager engine's. On a CUDA
+machine the engines also capture and replay real graphs, against `--enforce-eager` and
+against transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.sampling import SamplingParams
+from kvpool.pool import BlockPool
+from scheduler import engine_core
+from scheduler.llm import LLM
+from tests.tiny_models import make_tiny_model
+
+pytest.importorskip("triton")
+cuda_graphs = pytest.importorskip("engine.cuda_graphs")
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+POLICIES = [None, {"name": "streaming", "sink": 4, "window": 12},
+            {"name": "h2o", "budget": 24}]  # h2o reads attention mass: its steps run eagerly
+
+
+def test_batch_buckets() -> None:
+    assert cuda_graphs.batch_buckets(1) == [1]
+    assert cuda_graphs.batch_buckets(8) == [1, 2, 4, 8]
+    assert cuda_graphs.batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_tiny_model("llama", tmp_path_factory.mktemp("graphs"), num_hidden_layers=2)
+
+
+class ScratchPool(BlockPool):
+    """The pool a CUDA engine with graphs gets (one scratch block), for an engine built
+    without them (on a CPU, or eager) that a test gives uncaptured graphs."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **{**kw, "scratch": True})
+
+
+@pytest.fixture
+def scratch_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_core, "BlockPool", ScratchPool)
+
+
+def _run(path: str, graphs: str, policies: list, device: str = DEVICE
+         ) -> tuple[list[list[int]], LLM]:
+    """Greedy generations of 5 requests (prompts of 9..41 tokens: batches of 5 pad to 8,
+    then 3-4 to 4 as short ones finish) under `graphs`: "off" (eager), "uncaptured"
+    (the graph path without capture) or "captured" (CUDA)."""
+    llm = LLM(path, num_blocks=200, block_size=4, max_num_seqs=8,
+              max_num_batched_tokens=64, enforce_eager=graphs != "captured", device=device)
+    core = llm.engine
+    if graphs == "uncaptured":
+        core.runner.graphs = cuda_graphs.DecodeGraphs(core.runner, 8, core.max_model_len,
+                                                      capture=False)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(5):
+        prompt = torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist()
+        core.add_request(f"r{i}", prompt, SamplingParams(
+            max_tokens=10 + 6 * (i % 3), temperature=0, ignore_eos=True, detokenize=False),
+            kv_policy=policies[i % len(policies)])
+    tokens: dict[str, list[int]] = {}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            core.check_invariants()
+    return [tokens[f"r{i}"] for i in range(5)], llm
+
+
+@pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], POLICIES],
+                         ids=["full", "streaming", "mixed"])
+def test_uncaptured_graph_steps_equal_eager(tiny: str, policies: list, scratch_pool) -> None:
+    ref, _ = _run(tiny, "off", policies)
+    got, llm = _run(tiny, "uncaptured", policies)
+    graphs = llm.engine.runner.graphs
+    assert got == ref
+    if len(policies) < 3:  # every decode step a graph's
+        assert graphs.steps > 0 and graphs.eager_steps == 0
+    else:  # a step with an h2o row runs eagerly
+        assert graphs.eager_steps > 0
+    assert sorted(graphs.logits) == [1, 2, 4, 8][: len(graphs.logits)]
+    assert llm.engine.pool.num_used == 0  # the scratch block is nobody's
+
+
+def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
+    """A batch larger than the largest bucket, or a table wider than the buffers, is
+    no graph's step: the engine runs it eagerly, with the same results."""
+    ref, _ = _run(tiny, "off", POLICIES[:1])
+    llm = LLM(tiny, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
+              device=DEVICE, enforce_eager=True)
+    core = llm.engine
+    graphs = cuda_graphs.DecodeGraphs(core.runner, 2, 48, capture=False)  # 2 rows, 48 slots
+    core.runner.graphs = graphs
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist() for i in range(5)]
+    params = [SamplingParams(max_tokens=10 + 6 * (i % 3), temperature=0, ignore_eos=True,
+                             detokenize=False) for i in range(5)]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert graphs.steps > 0 and graphs.eager_steps > 0
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], POLICIES],
+                         ids=["full", "streaming", "mixed"])
+def test_captured_graphs_equal_eager(tiny: str, policies: list) -> None:
+    eager, _ = _run(tiny, "off", policies)
+    got, llm = _run(tiny, "captured", policies)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and graphs.graphs and graphs.steps > 0
+    assert got == eager
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox"])
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_greedy_parity_with_transformers_on_cuda(tmp_path, family: str, eager: bool) -> None:
+    """transformers on the same GPU is the reference; bf16 would round differently from
+    it at every layer, so both run in fp32."""
+    path = make_tiny_model(family, tmp_path / family)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().cuda()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+            refs.append(out[0, len(p):].tolist())
+    llm = LLM(path, num_blocks=256, block_size=4, enforce_eager=eager)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                detokenize=False))
+    assert [o.token_ids for o in outs] == refs
+    assert (llm.engine.runner.graphs is None) == eager
+    if not eager:
+        assert llm.engine.runner.graphs.steps > 0
