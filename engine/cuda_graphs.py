@@ -150,38 +150,36 @@ class DecodeGraphs:
     def _stage(self, inputs: list[SeqInput], caches: list, decode_slots: torch.Tensor,
                bucket: int, nb: int) -> None:
         """The step's inputs into the static buffers: rows b < B are the step's, the
-        rest padding; tables and positions fill the first nb columns (`slot_count`)."""
-        b, nl, s = len(inputs), self.runner.config.num_layers, nb * self.runner.pool.block_size
+        rest padding; tables and positions fill the first nb columns (`slot_count`).
+        Every piece is written into the pinned staging buffer in turn, crosses in one
+        copy, and is spread into its buffer by a device copy."""
+        b, nl, width = len(inputs), self.runner.config.num_layers, nb * self.runner.pool.block_size
         table, slot_pos, _ = caches[0].tables.rows_of(caches, nb)
-        pos = [s_.start_pos for s_ in inputs]
+        pos = [x.start_pos for x in inputs]
         pad = bucket - b
-        small = [s_.token_ids[0] for s_ in inputs] + [0] * pad
-        small += pos + [0] * pad
-        small += pos + [-1] * pad
-        small.append(s)
-        host, k = self._host, len(small)
-        host[:k] = torch.tensor(small, dtype=torch.int32)
-        parts = [(nl, bucket), (nl, b, nb), (nl, b, s)]
-        views, a = [], k
-        for shape in parts:
-            n = shape[0] * shape[1] * shape[2] if len(shape) == 3 else shape[0] * shape[1]
-            views.append((a, n, shape))
+        small = torch.tensor([x.token_ids[0] for x in inputs] + [0] * pad + pos + [0] * pad
+                             + pos + [-1] * pad + [width], dtype=torch.int32)
+        write = torch.empty(nl, bucket, dtype=torch.int64)
+        write[:, :b] = decode_slots
+        write[:, b:] = self.scratch_slot
+        pieces = [  # (host data, where it lands)
+            (small[:bucket], self.ids[:bucket]),
+            (small[bucket : 2 * bucket], self.pos[:bucket]),
+            (small[2 * bucket : 3 * bucket], self.q_pos[:bucket, 0]),
+            (small[3 * bucket :], self.slot_count),
+            (write, self.write_slots[:, :bucket]),
+            (table, self.tables[:, :b, :nb]),
+            (slot_pos, self.slot_pos[:, :b, :width]),
+        ]
+        staged, a = [], 0
+        for data, _ in pieces:
+            n = data.numel()
+            self._host[a : a + n].view(data.shape).copy_(data)
+            staged.append((a, n))
             a += n
-        w = host[views[0][0] : views[0][0] + views[0][1]].view(nl, bucket)
-        w[:, :b] = decode_slots
-        w[:, b:] = self.scratch_slot
-        host[views[1][0] : views[1][0] + views[1][1]].view(nl, b, nb).copy_(table)
-        host[views[2][0] : views[2][0] + views[2][1]].view(nl, b, s).copy_(slot_pos)
-        dev = self._dev[:a]
-        dev.copy_(host[:a], non_blocking=True)
-        self.ids[:bucket] = dev[:bucket]
-        self.pos[:bucket] = dev[bucket : 2 * bucket]
-        self.q_pos[:bucket, 0] = dev[2 * bucket : 3 * bucket]
-        self.slot_count.copy_(dev[3 * bucket : k])
-        (o, n, _), (o1, n1, _), (o2, n2, _) = views
-        self.write_slots[:, :bucket] = dev[o : o + n].view(nl, bucket)
-        self.tables[:, :b, :nb] = dev[o1 : o1 + n1].view(nl, b, nb)
-        self.slot_pos[:, :b, :s] = dev[o2 : o2 + n2].view(nl, b, s)
+        self._dev[:a].copy_(self._host[:a], non_blocking=True)
+        for (o, n), (data, dst) in zip(staged, pieces):
+            dst.copy_(self._dev[o : o + n].view(data.shape))
 
     def _forward(self, bucket: int) -> torch.Tensor:
         """The decode forward over the first `bucket` rows of the static buffers."""

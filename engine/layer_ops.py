@@ -1,5 +1,5 @@
-"""RMSNorm (with the residual add), SiLU-and-mul and RoPE: fused C++ ops on the CPU, torch
-elsewhere.
+"""RMSNorm (with the residual add), SiLU-and-mul and RoPE: fused C++ ops on the CPU, Triton
+kernels on CUDA (engine/layer_ops_triton.py), torch elsewhere.
 
 Why: in eager torch each of these is 3-8 ops, every one a pass over the activations and,
 on a CPU under passive OpenMP waiting, a wake-up of the other threads. On the 160M model
@@ -9,13 +9,17 @@ pass, rounding where transformers rounds in bf16/fp16, so outputs keep matching 
 (tests/test_layer_ops.py compares both paths; tests/test_parity.py the whole model).
 
 The torch functions here are the reference semantics and the path on other devices, for
-shapes the C++ op does not take (rows that are not contiguous), and without a compiler
-or with KVSERVE_CPU_KERNEL=0 (kvpool/native.py builds the op on first use).
+shapes the fused ops do not take (rows that are not contiguous), without a compiler or
+with KVSERVE_CPU_KERNEL=0 (kvpool/native.py builds the op on first use), and on CUDA
+without Triton or with KVSERVE_TRITON_LAYER_OPS=0.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -33,14 +37,34 @@ def native(x: torch.Tensor) -> bool:
                                                ["-fopenmp"])
 
 
-def _rows(x: torch.Tensor) -> bool:
-    return x.dim() == 2 and x.stride(1) == 1 and native(x)
+@functools.cache
+def _triton_ops() -> ModuleType | None:
+    if os.environ.get("KVSERVE_TRITON_LAYER_OPS", "1") == "0":
+        return None
+    try:
+        from engine import layer_ops_triton
+    except ImportError:  # a CUDA torch without Triton: the torch path
+        return None
+    return layer_ops_triton
+
+
+def fused(x: torch.Tensor) -> ModuleType | None:
+    """The fused ops for `x`'s device: `torch.ops.kvserve_layer` (C++, CPU, once built),
+    `layer_ops_triton` (CUDA, Triton installed), else None (the torch path)."""
+    if x.is_cuda:
+        return _triton_ops()
+    return torch.ops.kvserve_layer if native(x) else None  # type: ignore[return-value]
+
+
+def _rows(x: torch.Tensor) -> ModuleType | None:
+    return fused(x) if x.dim() == 2 and x.stride(1) == 1 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalise in float32, cast back, then scale."""
-    if _rows(x) and weight.dtype == x.dtype:
-        return torch.ops.kvserve_layer.rms_norm(x, weight, eps)
+    ops = _rows(x)
+    if ops is not None and weight.dtype == x.dtype:
+        return ops.rms_norm(x, weight, eps)
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -52,9 +76,10 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): the residual add of a layer fused with the
     next norm. x and residual may be overwritten (the C++ op works in place)."""
-    if (_rows(x) and residual.dim() == 2 and residual.stride(1) == 1
+    ops = _rows(x)
+    if (ops is not None and residual.dim() == 2 and residual.stride(1) == 1
             and weight.dtype == x.dtype == residual.dtype):
-        torch.ops.kvserve_layer.add_rms_norm_(x, residual, weight, eps)
+        ops.add_rms_norm_(x, residual, weight, eps)
         return x, residual
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
@@ -62,8 +87,9 @@ def add_rms_norm(
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2m] (gate | up) -> silu(gate) * up [T, m]."""
-    if _rows(gate_up):
-        return torch.ops.kvserve_layer.silu_and_mul(gate_up)
+    ops = _rows(gate_up)
+    if ops is not None:
+        return ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
@@ -72,8 +98,10 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] and k [T, KVH, D] rotated ("rotate_half" layout, the first
     2 * cos.shape[-1] dims of each head), in place where the C++ op runs."""
-    if (q.dim() == k.dim() == 3 and q.stride(2) == k.stride(2) == 1 and native(q)
-            and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
-        torch.ops.kvserve_layer.rotary_(q, k, cos, sin)
+    ops = fused(q)
+    if (ops is not None and q.dim() == k.dim() == 3 and q.stride(2) == k.stride(2) == 1
+            and q.dtype == k.dtype and cos.dtype == torch.float32 and cos.is_contiguous()
+            and sin.is_contiguous()):
+        ops.rotary_(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -77,8 +77,8 @@ def test_engine_on_packed_weights_generates_what_dense_weights_do(tmp_path, monk
     model = make_tiny_model("llama", tmp_path / "llama")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5 + (3 * i + j) % 200 for j in range(11 + 9 * i)] for i in range(4)]
-    packed = LLM(model, num_blocks=128, block_size=4)
-    dense = LLM(model, num_blocks=128, block_size=4, cpu_prepack=False)
+    packed = LLM(model, num_blocks=128, block_size=4, device="cpu")
+    dense = LLM(model, num_blocks=128, block_size=4, cpu_prepack=False, device="cpu")
     linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
     assert linears and all(isinstance(m, PackedLinear) for m in linears)
     got = [c.token_ids for c in packed.generate(prompts, params)]

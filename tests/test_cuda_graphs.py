@@ -119,8 +119,11 @@ def test_captured_graphs_equal_eager(tiny: str, policies: list) -> None:
     eager, _ = _run(tiny, "off", policies)
     got, llm = _run(tiny, "captured", policies)
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs.graphs and graphs.steps > 0
     assert got == eager
+    if len(policies) < 3:
+        assert graphs.graphs and graphs.steps > 0 and graphs.eager_steps == 0
+    else:  # the h2o request outlives the others: every decode step has its row
+        assert graphs.eager_steps > 0
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")

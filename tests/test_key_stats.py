@@ -169,7 +169,7 @@ def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:
     from tests.tiny_models import make_tiny_model, submit_each
 
     model = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
-    llms = [LLM(model, num_blocks=800, block_size=4, max_num_batched_tokens=256)
+    llms = [LLM(model, num_blocks=800, block_size=4, max_num_batched_tokens=256, device="cpu")
             for _ in range(2)]
     llms[1].engine.runner._fuse_kd = False
     calls = [0, 0]
@@ -288,7 +288,7 @@ def test_keydiff_within_budget_costs_the_decode_kernel_nothing(tmp_path, monkeyp
 
     monkeypatch.setattr(runner_mod, "paged_decode_key_diversity", counted)
     llm = LLM(make_tiny_model("llama", tmp_path, max_position_embeddings=512),
-              num_blocks=400, block_size=4, max_num_batched_tokens=256)
+              num_blocks=400, block_size=4, max_num_batched_tokens=256, device="cpu")
     eng = llm.engine
     eng.add_request("r", list(range(5, 25)), SamplingParams(  # 20 prompt tokens
         max_tokens=20, temperature=0, ignore_eos=True, detokenize=False),

@@ -20,7 +20,7 @@ def test_attention_mass_matches_transformers_eager(llama):
     """Per-slot attention mass (summed over each kv group's query heads) equals the
     attention weights transformers reports, for a chunk that attends to a cached prefix;
     a request that does not ask gets nothing and the same hidden states."""
-    llm = LLM(llama, num_blocks=64, block_size=4)
+    llm = LLM(llama, num_blocks=64, block_size=4, device="cpu")  # CPU tensors below
     eng = llm.engine
     cfg = eng.model_config
     g = torch.Generator().manual_seed(0)
@@ -68,7 +68,7 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
     from engine.attention_groups import fresh_prompts
     from kvpool.attention import causal_self_attention, paged_attention
 
-    llm = LLM(llama, num_blocks=64, block_size=4)
+    llm = LLM(llama, num_blocks=64, block_size=4, device="cpu")  # CPU tensors below
     eng = llm.engine
     cfg = eng.model_config
     g = torch.Generator().manual_seed(1)
@@ -110,8 +110,8 @@ def test_decode_only_steps_agree_across_attention_paths(llama, kv_policy):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, detokenize=False)
     results = []
     for fn in (paged_attention_cpu, paged_attention):
-        llm = LLM(llama, num_blocks=400, block_size=4, default_kv_policy=kv_policy if
-                  isinstance(kv_policy, str) else "full")
+        llm = LLM(llama, num_blocks=400, block_size=4, device="cpu", default_kv_policy=kv_policy
+                  if isinstance(kv_policy, str) else "full")
         llm.engine.runner.attention_fn = fn
         for i, p in enumerate(prompts):
             llm.engine.add_request(f"r{i}", p, params, kv_policy=kv_policy)

@@ -62,7 +62,7 @@ def _ops_per_step(model: str, n: int, policies: list, steps: int = 6,
     # One prompt for all, no prefix sharing: members of a policy evict the same slots
     # on the same steps whatever their number, so data-dependent branches (a block
     # emptied, a compaction) fall on the same steps at 8 and at 64.
-    eng = EngineCore(EngineConfig(model=model, num_blocks=6000, block_size=4,
+    eng = EngineCore(EngineConfig(model=model, num_blocks=6000, block_size=4, device="cpu",
                                   max_num_seqs=128, enable_prefix_caching=False))
     for i in range(n):
         prompt = [5 + (j * 7) % 200 for j in range(16)]
