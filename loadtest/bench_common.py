@@ -39,6 +39,10 @@ MODEL_CONFIGS: dict[str, dict[str, object]] = {
     "160m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=12, intermediate_size=3072, vocab_size=32000,
                  tie_word_embeddings=False),
+    # The shape of Llama-3.2-1B (GQA 4:1, tied embeddings), for the GPU benchmark.
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+               tie_word_embeddings=True, rope_theta=500000.0),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                  tie_word_embeddings=True),

@@ -18,6 +18,7 @@ forward, schedule, sample, policy), and the GPU's busy share over 10 such steps
 environment fingerprint (GPU included) and a markdown table to docs/benchmarks.md.
 
     python -m loadtest.bench_gpu --model 160m          # the issue's run (about 3 min)
+    python -m loadtest.bench_gpu --model 1b            # Llama-3.2-1B's shape, GQA 4:1
     python -m loadtest.bench_gpu --model 160m --parts kvserve,hf --quick
 """
 

@@ -89,3 +89,16 @@ def test_prepare_model_replaces_an_older_byte_tokenizer(tmp_path) -> None:
     make_tokenizer().save_pretrained(model["path"])  # as a model built before the change
     again = prepare_model("tiny", str(tmp_path))
     assert len(AutoTokenizer.from_pretrained(again["path"])) == model["vocab_size"]
+
+
+def test_gpu_benchmark_shape_is_llama_3_2_1b() -> None:
+    """`--model 1b` (loadtest/bench_gpu.py): Llama-3.2-1B's shape, GQA 4:1, 1.24B
+    parameters with tied embeddings (counted on the meta device: nothing allocated)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODEL_CONFIGS["1b"])
+    assert config.num_attention_heads // config.num_key_value_heads == 4
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 1.24

@@ -201,9 +201,11 @@ def test_engine_flags_reach_the_engine_config() -> None:
 
     on = _engine_kwargs(build_parser().parse_args(["serve"]))
     off = _engine_kwargs(build_parser().parse_args(
-        ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05"]))
-    assert (on["batch_policies"], on["reserve_preempted"]) == (True, True)
+        ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05",
+         "--enforce-eager"]))
+    assert (on["batch_policies"], on["reserve_preempted"], on["enforce_eager"]) == (True, True, False)
     assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
+    assert off["enforce_eager"] is True  # CUDA graphs off (engine/cuda_graphs.py)
     # Unset, the engine's own default applies; given, it reaches EngineConfig.
     from kvpool.manager import MIN_PREFILL_CHUNK
     from scheduler.engine_core import EngineConfig
