@@ -32,6 +32,9 @@ class PolicyRunner:
     freed_blocks: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     _to_compact: list[Request] = field(default_factory=list)  # this step's, see _after
+    # Group keys by value -> one object of that value: members are grouped by the key's
+    # id (a frozen `Needs` hashes every field on every lookup; 64 lookups a step showed).
+    _keys: dict[tuple, tuple] = field(default_factory=dict)
 
     def admitted(self, name: str) -> None:
         self.requests[name] = self.requests.get(name, 0) + 1
@@ -73,7 +76,7 @@ class PolicyRunner:
             idle = getattr(policy, "idle", None)
             live = cache.layer_live  # read once: `idle` decides on it, the group's view reads it
             if idle is not None and idle(_sizes(r, c, r.num_computed, first_full, live)):
-                self._note_reserve(r)
+                self._note_reserve(r, c.num_tokens)
                 name = r.policy_name
                 idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
                 continue
@@ -84,8 +87,11 @@ class PolicyRunner:
             if key is None or key[2] != c.num_tokens or key[3] is not policy.needs:  # type: ignore[attr-defined]
                 if r.policy_key is None:
                     r.policy_key = r.kv_policy.model_dump_json()  # type: ignore[attr-defined]
-                key = r.policy_group = group_key(policy, r.policy_key, c.num_tokens)
-            groups.setdefault(key if self.batch else (id(r),), []).append((r, m))
+                key = group_key(policy, r.policy_key, c.num_tokens)
+                if len(self._keys) > 4096:  # prefill chunk sizes vary: keep it bounded
+                    self._keys.clear()
+                key = r.policy_group = self._keys.setdefault(key, key)
+            groups.setdefault(id(key) if self.batch else id(r), []).append((r, m))
         for name, sec in idle_s.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + sec
         for members in groups.values():
@@ -103,7 +109,7 @@ class PolicyRunner:
                     r.kv.evicted_tokens += tokens
                     evicted_tokens += tokens
                     freed_blocks += freed
-                self._note_reserve(r)
+                self._note_reserve(r, m.num_new)
             self._count(name, evicted_tokens, freed_blocks)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
         self._compact()
@@ -112,15 +118,23 @@ class PolicyRunner:
         self.evicted_tokens[name] = self.evicted_tokens.get(name, 0) + evicted_tokens
         self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed_blocks
 
-    def _note_reserve(self, r: Request) -> None:
-        """Note a request about to outgrow its reservation (`_compact`)."""
+    def _note_reserve(self, r: Request, num_new: int) -> None:
+        """Note a request about to outgrow its reservation (`_compact`). `num_new`: the
+        tokens this step computed for it (1: decoding, so the next steps add at most a
+        block per layer each, and a request far from its reservation is not looked at
+        again until it could be near: `Request.reserve_ok_until`)."""
+        if not r.reserve_blocks or r.num_computed < r.reserve_ok_until:
+            return
         c = r.cache
         assert c is not None
         # A block per layer is the most the next token can add: only a cache that close
         # to its reservation is counted exactly.
-        if r.reserve_blocks and c.num_blocks + c.num_layers > r.reserve_blocks \
-                and c.num_blocks + c.blocks_needed(1) > r.reserve_blocks:
-            self._to_compact.append(r)
+        held, nl = c.num_blocks, c.num_layers
+        if held + nl > r.reserve_blocks:
+            if held + c.blocks_needed(1) > r.reserve_blocks:
+                self._to_compact.append(r)
+        elif num_new == 1:
+            r.reserve_ok_until = r.num_computed + (r.reserve_blocks - held) // nl
 
     def _compact(self) -> None:
         """Scattered survivors pin partly dead blocks: pack them, in place and for every

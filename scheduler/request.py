@@ -45,6 +45,10 @@ class Request:
     # prompt is in; admission keeps them free for it. 0: unbounded (admitted on what it
     # needs now, as vLLM does; it preempts or is preempted when it grows).
     reserve_blocks: int = 0
+    # `PolicyRunner._note_reserve` need not look again before num_computed reaches this:
+    # decoding adds at most a block per layer a step, and the headroom was that many
+    # steps' worth (reset when preempted by recompute).
+    reserve_ok_until: int = 0
     # The most blocks (all layers) it can ever hold: prompt + max_tokens, or its policy's
     # peak. Once preempted, a request is reserved this much (MemoryConfig.reserve_preempted).
     peak_blocks: int = 0

@@ -341,6 +341,7 @@ class Scheduler:
         req.window_trimmed = 0
         req.pos_offset = 0
         req.prefill_done = False
+        req.reserve_ok_until = 0  # its growth is a prefill's again
         if req.policy is not None:  # its state described tokens that are gone
             req.policy = build_policy(req.kv_policy)
         self.add(req)
