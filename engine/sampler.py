@@ -57,14 +57,15 @@ class SamplingBatch:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         # One float64 host tensor (exact for ids, seeds and steps < 2**53), one copy.
-        packed = torch.tensor([temps, top_p, top_k, min_p, seeds, steps], dtype=torch.float64)
+        packed = torch.tensor([temps, top_p, min_p, top_k, seeds, steps], dtype=torch.float64)
         if torch.device(device).type == "cuda":  # pinned: an asynchronous copy, no sync
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
             packed = packed.to(device)
-        f32, i64 = packed[[0, 1, 3]].float(), packed[[2, 4, 5]].long()
+        # slices, not a list index (that would be an index tensor copied to the device)
+        f32, i64 = packed[:3].float(), packed[3:].long()
         return SamplingBatch(
-            temperature=f32[0], top_p=f32[1], top_k=i64[0], min_p=f32[2],
+            temperature=f32[0], top_p=f32[1], min_p=f32[2], top_k=i64[0],
             seed=i64[1], step=i64[2],
             all_greedy=all(t == 0.0 for t in temps),
             needs_sort=any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p),
