@@ -102,11 +102,10 @@ class DecodeGraphs:
             return None
         bucket = self.bucket(b)
         caches = [s.cache for s in inputs]
-        if (bucket is None or not all(map(graph_step, inputs))
-                or max(c.max_blocks for c in caches) > self.max_blocks):
+        nb = max(c.max_blocks for c in caches)
+        if bucket is None or nb > self.max_blocks or not all(map(graph_step, inputs)):
             self.eager_steps += 1
             return None
-        nb = max(c.max_blocks for c in caches)
         if bucket not in self.logits:
             self._capture(bucket)
         self._stage(inputs, caches, decode_slots, bucket, nb)

@@ -28,6 +28,11 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 POLICIES = [None, {"name": "streaming", "sink": 4, "window": 12},
             {"name": "h2o", "budget": 24}]  # h2o reads attention mass: its steps run eagerly
+# SnapKV scores the prompt once, then decodes with nothing to ask: graph steps over
+# tables with scattered holes.
+SNAPKV = [None, {"name": "snapkv", "budget": 12, "obs_window": 4}]
+PARAMS = pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], SNAPKV, POLICIES],
+                                 ids=["full", "streaming", "snapkv", "mixed"])
 
 
 def test_batch_buckets() -> None:
@@ -79,14 +84,13 @@ def _run(path: str, graphs: str, policies: list, device: str = DEVICE
     return [tokens[f"r{i}"] for i in range(5)], llm
 
 
-@pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], POLICIES],
-                         ids=["full", "streaming", "mixed"])
+@PARAMS
 def test_uncaptured_graph_steps_equal_eager(tiny: str, policies: list, scratch_pool) -> None:
     ref, _ = _run(tiny, "off", policies)
     got, llm = _run(tiny, "uncaptured", policies)
     graphs = llm.engine.runner.graphs
     assert got == ref
-    if len(policies) < 3:  # every decode step a graph's
+    if policies is not POLICIES:  # every decode step a graph's
         assert graphs.steps > 0 and graphs.eager_steps == 0
     else:  # a step with an h2o row runs eagerly
         assert graphs.eager_steps > 0
@@ -113,14 +117,13 @@ def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], POLICIES],
-                         ids=["full", "streaming", "mixed"])
+@PARAMS
 def test_captured_graphs_equal_eager(tiny: str, policies: list) -> None:
     eager, _ = _run(tiny, "off", policies)
     got, llm = _run(tiny, "captured", policies)
     graphs = llm.engine.runner.graphs
     assert got == eager
-    if len(policies) < 3:
+    if policies is not POLICIES:
         assert graphs.graphs and graphs.steps > 0 and graphs.eager_steps == 0
     else:  # the h2o request outlives the others: every decode step has its row
         assert graphs.eager_steps > 0
