@@ -209,16 +209,20 @@ def test_triton_agrees_on_quantized_pools(name: str) -> None:
     with the attention-mass pass."""
     pytest.importorskip("triton")
     from kvpool.triton_attention import paged_attention_triton
+    from tests.attention_cases import DEV  # Triton compiles for CUDA where there is one
 
     pool, _ = _filled(name, d=16)
+    on_dev = BlockPool(pool.num_blocks, BS, pool.kv.shape[3], 16, dtype=name, device=DEV)
+    on_dev.kv.copy_(pool.kv)
+    on_dev.scales.copy_(pool.scales)
     for tq in (1, 3):
         case = _case(pool, tq)
         ref, ref_mass = _reference(pool, case, True)
-        c = dict(case)
+        c = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         q = c.pop("q")
-        out, mass = pool.attend(paged_attention_triton, q, *c.values(), None, True)
-        torch.testing.assert_close(out, ref.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(mass, ref_mass.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
+        out, mass = on_dev.attend(paged_attention_triton, q, *c.values(), None, True)
+        torch.testing.assert_close(out.cpu(), ref.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mass.cpu(), ref_mass.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", QUANT)
