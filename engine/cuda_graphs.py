@@ -66,6 +66,7 @@ class DecodeGraphs:
         self.capture = capture
         self.buckets = batch_buckets(min(max_batch, MAX_BATCH))
         bs = pool.block_size
+        self.max_len = max_model_len
         self.max_blocks = -(-min(max_model_len, MAX_LEN) // bs)
         nl, bmax, nbm = cfg.num_layers, self.buckets[-1], self.max_blocks
         if pool.scratch_slot is None:
@@ -195,5 +196,6 @@ class DecodeGraphs:
             return o[:, 0]
 
         with torch.inference_mode():
-            hidden = r.model(self.ids[:bucket], self.pos[:bucket], attn)
+            # every position is below max_model_len (the engine's checks), padding's 0
+            hidden = r.model(self.ids[:bucket], self.pos[:bucket], attn, self.max_len - 1)
             return r.model.compute_logits(hidden).float()

@@ -87,15 +87,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", freqs.sin(), persistent=False)
 
     def cos_sin(
-        self, positions: torch.Tensor, *, scaled: bool = True
+        self, positions: torch.Tensor, *, scaled: bool = True, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] int positions -> (cos, sin), each [T, rotary_dim // 2] float32."""
+        """[T] int positions -> (cos, sin), each [T, rotary_dim // 2] float32.
+        `max_position`: the largest of the (non-negative) positions, where the caller
+        knows it on the host; else it is read from the tensor (a device sync on a GPU,
+        which a CUDA graph cannot do)."""
         in_table = False
-        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
-            # a CUDA graph (engine/cuda_graphs.py) cannot sync; it runs only for
-            # models whose every position is in the table
-            in_table = True
-        elif positions.numel() > 0:  # one host sync per step (forward calls this once)
+        if max_position is not None:
+            in_table = max_position < self.cos_table.shape[0]
+        elif positions.numel() > 0:
             lo, hi = (int(v) for v in torch.aminmax(positions))
             in_table = lo >= 0 and hi < self.cos_table.shape[0]
         if in_table:

@@ -235,7 +235,8 @@ class ModelRunner:
         # Only the forward is inference-mode: the bookkeeping tensors above (block
         # tables) outlive the step and are updated in place later.
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attn)
+            hidden = self.model(input_ids, positions, attn,
+                                max((s.start_pos + len(s.token_ids) for s in inputs), default=1) - 1)
             scores = (self._score(hidden, score_rows, score_targets, inputs, scored)
                       if scored else {})
             if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)

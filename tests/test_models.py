@@ -222,6 +222,12 @@ def test_rope_beyond_table_matches_transformers(tiny_dirs):
     cos, sin = ref_rope(x, positions[None])
     ref, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
     torch.testing.assert_close(rope.rotate(x, positions), ref[0].transpose(0, 1))
+    # A caller that knows the largest position (the runner: no device sync) gets the
+    # same bits, in the table and past it.
+    for pos in (positions[:3], positions):
+        want = rope.cos_sin(pos)
+        got = rope.cos_sin(pos, max_position=int(pos.max()))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
     # Re-rotation by a delta composes: R(p) then R(d) == R(p + d), also for d < 0.
     p, d = torch.tensor([10, 300, 50]), torch.tensor([-5, 7, -50])
     y = torch.randn(3, 2, config.head_dim, dtype=torch.float64).float()

@@ -90,9 +90,11 @@ class GPTNeoXForCausalLM(nn.Module):
         return "gpt_neox.embed_in.weight", "embed_out.weight"
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
+        max_position: int | None = None,
     ) -> torch.Tensor:
-        rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
+        """`max_position`: the largest position, known on the host (no device sync)."""
+        rope = self.rotary.cos_sin(positions, max_position=max_position)  # shared by all layers
         x = self.gpt_neox.embed_in(input_ids)
         for layer in self.gpt_neox.layers:
             x = layer(x, rope, attn)

@@ -177,9 +177,11 @@ class LlamaForCausalLM(nn.Module):
         return stacked
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
+        max_position: int | None = None,
     ) -> torch.Tensor:
-        rope = self.rotary.cos_sin(positions)  # once per step, shared by all layers
+        """`max_position`: the largest position, known on the host (no device sync)."""
+        rope = self.rotary.cos_sin(positions, max_position=max_position)  # shared by all layers
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, attn)
