@@ -5,7 +5,8 @@ model (`bench_common.build_model`), bf16 weights and KV, N requests of P random 
 tokens generating G each, greedy, EOS ignored, all submitted at once, `max_num_seqs=N`,
 no prefix caching. Runs, each on a fresh engine after a warm-up:
 
-- kvserve `full` with CUDA graphs (engine/cuda_graphs.py) and with `enforce_eager`;
+- kvserve `full` with CUDA graphs (engine/cuda_graphs.py), the same with torch's layer
+  ops instead of the Triton kernels (engine/layer_ops_triton.py), and `enforce_eager`;
 - kvserve policies at their budget (streaming runs inside graphs; h2o reads attention
   mass, so its steps run eagerly): the step and its policy share;
 - HF `generate` (dynamic cache; static cache) on the same prompts as one batch;
@@ -140,6 +141,20 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
     return r
 
 
+def torch_layer_ops(run: Any) -> dict:
+    """`run()` with RMSNorm, SiLU-and-mul and RoPE in torch's ops instead of the Triton
+    kernels (KVSERVE_TRITON_LAYER_OPS=0): what the fused kernels buy, in the same run."""
+    from engine import layer_ops
+
+    os.environ["KVSERVE_TRITON_LAYER_OPS"] = "0"
+    layer_ops._triton_ops.cache_clear()
+    try:
+        return run()
+    finally:
+        del os.environ["KVSERVE_TRITON_LAYER_OPS"]
+        layer_ops._triton_ops.cache_clear()
+
+
 def run_hf(path: str, prompts: list[list[int]], gen: int, cache: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -237,6 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     plan: list[tuple[str, Any]] = []
     if "kvserve" in parts:
         plan += [("kvserve full graphs", lambda: run_kvserve(path, prompts, a.gen)),
+                 ("kvserve full graphs, torch layer ops", lambda: torch_layer_ops(
+                     lambda: run_kvserve(path, prompts, a.gen))),
                  ("kvserve full eager", lambda: run_kvserve(path, prompts, a.gen, eager=True))]
     if "policies" in parts:
         plan += [("kvserve streaming 128 graphs", lambda: run_kvserve(

@@ -4,6 +4,7 @@ renders from a real run's JSON (session 23's H200 run, docs/results/)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,13 @@ def test_renders_the_doc_block_from_a_run() -> None:
     assert "| 3.5× |" in rows["kvserve full graphs"]  # against HF generate
     assert "| 4.0× |" in rows["pressure streaming 128"]  # against pressure full
     assert "| 18,316 |" in rows["kvserve full graphs"]  # 64 / step time
+
+
+def test_torch_layer_ops_row_switches_the_kernels_off_and_back(monkeypatch) -> None:
+    from engine import layer_ops
+
+    monkeypatch.delenv("KVSERVE_TRITON_LAYER_OPS", raising=False)
+    seen = bench_gpu.torch_layer_ops(lambda: {"ops": layer_ops._triton_ops()})
+    assert seen["ops"] is None  # the torch path inside the run
+    assert "KVSERVE_TRITON_LAYER_OPS" not in os.environ
+    assert layer_ops._triton_ops.cache_info().currsize == 0  # asked again afterwards
