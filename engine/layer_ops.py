@@ -97,7 +97,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, H, D] and k [T, KVH, D] rotated ("rotate_half" layout, the first
-    2 * cos.shape[-1] dims of each head), in place where the C++ op runs."""
+    2 * cos.shape[-1] dims of each head), in place where a fused op (C++, Triton) runs."""
     ops = fused(q)
     if (ops is not None and q.dim() == k.dim() == 3 and q.stride(2) == k.stride(2) == 1
             and q.dtype == k.dtype and cos.dtype == torch.float32 and cos.is_contiguous()

@@ -145,13 +145,14 @@ class ModelRunner:
         offsets: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
-        total = 0
+        total = top = 0
         for s in inputs:
             offsets.append(total)
             n = len(s.token_ids)
             total += n
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
+            top = max(top, s.start_pos + n - 1)  # the largest position: RoPE needs no sync
         # The step's inputs: host lists to tensors, one copy each to the device.
         input_ids = int64_tensor(ids)
         positions = int64_tensor(pos)
@@ -235,8 +236,7 @@ class ModelRunner:
         # Only the forward is inference-mode: the bookkeeping tensors above (block
         # tables) outlive the step and are updated in place later.
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attn,
-                                max((s.start_pos + len(s.token_ids) for s in inputs), default=1) - 1)
+            hidden = self.model(input_ids, positions, attn, top)
             scores = (self._score(hidden, score_rows, score_targets, inputs, scored)
                       if scored else {})
             if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)

@@ -301,8 +301,9 @@ def paged_attention_triton(
     grid size and the GPU's SM count. `slot_count` (keyword only): a one-element int
     tensor on the device; only the first `slot_count[0]` slots of every row are read
     (a CUDA graph's tables have a fixed width, wider than the step's; the count is read
-    on the device at replay, engine/cuda_graphs.py). Not with `return_probs`. Every tensor is addressed through its strides, so
-    views need no copy (q sliced out of a fused qkv projection, k_cache = kv[0]).
+    on the device at replay, engine/cuda_graphs.py). Not with `return_probs`. Every
+    tensor is addressed through its strides, so views need no copy (q sliced out of a
+    fused qkv projection, k_cache = kv[0]).
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use kvpool.attention.paged_attention")
@@ -359,7 +360,8 @@ def paged_attention_triton(
 
     _attn_kernel[(m_tiles, b * hkv, splits)](
         q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
-        m_part, l_part, slot_count if slot_count is not None else q_pos, *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
+        m_part, l_part, q_pos if slot_count is None else slot_count,  # SLEN: unread if None
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
         *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
         scale_log2, win, tq, s_len, hkv, tiles_per_split,
         G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,

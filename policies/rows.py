@@ -238,8 +238,8 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     if NATIVE["select"] and scores.device.type == "cpu":  # reads [L, R, W] scores in place
         # the three per-row counts as one host-made tensor (each is ~6 us to make)
         counts = _ints([*(first if isinstance(first, list) else [first] * n),
-                               *(last if isinstance(last, list) else [last] * n),
-                               *drop]).view(3, n)
+                        *(last if isinstance(last, list) else [last] * n),
+                        *drop]).view(3, n)
         return torch.ops.kvserve_policies.select_drop(
             scores.float(), positions, counts[0], counts[1], counts[2])
     positions = positions.reshape(n, w)  # [L, R, W] -> [N, W] (a copy)
