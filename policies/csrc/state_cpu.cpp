@@ -321,6 +321,8 @@ at::Tensor lazy_importance(const at::Tensor& ts, const at::Tensor& mri, at::IntA
 // whose exact total is at most the d-th lowest candidate's times (1 + rel) plus `abs`
 // (rel and abs bound the float32 sum's error and the total's rounding,
 // policies/pyramid.py::PyramidPolicy._shift_window). Appends those slots, in slot order.
+constexpr int64_t kFewDrops = 8;  // up to this many drops a row: no copy, no nth_element
+
 void near_lowest(const float* s, const int64_t* pos, int64_t w, int64_t edge, int64_t drop,
                  double rel, double abs, std::vector<int64_t>& slots, std::vector<float>& vals) {
   int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
@@ -330,6 +332,21 @@ void near_lowest(const float* s, const int64_t* pos, int64_t w, int64_t edge, in
   if (drop == 1) {  // decode at the budget: the lowest, one vectorised pass
     kth = lowest(s, pos, a, b);
     if (kth == INFINITY) return;
+  } else if (drop <= kFewDrops) {  // a few: the d lowest kept sorted, most slots one compare
+    float low[kFewDrops];
+    std::fill(low, low + drop, INFINITY);
+    int64_t live = 0;
+    for (int64_t j = a; j < b; ++j) {
+      if (pos[j] < 0) continue;
+      ++live;
+      const float v = s[j];
+      if (!(v < low[drop - 1])) continue;
+      int64_t k = drop - 1;
+      for (; k > 0 && low[k - 1] > v; --k) low[k] = low[k - 1];
+      low[k] = v;
+    }
+    if (live == 0) return;
+    kth = low[std::min(drop, live) - 1];
   } else {
     vals.clear();
     for (int64_t j = a; j < b; ++j)
@@ -365,10 +382,11 @@ void drop_among(const int64_t* slots, const float* values, int64_t m, int64_t dr
 // form: `_window_ring`, then `keep_highest` over `_torch_sums`): write this step's window
 // queries' mass into their ring columns and keep each slot's window total exact (above),
 // then, in the rows that must drop (drop[i] > 0), find the candidates near the lowest
-// total (`near_lowest`) while the row's totals are in cache, sum those candidates' rings
-// as torch sums them (their [M, α] values copied out of the tables' column layout, then
-// torch's own sum over dim 1: the same kernel, the same bits as the torch form's sums),
-// and mark the drop[i] lowest among them. One op instead of four and the Python between
+// total (`near_lowest`) while the row's totals are in cache; where a row has more
+// candidates than drops, sum those candidates' rings as torch sums them (their [M, α]
+// values copied out of the tables' column layout, then torch's own sum over dim 1: the
+// same kernel, the same bits as the torch form's sums), and mark the drop[i] lowest
+// among them; else mark every candidate. One op instead of four and the Python between
 // them: after the forward, each distinct op of a policy step starts cold.
 // ring [L, R, W, α], total [L, R, W, 3] (any strides); mass [L·R, k, W]; cols [L·R·k]
 // (row i's k columns, distinct); positions [L·R, W] or [L, R, W] (`Rows`); edges, drop [L·R] or drop empty
@@ -422,22 +440,37 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
     }
   });
   if (!select) return at::empty({0, w}, positions.options().dtype(at::kBool));
+  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  bool* op = out.data_ptr<bool>();
+  // A row with no more candidates than drops drops them all, whatever their sums' last
+  // bits: only rows with more candidates than drops need the rings summed. In decode at
+  // the budget that is rare (one candidate for one drop), and each candidate's ring is α
+  // cold cache lines in the column layout: gathering them was half of a cold call.
   int64_t count = 0;
-  for (const auto& x : near) count += x.size();
+  for (int64_t i = 0; i < n; ++i) {
+    if (static_cast<int64_t>(near[i].size()) > drop[i]) {
+      count += near[i].size();
+      continue;
+    }
+    for (const int64_t s : near[i]) op[i * w + s] = true;
+  }
+  if (count == 0) return out;
   at::Tensor values = at::empty({count, a}, mass.options());  // the candidates' rings
   float* vp = values.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)
-    for (const int64_t s : near[i]) {
-      const float* x = rp + (i / r) * r0 + (i % r) * r1 + s * r2;
-      for (int64_t c = 0; c < a; ++c) *vp++ = x[c * r3];
-    }
+    if (static_cast<int64_t>(near[i].size()) > drop[i])
+      for (const int64_t s : near[i]) {
+        const float* x = rp + (i / r) * r0 + (i % r) * r1 + s * r2;
+        for (int64_t c = 0; c < a; ++c) *vp++ = x[c * r3];
+      }
   const at::Tensor sums = values.sum(1);  // torch's order: the torch form's bits
   const float* sp = sums.data_ptr<float>();
-  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
-  bool* op = out.data_ptr<bool>();
   std::vector<int64_t> idx;
-  for (int64_t i = 0, off = 0; i < n; off += near[i].size(), ++i)
-    if (!near[i].empty()) drop_among(near[i].data(), sp + off, near[i].size(), drop[i], op + i * w, idx);
+  for (int64_t i = 0, off = 0; i < n; ++i)
+    if (static_cast<int64_t>(near[i].size()) > drop[i]) {
+      drop_among(near[i].data(), sp + off, near[i].size(), drop[i], op + i * w, idx);
+      off += near[i].size();
+    }
   return out;
 }
 
