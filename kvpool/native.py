@@ -9,15 +9,18 @@ its torch path: a CPU install never fails over a native op.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 # A build takes 25-60 s here. torch's lock file outlives a build that was killed (Ctrl-C,
-# a test timeout), and every later load then waits for it forever; one this old is such.
+# a test timeout), and every later load then waits for it forever, even one with nothing
+# to build; one this old is such (the rule where `flock` is missing, `_builder_lock`).
 STALE_LOCK_S = 600.0
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
@@ -40,19 +43,51 @@ def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> boo
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
-        log.info("loading C++ ops %s (the first start compiles them)", name)
-        load(name=name, sources=[str(source)], is_python_module=False, extra_cflags=cflags,
-             extra_ldflags=ldflags, verbose=False)
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        with _builder_lock(build_dir) as sole:
+            clear_stale_lock(build_dir, 0.0 if sole else STALE_LOCK_S)
+            log.info("loading C++ ops %s (the first start compiles them)", name)
+            load(name=name, sources=[str(source)], is_python_module=False, extra_cflags=cflags,
+                 extra_ldflags=ldflags, verbose=False)
         return True
     except Exception as exc:  # no compiler, no headers, ...: the torch path still works
         log.warning("C++ ops %s unavailable (%s); using the torch path", name, exc)
         return False
 
 
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[bool]:
+    """Hold an exclusive `flock` on `build_dir` for a load; yields whether it is held.
+
+    Why: torch's own lock is a file that says nothing of its owner, so a build that was
+    killed (a server stopped during its first start) left every later start waiting on
+    it, for ever or, with the age rule alone, ten minutes. The kernel drops a `flock`
+    when its process dies, so while every kvserve loader holds this one, a torch lock
+    found under it belongs to nobody alive and goes at once. Where `flock` is missing
+    (no fcntl, a file system without locks) the age rule stays."""
+    try:
+        import fcntl
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(build_dir / "kvserve.flock", os.O_RDWR | os.O_CREAT, 0o644)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits while another process loads
+            held = True
+        except OSError:
+            held = False
+        yield held
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     """Remove `build_dir`'s build lock if it is older than `max_age_s` (left by a killed
-    build: no live build holds a lock that long); returns whether it did."""
+    build: no live build holds a lock that long; 0 under `_builder_lock`, where none can
+    be live); returns whether it did."""
     lock = build_dir / "lock"
     try:
         age = time.time() - lock.stat().st_mtime

@@ -1,14 +1,17 @@
-"""Building the C++ ops (kvpool/native.py): a lock left by a killed build is cleared."""
+"""Building the C++ ops (kvpool/native.py): a lock left by a killed build is cleared,
+and loaders in several processes take turns."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from kvpool.native import STALE_LOCK_S, clear_stale_lock
+from kvpool.native import STALE_LOCK_S, _builder_lock, clear_stale_lock
 
 
 def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
@@ -31,3 +34,50 @@ def test_the_lock_checked_is_torchs_build_directory(tmp_path: Path,
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert Path(_get_build_directory("kvserve_x", verbose=False)) == tmp_path / "kvserve_x"
+
+
+def test_a_fresh_lock_of_a_killed_build_does_not_block_the_next_start(tmp_path: Path) -> None:
+    """A build killed a moment ago (a server stopped during its first start) leaves
+    torch's lock fresh, and torch waits on it before even checking whether anything is
+    to build. The next load holds kvserve's `flock` (dropped by the kernel when its
+    holder dies), so the fresh lock is nobody's and goes: the load finishes, where it
+    used to hang (a subprocess, so nothing of this process's loaded ops counts)."""
+    from kvpool.tables import load_mark
+
+    if not load_mark():  # built (or found) here first: the subprocess only loads
+        pytest.skip("no C++ compiler: the ops are never built")
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory("kvserve_tables_cpu", verbose=False))
+    lock = build_dir / "lock"
+    with _builder_lock(build_dir):  # nobody is building: the lock is a dead build's
+        lock.touch()  # fresh: the age rule alone would keep it for ten minutes
+    code = "from kvpool.tables import load_mark; import sys; sys.exit(0 if load_mark() else 3)"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                              timeout=120, capture_output=True, text=True)
+    finally:
+        with _builder_lock(build_dir):
+            held = lock.exists()
+            lock.unlink(missing_ok=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not held
+
+
+def test_loaders_take_turns_on_the_flock(tmp_path: Path) -> None:
+    """While one process holds the builder lock, another's waits (a build in progress
+    is never mistaken for a killed one), and gets it once the first lets go."""
+
+    code = ("import sys, time; from pathlib import Path; from kvpool.native import _builder_lock\n"
+            "t = time.monotonic()\n"
+            f"with _builder_lock(Path({str(tmp_path)!r})) as held:\n"
+            "    print(held, round(time.monotonic() - t, 2))\n")
+    with _builder_lock(tmp_path) as held:
+        assert held
+        other = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                                 stdout=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        assert other.poll() is None  # still waiting on the lock
+    out, _ = other.communicate(timeout=60)
+    held_there, waited = out.split()
+    assert held_there == "True" and float(waited) >= 1.0
