@@ -10,6 +10,7 @@ gather and a scatter of q per layer. Each group reads its members' rows of the s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from kvpool.host import bool_tensor, int64_tensor
 
 if TYPE_CHECKING:  # the runner's input type (engine.runner imports this module)
     from engine.runner import SeqInput
+    from kvpool.manager import DecodeBatch
 
 
 @dataclass
@@ -54,7 +56,7 @@ def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
     lens = [len(s.token_ids) for s in seqs]
     tq = max(lens)
     # The members' rows of the shared tables: views, or one gather each, whatever B.
-    table, slot_pos, rows = tables.rows_of([s.cache for s in seqs],
+    table, slot_pos, rows = tables.rows_of([s.cache.row for s in seqs],
                                            max(s.cache.max_blocks for s in seqs),
                                            whole=in_place and tq == 1)
     if tq == 1:  # decode: no padding
@@ -69,6 +71,27 @@ def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
     starts = torch.tensor([s.start_pos for s in seqs])[:, None]
     q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
     return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, None)
+
+
+def decode_batch_group(decode: DecodeBatch, q_pos: torch.Tensor, in_place: bool
+                       ) -> AttentionGroup:
+    """The one group of a step whose every input is one decode token wanting its logits
+    alone (the steady state), `whole`: what `build_group` gives for it, built from the
+    scheduler's batch append (rows and the widest table) and `q_pos` [B] (the step's
+    positions) with no pass over the inputs or their caches."""
+    b = len(decode.rows)
+    table, slot_pos, rows = decode.tables.rows_of(decode.rows, decode.blocks, whole=in_place)
+    q_index, valid = _batch_index(b)
+    return AttentionGroup(list(range(b)), q_index, valid, q_pos.view(b, 1), table, slot_pos,
+                          False, None, table_rows=rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_index(b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, 1] rows 0..B-1, [B, 1] all valid): read only, kept per batch size (after the
+    forward each op a step runs starts cold, ~10-20 us for a tensor this small)."""
+    q_index = torch.arange(b).view(b, 1)
+    return q_index, torch.ones_like(q_index, dtype=torch.bool)
 
 
 # Attention cost is (sequences × the group's longest context): a group is split when the

@@ -154,7 +154,7 @@ class DecodeGraphs:
         Every piece is written into the pinned staging buffer in turn, crosses in one
         copy, and is spread into its buffer by a device copy."""
         b, nl, width = len(inputs), self.runner.config.num_layers, nb * self.runner.pool.block_size
-        table, slot_pos, _ = caches[0].tables.rows_of(caches, nb)
+        table, slot_pos, _ = caches[0].tables.rows_of([c.row for c in caches], nb)
         pos = [x.start_pos for x in inputs]
         pad = bucket - b
         small = torch.tensor([x.token_ids[0] for x in inputs] + [0] * pad + pos + [0] * pad

@@ -11,6 +11,7 @@ chunk with nothing cached before it needs no pool read at all: plain causal SDPA
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ import torch
 from engine.attention_groups import (
     AttentionGroup,
     build_group,
+    decode_batch_group,
     fresh_prompts,
     kd_rows,
     split_by_length,
@@ -39,6 +41,7 @@ from kvpool.seq_cache import SeqCache
 
 if TYPE_CHECKING:  # imported by the engine on CUDA only (it imports Triton)
     from engine.cuda_graphs import DecodeGraphs
+    from kvpool.manager import DecodeBatch
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 # Scored rows' logits are computed this many [rows x vocab] elements at a time (64 MiB of
@@ -63,7 +66,7 @@ class SeqInput:
     token_ids: list[int]  # the tokens computed this step (a prefill chunk or one token)
     start_pos: int  # original position of token_ids[0]
     # Pool slots to write K/V to: [L, n] from SeqCache.append; None for a decode token
-    # whose slots are a column of the step's `decode_slots` (in input order).
+    # whose slots are a column of the step's `DecodeBatch.slots` (in input order).
     slots: torch.Tensor | None
     cache: SeqCache
     wants_logits: bool  # the chunk reaches the end of the known tokens
@@ -117,6 +120,9 @@ class StepOutput:
     attention: dict[int, AttentionMass] = field(default_factory=dict)
     # seq index -> its scored rows (SeqInput.score), on the host
     scores: dict[int, TokenScores] = field(default_factory=dict)
+    # Host time before the model ran: the step's inputs, slots and attention groups
+    # (StepStats.prepare_s: host work inside the forward's time).
+    prepare_s: float = 0.0
 
 
 class ModelRunner:
@@ -134,18 +140,20 @@ class ModelRunner:
         # CUDA graphs for decode steps (engine/cuda_graphs.py), set by the engine on CUDA.
         self.graphs: DecodeGraphs | None = None
 
-    def execute(self, inputs: list[SeqInput],
-                decode_slots: torch.Tensor | None = None) -> StepOutput:
-        """`decode_slots`: [L, D] slots of the inputs whose `slots` is None, in order."""
-        if self.graphs is not None and decode_slots is not None:
-            logits = self.graphs.run(inputs, decode_slots)
+    def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None) -> StepOutput:
+        """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
+        order): their slots, rows and positions."""
+        t0 = time.perf_counter()
+        if self.graphs is not None and decode is not None:
+            logits = self.graphs.run(inputs, decode.slots)
             if logits is not None:  # the step was a graph's; else it runs eagerly here
-                return StepOutput(logits=logits)
+                return StepOutput(logits=logits, prepare_s=time.perf_counter() - t0)
         cfg, dev = self.config, self.device
         offsets: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
         total = top = 0
+        asks = False  # an input wants more than its logits (statistics, scores)
         for s in inputs:
             offsets.append(total)
             n = len(s.token_ids)
@@ -153,36 +161,29 @@ class ModelRunner:
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
             top = max(top, s.start_pos + n - 1)  # the largest position: RoPE needs no sync
+            if (s.wants_attention or s.score is not None or s.wants_norms
+                    or s.wants_key_diversity or not s.wants_logits):
+                asks = True
         # The step's inputs: host lists to tensors, one copy each to the device.
         input_ids = int64_tensor(ids)
         positions = int64_tensor(pos)
         write_slots = step_slots(inputs, offsets, total, cfg.num_layers,
-                                  decode_slots)  # [L, T]
-        scored = [i for i, s in enumerate(inputs) if s.score is not None]
-        score_rows, score_targets = _score_rows(inputs, offsets, scored)
-
+                                  decode.slots if decode is not None else None)  # [L, T]
         windows = cfg.sliding_windows
-        fresh = fresh_prompts(inputs, windows)
-        # The decode kernel sums the mass over kv heads for policies that read no head
-        # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
         kernel = self.attention_fn is paged_attention_cpu
-        sums_heads = kernel and 1 < cfg.num_kv_heads <= 4
-        buckets: dict[tuple[bool, bool, bool], list[int]] = {}
-        for i, s in enumerate(inputs):
-            if i not in fresh:
-                summed = s.wants_attention and not s.attention_heads and sums_heads
-                buckets.setdefault((len(s.token_ids) == 1, s.wants_attention, summed),
-                                   []).append(i)
-        fuse_kd = kernel and any(s.wants_key_diversity for s in inputs) and self._fuses_kd()
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
-        groups = [
-            build_group(part, inputs, offsets, want,
-                         kd_rows(part, inputs) if decode and fuse_kd else None, summed, kernel)
-            for (decode, want, summed), m in sorted(buckets.items())
-            for part in (split_by_length(m, inputs) if pads or not decode else [m])
-        ]
+        scored: list[int] = []
+        fresh: set[int] = set()
+        if (decode is not None and len(decode.rows) == len(inputs) == total and not asks
+                and not pads):  # the steady state: one group, from the batch append
+            groups = [decode_batch_group(decode, positions, kernel)]
+        else:
+            scored = [i for i, s in enumerate(inputs) if s.score is not None]
+            fresh = fresh_prompts(inputs, windows)
+            groups = self._groups(inputs, offsets, fresh, kernel, pads)
+        score_rows, score_targets = _score_rows(inputs, offsets, scored)
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
             flat = [input_ids, positions, write_slots, score_rows, score_targets]
             for g in groups:
@@ -199,7 +200,7 @@ class ModelRunner:
                                               if g.want_kd is not None}
         pool = self.pool
         norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if pool.quant is None and any(s.wants_norms for s in inputs):
+        if asks and pool.quant is None and any(s.wants_norms for s in inputs):
             norms = []
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -232,14 +233,17 @@ class ModelRunner:
                     mass[j].append(probs)
             return out
 
-        last = [offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(inputs) if s.wants_logits]
+        # The rows to take logits of (None: every row, in order: a decode-only step).
+        last = None if not asks and total == len(inputs) else [
+            offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(inputs) if s.wants_logits]
+        prepare_s = time.perf_counter() - t0
         # Only the forward is inference-mode: the bookkeeping tensors above (block
         # tables) outlive the step and are updated in place later.
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, attn, top)
             scores = (self._score(hidden, score_rows, score_targets, inputs, scored)
                       if scored else {})
-            if len(last) < hidden.shape[0]:  # else every row, in order (a decode-only step)
+            if last is not None and len(last) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
             logits = self.model.compute_logits(hidden)
             attention: dict[int, AttentionMass] = {}
@@ -260,7 +264,29 @@ class ModelRunner:
                         attention[i] = a
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
-        return StepOutput(logits=logits.float(), attention=attention, scores=scores)
+        return StepOutput(logits=logits.float(), attention=attention, scores=scores,
+                          prepare_s=prepare_s)
+
+    def _groups(self, inputs: list[SeqInput], offsets: list[int], fresh: set[int],
+                kernel: bool, pads: bool) -> list[AttentionGroup]:
+        """The step's attention groups (engine/attention_groups.py): decode rows apart
+        from prefill chunks, rows that want the mass apart from those that do not."""
+        # The decode kernel sums the mass over kv heads for policies that read no head
+        # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
+        sums_heads = kernel and 1 < self.config.num_kv_heads <= 4
+        buckets: dict[tuple[bool, bool, bool], list[int]] = {}
+        for i, s in enumerate(inputs):
+            if i not in fresh:
+                summed = s.wants_attention and not s.attention_heads and sums_heads
+                buckets.setdefault((len(s.token_ids) == 1, s.wants_attention, summed),
+                                   []).append(i)
+        fuse_kd = kernel and any(s.wants_key_diversity for s in inputs) and self._fuses_kd()
+        return [
+            build_group(part, inputs, offsets, want,
+                         kd_rows(part, inputs) if decode and fuse_kd else None, summed, kernel)
+            for (decode, want, summed), m in sorted(buckets.items())
+            for part in (split_by_length(m, inputs) if pads or not decode else [m])
+        ]
 
     def _fuses_kd(self) -> bool:
         if self._fuse_kd is None:

@@ -12,6 +12,7 @@ policies' bridge reads statistics through `BlockPool.gather_stats`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,22 @@ from kvpool.tables import SlotTables
 # below a few hundred tokens prefill throughput falls off while the memory saved is a
 # few hundred tokens per request.
 MIN_PREFILL_CHUNK = 256
+
+
+@dataclass
+class DecodeBatch:
+    """A step's decode tokens, appended in one batch (`KVCacheManager.append_decode`):
+    where they go and what their attention reads. Why it travels with the plan: in the
+    steady state (every input one decode token wanting its logits alone) the runner
+    builds the step's attention from these lists and the tables alone
+    (`engine.attention_groups.decode_batch_group`), touching no request or cache: that
+    was a pass per request of cold Python objects after the previous forward."""
+
+    slots: torch.Tensor  # [L, D] physical slots to write K/V to, in chunk order
+    rows: list[int]  # the caches' rows of `tables`, in the same order
+    positions: list[int]  # each token's position (RoPE, and what its query sees)
+    blocks: int  # the most blocks any of them holds in a layer (after the append)
+    tables: SlotTables
 
 
 class KVCacheManager:
@@ -107,10 +124,11 @@ class KVCacheManager:
         """Blocks a decode append of these cache rows would take."""
         return self.tables.decode_need(rows)[0]
 
-    def append_decode(self, rows: list[int], positions: list[int]) -> torch.Tensor:
-        """Every decoding cache's next slot in one batch (`rows`: the caches' rows):
-        [L, B] physical slots. The caller has checked that the pool holds the blocks."""
-        return self.tables.append_decode(self.pool, rows, positions)
+    def append_decode(self, rows: list[int], positions: list[int]) -> DecodeBatch:
+        """Every decoding cache's next slot in one batch (`rows`: the caches' rows, their
+        tokens at `positions`). The caller has checked that the pool holds the blocks."""
+        slots, blocks = self.tables.append_decode(self.pool, rows, positions)
+        return DecodeBatch(slots, rows, positions, blocks, self.tables)
 
     def release(self, cache: SeqCache) -> None:
         """Give back everything a cache holds (device blocks, or swap space)."""

@@ -240,9 +240,9 @@ class SlotTables:
         self._native = None
 
     # ---- what a step reads -----------------------------------------------------------
-    def rows_of(self, caches: list[SeqCache], nb: int, whole: bool = False
+    def rows_of(self, rows: list[int], nb: int, whole: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(tables [L, B, nb], slot positions [L, B, nb * bs], None) of the caches' rows,
+        """(tables [L, B, nb], slot positions [L, B, nb * bs], None) of caches' `rows`,
         for the step's attention to read: views of the tables when the rows are
         consecutive (the C++ decode kernel reads rows at their stride, and copying 64
         rows' positions was ~0.2 ms of a 3m model's 8 ms step), else one gather each,
@@ -253,7 +253,7 @@ class SlotTables:
         lengths pad correctly. Read only: nothing changes the tables while the forward
         runs."""
         self.ensure_width(nb)
-        rows, s = [c.row for c in caches], nb * self.bs
+        s = nb * self.bs
         if whole and not consecutive(rows):
             return (self.table.narrow(2, 0, nb), self.slot_pos.narrow(2, 0, s),
                     int64_tensor(rows))
@@ -271,10 +271,11 @@ class SlotTables:
         return int((after - sizes[:, NBLOCKS]).sum()), int(after.max())
 
     def append_decode(self, pool: BlockPool, rows: list[int],
-                      positions: list[int]) -> torch.Tensor:
+                      positions: list[int]) -> tuple[torch.Tensor, int]:
         """Give each row's next token (original position `positions[i]`) a slot in
-        every layer; returns the physical slots [L, B] to write K/V to. The caller has
-        checked that the pool holds the blocks this takes (`decode_need`).
+        every layer; returns the physical slots [L, B] to write K/V to and the most
+        blocks a row then holds in a layer (the width the step's attention reads). The
+        caller has checked that the pool holds the blocks this takes (`decode_need`).
 
         On CPU the whole append is one C++ pass over the rows
         (csrc/tables_cpu.cpp::append_rows): it reads each row's sizes, links a new block
@@ -289,7 +290,8 @@ class SlotTables:
             states, columns = self._native_states()
             return torch.ops.kvserve_tables.append_rows(
                 self.table, self.slot_pos, self.sizes, self.peaks, states, columns,
-                list(self.fills.values()), pool.ref, rows + positions + taken, len(rows), bs)
+                list(self.fills.values()), pool.ref, rows + positions + taken, len(rows),
+                bs), widest
         row_t = int64_tensor(rows)
         sizes = self.sizes.index_select(0, row_t)  # [B, 3, L]
         nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, B]
@@ -307,7 +309,7 @@ class SlotTables:
         self.sizes.index_copy_(0, row_t, sizes)
         now = torch.stack([sizes[:, NBLOCKS].sum(1), sizes[:, LIVE].sum(1) // nl], dim=1)
         self.peaks.index_copy_(0, row_t, torch.maximum(self.peaks.index_select(0, row_t), now))
-        return slots
+        return slots, widest
 
     # ---- what eviction changes -------------------------------------------------------
     def evict_mask(self, pool: BlockPool, caches: list[SeqCache],

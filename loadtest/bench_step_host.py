@@ -6,7 +6,8 @@
 Issue 18's figure: the share of a decode step spent outside the model forward
 (scheduling, the decode append, sampling, advancing requests, policies) with `--running`
 requests decoding, the same measure as `bench_offline --profile`'s "outside forward"
-column. Why a benchmark of its own: a change to that bookkeeping moves a 3M model's step
+column; and the host share, which adds the runner's preparation of the step's inputs
+(host work inside the forward's time, `StepStats.prepare_s`). Why a benchmark of its own: a change to that bookkeeping moves a 3M model's step
 by a few percent, under this machine's drift between two runs, so `--base` runs another
 checkout's code (and its own build of the C++ ops) in a subprocess, interleaved with this
 one round by round, and the table compares medians.
@@ -29,7 +30,8 @@ import sys
 import tempfile
 
 NAME = "bench_step_host"
-PARTS = ("forward_ms", "outside_ms", "schedule_advance_ms", "sample_ms", "policy_ms")
+PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sample_ms",
+         "policy_ms")
 
 
 def measure(model: str, dtype: str, running: int, steps: int,
@@ -69,7 +71,10 @@ def measure(model: str, dtype: str, running: int, steps: int,
                 "schedule_advance_ms": 1e3 * sum(s.schedule_s for s in seen) / n,
                 "sample_ms": 1e3 * sum(s.sample_s for s in seen) / n,
                 "policy_ms": 1e3 * sum(s.policy_s for s in seen) / n,
-                "outside_share": (total - forward) / total}
+                "outside_share": (total - forward) / total,
+                # host work inside the forward's time too: the runner's preparation
+                "prepare_ms": 1e3 * sum(s.prepare_s for s in seen) / n,
+                "host_share": (total - forward + sum(s.prepare_s for s in seen)) / total}
 
 
 def table(report: dict) -> str:
@@ -78,17 +83,18 @@ def table(report: dict) -> str:
     head = "| per decode step | " + " | ".join(
         f"{s} checkout (rounds)" for s in sides) + (" | base / this |" if len(sides) == 2 else " |")
     lines = [head, "|---" * (len(sides) + 1 + (len(sides) == 2)) + "|"]
-    for key in ("step_ms", *PARTS, "outside_share"):
+    for key in ("step_ms", *PARTS, "outside_share", "host_share"):
         cells = []
         med = {}
         for side in sides:
-            xs = [r[side][key] for r in rounds]
-            med[side] = statistics.median(xs)
-            fmt = (lambda x: f"{100 * x:.1f}%") if key == "outside_share" else (lambda x: f"{x:.3f}")
-            cells.append(" / ".join(fmt(x) for x in xs))
+            # a base checkout older than the field reports none
+            xs = [r[side][key] for r in rounds if key in r[side]]
+            med[side] = statistics.median(xs) if xs else None
+            fmt = (lambda x: f"{100 * x:.1f}%") if key.endswith("_share") else (lambda x: f"{x:.3f}")
+            cells.append(" / ".join(fmt(x) for x in xs) or "—")
         line = f"| {key.replace('_ms', ' ms').replace('_', ' ')} | " + " | ".join(cells) + " |"
         if len(sides) == 2:
-            line += f" {med['base'] / med['this']:.2f}× |" if med["this"] else " — |"
+            line += f" {med['base'] / med['this']:.2f}× |" if med["this"] and med["base"] else " — |"
         lines.append(line)
     return "\n".join(lines)
 

@@ -297,7 +297,7 @@ class EngineCore:
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += c.num_tokens
         t1 = time.perf_counter()
-        out = self.runner.execute(inputs, plan.decode_slots)
+        out = self.runner.execute(inputs, plan.decode)
         t2 = time.perf_counter()
         for i, scores in out.scores.items():
             _add_prompt_logprobs(plan.chunks[i].request, scores)
@@ -321,7 +321,7 @@ class EngineCore:
             self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
         if self.on_step is not None:
             self.on_step(StepStats(len(plan.chunks), n_pre, n_dec, t1 - t0 + t4 - t3,
-                                   t2 - t1, t3 - t2, t5 - t4, t5 - t0))
+                                   t2 - t1, t3 - t2, t5 - t4, t5 - t0, out.prepare_s))
         return outputs
 
     def _advance(self, done: list[Chunk], tokens: list[int],

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.manager import KVCacheManager
+from kvpool.manager import DecodeBatch, KVCacheManager
 from policies.catalog import build_policy
 from scheduler.preemption import CostModel
 from scheduler.request import Request, Status
@@ -54,7 +54,7 @@ class Chunk:
     start: int  # first token (by count of tokens computed) computed this step
     num_tokens: int
     # [L, num_tokens] pool slots to write K/V to; None for a decode token, whose slots
-    # are the plan's `decode_slots` column (all decode tokens get theirs in one batch).
+    # are a column of the plan's `decode.slots` (all decode tokens get theirs in one batch).
     slots: torch.Tensor | None
     # The chunk reaches the last known token, so it yields logits to sample from.
     completes: bool
@@ -64,8 +64,8 @@ class Chunk:
 class Plan:
     chunks: list[Chunk]
     preempted: list[Request]
-    # [L, D] slots of the D decode chunks (those with `slots` None), in chunk order.
-    decode_slots: torch.Tensor | None = None
+    # The D decode chunks' (those with `slots` None) batch append, in chunk order.
+    decode: DecodeBatch | None = None
 
 
 @dataclass
@@ -180,8 +180,7 @@ class Scheduler:
                     free = self.pool.num_free
                 budget -= n
         # Every decode token's slots in one batch: the ops do not grow with their number.
-        slots = self.kv.append_decode(rows, positions) if rows else None
-        plan = Plan(chunks, preempted, slots)
+        plan = Plan(chunks, preempted, self.kv.append_decode(rows, positions) if rows else None)
         if preempted:  # memory is short: bring nobody in this step
             return plan
         reserved = self._reserved() if self.waiting or self.swapped else 0  # only if needed

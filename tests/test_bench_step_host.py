@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from loadtest import bench_step_host as bench
 from loadtest.bench_common import run_in_checkout
 
@@ -22,13 +24,19 @@ def test_run_writes_json_and_a_table(tmp_path, capsys) -> None:
     # the step's phases account for all of it: outside = planning/advance + sampling + policies
     parts = got["schedule_advance_ms"] + got["sample_ms"] + got["policy_ms"]
     assert abs(parts - got["outside_ms"]) < 1e-3 * got["step_ms"]
-    assert "| outside share | " in capsys.readouterr().out
+    # the runner's preparation is host work inside the forward's time
+    assert 0 < got["prepare_ms"] < got["forward_ms"]
+    assert got["host_share"] == pytest.approx(
+        (got["outside_ms"] + got["prepare_ms"]) / got["step_ms"])
+    out = capsys.readouterr().out
+    assert "| outside share | " in out and "| host share | " in out
 
 
 def test_worker_measures_once_into_a_file(tmp_path) -> None:
     out = tmp_path / "w.json"
     assert bench.main([*TINY, "--worker", str(out)]) == {}
-    assert set(json.loads(out.read_text())) == {"step_ms", "outside_share", *bench.PARTS}
+    assert set(json.loads(out.read_text())) == {"step_ms", "outside_share", "host_share",
+                                                *bench.PARTS}
     assert bench.main([*TINY, "--detokenize", "--worker", str(out)]) == {}  # served requests
     assert 0 < json.loads(out.read_text())["outside_share"] < 1
 
@@ -39,6 +47,9 @@ def test_table_reports_base_over_this() -> None:
     text = bench.table({"rounds": [{"this": this, "base": base}] * 2})
     assert "| outside ms | 0.500 / 0.500 | 1.000 / 1.000 | 2.00× |" in text
     assert "| outside share | 5.0% / 5.0% | 10.0% / 10.0% | 2.00× |" in text
+    older = {k: v for k, v in base.items() if k != "prepare_ms"}  # a checkout without it
+    text = bench.table({"rounds": [{"this": this, "base": older}] * 2})
+    assert "| prepare ms | 1.000 / 1.000 | — | — |" in text
 
 
 def test_run_in_checkout_runs_the_script_there(tmp_path) -> None:

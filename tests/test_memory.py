@@ -339,8 +339,8 @@ def test_decode_blocks_are_counted_exactly_when_the_pool_is_tight(spare, preempt
     kv.pool.allocate(kv.pool.num_free - (2 + spare))
     plan = sched.schedule()
     assert [r.request_id for r in plan.preempted] == ["r2"][:preempted]
-    assert len(plan.chunks) == 3 - preempted and plan.decode_slots is not None
-    assert plan.decode_slots.shape == (2, 3 - preempted)
+    assert len(plan.chunks) == 3 - preempted and plan.decode is not None
+    assert plan.decode.slots.shape == (2, 3 - preempted)
     assert kv.pool.num_free == spare + preempted * 2  # r2's two blocks came back
     r0 = sched.running[0]
     assert r0.request_id == "r0" and r0.cache.nblocks == [2, 2]

@@ -90,7 +90,9 @@ def test_eviction_frees_whole_blocks_and_keeps_positions():
 
 
 def _decode(pool: BlockPool, caches: list[SeqCache], positions: list[int]) -> torch.Tensor:
-    return caches[0].tables.append_decode(pool, [c.row for c in caches], positions)
+    slots, widest = caches[0].tables.append_decode(pool, [c.row for c in caches], positions)
+    assert widest == max(c.max_blocks for c in caches)  # the width the step's attention reads
+    return slots
 
 
 def test_append_decode_equals_append_and_sees_table_writes() -> None:

@@ -127,3 +127,54 @@ def test_decode_only_steps_agree_across_attention_paths(llama, kv_policy):
     assert results[0] == results[1]
     if kv_policy != "full":
         assert all(n > 0 for n in results[0][1].values())
+
+
+def test_steady_decode_steps_take_their_group_from_the_batch_append(llama, monkeypatch):
+    """A step whose every input is one decode token wanting its logits alone builds its
+    attention group from the scheduler's batch append (`decode_batch_group`: rows and
+    the widest table, no pass over the requests), and that group is `build_group`'s for
+    the same step, with the rows consecutive and then not (a request in the middle
+    finished); a policy that asks for the mass keeps the general path."""
+    import engine.runner as runner_mod
+    from engine.attention_groups import build_group
+
+    real = runner_mod.decode_batch_group
+    seen: list[list[SeqInput]] = []
+    fast: list[tuple[int, bool]] = []
+
+    def checked(decode, q_pos, in_place):
+        got = real(decode, q_pos, in_place)
+        inputs = seen[-1]
+        every = list(range(len(inputs)))
+        want = build_group(every, inputs, every, False, None, False, in_place)
+        assert got.members == want.members and not got.want_probs and got.want_kd is None
+        for name in ("q_index", "valid", "q_pos", "tables", "slot_pos"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert (got.table_rows is None) == (want.table_rows is None)
+        if got.table_rows is not None:
+            assert torch.equal(got.table_rows, want.table_rows)
+        fast.append((len(inputs), got.table_rows is not None))
+        return got
+
+    monkeypatch.setattr(runner_mod, "decode_batch_group", checked)
+
+    def run(**config):
+        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu", **config)
+        execute = llm.engine.runner.execute
+
+        def spy(inputs, decode=None):
+            seen.append(inputs)
+            return execute(inputs, decode)
+
+        llm.engine.runner.execute = spy
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 14, 5, 11)]
+        lengths = (12, 3, 12, 12)  # the second finishes first: rows 0, 2, 3 remain
+        llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                               for m in lengths])
+
+    run()
+    assert (4, False) in fast and (3, True) in fast  # consecutive rows, then not
+    fast.clear()
+    run(default_kv_policy="h2o")
+    assert not fast  # h2o asks for the mass every step: the general path

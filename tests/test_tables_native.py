@@ -190,7 +190,9 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
             assert need == sum(c.blocks_needed(1) for c in caches)
             assert widest == max(b + (x >= b * 4) for c in caches
                                  for b, x in zip(c.nblocks, c.next_slot))
-            slots.append(t.append_decode(pool, rows, pos))
+            got, width = t.append_decode(pool, rows, pos)
+            assert width == widest == max(c.max_blocks for c in caches)  # what the step reads
+            slots.append(got)
         runs.append((pool, t, slots, [(c.nblocks, c.next_slot, c.layer_live) for c in caches]))
     (pa, a, sa, ca), (pb, b, sb, cb) = runs
     assert ca == cb
