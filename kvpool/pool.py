@@ -228,7 +228,7 @@ class BlockPool:
 
     def slot_arrays(self) -> list[torch.Tensor]:
         """The [2, slots, ...] views whose slots compaction moves (K/V, then the scales
-        of a quantized pool), for `SlotTables.compact`'s C++ pass."""
+        of a quantized pool), for `compaction.compact`'s C++ pass."""
         return [self._flat] + ([] if self._flat_scales is None else [self._flat_scales])
 
     def copy_blocks(self, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpool import compaction
 from kvpool.pool import BlockPool
 from kvpool.tables import LIVE, NBLOCKS, NEXT, SlotTables
 
@@ -328,9 +329,10 @@ class SeqCache:
 
     def compact(self, layer: int | None = None) -> int:
         """Pack a layer's live tokens (every layer's, with None), in order, into its
-        first blocks and free the rest; returns blocks freed (`SlotTables.compact`,
+        first blocks and free the rest; returns blocks freed (`compaction.compact`,
         which packs many caches at once)."""
-        return self.tables.compact(self.pool, [self], None if layer is None else [layer])[0]
+        return compaction.compact(self.tables, self.pool, [self],
+                                  None if layer is None else [layer])[0]
 
     def renumber(self, layer: int, rotate) -> None:
         """Re-number a layer's live positions to 0..n-1 and re-rotate their stored keys

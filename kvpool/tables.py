@@ -101,7 +101,7 @@ def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
         t.narrow(2, 0, w).index_copy_(1, int64_tensor(rows), value)
 
 
-def _over(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> torch.Tensor:
+def over_state(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> torch.Tensor:
     """An index (or mask) over slots, extended to a state's trailing dims."""
     for _ in extra:
         idx = idx[..., None]
@@ -133,7 +133,7 @@ _NO_COLUMNS = torch.zeros(0, dtype=torch.bool)  # read only: no states to pass a
 _ALL_LAYERS: dict[int, torch.Tensor] = {}  # read only: made once per layer count
 
 
-def _layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
+def layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
     """[L] bool: the layers a pass works on (None: all, one shared tensor)."""
     if layers is None:
         if num_layers not in _ALL_LAYERS:
@@ -168,7 +168,7 @@ class SlotTables:
         self.pk = _int_view(self.peaks)
         self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
-        # `_native_states`' answer, kept until a state is added or the tensors grow
+        # `native_states`' answer, kept until a state is added or the tensors grow
         self._native: tuple[list[torch.Tensor], torch.Tensor] | None = None
 
     def declare_state(self, fills: dict[str, float | tuple[float, int]],
@@ -287,7 +287,7 @@ class SlotTables:
         self.ensure_width(widest)
         if self.table.device.type == "cpu" and load_mark():
             taken = pool.take(need)  # raises before anything changes
-            states, columns = self._native_states()
+            states, columns = self.native_states()
             return torch.ops.kvserve_tables.append_rows(
                 self.table, self.slot_pos, self.sizes, self.peaks, states, columns,
                 list(self.fills.values()), pool.ref, rows + positions + taken, len(rows),
@@ -324,7 +324,7 @@ class SlotTables:
         rows = int64_tensor([c.row for c in caches])
         alike = bool_tensor([c.alike for c in caches])
         if dead.device.type == "cpu" and load_mark():  # marking and freeing, one pass
-            states, columns = self._native_states()
+            states, columns = self.native_states()
             info, ids = torch.ops.kvserve_tables.evict_rows(
                 self.table, self.slot_pos, self.sizes, states, columns, rows, dead, alike,
                 self.bs)
@@ -386,10 +386,10 @@ class SlotTables:
         rows = [c.row for c in caches]
         row_t = int64_tensor(rows)
         if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
-            states, columns = self._native_states()  # it shortens the rows' sizes too
+            states, columns = self.native_states()  # it shortens the rows' sizes too
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, self.sizes, states, columns, row_t,
-                _layer_mask(nl, layers), bs)
+                layer_mask(nl, layers), bs)
             pool.release(ids)
             return ndead.sum(dim=0).tolist()
         sizes = self.sizes.index_select(0, row_t)
@@ -404,7 +404,7 @@ class SlotTables:
         alive |= (cols == (nb - 1).clamp(min=0)[..., None]) & (nxt < nb * bs)[..., None]
         dead = held & ~alive
         if layers is not None:
-            dead &= _layer_mask(nl, layers)[:, None, None]
+            dead &= layer_mask(nl, layers)[:, None, None]
         counts = dead.sum(dim=2).t().tolist()  # [R][L]
         if not any(map(any, counts)):
             return [0] * len(caches)
@@ -422,7 +422,7 @@ class SlotTables:
         for t in self.state.values():  # each token's state moves with it
             extra = t.shape[3:]
             st = take_rows(t, rows, w * bs).view(nl, len(caches), w, bs, *extra)
-            st = st.gather(2, _over(order[..., None].expand(-1, -1, -1, bs), extra))
+            st = st.gather(2, over_state(order[..., None].expand(-1, -1, -1, bs), extra))
             put_rows(t, rows, st.view(nl, len(caches), w * bs, *extra))
         return self._freed(pool, caches, freed_ids, counts)
 
@@ -443,93 +443,7 @@ class SlotTables:
                     sz[o + NEXT * nl + layer] -= x * bs
         return [sum(x) for x in counts]
 
-    def compact(self, pool: BlockPool, caches: list[SeqCache],
-                layers: list[int] | None = None) -> list[int]:
-        """Pack every (cache, layer)'s live tokens, in order, into its first blocks and
-        free the rest (all layers, or only `layers`); returns blocks freed per cache.
-        Lazy Pruning's amortisation (000_8900623ad98b28fb.txt §3: partly dead blocks
-        become full ones) and PagedEviction's kept order aligned with physical blocks
-        (001_01037b507c6df960.txt Alg. 2-3).
-
-        In place, so it needs no free block: it is what keeps a scattered-eviction
-        policy within its reservation when the pool is full. Tokens only move to lower
-        slots, and the one gather reads every source before the scatter writes, so
-        overlapping moves are safe; one gather and one scatter move the tokens of every
-        (cache, layer) at once. A destination block shared through the prefix cache is
-        copied first (copy-on-write), and a published one unpublished; when the pool
-        cannot lend the copies, the caches that need them are left as they are."""
-        if self.table.device.type == "cpu" and not pool.hash_of and load_mark():
-            done = self._compact_native(pool, caches, layers)
-            if done is not None:  # None: a destination block is shared (copy-on-write)
-                return done
-        nl, bs, w = self.num_layers, self.bs, self.width
-        s_len = w * bs
-        rows = int64_tensor([c.row for c in caches])
-        nxt = self.sizes[:, NEXT].index_select(0, rows).t()  # [L, R]
-        sp = self.slot_pos.index_select(1, rows)  # [L, R, S]
-        live = sp >= 0
-        n = live.sum(dim=2)
-        hole = n != nxt
-        if layers is not None:
-            hole &= _layer_mask(nl, layers)[:, None]
-        ar = torch.arange(s_len)
-        order = torch.where(live, ar, s_len + ar).argsort(dim=2)  # live first, in order
-        moved = (ar < n[..., None]) & (order != ar) & hole[..., None]
-        table = self.table.index_select(1, rows)  # [L, R, W]
-        dst_col = (ar // bs).expand_as(sp)
-        dest = moved.view(*moved.shape[:2], w, bs).any(dim=3)  # [L, R, W] columns written
-        if self._copy_on_write(pool, caches, table, dest, hole):
-            table = self.table.index_select(1, rows)  # the copies' ids
-        moved &= hole[..., None]
-        counts = hole.t().tolist()
-        if not any(map(any, counts)):
-            return [0] * len(caches)
-        src = table.gather(2, order // bs) * bs + order % bs
-        dst = table.gather(2, dst_col) * bs + ar % bs
-        pool.copy_slots(dst[moved], src[moved])
-        keep = ar < torch.where(hole, n, nxt)[..., None]
-        sp = torch.where(hole[..., None], sp.gather(2, order), sp).masked_fill_(~keep, -1)
-        want = torch.where(hole, -(-n // bs), torch.tensor([c.nblocks for c in caches]).t())
-        gone = torch.arange(w) >= want[..., None]
-        pool.release(table[gone & (table >= 0)])
-        self.table.index_copy_(1, rows, table.masked_fill(gone, -1))
-        self.slot_pos.index_copy_(1, rows, sp)
-        for t in self.state.values():  # each token's state moves with it
-            extra = t.shape[3:]
-            st = t.index_select(1, rows)
-            moved_st = st.gather(2, _over(order, extra))
-            t.index_copy_(1, rows, torch.where(_over(hole[..., None], extra, expand=False),
-                                               moved_st, st))
-        freed = []
-        for c, h, nb, k, size in zip(caches, counts, want.t().tolist(), n.t().tolist(),
-                                     [c.nblocks for c in caches]):
-            if any(h):
-                c.alike = False  # layers are packed each on their own
-            c.next_slot = [k_ if h_ else s_ for k_, h_, s_ in zip(k, h, c.next_slot)]
-            c.nblocks = nb
-            freed.append(sum(size) - sum(nb))
-        return freed
-
-    def _compact_native(self, pool: BlockPool, caches: list[SeqCache],
-                        layers: list[int] | None) -> list[int] | None:
-        """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state,
-        K/V and the rows' sizes moved slot by slot, no sort, no index tensors), for a
-        pool without published blocks; None, with nothing changed, when a destination
-        block is shared: the torch form copies it first."""
-        rows = int64_tensor([c.row for c in caches])
-        states, columns = self._native_states()
-        declined, ids, gone, _, hole = torch.ops.kvserve_tables.compact_rows(
-            self.table, self.slot_pos, self.sizes, states, columns, pool.slot_arrays(), rows,
-            _layer_mask(self.num_layers, layers), pool.ref, self.bs)
-        if declined:
-            return None
-        pool.release(ids)
-        for c, h in zip(caches, hole.any(dim=0).tolist()):
-            if h:
-                c.alike = False  # layers are packed each on their own
-        return gone.sum(dim=0).tolist()
-
-    def _native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The states as the C++ ops take them (storage order) and which are by columns;
         made once per set of tensors (every plan and decode append asks: ~5 us a call)."""
         if self._native is None:
@@ -537,37 +451,3 @@ class SlotTables:
             self._native = ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
                             bool_tensor(cols) if cols else _NO_COLUMNS)
         return self._native
-
-    def _copy_on_write(self, pool: BlockPool, caches: list[SeqCache], table: torch.Tensor,
-                       dest: torch.Tensor, hole: torch.Tensor) -> bool:
-        """Make the blocks a compaction writes (`dest` columns of the caches' `table`
-        rows, [L, R, W]) writable: a block another request holds gets a private copy, a
-        published one leaves the prefix cache. Clears `hole` for the caches whose copies
-        the pool cannot lend. Returns whether any table entry changed."""
-        blocks = table[dest]
-        if blocks.numel() == 0:
-            return False
-        cand = blocks.unique()
-        refs = pool.ref[cand].tolist()
-        ids = cand.tolist()
-        shared = {b for b, r in zip(ids, refs) if r > 1}
-        for b in ids:
-            if b not in shared and b in pool.hash_of:
-                pool.forget(pool.hash_of[b])
-        if not shared:
-            return False
-        where = (torch.isin(table, torch.tensor(sorted(shared))) & dest).nonzero().tolist()
-        if len(where) > pool.num_free:  # the pool cannot lend the copies
-            for layer, r, _ in where:
-                hole[layer, r] = False
-            return False
-        for layer, r, col in where:
-            b = int(table[layer, r, col])
-            if int(pool.ref[b]) > 1:  # still shared (an earlier copy may have been ours)
-                new = pool.allocate(1)
-                pool.copy_blocks(new, torch.tensor([b]))
-                self.table[layer, caches[r].row, col] = new[0]
-                pool.release(torch.tensor([b]))
-            elif b in pool.hash_of:
-                pool.forget(pool.hash_of[b])
-        return True

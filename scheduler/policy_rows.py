@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.runner import AttentionMass
+from kvpool import compaction
 from kvpool.host import int64_tensor
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
@@ -273,7 +274,8 @@ def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
         if compact[i]:
             packs.setdefault(tuple(layers[i]), []).append(i)
     for which_layers, which in packs.items():
-        freed = first.tables.compact(first.pool, [caches[i] for i in which], list(which_layers))
+        freed = compaction.compact(first.tables, first.pool, [caches[i] for i in which],
+                        list(which_layers))
         for i, f in zip(which, freed):
             done[i] = (done[i][0], done[i][1] + f)
     for i in asked:  # after the packing, as one request at a time did it

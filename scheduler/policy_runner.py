@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.runner import AttentionMass
+from kvpool import compaction
 from policies.base import StepView
 from scheduler.policy_rows import Member, Rotate, group_key, run_group
 from scheduler.request import Request
@@ -138,7 +139,7 @@ class PolicyRunner:
 
     def _compact(self) -> None:
         """Scattered survivors pin partly dead blocks: pack them, in place and for every
-        noted request at once (`SlotTables.compact`), so each one's next token fits in
+        noted request at once (`compaction.compact`), so each one's next token fits in
         the memory admission reserved for it (instead of preempting someone when every
         block is reserved)."""
         reqs, self._to_compact = self._to_compact, []
@@ -146,7 +147,7 @@ class PolicyRunner:
             return
         t = time.perf_counter()
         caches = [r.cache for r in reqs]
-        freed = caches[0].tables.compact(caches[0].pool, caches)  # type: ignore[union-attr]
+        freed = compaction.compact(caches[0].tables, caches[0].pool, caches)  # type: ignore[union-attr]
         share = (time.perf_counter() - t) / len(reqs)
         for r, f in zip(reqs, freed):
             name = r.policy_name

@@ -5,6 +5,7 @@ from transformers import LlamaConfig
 
 from engine.rope import RotaryEmbedding
 from engine.runner import AttentionMass
+from kvpool.compaction import compact
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
@@ -162,7 +163,7 @@ def test_slot_state_moves_with_its_token():
 
 
 def test_batched_compaction_packs_every_cache_and_layer_at_once():
-    """`SlotTables.compact` over several caches of one table: each (cache, layer) ends as
+    """`compaction.compact` over several caches of one table: each (cache, layer) ends as
     compacting it alone would leave it — survivors in order with their K/V, emptied
     blocks freed — a cache without holes is untouched, and a shared block is copied
     before it is written while its other holder keeps it."""
@@ -185,7 +186,7 @@ def test_batched_compaction_packs_every_cache_and_layer_at_once():
                                    1: torch.tensor([p for p in range(12) if p not in k1])})
     before = [_kv_by_position(c, layer) for c in caches for layer in range(2)]
     blocks = [c.num_blocks for c in caches]
-    freed = tables.compact(pool, caches)
+    freed = compact(tables, pool, caches)
     assert freed == [blocks[0] - 3, blocks[1] - 2, 0]
     assert caches[0].nblocks == [1, 2] and caches[0].next_slot == [4, 5]
     assert caches[1].nblocks == [1, 1] and caches[1].next_slot == [2, 3]
@@ -193,5 +194,5 @@ def test_batched_compaction_packs_every_cache_and_layer_at_once():
     assert [_kv_by_position(c, layer) for c in caches for layer in range(2)] == before
     assert int(caches[1].table[1, 0]) != shared  # written: copied first
     assert _kv_by_position(holder, 1) == {p: 110.0 + p for p in range(4)}
-    assert tables.compact(pool, caches) == [0, 0, 0]
+    assert compact(tables, pool, caches) == [0, 0, 0]
     pool.check_invariants([c.owned_blocks() for c in [*caches, holder]])

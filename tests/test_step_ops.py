@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.runner import upload
 from engine.sampler import SamplingBatch, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
-from kvpool.tables import SlotTables
+from kvpool import compaction
 from scheduler.engine_core import EngineConfig, EngineCore
 from tests.tiny_models import make_tiny_model
 
@@ -43,14 +43,14 @@ _COMPACTED = [0]
 
 @pytest.fixture(autouse=True)
 def _count_compactions(monkeypatch):
-    real = SlotTables.compact
+    real = compaction.compact
 
-    def counting(self, pool, caches, layers=None):
-        freed = real(self, pool, caches, layers)
+    def counting(tables, pool, caches, layers=None):
+        freed = real(tables, pool, caches, layers)
         _COMPACTED[0] += sum(f > 0 for f in freed)
         return freed
 
-    monkeypatch.setattr(SlotTables, "compact", counting)
+    monkeypatch.setattr(compaction, "compact", counting)
 
 
 def _ops_per_step(model: str, n: int, policies: list, steps: int = 6,

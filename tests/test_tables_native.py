@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvpool import tables as tables_mod
+from kvpool.compaction import compact
 from kvpool.tables import SlotTables
 
 
@@ -130,7 +131,7 @@ def test_native_compaction_matches_torch(seed, monkeypatch):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(seed)
         free_before = pool.num_free
-        freed = t.compact(pool, caches, layers)
+        freed = compact(t, pool, caches, layers)
         runs.append((pool, t, [(c.nblocks, c.next_slot, c.alike, c.layer_live) for c in caches],
                      freed, pool.num_free - free_before))
     (pa, a, ca, fa, na), (pb, b, cb, fb, nb) = runs
@@ -153,7 +154,7 @@ def test_native_compaction_declines_a_shared_destination(monkeypatch):
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(1, shared=True)
-        runs.append((pool, t, t.compact(pool, caches)))
+        runs.append((pool, t, compact(t, pool, caches)))
     (pa, a, fa), (pb, b, fb) = runs
     assert fa == fb
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
