@@ -11,7 +11,6 @@ chunk with nothing cached before it needs no pool read at all: plain causal SDPA
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -120,9 +119,6 @@ class StepOutput:
     attention: dict[int, AttentionMass] = field(default_factory=dict)
     # seq index -> its scored rows (SeqInput.score), on the host
     scores: dict[int, TokenScores] = field(default_factory=dict)
-    # Host time before the model ran: the step's inputs, slots and attention groups
-    # (StepStats.prepare_s: host work inside the forward's time).
-    prepare_s: float = 0.0
 
 
 class ModelRunner:
@@ -143,11 +139,10 @@ class ModelRunner:
     def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None) -> StepOutput:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
         order): their slots, rows and positions."""
-        t0 = time.perf_counter()
         if self.graphs is not None and decode is not None:
             logits = self.graphs.run(inputs, decode.slots)
             if logits is not None:  # the step was a graph's; else it runs eagerly here
-                return StepOutput(logits=logits, prepare_s=time.perf_counter() - t0)
+                return StepOutput(logits=logits)
         cfg, dev = self.config, self.device
         offsets: list[int] = []
         ids: list[int] = []
@@ -236,7 +231,6 @@ class ModelRunner:
         # The rows to take logits of (None: every row, in order: a decode-only step).
         last = None if not asks and total == len(inputs) else [
             offsets[i] + len(s.token_ids) - 1 for i, s in enumerate(inputs) if s.wants_logits]
-        prepare_s = time.perf_counter() - t0
         # Only the forward is inference-mode: the bookkeeping tensors above (block
         # tables) outlive the step and are updated in place later.
         with torch.inference_mode():
@@ -264,8 +258,7 @@ class ModelRunner:
                         attention[i] = a
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
-        return StepOutput(logits=logits.float(), attention=attention, scores=scores,
-                          prepare_s=prepare_s)
+        return StepOutput(logits=logits.float(), attention=attention, scores=scores)
 
     def _groups(self, inputs: list[SeqInput], offsets: list[int], fresh: set[int],
                 kernel: bool, pads: bool) -> list[AttentionGroup]:

@@ -6,9 +6,10 @@
 Issue 18's figure: the share of a decode step spent outside the model forward
 (scheduling, the decode append, sampling, advancing requests, policies) with `--running`
 requests decoding, the same measure as `bench_offline --profile`'s "outside forward"
-column; and the host share, which adds the runner's preparation of the step's inputs
-(host work inside the forward's time, `StepStats.prepare_s`). Why a benchmark of its own: a change to that bookkeeping moves a 3M model's step
-by a few percent, under this machine's drift between two runs, so `--base` runs another
+column; and the host share, which adds the runner's preparation of the step (its
+inputs, slots and attention groups: host work inside the forward's time, timed from
+`execute`'s call to the model's, so any checkout is measured alike). Why a benchmark of
+its own: a change to that bookkeeping moves a 3M model's step by a few percent, under this machine's drift between two runs, so `--base` runs another
 checkout's code (and its own build of the C++ ops) in a subprocess, interleaved with this
 one round by round, and the table compares medians.
 
@@ -28,6 +29,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 
 NAME = "bench_step_host"
 PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sample_ms",
@@ -60,21 +62,40 @@ def measure(model: str, dtype: str, running: int, steps: int,
         for _ in range(8):  # past the first decode steps' one-time costs
             eng.step()
         seen.clear()
+        prepare = _time_preparation(eng.runner)
         for _ in range(steps):
             eng.step()
         assert all(s.num_decode_tokens == running for s in seen), "a request left early"
         n = len(seen)
         total = sum(s.total_s for s in seen)
         forward = sum(s.forward_s for s in seen)
+        prepared = sum(prepare)
         return {"step_ms": 1e3 * total / n, "forward_ms": 1e3 * forward / n,
                 "outside_ms": 1e3 * (total - forward) / n,
                 "schedule_advance_ms": 1e3 * sum(s.schedule_s for s in seen) / n,
                 "sample_ms": 1e3 * sum(s.sample_s for s in seen) / n,
                 "policy_ms": 1e3 * sum(s.policy_s for s in seen) / n,
                 "outside_share": (total - forward) / total,
-                # host work inside the forward's time too: the runner's preparation
-                "prepare_ms": 1e3 * sum(s.prepare_s for s in seen) / n,
-                "host_share": (total - forward + sum(s.prepare_s for s in seen)) / total}
+                "prepare_ms": 1e3 * prepared / n,
+                "host_share": (total - forward + prepared) / total}
+
+
+def _time_preparation(runner: object) -> list[float]:
+    """Per step from now on, the seconds from the runner's `execute` call to its model's
+    forward: the step's host preparation, inside StepStats' forward time. Timed from
+    outside (a wrapper and a forward pre-hook), so a base checkout is measured alike."""
+    got: list[float] = []
+    start = [0.0]
+    execute = runner.execute  # type: ignore[attr-defined]
+
+    def timed(*args: object, **kwargs: object) -> object:
+        start[0] = time.perf_counter()
+        return execute(*args, **kwargs)
+
+    runner.execute = timed  # type: ignore[attr-defined]
+    runner.model.register_forward_pre_hook(  # type: ignore[attr-defined]
+        lambda module, args: got.append(time.perf_counter() - start[0]))
+    return got
 
 
 def table(report: dict) -> str:

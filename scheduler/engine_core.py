@@ -321,7 +321,7 @@ class EngineCore:
             self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
         if self.on_step is not None:
             self.on_step(StepStats(len(plan.chunks), n_pre, n_dec, t1 - t0 + t4 - t3,
-                                   t2 - t1, t3 - t2, t5 - t4, t5 - t0, out.prepare_s))
+                                   t2 - t1, t3 - t2, t5 - t4, t5 - t0))
         return outputs
 
     def _advance(self, done: list[Chunk], tokens: list[int],

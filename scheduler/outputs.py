@@ -70,9 +70,6 @@ class StepStats:
     sample_s: float = 0.0
     policy_s: float = 0.0
     total_s: float = 0.0
-    # The runner's host work before the model ran (inputs, slots, attention groups):
-    # inside forward_s, so "outside the forward" understates the step's host time.
-    prepare_s: float = 0.0
 
 
 @dataclass
