@@ -247,15 +247,18 @@ def drive(engine, desc: str, progress: bool = True, collect: dict[str, list[int]
                  float(np.mean(running)) if running else 0.0)
 
 
-def run_in_checkout(base: str, script: str, argv: list[str]) -> object:
+def run_in_checkout(base: str, script: str, argv: list[str], own_build: bool = True) -> object:
     """`script` (a loadtest module's file) run with `argv + ["--worker", PATH]` inside
-    another checkout: its code and its own build of the C++ ops (they have one name, so
-    a separate TORCH_EXTENSIONS_DIR); returns the JSON the worker wrote to PATH. How a
-    benchmark compares this tree with a base, round by round in one run."""
+    a checkout: its code and (`own_build`, another checkout) its own build of the C++ ops
+    (they have one name, so a separate TORCH_EXTENSIONS_DIR); returns the JSON the worker
+    wrote to PATH. How a benchmark compares this tree with a base, round by round in one
+    run."""
     import subprocess
     import tempfile
 
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.path.join(base, ".torch_extensions_bench")}
+    env = dict(os.environ)
+    if own_build:
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(base, ".torch_extensions_bench")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         code = ("import runpy, sys; sys.path.insert(0, '.'); sys.argv = sys.argv[1:]; "
                 f"runpy.run_path({os.path.abspath(script)!r}, run_name='__main__')")
@@ -269,9 +272,15 @@ def ab_rounds(name: str, report: dict, out: str, rounds: int, base: str | None, 
               argv: list[str], measure, table, say=None) -> dict:
     """A benchmark's rounds, this tree then `base` (`run_in_checkout` with `argv`) in each,
     so the machine's drift hits both alike; appends them to `report["rounds"]`, saves it
-    (`save_run`), prints `table(report)`. `say(round)`: a progress line per round."""
+    (`save_run`), prints `table(report)`. `say(round)`: a progress line per round.
+
+    With a base, this tree runs in a worker process too: measured in this process, its
+    side read ~0.03-0.05 ms a step slower whichever checkout it was (bench_step_host,
+    sides swapped), which is the size of the differences being measured."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(script)))  # the checkout's root
     for r in range(rounds):
-        got = {"this": measure()}
+        got = {"this": run_in_checkout(here, script, argv, own_build=False) if base
+               else measure()}
         if base:
             got["base"] = run_in_checkout(base, script, argv)
         report["rounds"].append(got)

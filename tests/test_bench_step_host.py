@@ -52,7 +52,7 @@ def test_table_reports_base_over_this() -> None:
     assert "| prepare ms | 1.000 / 1.000 | — | — |" in text
 
 
-def test_run_in_checkout_runs_the_script_there(tmp_path) -> None:
+def test_run_in_checkout_runs_the_script_there(tmp_path, monkeypatch) -> None:
     """The A/B plumbing: the script runs with the other checkout as its working
     directory and first import path, its own extension build directory, and hands back
     the JSON its --worker wrote."""
@@ -67,3 +67,7 @@ def test_run_in_checkout_runs_the_script_there(tmp_path) -> None:
     got = run_in_checkout(str(base), str(script), ["--a", "1"])
     assert got == {"argv": ["--a", "1"], "where": "base", "cwd": str(base),
                    "ext": os.path.join(str(base), ".torch_extensions_bench")}
+    # this checkout's side (ab_rounds with a base): a worker too, with the usual build
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "usual"))
+    got = run_in_checkout(str(base), str(script), [], own_build=False)
+    assert got["ext"] == str(tmp_path / "usual") and got["where"] == "base"
