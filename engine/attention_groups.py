@@ -18,6 +18,7 @@ import torch
 
 from kvpool.attention import PAD_QUERY_POS
 from kvpool.host import bool_tensor, int64_tensor
+from kvpool.tables import rows_slice
 
 if TYPE_CHECKING:  # the runner's input type (engine.runner imports this module)
     from engine.runner import SeqInput
@@ -43,13 +44,19 @@ class AttentionGroup:
     # [B] int64: `tables` / `slot_pos` are every row of the engine's tables and member b
     # reads row table_rows[b] (`SlotTables.rows_of(whole=True)`); None: row b is member b.
     table_rows: torch.Tensor | None = None
+    # [L, B or every row, >= NB*bs] float32, rows as `tables`': the per-slot state the
+    # decode kernel adds the members' mass into (`SeqInput.accumulate` names it), or None.
+    accumulate: torch.Tensor | None = None
 
 
 def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
                  want_probs: bool, want_kd: torch.Tensor | None = None,
-                 sum_heads: bool = False, in_place: bool = False) -> AttentionGroup:
+                 sum_heads: bool = False, in_place: bool = False,
+                 accumulate: bool = False) -> AttentionGroup:
     """`in_place`: a decode group's attention reads rows by index (the C++ kernel), so
-    rows that are not consecutive are not gathered (`SlotTables.rows_of(whole=True)`)."""
+    rows that are not consecutive are not gathered (`SlotTables.rows_of(whole=True)`).
+    `accumulate` (a decode group read in place): the members' mass goes into their
+    `SeqInput.accumulate` state, handed as the same rows as the tables."""
     seqs = [inputs[i] for i in members]
     tables = seqs[0].cache.tables
     assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
@@ -63,8 +70,16 @@ def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
         q_index = int64_tensor([offsets[i] for i in members])[:, None]
         q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
+        acc = None
+        if accumulate:  # read after rows_of, which may have grown the tables
+            name = seqs[0].accumulate
+            assert in_place and name is not None and all(s.accumulate == name for s in seqs)
+            state, width = tables.state[name], slot_pos.shape[-1]
+            # the tables' rows as handed: every row (with `rows`), else a consecutive slice
+            acc = (state.narrow(2, 0, width) if rows is not None
+                   else rows_slice(state, [s.cache.row for s in seqs], width))
         return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd,
-                              sum_heads, table_rows=rows)
+                              sum_heads, table_rows=rows, accumulate=acc)
     ar = torch.arange(tq)
     valid = ar[None, :] < torch.tensor(lens)[:, None]
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)

@@ -30,6 +30,7 @@ from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
 from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.cpu_attention import (
+    accumulates,
     fuses_key_diversity,
     paged_attention_cpu,
     paged_decode_key_diversity,
@@ -79,6 +80,11 @@ class SeqInput:
     # Return the K and V norms of this step's tokens (`Needs.new_key_norm` /
     # `new_value_norm`), taken as the runner writes them (`new_norms`).
     wants_norms: bool = False
+    # With wants_attention: the name of the per-slot state of the cache's tables the
+    # step's mass goes into (`Needs.accumulate`). A decode token on the kernel, once the
+    # state exists, has its row added there during attention and gets no mass back
+    # (`AttentionMass.accumulated`); anywhere else the mass is returned as usual.
+    accumulate: str | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +104,8 @@ class AttentionMass:
     row: int
     num_tokens: int  # the input's queries (the first Tq of its row)
     key_diversity: torch.Tensor | None = None
+    # The step's mass went into the input's `accumulate` state (`group` is None).
+    accumulated: bool = False
     # `wants_norms`: the step's tokens' ‖K‖ and ‖V‖ per kv head as stored, [L, T, Hkv]
     # float32 on the host (every input's, packed token axis), and where this input's
     # tokens start on it.
@@ -135,6 +143,9 @@ class ModelRunner:
         self._fuse_kd: bool | None = None
         # CUDA graphs for decode steps (engine/cuda_graphs.py), set by the engine on CUDA.
         self.graphs: DecodeGraphs | None = None
+        # Whether the decode kernel adds mass into a state, with the kv heads summed in
+        # the kernel and without (`accumulates`); decided on the first step that asks.
+        self._adds: tuple[bool, bool] | None = None
 
     def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None) -> StepOutput:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
@@ -214,6 +225,8 @@ class ModelRunner:
                 kw = {"sum_heads": True} if g.sum_heads else {}
                 if g.table_rows is not None:  # the C++ kernel's: rows read in place
                     kw["table_rows"] = g.table_rows
+                if g.accumulate is not None:  # the mass into the state, none back
+                    kw["accumulate"] = g.accumulate[layer]
                 if g.want_kd is not None:
                     o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw,
                                                rows=g.want_kd)
@@ -248,6 +261,10 @@ class ModelRunner:
                     if stacked is not None or inputs[i].wants_key_diversity:
                         attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids),
                                                      kd if inputs[i].wants_key_diversity else None)
+            for g in groups:  # their mass went into their state during attention
+                if g.accumulate is not None:
+                    for row, i in enumerate(g.members):
+                        attention[i] = AttentionMass(None, row, 1, accumulated=True)
             if norms is not None:  # [L, T, Hkv] each, one stack and one copy
                 kn = torch.stack([x[0] for x in norms]).cpu()
                 vn = torch.stack([x[1] for x in norms]).cpu()
@@ -267,19 +284,30 @@ class ModelRunner:
         # The decode kernel sums the mass over kv heads for policies that read no head
         # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
         sums_heads = kernel and 1 < self.config.num_kv_heads <= 4
-        buckets: dict[tuple[bool, bool, bool], list[int]] = {}
+        # (decode, returns the mass, summed over kv heads, adds it into a state) -> members
+        buckets: dict[tuple[bool, bool, bool, bool], list[int]] = {}
         for i, s in enumerate(inputs):
             if i not in fresh:
+                decode = len(s.token_ids) == 1
                 summed = s.wants_attention and not s.attention_heads and sums_heads
-                buckets.setdefault((len(s.token_ids) == 1, s.wants_attention, summed),
+                adds = (decode and s.accumulate is not None and not s.wants_key_diversity
+                        and kernel and s.accumulate in s.cache.tables.state
+                        and self._accumulates(summed))
+                buckets.setdefault((decode, s.wants_attention and not adds, summed, adds),
                                    []).append(i)
         fuse_kd = kernel and any(s.wants_key_diversity for s in inputs) and self._fuses_kd()
         return [
             build_group(part, inputs, offsets, want,
-                         kd_rows(part, inputs) if decode and fuse_kd else None, summed, kernel)
-            for (decode, want, summed), m in sorted(buckets.items())
+                        kd_rows(part, inputs) if decode and fuse_kd else None, summed, kernel,
+                        adds)
+            for (decode, want, summed, adds), m in sorted(buckets.items())
             for part in (split_by_length(m, inputs) if pads or not decode else [m])
         ]
+
+    def _accumulates(self, summed: bool) -> bool:
+        if self._adds is None:
+            self._adds = accumulates(self.pool, True), accumulates(self.pool, False)
+        return self._adds[0] if summed else self._adds[1]
 
     def _fuses_kd(self) -> bool:
         if self._fuse_kd is None:

@@ -86,6 +86,7 @@ def paged_attention_cpu(
     quant: QuantCache | None = None,
     sum_heads: bool = False,
     table_rows: torch.Tensor | None = None,
+    accumulate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel.
 
@@ -94,7 +95,17 @@ def paged_attention_cpu(
     bits, half the bytes at two kv heads); the other paths return it per kv head.
     `table_rows` [B] int64: `table` and `slot_pos` are the engine's tables whole
     ([R, NB], [R, NB*bs]) and sequence b reads row `table_rows[b]` in place (a step's
-    rows that are not consecutive, `SlotTables.rows_of`); the torch path gathers them."""
+    rows that are not consecutive, `SlotTables.rows_of`); the torch path gathers them.
+    `accumulate` [R, >= NB*bs] float32 (rows as `table`'s): the kernel adds each decode
+    row's mass, summed over every head, into it as it writes it, and returns no mass
+    (H2O's cumulative attention, `Needs.accumulate`); decode rows on the kernel, a float
+    pool and the mass summed over the heads only (`accumulates`)."""
+    if accumulate is not None:
+        assert q.shape[1] == 1 and quant is None and (sum_heads or k_cache.shape[2] == 1)
+        out, _, _ = torch.ops.kvserve.paged_decode(
+            q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
+            int(window or 0), True, None, sum_heads, table_rows, accumulate)
+        return out[:, None], None
     if q.shape[1] != 1 or not kernel_available():
         if table_rows is not None:
             table, slot_pos = table.index_select(0, table_rows), slot_pos.index_select(0, table_rows)
@@ -112,6 +123,14 @@ def paged_attention_cpu(
         int(window or 0), return_probs, None, sum_heads, table_rows,
     )
     return out[:, None], (mass[:, None] if return_probs else None)
+
+
+def accumulates(pool: BlockPool, sums_heads: bool) -> bool:
+    """Whether decode rows' mass can be added into a per-slot state inside the kernel
+    (`paged_attention_cpu(accumulate=)`): the kernel built, a float pool, and the mass
+    summed over the kv heads in the kernel (one kv head, or `sums_heads`)."""
+    return (pool.quant is None and kernel_available()
+            and (sums_heads or pool.k_cache.shape[2] == 1))
 
 
 def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:

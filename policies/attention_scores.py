@@ -70,11 +70,13 @@ class H2OPolicy:
     tokens, plus the top C - window of the older tokens by cumulative score. Deliberate
     difference from kvpress `ObservedAttentionPress` ("related to H2O"): kvpress divides
     each token's summed attention by the number of queries that could see it and
-    averages heads per group; H2O and 003 use the raw sum."""
+    averages heads per group; H2O and 003 use the raw sum. In decode, where the kernel
+    can, it adds each row's mass into `acc` as it writes it (`Needs.accumulate`: issue
+    18's statistics accumulated during attention); the view then carries no mass."""
 
     config: H2OConfig
     name: str = "h2o"
-    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+    needs: Needs = field(default_factory=lambda: Needs(attention=True, accumulate="acc"))
     state: ClassVar[dict[str, float]] = {"acc": 0.0}
     # Added to where the tables keep it (RowsView.in_place): no copy out and back.
     state_in_place: ClassVar[tuple[str, ...]] = ("acc",)
@@ -82,9 +84,10 @@ class H2OPolicy:
     @staticmethod
     def select(policies: list[H2OPolicy], view: RowsView) -> torch.Tensor | None:
         c = policies[0].config
-        assert view.attention is not None
         acc = view.layered("acc")  # [L, R, W]
-        acc += sum_dims(view.attention, (1, 2)).view(acc.shape)  # [N, Tq, Hkv, W] -> [N, W]
+        if not view.accumulated:  # else the decode kernel added this step's mass
+            assert view.attention is not None
+            acc += sum_dims(view.attention, (1, 2)).view(acc.shape)  # [N, Tq, Hkv, W] -> [N, W]
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None

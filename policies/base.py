@@ -40,6 +40,11 @@ class Needs:
     # step costs O(new).
     new_key_norm: bool = False
     new_value_norm: bool = False  # ‖V‖₂ of this step's new tokens only (the same reason)
+    # With `attention`: the per-slot state (a name of the policy's `state`) the step's
+    # mass, summed over heads and queries, is added into. Where the decode kernel can
+    # (kvpool/cpu_attention.py::accumulates) it adds each row as it writes it, and the
+    # view says so (`RowsView.accumulated`); else the policy adds the view's mass itself.
+    accumulate: str | None = None
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: every running request's group key holds its

@@ -57,6 +57,9 @@ class RowsView:
     # summed over the query heads of each kv group (0 on dead slots); Hkv is 1, the sum
     # over every head, unless the policy asked for `Needs.attention_heads`.
     attention: torch.Tensor | None = None
+    # The step's mass was added into the policy's `Needs.accumulate` state during
+    # attention (decode, the kernel's): `attention` is None then.
+    accumulated: bool = False
     key_norm: torch.Tensor | None = None  # [N, W, Hkv] float32 (dead slots: anything)
     value_norm: torch.Tensor | None = None
     keys: torch.Tensor | None = None  # [N, W, Hkv, D] float32, as stored (rotated)

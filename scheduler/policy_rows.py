@@ -166,7 +166,13 @@ def build_view(members: list[Member]) -> RowsView:
         else:
             view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if needs.attention:
-        view.attention = _attention(members, width, needs.attention_heads)
+        # the decode kernel added the step's mass into the state (a step's group is all
+        # or none: one policy, one step size, one kernel)
+        added = [m.attention is not None and m.attention.accumulated for m in members]
+        view.accumulated = all(added)
+        assert view.accumulated or not any(added), "a group partly accumulated"
+        if not view.accumulated:
+            view.attention = _attention(members, width, needs.attention_heads)
     if needs.new_key_norm or needs.new_value_norm:
         _new_norms(view, members, needs)
     if needs.key_diversity:  # from the decode kernel, else the pool's C++ op, else torch

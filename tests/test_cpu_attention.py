@@ -404,3 +404,48 @@ def test_rows_by_index_are_read_in_place(kv_dtype: torch.dtype, monkeypatch) -> 
     with pytest.raises(RuntimeError, match="row"):
         monkeypatch.undo()
         paged_attention_cpu(**whole, window=None, table_rows=torch.tensor([5, 0, 3, 7]))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(4, 2, 8, 4), (8, 2, 32, 16), (4, 1, 32, 16),
+                                                    (8, 4, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mass_added_into_a_state_is_the_policys_add(hq: int, hkv: int, d: int, bs: int,
+                                                    dtype: torch.dtype, threads: int) -> None:
+    """`accumulate`: each sequence's mass row (summed over every head) added into a
+    per-slot state by the kernel is, bit for bit, the state plus the row the kernel
+    returns (H2O's `acc += mass` after the step), rows read in place or as a slice,
+    slots past a row's blocks and invisible slots untouched; the output unchanged and no
+    mass returned. One row per sequence, whatever the threads (no kv-head slices)."""
+    evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
+    for prefixes in ([9, 30, 2, 99, 500], [301]):
+        case = make_case(prefixes, [1] * len(prefixes), evict=evict, extra_blocks=2, hq=hq,
+                         hkv=hkv, d=d, bs=bs, dtype=dtype)
+        b, s = case["table"].shape[0], case["slot_pos"].shape[1]
+        g = torch.Generator().manual_seed(b)
+        start = torch.rand(b + 2, s + 5, generator=g) * 3  # wider, more rows: a slice
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, mass = paged_attention_cpu(**case, return_probs=True, sum_heads=hkv > 1)
+            acc = start.clone()
+            got, none = paged_attention_cpu(**case, sum_heads=hkv > 1,
+                                            accumulate=acc[1 : b + 1, :s])
+            rows = torch.arange(1, b + 1)  # the same rows of "every row", by index
+            whole = {**case, "table": torch.cat([case["table"][:1], case["table"],
+                                                 case["table"][:1]]),
+                     "slot_pos": torch.cat([case["slot_pos"][:1] * 0 - 1, case["slot_pos"],
+                                            case["slot_pos"][:1] * 0 - 1])}
+            acc_rows = start.clone()
+            paged_attention_cpu(**whole, sum_heads=hkv > 1, table_rows=rows,
+                                accumulate=acc_rows[:, :s])
+        finally:
+            torch.set_num_threads(before)
+        assert none is None and torch.equal(got, out)
+        want = start.clone()
+        want[1 : b + 1, :s] += mass[:, 0, 0]
+        assert torch.equal(acc, want) and torch.equal(acc_rows, want)
+        assert torch.equal(acc[:, s:], start[:, s:]) and torch.equal(acc[0], start[0])
+        dead = case["slot_pos"] < 0  # invisible slots: untouched, not + 0.0
+        assert torch.equal(acc[1 : b + 1, :s][dead], start[1 : b + 1, :s][dead])

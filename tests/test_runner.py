@@ -178,3 +178,56 @@ def test_steady_decode_steps_take_their_group_from_the_batch_append(llama, monke
     fast.clear()
     run(default_kv_policy="h2o")
     assert not fast  # h2o asks for the mass every step: the general path
+
+
+def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkeypatch):
+    """H2O's cumulative attention (`Needs.accumulate`): in decode the C++ kernel adds each
+    row's mass into the tables' `acc` as it writes it, and the policy adds nothing; the
+    tables (positions and `acc`) after every step and the tokens are those of the same
+    run with the mass returned and added by the policy (on every slot in use)."""
+    import engine.runner as runner_mod
+    from kvpool import cpu_attention
+
+    if not cpu_attention.kernel_available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    calls = []
+    real = cpu_attention.paged_attention_cpu
+
+    def counting(*args, **kw):
+        calls.append(kw.get("accumulate") is not None)
+        return real(*args, **kw)
+
+    def run(fused: bool):
+        monkeypatch.setattr(runner_mod, "accumulates", lambda pool, summed: fused and (
+            cpu_attention.accumulates(pool, summed)))
+        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu")
+        eng = llm.engine
+        eng.runner.attention_fn = counting  # the same function, counted
+        monkeypatch.setattr(runner_mod, "paged_attention_cpu", counting)
+        g = torch.Generator().manual_seed(2)
+        for i, (n, m) in enumerate(((21, 24), (34, 9), (9, 30))):  # the second ends first
+            eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                            kv_policy={"name": "h2o", "budget": 12, "window": 3})
+        snaps, tokens = [], {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            t = eng.kv.tables
+            snaps.append((t.slot_pos.clone(), t.state["acc"].clone()))
+        assert eng.stats().evicted_tokens_by_policy_total["h2o"] > 0  # it did evict
+        return snaps, tokens
+
+    calls.clear()
+    fused, fused_tokens = run(True)
+    assert any(calls), "the kernel never added the mass"
+    calls.clear()
+    plain, plain_tokens = run(False)
+    assert not any(calls)
+    assert fused_tokens == plain_tokens
+    assert len(fused) == len(plain)
+    for (pos_a, acc_a), (pos_b, acc_b) in zip(fused, plain):
+        # (a request's last step adds into its row before it finishes and lets the row
+        # go: what a released row holds is never read again)
+        live = pos_a >= 0
+        assert torch.equal(pos_a, pos_b) and torch.equal(acc_a[live], acc_b[live])

@@ -120,6 +120,12 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   // step), else b.
   const int64_t* rows = nullptr;
   int64_t row(int64_t b) const { return rows == nullptr ? b : rows[b]; }
+  // A per-slot running sum each sequence's mass row is added into once written (H2O's
+  // cumulative attention, `acc` of paged_decode; the row summed over every head, as
+  // `mass_sum` writes it): sequence b's slot j at acc[row(b) * acc0 + j], one rounded
+  // add, the bits of the policy adding the returned row itself after the step.
+  float* acc = nullptr;
+  int64_t acc0 = 0;
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -196,6 +202,11 @@ void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t 
         s += p[g * stride + i] * (norm ? norm[g] : 1.f);
       mrow[logical[i]] = s;
     }
+  }
+  if (a.acc != nullptr) {  // the row just written, added into the running sum
+    const float* mrow = a.mass + b * a.ms0;
+    float* arow = a.acc + a.row(b) * a.acc0;
+    for (int64_t i = 0; i < n; ++i) add_to(arow + logical[i], mrow[logical[i]]);
   }
 }
 
@@ -636,8 +647,9 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
   Batch<TKV> a = batch;
   a.stream = 2 * a.B * a.S * a.row_len * static_cast<int64_t>(sizeof(TKV)) > kStreamBytes;
   const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, D = a.D, S = a.S;
-  // (Not with `mass_sum`: a slice would write its heads' part of the one mass row.)
-  const int64_t slices = B == 0 || a.mass_sum ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
+  // (Not with `mass_sum` or `acc`: a slice would write its heads' part of one row.)
+  const int64_t slices = B == 0 || a.mass_sum || a.acc != nullptr
+      ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
   const int64_t scales = a.ks == nullptr ? 0 : Hkv * (S + 16);
   std::vector<Batch<TKV>> parts;
   for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
@@ -663,7 +675,8 @@ template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
-            const bool* kd_rows, bool mass_sum, const int64_t* rows) {
+            const bool* kd_rows, bool mass_sum, const int64_t* rows, float* acc = nullptr,
+            int64_t acc0 = 0) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
@@ -678,6 +691,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   a.kd0 = NB * bs;
   a.mass_sum = mass_sum;
   if (mass_sum) a.ms0 = NB * bs;
+  a.acc = acc;
+  a.acc0 = acc0;
   SeqFn<TKV> seq = vector_seq(a);
   run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
@@ -713,7 +728,8 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
                                      double scale, int64_t window, bool return_probs,
                                      const std::optional<at::Tensor>& key_diversity,
-                                     bool sum_heads, const std::optional<at::Tensor>& rows) {
+                                     bool sum_heads, const std::optional<at::Tensor>& rows,
+                                     const std::optional<at::Tensor>& acc) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -748,9 +764,23 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                           : at::empty({0}, q.options().dtype(at::kFloat));
   float* kp = want_kd ? kd.data_ptr<float>() : nullptr;
   const bool* kr = want_kd ? kd_rows.data_ptr<bool>() : nullptr;
+  // acc: [Rt, >= NB*bs] float32, a row per table row, slots contiguous: each sequence's
+  // mass row (summed over every head) is added into its row as the kernel writes it
+  float* ap = nullptr;
+  int64_t a0 = 0;
+  if (acc.has_value()) {
+    TORCH_CHECK(return_probs && (sum_heads || k_cache.size(2) == 1),
+                "acc adds the mass summed over every head: return_probs and sum_heads");
+    TORCH_CHECK(acc->scalar_type() == at::kFloat && acc->dim() == 2 && acc->stride(1) == 1 &&
+                    acc->size(0) == t.size(0) && acc->size(1) >= p.size(1),
+                "acc must be [rows, >= NB*bs] float32 with contiguous slots, a row per table row");
+    ap = acc->data_ptr<float>();
+    a0 = acc->stride(0);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
-                                                         window, out, mp, kp, kr, sum_heads, rp); });
+                                                         window, out, mp, kp, kr, sum_heads, rp,
+                                                         ap, a0); });
   return {out, mass, kd};
 }
 
@@ -893,7 +923,7 @@ std::vector<at::Tensor> paged_decode_quant(
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
         "Tensor q_pos, float scale, int window, bool return_probs, Tensor? key_diversity=None, "
-        "bool sum_heads=False, Tensor? rows=None) -> Tensor[]");
+        "bool sum_heads=False, Tensor? rows=None, Tensor(a!)? acc=None) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
