@@ -130,7 +130,9 @@ def accumulates(pool: BlockPool, sums_heads: bool) -> bool:
     (`paged_attention_cpu(accumulate=)`): the kernel built, a float pool, and the mass
     summed over the kv heads in the kernel (one kv head, or `sums_heads`)."""
     return (pool.quant is None and kernel_available()
-            and (sums_heads or pool.k_cache.shape[2] == 1))
+            and (sums_heads or pool.k_cache.shape[2] == 1)
+            # a library built from an older source (a shared TORCH_EXTENSIONS_DIR) has none
+            and any(a.name == "acc" for a in torch.ops.kvserve.paged_decode.default._schema.arguments))
 
 
 def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:

@@ -281,7 +281,7 @@ def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
             packs.setdefault(tuple(layers[i]), []).append(i)
     for which_layers, which in packs.items():
         freed = compaction.compact(first.tables, first.pool, [caches[i] for i in which],
-                        list(which_layers))
+                                   list(which_layers))
         for i, f in zip(which, freed):
             done[i] = (done[i][0], done[i][1] + f)
     for i in asked:  # after the packing, as one request at a time did it
