@@ -143,13 +143,13 @@ class ModelRunner:
         self._fuse_kd: bool | None = None
         # CUDA graphs for decode steps (engine/cuda_graphs.py), set by the engine on CUDA.
         self.graphs: DecodeGraphs | None = None
-        # Whether the decode kernel adds mass into a state, with the kv heads summed in
-        # the kernel and without (`accumulates`); decided on the first step that asks.
-        self._adds: tuple[bool, bool] | None = None
+        # Whether the decode kernel adds mass into a state (`accumulates`); decided on
+        # the first step that asks.
+        self._adds: bool | None = None
 
     def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None) -> StepOutput:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
-        order): their slots, rows and positions."""
+        order): their slots and rows."""
         if self.graphs is not None and decode is not None:
             logits = self.graphs.run(inputs, decode.slots)
             if logits is not None:  # the step was a graph's; else it runs eagerly here
@@ -290,9 +290,10 @@ class ModelRunner:
             if i not in fresh:
                 decode = len(s.token_ids) == 1
                 summed = s.wants_attention and not s.attention_heads and sums_heads
+                # the kernel adds the mass summed over every head (in the kernel, or one)
                 adds = (decode and s.accumulate is not None and not s.wants_key_diversity
-                        and kernel and s.accumulate in s.cache.tables.state
-                        and self._accumulates(summed))
+                        and kernel and (summed or self.config.num_kv_heads == 1)
+                        and s.accumulate in s.cache.tables.state and self._accumulates())
                 buckets.setdefault((decode, s.wants_attention and not adds, summed, adds),
                                    []).append(i)
         fuse_kd = kernel and any(s.wants_key_diversity for s in inputs) and self._fuses_kd()
@@ -304,10 +305,10 @@ class ModelRunner:
             for part in (split_by_length(m, inputs) if pads or not decode else [m])
         ]
 
-    def _accumulates(self, summed: bool) -> bool:
+    def _accumulates(self) -> bool:
         if self._adds is None:
-            self._adds = accumulates(self.pool, True), accumulates(self.pool, False)
-        return self._adds[0] if summed else self._adds[1]
+            self._adds = accumulates(self.pool)
+        return self._adds
 
     def _fuses_kd(self) -> bool:
         if self._fuse_kd is None:

@@ -88,6 +88,7 @@ def compact(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
         freed.append(sum(size) - sum(nb))
     return freed
 
+
 def _compact_native(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
                     layers: list[int] | None) -> list[int] | None:
     """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state,

@@ -125,12 +125,11 @@ def paged_attention_cpu(
     return out[:, None], (mass[:, None] if return_probs else None)
 
 
-def accumulates(pool: BlockPool, sums_heads: bool) -> bool:
+def accumulates(pool: BlockPool) -> bool:
     """Whether decode rows' mass can be added into a per-slot state inside the kernel
-    (`paged_attention_cpu(accumulate=)`): the kernel built, a float pool, and the mass
-    summed over the kv heads in the kernel (one kv head, or `sums_heads`)."""
+    (`paged_attention_cpu(accumulate=)`, which also needs the mass summed over the kv
+    heads there): the kernel built, with the argument, and a float pool."""
     return (pool.quant is None and kernel_available()
-            and (sums_heads or pool.k_cache.shape[2] == 1)
             # a library built from an older source (a shared TORCH_EXTENSIONS_DIR) has none
             and any(a.name == "acc" for a in torch.ops.kvserve.paged_decode.default._schema.arguments))
 

@@ -34,13 +34,12 @@ class DecodeBatch:
     """A step's decode tokens, appended in one batch (`KVCacheManager.append_decode`):
     where they go and what their attention reads. Why it travels with the plan: in the
     steady state (every input one decode token wanting its logits alone) the runner
-    builds the step's attention from these lists and the tables alone
+    builds the step's attention from these rows and the tables alone
     (`engine.attention_groups.decode_batch_group`), touching no request or cache: that
     was a pass per request of cold Python objects after the previous forward."""
 
     slots: torch.Tensor  # [L, D] physical slots to write K/V to, in chunk order
     rows: list[int]  # the caches' rows of `tables`, in the same order
-    positions: list[int]  # each token's position (RoPE, and what its query sees)
     blocks: int  # the most blocks any of them holds in a layer (after the append)
     tables: SlotTables
 
@@ -128,7 +127,7 @@ class KVCacheManager:
         """Every decoding cache's next slot in one batch (`rows`: the caches' rows, their
         tokens at `positions`). The caller has checked that the pool holds the blocks."""
         slots, blocks = self.tables.append_decode(self.pool, rows, positions)
-        return DecodeBatch(slots, rows, positions, blocks, self.tables)
+        return DecodeBatch(slots, rows, blocks, self.tables)
 
     def release(self, cache: SeqCache) -> None:
         """Give back everything a cache holds (device blocks, or swap space)."""

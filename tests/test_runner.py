@@ -198,8 +198,8 @@ def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkey
         return real(*args, **kw)
 
     def run(fused: bool):
-        monkeypatch.setattr(runner_mod, "accumulates", lambda pool, summed: fused and (
-            cpu_attention.accumulates(pool, summed)))
+        monkeypatch.setattr(runner_mod, "accumulates",
+                            lambda pool: fused and cpu_attention.accumulates(pool))
         llm = LLM(llama, num_blocks=256, block_size=4, device="cpu")
         eng = llm.engine
         eng.runner.attention_fn = counting  # the same function, counted
