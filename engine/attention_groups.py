@@ -47,6 +47,19 @@ class AttentionGroup:
     # [L, B or every row, >= NB*bs] float32, rows as `tables`': the per-slot state the
     # decode kernel adds the members' mass into (`SeqInput.accumulate` names it), or None.
     accumulate: torch.Tensor | None = None
+    ring: RingTarget | None = None  # the window ring the kernel writes the mass into
+
+
+@dataclass(slots=True)
+class RingTarget:
+    """A decode group's window ring (`SeqInput.ring`) as the kernel takes it
+    (`paged_attention_cpu(ring=)`): the tables' state in storage order, rows as the
+    group's `tables`, and each member's column."""
+
+    values: torch.Tensor  # [L, B or every row, α, >= NB*bs] float32, slots contiguous
+    total: torch.Tensor  # [L, B or every row, 3, >= NB*bs] float32, its exact total
+    cols: torch.Tensor  # [B] int64: member b's query index mod α
+    shift: int  # the total's fixed-point bits
 
 
 def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
@@ -56,7 +69,7 @@ def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
     """`in_place`: a decode group's attention reads rows by index (the C++ kernel), so
     rows that are not consecutive are not gathered (`SlotTables.rows_of(whole=True)`).
     `accumulate` (a decode group read in place): the members' mass goes into their
-    `SeqInput.accumulate` state, handed as the same rows as the tables."""
+    `SeqInput.accumulate` state or `ring`, handed as the same rows as the tables."""
     seqs = [inputs[i] for i in members]
     tables = seqs[0].cache.tables
     assert all(s.cache.tables is tables for s in seqs), "one step reads one SlotTables"
@@ -70,22 +83,40 @@ def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
         q_index = int64_tensor([offsets[i] for i in members])[:, None]
         q_pos = int64_tensor([s.start_pos for s in seqs])[:, None]
         valid = torch.ones_like(q_index, dtype=torch.bool)
-        acc = None
+        acc = ring = None
         if accumulate:  # read after rows_of, which may have grown the tables
-            name = seqs[0].accumulate
-            assert in_place and name is not None and all(s.accumulate == name for s in seqs)
-            state, width = tables.state[name], slot_pos.shape[-1]
+            assert in_place
+            width = slot_pos.shape[-1]
             # the tables' rows as handed: every row (with `rows`), else a consecutive slice
-            acc = (state.narrow(2, 0, width) if rows is not None
-                   else rows_slice(state, [s.cache.row for s in seqs], width))
+            at = [s.cache.row for s in seqs] if rows is None else None
+            if seqs[0].ring is not None:
+                name, total, shift, _ = seqs[0].ring
+                assert all(s.ring is not None and s.ring[0] == name for s in seqs)
+                values = _storage_rows(tables.state[name], at, width)
+                ring = RingTarget(values, _storage_rows(tables.state[total], at, width),
+                                  int64_tensor([s.ring[3] % values.shape[2] for s in seqs]),  # type: ignore[index]
+                                  shift)
+            else:
+                name = seqs[0].accumulate
+                assert name is not None and all(s.accumulate == name for s in seqs)
+                state = tables.state[name]
+                acc = state.narrow(2, 0, width) if at is None else rows_slice(state, at, width)
         return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, want_kd,
-                              sum_heads, table_rows=rows, accumulate=acc)
+                              sum_heads, table_rows=rows, accumulate=acc, ring=ring)
     ar = torch.arange(tq)
     valid = ar[None, :] < torch.tensor(lens)[:, None]
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
     starts = torch.tensor([s.start_pos for s in seqs])[:, None]
     q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
     return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, None)
+
+
+def _storage_rows(state: torch.Tensor, rows: list[int] | None, width: int) -> torch.Tensor:
+    """A state stored by columns ([L, R, S, k] over [L, R, k, S] memory) as that memory,
+    [L, ., k, width]: every row (None), or the consecutive `rows` as `rows_of` hands
+    them (a view either way)."""
+    t = state.transpose(2, 3).narrow(3, 0, width)
+    return t if rows is None else t.narrow(1, rows[0], len(rows))
 
 
 def decode_batch_group(decode: DecodeBatch, q_pos: torch.Tensor, in_place: bool

@@ -85,6 +85,11 @@ class SeqInput:
     # state exists, has its row added there during attention and gets no mass back
     # (`AttentionMass.accumulated`); anywhere else the mass is returned as usual.
     accumulate: str | None = None
+    # With wants_attention: the window ring this decode token's mass is written into
+    # (`Needs.ring`: ring state, its total's state, fixed-point bits) and the token's
+    # index in its sequence (its column is that mod the ring's size); on the kernel, as
+    # `accumulate`, the mass is not returned.
+    ring: tuple[str, str, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -104,7 +109,7 @@ class AttentionMass:
     row: int
     num_tokens: int  # the input's queries (the first Tq of its row)
     key_diversity: torch.Tensor | None = None
-    # The step's mass went into the input's `accumulate` state (`group` is None).
+    # The step's mass went into the input's `accumulate` state or `ring` (`group` is None).
     accumulated: bool = False
     # `wants_norms`: the step's tokens' ‖K‖ and ‖V‖ per kv head as stored, [L, T, Hkv]
     # float32 on the host (every input's, packed token axis), and where this input's
@@ -227,6 +232,9 @@ class ModelRunner:
                     kw["table_rows"] = g.table_rows
                 if g.accumulate is not None:  # the mass into the state, none back
                     kw["accumulate"] = g.accumulate[layer]
+                if g.ring is not None:  # the mass as the ring's column, none back
+                    kw.update(ring=g.ring.values[layer], ring_total=g.ring.total[layer],
+                              ring_cols=g.ring.cols, ring_shift=g.ring.shift)
                 if g.want_kd is not None:
                     o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw,
                                                rows=g.want_kd)
@@ -262,7 +270,7 @@ class ModelRunner:
                         attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids),
                                                      kd if inputs[i].wants_key_diversity else None)
             for g in groups:  # their mass went into their state during attention
-                if g.accumulate is not None:
+                if g.accumulate is not None or g.ring is not None:
                     for row, i in enumerate(g.members):
                         attention[i] = AttentionMass(None, row, 1, accumulated=True)
             if norms is not None:  # [L, T, Hkv] each, one stack and one copy
@@ -284,24 +292,26 @@ class ModelRunner:
         # The decode kernel sums the mass over kv heads for policies that read no head
         # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
         sums_heads = kernel and 1 < self.config.num_kv_heads <= 4
-        # (decode, returns the mass, summed over kv heads, adds it into a state) -> members
-        buckets: dict[tuple[bool, bool, bool, bool], list[int]] = {}
+        # (decode, returns the mass, summed over kv heads, the state the kernel puts it
+        # into: "" none) -> members
+        buckets: dict[tuple[bool, bool, bool, str], list[int]] = {}
         for i, s in enumerate(inputs):
             if i not in fresh:
                 decode = len(s.token_ids) == 1
                 summed = s.wants_attention and not s.attention_heads and sums_heads
-                # the kernel adds the mass summed over every head (in the kernel, or one)
-                adds = (decode and s.accumulate is not None and not s.wants_key_diversity
-                        and kernel and (summed or self.config.num_kv_heads == 1)
-                        and s.accumulate in s.cache.tables.state and self._accumulates())
-                buckets.setdefault((decode, s.wants_attention and not adds, summed, adds),
+                into = ""  # the kernel adds or writes the mass summed over every head
+                if (decode and (s.accumulate or s.ring) and not s.wants_key_diversity and kernel
+                        and (summed or self.config.num_kv_heads == 1) and self._accumulates()):
+                    name = s.accumulate or s.ring[0]  # type: ignore[index]
+                    into = name if name in s.cache.tables.state else ""
+                buckets.setdefault((decode, s.wants_attention and not into, summed, into),
                                    []).append(i)
         fuse_kd = kernel and any(s.wants_key_diversity for s in inputs) and self._fuses_kd()
         return [
             build_group(part, inputs, offsets, want,
                         kd_rows(part, inputs) if decode and fuse_kd else None, summed, kernel,
-                        adds)
-            for (decode, want, summed, adds), m in sorted(buckets.items())
+                        bool(into))
+            for (decode, want, summed, into), m in sorted(buckets.items())
             for part in (split_by_length(m, inputs) if pads or not decode else [m])
         ]
 

@@ -49,7 +49,9 @@ from kvpool.pool import BlockPool
 from kvpool.quant import QuantCache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# window_ring.h: pyramid's ring arithmetic, which the policy's own op shares
+_POLICY_CSRC = Path(__file__).parent.parent / "policies" / "csrc"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-I{_POLICY_CSRC}"]
 log = logging.getLogger(__name__)
 _stale_warned = False
 
@@ -87,6 +89,10 @@ def paged_attention_cpu(
     sum_heads: bool = False,
     table_rows: torch.Tensor | None = None,
     accumulate: torch.Tensor | None = None,
+    ring: torch.Tensor | None = None,
+    ring_total: torch.Tensor | None = None,
+    ring_cols: torch.Tensor | None = None,
+    ring_shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel.
 
@@ -98,13 +104,19 @@ def paged_attention_cpu(
     rows that are not consecutive, `SlotTables.rows_of`); the torch path gathers them.
     `accumulate` [R, >= NB*bs] float32 (rows as `table`'s): the kernel adds each decode
     row's mass, summed over every head, into it as it writes it, and returns no mass
-    (H2O's cumulative attention, `Needs.accumulate`); decode rows on the kernel, a float
-    pool and the mass summed over the heads only (`accumulates`)."""
-    if accumulate is not None:
+    (H2O's cumulative attention, `Needs.accumulate`). `ring` [R, α, >= NB*bs] and
+    `ring_total` [R, 3, >= NB*bs] float32 (a state stored by columns, rows as `table`'s)
+    and `ring_cols` [B] int64: the kernel writes each decode row's mass, summed over
+    every head, as column ring_cols[b] of its ring and keeps the ring's exact total
+    (pyramid's observation window, `Needs.ring`; policies/csrc/window_ring.h), and
+    returns no mass. Both on the kernel only, a float pool and the mass summed over
+    the heads (`accumulates`)."""
+    if accumulate is not None or ring is not None:
         assert q.shape[1] == 1 and quant is None and (sum_heads or k_cache.shape[2] == 1)
         out, _, _ = torch.ops.kvserve.paged_decode(
             q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
-            int(window or 0), True, None, sum_heads, table_rows, accumulate)
+            int(window or 0), True, None, sum_heads, table_rows, accumulate, ring, ring_total,
+            ring_cols, ring_shift)
         return out[:, None], None
     if q.shape[1] != 1 or not kernel_available():
         if table_rows is not None:
@@ -126,12 +138,12 @@ def paged_attention_cpu(
 
 
 def accumulates(pool: BlockPool) -> bool:
-    """Whether decode rows' mass can be added into a per-slot state inside the kernel
-    (`paged_attention_cpu(accumulate=)`, which also needs the mass summed over the kv
-    heads there): the kernel built, with the argument, and a float pool."""
+    """Whether decode rows' mass can go into a per-slot state inside the kernel
+    (`paged_attention_cpu(accumulate=, ring=)`, which also need the mass summed over the
+    kv heads there): the kernel built, with the arguments, and a float pool."""
     return (pool.quant is None and kernel_available()
             # a library built from an older source (a shared TORCH_EXTENSIONS_DIR) has none
-            and any(a.name == "acc" for a in torch.ops.kvserve.paged_decode.default._schema.arguments))
+            and any(a.name == "ring" for a in torch.ops.kvserve.paged_decode.default._schema.arguments))
 
 
 def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:

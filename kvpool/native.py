@@ -10,6 +10,7 @@ its torch path: a CPU install never fails over a native op.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
@@ -33,8 +34,21 @@ def load_ops(name: str, source: Path, cflags: list[str], ldflags: list[str] | No
         return _loaded[name]
     with _lock:
         if name not in _loaded:
-            _loaded[name] = build(name, source, cflags, ldflags or [])
+            _loaded[name] = build(name, source, [*cflags, headers_flag(source, cflags)],
+                                  ldflags or [])
         return _loaded[name]
+
+
+def headers_flag(source: Path, cflags: list[str]) -> str:
+    """A define naming the contents of the headers the source can include (its folder's
+    and every `-I` folder's `*.h`). Why: torch rebuilds a cached library when its source
+    or its flags change, and hashes no header, so an edited header (one shared by two
+    libraries, such as policies/csrc/window_ring.h) would leave a stale build in use."""
+    folders = [source.parent, *(Path(f[2:]) for f in cflags if f.startswith("-I"))]
+    digest = hashlib.sha256()
+    for header in sorted(h for folder in folders for h in folder.glob("*.h")):
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return f"-DKVSERVE_HEADERS_{digest.hexdigest()[:16]}"
 
 
 def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> bool:

@@ -27,7 +27,7 @@ from policies.base import (
     Needs,
     StepView,
     chunked_envelope,
-    head_mean,
+    head_parts,
     prompt_budget,
     sum_dims,
 )
@@ -125,8 +125,9 @@ class TOVAPolicy:
         keep = view.budgets(c.budget, from_prompt=True)
         if view.within(keep):
             return None
-        scores = head_mean(view.attention[:, -1:])[:, 0]
-        return keep_highest(view, scores, keep, last=1)
+        # head_mean's quotient, divided as the selection reads each row
+        per, total = head_parts(view.attention[:, -1:])
+        return keep_highest(view, per[:, 0], keep, last=1, divisor=total[:, 0])
 
     def idle(self, view: StepView) -> bool:
         """TOVA keeps no state: nothing to do while every layer is within the budget

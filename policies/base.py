@@ -45,6 +45,12 @@ class Needs:
     # (kvpool/cpu_attention.py::accumulates) it adds each row as it writes it, and the
     # view says so (`RowsView.accumulated`); else the policy adds the view's mass itself.
     accumulate: str | None = None
+    # With `attention`: a window ring, (state, its total's state, fixed-point bits), that
+    # each decode query's mass, summed over heads, is written into as its column (query
+    # index mod α; pyramid's observation window, policies/pyramid.py::_shift_window).
+    # Where the decode kernel can, it writes the column and the total as it writes the
+    # mass (policies/csrc/window_ring.h: the same bits), and the view says so.
+    ring: tuple[str, str, int] | None = None
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: every running request's group key holds its

@@ -123,7 +123,7 @@ class PyramidPolicy:
 
     config: PyramidConfig
     name: str = "pyramid"
-    needs: Needs = field(default_factory=lambda: Needs(attention=True))
+    needs: Needs = field(init=False)
     # Per-slot state (name -> (a new slot's value, values per slot)): the window's
     # queries, a ring, and their total (`_shift_window`). Per policy rather than per
     # class: the ring's size is the config's.
@@ -140,6 +140,8 @@ class PyramidPolicy:
         # Updated where the tables keep them (RowsView.in_place), stored by columns
         # (SlotTables.declare_state): a decode step writes one ring column per slot.
         self.state_in_place = self.state_columns = (ring, total)
+        # in decode the kernel writes each query's column and the total (`Needs.ring`)
+        self.needs = Needs(attention=True, ring=(ring, total, _shift(a)))
 
     def budgets(self, seq_len: int, num_layers: int) -> list[int]:
         c = self.config
@@ -149,7 +151,6 @@ class PyramidPolicy:
     def select(policies: list[PyramidPolicy], view: RowsView) -> torch.Tensor | None:
         p = policies[0]
         c = p.config
-        assert view.attention is not None
         keep, edges = [], []  # per request, per layer
         nl = view.num_layers
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
@@ -167,7 +168,8 @@ class PyramidPolicy:
                 and view.slot_pos.device.type == "cpu":  # the window and the plan, one op
             drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
             return PyramidPolicy._shift_window(p, view, drop, edges)
-        PyramidPolicy._shift_window(p, view)
+        if not view.accumulated:  # else the decode kernel wrote the window (`Needs.ring`)
+            PyramidPolicy._shift_window(p, view)
         if within:
             return None
         scores = _torch_sums(p, view)
@@ -202,8 +204,9 @@ class PyramidPolicy:
         only the candidates at or below that mark (a few per row in decode) are summed,
         by torch, and the d lowest of those per row drop, ties toward the later slot as
         in `drop_lowest`. The update and the plan are one op: after the forward each
-        distinct op of a policy step starts cold, and this was five."""
-        assert view.attention is not None
+        distinct op of a policy step starts cold, and this was five. In decode the
+        kernel does the update instead, as it writes the mass (`Needs.ring`,
+        `view.accumulated`), and only the plan is left here."""
         a = p.config.obs_window
         k = view.num_new
         (ring_name,), (total_name,) = p.state, p.derived_state
@@ -212,9 +215,10 @@ class PyramidPolicy:
         # past prompt_len - α (every decode query; the last prompt chunk or two).
         firsts = [max(0, pl - a - (s - k)) for s, pl in zip(view.seq_len, view.prompt_len)]
         cols: list[int] = []  # row by row, query q's column q mod α (distinct per row)
-        if min(firsts) >= k:  # no window query yet in any row: the state stays 0
-            new = torch.zeros(n, 0, w)
+        if view.accumulated or min(firsts) >= k:  # written by the kernel, or no window
+            new = torch.zeros(n, 0, w)  # query yet in any row (the state stays 0)
         else:
+            assert view.attention is not None
             kk = min(k, a)  # only the last α queries can stay in the window
             att = view.attention[:, k - kk:]
             new = att[:, :, 0] if att.shape[2] == 1 else att.sum(dim=2)  # [N, kk, W]

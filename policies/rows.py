@@ -216,7 +216,8 @@ NATIVE: dict[str, bool] = {"select": False, "state": False}
 
 
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
-                first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
+                first: list[int] | int = 0, last: list[int] | int = 0,
+                divisor: torch.Tensor | None = None) -> torch.Tensor:
     """The policies' one selection: the [N, W] bool mask of the drop[i] lowest-scoring
     candidates of each row (`scores` [N, W], or a state as `RowsView.layered` gives it,
     [L, R, W], which the C++ op reads in place), a candidate being a live slot
@@ -232,7 +233,11 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
     decode drops a token or a few per row, so a top-k finds each row's drop[i]-th lowest
     value t, then every candidate < t and of those == t the last ones; a NaN among the
     lowest (sort and top-k may order NaN differently), a threshold at the mask's +inf
-    (NaN candidates to drop) or a large drop takes the sort."""
+    (NaN candidates to drop) or a large drop takes the sort.
+
+    `divisor` [N] float32: rank row i's scores / divisor[i] (TOVA's head mean: a mass
+    over the row's total), the quotients as torch divides, which can tie values the
+    scores do not; the C++ op divides as it reads a row instead of a pass of its own."""
     w = positions.shape[-1]
     n = math.prod(positions.shape[:-1])
     dmax = max(drop, default=0)
@@ -244,9 +249,11 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                         *(last if isinstance(last, list) else [last] * n),
                         *drop]).view(3, n)
         return torch.ops.kvserve_policies.select_drop(
-            scores.float(), positions, counts[0], counts[1], counts[2])
+            scores.float(), positions, counts[0], counts[1], counts[2], divisor)
     positions = positions.reshape(n, w)  # [L, R, W] -> [N, W] (a copy)
     scores = scores.reshape(n, w)  # [L, R, W] state -> [N, W] (a copy)
+    if divisor is not None:
+        scores = scores / divisor[:, None]
     live = positions if positions.dtype == torch.bool else positions >= 0
     cand = live
     if first != 0:
@@ -290,10 +297,11 @@ def drop_earliest(view: RowsView, drop: list[int], first: int = 0) -> torch.Tens
 
 
 def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
-                 first: list[int] | int = 0, last: list[int] | int = 0) -> torch.Tensor:
+                 first: list[int] | int = 0, last: list[int] | int = 0,
+                 divisor: torch.Tensor | None = None) -> torch.Tensor:
     """The drop mask that leaves keep[i] live tokens in row i: its first `first` and
     last `last` live ones (together at most keep[i]) and the highest `scores` ([N, W],
-    or [L, R, W] as `drop_lowest` takes it) among the rest. Rows already within keep[i]
-    drop nothing."""
+    or [L, R, W] as `drop_lowest` takes it; over `divisor` as it says) among the rest.
+    Rows already within keep[i] drop nothing."""
     return drop_lowest(view.live_or_positions, scores,
-                       [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last)
+                       [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last, divisor)

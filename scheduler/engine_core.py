@@ -292,7 +292,9 @@ class EngineCore:
                     tokens, c.start - r.pos_offset, c.slots, cache, sampled, needs.attention,
                     _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
                     needs.key_diversity and self.policies.acts(r, c), needs.attention_heads,
-                    needs.new_key_norm or needs.new_value_norm, needs.accumulate))
+                    needs.new_key_norm or needs.new_value_norm, needs.accumulate,
+                    # a decode token (the window holds every query after the prompt)
+                    None if needs.ring is None or not r.prefill_done else (*needs.ring, c.start)))
             # Counted as computed now (nothing before the advance reads it): a step that
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += c.num_tokens

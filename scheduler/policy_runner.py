@@ -62,7 +62,7 @@ class PolicyRunner:
         changes between steps (issue 18: per-request bookkeeping was a third of a cheap
         policy's step): a request's group key is rebuilt only when its step size or its
         policy's `needs` changes, and time and counters are added once per group."""
-        groups: dict[tuple, list[tuple[Request, Member]]] = {}
+        groups: dict[tuple[int, bool], list[tuple[Request, Member]]] = {}
         idle_s: dict[str, float] = {}
         for i, c in enumerate(chunks):
             r = c.request
@@ -81,8 +81,9 @@ class PolicyRunner:
                 name = r.policy_name
                 idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
                 continue
+            mass = attention.get(i)
             m = Member(cache, policy, r.num_computed, len(r.prompt_ids), c.num_tokens,
-                       first_full, attention.get(i), self.rotate if r.rope_shift else None,
+                       first_full, mass, self.rotate if r.rope_shift else None,
                        getattr(r.kv_policy, "compact", False), live)
             key = r.policy_group
             if key is None or key[2] != c.num_tokens or key[3] is not policy.needs:  # type: ignore[attr-defined]
@@ -92,7 +93,9 @@ class PolicyRunner:
                 if len(self._keys) > 4096:  # prefill chunk sizes vary: keep it bounded
                     self._keys.clear()
                 key = r.policy_group = self._keys.setdefault(key, key)
-            groups.setdefault(id(key) if self.batch else id(r), []).append((r, m))
+            # apart: members whose statistics the kernel kept (a group is all or none)
+            into = mass is not None and mass.accumulated
+            groups.setdefault((id(key), into) if self.batch else (id(r), into), []).append((r, m))
         for name, sec in idle_s.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + sec
         for members in groups.values():

@@ -449,3 +449,68 @@ def test_mass_added_into_a_state_is_the_policys_add(hq: int, hkv: int, d: int, b
         assert torch.equal(acc[:, s:], start[:, s:]) and torch.equal(acc[0], start[0])
         dead = case["slot_pos"] < 0  # invisible slots: untouched, not + 0.0
         assert torch.equal(acc[1 : b + 1, :s][dead], start[1 : b + 1, :s][dead])
+
+
+@needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(4, 2, 8, 4), (4, 1, 32, 16), (8, 4, 32, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_mass_written_into_a_window_ring_is_the_policys_update(
+        hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype, threads: int) -> None:
+    """`ring`: each sequence's mass row (summed over every head), written by the kernel
+    as its column of a window ring stored by columns, with the ring's fixed-point total,
+    is bit for bit pyramid's own update of the same state with the returned row
+    (`_window_ring`, the torch form of its op; `window_ring.h` both), on every visible
+    slot, rows read in place or as a slice; other columns, other rows and invisible
+    slots untouched; the output unchanged and no mass returned."""
+    from policies.pyramid import _fixed, _shift, _split, _window_ring
+
+    alpha = 8
+    shift = _shift(alpha)
+    evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
+    for prefixes in ([9, 30, 2, 99, 500], [301]):
+        case = make_case(prefixes, [1] * len(prefixes), evict=evict, extra_blocks=2, hq=hq,
+                         hkv=hkv, d=d, bs=bs, dtype=dtype)
+        b, s = case["table"].shape[0], case["slot_pos"].shape[1]
+        g = torch.Generator().manual_seed(b)
+        # a ring of earlier queries' mass, stored by columns as the tables keep it, and
+        # its exact total; two rows and five slots more than the call reads (a slice)
+        start = (torch.rand(b + 2, alpha, s + 5, generator=g) / 4).transpose(1, 2)  # [R, S, α]
+        start_total = _split(_fixed(start, shift).sum(dim=2))  # [R, S, 3]
+        cols = torch.randint(0, alpha, (b,), generator=g)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out, mass = paged_attention_cpu(**case, return_probs=True, sum_heads=hkv > 1)
+
+            def by_columns(x: torch.Tensor) -> torch.Tensor:  # [R, S, k] as stored: [R, k, S]
+                return x.transpose(1, 2).clone(memory_format=torch.contiguous_format).transpose(1, 2)
+
+            ring, total = by_columns(start), by_columns(start_total)
+            got, none = paged_attention_cpu(
+                **case, sum_heads=hkv > 1, ring=ring.transpose(1, 2)[1 : b + 1, :, :s],
+                ring_total=total.transpose(1, 2)[1 : b + 1, :, :s], ring_cols=cols,
+                ring_shift=shift)
+            rows = torch.arange(1, b + 1)  # the same rows of "every row", by index
+            whole = {**case, "table": torch.cat([case["table"][:1], case["table"],
+                                                 case["table"][:1]]),
+                     "slot_pos": torch.cat([case["slot_pos"][:1] * 0 - 1, case["slot_pos"],
+                                            case["slot_pos"][:1] * 0 - 1])}
+            ring_rows, total_rows = by_columns(start), by_columns(start_total)
+            paged_attention_cpu(**whole, sum_heads=hkv > 1, table_rows=rows,
+                                ring=ring_rows.transpose(1, 2)[:, :, :s],
+                                ring_total=total_rows.transpose(1, 2)[:, :, :s],
+                                ring_cols=cols, ring_shift=shift)
+        finally:
+            torch.set_num_threads(before)
+        assert none is None and torch.equal(got, out)
+        want, want_total = start.clone(), start_total.clone()
+        _window_ring(want[None, 1 : b + 1, :s], want_total[None, 1 : b + 1, :s],
+                     mass[:, 0, 0][:, None], cols[:, None], shift)  # [1, R, W, α]
+        live = torch.zeros(b + 2, s + 5, dtype=torch.bool)
+        live[1 : b + 1, :s] = case["slot_pos"] >= 0  # visible: every live slot here
+        for r, t in ((ring, total), (ring_rows, total_rows)):
+            assert torch.equal(r[live], want[live]) and torch.equal(t[live], want_total[live])
+            assert torch.equal(r[~live], start[~live]) and torch.equal(t[~live], start_total[~live])
+        assert (mass[:, 0, 0] > 0).any()  # the ring did change
+        assert not torch.equal(ring, start)

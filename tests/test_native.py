@@ -1,5 +1,5 @@
 """Building the C++ ops (kvpool/native.py): a lock left by a killed build is cleared,
-and loaders in several processes take turns."""
+loaders in several processes take turns, and an edited header rebuilds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.native import STALE_LOCK_S, _builder_lock, clear_stale_lock
+from kvpool.native import STALE_LOCK_S, _builder_lock, clear_stale_lock, headers_flag
 
 
 def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
@@ -81,3 +81,27 @@ def test_loaders_take_turns_on_the_flock(tmp_path: Path) -> None:
     out, _ = other.communicate(timeout=60)
     held_there, waited = out.split()
     assert held_there == "True" and float(waited) >= 1.0
+
+
+def test_an_edited_header_changes_the_build_flags(tmp_path: Path) -> None:
+    """torch rebuilds a cached library when its source or flags change and hashes no
+    header: the flag naming the headers (the source's folder's and every -I folder's)
+    must change when any of them does, and only then."""
+    src, other = tmp_path / "src", tmp_path / "other"
+    src.mkdir()
+    other.mkdir()
+    source = src / "op.cpp"
+    source.write_text('#include "a.h"\n')
+    (src / "a.h").write_text("int a;\n")
+    (other / "b.h").write_text("int b;\n")
+    flags = ["-O3", f"-I{other}"]
+    first = headers_flag(source, flags)
+    assert first.startswith("-DKVSERVE_HEADERS_") and headers_flag(source, flags) == first
+    source.write_text('#include "a.h"\n// torch hashes the source itself\n')
+    assert headers_flag(source, flags) == first
+    (other / "b.h").write_text("int b2;\n")
+    second = headers_flag(source, flags)
+    assert second != first
+    (src / "a.h").write_text("int a2;\n")
+    assert headers_flag(source, flags) not in (first, second)
+    assert headers_flag(source, ["-O3"]) != headers_flag(source, flags)  # b.h not seen

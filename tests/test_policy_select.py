@@ -145,3 +145,32 @@ def test_layered_scores_select_as_rows(seed, native, monkeypatch):
     layered.copy_(scores.view(3, 4, -1))
     assert torch.equal(rows.drop_lowest(positions, layered, drop, first, last),
                        rows.drop_lowest(positions, scores, drop, first, last))
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("native", [False, True])
+def test_a_divisor_ranks_the_quotients_as_torch_divides(seed, native, monkeypatch):
+    """`divisor` (TOVA's head mean): row i ranks scores / divisor[i] exactly as
+    `drop_lowest` ranks the tensor torch divides; a division can tie scores that differ
+    in their last bits (here, neighbours 1 ulp apart over divisors that merge them), and
+    then the later slot drops, as for any tie. One row alone too (a [1] divisor)."""
+    if native and not load_select():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setitem(rows.NATIVE, "select", native)
+    positions, _, drop, first, last = _case(seed)
+    n, w = positions.shape
+    g = torch.Generator().manual_seed(50 + seed)
+    base = torch.rand(n, w, generator=g) * 3
+    near = torch.nextafter(base, torch.full_like(base, 9.0))  # 1 ulp above
+    scores = torch.where(torch.rand(n, w, generator=g) < 0.5, base, near)
+    scores[:, 1::2] = scores[:, ::2][:, : w // 2]  # exact ties too
+    scores[:, 1::3] = torch.nextafter(scores[:, ::3][:, : len(range(1, w, 3))],
+                                      torch.tensor(9.0))
+    divisor = torch.rand(n, generator=g) * 7 + 0.3
+    want = rows.drop_lowest(positions, scores / divisor[:, None], drop, first, last)
+    assert torch.equal(rows.drop_lowest(positions, scores, drop, first, last, divisor), want)
+    merged = (scores / divisor[:, None]).unique().numel() < scores.unique().numel()
+    assert merged  # the quotients tie values the scores do not
+    one = rows.drop_lowest(positions[:1], scores[:1], [1], 0, 1, divisor[:1])
+    assert torch.equal(one, rows.drop_lowest(positions[:1], scores[:1] / divisor[:1, None],
+                                             [1], 0, 1))

@@ -231,3 +231,61 @@ def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkey
         # go: what a released row holds is never read again)
         live = pos_a >= 0
         assert torch.equal(pos_a, pos_b) and torch.equal(acc_a[live], acc_b[live])
+
+
+def test_pyramid_decode_window_is_written_in_the_kernel_with_the_same_bits(llama, monkeypatch):
+    """Pyramid's observation window (`Needs.ring`): in decode the C++ kernel writes each
+    row's mass as its query's ring column and keeps the ring's exact total as it writes
+    the mass, and the policy only plans; the tables (positions, ring and total) after
+    every step and the tokens are those of the same run with the mass returned and
+    written by the policy (on every slot in use). A 1-token prompt chunk (the step's
+    token budget cuts the prompt there) is not a decode token: its mass comes back."""
+    import engine.runner as runner_mod
+    from kvpool import cpu_attention
+
+    if not cpu_attention.kernel_available():
+        pytest.skip("no C++ compiler for the CPU kernel")
+    calls = []
+    real = cpu_attention.paged_attention_cpu
+
+    def counting(*args, **kw):
+        calls.append(kw.get("ring") is not None)
+        return real(*args, **kw)
+
+    def run(fused: bool):
+        monkeypatch.setattr(runner_mod, "accumulates",
+                            lambda pool: fused and cpu_attention.accumulates(pool))
+        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu", max_num_batched_tokens=40)
+        eng = llm.engine
+        eng.runner.attention_fn = counting  # the same function, counted
+        monkeypatch.setattr(runner_mod, "paged_attention_cpu", counting)
+        g = torch.Generator().manual_seed(3)
+        kv = {"name": "pyramid", "budget": 16, "obs_window": 4}
+        # 40-token steps: 30 + 10, then 1 + 38 + 1: the last prompt's first chunk is a
+        # token at position 0, before its window, in a step with decode tokens
+        for i, (n, m) in enumerate(((30, 20), (48, 9), (12, 26))):  # the second ends first
+            eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                            kv_policy=kv)
+        snaps, tokens = [], {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            t = eng.kv.tables
+            snaps.append((t.slot_pos.clone(), t.state["pyramid_window4"].clone(),
+                          t.state["pyramid_total4"].clone()))
+        assert eng.stats().evicted_tokens_by_policy_total["pyramid"] > 0  # it did evict
+        return snaps, tokens
+
+    calls.clear()
+    fused, fused_tokens = run(True)
+    assert any(calls), "the kernel never wrote the window"
+    calls.clear()
+    plain, plain_tokens = run(False)
+    assert not any(calls)
+    assert fused_tokens == plain_tokens
+    assert len(fused) == len(plain)
+    for (pos_a, ring_a, tot_a), (pos_b, ring_b, tot_b) in zip(fused, plain):
+        live = pos_a >= 0  # (a released row's state is never read again)
+        assert torch.equal(pos_a, pos_b)
+        assert torch.equal(ring_a[live], ring_b[live]) and torch.equal(tot_a[live], tot_b[live])

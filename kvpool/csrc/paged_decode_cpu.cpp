@@ -40,6 +40,7 @@
 
 // Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
 #include "key_diversity.h"  // the pool op's scoring: the same bits
+#include "window_ring.h"  // pyramid's window ring (policies/csrc): the same bits
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSERVE_AVX512 1
@@ -93,6 +94,18 @@ struct QueryIO {
   }
 };
 
+// A window ring each sequence's mass row (summed over every head) is written into, as
+// one column, with the ring's exact total (pyramid's observation window, `ring` of
+// paged_decode; window_ring.h): sequence b's slot j at values[row(b) * v0 + cols[b] * v1
+// + j], its total's digit d at total[row(b) * t0 + d * t1 + j].
+struct Ring {
+  float* values = nullptr;
+  float* total = nullptr;
+  const int64_t* cols = nullptr;
+  int64_t v0 = 0, v1 = 0, t0 = 0, t1 = 0;
+  double up = 0.0;  // 2^shift: a mass's fixed-point scale
+};
+
 template <typename TKV>
 struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   QueryIO io;
@@ -126,6 +139,7 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   // add, the bits of the policy adding the returned row itself after the step.
   float* acc = nullptr;
   int64_t acc0 = 0;
+  Ring ring{};  // ring.values == nullptr: none
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -207,6 +221,16 @@ void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t 
     const float* mrow = a.mass + b * a.ms0;
     float* arow = a.acc + a.row(b) * a.acc0;
     for (int64_t i = 0; i < n; ++i) add_to(arow + logical[i], mrow[logical[i]]);
+  }
+  if (a.ring.values != nullptr) {  // the row just written, as its query's ring column
+    const Ring& r = a.ring;
+    const float* mrow = a.mass + b * a.ms0;
+    float* col = r.values + a.row(b) * r.v0 + r.cols[b] * r.v1;
+    float* tot = r.total + a.row(b) * r.t0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = logical[i];
+      window_ring::put(col + j, tot + j, r.t1, mrow[j], r.up);
+    }
   }
 }
 
@@ -647,8 +671,8 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
   Batch<TKV> a = batch;
   a.stream = 2 * a.B * a.S * a.row_len * static_cast<int64_t>(sizeof(TKV)) > kStreamBytes;
   const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, D = a.D, S = a.S;
-  // (Not with `mass_sum` or `acc`: a slice would write its heads' part of one row.)
-  const int64_t slices = B == 0 || a.mass_sum || a.acc != nullptr
+  // (Not with `mass_sum`, `acc` or `ring`: a slice would write its heads' part of one row.)
+  const int64_t slices = B == 0 || a.mass_sum || a.acc != nullptr || a.ring.values != nullptr
       ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
   const int64_t scales = a.ks == nullptr ? 0 : Hkv * (S + 16);
   std::vector<Batch<TKV>> parts;
@@ -675,8 +699,8 @@ template <typename TKV>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
-            const bool* kd_rows, bool mass_sum, const int64_t* rows, float* acc = nullptr,
-            int64_t acc0 = 0) {
+            const bool* kd_rows, bool mass_sum, const int64_t* rows, float* acc,
+            int64_t acc0, const Ring& ring) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
@@ -693,6 +717,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   if (mass_sum) a.ms0 = NB * bs;
   a.acc = acc;
   a.acc0 = acc0;
+  a.ring = ring;
   SeqFn<TKV> seq = vector_seq(a);
   run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
@@ -729,7 +754,11 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                                      double scale, int64_t window, bool return_probs,
                                      const std::optional<at::Tensor>& key_diversity,
                                      bool sum_heads, const std::optional<at::Tensor>& rows,
-                                     const std::optional<at::Tensor>& acc) {
+                                     const std::optional<at::Tensor>& acc,
+                                     const std::optional<at::Tensor>& ring,
+                                     const std::optional<at::Tensor>& ring_total,
+                                     const std::optional<at::Tensor>& ring_cols,
+                                     int64_t ring_shift) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -777,10 +806,37 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
     ap = acc->data_ptr<float>();
     a0 = acc->stride(0);
   }
+  // ring [Rt, a, >= NB*bs] and ring_total [Rt, 3, >= NB*bs] float32 (a per-slot state
+  // stored by columns, rows as the table's), ring_cols [B]: sequence b's mass row
+  // (summed over every head) becomes column ring_cols[b] of its ring (window_ring.h)
+  Ring rg;
+  at::Tensor cols_keep;
+  if (ring.has_value()) {
+    TORCH_CHECK(return_probs && (sum_heads || k_cache.size(2) == 1),
+                "ring takes the mass summed over every head: return_probs and sum_heads");
+    TORCH_CHECK(ring_total.has_value() && ring_cols.has_value(), "ring needs ring_total and ring_cols");
+    const at::Tensor& v = *ring;
+    const at::Tensor& tt = *ring_total;
+    TORCH_CHECK(v.scalar_type() == at::kFloat && v.dim() == 3 && v.stride(2) == 1 &&
+                    v.size(0) == t.size(0) && v.size(2) >= p.size(1),
+                "ring must be [rows, a, >= NB*bs] float32 with contiguous slots, a row per table row");
+    TORCH_CHECK(tt.scalar_type() == at::kFloat && tt.dim() == 3 && tt.stride(2) == 1 &&
+                    tt.size(0) == t.size(0) && tt.size(1) == 3 && tt.size(2) >= p.size(1),
+                "ring_total must be [rows, 3, >= NB*bs] float32 with contiguous slots");
+    cols_keep = ring_cols->contiguous();
+    TORCH_CHECK(cols_keep.scalar_type() == at::kLong && cols_keep.dim() == 1 &&
+                    cols_keep.size(0) == q.size(0), "ring_cols must be [B] int64");
+    const int64_t* cp = cols_keep.data_ptr<int64_t>();
+    for (int64_t b = 0; b < q.size(0); ++b)
+      TORCH_CHECK(cp[b] >= 0 && cp[b] < v.size(1), "ring column out of range");
+    TORCH_CHECK(ring_shift >= 0 && ring_shift <= 60, "ring_shift out of range");
+    rg = Ring{v.data_ptr<float>(), tt.data_ptr<float>(), cp, v.stride(0), v.stride(1),
+              tt.stride(0), tt.stride(1), std::ldexp(1.0, static_cast<int>(ring_shift))};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
                                                          window, out, mp, kp, kr, sum_heads, rp,
-                                                         ap, a0); });
+                                                         ap, a0, rg); });
   return {out, mass, kd};
 }
 
@@ -923,7 +979,8 @@ std::vector<at::Tensor> paged_decode_quant(
 TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
         "Tensor q_pos, float scale, int window, bool return_probs, Tensor? key_diversity=None, "
-        "bool sum_heads=False, Tensor? rows=None, Tensor(a!)? acc=None) -> Tensor[]");
+        "bool sum_heads=False, Tensor? rows=None, Tensor(a!)? acc=None, Tensor(b!)? ring=None, "
+        "Tensor(c!)? ring_total=None, Tensor? ring_cols=None, int ring_shift=0) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -131,9 +132,12 @@ Rows<float> score_rows(const at::Tensor& scores, int64_t n, int64_t w) {
 }
 
 // scores and positions [N, W] or [L, R, W] (`Rows`); positions int64, or a bool live
-// mask [N, W].
+// mask [N, W]. `divisor` [N] float32: row i ranks scores / divisor[i] (each quotient
+// one IEEE division, as torch divides), which can tie values its scores do not: TOVA's
+// head mean (`head_mean`) without its own pass over the rows.
 at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
-                       const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop) {
+                       const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop,
+                       const std::optional<at::Tensor>& divisor) {
   const bool mask = positions.scalar_type() == at::kBool;
   const int64_t n = positions.dim() == 3 ? positions.size(0) * positions.size(1) : positions.size(0);
   const int64_t w = positions.size(-1);
@@ -141,14 +145,29 @@ at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
   for (const at::Tensor* t : {&first, &last, &drop})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
                 "first, last and drop must be [N] int64");
+  at::Tensor dv;
+  if (divisor.has_value()) {
+    dv = divisor->contiguous();
+    TORCH_CHECK(dv.dim() == 1 && dv.size(0) == n && dv.scalar_type() == at::kFloat,
+                "divisor must be [N] float32");
+  }
+  const float* dvp = dv.defined() ? dv.data_ptr<float>() : nullptr;
   const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
   at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
   const auto run = [&](const auto& pr) {
     at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i)
-        select_row(sr.row(i), pr.row(i), w, fp[i], lp[i], dp[i], op + i * w);
+      std::vector<float> q(dvp != nullptr ? w : 0);  // a row's quotients
+      for (int64_t i = a; i < b; ++i) {
+        const float* s = sr.row(i);
+        if (dvp != nullptr && dp[i] > 0) {
+          const float by = dvp[i];
+          for (int64_t j = 0; j < w; ++j) q[j] = s[j] / by;
+          s = q.data();
+        }
+        select_row(s, pr.row(i), w, fp[i], lp[i], dp[i], op + i * w);
+      }
     });
   };
   if (mask) run(rows_of<bool>(positions, "a live mask"));
@@ -269,7 +288,8 @@ at::Tensor block_drops(const at::Tensor& means, const at::Tensor& positions, con
 }
 
 TORCH_LIBRARY(kvserve_policies, m) {
-  m.def("select_drop(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop) -> Tensor");
+  m.def("select_drop(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop, "
+        "Tensor? divisor=None) -> Tensor");
   m.def("drop_earliest(Tensor positions, Tensor first, Tensor drop) -> Tensor");
   m.def("pack_live(Tensor scores, Tensor positions, Tensor rows, int bs) -> Tensor");
   m.def("block_drops(Tensor means, Tensor positions, Tensor rows, Tensor nfull, Tensor drop, "

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "live_slots.h"
+#include "window_ring.h"
 
 #if defined(KVSERVE_LIVE16) && defined(__AVX512DQ__)  // live16: live_slots.h
 #define KVSERVE_AVX512 1
@@ -63,17 +64,15 @@ void check_rows(const at::Tensor& state, int64_t n, int64_t w, const char* what)
 
 // Pyramid's window (policies/pyramid.py::_window_ring, whose torch form this is):
 // write this step's window queries' mass into their ring columns and keep each slot's
-// window total exact in fixed point, so a step touches the written column and the total
-// instead of the whole ring. A query's mass m (>= 0) counts as round(m · 2^shift), an
-// integer; the total is their sum in int64, kept as three float32 digits of 21 bits
-// (exact in float32: the state is float32), and a column's old value leaves it as the
-// same integer it entered as: the total is the window's whatever the history.
+// window total exact in fixed point (window_ring.h, which the decode kernel shares), so
+// a step touches the written column and the total instead of the whole ring.
 // ring: [L, R, W, a] and total [L, R, W, 3], any strides (slices of the tables: the
 // ring stored by columns, so a column of a row is contiguous); mass [L·R, k, W]; cols
 // [L·R, k] (distinct per row). Returns, if `want`, each live slot's total as float32
 // (one rounding of the int64, then an exact power-of-two scale), 0 on dead slots.
-constexpr int kDigit = 21;
-constexpr int64_t kDigitMask = (int64_t{1} << kDigit) - 1;
+using window_ring::fixed;
+using window_ring::kDigit;
+using window_ring::kDigitMask;
 
 struct RingRow {
   float* ring;  // slot s, column q at s * r2 + q * r3
@@ -84,19 +83,12 @@ struct RingRow {
   float* out;  // [W] or null
 };
 
-inline int64_t fixed(float x, double up) { return std::llrint(static_cast<double>(x) * up); }
-
 // One row of `window_ring`; inlined with unit strides for the tables' column layout.
 inline __attribute__((always_inline)) void ring_row(
     const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r2, int64_t r3,
     int64_t t2, int64_t t3, double up, float down, int64_t mass_stride = -1) {
   const int64_t ms = mass_stride < 0 ? w : mass_stride;  // between a row's query rows
-  const float* d0 = row.total;
-  const float* d1 = row.total + t3;
-  const float* d2 = row.total + 2 * t3;
-  for (int64_t s = 0; s < w; ++s)
-    sum[s] = static_cast<int64_t>(d0[s * t2]) + (static_cast<int64_t>(d1[s * t2]) << kDigit) +
-             static_cast<int64_t>(d2[s * t2]) * (int64_t{1} << (2 * kDigit));
+  for (int64_t s = 0; s < w; ++s) sum[s] = window_ring::load(row.total + s * t2, t3);
   for (int64_t j = 0; j < k; ++j) {
     float* col = row.ring + row.cols[j] * r3;
     const float* mj = row.mass + j * ms;
@@ -105,16 +97,8 @@ inline __attribute__((always_inline)) void ring_row(
       col[s * r2] = mj[s];
     }
   }
-  if (k) {
-    float* e0 = row.total;
-    float* e1 = row.total + t3;
-    float* e2 = row.total + 2 * t3;
-    for (int64_t s = 0; s < w; ++s) {
-      e0[s * t2] = static_cast<float>(sum[s] & kDigitMask);
-      e1[s * t2] = static_cast<float>((sum[s] >> kDigit) & kDigitMask);
-      e2[s * t2] = static_cast<float>(sum[s] >> (2 * kDigit));
-    }
-  }
+  if (k)
+    for (int64_t s = 0; s < w; ++s) window_ring::store(row.total + s * t2, t3, sum[s]);
   if (row.out != nullptr)
     for (int64_t s = 0; s < w; ++s) {  // both sides computed: a select, not a branch
       const float v = static_cast<float>(sum[s]) * down;
