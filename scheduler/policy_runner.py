@@ -86,13 +86,15 @@ class PolicyRunner:
                        first_full, mass, self.rotate if r.rope_shift else None,
                        getattr(r.kv_policy, "compact", False), live)
             key = r.policy_group
-            if key is None or key[2] != c.num_tokens or key[3] is not policy.needs:  # type: ignore[attr-defined]
+            needs = policy.needs  # type: ignore[attr-defined]
+            if key is None or key[2] != c.num_tokens or r.policy_needs is not needs:
                 if r.policy_key is None:
                     r.policy_key = r.kv_policy.model_dump_json()  # type: ignore[attr-defined]
                 key = group_key(policy, r.policy_key, c.num_tokens)
                 if len(self._keys) > 4096:  # prefill chunk sizes vary: keep it bounded
                     self._keys.clear()
                 key = r.policy_group = self._keys.setdefault(key, key)
+                r.policy_needs = needs
             # apart: members whose statistics the kernel kept (a group is all or none)
             into = mass is not None and mass.accumulated
             groups.setdefault((id(key), into) if self.batch else (id(r), into), []).append((r, m))

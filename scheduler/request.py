@@ -35,6 +35,9 @@ class Request:
     # Its policy group's key as of its last policy step (`PolicyRunner.run`: rebuilt
     # when the step size or the policy's `needs` changes, not built anew every step).
     policy_group: tuple | None = None
+    # The policy's `needs` object that key was built from: requests of one config share
+    # the key, whose own `needs` is the first one's (each policy has its own object).
+    policy_needs: object | None = None
     # RoPE shift: positions inside the cache are re-numbered after eviction, so the
     # position given to the next token is num_computed - pos_offset.
     pos_offset: int = 0
