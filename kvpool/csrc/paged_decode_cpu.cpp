@@ -222,15 +222,12 @@ void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t 
     float* arow = a.acc + a.row(b) * a.acc0;
     for (int64_t i = 0; i < n; ++i) add_to(arow + logical[i], mrow[logical[i]]);
   }
-  if (a.ring.values != nullptr) {  // the row just written, as its query's ring column
+  if (a.ring.values != nullptr) {  // the row just written, as its query's ring column:
+    // every slot of it, 8 at a time (a slot it does not see gets 0, as the policy's own
+    // update writes its row whole; what a dead slot holds is never read)
     const Ring& r = a.ring;
-    const float* mrow = a.mass + b * a.ms0;
-    float* col = r.values + a.row(b) * r.v0 + r.cols[b] * r.v1;
-    float* tot = r.total + a.row(b) * r.t0;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t j = logical[i];
-      window_ring::put(col + j, tot + j, r.t1, mrow[j], r.up);
-    }
+    window_ring::put_row(r.values + a.row(b) * r.v0 + r.cols[b] * r.v1, r.total + a.row(b) * r.t0,
+                         r.t1, a.mass + b * a.ms0, a.S, r.up);
   }
 }
 

@@ -71,8 +71,6 @@ void check_rows(const at::Tensor& state, int64_t n, int64_t w, const char* what)
 // [L·R, k] (distinct per row). Returns, if `want`, each live slot's total as float32
 // (one rounding of the int64, then an exact power-of-two scale), 0 on dead slots.
 using window_ring::fixed;
-using window_ring::kDigit;
-using window_ring::kDigitMask;
 
 struct RingRow {
   float* ring;  // slot s, column q at s * r2 + q * r3
@@ -107,39 +105,18 @@ inline __attribute__((always_inline)) void ring_row(
 }
 
 #ifdef KVSERVE_AVX512
-// `ring_row` for the tables' column layout (unit slot strides), 8 slots at a time: the
-// same integer arithmetic, so the same bits (each conversion rounds as its scalar twin:
-// float -> double exactly, llrint and int64 -> float to nearest even, the digits are
-// integers). Scalar, the two llrint calls a slot (a double rounding each) and the int64
-// sum through three float digits were ~5 ns a slot, most of pyramid's step.
+// `ring_row` for the tables' column layout (unit slot strides), 8 slots at a time
+// (window_ring.h's 8-lane forms: the same bits).
 inline void ring_row_avx512(const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r3,
                             int64_t t3, double up, float down) {
-  float* d0 = row.total;
-  float* d1 = row.total + t3;
-  float* d2 = row.total + 2 * t3;
   const __m512d upv = _mm512_set1_pd(up);
-  const __m512i digit = _mm512_set1_epi64(kDigitMask);
   const __m256 downv = _mm256_set1_ps(down);
   int64_t s = 0;
   for (; s + 8 <= w; s += 8) {
-    __m512i v = _mm512_add_epi64(
-        _mm512_cvttps_epi64(_mm256_loadu_ps(d0 + s)),
-        _mm512_slli_epi64(_mm512_cvttps_epi64(_mm256_loadu_ps(d1 + s)), kDigit));
-    v = _mm512_add_epi64(v, _mm512_slli_epi64(_mm512_cvttps_epi64(_mm256_loadu_ps(d2 + s)),
-                                              2 * kDigit));
-    for (int64_t j = 0; j < k; ++j) {
-      float* col = row.ring + row.cols[j] * r3 + s;
-      const __m256 m = _mm256_loadu_ps(row.mass + j * w + s);
-      const __m512i fm = _mm512_cvtpd_epi64(_mm512_mul_pd(_mm512_cvtps_pd(m), upv));
-      const __m512i fc = _mm512_cvtpd_epi64(_mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(col)), upv));
-      v = _mm512_add_epi64(v, _mm512_sub_epi64(fm, fc));
-      _mm256_storeu_ps(col, m);
-    }
-    if (k) {
-      _mm256_storeu_ps(d0 + s, _mm512_cvtepi64_ps(_mm512_and_si512(v, digit)));
-      _mm256_storeu_ps(d1 + s, _mm512_cvtepi64_ps(_mm512_and_si512(_mm512_srai_epi64(v, kDigit), digit)));
-      _mm256_storeu_ps(d2 + s, _mm512_cvtepi64_ps(_mm512_srai_epi64(v, 2 * kDigit)));
-    }
+    __m512i v = window_ring::load8(row.total + s, t3);
+    for (int64_t j = 0; j < k; ++j)
+      v = window_ring::put8(row.ring + row.cols[j] * r3 + s, row.mass + j * w + s, v, upv);
+    if (k) window_ring::store8(row.total + s, t3, v);
     if (row.out != nullptr) {
       const __mmask8 live = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(row.pos + s), _mm512_setzero_si512());
       _mm256_storeu_ps(row.out + s, _mm256_maskz_mul_ps(live, _mm512_cvtepi64_ps(v), downv));
