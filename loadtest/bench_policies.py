@@ -303,7 +303,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model weights for parts 1-2 (auto: the checkpoint's fp32; bfloat16 "
                         "halves the per-token compute where the CPU has bf16 dot products)")
     p.add_argument("--overhead-batch", type=int, default=16)
-    p.add_argument("--overhead-steps", type=int, default=64)
+    p.add_argument("--overhead-steps", type=int, default=200,
+                   help="decode steps per policy in part 2 (a share is the mean of all but "
+                        "the first few; over ~55 steps it moved ±20%% between rounds here, "
+                        "too much to read a 10%% line)")
     p.add_argument("--ceiling-steps", type=int, default=256,
                    help="decode steps a ceiling rate is the median of")
     p.add_argument("--kvpress-python", default=kvpress_compare.DEFAULT_PYTHON,
