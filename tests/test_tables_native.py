@@ -346,3 +346,30 @@ def test_native_evict_mask_matches_torch(seed, monkeypatch):
     assert torch.equal(a.sizes, b.sizes)
     for name in a.state:
         assert torch.equal(a.state[name], b.state[name]), name
+
+
+@pytest.mark.parametrize("rows", [[1, 2, 3], [5, 0, 2], [0, 1, 4, 6, 7], [6]])
+def test_rows_of_the_tables_read_and_written_back(rows):
+    """`take_rows` / `rows_slice` / `put_rows`, the reads of a batch's rows of the tables'
+    tensors and their way back, on rows consecutive or not: t[:, rows, :width] whatever
+    the layout (positions; a state by slots; one stored by columns, which `rows_slice`
+    hands in its own layout so pyramid's op keeps its column path), and a write lands on
+    those rows' slots alone."""
+    g = torch.Generator().manual_seed(len(rows))
+    positions = torch.randint(-1, 50, (3, 8, 40), generator=g)
+    by_slots = torch.rand(3, 8, 40, generator=g)
+    by_columns = torch.rand(3, 8, 5, 40, generator=g).transpose(2, 3)  # [L, R, S, k]
+    assert tables_mod._by_columns(by_columns)
+    for t in (positions, by_slots, by_columns):
+        want = t[:, rows, :24]
+        taken = tables_mod.take_rows(t, rows, 24)
+        assert taken.is_contiguous() and torch.equal(taken, want)
+        sliced = tables_mod.rows_slice(t, rows, 24)
+        assert torch.equal(sliced, want)
+        assert tables_mod._by_columns(sliced) == tables_mod._by_columns(t)
+        before = t.clone()
+        new = torch.full_like(sliced, 7) if t.dtype == torch.int64 else sliced * 0 + 0.5
+        tables_mod.put_rows(t, rows, new)
+        assert torch.equal(t[:, rows, :24], new)
+        others = [r for r in range(8) if r not in rows]
+        assert torch.equal(t[:, others], before[:, others]) and torch.equal(t[:, :, 24:], before[:, :, 24:])
