@@ -97,7 +97,7 @@ def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
     w = value.shape[2]
     if consecutive(rows):
         t.narrow(1, rows[0], len(rows)).narrow(2, 0, w).copy_(value)
-    elif _by_columns(t):  # run by run, in storage order (see `_gather`)
+    elif by_columns(t):  # run by run, in storage order (see `_gather`)
         at = 0
         for first, n in _runs(rows):
             t.narrow(1, first, n).narrow(2, 0, w).copy_(value.narrow(1, at, n))
@@ -111,12 +111,12 @@ def _gather(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
 
     The rows are selected from t's whole memory and then narrowed: `index_select` over a
     tensor narrowed first took a slow strided path (0.30 against 0.02 ms for two rows of
-    the positions at 64 table rows). A state stored by columns (`_by_columns`, pyramid's
+    the positions at 64 table rows). A state stored by columns (`by_columns`, pyramid's
     ring) is copied run of consecutive rows by run, in its storage order: any gather over
     its transposed layout copied through a slow path (46 ms for two rows of a 32-column
     ring at 64 table rows, every decode step of a pyramid request whose rows were not
     consecutive), the runs 0.08 ms."""
-    if _by_columns(t):
+    if by_columns(t):
         s = t.transpose(2, 3)  # [L, R, k, S]: its memory, contiguous
         return torch.cat([s.narrow(1, first, n).narrow(3, 0, width) for first, n in _runs(rows)],
                          dim=1).transpose(2, 3)
@@ -177,7 +177,7 @@ def layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
     return only
 
 
-def _by_columns(t: torch.Tensor) -> bool:
+def by_columns(t: torch.Tensor) -> bool:
     """A state stored by columns (`_new_state`)."""
     return t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1
 
@@ -267,7 +267,7 @@ class SlotTables:
             self.peaks, self.pk = peaks, _int_view(peaks)
         for name, old in self.state.items():
             k = old.shape[3] if old.dim() == 4 else 0
-            new = _new_state(pos.shape, k, self.fills[name], _by_columns(old))
+            new = _new_state(pos.shape, k, self.fills[name], by_columns(old))
             new[:, :r, : w * self.bs] = old
             self.state[name] = new
         self._native = None
@@ -480,7 +480,7 @@ class SlotTables:
         """The states as the C++ ops take them (storage order) and which are by columns;
         made once per set of tensors (every plan and decode append asks: ~5 us a call)."""
         if self._native is None:
-            cols = [_by_columns(t) for t in self.state.values()]
+            cols = [by_columns(t) for t in self.state.values()]
             self._native = ([t.transpose(2, 3) if c else t for t, c in zip(self.state.values(), cols)],
                             bool_tensor(cols) if cols else _NO_COLUMNS)
         return self._native

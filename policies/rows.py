@@ -53,6 +53,14 @@ class RowsView:
     # policy's `state_in_place`), updated in place without a copy out and back; read
     # them through `layered`, which gives every state that shape.
     in_place: frozenset[str] = frozenset()
+    # Where the group's rows are not consecutive, the in-place states named here (stored
+    # by columns: pyramid's ring and total) are handed whole, [L, every row, W, k], and
+    # request r of the view is their row state_rows[r]: a C++ op reads them there
+    # (`whole`); `layered` copies the rows out on first use, and the engine puts that
+    # copy back. Copying them out for every step was the cost (a ring is 128 bytes a slot).
+    handed_whole: frozenset[str] = frozenset()
+    state_rows: list[int] = field(default_factory=list)
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # [N, Tq, Hkv, W] float32: this step's queries' probability mass on each slot,
     # summed over the query heads of each kv group (0 on dead slots); Hkv is 1, the sum
     # over every head, unless the policy asked for `Needs.attention_heads`.
@@ -119,9 +127,22 @@ class RowsView:
         """State `name` as [L, R, W(, k)] (row l·R + r at [l, r]): the tables' slice as
         handed, or a view of the [N, W(, k)] copy."""
         t = self.state[name]
+        if name in self.handed_whole:  # the group's rows, copied out once, row by row
+            if name not in self.gathered:  # in storage order (a gather over the
+                s = t.transpose(2, 3)  # transposed layout took a slow path)
+                self.gathered[name] = torch.cat([s.narrow(1, r, 1) for r in self.state_rows],
+                                                dim=1).transpose(2, 3)
+            return self.gathered[name]
         if name in self.in_place:
             return t
         return t.view(self.num_layers, self.num_requests, *t.shape[1:])
+
+    def whole(self, name: str) -> tuple[torch.Tensor, list[int]]:
+        """In-place state `name` for a C++ op that reads rows by index: the tensor and
+        request r's row in it (none: r itself, the view's own rows)."""
+        if name in self.handed_whole and name not in self.gathered:
+            return self.state[name], self.state_rows
+        return self.layered(name), []
 
     def set_new(self, name: str, values: torch.Tensor) -> None:
         """State `name` of this step's new tokens (`new_slots`) := values [N, k], written

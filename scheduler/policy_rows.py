@@ -26,7 +26,7 @@ from kvpool import compaction
 from kvpool.host import int64_tensor
 from kvpool.native import load_ops
 from kvpool.seq_cache import SeqCache
-from kvpool.tables import consecutive, put_rows, rows_slice, take_rows
+from kvpool.tables import by_columns, consecutive, put_rows, rows_slice, take_rows
 from policies import rows as policy_rows
 from policies.base import Needs
 from policies.norms import keydiff_scores
@@ -160,11 +160,19 @@ def build_view(members: list[Member]) -> RowsView:
         lengths=[live[layer] for layer in range(nl) for live in lives],
         slot_pos=rows_slice(tables.slot_pos, rows, width), block_size=bs)
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
+    whole = set()
     for name in state:
         if name in view.in_place:  # [L, r, W, ...]: the tables' own slice when it can be
-            view.state[name] = rows_slice(tables.state[name], rows, width)
+            t = tables.state[name]
+            if not consecutive(rows) and by_columns(t):  # whole, rows by index
+                view.state[name] = t.narrow(2, 0, width)
+                whole.add(name)
+            else:
+                view.state[name] = rows_slice(t, rows, width)
         else:
             view.state[name] = _rows(take_rows(tables.state[name], rows, width))
+    if whole:
+        view.handed_whole, view.state_rows = frozenset(whole), rows
     if needs.attention:
         # the decode kernel added the step's mass into the state (a step's group is all
         # or none: one policy, one step size, one kernel)
@@ -253,6 +261,9 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
     for name, t in view.state.items():  # the policy's updates, one copy per name
         if name not in view.in_place:
             put_rows(tables.state[name], rows, t.view(nl, r, *t.shape[1:]))
+        elif name in view.handed_whole:  # updated in place, or in the copy `layered` made
+            if name in view.gathered:
+                put_rows(tables.state[name], rows, view.gathered[name])
         elif not consecutive(rows):  # a copy of scattered rows: back where it came from
             put_rows(tables.state[name], rows, t)
     if drop is None:

@@ -289,3 +289,52 @@ def test_pyramid_decode_window_is_written_in_the_kernel_with_the_same_bits(llama
         live = pos_a >= 0  # (a released row's state is never read again)
         assert torch.equal(pos_a, pos_b)
         assert torch.equal(ring_a[live], ring_b[live]) and torch.equal(tot_a[live], tot_b[live])
+
+
+def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypatch):
+    """A pyramid group whose table rows are not consecutive (a request between them
+    finished) hands its ring and total whole, request r at its row (`RowsView.whole`,
+    `pyramid_window(rows=)`), instead of copying its rows out and back: the tables after
+    every step and the tokens are those of the copying run."""
+    import scheduler.policy_rows as policy_rows_mod
+
+    seen = []
+    real = policy_rows_mod.build_view
+
+    def noting(members):
+        view = real(members)
+        seen.append(bool(view.handed_whole))
+        return view
+
+    def run(whole: bool):
+        monkeypatch.setattr(policy_rows_mod, "by_columns",
+                            lambda t: whole and t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1)
+        monkeypatch.setattr(policy_rows_mod, "build_view", noting)
+        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu")
+        eng = llm.engine
+        g = torch.Generator().manual_seed(4)
+        kv = {"name": "pyramid", "budget": 12, "obs_window": 4}
+        for i, (n, m) in enumerate(((20, 22), (25, 5), (18, 24), (22, 6), (30, 20))):
+            eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                            kv_policy=kv)
+        snaps, tokens = [], {}
+        while eng.has_unfinished():
+            for o in eng.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            t = eng.kv.tables
+            snaps.append((t.slot_pos.clone(), t.state["pyramid_window4"].clone(),
+                          t.state["pyramid_total4"].clone()))
+        return snaps, tokens
+
+    seen.clear()
+    whole, whole_tokens = run(True)
+    assert any(seen), "no group's rows were apart"
+    seen.clear()
+    copied, copied_tokens = run(False)
+    assert not any(seen)
+    assert whole_tokens == copied_tokens and len(whole) == len(copied)
+    for (pos_a, ring_a, tot_a), (pos_b, ring_b, tot_b) in zip(whole, copied):
+        live = pos_a >= 0
+        assert torch.equal(pos_a, pos_b)
+        assert torch.equal(ring_a[live], ring_b[live]) and torch.equal(tot_a[live], tot_b[live])

@@ -359,14 +359,14 @@ def test_rows_of_the_tables_read_and_written_back(rows):
     positions = torch.randint(-1, 50, (3, 8, 40), generator=g)
     by_slots = torch.rand(3, 8, 40, generator=g)
     by_columns = torch.rand(3, 8, 5, 40, generator=g).transpose(2, 3)  # [L, R, S, k]
-    assert tables_mod._by_columns(by_columns)
+    assert tables_mod.by_columns(by_columns)
     for t in (positions, by_slots, by_columns):
         want = t[:, rows, :24]
         taken = tables_mod.take_rows(t, rows, 24)
         assert taken.is_contiguous() and torch.equal(taken, want)
         sliced = tables_mod.rows_slice(t, rows, 24)
         assert torch.equal(sliced, want)
-        assert tables_mod._by_columns(sliced) == tables_mod._by_columns(t)
+        assert tables_mod.by_columns(sliced) == tables_mod.by_columns(t)
         before = t.clone()
         new = torch.full_like(sliced, 7) if t.dtype == torch.int64 else sliced * 0 + 0.5
         tables_mod.put_rows(t, rows, new)

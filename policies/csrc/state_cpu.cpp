@@ -351,20 +351,34 @@ void drop_among(const int64_t* slots, const float* values, int64_t m, int64_t dr
 // them: after the forward, each distinct op of a policy step starts cold.
 // ring [L, R, W, α], total [L, R, W, 3] (any strides); mass [L·R, k, W]; cols [L·R·k]
 // (row i's k columns, distinct); positions [L·R, W] or [L, R, W] (`Rows`); edges, drop [L·R] or drop empty
-// (update only). Returns the drop mask [L·R, W], or [0, W] when drop is empty.
+// (update only). `rows` [R], or empty: ring and total are [L, Rt, W, ...] tensors of
+// every table row and request r's row is rows[r] (a group whose rows are not
+// consecutive, read in place: `RowsView.whole`). Returns the drop mask [L·R, W], or
+// [0, W] when drop is empty.
 at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& mass,
                           at::IntArrayRef cols, const at::Tensor& positions,
                           at::IntArrayRef edges, at::IntArrayRef drop, int64_t shift,
-                          double rel, double abs) {
+                          double rel, double abs, at::IntArrayRef rows) {
   const Rows<int64_t> pr = rows_of<int64_t>(positions, "positions");
   const int64_t n = pr.n, w = pr.w;
-  check_rows(ring, n, w, "ring");
-  check_rows(total, n, w, "total");
+  if (rows.empty()) {
+    check_rows(ring, n, w, "ring");
+    check_rows(total, n, w, "total");
+  } else {
+    for (const at::Tensor* t : {&ring, &total})
+      TORCH_CHECK(t->dim() == 4 && t->size(0) * static_cast<int64_t>(rows.size()) == n &&
+                      t->size(2) == w && t->scalar_type() == at::kFloat,
+                  "ring and total must be [L, Rt, W, ...] float32 with L * len(rows) = N");
+    for (const int64_t x : rows) TORCH_CHECK(x >= 0 && x < ring.size(1), "row out of range");
+  }
   TORCH_CHECK(ring.dim() == 4 && total.dim() == 4 && total.size(3) == 3 &&
               total.size(1) == ring.size(1), "ring must be [L, R, W, a], total [L, R, W, 3]");
   TORCH_CHECK(mass.dim() == 3 && mass.size(0) == n && mass.size(2) == w &&
               mass.scalar_type() == at::kFloat, "mass must be [N, k, W] float32");
-  const int64_t a = ring.size(3), k = mass.size(1), r = ring.size(1);
+  const int64_t a = ring.size(3), k = mass.size(1);
+  const int64_t r = rows.empty() ? ring.size(1) : static_cast<int64_t>(rows.size());
+  // view row i (layer i / r, request i % r) at its table row
+  const auto row_of = [&](int64_t i) { return rows.empty() ? i % r : rows[i % r]; };
   TORCH_CHECK(static_cast<int64_t>(cols.size()) == n * k, "cols must hold N * k columns");
   for (const int64_t c : cols) TORCH_CHECK(c >= 0 && c < a, "ring column out of range");
   const bool select = !drop.empty();
@@ -387,7 +401,7 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
     std::vector<float> totals(select ? w : 0), vals;
     for (int64_t i = lo; i < hi; ++i) {
       const bool sel = select && drop[i] > 0;
-      const RingRow row{rp + (i / r) * r0 + (i % r) * r1, tp + (i / r) * t0 + (i % r) * t1,
+      const RingRow row{rp + (i / r) * r0 + row_of(i) * r1, tp + (i / r) * t0 + row_of(i) * t1,
                         mp + i * k * w, cp + i * k, pr.row(i), sel ? totals.data() : nullptr};
       if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
 #ifdef KVSERVE_AVX512
@@ -421,7 +435,7 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
   for (int64_t i = 0; i < n; ++i)
     if (static_cast<int64_t>(near[i].size()) > drop[i])
       for (const int64_t s : near[i]) {
-        const float* x = rp + (i / r) * r0 + (i % r) * r1 + s * r2;
+        const float* x = rp + (i / r) * r0 + row_of(i) * r1 + s * r2;
         for (int64_t c = 0; c < a; ++c) *vp++ = x[c * r3];
       }
   const at::Tensor sums = values.sum(1);  // torch's order: the torch form's bits
@@ -486,7 +500,7 @@ void new_scores(at::Tensor state, const at::Tensor& index, const at::Tensor& key
 
 TORCH_LIBRARY(kvserve_policy_state, m) {
   m.def("pyramid_window(Tensor(a!) ring, Tensor(b!) total, Tensor mass, int[] cols, Tensor positions, "
-        "int[] edges, int[] drop, int shift, float rel, float abs) -> Tensor");
+        "int[] edges, int[] drop, int shift, float rel, float abs, int[] rows=[]) -> Tensor");
   m.def("lazy_track(Tensor(a!) ts, Tensor(b!) mri, Tensor mass, Tensor total, Tensor positions, "
         "int[] qpos, int[] prompt, float alpha) -> ()");
   m.def("lazy_importance(Tensor ts, Tensor mri, int[] rows, int[] t) -> Tensor");
