@@ -210,6 +210,24 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _anatomy_bars(ax, runs: dict) -> None:
+    """Each run's seconds stacked by kind of step (`step_anatomy`): prefill, the wide
+    steps without and with their policy time, the narrow steps (ramps, a last wave)."""
+    names = [n for n, r in runs.items() if "anatomy" in r]
+    a = [runs[n]["anatomy"] for n in names]
+    parts = {"prefill": [x["prefill"]["s"] for x in a],
+             "wide steps, policy aside": [x["wide"]["s"] - x["wide"]["policy_s"] for x in a],
+             "wide steps' policy": [x["wide"]["policy_s"] for x in a],
+             "narrow steps": [x["narrow"]["s"] for x in a]}
+    bottom = [0.0] * len(names)
+    for label, vals in parts.items():
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.legend(fontsize=7)
+    ax.tick_params(axis="x", labelrotation=60, labelsize=8)
+    ax.set_title("part 1: seconds by kind of step", fontsize=9)
+
+
 def plot(report: dict, path: str) -> None:
     """Throughput bars, overhead bars, PPL per budget and the needle heatmap."""
     plt = bc.pyplot()
@@ -242,6 +260,8 @@ def plot(report: dict, path: str) -> None:
         ax[1].bar(list(o), [100 * (r["policy_share"] or 0) for r in o.values()], color="#e08a3c")
         ax[1].set_title(f"policy share of step time, {report['overhead']['batch']} decoding (%)",
                         fontsize=9)
+    elif "throughput" in report:  # where part 1's time went instead (`step_anatomy`)
+        _anatomy_bars(ax[1], report["throughput"]["policies"])
     if has_q:
         rows = q["rows"]
         budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})

@@ -188,3 +188,26 @@ def test_quality_variant_sets_parameters_per_budget() -> None:
     assert args.quality_variants == ["knorm/window=0.5", "keydiff/window=4"]
     with pytest.raises(SystemExit):
         parse_args(["--quality-variants", "nope/window=1"])
+
+
+def test_a_throughput_only_plot_shows_where_the_time_went(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path) -> None:
+    """Without the overhead part the second panel stacks each run's seconds by kind of
+    step (`step_anatomy`) instead of staying empty: one bar segment per run and kind."""
+    from loadtest import bench_common as bc
+    from loadtest import bench_policies_report
+
+    figures = []
+    monkeypatch.setattr(bc, "save_figure", lambda fig, path: figures.append(fig))
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(here, "docs", "results", "bench_policies_issue18_throughput_s25.json"),
+              encoding="utf-8") as f:
+        report = json.load(f)
+    bench_policies_report.plot(report, str(tmp_path / "p.png"))
+    runs = report["throughput"]["policies"]
+    panel = figures[0].axes[1]
+    assert len(panel.patches) == 4 * len(runs)  # prefill, wide, wide's policy, narrow
+    heights = [p.get_height() for p in panel.patches]
+    pyramid = list(runs).index("pyramid")
+    assert heights[2 * len(runs) + pyramid] == pytest.approx(
+        runs["pyramid"]["anatomy"]["wide"]["policy_s"])

@@ -406,6 +406,21 @@ def test_rows_by_index_are_read_in_place(kv_dtype: torch.dtype, monkeypatch) -> 
         paged_attention_cpu(**whole, window=None, table_rows=torch.tensor([5, 0, 3, 7]))
 
 
+def _state_cases(hq: int, hkv: int, d: int, bs: int, dtype: torch.dtype):
+    """Decode batches for a kernel that writes into a per-slot state: (case, the same
+    rows as every row of wider tables, their indices, B, S, a generator)."""
+    evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
+    for prefixes in ([9, 30, 2, 99, 500], [301]):
+        case = make_case(prefixes, [1] * len(prefixes), evict=evict, extra_blocks=2, hq=hq,
+                         hkv=hkv, d=d, bs=bs, dtype=dtype)
+        b, s = case["table"].shape[0], case["slot_pos"].shape[1]
+        whole = {**case, "table": torch.cat([case["table"][:1], case["table"],
+                                             case["table"][:1]]),
+                 "slot_pos": torch.cat([case["slot_pos"][:1] * 0 - 1, case["slot_pos"],
+                                        case["slot_pos"][:1] * 0 - 1])}
+        yield case, whole, torch.arange(1, b + 1), b, s, torch.Generator().manual_seed(b)
+
+
 @needs_kernel
 @pytest.mark.parametrize(("hq", "hkv", "d", "bs"), [(4, 2, 8, 4), (8, 2, 32, 16), (4, 1, 32, 16),
                                                     (8, 4, 32, 16)])
@@ -418,12 +433,7 @@ def test_mass_added_into_a_state_is_the_policys_add(hq: int, hkv: int, d: int, b
     returns (H2O's `acc += mass` after the step), rows read in place or as a slice,
     slots past a row's blocks and invisible slots untouched; the output unchanged and no
     mass returned. One row per sequence, whatever the threads (no kv-head slices)."""
-    evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
-    for prefixes in ([9, 30, 2, 99, 500], [301]):
-        case = make_case(prefixes, [1] * len(prefixes), evict=evict, extra_blocks=2, hq=hq,
-                         hkv=hkv, d=d, bs=bs, dtype=dtype)
-        b, s = case["table"].shape[0], case["slot_pos"].shape[1]
-        g = torch.Generator().manual_seed(b)
+    for case, whole, rows, b, s, g in _state_cases(hq, hkv, d, bs, dtype):
         start = torch.rand(b + 2, s + 5, generator=g) * 3  # wider, more rows: a slice
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -432,12 +442,7 @@ def test_mass_added_into_a_state_is_the_policys_add(hq: int, hkv: int, d: int, b
             acc = start.clone()
             got, none = paged_attention_cpu(**case, sum_heads=hkv > 1,
                                             accumulate=acc[1 : b + 1, :s])
-            rows = torch.arange(1, b + 1)  # the same rows of "every row", by index
-            whole = {**case, "table": torch.cat([case["table"][:1], case["table"],
-                                                 case["table"][:1]]),
-                     "slot_pos": torch.cat([case["slot_pos"][:1] * 0 - 1, case["slot_pos"],
-                                            case["slot_pos"][:1] * 0 - 1])}
-            acc_rows = start.clone()
+            acc_rows = start.clone()  # the same rows of "every row", by index
             paged_attention_cpu(**whole, sum_heads=hkv > 1, table_rows=rows,
                                 accumulate=acc_rows[:, :s])
         finally:
@@ -468,12 +473,7 @@ def test_mass_written_into_a_window_ring_is_the_policys_update(
 
     alpha = 8
     shift = _shift(alpha)
-    evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
-    for prefixes in ([9, 30, 2, 99, 500], [301]):
-        case = make_case(prefixes, [1] * len(prefixes), evict=evict, extra_blocks=2, hq=hq,
-                         hkv=hkv, d=d, bs=bs, dtype=dtype)
-        b, s = case["table"].shape[0], case["slot_pos"].shape[1]
-        g = torch.Generator().manual_seed(b)
+    for case, whole, rows, b, s, g in _state_cases(hq, hkv, d, bs, dtype):
         # a ring of earlier queries' mass, stored by columns as the tables keep it, and
         # its exact total; two rows and five slots more than the call reads (a slice)
         start = (torch.rand(b + 2, alpha, s + 5, generator=g) / 4).transpose(1, 2)  # [R, S, α]
@@ -492,11 +492,6 @@ def test_mass_written_into_a_window_ring_is_the_policys_update(
                 **case, sum_heads=hkv > 1, ring=ring.transpose(1, 2)[1 : b + 1, :, :s],
                 ring_total=total.transpose(1, 2)[1 : b + 1, :, :s], ring_cols=cols,
                 ring_shift=shift)
-            rows = torch.arange(1, b + 1)  # the same rows of "every row", by index
-            whole = {**case, "table": torch.cat([case["table"][:1], case["table"],
-                                                 case["table"][:1]]),
-                     "slot_pos": torch.cat([case["slot_pos"][:1] * 0 - 1, case["slot_pos"],
-                                            case["slot_pos"][:1] * 0 - 1])}
             ring_rows, total_rows = by_columns(start), by_columns(start_total)
             paged_attention_cpu(**whole, sum_heads=hkv > 1, table_rows=rows,
                                 ring=ring_rows.transpose(1, 2)[:, :, :s],

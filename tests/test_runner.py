@@ -180,11 +180,43 @@ def test_steady_decode_steps_take_their_group_from_the_batch_append(llama, monke
     assert not fast  # h2o asks for the mass every step: the general path
 
 
-def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkeypatch):
-    """H2O's cumulative attention (`Needs.accumulate`): in decode the C++ kernel adds each
-    row's mass into the tables' `acc` as it writes it, and the policy adds nothing; the
-    tables (positions and `acc`) after every step and the tokens are those of the same
-    run with the mass returned and added by the policy (on every slot in use)."""
+def _run_and_snap(llama, kv: dict, prompts: list[tuple[int, int]], seed: int,
+                  states: tuple[str, ...], **engine_kw) -> tuple[list, dict]:
+    """Greedy requests of (prompt length, max_tokens) under `kv`; the tables' positions
+    and `states` after every step, and each request's tokens."""
+    llm = LLM(llama, num_blocks=256, block_size=4, device="cpu", **engine_kw)
+    eng = llm.engine
+    g = torch.Generator().manual_seed(seed)
+    for i, (n, m) in enumerate(prompts):
+        eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
+                        SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                        kv_policy=kv)
+    snaps, tokens = [], {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        t = eng.kv.tables
+        snaps.append([t.slot_pos.clone(), *(t.state[name].clone() for name in states)])
+    assert eng.stats().evicted_tokens_by_policy_total[kv["name"]] > 0  # it did evict
+    return snaps, tokens
+
+
+def _same_tables(a: tuple[list, dict], b: tuple[list, dict]) -> None:
+    """Two runs' tokens, and their tables after every step on every slot in use (a
+    request's last step may write into its row as it lets the row go: what a released
+    row holds is never read again)."""
+    assert a[1] == b[1] and len(a[0]) == len(b[0])
+    for (pos_a, *state_a), (pos_b, *state_b) in zip(a[0], b[0]):
+        live = pos_a >= 0
+        assert torch.equal(pos_a, pos_b)
+        assert all(torch.equal(x[live], y[live]) for x, y in zip(state_a, state_b))
+
+
+def _kernel_or_policy(llama, monkeypatch, arg: str, *run: object, **engine_kw) -> None:
+    """The same run with the decode kernel taking the step's mass into a state (`arg` of
+    `paged_attention_cpu`: `accumulate`, `ring`) and with the mass returned to the
+    policy: the kernel did take it in the first, never in the second, and the tables
+    and tokens are the same."""
     import engine.runner as runner_mod
     from kvpool import cpu_attention
 
@@ -194,43 +226,39 @@ def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkey
     real = cpu_attention.paged_attention_cpu
 
     def counting(*args, **kw):
-        calls.append(kw.get("accumulate") is not None)
+        calls.append(kw.get(arg) is not None)
         return real(*args, **kw)
 
-    def run(fused: bool):
+    monkeypatch.setattr(runner_mod, "paged_attention_cpu", counting)
+    got = {}
+    for fused in (True, False):
         monkeypatch.setattr(runner_mod, "accumulates",
-                            lambda pool: fused and cpu_attention.accumulates(pool))
-        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu")
-        eng = llm.engine
-        eng.runner.attention_fn = counting  # the same function, counted
-        monkeypatch.setattr(runner_mod, "paged_attention_cpu", counting)
-        g = torch.Generator().manual_seed(2)
-        for i, (n, m) in enumerate(((21, 24), (34, 9), (9, 30))):  # the second ends first
-            eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                            kv_policy={"name": "h2o", "budget": 12, "window": 3})
-        snaps, tokens = [], {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            t = eng.kv.tables
-            snaps.append((t.slot_pos.clone(), t.state["acc"].clone()))
-        assert eng.stats().evicted_tokens_by_policy_total["h2o"] > 0  # it did evict
-        return snaps, tokens
+                            lambda pool, fused=fused: fused and cpu_attention.accumulates(pool))
+        monkeypatch.setattr(LLM, "__init__", _counted_init(counting))
+        calls.clear()
+        got[fused] = _run_and_snap(llama, *run, **engine_kw)
+        assert any(calls) == fused, "the kernel took the mass" if not fused else "it never did"
+    monkeypatch.undo()
+    _same_tables(got[True], got[False])
 
-    calls.clear()
-    fused, fused_tokens = run(True)
-    assert any(calls), "the kernel never added the mass"
-    calls.clear()
-    plain, plain_tokens = run(False)
-    assert not any(calls)
-    assert fused_tokens == plain_tokens
-    assert len(fused) == len(plain)
-    for (pos_a, acc_a), (pos_b, acc_b) in zip(fused, plain):
-        # (a request's last step adds into its row before it finishes and lets the row
-        # go: what a released row holds is never read again)
-        live = pos_a >= 0
-        assert torch.equal(pos_a, pos_b) and torch.equal(acc_a[live], acc_b[live])
+
+def _counted_init(fn):
+    """LLM.__init__ that makes the runner's attention `fn` (the same function, counted)."""
+    real = LLM.__init__
+
+    def init(self, *args, **kw):
+        real(self, *args, **kw)
+        self.engine.runner.attention_fn = fn
+    return init
+
+
+def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkeypatch):
+    """H2O's cumulative attention (`Needs.accumulate`): in decode the C++ kernel adds each
+    row's mass into the tables' `acc` as it writes it, and the policy adds nothing; the
+    tables (positions and `acc`) after every step and the tokens are those of the same
+    run with the mass returned and added by the policy (on every slot in use)."""
+    _kernel_or_policy(llama, monkeypatch, "accumulate", {"name": "h2o", "budget": 12, "window": 3},
+                      [(21, 24), (34, 9), (9, 30)], 2, ("acc",))  # the second ends first
 
 
 def test_pyramid_decode_window_is_written_in_the_kernel_with_the_same_bits(llama, monkeypatch):
@@ -239,56 +267,12 @@ def test_pyramid_decode_window_is_written_in_the_kernel_with_the_same_bits(llama
     the mass, and the policy only plans; the tables (positions, ring and total) after
     every step and the tokens are those of the same run with the mass returned and
     written by the policy (on every slot in use). A 1-token prompt chunk (the step's
-    token budget cuts the prompt there) is not a decode token: its mass comes back."""
-    import engine.runner as runner_mod
-    from kvpool import cpu_attention
-
-    if not cpu_attention.kernel_available():
-        pytest.skip("no C++ compiler for the CPU kernel")
-    calls = []
-    real = cpu_attention.paged_attention_cpu
-
-    def counting(*args, **kw):
-        calls.append(kw.get("ring") is not None)
-        return real(*args, **kw)
-
-    def run(fused: bool):
-        monkeypatch.setattr(runner_mod, "accumulates",
-                            lambda pool: fused and cpu_attention.accumulates(pool))
-        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu", max_num_batched_tokens=40)
-        eng = llm.engine
-        eng.runner.attention_fn = counting  # the same function, counted
-        monkeypatch.setattr(runner_mod, "paged_attention_cpu", counting)
-        g = torch.Generator().manual_seed(3)
-        kv = {"name": "pyramid", "budget": 16, "obs_window": 4}
-        # 40-token steps: 30 + 10, then 1 + 38 + 1: the last prompt's first chunk is a
-        # token at position 0, before its window, in a step with decode tokens
-        for i, (n, m) in enumerate(((30, 20), (48, 9), (12, 26))):  # the second ends first
-            eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                            kv_policy=kv)
-        snaps, tokens = [], {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            t = eng.kv.tables
-            snaps.append((t.slot_pos.clone(), t.state["pyramid_window4"].clone(),
-                          t.state["pyramid_total4"].clone()))
-        assert eng.stats().evicted_tokens_by_policy_total["pyramid"] > 0  # it did evict
-        return snaps, tokens
-
-    calls.clear()
-    fused, fused_tokens = run(True)
-    assert any(calls), "the kernel never wrote the window"
-    calls.clear()
-    plain, plain_tokens = run(False)
-    assert not any(calls)
-    assert fused_tokens == plain_tokens
-    assert len(fused) == len(plain)
-    for (pos_a, ring_a, tot_a), (pos_b, ring_b, tot_b) in zip(fused, plain):
-        live = pos_a >= 0  # (a released row's state is never read again)
-        assert torch.equal(pos_a, pos_b)
-        assert torch.equal(ring_a[live], ring_b[live]) and torch.equal(tot_a[live], tot_b[live])
+    token budget cuts the prompt there) is not a decode token: its mass comes back.
+    40-token steps: 30 + 10, then 1 + 38 + 1: the last prompt's first chunk is a token at
+    position 0, before its window, in a step with decode tokens."""
+    _kernel_or_policy(llama, monkeypatch, "ring", {"name": "pyramid", "budget": 16, "obs_window": 4},
+                      [(30, 20), (48, 9), (12, 26)], 3, ("pyramid_window4", "pyramid_total4"),
+                      max_num_batched_tokens=40)
 
 
 def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypatch):
@@ -306,35 +290,14 @@ def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypa
         seen.append(bool(view.handed_whole))
         return view
 
-    def run(whole: bool):
-        monkeypatch.setattr(policy_rows_mod, "by_columns",
-                            lambda t: whole and t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1)
-        monkeypatch.setattr(policy_rows_mod, "build_view", noting)
-        llm = LLM(llama, num_blocks=256, block_size=4, device="cpu")
-        eng = llm.engine
-        g = torch.Generator().manual_seed(4)
-        kv = {"name": "pyramid", "budget": 12, "obs_window": 4}
-        for i, (n, m) in enumerate(((20, 22), (25, 5), (18, 24), (22, 6), (30, 20))):
-            eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                            kv_policy=kv)
-        snaps, tokens = [], {}
-        while eng.has_unfinished():
-            for o in eng.step():
-                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            t = eng.kv.tables
-            snaps.append((t.slot_pos.clone(), t.state["pyramid_window4"].clone(),
-                          t.state["pyramid_total4"].clone()))
-        return snaps, tokens
-
-    seen.clear()
-    whole, whole_tokens = run(True)
-    assert any(seen), "no group's rows were apart"
-    seen.clear()
-    copied, copied_tokens = run(False)
-    assert not any(seen)
-    assert whole_tokens == copied_tokens and len(whole) == len(copied)
-    for (pos_a, ring_a, tot_a), (pos_b, ring_b, tot_b) in zip(whole, copied):
-        live = pos_a >= 0
-        assert torch.equal(pos_a, pos_b)
-        assert torch.equal(ring_a[live], ring_b[live]) and torch.equal(tot_a[live], tot_b[live])
+    monkeypatch.setattr(policy_rows_mod, "build_view", noting)
+    runs = {}
+    for whole in (True, False):
+        monkeypatch.setattr(policy_rows_mod, "by_columns", lambda t, whole=whole: (
+            whole and t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1))
+        seen.clear()
+        runs[whole] = _run_and_snap(llama, {"name": "pyramid", "budget": 12, "obs_window": 4},
+                                    [(20, 22), (25, 5), (18, 24), (22, 6), (30, 20)], 4,
+                                    ("pyramid_window4", "pyramid_total4"))
+        assert any(seen) == whole, "no group's rows were apart" if whole else "handed whole"
+    _same_tables(runs[True], runs[False])
