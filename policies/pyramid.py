@@ -231,23 +231,22 @@ class PyramidPolicy:
             else:
                 per_request = [[(s - k + j) % a for j in range(k - kk, k)] for s in view.seq_len]
                 cols = [x for row in view.per_row(per_request) for x in row]
-        if NATIVE["state"] and view.slot_pos.device.type == "cpu" and total_name in view.state:
+        native = NATIVE["state"] and view.slot_pos.device.type == "cpu"
+        rows: list[int] = []
+        if native and total_name in view.state:
             # the tables' state in place; where the group's rows are apart, whole, and
             # request r at its row rows[r] (`RowsView.whole`: no copy out and back)
             (ring, rows), (total, _) = view.whole(ring_name), view.whole(total_name)
+        else:
+            ring = view.layered(ring_name)  # [L, R, W, α]
+            # The engine keeps the total beside the ring; a view without it (the pure
+            # policy tests') gets it from the ring: the same bits by construction.
+            total = view.layered(total_name) if total_name in view.state else \
+                _split(_fixed(ring, _shift(a)).sum(dim=3))
+        if native:
             plan = torch.ops.kvserve_policy_state.pyramid_window(
                 ring, total, new, cols, view.slot_pos, edges or [], drop or [], _shift(a),
                 4 * a * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30, rows)
-            return plan if drop else None
-        ring = view.layered(ring_name)  # [L, R, W, α]
-        # The engine keeps the total beside the ring; a view without it (the pure
-        # policy tests') gets it from the ring: the same bits by construction.
-        total = view.layered(total_name) if total_name in view.state else \
-            _split(_fixed(ring, _shift(a)).sum(dim=3))
-        if NATIVE["state"] and ring.device.type == "cpu":
-            plan = torch.ops.kvserve_policy_state.pyramid_window(
-                ring, total, new, cols, view.slot_pos, edges or [], drop or [], _shift(a),
-                4 * a * 2.0 ** -24 + 2.0 ** -22, 2.0 ** -30, [])
             return plan if drop else None
         _window_ring(ring, total, new, torch.tensor(cols, dtype=torch.int64).view(n, new.shape[1]),
                      _shift(a))

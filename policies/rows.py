@@ -56,10 +56,12 @@ class RowsView:
     # Where the group's rows are not consecutive, the in-place states named here (stored
     # by columns: pyramid's ring and total) are handed whole, [L, every row, W, k], and
     # request r of the view is their row state_rows[r]: a C++ op reads them there
-    # (`whole`); `layered` copies the rows out on first use, and the engine puts that
-    # copy back. Copying them out for every step was the cost (a ring is 128 bytes a slot).
+    # (`whole`); `layered` copies the rows out on first use (`copy_rows`, the engine's
+    # copy of those rows), and the engine puts that copy back. Copying them out for
+    # every step was the cost (a ring is 128 bytes a slot).
     handed_whole: frozenset[str] = frozenset()
     state_rows: list[int] = field(default_factory=list)
+    copy_rows: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     gathered: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     # [N, Tq, Hkv, W] float32: this step's queries' probability mass on each slot,
     # summed over the query heads of each kv group (0 on dead slots); Hkv is 1, the sum
@@ -127,11 +129,10 @@ class RowsView:
         """State `name` as [L, R, W(, k)] (row l·R + r at [l, r]): the tables' slice as
         handed, or a view of the [N, W(, k)] copy."""
         t = self.state[name]
-        if name in self.handed_whole:  # the group's rows, copied out once, row by row
-            if name not in self.gathered:  # in storage order (a gather over the
-                s = t.transpose(2, 3)  # transposed layout took a slow path)
-                self.gathered[name] = torch.cat([s.narrow(1, r, 1) for r in self.state_rows],
-                                                dim=1).transpose(2, 3)
+        if name in self.handed_whole:  # the group's rows, copied out once
+            if name not in self.gathered:
+                assert self.copy_rows is not None
+                self.gathered[name] = self.copy_rows(t)
             return self.gathered[name]
         if name in self.in_place:
             return t

@@ -173,6 +173,7 @@ def build_view(members: list[Member]) -> RowsView:
             view.state[name] = _rows(take_rows(tables.state[name], rows, width))
     if whole:
         view.handed_whole, view.state_rows = frozenset(whole), rows
+        view.copy_rows = lambda t: rows_slice(t, rows, width)  # a copy: rows apart
     if needs.attention:
         # the decode kernel added the step's mass into the state (a step's group is all
         # or none: one policy, one step size, one kernel)

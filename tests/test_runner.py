@@ -181,11 +181,14 @@ def test_steady_decode_steps_take_their_group_from_the_batch_append(llama, monke
 
 
 def _run_and_snap(llama, kv: dict, prompts: list[tuple[int, int]], seed: int,
-                  states: tuple[str, ...], **engine_kw) -> tuple[list, dict]:
-    """Greedy requests of (prompt length, max_tokens) under `kv`; the tables' positions
-    and `states` after every step, and each request's tokens."""
+                  states: tuple[str, ...], attention_fn=None, **engine_kw) -> tuple[list, dict]:
+    """Greedy requests of (prompt length, max_tokens) under `kv` (the runner's attention
+    `attention_fn` if given); the tables' positions and `states` after every step, and
+    each request's tokens."""
     llm = LLM(llama, num_blocks=256, block_size=4, device="cpu", **engine_kw)
     eng = llm.engine
+    if attention_fn is not None:
+        eng.runner.attention_fn = attention_fn
     g = torch.Generator().manual_seed(seed)
     for i, (n, m) in enumerate(prompts):
         eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
@@ -234,22 +237,10 @@ def _kernel_or_policy(llama, monkeypatch, arg: str, *run: object, **engine_kw) -
     for fused in (True, False):
         monkeypatch.setattr(runner_mod, "accumulates",
                             lambda pool, fused=fused: fused and cpu_attention.accumulates(pool))
-        monkeypatch.setattr(LLM, "__init__", _counted_init(counting))
         calls.clear()
-        got[fused] = _run_and_snap(llama, *run, **engine_kw)
+        got[fused] = _run_and_snap(llama, *run, attention_fn=counting, **engine_kw)
         assert any(calls) == fused, "the kernel took the mass" if not fused else "it never did"
-    monkeypatch.undo()
     _same_tables(got[True], got[False])
-
-
-def _counted_init(fn):
-    """LLM.__init__ that makes the runner's attention `fn` (the same function, counted)."""
-    real = LLM.__init__
-
-    def init(self, *args, **kw):
-        real(self, *args, **kw)
-        self.engine.runner.attention_fn = fn
-    return init
 
 
 def test_h2o_decode_mass_is_added_in_the_kernel_with_the_same_bits(llama, monkeypatch):
@@ -275,12 +266,25 @@ def test_pyramid_decode_window_is_written_in_the_kernel_with_the_same_bits(llama
                       max_num_batched_tokens=40)
 
 
-def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypatch, native):
     """A pyramid group whose table rows are not consecutive (a request between them
     finished) hands its ring and total whole, request r at its row (`RowsView.whole`,
     `pyramid_window(rows=)`), instead of copying its rows out and back: the tables after
-    every step and the tokens are those of the copying run."""
+    every step and the tokens are those of the copying run. Without the C++ op the torch
+    form copies the rows on first use (`RowsView.layered`) and the engine puts them back."""
+    import engine.runner as runner_mod
     import scheduler.policy_rows as policy_rows_mod
+    import scheduler.warmup as warmup_mod
+    from policies import rows as rows_mod
+
+    if not native:
+        # No window op (the warm-up's load would bring it back) and no kernel write: the
+        # torch form updates the rows' copy, which the engine must put back.
+        for mod in (policy_rows_mod, warmup_mod):
+            monkeypatch.setattr(mod, "load_select", lambda: True)
+        monkeypatch.setitem(rows_mod.NATIVE, "state", False)
+        monkeypatch.setattr(runner_mod, "accumulates", lambda pool: False)
 
     seen = []
     real = policy_rows_mod.build_view
