@@ -8,10 +8,21 @@ request's lengths or tables from its capture, only from static device buffers th
 each step refills with one host-to-device copy, so a policy that evicted slots between
 two steps (a -1 in the slot's position) is simply seen by the next replay.
 
-A step runs in a graph when every input is one decode token that asks the forward for
-nothing but logits (no attention mass, norms, KeyDiff scores or prompt logprobs: those
-steps run eagerly), its batch fits the largest bucket, and its longest table fits the
-buffers (`max_len`, vLLM's max_seq_len_to_capture). The batch is padded up to its
+A step runs in a graph when every input is one decode token wanting logits (no prompt
+logprobs, no KeyDiff scores, no mass per kv head: those steps run eagerly), its batch
+fits the largest bucket, and its longest table fits the buffers (`max_len`, vLLM's
+max_seq_len_to_capture).
+
+Policies that read attention statistics run inside graphs too (issue 23's fused
+statistics): each bucket has a second graph, captured on first use, whose attention
+adds the Triton kernel's mass pass (`paged_attention_triton(sum_heads=True)`: every
+slot's probability summed over all heads, for the rows flagged in a static buffer,
+zeros elsewhere, no atomics) and which keeps each layer's new K/V norms
+(`engine.runner.new_norms`, for knorm and PagedEviction). After the replay the step's
+columns of these buffers cross to the host in one copy each, as the eager step's
+`AttentionMass`, so the policies are the same code either way. This is what vLLM's
+fused kernels could not give H2O-style eviction (vLLM #3532): the statistic costs one
+more pass over the keys inside the same graph, not an eager step. The batch is padded up to its
 bucket: padded rows see no slot (query position -1), write their K/V to the pool's
 scratch block (`BlockPool(scratch=True)`: outside its accounting), and their logits are
 dropped. The tables are padded to a
@@ -31,7 +42,7 @@ import torch
 from kvpool.triton_attention import paged_attention_triton
 
 if TYPE_CHECKING:  # the runner imports this module
-    from engine.runner import ModelRunner, SeqInput
+    from engine.runner import ModelRunner, SeqInput, StepOutput
 
 # Longest table (in tokens) a graph step takes; longer steps run eagerly. The buffers
 # hold L x max_batch x max_len positions, so this bounds their memory (vLLM: 8192).
@@ -48,11 +59,17 @@ def batch_buckets(max_batch: int) -> list[int]:
     return [*out, max_batch]
 
 
-def graph_step(s: SeqInput) -> bool:
-    """Whether an input can run in a graph: one decode token wanting logits alone."""
+def graph_step(s: SeqInput, norms: bool) -> bool:
+    """Whether an input can run in a graph: one decode token wanting its logits and at
+    most the statistics a graph keeps (mass summed over heads; the step's K/V norms
+    where `norms`: an unquantized pool, as the eager runner's `new_norms`)."""
     return (len(s.token_ids) == 1 and s.slots is None and s.wants_logits
-            and not (s.wants_attention or s.wants_key_diversity or s.wants_norms)
+            and not (s.wants_key_diversity or s.attention_heads or (s.wants_norms and not norms))
             and s.score is None)
+
+
+def wants_stats(s: SeqInput) -> bool:
+    return s.wants_attention or s.wants_norms
 
 
 class DecodeGraphs:
@@ -81,13 +98,18 @@ class DecodeGraphs:
         self.tables = torch.full((nl, bmax, nbm), -1, **i32)
         self.slot_pos = torch.full((nl, bmax, nbm * bs), -1, **i32)
         self.slot_count = torch.zeros(1, **i32)
+        self.mass_rows = torch.zeros(bmax, **i32)  # statistics graphs: rows wanting mass
+        self.norms = pool.quant is None  # the step's K/V norms as the pool stores them
         # One host-to-device copy a step: everything is staged in one int32 buffer
         # (pinned on CUDA, so the copy is asynchronous), then spread on the device.
-        n = 3 * bmax + 1 + nl * bmax * (1 + nbm + nbm * bs)
+        n = 4 * bmax + 1 + nl * bmax * (1 + nbm + nbm * bs)
         self._host = torch.empty(n, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._dev = torch.empty(n, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # keyed (bucket, statistics): the statistics graph also returns (mass
+        # [L, bucket, 1, 1, nbm*bs], K norms, V norms [L, bucket, Hkv]) in `stats`
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self.stats: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0  # decode steps run through the graphs
         self.eager_steps = 0  # decode-only steps that did not fit (run eagerly)
@@ -95,49 +117,80 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, inputs: list[SeqInput], decode_slots: torch.Tensor) -> torch.Tensor | None:
-        """The step's logits [B, V] (float32, valid until the next replay), or None when
-        the step does not fit a graph (then the runner runs it eagerly)."""
+    def run(self, inputs: list[SeqInput], decode_slots: torch.Tensor) -> StepOutput | None:
+        """The step's output (logits float32, valid until the next replay; the
+        statistics its inputs asked for, on the host), or None when the step does not
+        fit a graph (then the runner runs it eagerly)."""
+        from engine.runner import StepOutput  # the runner imports this module
+
         b = len(inputs)
         if decode_slots.shape[1] != b:  # prefill chunks in the step
             return None
         bucket = self.bucket(b)
         caches = [s.cache for s in inputs]
         nb = max(c.max_blocks for c in caches)
-        if bucket is None or nb > self.max_blocks or not all(map(graph_step, inputs)):
+        if (bucket is None or nb > self.max_blocks
+                or not all(graph_step(s, self.norms) for s in inputs)):
             self.eager_steps += 1
             return None
-        if bucket not in self.logits:
-            self._capture(bucket)
-        self._stage(inputs, caches, decode_slots, bucket, nb)
+        stats = any(map(wants_stats, inputs))
+        key = (bucket, stats)
+        if key not in self.logits:
+            self._capture(bucket, stats)
+        self._stage(inputs, caches, decode_slots, bucket, nb, stats)
         if self.capture:
-            self.graphs[bucket].replay()
+            self.graphs[key].replay()
         else:
-            self.logits[bucket] = self._forward(bucket)
+            self.logits[key] = self._forward(bucket, stats)
         self.steps += 1
-        return self.logits[bucket][:b]
+        out = StepOutput(logits=self.logits[key][:b])
+        if stats:
+            self._statistics(inputs, bucket, nb * self.runner.pool.block_size, out)
+        return out
 
     def capture_all(self) -> None:
-        """Capture every bucket now (largest first, so the smaller ones reuse its memory
-        pool): warm-up pays this instead of the first steps of each size."""
-        for bucket in reversed(self.buckets):
-            if bucket not in self.logits:
-                self._capture(bucket)
+        """Capture every bucket's graphs now, plain and statistics (largest first, so
+        the smaller ones reuse its memory pool): warm-up pays this instead of the first
+        steps of each size, and a policy's first request does not stall the batch."""
+        for stats in (False, True):
+            for bucket in reversed(self.buckets):
+                if (bucket, stats) not in self.logits:
+                    self._capture(bucket, stats)
 
-    def _capture(self, bucket: int) -> None:
+    def _capture(self, bucket: int, stats: bool) -> None:
         """Warm the forward on all-padding inputs (Triton compiles, cuBLAS picks its
         kernels: neither may happen inside a capture), then capture it."""
         self._pad(bucket)
-        logits = self._forward(bucket)
+        logits = self._forward(bucket, stats)
         if not self.capture:
-            self.logits[bucket] = logits
+            self.logits[bucket, stats] = logits
             return
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mempool):
-            self.logits[bucket] = self._forward(bucket)
+            self.logits[bucket, stats] = self._forward(bucket, stats)
         torch.cuda.synchronize()
-        self.graphs[bucket] = graph
+        self.graphs[bucket, stats] = graph
+
+    def _statistics(self, inputs: list[SeqInput], bucket: int, width: int,
+                    out: StepOutput) -> None:
+        """The replay's mass and norms as the eager runner hands them (`AttentionMass`):
+        the step's rows and columns, one device-to-host copy per statistic asked."""
+        from engine.runner import AttentionMass
+
+        b = len(inputs)
+        mass_all, kn_all, vn_all = self.stats[bucket]
+        mass = (mass_all[:, :b, :, :, :width].cpu()
+                if any(s.wants_attention for s in inputs) else None)
+        kn = vn = None
+        if any(s.wants_norms for s in inputs):
+            kn, vn = kn_all[:, :b].cpu(), vn_all[:, :b].cpu()
+        for i, s in enumerate(inputs):
+            if s.wants_attention or s.wants_norms:
+                a = AttentionMass(mass if s.wants_attention else None, i, 1)
+                if s.wants_norms:  # the packed token axis is the batch here
+                    a.key_norm, a.value_norm, a.token = kn, vn, i
+                out.attention[i] = a
 
     def _pad(self, bucket: int) -> None:
         """Every row of the bucket padding: it writes the scratch block and sees nothing."""
@@ -146,9 +199,10 @@ class DecodeGraphs:
         self.q_pos[:bucket] = -1
         self.write_slots[:, :bucket] = self.scratch_slot
         self.slot_count.zero_()
+        self.mass_rows[:bucket] = 0
 
     def _stage(self, inputs: list[SeqInput], caches: list, decode_slots: torch.Tensor,
-               bucket: int, nb: int) -> None:
+               bucket: int, nb: int, stats: bool) -> None:
         """The step's inputs into the static buffers: rows b < B are the step's, the
         rest padding; tables and positions fill the first nb columns (`slot_count`).
         Every piece is written into the pinned staging buffer in turn, crosses in one
@@ -157,8 +211,9 @@ class DecodeGraphs:
         table, slot_pos, _ = caches[0].tables.rows_of([c.row for c in caches], nb)
         pos = [x.start_pos for x in inputs]
         pad = bucket - b
+        flags = [int(x.wants_attention) for x in inputs] + [0] * pad if stats else []
         small = torch.tensor([x.token_ids[0] for x in inputs] + [0] * pad + pos + [0] * pad
-                             + pos + [-1] * pad + [width], dtype=torch.int32)
+                             + pos + [-1] * pad + [width] + flags, dtype=torch.int32)
         write = torch.empty(nl, bucket, dtype=torch.int64)
         write[:, :b] = decode_slots
         write[:, b:] = self.scratch_slot
@@ -166,11 +221,13 @@ class DecodeGraphs:
             (small[:bucket], self.ids[:bucket]),
             (small[bucket : 2 * bucket], self.pos[:bucket]),
             (small[2 * bucket : 3 * bucket], self.q_pos[:bucket, 0]),
-            (small[3 * bucket :], self.slot_count),
+            (small[3 * bucket : 3 * bucket + 1], self.slot_count),
             (write, self.write_slots[:, :bucket]),
             (table, self.tables[:, :b, :nb]),
             (slot_pos, self.slot_pos[:, :b, :width]),
         ]
+        if stats:
+            pieces.append((small[3 * bucket + 1 :], self.mass_rows[:bucket]))
         staged, a = [], 0
         for data, _ in pieces:
             n = data.numel()
@@ -181,21 +238,37 @@ class DecodeGraphs:
         for (o, n), (data, dst) in zip(staged, pieces):
             dst.copy_(self._dev[o : o + n].view(data.shape))
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """The decode forward over the first `bucket` rows of the static buffers."""
+    def _forward(self, bucket: int, stats: bool) -> torch.Tensor:
+        """The decode forward over the first `bucket` rows of the static buffers; with
+        `stats`, also the mass of the flagged rows and every row's K/V norms (kept in
+        `self.stats[bucket]`)."""
+        from engine.runner import new_norms  # the runner imports this module
+
         r = self.runner
         pool, windows, scale = r.pool, r.config.sliding_windows, r.scale
         ws, q_pos = self.write_slots[:, :bucket], self.q_pos[:bucket]
         tables, slot_pos, count = self.tables[:, :bucket], self.slot_pos[:, :bucket], self.slot_count
+        kw = {"sum_heads": True, "mass_rows": self.mass_rows[:bucket]} if stats else {}
+        mass: list[torch.Tensor] = []
+        norms: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(ws[layer], k, v)
-            o, _ = pool.attend(paged_attention_triton, q[:, None], tables[layer],
-                               slot_pos[layer], q_pos, scale, windows[layer], False,
-                               slot_count=count)
+            if stats and self.norms:
+                norms.append(new_norms(k, v, pool.k_cache.dtype))
+            o, probs = pool.attend(paged_attention_triton, q[:, None], tables[layer],
+                                   slot_pos[layer], q_pos, scale, windows[layer], stats,
+                                   slot_count=count, **kw)
+            if probs is not None:
+                mass.append(probs)
             return o[:, 0]
 
         with torch.inference_mode():
             # every position is below max_model_len (the engine's checks), padding's 0
             hidden = r.model(self.ids[:bucket], self.pos[:bucket], attn, self.max_len - 1)
+            if stats:
+                none = torch.zeros(len(mass), bucket, r.config.num_kv_heads, device=r.device)
+                self.stats[bucket] = (torch.stack(mass),
+                                      torch.stack([x[0] for x in norms]) if norms else none,
+                                      torch.stack([x[1] for x in norms]) if norms else none)
             return r.model.compute_logits(hidden).float()

@@ -156,9 +156,9 @@ class ModelRunner:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
         order): their slots and rows."""
         if self.graphs is not None and decode is not None:
-            logits = self.graphs.run(inputs, decode.slots)
-            if logits is not None:  # the step was a graph's; else it runs eagerly here
-                return StepOutput(logits=logits)
+            out = self.graphs.run(inputs, decode.slots)
+            if out is not None:  # the step was a graph's; else it runs eagerly here
+                return out
         cfg, dev = self.config, self.device
         offsets: list[int] = []
         ids: list[int] = []

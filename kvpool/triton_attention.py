@@ -215,19 +215,36 @@ def _probs_kernel(
     sk_n, sk_s, sk_h, sk_d,
     sc_n, sc_s, sc_h, sc_g,
     st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
-    scale_log2, window, Tq, S, Hkv,
+    SLEN, ROWS, scale_log2, window, Tq, S, Hkv,
     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
+    SUM_KV: tl.constexpr, DYN_S: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
-    """probs[b, t, kvh, s] = Σ_g exp2(score - lse) for one (slot tile, query tile)."""
+    """probs[b, t, kvh, s] = Σ_g exp2(score - lse) for one (slot tile, query tile).
+
+    SUM_KV: one program walks every kv head of its row and writes the sum over all
+    query heads, probs[b, t, 0, s] (what a policy that reads no head apart takes): the
+    same sum without atomics, so the statistic stays deterministic. DYN_S: only the
+    first SLEN[0] slots are read or written (a CUDA graph's tables are wider than the
+    step's). HAS_ROWS: rows b with ROWS[b] == 0 want no mass and get zeros."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = tl.program_id(2)
-    b = pid_bh // Hkv
-    kvh = pid_bh % Hkv
+    if SUM_KV:
+        b = pid_bh
+        kv_first = 0
+        kv_count = Hkv
+    else:
+        b = pid_bh // Hkv
+        kv_first = pid_bh % Hkv
+        kv_count = 1
+    if DYN_S:
+        S_read = tl.minimum(tl.load(SLEN).to(tl.int32), S)
+    else:
+        S_read = S
     s = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    s_ok = s < S
+    s_ok = s < S_read
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < Tq
     d = tl.arange(0, BLOCK_D)
@@ -238,20 +255,27 @@ def _probs_kernel(
     vis = (sp[None, :] >= 0) & (sp[None, :] <= qp[:, None]) & t_ok[:, None]
     if HAS_WINDOW:
         vis = vis & (sp[None, :] > qp[:, None] - window)
+    if HAS_ROWS:
+        vis = vis & (tl.load(ROWS + b) != 0)
     mass = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if tl.max(tl.max(vis.to(tl.int32), axis=1), axis=0) > 0:
         blk = tl.maximum(tl.load(TABLE + b * st_b + (s // BS) * st_n, mask=s_ok, other=0), 0)
-        k = _load_rows(K, KS, blk.to(tl.int64), s % BS, kvh, d, sk_n, sk_s, sk_h, sk_d,
-                       sc_n, sc_s, sc_h, sc_g, s_ok[:, None] & d_ok[None, :], QUANT, GS)
-        for g in range(G):
-            h = kvh * G + g
-            q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h * sq_h + d[None, :] * sq_d,
-                        mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            q = q * scale_log2  # same rounding as the first pass
-            lse = tl.load(LSE + (b * Tq + t) * (Hkv * G) + h, mask=t_ok, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            mass += tl.where(vis, tl.exp2(scores - lse[:, None]), 0.0)
-    row = (b.to(tl.int64) * Tq + t) * Hkv + kvh  # int64: B*Tq*Hkv*S can pass 2**31
+        for j in range(kv_count):
+            kvh = kv_first + j
+            k = _load_rows(K, KS, blk.to(tl.int64), s % BS, kvh, d, sk_n, sk_s, sk_h, sk_d,
+                           sc_n, sc_s, sc_h, sc_g, s_ok[:, None] & d_ok[None, :], QUANT, GS)
+            for g in range(G):
+                h = kvh * G + g
+                q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h * sq_h + d[None, :] * sq_d,
+                            mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                q = q * scale_log2  # same rounding as the first pass
+                lse = tl.load(LSE + (b * Tq + t) * (Hkv * G) + h, mask=t_ok, other=0.0)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                mass += tl.where(vis, tl.exp2(scores - lse[:, None]), 0.0)
+    if SUM_KV:
+        row = b.to(tl.int64) * Tq + t
+    else:
+        row = (b.to(tl.int64) * Tq + t) * Hkv + kv_first  # int64: B*Tq*Hkv*S can pass 2**31
     tl.store(PROBS + row[:, None] * S + s[None, :], mass,
              mask=t_ok[:, None] & s_ok[None, :])
 
@@ -294,6 +318,9 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,
     slot_count: torch.Tensor | None = None,
+    sum_heads: bool = False,
+    mass_rows: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `kvpool.attention.paged_attention` (same arguments and results).
 
@@ -301,9 +328,15 @@ def paged_attention_triton(
     grid size and the GPU's SM count. `slot_count` (keyword only): a one-element int
     tensor on the device; only the first `slot_count[0]` slots of every row are read
     (a CUDA graph's tables have a fixed width, wider than the step's; the count is read
-    on the device at replay, engine/cuda_graphs.py). Not with `return_probs`. Every
-    tensor is addressed through its strides, so views need no copy (q sliced out of a
-    fused qkv projection, k_cache = kv[0]).
+    on the device at replay, engine/cuda_graphs.py); with `return_probs`, the mass
+    beyond it is zero. `sum_heads`: the mass summed over every head,
+    [B, Tq, 1, S] (the C++ kernel's flag: what a policy that reads no head apart takes).
+    `mass_rows` ([B] int32 on the device): only rows b with mass_rows[b] != 0 get mass, the rest
+    zeros (a graph's batch where some requests ask for it). `tiles`: (BLOCK_N,
+    num_warps, num_stages) of the attention pass instead of the defaults (the GPU
+    benchmark's sweep, loadtest/bench_gpu_kernels.py). Every tensor is addressed
+    through its strides, so views need no copy (q sliced out of a fused qkv
+    projection, k_cache = kv[0]).
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use kvpool.attention.paged_attention")
@@ -327,17 +360,15 @@ def paged_attention_triton(
         raise ValueError("slot_pos must be [B, NB*block_size] and q_pos [B, Tq]")
     dev = q.device
     out = torch.empty((b, tq, hq, d), dtype=q.dtype, device=dev)
-    probs = (torch.zeros((b, tq, hkv, s_len), dtype=torch.float32, device=dev)
-             if return_probs else None)
+    probs = (torch.zeros((b, tq, 1 if sum_heads else hkv, s_len), dtype=torch.float32,
+                         device=dev) if return_probs else None)
     if out.numel() == 0 or s_len == 0:
         return out.zero_(), probs
-    if slot_count is not None and return_probs:
-        raise ValueError("slot_count is for the attention pass alone, not return_probs")
 
     block_d = _pow2(d)
     rows = tq * g
     block_m = min(_pow2(rows), 64)
-    block_n = 64 if block_d <= 64 else 32
+    block_n, warps, stages = tiles or (64 if block_d <= 64 else 32, 4, None)
     block_n = min(block_n, _pow2(s_len))
     n_tiles = triton.cdiv(s_len, block_n)
     m_tiles = triton.cdiv(rows, block_m)
@@ -366,7 +397,8 @@ def paged_attention_triton(
         scale_log2, win, tq, s_len, hkv, tiles_per_split,
         G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
-        PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, num_warps=4,
+        PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}),
     )
     if splits > 1:
         _combine_kernel[(m_tiles, b * hkv)](
@@ -375,13 +407,15 @@ def paged_attention_triton(
         )
     if return_probs:
         block_t = min(_pow2(tq), 32)
-        _probs_kernel[(n_tiles, b * hkv, triton.cdiv(tq, block_t))](
+        _probs_kernel[(n_tiles, b if sum_heads else b * hkv, triton.cdiv(tq, block_t))](
             q, k_cache, k_scale, table, slot_pos, q_pos, lse, probs,
             *q.stride(), *k_cache.stride(), *sc_strides,
             *table.stride(), *slot_pos.stride(), *q_pos.stride(),
-            scale_log2, win, tq, s_len, hkv,
+            q_pos if slot_count is None else slot_count,  # SLEN, ROWS: unread if None
+            q_pos if mass_rows is None else mass_rows, scale_log2, win, tq, s_len, hkv,
             G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_N=block_n,
             HAS_WINDOW=window is not None, PRECISION=precision, QUANT=mode, GS=gs,
+            SUM_KV=sum_heads, DYN_S=slot_count is not None, HAS_ROWS=mass_rows is not None,
             num_warps=4,
         )
     return out, probs

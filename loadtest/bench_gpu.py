@@ -7,11 +7,14 @@ no prefix caching. Runs, each on a fresh engine after a warm-up:
 
 - kvserve `full` with CUDA graphs (engine/cuda_graphs.py), the same with torch's layer
   ops instead of the Triton kernels (engine/layer_ops_triton.py), and `enforce_eager`;
-- kvserve policies at their budget (streaming runs inside graphs; h2o reads attention
-  mass, so its steps run eagerly): the step and its policy share;
+- kvserve policies at their budget inside graphs (streaming; h2o, whose attention mass
+  the statistics graphs' Triton pass computes; knorm, whose key norms they keep), and
+  h2o eagerly beside them: the step and its policy share;
 - HF `generate` (dynamic cache; static cache) on the same prompts as one batch;
+- kernels (loadtest/bench_gpu_kernels.py): an eager decode step's CUDA kernels, and the
+  Triton decode attention at a few tile sizes against SDPA on the same shape;
 - pressure: a pool that fits `--pressure-fit` full requests, N requests of P + 2G
-  tokens, `full` against streaming (the best policy where the others read attention).
+  tokens, `full` against streaming and h2o.
 
 Each kvserve run reports output tok/s, the mean decode step at N running (total,
 forward, schedule, sample, policy), and the GPU's busy share over 10 such steps
@@ -134,8 +137,9 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
         r["policy_share"] = r["policy_ms"] / r["step_ms"]
         r["decode_tok_s"] = n / r["step_ms"] * 1e3  # the decode phase's rate at N running
     graphs = eng.runner.graphs
-    if graphs is not None and n in graphs.graphs:  # the forward's GPU time alone
-        r["replay_ms"] = replay_ms(graphs.graphs[n])
+    key = (n, policy is not None and (n, True) in graphs.graphs) if graphs else None
+    if graphs is not None and key in graphs.graphs:  # the forward's GPU time alone
+        r["replay_ms"] = replay_ms(graphs.graphs[key])
     del eng
     torch.cuda.empty_cache()
     return r
@@ -208,6 +212,14 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def kernels_part(path: str, prompts: list[list[int]]) -> dict:
+    from engine.model_config import load_model_config
+    from loadtest import bench_gpu_kernels
+
+    cfg = load_model_config(path)
+    return bench_gpu_kernels.run(path, prompts, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+
+
 def render(report: dict) -> str:
     """The doc's block: where and how it was measured, the command, the table."""
     fp, s = report["fingerprint"], report["settings"]
@@ -219,7 +231,13 @@ def render(report: dict) -> str:
         p = report["pressure"]
         head += (f"; pressure: {p['num_blocks']} blocks (fits {p['fits_full']} full "
                  f"requests), {s['requests']} × {s['prompt']}/{p['gen']}")
-    return head + ".\n\n" + table(report)
+    text = head + ".\n\n" + table(report)
+    k = report.get("kernels")
+    if k and "error" not in k:
+        from loadtest.bench_gpu_kernels import table as kernel_table
+
+        text += "\n\n" + kernel_table(k)
+    return text
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -228,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=256)
-    p.add_argument("--parts", default="kvserve,policies,hf,pressure")
+    p.add_argument("--parts", default="kvserve,policies,hf,pressure,kernels")
     p.add_argument("--pressure-fit", type=int, default=8)
     p.add_argument("--models-dir", default=None, help="where the random models are built")
     p.add_argument("--out", default="runs/")
@@ -258,8 +276,12 @@ def main(argv: list[str] | None = None) -> dict:
     if "policies" in parts:
         plan += [("kvserve streaming 128 graphs", lambda: run_kvserve(
                      path, prompts, a.gen, policy={"name": "streaming", "sink": 4, "window": 124})),
-                 ("kvserve h2o 128 (eager)", lambda: run_kvserve(
-                     path, prompts, a.gen, policy={"name": "h2o", "budget": 128}))]
+                 ("kvserve h2o 128 graphs", lambda: run_kvserve(
+                     path, prompts, a.gen, policy={"name": "h2o", "budget": 128})),
+                 ("kvserve h2o 128 eager", lambda: run_kvserve(
+                     path, prompts, a.gen, policy={"name": "h2o", "budget": 128}, eager=True)),
+                 ("kvserve knorm 128 graphs", lambda: run_kvserve(
+                     path, prompts, a.gen, policy={"name": "knorm", "budget": 128}))]
     if "hf" in parts:
         plan += [("hf_generate", lambda: run_hf(path, prompts, a.gen, None)),
                  ("hf_generate static cache", lambda: run_hf(path, prompts, a.gen, "static"))]
@@ -270,19 +292,26 @@ def main(argv: list[str] | None = None) -> dict:
         plan += [(f"pressure {label}", lambda pol=pol: run_kvserve(
                      path, prompts, 2 * a.gen, policy=pol, num_blocks=blocks, profile=False))
                  for label, pol in (("full", None), ("streaming 128", {
-                     "name": "streaming", "sink": 4, "window": 124}))]
+                     "name": "streaming", "sink": 4, "window": 124}),
+                     ("h2o 128", {"name": "h2o", "budget": 128}))]
+    if "kernels" in parts:
+        plan.append(("kernels", lambda: kernels_part(path, prompts)))
     os.makedirs(a.out, exist_ok=True)
     out_path = os.path.join(a.out, f"bench_gpu_{a.model}.json")
     for i, (label, fn) in enumerate(plan):
         print(f"[{i + 1}/{len(plan)}] {label} ...", flush=True)
         try:
-            report["runs"][label] = fn()
+            result = fn()
         except Exception as e:  # one failed run must not cost the others (a lent GPU's minutes)
-            report["runs"][label] = {"error": repr(e)[:500]}
-        print(f"    {json.dumps(report['runs'][label])}", flush=True)
+            result = {"error": repr(e)[:500]}
+        if label == "kernels":
+            report["kernels"] = result
+        else:
+            report["runs"][label] = result
+        print(f"    {json.dumps(result)}", flush=True)
         with open(out_path, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
-    print(table(report), flush=True)
+    print(render(report), flush=True)
     if a.doc:
         from loadtest.bench_common import markers, update_doc
 

@@ -4,7 +4,8 @@ between replays.
 Without capture (`capture=False`: on a CPU through Triton's interpreter) every other
 part runs: the staging copy, padding a batch up to its bucket (padded rows write the
 pool's scratch block and see nothing), tables wider than the step (`slot_count`), and a
-policy evicting between steps. The generations must equal the eager engine's. On a CUDA
+policy evicting between steps, and the statistics graphs (attention mass for h2o and
+pyramid, K/V norms for knorm). The generations must equal the eager engine's. On a CUDA
 machine the engines also capture and replay real graphs, against `--enforce-eager` and
 against transformers.
 """
@@ -26,13 +27,18 @@ cuda_graphs = pytest.importorskip("engine.cuda_graphs")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+# h2o reads attention mass, knorm its tokens' key norms: statistics graphs, beside plain
+# ones in a mixed batch (the mass computed for the rows that ask alone).
 POLICIES = [None, {"name": "streaming", "sink": 4, "window": 12},
-            {"name": "h2o", "budget": 24}]  # h2o reads attention mass: its steps run eagerly
+            {"name": "h2o", "budget": 24}]
 # SnapKV scores the prompt once, then decodes with nothing to ask: graph steps over
 # tables with scattered holes.
 SNAPKV = [None, {"name": "snapkv", "budget": 12, "obs_window": 4}]
-PARAMS = pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], SNAPKV, POLICIES],
-                                 ids=["full", "streaming", "snapkv", "mixed"])
+STATS = [{"name": "knorm", "budget": 16}, {"name": "pyramid", "budget": 16, "obs_window": 4},
+         {"name": "tova", "budget": 20}]
+PARAMS = pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], SNAPKV, POLICIES,
+                                              STATS],
+                                 ids=["full", "streaming", "snapkv", "mixed", "statistics"])
 
 
 def test_batch_buckets() -> None:
@@ -90,12 +96,25 @@ def test_uncaptured_graph_steps_equal_eager(tiny: str, policies: list, scratch_p
     got, llm = _run(tiny, "uncaptured", policies)
     graphs = llm.engine.runner.graphs
     assert got == ref
-    if policies is not POLICIES:  # every decode step a graph's
-        assert graphs.steps > 0 and graphs.eager_steps == 0
-    else:  # a step with an h2o row runs eagerly
-        assert graphs.eager_steps > 0
-    assert sorted(graphs.logits) == [1, 2, 4, 8][: len(graphs.logits)]
+    assert graphs.steps > 0 and graphs.eager_steps == 0  # every decode step a graph's
+    # the statistics graphs served the steps that asked (mixed: the h2o request outlives
+    # the others, so each of its steps has an h2o row), the plain ones the others
+    assert {s for _, s in graphs.logits} == {policies in (POLICIES, STATS)}
+    assert {b for b, _ in graphs.logits} <= {1, 2, 4, 8}
     assert llm.engine.pool.num_used == 0  # the scratch block is nobody's
+
+
+def test_capture_all_takes_both_graphs_of_every_bucket(tiny: str, scratch_pool) -> None:
+    """Warm-up captures the statistics graphs too, so a policy's first request does not
+    stall the batch; on padding alone their mass is zero (no row asks, none sees a slot)."""
+    llm = LLM(tiny, num_blocks=64, block_size=4, max_num_seqs=4, device=DEVICE,
+              enforce_eager=True)
+    graphs = cuda_graphs.DecodeGraphs(llm.engine.runner, 4, 64, capture=False)
+    graphs.capture_all()
+    assert sorted(graphs.logits) == [(b, s) for b in (1, 2, 4) for s in (False, True)]
+    mass, kn, _ = graphs.stats[4]
+    assert mass.shape[:4] == (2, 4, 1, 1) and not mass.any()
+    assert kn.shape == (2, 4, llm.engine.model_config.num_kv_heads)
 
 
 def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
@@ -123,10 +142,7 @@ def test_captured_graphs_equal_eager(tiny: str, policies: list) -> None:
     got, llm = _run(tiny, "captured", policies)
     graphs = llm.engine.runner.graphs
     assert got == eager
-    if policies is not POLICIES:
-        assert graphs.graphs and graphs.steps > 0 and graphs.eager_steps == 0
-    else:  # the h2o request outlives the others: every decode step has its row
-        assert graphs.eager_steps > 0
+    assert graphs.graphs and graphs.steps > 0 and graphs.eager_steps == 0
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")

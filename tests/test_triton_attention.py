@@ -73,8 +73,31 @@ def test_slot_count_reads_only_the_leading_slots(num_splits: int) -> None:
     ref, _ = paged_attention(**{k: (v.float() if k in ("q", "k_cache", "v_cache") else v)
                                 for k, v in cut.items()})
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="slot_count"):
-        paged_attention_triton(**stale, return_probs=True, slot_count=torch.tensor([count]))
+
+
+def test_graph_mass_summed_over_heads_for_flagged_rows() -> None:
+    """A CUDA graph's statistics pass (engine/cuda_graphs.py): tables wider than the
+    step (`slot_count`), the mass summed over every head (`sum_heads`, [B, 1, 1, S]),
+    and only the rows flagged in `mass_rows` computed (zeros elsewhere). Each flagged row
+    equals the reference's per-head mass summed over its kv heads; past the count the
+    mass is zero although the stale positions there would be visible."""
+    case = make_case([149, 36, 20], [1, 1, 1], bs=8, hq=4, hkv=2, extra_blocks=3)
+    count = 64
+    stale = {**case, "slot_pos": case["slot_pos"].clone(), "table": case["table"].clamp(min=0)}
+    stale["slot_pos"][:, count:] = torch.arange(count, stale["slot_pos"].shape[1])
+    rows = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEV)
+    _, mass = paged_attention_triton(**stale, return_probs=True, sum_heads=True, mass_rows=rows,
+                                     slot_count=torch.tensor([count], device=DEV))
+    assert mass.shape == (3, 1, 1, stale["slot_pos"].shape[1])
+    nb = count // 8
+    cut = {**case, "table": case["table"][:, :nb], "slot_pos": case["slot_pos"][:, :count]}
+    _, ref = paged_attention(**{k: (v.float() if k in ("q", "k_cache", "v_cache") else v)
+                                for k, v in cut.items()}, return_probs=True)
+    ref = ref.sum(dim=2, keepdim=True)
+    torch.testing.assert_close(mass[[0, 2], ..., :count], ref[[0, 2]], atol=1e-4, rtol=1e-4)
+    assert not mass[1].any() and not mass[..., count:].any()
+    # every flagged row's mass sums to its query heads (4), the skipped row's to 0
+    torch.testing.assert_close(mass.sum(-1).flatten(), torch.tensor([4.0, 0.0, 4.0]))
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (8, 1), (2, 2)])
@@ -195,3 +218,16 @@ def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     spec.loader.exec_module(mod)
     assert mod.triton is None
     assert mod.select_attention(torch.device("cuda")) is paged_attention
+
+
+def test_tile_choices_give_the_same_attention() -> None:
+    """The GPU benchmark's tile sweep (loadtest/bench_gpu_kernels.py) must only move the
+    speed: every (BLOCK_N, warps, stages) it tries answers as the default, over slot
+    tiles that cross blocks and a split."""
+    from loadtest.bench_gpu_kernels import TILES
+
+    case = make_case([149, 36], [1, 1], bs=8, hq=4, hkv=2)
+    ref, _ = paged_attention_triton(**case)
+    for tiles in TILES:
+        out, _ = paged_attention_triton(**case, tiles=tiles)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
