@@ -36,7 +36,8 @@ def compact(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
     (cache, layer) at once. A destination block shared through the prefix cache is
     copied first (copy-on-write), and a published one unpublished; when the pool
     cannot lend the copies, the caches that need them are left as they are."""
-    if tables.table.device.type == "cpu" and not pool.hash_of and load_mark():
+    if (tables.table.device.type == "cpu" and pool.kv.device.type == "cpu" and not pool.hash_of
+            and load_mark()):  # the C++ pass moves K/V in host memory alone
         done = _compact_native(tables, pool, caches, layers)
         if done is not None:  # None: a destination block is shared (copy-on-write)
             return done

@@ -101,8 +101,10 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
     def params(g: int) -> SamplingParams:
         return SamplingParams(max_tokens=g, temperature=0, ignore_eos=True, detokenize=False)
 
-    for i in range(4):  # and this run's policy and shapes: Triton compiles, allocator grows
-        eng.add_request(f"w{i}", prompts[i], params(8), kv_policy=policy)
+    # and this run's policy and shapes, every prompt (the timed run's prefill steps: in
+    # session 26 the first run's Triton compiles at 8,192-token steps took ~2.5 s of it)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"w{i}", p, params(8), kv_policy=policy)
     while eng.has_unfinished():
         eng.step()
     stats.clear()

@@ -48,8 +48,9 @@ def measure(model: str, dtype: str, running: int, steps: int,
         build_model(model, path)
         vocab = int(MODEL_CONFIGS[model]["vocab_size"])
         w = Workload.draw(running, (32, 500), (24, 256), vocab, seed=0)
+        # the CPU engine's figure (issue 18): on a CUDA machine too (bench_gpu there)
         llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=running,
-                  max_num_batched_tokens=2048, enable_prefix_caching=False)
+                  max_num_batched_tokens=2048, enable_prefix_caching=False, device="cpu")
         eng, seen = llm.engine, []
         eng.on_step = seen.append
         policy = json.loads(kv_policy) if kv_policy else None
