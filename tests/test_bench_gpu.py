@@ -1,5 +1,5 @@
 """loadtest/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
-renders from a real run's JSON (session 23's H200 run, docs/results/)."""
+renders from real runs' JSON (sessions 23 and 26 on an H200, docs/results/)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from loadtest import bench_gpu
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_gpu_160m_s23.json"
+S26 = RESULTS.with_name("bench_gpu_160m_s26.json")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs for real on CUDA")
@@ -30,6 +31,20 @@ def test_renders_the_doc_block_from_a_run() -> None:
     assert "| 3.5× |" in rows["kvserve full graphs"]  # against HF generate
     assert "| 4.0× |" in rows["pressure streaming 128"]  # against pressure full
     assert "| 18,316 |" in rows["kvserve full graphs"]  # 64 / step time
+
+
+def test_renders_the_kernels_part_and_a_failed_run() -> None:
+    """Session 26's run: the kernels part's two tables follow the runs' table, and a run
+    that failed keeps its row with the error (the other rows measured alike)."""
+    text = bench_gpu.render(json.loads(S26.read_text()))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
+            if line.startswith("| ")}
+    assert "| 12.0× |" in rows["kvserve full graphs, torch layer ops"]
+    assert "| 4.3× |" in rows["pressure streaming 128"]
+    assert "failed: NotImplementedError" in rows["kvserve knorm 128 graphs"]
+    assert "| 0.511 | 12 | 49% |" in rows["`_attn_kernel`"]
+    assert "| 0.0293 | 2,577 |" in rows["torch SDPA, dense K/V"]
+    assert text.index("| run |") < text.index("| kernel |") < text.index("| decode attention")
 
 
 def test_torch_layer_ops_row_switches_the_kernels_off_and_back(monkeypatch) -> None:
