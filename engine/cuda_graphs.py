@@ -14,7 +14,8 @@ fits the largest bucket, and its longest table fits the buffers (`max_len`, vLLM
 max_seq_len_to_capture).
 
 Policies that read attention statistics run inside graphs too (issue 23's fused
-statistics): each bucket has a second graph, captured on first use, whose attention
+statistics): each bucket has a second graph (captured with the plain ones in the
+warm-up, `capture_all`), whose attention
 adds the Triton kernel's mass pass (`paged_attention_triton(sum_heads=True)`: every
 slot's probability summed over all heads, for the rows flagged in a static buffer,
 zeros elsewhere, no atomics) and which keeps each layer's new K/V norms
@@ -22,12 +23,13 @@ zeros elsewhere, no atomics) and which keeps each layer's new K/V norms
 columns of these buffers cross to the host in one copy each, as the eager step's
 `AttentionMass`, so the policies are the same code either way. This is what vLLM's
 fused kernels could not give H2O-style eviction (vLLM #3532): the statistic costs one
-more pass over the keys inside the same graph, not an eager step. The batch is padded up to its
-bucket: padded rows see no slot (query position -1), write their K/V to the pool's
-scratch block (`BlockPool(scratch=True)`: outside its accounting), and their logits are
-dropped. The tables are padded to a
-fixed width; the kernel walks only the step's width (`slot_count`, read on the device),
-so stale columns of earlier, longer steps are never read.
+more pass over the keys inside the same graph, not an eager step.
+
+The batch is padded up to its bucket: padded rows see no slot (query position -1), write
+their K/V to the pool's scratch block (`BlockPool(scratch=True)`: outside its
+accounting), and their logits are dropped. The tables are padded to a fixed width; the
+kernel walks only the step's width (`slot_count`, read on the device), so stale columns
+of earlier, longer steps are never read.
 
 `capture=False` runs the same buffers and padding eagerly: what the tests check on a
 CPU (through Triton's interpreter), since only capture itself needs CUDA.

@@ -303,6 +303,18 @@ class SlotTables:
         after = sizes[:, NBLOCKS] + (sizes[:, NEXT] >= sizes[:, NBLOCKS] * self.bs)
         return int((after - sizes[:, NBLOCKS]).sum()), int(after.max())
 
+    def held_and_need(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        """Per row: (blocks held over all layers, blocks a decode append would take: a
+        layer whose last block is full takes one), `SeqCache.num_blocks` and
+        `blocks_needed(1)` of many rows at once. One C++ call on CPU."""
+        if self.table.device.type == "cpu" and load_mark():
+            both = torch.ops.kvserve_tables.held_and_need(self.sizes, rows, self.bs)
+            return both[0::2], both[1::2]
+        sizes = self.sizes.index_select(0, int64_tensor(rows))  # [n, fields, L]
+        nb = sizes[:, NBLOCKS]
+        return (nb.sum(dim=1).tolist(),
+                (sizes[:, NEXT] >= nb * self.bs).sum(dim=1).tolist())
+
     def append_decode(self, pool: BlockPool, rows: list[int],
                       positions: list[int]) -> tuple[torch.Tensor, int]:
         """Give each row's next token (original position `positions[i]`) a slot in

@@ -32,7 +32,9 @@ class PolicyRunner:
     evicted_tokens: dict[str, int] = field(default_factory=dict)
     freed_blocks: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
-    _to_compact: list[Request] = field(default_factory=list)  # this step's, see _after
+    _to_compact: list[Request] = field(default_factory=list)  # this step's, see _compact
+    # this step's requests whose reservation `_check_reserves` looks at, with num_new
+    _to_check: list[tuple[Request, int]] = field(default_factory=list)
     # Group keys by value -> one object of that value: members are grouped by the key's
     # id (a frozen `Needs` hashes every field on every lookup; 64 lookups a step showed).
     _keys: dict[tuple, tuple] = field(default_factory=dict)
@@ -118,6 +120,7 @@ class PolicyRunner:
                 self._note_reserve(r, m.num_new)
             self._count(name, evicted_tokens, freed_blocks)
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        self._check_reserves()
         self._compact()
 
     def _count(self, name: str, evicted_tokens: int, freed_blocks: int) -> None:
@@ -125,22 +128,31 @@ class PolicyRunner:
         self.freed_blocks[name] = self.freed_blocks.get(name, 0) + freed_blocks
 
     def _note_reserve(self, r: Request, num_new: int) -> None:
-        """Note a request about to outgrow its reservation (`_compact`). `num_new`: the
-        tokens this step computed for it (1: decoding, so the next steps add at most a
-        block per layer each, and a request far from its reservation is not looked at
-        again until it could be near: `Request.reserve_ok_until`)."""
-        if not r.reserve_blocks or r.num_computed < r.reserve_ok_until:
+        """Queue a request whose reservation may be near (`_check_reserves`, once the
+        step's evictions are done). `num_new`: the tokens this step computed for it."""
+        if r.reserve_blocks and r.num_computed >= r.reserve_ok_until:
+            self._to_check.append((r, num_new))
+
+    def _check_reserves(self) -> None:
+        """Note the queued requests about to outgrow their reservation (`_compact`), with
+        one read of their rows' sizes (`SlotTables.held_and_need`: at budget, most of a
+        scattered-eviction policy's requests are checked every step). A decoding request
+        (num_new 1: the next steps add at most a block per layer each) far from its
+        reservation is not looked at again until it could be near
+        (`Request.reserve_ok_until`)."""
+        todo, self._to_check = self._to_check, []
+        if not todo:
             return
-        c = r.cache
-        assert c is not None
-        # A block per layer is the most the next token can add: only a cache that close
-        # to its reservation is counted exactly.
-        held, nl = c.num_blocks, c.num_layers
-        if held + nl > r.reserve_blocks:
-            if held + c.blocks_needed(1) > r.reserve_blocks:
-                self._to_compact.append(r)
-        elif num_new == 1:
-            r.reserve_ok_until = r.num_computed + (r.reserve_blocks - held) // nl
+        first = todo[0][0].cache
+        assert first is not None
+        held, need = first.tables.held_and_need([r.cache.row for r, _ in todo])  # type: ignore[union-attr]
+        nl = first.num_layers
+        for (r, num_new), h, n in zip(todo, held, need):
+            if h + nl > r.reserve_blocks:  # close: counted exactly
+                if h + n > r.reserve_blocks:
+                    self._to_compact.append(r)
+            elif num_new == 1:
+                r.reserve_ok_until = r.num_computed + (r.reserve_blocks - h) // nl
 
     def _compact(self) -> None:
         """Scattered survivors pin partly dead blocks: pack them, in place and for every

@@ -168,7 +168,8 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
     eviction (uneven) beside one that never evicted (aligned), block boundaries crossed
     in some layers and not others, three kinds of per-slot state. The slots returned,
     the tables, positions, states, reference counts, free list and sizes all agree, and
-    both forms of `decode_need` count what the caches' `blocks_needed(1)` count."""
+    both forms of `decode_need` (and `held_and_need`, row by row) count what the
+    caches' `blocks_needed(1)` count."""
     from kvpool.seq_cache import SeqCache
 
     if not tables_mod.load_mark():
@@ -189,6 +190,9 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
             rows = [c.row for c in caches]
             need, widest = t.decode_need(rows)
             assert need == sum(c.blocks_needed(1) for c in caches)
+            # per row, as the policy runner's reservation check reads them
+            assert t.held_and_need(rows) == ([c.num_blocks for c in caches],
+                                             [c.blocks_needed(1) for c in caches])
             assert widest == max(b + (x >= b * 4) for c in caches
                                  for b, x in zip(c.nblocks, c.next_slot))
             got, width = t.append_decode(pool, rows, pos)

@@ -535,6 +535,33 @@ std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayR
   return {need, widest};
 }
 
+// Per row, [held_0, need_0, held_1, need_1, ...]: blocks held over all layers, and blocks a
+// decode append would take (`decode_need`'s count, row by row): the policy runner's
+// reservation check of every request near its reservation, one call a step.
+std::vector<int64_t> held_and_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+  TORCH_CHECK(sizes.dim() == 3, "sizes must be a contiguous [Rt, 3, L] int64 tensor");
+  const int64_t rt = sizes.size(0), nl = sizes.size(2);
+  check_sizes(sizes, rt, nl);
+  const int64_t* zp = sizes.data_ptr<int64_t>();
+  for (const int64_t row : rows) {  // cold after the forward: every row's misses at once
+    TORCH_CHECK(row >= 0 && row < rt, "row out of range");
+    for (int64_t f = 0; f < 2 * nl; f += 8) __builtin_prefetch(zp + row * 3 * nl + f);
+  }
+  std::vector<int64_t> out;
+  out.reserve(2 * rows.size());
+  for (const int64_t row : rows) {
+    const int64_t* z = zp + row * 3 * nl;
+    int64_t held = 0, need = 0;
+    for (int64_t l = 0; l < nl; ++l) {
+      held += z[l];
+      need += z[nl + l] >= z[l] * bs;
+    }
+    out.push_back(held);
+    out.push_back(need);
+  }
+  return out;
+}
+
 // A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
 // their pool slots [T], in the pool's dtype: BlockPool.write, whose torch form is two
 // index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
@@ -617,6 +644,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_need(Tensor sizes, int[] rows, int bs) -> (int, int)");
+  m.def("held_and_need(Tensor sizes, int[] rows, int bs) -> int[]");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, int b, int bs) "
         "-> Tensor");
@@ -634,4 +662,5 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("write_kv", write_kv);
   m.impl("append_rows", append_rows);
   m.impl("decode_need", decode_need);
+  m.impl("held_and_need", held_and_need);
 }
