@@ -108,7 +108,8 @@ def build_group(members: list[int], inputs: list[SeqInput], offsets: list[int],
     q_index = torch.where(valid, torch.tensor([offsets[i] for i in members])[:, None] + ar, 0)
     starts = torch.tensor([s.start_pos for s in seqs])[:, None]
     q_pos = torch.where(valid, starts + ar, PAD_QUERY_POS)
-    return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, None)
+    return AttentionGroup(members, q_index, valid, q_pos, table, slot_pos, want_probs, None,
+                          sum_heads)
 
 
 def _storage_rows(state: torch.Tensor, rows: list[int] | None, width: int) -> torch.Tensor:

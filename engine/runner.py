@@ -29,6 +29,7 @@ from engine.attention_groups import (
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
 from kvpool.attention import causal_self_attention, paged_attention
+from kvpool.attention_select import sums_any_heads
 from kvpool.cpu_attention import (
     accumulates,
     fuses_key_diversity,
@@ -289,9 +290,11 @@ class ModelRunner:
                 kernel: bool, pads: bool) -> list[AttentionGroup]:
         """The step's attention groups (engine/attention_groups.py): decode rows apart
         from prefill chunks, rows that want the mass apart from those that do not."""
-        # The decode kernel sums the mass over kv heads for policies that read no head
-        # apart, in head_sum's order (up to 4 heads; from 8 on torch's sum takes another).
-        sums_heads = kernel and 1 < self.config.num_kv_heads <= 4
+        # The kernel sums the mass over kv heads for policies that read no head apart:
+        # the C++ decode kernel in head_sum's order (up to 4 heads; from 8 on torch's sum
+        # takes another), Triton at any count (on a GPU, 1/Hkv of the mass to copy out).
+        hkv = self.config.num_kv_heads
+        sums_heads = hkv > 1 and ((kernel and hkv <= 4) or sums_any_heads(self.attention_fn))
         # (decode, returns the mass, summed over kv heads, the state the kernel puts it
         # into: "" none) -> members
         buckets: dict[tuple[bool, bool, bool, str], list[int]] = {}

@@ -30,3 +30,13 @@ def select_attention(device: torch.device) -> AttentionFn:
     if device.type == "cpu" and kernel_available():
         return paged_attention_cpu
     return paged_attention
+
+
+def sums_any_heads(fn: AttentionFn) -> bool:
+    """Whether `fn` returns the mass summed over every head when asked (`sum_heads`), at
+    any head count: the Triton kernels' mass pass sums in the kernel, in the order the
+    statistics graphs' pass does (engine/cuda_graphs.py), so a request's mass is the
+    same bits in a graph step and an eager one. (The C++ kernel does it from 2 to 4 kv
+    heads, the order `head_sum` adds them in.)"""
+    return getattr(fn, "__module__", "") == "kvpool.triton_attention"
+

@@ -65,14 +65,17 @@ def scratch_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_core, "BlockPool", ScratchPool)
 
 
-def _run(path: str, graphs: str, policies: list, device: str = DEVICE
+def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention=None
          ) -> tuple[list[list[int]], LLM]:
     """Greedy generations of 5 requests (prompts of 9..41 tokens: batches of 5 pad to 8,
     then 3-4 to 4 as short ones finish) under `graphs`: "off" (eager), "uncaptured"
-    (the graph path without capture) or "captured" (CUDA)."""
+    (the graph path without capture) or "captured" (CUDA). `attention`: the eager
+    steps' attention function instead of the device's."""
     llm = LLM(path, num_blocks=200, block_size=4, max_num_seqs=8,
               max_num_batched_tokens=64, enforce_eager=graphs != "captured", device=device)
     core = llm.engine
+    if attention is not None:
+        core.runner.attention_fn = attention
     if graphs == "uncaptured":
         core.runner.graphs = cuda_graphs.DecodeGraphs(core.runner, 8, core.max_model_len,
                                                       capture=False)
@@ -115,6 +118,32 @@ def test_capture_all_takes_both_graphs_of_every_bucket(tiny: str, scratch_pool) 
     mass, kn, _ = graphs.stats[4]
     assert mass.shape[:4] == (2, 4, 1, 1) and not mass.any()
     assert kn.shape == (2, 4, llm.engine.model_config.num_kv_heads)
+
+
+def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypatch) -> None:
+    """On a GPU the eager steps (prefill chunks, steps past the graphs) use the Triton
+    kernels too: their mass comes summed over the kv heads from the kernel, as the
+    statistics graphs hand it (the same pass, so the same bits in either step), not
+    per head to be summed on the host (1/Hkv of the bytes to copy out). The
+    generations equal the C++ kernel's run."""
+    from engine.runner import ModelRunner
+    from kvpool.triton_attention import paged_attention_triton
+
+    ref, _ = _run(tiny, "off", STATS, device="cpu")
+    shapes: list[tuple[int, ...]] = []
+    execute = ModelRunner.execute
+
+    def spy(self, inputs, decode=None):
+        out = execute(self, inputs, decode)
+        shapes.extend(tuple(a.group.shape) for a in out.attention.values() if a.group is not None)
+        return out
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    got, llm = _run(tiny, "off", STATS, device="cpu", attention=paged_attention_triton)
+    assert got == ref
+    assert llm.engine.model_config.num_kv_heads == 2
+    assert {s[3] for s in shapes} == {1}  # [L, B, Tq, Hkv, S]: summed, Hkv = 1
+    assert {s[2] for s in shapes} > {1}  # prefill chunks' too, not only decode rows
 
 
 def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
