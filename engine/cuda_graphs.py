@@ -37,6 +37,7 @@ CPU (through Triton's interpreter), since only capture itself needs CUDA.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,38 +208,41 @@ class DecodeGraphs:
                bucket: int, nb: int, stats: bool) -> None:
         """The step's inputs into the static buffers: rows b < B are the step's, the
         rest padding; tables and positions fill the first nb columns (`slot_count`).
-        Every piece is written into the pinned staging buffer in turn, crosses in one
-        copy, and is spread into its buffer by a device copy."""
+        Every piece is written straight into the pinned staging buffer (the tables'
+        rows by `SlotTables.rows_into`, nb columns each), crosses in one copy, and is
+        spread into its buffer by a device copy."""
         b, nl, width = len(inputs), self.runner.config.num_layers, nb * self.runner.pool.block_size
-        table, slot_pos, _ = caches[0].tables.rows_of([c.row for c in caches], nb)
         pos = [x.start_pos for x in inputs]
         pad = bucket - b
         flags = [int(x.wants_attention) for x in inputs] + [0] * pad if stats else []
         small = torch.tensor([x.token_ids[0] for x in inputs] + [0] * pad + pos + [0] * pad
                              + pos + [-1] * pad + [width] + flags, dtype=torch.int32)
-        write = torch.empty(nl, bucket, dtype=torch.int64)
+        self._host[: small.numel()].copy_(small)
+        spread: list[tuple[int, tuple[int, ...], torch.Tensor]] = []  # (at, shape, where)
+        a = small.numel()
+
+        def host(shape: tuple[int, ...], dst: torch.Tensor) -> torch.Tensor:
+            nonlocal a
+            n = math.prod(shape)
+            spread.append((a, shape, dst))
+            a += n
+            return self._host[a - n : a].view(shape)
+
+        write = host((nl, bucket), self.write_slots[:, :bucket])
         write[:, :b] = decode_slots
         write[:, b:] = self.scratch_slot
-        pieces = [  # (host data, where it lands)
-            (small[:bucket], self.ids[:bucket]),
-            (small[bucket : 2 * bucket], self.pos[:bucket]),
-            (small[2 * bucket : 3 * bucket], self.q_pos[:bucket, 0]),
-            (small[3 * bucket : 3 * bucket + 1], self.slot_count),
-            (write, self.write_slots[:, :bucket]),
-            (table, self.tables[:, :b, :nb]),
-            (slot_pos, self.slot_pos[:, :b, :width]),
-        ]
-        if stats:
-            pieces.append((small[3 * bucket + 1 :], self.mass_rows[:bucket]))
-        staged, a = [], 0
-        for data, _ in pieces:
-            n = data.numel()
-            self._host[a : a + n].view(data.shape).copy_(data)
-            staged.append((a, n))
-            a += n
+        caches[0].tables.rows_into([c.row for c in caches], nb,
+                                   host((nl, b, nb), self.tables[:, :b, :nb]),
+                                   host((nl, b, width), self.slot_pos[:, :b, :width]))
         self._dev[:a].copy_(self._host[:a], non_blocking=True)
-        for (o, n), (data, dst) in zip(staged, pieces):
-            dst.copy_(self._dev[o : o + n].view(data.shape))
+        small_dev = self._dev[: small.numel()]
+        for dst, at in ((self.ids, 0), (self.pos, bucket), (self.q_pos[:, 0], 2 * bucket)):
+            dst[:bucket].copy_(small_dev[at : at + bucket])
+        self.slot_count.copy_(small_dev[3 * bucket : 3 * bucket + 1])
+        if stats:
+            self.mass_rows[:bucket].copy_(small_dev[3 * bucket + 1 :])
+        for at, shape, dst in spread:
+            dst.copy_(self._dev[at : at + math.prod(shape)].view(shape))
 
     def _forward(self, bucket: int, stats: bool) -> torch.Tensor:
         """The decode forward over the first `bucket` rows of the static buffers; with

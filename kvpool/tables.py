@@ -292,6 +292,22 @@ class SlotTables:
                     int64_tensor(rows))
         return rows_slice(self.table, rows, nb), rows_slice(self.slot_pos, rows, s), None
 
+    def rows_into(self, rows: list[int], nb: int, table: torch.Tensor,
+                  slot_pos: torch.Tensor) -> None:
+        """`rows_of`'s tables and positions written into `table` [L, B, nb] and
+        `slot_pos` [L, B, nb * bs] (contiguous, int32 or int64: a CUDA graph step's
+        pinned staging buffer), nb columns a row. Consecutive rows are copied from views
+        (torch's copy, threaded); rows apart by one C++ pass each on CPU, nb columns a
+        row where `rows_slice` gathers every column the tables have grown to (64 rows,
+        32 of them apart, of the 160M model's 12 layers: 0.034 against 0.162 ms)."""
+        self.ensure_width(nb)
+        if not consecutive(rows) and self.table.device.type == "cpu" and load_mark():
+            torch.ops.kvserve_tables.take_rows_into(self.table, rows, table)
+            torch.ops.kvserve_tables.take_rows_into(self.slot_pos, rows, slot_pos)
+            return
+        table.copy_(rows_slice(self.table, rows, nb))
+        slot_pos.copy_(rows_slice(self.slot_pos, rows, nb * self.bs))
+
     def decode_need(self, rows: list[int]) -> tuple[int, int]:
         """(blocks a decode append of these rows takes, the most blocks a row then holds
         in a layer): a layer whose last block is full takes one. One C++ pass on CPU."""

@@ -377,3 +377,24 @@ def test_rows_of_the_tables_read_and_written_back(rows):
         assert torch.equal(t[:, rows, :24], new)
         others = [r for r in range(8) if r not in rows]
         assert torch.equal(t[:, others], before[:, others]) and torch.equal(t[:, :, 24:], before[:, :, 24:])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_rows_into_writes_what_rows_of_reads(native, monkeypatch):
+    """A CUDA graph step's staging (`SlotTables.rows_into`): the rows' tables and
+    positions, nb columns each, into int32 and int64 buffers, for rows in order, apart
+    and reversed, equal to `rows_of`'s; the tables' wider columns are not copied."""
+    if native and not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    monkeypatch.setattr(tables_mod, "load_mark", lambda: native)
+    _, t, caches = _pool_case(1)
+    t.ensure_width(3 * max(max(c.nblocks) for c in caches))  # wider than any row needs
+    nb = max(max(c.nblocks) for c in caches)
+    for rows in ([c.row for c in caches], [caches[2].row, caches[0].row], [caches[1].row]):
+        want_t, want_p, _ = t.rows_of(rows, nb)
+        for dtype in (torch.int32, torch.int64):
+            got_t = torch.full((3, len(rows), nb), 7, dtype=dtype)
+            got_p = torch.full((3, len(rows), nb * 4), 7, dtype=dtype)
+            t.rows_into(rows, nb, got_t, got_p)
+            assert torch.equal(got_t, want_t.to(dtype)) and torch.equal(got_p, want_p.to(dtype))
+    assert (want_p >= 0).any() and (want_t == -1).any()  # live positions, padded columns

@@ -562,6 +562,38 @@ std::vector<int64_t> held_and_need(const at::Tensor& sizes, c10::IntArrayRef row
   return out;
 }
 
+// src[:, rows, :w] of an int64 [L, R, S] table (block ids or slot positions) into `out`
+// [L, n, w], int32 or int64, contiguous: a CUDA graph step's tables written straight into
+// its pinned staging buffer (engine/cuda_graphs.py), w columns a row where a gather of
+// rows apart took every column of the S the tables have grown to, then a second copy.
+void take_rows_into(const at::Tensor& src, c10::IntArrayRef rows, at::Tensor out) {
+  TORCH_CHECK(src.dim() == 3 && src.scalar_type() == at::kLong && src.is_contiguous(),
+              "src must be a contiguous [L, R, S] int64 tensor");
+  const int64_t nl = src.size(0), rt = src.size(1), s = src.size(2);
+  const int64_t n = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.size(0) == nl && out.size(1) == n &&
+              out.size(2) <= s, "out must be a contiguous [L, len(rows), <= S] tensor");
+  TORCH_CHECK(out.scalar_type() == at::kInt || out.scalar_type() == at::kLong, "out must be int32 or int64");
+  for (const int64_t row : rows) TORCH_CHECK(row >= 0 && row < rt, "row out of range");
+  const int64_t w = out.size(2);
+  const int64_t* sp = src.data_ptr<int64_t>();
+  if (out.scalar_type() == at::kLong) {
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t l = 0; l < nl; ++l)
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(op + (l * n + i) * w, sp + (l * rt + rows[i]) * s, w * sizeof(int64_t));
+    return;
+  }
+  int32_t* op = out.data_ptr<int32_t>();
+  at::parallel_for(0, nl * n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t* __restrict from = sp + ((k / n) * rt + rows[k % n]) * s;
+      int32_t* __restrict to = op + k * w;
+      for (int64_t j = 0; j < w; ++j) to[j] = static_cast<int32_t>(from[j]);  // vectorized
+    }
+  });
+}
+
 // A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
 // their pool slots [T], in the pool's dtype: BlockPool.write, whose torch form is two
 // index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
@@ -645,6 +677,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_need(Tensor sizes, int[] rows, int bs) -> (int, int)");
   m.def("held_and_need(Tensor sizes, int[] rows, int bs) -> int[]");
+  m.def("take_rows_into(Tensor src, int[] rows, Tensor(a!) out) -> ()");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, int b, int bs) "
         "-> Tensor");
@@ -663,4 +696,5 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("append_rows", append_rows);
   m.impl("decode_need", decode_need);
   m.impl("held_and_need", held_and_need);
+  m.impl("take_rows_into", take_rows_into);
 }
