@@ -79,6 +79,10 @@ def decode_attention(b: int, ctx: int, hq: int, hkv: int, d: int) -> list[dict]:
             out.append({"kernel": f"triton {tiles}", "error": repr(e)[:200]})
     ms = _time(lambda: paged_attention_triton(**case, return_probs=True, sum_heads=True))
     out.append({"kernel": "triton default + mass summed over heads", "ms": ms})
+    # the alternative: the mass pass per kv head (a program per head: more parallel,
+    # the same keys read), then torch's sum over heads
+    ms = _time(lambda: paged_attention_triton(**case, return_probs=True)[1].sum(dim=2))
+    out.append({"kernel": "triton default + mass per kv head, torch sum", "ms": ms})
     qd = q.view(b, hq, 1, d)  # dense K/V [b, hkv, ctx, d]: the same bytes, no table
     kd = torch.randn(b, hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
     vd = torch.randn_like(kd)

@@ -45,6 +45,9 @@ def test_renders_the_kernels_part_and_a_failed_run() -> None:
     assert "| 0.511 | 12 | 49% |" in rows["`_attn_kernel`"]
     assert "| 0.0293 | 2,577 |" in rows["torch SDPA, dense K/V"]
     assert text.index("| run |") < text.index("| kernel |") < text.index("| decode attention")
+    report = json.loads(S26.read_text())  # a run that timed the replay call's host side
+    report["runs"]["kvserve full graphs"]["replay_host_ms"] = 0.042
+    assert "| 0.96 (host 0.04) |" in bench_gpu.render(report)
 
 
 def test_torch_layer_ops_row_switches_the_kernels_off_and_back(monkeypatch) -> None:
