@@ -39,4 +39,3 @@ def sums_any_heads(fn: AttentionFn) -> bool:
     same bits in a graph step and an eager one. (The C++ kernel does it from 2 to 4 kv
     heads, the order `head_sum` adds them in.)"""
     return getattr(fn, "__module__", "") == "kvpool.triton_attention"
-
