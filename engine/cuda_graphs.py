@@ -46,6 +46,7 @@ from kvpool.triton_attention import paged_attention_triton
 
 if TYPE_CHECKING:  # the runner imports this module
     from engine.runner import ModelRunner, SeqInput, StepOutput
+    from kvpool.manager import DecodeBatch
 
 # Longest table (in tokens) a graph step takes; longer steps run eagerly. The buffers
 # hold L x max_batch x max_len positions, so this bounds their memory (vLLM: 8192).
@@ -120,18 +121,18 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, inputs: list[SeqInput], decode_slots: torch.Tensor) -> StepOutput | None:
+    def run(self, inputs: list[SeqInput], decode: DecodeBatch) -> StepOutput | None:
         """The step's output (logits float32, valid until the next replay; the
         statistics its inputs asked for, on the host), or None when the step does not
-        fit a graph (then the runner runs it eagerly)."""
+        fit a graph (then the runner runs it eagerly). `decode`: the scheduler's batch
+        append, whose rows and widest table stand for the inputs' caches."""
         from engine.runner import StepOutput  # the runner imports this module
 
         b = len(inputs)
-        if decode_slots.shape[1] != b:  # prefill chunks in the step
+        if decode.slots.shape[1] != b:  # prefill chunks in the step
             return None
         bucket = self.bucket(b)
-        caches = [s.cache for s in inputs]
-        nb = max(c.max_blocks for c in caches)
+        nb = decode.blocks
         if (bucket is None or nb > self.max_blocks
                 or not all(graph_step(s, self.norms) for s in inputs)):
             self.eager_steps += 1
@@ -140,7 +141,7 @@ class DecodeGraphs:
         key = (bucket, stats)
         if key not in self.logits:
             self._capture(bucket, stats)
-        self._stage(inputs, caches, decode_slots, bucket, nb, stats)
+        self._stage(inputs, decode, bucket, stats)
         if self.capture:
             self.graphs[key].replay()
         else:
@@ -204,14 +205,15 @@ class DecodeGraphs:
         self.slot_count.zero_()
         self.mass_rows[:bucket] = 0
 
-    def _stage(self, inputs: list[SeqInput], caches: list, decode_slots: torch.Tensor,
-               bucket: int, nb: int, stats: bool) -> None:
+    def _stage(self, inputs: list[SeqInput], decode: DecodeBatch, bucket: int,
+               stats: bool) -> None:
         """The step's inputs into the static buffers: rows b < B are the step's, the
         rest padding; tables and positions fill the first nb columns (`slot_count`).
         Every piece is written straight into the pinned staging buffer (the tables'
         rows by `SlotTables.rows_into`, nb columns each), crosses in one copy, and is
         spread into its buffer by a device copy."""
-        b, nl, width = len(inputs), self.runner.config.num_layers, nb * self.runner.pool.block_size
+        b, nl, nb = len(inputs), self.runner.config.num_layers, decode.blocks
+        width = nb * self.runner.pool.block_size
         pos = [x.start_pos for x in inputs]
         pad = bucket - b
         flags = [int(x.wants_attention) for x in inputs] + [0] * pad if stats else []
@@ -229,11 +231,10 @@ class DecodeGraphs:
             return self._host[a - n : a].view(shape)
 
         write = host((nl, bucket), self.write_slots[:, :bucket])
-        write[:, :b] = decode_slots
+        write[:, :b] = decode.slots
         write[:, b:] = self.scratch_slot
-        caches[0].tables.rows_into([c.row for c in caches], nb,
-                                   host((nl, b, nb), self.tables[:, :b, :nb]),
-                                   host((nl, b, width), self.slot_pos[:, :b, :width]))
+        decode.tables.rows_into(decode.rows, nb, host((nl, b, nb), self.tables[:, :b, :nb]),
+                                host((nl, b, width), self.slot_pos[:, :b, :width]))
         self._dev[:a].copy_(self._host[:a], non_blocking=True)
         small_dev = self._dev[: small.numel()]
         for dst, at in ((self.ids, 0), (self.pos, bucket), (self.q_pos[:, 0], 2 * bucket)):

@@ -157,7 +157,7 @@ class ModelRunner:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
         order): their slots and rows."""
         if self.graphs is not None and decode is not None:
-            out = self.graphs.run(inputs, decode.slots)
+            out = self.graphs.run(inputs, decode)
             if out is not None:  # the step was a graph's; else it runs eagerly here
                 return out
         cfg, dev = self.config, self.device
