@@ -511,18 +511,26 @@ at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, 
   return out;
 }
 
-// The blocks `append_rows` would take for these rows (a layer whose last block is full
-// takes one) and the most blocks a row will then hold in a layer (the width the tables
-// need). Asked once for a step's decoding rows, instead of every request in Python.
-std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+// The rows' sizes ([Rt, 3, L] int64), checked, and every row's blocks and appended
+// counts asked for at once: right after the forward they are cold.
+const int64_t* row_sizes(const at::Tensor& sizes, c10::IntArrayRef rows) {
   TORCH_CHECK(sizes.dim() == 3, "sizes must be a contiguous [Rt, 3, L] int64 tensor");
   const int64_t rt = sizes.size(0), nl = sizes.size(2);
   check_sizes(sizes, rt, nl);
   const int64_t* zp = sizes.data_ptr<int64_t>();
-  for (const int64_t row : rows) {  // cold after the forward: every row's misses at once
+  for (const int64_t row : rows) {
     TORCH_CHECK(row >= 0 && row < rt, "row out of range");
     for (int64_t f = 0; f < 2 * nl; f += 8) __builtin_prefetch(zp + row * 3 * nl + f);
   }
+  return zp;
+}
+
+// The blocks `append_rows` would take for these rows (a layer whose last block is full
+// takes one) and the most blocks a row will then hold in a layer (the width the tables
+// need). Asked once for a step's decoding rows, instead of every request in Python.
+std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+  const int64_t* zp = row_sizes(sizes, rows);
+  const int64_t nl = sizes.size(2);
   int64_t need = 0, widest = 0;
   for (const int64_t row : rows) {
     const int64_t* z = zp + row * 3 * nl;
@@ -539,14 +547,8 @@ std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayR
 // decode append would take (`decode_need`'s count, row by row): the policy runner's
 // reservation check of every request near its reservation, one call a step.
 std::vector<int64_t> held_and_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
-  TORCH_CHECK(sizes.dim() == 3, "sizes must be a contiguous [Rt, 3, L] int64 tensor");
-  const int64_t rt = sizes.size(0), nl = sizes.size(2);
-  check_sizes(sizes, rt, nl);
-  const int64_t* zp = sizes.data_ptr<int64_t>();
-  for (const int64_t row : rows) {  // cold after the forward: every row's misses at once
-    TORCH_CHECK(row >= 0 && row < rt, "row out of range");
-    for (int64_t f = 0; f < 2 * nl; f += 8) __builtin_prefetch(zp + row * 3 * nl + f);
-  }
+  const int64_t* zp = row_sizes(sizes, rows);
+  const int64_t nl = sizes.size(2);
   std::vector<int64_t> out;
   out.reserve(2 * rows.size());
   for (const int64_t row : rows) {
