@@ -83,7 +83,7 @@ def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention
     for i in range(5):
         prompt = torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist()
         core.add_request(f"r{i}", prompt, SamplingParams(
-            max_tokens=10 + 6 * (i % 3), temperature=0, ignore_eos=True, detokenize=False),
+            max_tokens=6 + 4 * (i % 3), temperature=0, ignore_eos=True, detokenize=False),
             kv_policy=policies[i % len(policies)])
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished():
@@ -157,7 +157,7 @@ def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
     core.runner.graphs = graphs
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist() for i in range(5)]
-    params = [SamplingParams(max_tokens=10 + 6 * (i % 3), temperature=0, ignore_eos=True,
+    params = [SamplingParams(max_tokens=6 + 4 * (i % 3), temperature=0, ignore_eos=True,
                              detokenize=False) for i in range(5)]
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
