@@ -38,6 +38,7 @@ CPU (through Triton's interpreter), since only capture itself needs CUDA.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,10 +71,6 @@ def graph_step(s: SeqInput, norms: bool) -> bool:
     return (len(s.token_ids) == 1 and s.slots is None and s.wants_logits
             and not (s.wants_key_diversity or s.attention_heads or (s.wants_norms and not norms))
             and s.score is None)
-
-
-def wants_stats(s: SeqInput) -> bool:
-    return s.wants_attention or s.wants_norms
 
 
 class DecodeGraphs:
@@ -115,8 +112,13 @@ class DecodeGraphs:
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.stats: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle() if capture else None
-        self.steps = 0  # decode steps run through the graphs
+        self.replays: Counter[tuple[int, bool]] = Counter()  # decode steps per graph
         self.eager_steps = 0  # decode-only steps that did not fit (run eagerly)
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run through the graphs."""
+        return sum(self.replays.values())
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -137,7 +139,7 @@ class DecodeGraphs:
                 or not all(graph_step(s, self.norms) for s in inputs)):
             self.eager_steps += 1
             return None
-        stats = any(map(wants_stats, inputs))
+        stats = any(s.wants_attention or s.wants_norms for s in inputs)
         key = (bucket, stats)
         if key not in self.logits:
             self._capture(bucket, stats)
@@ -146,7 +148,7 @@ class DecodeGraphs:
             self.graphs[key].replay()
         else:
             self.logits[key] = self._forward(bucket, stats)
-        self.steps += 1
+        self.replays[key] += 1
         out = StepOutput(logits=self.logits[key][:b])
         if stats:
             self._statistics(inputs, bucket, nb * self.runner.pool.block_size, out)

@@ -148,9 +148,11 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
         r["policy_share"] = r["policy_ms"] / r["step_ms"]
         r["decode_tok_s"] = n / r["step_ms"] * 1e3  # the decode phase's rate at N running
     graphs = eng.runner.graphs
-    key = (n, policy is not None and (n, True) in graphs.graphs) if graphs else None
-    if graphs is not None and key in graphs.graphs:  # the forward's GPU time alone
-        r["replay_ms"], r["replay_host_ms"] = replay_ms(graphs.graphs[key])
+    if graphs is not None:  # the forward's GPU time alone, in the graph the steps at N used
+        used = [k for k in graphs.replays if k[0] == n and k in graphs.graphs]
+        if used:
+            key = max(used, key=graphs.replays.__getitem__)
+            r["replay_ms"], r["replay_host_ms"] = replay_ms(graphs.graphs[key])
     del eng
     torch.cuda.empty_cache()
     return r

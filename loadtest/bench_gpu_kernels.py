@@ -67,7 +67,6 @@ def decode_attention(b: int, ctx: int, hq: int, hkv: int, d: int) -> list[dict]:
 
     case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
             for k, v in decode_case(b, ctx, hq, hkv, d, torch.bfloat16, 0).items()}
-    case.pop("table_rows", None)
     q = case["q"].to(torch.bfloat16)
     case["q"] = q
     out: list[dict] = []
