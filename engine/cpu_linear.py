@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.cpu_threads import cpuinfo
+from kvpool.native import cpuinfo
 
 log = logging.getLogger("kvserve.engine")
 

@@ -64,19 +64,6 @@ class CpuThreads:
         return asdict(self)
 
 
-def cpuinfo(field: str) -> str:
-    """The value of /proc/cpuinfo's first `field` line (`vendor_id`, `model name`,
-    `flags`), '' where there is none (another OS, a restricted container)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def allowed_cpus() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))

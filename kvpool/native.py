@@ -34,9 +34,34 @@ def load_ops(name: str, source: Path, cflags: list[str], ldflags: list[str] | No
         return _loaded[name]
     with _lock:
         if name not in _loaded:
-            _loaded[name] = build(name, source, [*cflags, headers_flag(source, cflags)],
-                                  ldflags or [])
+            _loaded[name] = build(name, source, [*cflags, headers_flag(source, cflags),
+                                                 *cpu_flag(cflags)], ldflags or [])
         return _loaded[name]
+
+
+def cpuinfo(field: str) -> str:
+    """The value of /proc/cpuinfo's first `field` line (`vendor_id`, `model name`,
+    `flags`), '' where there is none (another OS, a restricted container)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flag(cflags: list[str]) -> list[str]:
+    """For a `-march=native` build, a define naming the CPU's instruction-set flags. Why:
+    torch keys its build cache on source and flags, and `-march=native` reads the same on
+    every CPU, so a cache carried to a machine without AVX-512 (a copied home directory,
+    a VM moved to another host kind) would load a library built for AVX-512 and die of an
+    illegal instruction; with the flags named it is rebuilt for the CPU it runs on."""
+    if "-march=native" not in cflags:
+        return []
+    digest = hashlib.sha256(" ".join(sorted(cpuinfo("flags").split())).encode())
+    return [f"-DKVSERVE_CPU_{digest.hexdigest()[:16]}"]
 
 
 def headers_flag(source: Path, cflags: list[str]) -> str:

@@ -16,7 +16,8 @@ from datetime import datetime, timezone
 import torch
 import transformers
 
-from engine.cpu_threads import allowed_cpus, cpuinfo, physical_cores
+from engine.cpu_threads import allowed_cpus, physical_cores
+from kvpool.native import cpuinfo
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

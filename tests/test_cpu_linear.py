@@ -14,8 +14,8 @@ from engine.cpu_linear import (
     packing_available,
     padded_rows,
 )
-from engine.cpu_threads import cpuinfo
 from engine.sampling import SamplingParams
+from kvpool.native import cpuinfo
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 

@@ -1,5 +1,5 @@
 """Building the C++ ops (kvpool/native.py): a lock left by a killed build is cleared,
-loaders in several processes take turns, and an edited header rebuilds."""
+loaders in several processes take turns, and an edited header or another CPU rebuilds."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.native import STALE_LOCK_S, _builder_lock, clear_stale_lock, headers_flag
+from kvpool import native
+from kvpool.native import STALE_LOCK_S, _builder_lock, clear_stale_lock, cpu_flag, headers_flag
 
 
 def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
@@ -105,3 +106,19 @@ def test_an_edited_header_changes_the_build_flags(tmp_path: Path) -> None:
     (src / "a.h").write_text("int a2;\n")
     assert headers_flag(source, flags) not in (first, second)
     assert headers_flag(source, ["-O3"]) != headers_flag(source, flags)  # b.h not seen
+
+
+def test_a_native_build_names_the_cpus_instruction_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-march=native` reads the same on every CPU, and torch's build cache keys on the
+    flags: a cache carried from an AVX-512 host to an AVX2 one (this project's machines
+    have been both) must not load the AVX-512 library. The define follows the CPU's
+    flags (in any order) and only `-march=native` builds carry it."""
+    flags = {"flags": "fpu sse2 avx2 fma avx512f avx512bw"}
+    monkeypatch.setattr(native, "cpuinfo", lambda field: flags.get(field, ""))
+    zen4 = cpu_flag(["-O3", "-march=native"])
+    assert len(zen4) == 1 and zen4[0].startswith("-DKVSERVE_CPU_")
+    flags["flags"] = "avx512bw avx512f fma avx2 sse2 fpu"
+    assert cpu_flag(["-march=native"]) == zen4
+    flags["flags"] = "fpu sse2 avx2 fma"
+    assert cpu_flag(["-march=native"]) != zen4
+    assert cpu_flag(["-O3"]) == []
