@@ -35,7 +35,7 @@ import torch
 from engine.cpu_linear import row_buckets, warm_buckets
 from engine.sampler import load_sampling_ops
 from engine.sampling import SamplingParams
-from kvpool.cpu_attention import kernel_available
+from kvpool.cpu_attention import kernel_available, vector_path
 from kvpool.key_stats import load_key_stats
 from kvpool.tables import load_mark
 from policies.rows import NATIVE
@@ -116,7 +116,10 @@ def warm_up(core: Any) -> Warmup:
         graphs.capture_all()
     w = Warmup(time.perf_counter() - t0, ops, steps, baseline=core.stats(),
                row_buckets=(warmed, len(buckets)))
+    # which vector path -march=native gave the decode kernel (avx512, avx2, portable)
+    isa = vector_path() if ops.get("paged_decode_cpu") else None
     logger.info("warmed up", extra={"fields": {"warmup_s": round(w.seconds, 3),
-                                               "native_ops": ops, "steps": steps,
+                                               "native_ops": ops, "decode_vector_path": isa,
+                                               "steps": steps,
                                                "row_buckets": f"{warmed}/{len(buckets)}"}})
     return w

@@ -12,8 +12,9 @@
 // dim of 16/32/64/128 the scores come 16 slots at a time (`tile_scores`), the V pass
 // keeps a GQA group's output rows in registers and the next rows are prefetched (pool
 // blocks lie anywhere, so the hardware prefetcher cannot follow): ~2.2x the previous
-// kernel at the 3m model's 64-sequence decode step. Other CPUs and head dims take the
-// portable loop at the end.
+// kernel at the 3m model's 64-sequence decode step. CPUs with AVX2 but no AVX-512 take
+// the same shape at 8 lanes (paged_decode_avx2.h: ~2.7-3.3x the portable loop at the
+// 3m shape on a Zen 3 host); others, and other head dims, the portable loop at the end.
 //
 // Dtypes: the caches may be narrower than q (an fp32 model over a bf16 or fp16 pool,
 // `--kv-cache-dtype`), since decode is bound by the bytes of K/V it reads. The maths is
@@ -36,6 +37,7 @@
 #include <cstring>
 #include <type_traits>
 #include <optional>
+#include <string>
 #include <vector>
 
 // Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
@@ -44,6 +46,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSERVE_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVSERVE_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -154,6 +159,7 @@ struct Scratch {  // per thread, reused across its sequences
   std::vector<float> qf, sc, tmp;
   std::vector<float> kscale, vscale;  // quantized codes: [Hkv][np] per visible slot
   std::vector<int64_t> slot;          // quantized codes: pool slot of each visible slot
+  std::vector<float> rows{};          // AVX2 path, 16-bit pools: a tile's K rows widened
 };
 
 template <typename TKV>
@@ -229,6 +235,27 @@ void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t 
     window_ring::put_row(r.values + a.row(b) * r.v0 + r.cols[b] * r.v1, r.total + a.row(b) * r.t0,
                          r.t1, a.mass + b * a.ms0, a.S, r.up);
   }
+}
+
+// Prefetch `bytes` from p: LOCALITY 3 into L1 (rows needed next), 2 into L2 (rows
+// needed after the whole K pass).
+template <int LOCALITY = 3>
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64)
+    __builtin_prefetch(static_cast<const char*>(p) + o, 0, LOCALITY);
+}
+
+// Read one byte of every cache line of `bytes` from p, in address order. Over a pool
+// that comes from DRAM this beats prefetching: the tile loops read a row a head at a
+// time (stride: the row), which the hardware prefetchers follow badly, while these
+// loads walk each block's rows in order and stay many in flight. The 160M shape in
+// bf16, blocks in random order, 12 layers' pools cycled, one thread: 1.34-1.47x faster
+// a call from 9 MiB a layer up, e.g. 64 sequences of 400 slots 10.8 -> 7.3 ms
+// (loadtest/bench_decode_kernel.py; docs/benchmarks.md, session 17). In cache it only
+// adds loads (~20% at 8 sequences called back to back), hence `Batch::stream`.
+inline void touch(const void* p, int64_t bytes) {
+  const volatile char* c = static_cast<const volatile char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) (void)c[o];
 }
 
 #ifdef KVSERVE_AVX512
@@ -372,27 +399,6 @@ inline void tile_scores(Row row, const __m512* qv, __m512* out) {
     out[2] = _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0));
     out[3] = _mm512_shuffle_f32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1));
   }
-}
-
-// Prefetch `bytes` from p: LOCALITY 3 into L1 (rows needed next), 2 into L2 (rows
-// needed after the whole K pass).
-template <int LOCALITY = 3>
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64)
-    __builtin_prefetch(static_cast<const char*>(p) + o, 0, LOCALITY);
-}
-
-// Read one byte of every cache line of `bytes` from p, in address order. Over a pool
-// that comes from DRAM this beats prefetching: the tile loops read a row a head at a
-// time (stride: the row), which the hardware prefetchers follow badly, while these
-// loads walk each block's rows in order and stay many in flight. The 160M shape in
-// bf16, blocks in random order, 12 layers' pools cycled, one thread: 1.34-1.47x faster
-// a call from 9 MiB a layer up, e.g. 64 sequences of 400 slots 10.8 -> 7.3 ms
-// (loadtest/bench_decode_kernel.py; docs/benchmarks.md, session 17). In cache it only
-// adds loads (~20% at 8 sequences called back to back), hence `Batch::stream`.
-inline void touch(const void* p, int64_t bytes) {
-  const volatile char* c = static_cast<const volatile char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) (void)c[o];
 }
 
 // One sequence, head dim D = 16 * NV, query heads taken GC at a time (GC divides G).
@@ -545,6 +551,10 @@ SeqFn<TKV> pick_seq(int64_t G) {
 }
 #endif  // KVSERVE_AVX512
 
+#ifdef KVSERVE_AVX2
+#include "paged_decode_avx2.h"  // the vector path of CPUs with AVX2 but no AVX-512
+#endif
+
 // Portable path: per visible slot, a dot product per head; softmax; weighted V rows.
 // `row(base, phys)` returns the fp32 row of Hkv * D values at element offset `phys` of
 // `base` (the K or V plane), widening or dequantizing into `buf` as it must: the one
@@ -640,7 +650,8 @@ Batch<TKV> head_slice(const Batch<TKV>& a, int64_t h0, int64_t h1) {
   return s;
 }
 
-// The vector path for the usual head dims (whole vectors of 16, NV of them), or nullptr.
+// The vector path for the usual head dims (AVX-512: whole vectors of 16, NV of them;
+// AVX2: of 8, paged_decode_avx2.h), or nullptr.
 template <typename TKV>
 SeqFn<TKV> vector_seq(const Batch<TKV>& a) {
 #ifdef KVSERVE_AVX512
@@ -649,6 +660,13 @@ SeqFn<TKV> vector_seq(const Batch<TKV>& a) {
     if (a.D == 32) return pick_seq<TKV, 2>(a.G);
     if (a.D == 64) return pick_seq<TKV, 4>(a.G);
     if (a.D == 128) return pick_seq<TKV, 8>(a.G);
+  }
+#elif defined(KVSERVE_AVX2)
+  if constexpr (!std::is_same_v<TKV, double> && !std::is_same_v<TKV, uint8_t> && !is_code<TKV>) {
+    if (a.D == 16) return pick_seq_avx2<TKV, 2>(a.G);
+    if (a.D == 32) return pick_seq_avx2<TKV, 4>(a.G);
+    if (a.D == 64) return pick_seq_avx2<TKV, 8>(a.G);
+    if (a.D == 128) return pick_seq_avx2<TKV, 16>(a.G);
   }
 #endif
   return nullptr;
@@ -680,6 +698,9 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
               std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1)),
               std::vector<float>(scales), std::vector<float>(scales),
               std::vector<int64_t>(a.ks == nullptr ? 0 : S)};
+#ifdef KVSERVE_AVX2
+    if constexpr (!std::is_same_v<TKV, float>) w.rows.resize(8 * a.row_len);
+#endif
     if (a.kd == nullptr) {
       for (int64_t t = begin; t < end; ++t) seq(parts[t % slices], t / slices, w);
       return;
@@ -971,6 +992,17 @@ std::vector<at::Tensor> paged_decode_quant(
   });
   return {out, mass};
 }
+
+// The vector path this build takes for the usual head dims (`vector_seq`).
+std::string paged_decode_isa() {
+#if defined(KVSERVE_AVX512)
+  return "avx512";
+#elif defined(KVSERVE_AVX2)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
 }  // namespace
 
 TORCH_LIBRARY(kvserve, m) {
@@ -981,9 +1013,15 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
+  m.def("paged_decode_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_decode_quant", &paged_decode_quant);
+}
+
+// No tensor argument to dispatch on: registered as a catch-all.
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.impl("paged_decode_isa", &paged_decode_isa);
 }
