@@ -11,15 +11,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Extra flags for the CPU decode kernel's build, e.g. -mno-avx512f: how
-# tests/test_cpu_attention.py runs its cases on the AVX2 path of an AVX-512 CPU (in a
-# subprocess, with a build folder of its own). Set before anything builds the kernel.
-if os.environ.get("KVSERVE_TEST_DECODE_CFLAGS"):
-    from kvpool import cpu_attention
+# Extra flags for every C++ op's build, e.g. -mno-avx512f: how tests/isa.py runs a test
+# file on the AVX2 paths of an AVX-512 CPU (in a subprocess with a build folder of its
+# own). `load_ops` calls `build` through the module, so this holds whoever imports it.
+if os.environ.get("KVSERVE_TEST_CFLAGS"):
+    from kvpool import native
 
-    cpu_attention._FLAGS = [*cpu_attention._FLAGS,
-                            *os.environ["KVSERVE_TEST_DECODE_CFLAGS"].split()]
-
+    _build, _extra = native.build, os.environ["KVSERVE_TEST_CFLAGS"].split()
+    native.build = lambda name, source, cflags, ldflags: _build(
+        name, source, [*cflags, *_extra], ldflags)
 
 
 def _quiet_triton_teardown() -> None:

@@ -20,9 +20,6 @@ are checked wherever the suite runs.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ import torch
 from kvpool import cpu_attention, native
 from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.cpu_attention import paged_attention_cpu
-from tests import attention_cases
+from tests import attention_cases, isa
 
 
 def make_case(*args, **kw) -> dict:
@@ -518,37 +515,17 @@ def test_mass_written_into_a_window_ring_is_the_policys_update(
         assert not torch.equal(ring, start)
 
 
-def _cpu_has(*flags: str) -> bool:
-    have = set(native.cpuinfo("flags").split())
-    return all(f in have for f in flags)
-
-
-AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
-
 
 @needs_kernel
 def test_the_build_takes_the_vector_path_of_this_cpu() -> None:
     """-march=native picks the path: a CPU with AVX2 but no AVX-512 must not be left on
     the portable loop (~3x slower at the 3m shape on a Zen 3 host)."""
-    want = ("avx512" if _cpu_has(*AVX512) else "avx2" if _cpu_has("avx2", "fma", "f16c")
-            else "portable")
-    extra = os.environ.get("KVSERVE_TEST_DECODE_CFLAGS", "")
-    if "-mno-avx512f" in extra.split() and want == "avx512":
-        want = "avx2"
-    assert cpu_attention.vector_path() == want
+    assert cpu_attention.vector_path() == isa.expected_path()
 
 
 @needs_kernel
-@pytest.mark.skipif(not _cpu_has(*AVX512) or "KVSERVE_TEST_DECODE_CFLAGS" in os.environ,
-                    reason="the AVX2 path is this CPU's own: the file's cases ran on it")
+@isa.without_avx512
 def test_every_case_on_the_avx2_path_of_an_avx512_cpu(tmp_path: Path) -> None:
-    """This file's cases once more on a build without AVX-512 (its own build folder, so
-    the main build stays cached): the AVX2 path is what CPUs without AVX-512 run."""
-    root = Path(__file__).parent.parent
-    env = {**os.environ, "KVSERVE_TEST_DECODE_CFLAGS": "-mno-avx512f",
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": str(root)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                        str(Path(__file__))], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and " failed" not in r.stdout
+    """This file's cases once more on a build without AVX-512: the AVX2 path is what
+    CPUs without AVX-512 run."""
+    isa.run_without_avx512(__file__, tmp_path)
