@@ -52,9 +52,7 @@ from kvpool.pool import BlockPool
 from kvpool.quant import QuantCache
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-# window_ring.h: pyramid's ring arithmetic, which the policy's own op shares
-_POLICY_CSRC = Path(__file__).parent.parent / "policies" / "csrc"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-I{_POLICY_CSRC}"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 log = logging.getLogger(__name__)
 _stale_warned = False
 

@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 STALE_LOCK_S = 600.0
 _lock = threading.Lock()
 _loaded: dict[str, bool] = {}
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 def load_ops(name: str, source: Path, cflags: list[str], ldflags: list[str] | None = None) -> bool:
@@ -65,13 +67,24 @@ def cpu_flag(cflags: list[str]) -> list[str]:
 
 
 def headers_flag(source: Path, cflags: list[str]) -> str:
-    """A define naming the contents of the headers the source can include (its folder's
-    and every `-I` folder's `*.h`). Why: torch rebuilds a cached library when its source
-    or its flags change, and hashes no header, so an edited header (one shared by two
-    libraries, such as policies/csrc/window_ring.h) would leave a stale build in use."""
-    folders = [source.parent, *(Path(f[2:]) for f in cflags if f.startswith("-I"))]
+    """A define naming the contents of the headers the source includes (`#include "..."`,
+    followed into the headers they include; found beside the including file, else in the
+    `-I` folders). Why: torch rebuilds a cached library when its source or its flags
+    change, and hashes no header, so an edited header (one shared by two libraries, such
+    as policies/csrc/window_ring.h) would leave a stale build in use."""
+    folders = [Path(f[2:]) for f in cflags if f.startswith("-I")]
     digest = hashlib.sha256()
-    for header in sorted(h for folder in folders for h in folder.glob("*.h")):
+    seen: set[Path] = set()
+    todo = [source]
+    while todo:
+        at = todo.pop()
+        for name in _INCLUDE.findall(at.read_text(encoding="utf-8")):
+            header = next((h for h in (at.parent / name, *(f / name for f in folders))
+                           if h.is_file()), None)
+            if header is not None and header.resolve() not in seen:
+                seen.add(header.resolve())
+                todo.append(header)
+    for header in sorted(seen):
         digest.update(header.name.encode() + b"\0" + header.read_bytes())
     return f"-DKVSERVE_HEADERS_{digest.hexdigest()[:16]}"
 

@@ -86,26 +86,48 @@ def test_loaders_take_turns_on_the_flock(tmp_path: Path) -> None:
 
 def test_an_edited_header_changes_the_build_flags(tmp_path: Path) -> None:
     """torch rebuilds a cached library when its source or flags change and hashes no
-    header: the flag naming the headers (the source's folder's and every -I folder's)
-    must change when any of them does, and only then."""
-    src, other = tmp_path / "src", tmp_path / "other"
-    src.mkdir()
-    other.mkdir()
+    header: the flag naming the headers the source includes (beside it, by a relative
+    path, through -I, and those headers' own includes) must change when any of them
+    does, and only then; a header nobody includes does not count."""
+    src, other, shared = tmp_path / "src", tmp_path / "other", tmp_path / "shared"
+    for d in (src, other, shared):
+        d.mkdir()
     source = src / "op.cpp"
-    source.write_text('#include "a.h"\n')
+    source.write_text('#include "a.h"\n#include "b.h"\n#include "../shared/c.h"\n')
     (src / "a.h").write_text("int a;\n")
-    (other / "b.h").write_text("int b;\n")
+    (other / "b.h").write_text('#include "d.h"\nint b;\n')  # d.h: beside b.h
+    (other / "d.h").write_text("int d;\n")
+    (shared / "c.h").write_text("int c;\n")
+    (src / "unused.h").write_text("int u;\n")
     flags = ["-O3", f"-I{other}"]
-    first = headers_flag(source, flags)
-    assert first.startswith("-DKVSERVE_HEADERS_") and headers_flag(source, flags) == first
-    source.write_text('#include "a.h"\n// torch hashes the source itself\n')
-    assert headers_flag(source, flags) == first
-    (other / "b.h").write_text("int b2;\n")
-    second = headers_flag(source, flags)
-    assert second != first
-    (src / "a.h").write_text("int a2;\n")
-    assert headers_flag(source, flags) not in (first, second)
-    assert headers_flag(source, ["-O3"]) != headers_flag(source, flags)  # b.h not seen
+    seen = [headers_flag(source, flags)]
+    assert seen[0].startswith("-DKVSERVE_HEADERS_") and headers_flag(source, flags) == seen[0]
+    source.write_text(source.read_text() + "// torch hashes the source itself\n")
+    (src / "unused.h").write_text("int u2;\n")
+    assert headers_flag(source, flags) == seen[0]
+    for header in (src / "a.h", other / "b.h", other / "d.h", shared / "c.h"):
+        header.write_text(header.read_text() + "// edited\n")
+        seen.append(headers_flag(source, flags))
+        assert seen[-1] not in seen[:-1], header
+    assert headers_flag(source, ["-O3"]) != headers_flag(source, flags)  # b.h not found
+
+
+def test_a_build_in_another_checkout_has_the_same_flags(tmp_path: Path) -> None:
+    """Checkouts of the same source (CI's clone beside a developer's tree, a benchmark's
+    base checkout) share torch's build folder: flags that named a checkout's path made
+    each rebuild the library over the other's, minutes on a slow CPU."""
+    from kvpool import cpu_attention
+
+    assert not any(f.startswith("-I") for f in cpu_attention._FLAGS)
+    root = Path(cpu_attention.__file__).parent.parent
+    copy = tmp_path / "copy"
+    for rel in ("kvpool/csrc", "policies/csrc"):
+        (copy / rel).mkdir(parents=True)
+        for f in (root / rel).iterdir():
+            (copy / rel / f.name).write_bytes(f.read_bytes())
+    name = "kvpool/csrc/paged_decode_cpu.cpp"
+    assert headers_flag(copy / name, cpu_attention._FLAGS) == headers_flag(
+        root / name, cpu_attention._FLAGS)
 
 
 def test_a_native_build_names_the_cpus_instruction_sets(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,9 @@
 
 // Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
 #include "key_diversity.h"  // the pool op's scoring: the same bits
-#include "window_ring.h"  // pyramid's window ring (policies/csrc): the same bits
+// pyramid's window ring: the same bits. Relative, not -I: a build's flags then do not
+// name its checkout's path, so checkouts of the same source share one cached build.
+#include "../../policies/csrc/window_ring.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSERVE_AVX512 1
