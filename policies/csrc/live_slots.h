@@ -10,8 +10,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -57,10 +58,29 @@ inline __mmask16 live16(const bool* p, int64_t j) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j));
   return _mm_test_epi8_mask(x, x);
 }
+#elif defined(__AVX2__)
+#define KVSERVE_LIVE8 1
+// The 8 live flags of slots j..j+7 as float lanes (all ones: live), for CPUs with AVX2
+// but no AVX-512 (AMD Zen 1-3), which ran the scalar loops before.
+inline __m256 live8(const int64_t* p, int64_t j) {
+  const __m256i none = _mm256_set1_epi64x(-1);
+  const __m256i lo = _mm256_cmpgt_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j)), none);
+  const __m256i hi = _mm256_cmpgt_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j + 4)), none);
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);  // each 64-bit lane's low half
+  return _mm256_castsi256_ps(_mm256_set_m128i(
+      _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(hi, even)),
+      _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(lo, even))));
+}
+inline __m256 live8(const bool* p, int64_t j) {
+  int64_t chunk;
+  std::memcpy(&chunk, p + j, sizeof chunk);
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(chunk));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(x, _mm256_setzero_si256()));
+}
 #endif
 
 // The lowest score among the live slots of [a, b) (+inf if none; a NaN never wins).
-// With AVX-512, 16 running minima in one register (`<` ordered, as the scalar loop's
+// With AVX-512, 16 running minima in one register (8 with AVX2) (`<` ordered, as the scalar loop's
 // compare): GCC leaves the scalar form a branch per slot, since a select between a
 // loaded score and +inf is a load it will not hoist. A minimum does not depend on the
 // order (0 and -0 may swap, which `==` cannot tell apart), so it is the scalar value.
@@ -77,6 +97,16 @@ inline float lowest(const float* s, const P* pos, int64_t a, int64_t b) {
   }
   alignas(64) float lanes[16];
   _mm512_store_ps(lanes, m);
+  for (float x : lanes) lo = x < lo ? x : lo;
+#elif defined(KVSERVE_LIVE8)  // the same, 8 running minima
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  __m256 m = inf;
+  for (; j + 8 <= b; j += 8) {
+    const __m256 v = _mm256_blendv_ps(inf, _mm256_loadu_ps(s + j), live8(pos, j));
+    m = _mm256_blendv_ps(m, v, _mm256_cmp_ps(v, m, _CMP_LT_OQ));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
   for (float x : lanes) lo = x < lo ? x : lo;
 #endif
   for (; j < b; ++j) {

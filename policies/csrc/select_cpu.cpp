@@ -46,10 +46,12 @@ using live_slots::alive;
 using live_slots::lowest;
 #ifdef KVSERVE_LIVE16
 using live_slots::live16;
+#elif defined(KVSERVE_LIVE8)
+using live_slots::live8;
 #endif
 
 // The latest slot in [a, b) that is live and holds `lo` (-1 if none): 16 slots at a
-// time from the end (AVX-512), stopping at the first block with a hit. The scalar
+// time from the end (AVX-512; 8 with AVX2), stopping at the first block with a hit. The scalar
 // search read half a row on average, a compare and a branch per slot.
 template <typename P>
 inline int64_t last_equal(const float* s, const P* pos, int64_t a, int64_t b, float lo) {
@@ -60,6 +62,13 @@ inline int64_t last_equal(const float* s, const P* pos, int64_t a, int64_t b, fl
     const __mmask16 hit = _mm512_mask_cmp_ps_mask(live16(pos, j - 16), _mm512_loadu_ps(s + j - 16),
                                                   want, _CMP_EQ_OQ);
     if (hit) return j - 16 + (31 - __builtin_clz(static_cast<unsigned>(hit)));
+  }
+#elif defined(KVSERVE_LIVE8)  // 8 at a time (AVX2)
+  const __m256 want = _mm256_set1_ps(lo);
+  for (; j - 8 >= a; j -= 8) {
+    const int hit = _mm256_movemask_ps(_mm256_and_ps(
+        live8(pos, j - 8), _mm256_cmp_ps(_mm256_loadu_ps(s + j - 8), want, _CMP_EQ_OQ)));
+    if (hit) return j - 8 + (31 - __builtin_clz(static_cast<unsigned>(hit)));
   }
 #endif
   for (--j; j >= a; --j)
