@@ -100,8 +100,10 @@ void decode_seq_avx2(const Batch<TKV>& a, int64_t b, Scratch& w) {
       if constexpr (std::is_same_v<TKV, float>) {
         rows[s] = src;
       } else {
+        // the call's kv heads only: a head slice (`head_slice`) starts its rows at its
+        // first head, and the row's rest belongs to the other slices
         float* dst = w.rows.data() + s * rl;
-        for (int64_t x = 0; x < rl; x += 8) _mm256_storeu_ps(dst + x, load8(src + x));
+        for (int64_t x = 0; x < a.Hkv * D; x += 8) _mm256_storeu_ps(dst + x, load8(src + x));
         rows[s] = dst;
       }
     }
