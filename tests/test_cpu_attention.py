@@ -14,13 +14,11 @@ heads, 2 kv heads, d=32, blocks of 16). 16-bit K rows are read in chunks of 16 /
 values when GC heads share them, so the GQA shapes cover every chunk width (4, 8, 16).
 CPUs with AVX2 and no AVX-512 take an 8-lane vector path instead (paged_decode_avx2.h,
 V loads shared by 4, 2 or 1 heads at d = 16, 32, 64+); on an AVX-512 CPU the whole file
-also runs once more, in a subprocess, on a build without AVX-512, so both vector paths
+also runs once more on a build without AVX-512 (tests/test_isa.py), so both vector paths
 are checked wherever the suite runs.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -521,11 +519,3 @@ def test_the_build_takes_the_vector_path_of_this_cpu() -> None:
     """-march=native picks the path: a CPU with AVX2 but no AVX-512 must not be left on
     the portable loop (~3x slower at the 3m shape on a Zen 3 host)."""
     assert cpu_attention.vector_path() == isa.expected_path()
-
-
-@needs_kernel
-@isa.without_avx512
-def test_every_case_on_the_avx2_path_of_an_avx512_cpu(tmp_path: Path) -> None:
-    """This file's cases once more on a build without AVX-512: the AVX2 path is what
-    CPUs without AVX-512 run."""
-    isa.run_without_avx512(__file__, tmp_path)

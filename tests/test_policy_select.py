@@ -8,7 +8,6 @@ import torch
 
 from policies import rows
 from scheduler.policy_rows import load_select
-from tests import isa
 
 
 def _reference(positions, scores, drop, first, last):
@@ -175,10 +174,3 @@ def test_a_divisor_ranks_the_quotients_as_torch_divides(seed, native, monkeypatc
     one = rows.drop_lowest(positions[:1], scores[:1], [1], 0, 1, divisor[:1])
     assert torch.equal(one, rows.drop_lowest(positions[:1], scores[:1] / divisor[:1, None],
                                              [1], 0, 1))
-
-
-@isa.without_avx512
-def test_the_selection_on_its_avx2_loops_of_an_avx512_cpu(tmp_path):
-    """The native cases again on a build without AVX-512 (`live8` and its loops, what
-    CPUs without AVX-512 run; on such a CPU the tests above already did)."""
-    isa.run_without_avx512(__file__, tmp_path, "native", "live_mask", "layered", "divisor")

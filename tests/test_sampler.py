@@ -5,7 +5,6 @@ import torch
 
 from engine.sampler import SamplingBatch, sample, top_logprobs, uniform_noise
 from engine.sampling import SamplingParams
-from tests import isa
 
 
 def _batch(params, seeds=None, steps=None):
@@ -222,10 +221,3 @@ def test_engine_builds_sampling_parameters_only_while_a_request_needs_them(tmp_p
     assert [tokens["s"], tokens["g"]] == alone
     after = llm.generate([[9, 9]], greedy)[0].token_ids
     assert after == tokens["g"]
-
-
-@isa.without_avx512
-def test_the_sampling_ops_on_their_avx2_paths_of_an_avx512_cpu(tmp_path):
-    """The greedy and race ops' cases again on a build without AVX-512 (CPUs without
-    it run their 8-lane loops; on such a CPU the tests above already did)."""
-    isa.run_without_avx512(__file__, tmp_path, "greedy_op", "race_op")
