@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Extra flags for every C++ op's build, e.g. -mno-avx512f: how tests/isa.py runs a test
-# file on the AVX2 paths of an AVX-512 CPU (in a subprocess with a build folder of its
+# Extra flags for every C++ op's build, e.g. -mno-avx512f: how tests/test_isa.py runs test
+# files on the AVX2 paths of an AVX-512 CPU (in a subprocess with a build folder of its
 # own). `load_ops` calls `build` through the module, so this holds whoever imports it.
 if os.environ.get("KVSERVE_TEST_CFLAGS"):
     from kvpool import native

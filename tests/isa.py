@@ -16,8 +16,8 @@ def cpu_has(*flags: str) -> bool:
 
 
 def expected_path() -> str:
-    """The vector path -march=native gives the decode kernel here (under the extra flags
-    of a `without_avx512` run)."""
+    """The vector path -march=native gives the decode kernel here (AVX2 under
+    test_isa.py's -mno-avx512f)."""
     if cpu_has(*AVX512) and "-mno-avx512f" not in os.environ.get("KVSERVE_TEST_CFLAGS", "").split():
         return "avx512"
     return "avx2" if cpu_has("avx2", "fma", "f16c") else "portable"
