@@ -36,7 +36,7 @@ def load_ops(name: str, source: Path, cflags: list[str], ldflags: list[str] | No
         return _loaded[name]
     with _lock:
         if name not in _loaded:
-            _loaded[name] = build(name, source, [*cflags, headers_flag(source, cflags),
+            _loaded[name] = build(name, source, [*cflags, headers_flag(source),
                                                  *cpu_flag(cflags)], ldflags or [])
         return _loaded[name]
 
@@ -66,23 +66,22 @@ def cpu_flag(cflags: list[str]) -> list[str]:
     return [f"-DKVSERVE_CPU_{digest.hexdigest()[:16]}"]
 
 
-def headers_flag(source: Path, cflags: list[str]) -> str:
-    """A define naming the contents of the headers the source includes (`#include "..."`,
-    followed into the headers they include; found beside the including file, else in the
-    `-I` folders). Why: torch rebuilds a cached library when its source or its flags
-    change, and hashes no header, so an edited header (one shared by two libraries, such
-    as policies/csrc/window_ring.h) would leave a stale build in use."""
-    folders = [Path(f[2:]) for f in cflags if f.startswith("-I")]
+def headers_flag(source: Path) -> str:
+    """A define naming the contents of the headers the source includes (`#include "..."`
+    beside the including file, followed into the headers they include). Why: torch
+    rebuilds a cached library when its source or its flags change, and hashes no header,
+    so an edited header (one shared by two libraries, such as policies/csrc/window_ring.h)
+    would leave a stale build in use. Sources include other folders' headers by relative
+    paths, not `-I`: flags naming a checkout's path made every checkout rebuild."""
     digest = hashlib.sha256()
     seen: set[Path] = set()
     todo = [source]
     while todo:
         at = todo.pop()
         for name in _INCLUDE.findall(at.read_text(encoding="utf-8")):
-            header = next((h for h in (at.parent / name, *(f / name for f in folders))
-                           if h.is_file()), None)
-            if header is not None and header.resolve() not in seen:
-                seen.add(header.resolve())
+            header = (at.parent / name).resolve()
+            if header.is_file() and header not in seen:
+                seen.add(header)
                 todo.append(header)
     for header in sorted(seen):
         digest.update(header.name.encode() + b"\0" + header.read_bytes())

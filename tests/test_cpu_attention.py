@@ -513,7 +513,6 @@ def test_mass_written_into_a_window_ring_is_the_policys_update(
         assert not torch.equal(ring, start)
 
 
-
 @needs_kernel
 def test_the_build_takes_the_vector_path_of_this_cpu() -> None:
     """-march=native picks the path: a CPU with AVX2 but no AVX-512 must not be left on
