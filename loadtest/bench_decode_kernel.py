@@ -106,6 +106,9 @@ def table(report: dict) -> str:
     if kd:
         head += " with KeyDiff's scores | + KeyDiff | KeyDiff op alone |"
         sep += "---|---|---|"
+        if has_base:
+            head += " with KeyDiff's scores, base | KeyDiff op alone, base |"
+            sep += "---|---|"
     lines = [head, sep]
     for i, row in enumerate(rounds[0]["this"]):
         new = [r["this"][i]["median_ms"] for r in rounds]
@@ -119,6 +122,10 @@ def table(report: dict) -> str:
             fused = statistics.median([r["this"][i]["kd_median_ms"] for r in rounds])
             op = statistics.median([r["this"][i]["op_median_ms"] for r in rounds])
             line += (f" {fused:.3f} | {fused - statistics.median(new):+.3f} | {op:.3f} |")
+            if has_base:
+                line += "".join(
+                    f" {statistics.median([r['base'][i][k] for r in rounds]):.3f} |"
+                    for k in ("kd_median_ms", "op_median_ms"))
         lines.append(line)
     return "\n".join(lines)
 
@@ -160,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--shapes", a.shapes, "--layers", str(a.layers),
-            "--dtype", a.dtype, "--calls", str(a.calls), "--threads", str(a.threads)]
+            "--dtype", a.dtype, "--calls", str(a.calls), "--threads", str(a.threads),
+            *(["--key-diversity"] if a.key_diversity else [])]
     # imported here, not in the worker: a base checkout may lack it
     from loadtest.bench_common import ab_rounds
 

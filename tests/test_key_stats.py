@@ -48,7 +48,8 @@ def _reference(pool: BlockPool, table: torch.Tensor, pos: torch.Tensor) -> torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 8, 24])  # AVX-512 tiles; portable loop
+# vector tiles (AVX-512 and AVX2; 128: AVX2's anchor in two chunks); portable loop
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 8, 24])
 def test_key_diversity_equals_keydiff_scores(dtype: torch.dtype, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     pool = BlockPool(96, 16, 2, head_dim, dtype=dtype)  # GQA: 2 kv heads
@@ -126,7 +127,7 @@ def _decode_case(dtype: torch.dtype, head_dim: int, lengths: list[int], seed: in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 24])  # AVX-512 tiles; portable loop
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 24])  # vector tiles; portable loop
 @pytest.mark.parametrize("lengths", [[200, 37, 1, 16, 95, 0], [300]])  # [300]: head slices
 def test_decode_kernel_returns_the_ops_key_diversity(dtype, head_dim, lengths) -> None:
     """The decode kernel's KeyDiff scores (computed per sequence right after its

@@ -23,8 +23,46 @@
 #define KVSERVE_KEYDIFF_AVX512 1
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVSERVE_KEYDIFF_LANES8 1  // 8-lane helpers (the decode kernel's AVX2 path's too)
+#include <immintrin.h>
+#ifndef KVSERVE_KEYDIFF_AVX512
+#define KVSERVE_KEYDIFF_AVX2 1  // this file's 8-lane tiles
+#endif
+#endif
 
 namespace keydiff {
+
+#ifdef KVSERVE_KEYDIFF_LANES8
+// 8 elements of T (fp32, bf16, fp16) widened to fp32.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<T, c10::BFloat16>)  // bf16 is the top half of an fp32
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    else
+      return _mm256_cvtph_ps(h);
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lane s of the result = the sum of v[s]'s 8 lanes.
+inline __m256 sum8x8(const __m256* v) {
+  // hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67]; two levels leave [v0..v3 low
+  // halves' sums | v0..v3 high halves'] and the same for v4..v7
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+#endif
 
 // Compiled without -ffast-math wherever this header is included (the decode kernel's
 // source has it), so both users give the same bits: a division turned into a
@@ -54,6 +92,9 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
         _mm512_storeu_ps(buf + x, f);
       }
     }
+#elif defined(KVSERVE_KEYDIFF_AVX2)
+    if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>)
+      for (; x + 8 <= n; x += 8) _mm256_storeu_ps(buf + x, load8(src + x));
 #endif
     for (; x < n; ++x) buf[x] = static_cast<float>(src[x]);
     return buf;
@@ -70,6 +111,13 @@ inline float dot(const float* a, const float* b, int64_t n) {
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + x), _mm512_loadu_ps(b + x), acc);
     s = _mm512_reduce_add_ps(acc);
   }
+#elif defined(KVSERVE_KEYDIFF_AVX2)
+  if (n >= 8) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (x = 8; x + 8 <= n; x += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + x), _mm256_loadu_ps(b + x), acc);
+    s = hsum8(acc);
+  }
 #endif
   for (; x < n; ++x) s += a[x] * b[x];
   return s;
@@ -81,6 +129,10 @@ inline void axpy(float c, const float* x, float* y, int64_t n) {  // y += c * x
   const __m512 cv = _mm512_set1_ps(c);
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(y + i, _mm512_fmadd_ps(cv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(KVSERVE_KEYDIFF_AVX2)
+  const __m256 cv = _mm256_set1_ps(c);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(cv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
   for (; i < n; ++i) y[i] += c * x[i];
 }
@@ -270,6 +322,98 @@ void score_listed_avx512(int64_t n, int64_t H, float* out, Scratch& s) {
 
 #endif  // KVSERVE_KEYDIFF_AVX512
 
+#ifdef KVSERVE_KEYDIFF_AVX2
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+// The AVX-512 tiles' form at 8 lanes (CPUs with AVX2 and FMA but no AVX-512): a head's
+// D = 8 * NV values as NV vectors, bf16 pairs 16 at a time in one load (the even
+// elements shifted up, the odd ones masked: a lane order of its own, as load_row's), a
+// tile's 8 norms or cosines reduced by sum8x8's horizontal adds. Without it these CPUs
+// took the portable loop, whose sums (no -ffast-math) do not vectorize: KeyDiff's decode
+// step was ~3x `full`'s on a Zen 3 host.
+template <typename T, int NV>
+inline void load_row8(const T* p, __m256* v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+    const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    for (int c = 0; c < NV / 2; ++c) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
+      v[2 * c] = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+      v[2 * c + 1] = _mm256_castsi256_ps(_mm256_and_si256(x, hi));
+    }
+  } else {
+    for (int c = 0; c < NV; ++c) v[c] = load8(p + 8 * c);
+  }
+}
+
+// D = 8 * NV (16 to 128): both passes 8 listed slots at a time (the list padded to whole
+// tiles with its first row); the anchors' sums CH vectors at a time, so that they stay in
+// registers (16 of them in AVX2) with the row being added.
+template <typename T, int NV>
+void score_listed_avx2(int64_t n, int64_t H, float* out, Scratch& s) {
+  constexpr int64_t D = 8 * NV;
+  constexpr int CH = NV < 8 ? NV : 8;
+  const int64_t HD = H * D;
+  const T** rows = reinterpret_cast<const T**>(s.rows.data());
+  const int64_t* logical = s.logical.data();
+  const int64_t np = (n + 7) / 8 * 8;
+  for (int64_t i = n; i < np; ++i) rows[i] = rows[0];
+  const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(T));
+  float* inv = s.inv.data();  // [H][np]
+  float* anchor = s.anchor.data();
+  std::fill(anchor, anchor + HD, 0.f);
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 v[8], x[NV];
+  for (int64_t t = 0; t < np; t += 8) {  // pass 1: inverse norms, the anchors' sums
+    const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - t)), _CMP_LT_OQ);
+    if (t + 16 < np)  // two tiles ahead: blocks lie anywhere in the pool
+      for (int i = 0; i < 8; ++i)
+        for (int64_t o = 0; o < row_bytes; o += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(rows[t + 16 + i]) + o, 0, 3);
+    for (int64_t h = 0; h < H; ++h) {
+      for (int i = 0; i < 8; ++i) {
+        load_row8<T, NV>(rows[t + i] + h * D, x);
+        __m256 acc = _mm256_mul_ps(x[0], x[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm256_fmadd_ps(x[c], x[c], acc);
+        v[i] = acc;
+      }
+      const __m256 norm = _mm256_max_ps(_mm256_sqrt_ps(sum8x8(v)), _mm256_set1_ps(1e-12f));
+      float* ih = inv + h * np + t;
+      _mm256_storeu_ps(ih, _mm256_and_ps(valid, _mm256_div_ps(_mm256_set1_ps(1.f), norm)));
+      float* ah = anchor + h * D;
+      for (int c0 = 0; c0 < NV; c0 += CH) {
+        __m256 acc[CH];
+        for (int c = 0; c < CH; ++c) acc[c] = _mm256_loadu_ps(ah + 8 * (c0 + c));
+        for (int i = 0; i < 8; ++i) {
+          const __m256 ci = _mm256_set1_ps(ih[i]);
+          load_row8<T, NV>(rows[t + i] + h * D, x);
+          for (int c = 0; c < CH; ++c) acc[c] = _mm256_fmadd_ps(ci, x[c0 + c], acc[c]);
+        }
+        for (int c = 0; c < CH; ++c) _mm256_storeu_ps(ah + 8 * (c0 + c), acc[c]);
+      }
+    }
+  }
+  normalise_anchor(anchor, H, D, n);
+  const __m256 scale = _mm256_set1_ps(-1.f / static_cast<float>(H));
+  alignas(32) float res[8];
+  for (int64_t t = 0; t < np; t += 8) {  // pass 2: the cosines, mean over heads
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t h = 0; h < H; ++h) {
+      const float* ah = anchor + h * D;
+      for (int i = 0; i < 8; ++i) {
+        load_row8<T, NV>(rows[t + i] + h * D, x);
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(ah), x[0]);
+        for (int c = 1; c < NV; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(ah + 8 * c), x[c], acc);
+        v[i] = acc;
+      }
+      sum = _mm256_fmadd_ps(sum8x8(v), _mm256_loadu_ps(inv + h * np + t), sum);
+    }
+    _mm256_store_ps(res, _mm256_mul_ps(sum, scale));
+    for (int64_t i = 0; i < std::min<int64_t>(8, n - t); ++i) out[logical[t + i]] = res[i];
+  }
+}
+#pragma GCC pop_options
+#endif  // KVSERVE_KEYDIFF_AVX2
+
 // Scores the n > 0 key rows listed in s.rows / s.logical (T: float, BFloat16, Half or
 // double;
 // each row Hkv * D values, its kv heads in order): out[logical[i]] = slot i's score.
@@ -282,6 +426,13 @@ void score_listed(int64_t n, int64_t H, int64_t D, float* out, Scratch& s) {
     if (D == 32) return score_listed_avx512<T, 2>(n, H, out, s);
     if (D == 64) return score_listed_avx512<T, 4>(n, H, out, s);
     if (D == 128) return score_listed_avx512<T, 8>(n, H, out, s);
+  }
+#elif defined(KVSERVE_KEYDIFF_AVX2)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (D == 16) return score_listed_avx2<T, 2>(n, H, out, s);
+    if (D == 32) return score_listed_avx2<T, 4>(n, H, out, s);
+    if (D == 64) return score_listed_avx2<T, 8>(n, H, out, s);
+    if (D == 128) return score_listed_avx2<T, 16>(n, H, out, s);
   }
 #endif
   score_listed_portable<T>(n, H, D, out, s);

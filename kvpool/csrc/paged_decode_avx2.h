@@ -13,19 +13,9 @@
 // with a GQA group's output rows in registers. 16-bit K rows are widened once per tile
 // into `Scratch::rows` and read there by every query head of the tile.
 
-// 8 elements of T (fp32, bf16, fp16) widened to fp32.
-template <typename T>
-inline __m256 load8(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (std::is_same_v<T, at::BFloat16>)  // bf16 is the top half of an fp32
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    else
-      return _mm256_cvtph_ps(h);
-  }
-}
+using keydiff::load8;  // key_diversity.h's 8-lane helpers: one copy
+using keydiff::hsum8;
+using keydiff::sum8x8;
 
 // exp for x <= 0: exp512's polynomial and clamp (see there); 2^n by the exponent bits.
 inline __m256 exp256(__m256 x) {
@@ -47,25 +37,10 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Lane s of the result = the sum of v[s]'s 8 lanes.
-inline __m256 sum8x8(const __m256* v) {
-  // hadd(a, b) = [a01 a23 b01 b23 | a45 a67 b45 b67]; two levels leave [v0..v3 low
-  // halves' sums | v0..v3 high halves'] and the same for v4..v7
-  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
 // One sequence, head dim D = 8 * NV; in the V pass GC query heads share each V load
