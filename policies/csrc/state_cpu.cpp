@@ -104,22 +104,32 @@ inline __attribute__((always_inline)) void ring_row(
     }
 }
 
-#ifdef KVSERVE_AVX512
+#ifdef WINDOW_RING_LANES8
 // `ring_row` for the tables' column layout (unit slot strides), 8 slots at a time
-// (window_ring.h's 8-lane forms: the same bits).
-inline void ring_row_avx512(const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r3,
-                            int64_t t3, double up, float down) {
-  const __m512d upv = _mm512_set1_pd(up);
+// (window_ring.h's 8-lane forms, AVX-512 or AVX2: the same bits).
+inline void ring_row8(const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r3,
+                      int64_t t3, double up, float down) {
+  const auto upv = window_ring::splat(up);
+#ifdef KVSERVE_AVX512
   const __m256 downv = _mm256_set1_ps(down);
+#endif
   int64_t s = 0;
   for (; s + 8 <= w; s += 8) {
-    __m512i v = window_ring::load8(row.total + s, t3);
+    auto v = window_ring::load8(row.total + s, t3);
     for (int64_t j = 0; j < k; ++j)
       v = window_ring::put8(row.ring + row.cols[j] * r3 + s, row.mass + j * w + s, v, upv);
     if (k) window_ring::store8(row.total + s, t3, v);
     if (row.out != nullptr) {
+#ifdef KVSERVE_AVX512
       const __mmask8 live = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(row.pos + s), _mm512_setzero_si512());
       _mm256_storeu_ps(row.out + s, _mm256_maskz_mul_ps(live, _mm512_cvtepi64_ps(v), downv));
+#else  // AVX2 converts no int64 to float: the scalar conversion of each total
+      window_ring::store_sums(sum + s, v);
+      for (int64_t i = s; i < s + 8; ++i) {
+        const float x = static_cast<float>(sum[i]) * down;
+        row.out[i] = row.pos[i] >= 0 ? x : 0.0f;
+      }
+#endif
     }
   }
   if (s < w) {  // the last slots, as ring_row does them
@@ -189,6 +199,35 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
         _mm256_mask_storeu_ps(mr + s, act, _mm512_cvtpd_ps(most));
         const __m512d later = _mm512_mask_blend_pd(_mm512_cmp_pd_mask(old, tv, _CMP_LT_OQ), old, tv);
         _mm256_storeu_ps(tsr + s, _mm512_cvtpd_ps(_mm512_mask_blend_pd(act, old, later)));
+      }
+#elif defined(__AVX2__)
+      // The same 4 slots at a time (AVX2: doubles 4 to a vector; the positions' int64
+      // made double by the 2^52 + 2^51 trick, exact below 2^51; compares as masks).
+      const __m128 denv = _mm_set1_ps(den), av = _mm_set1_ps(a32);
+      const __m256i qv = _mm256_set1_epi64x(qi), zero = _mm256_setzero_si256();
+      const __m256i born = _mm256_set1_epi64x(pl - 1);
+      const __m256d tv = _mm256_set1_pd(t), magic = _mm256_set1_pd(6755399441055744.0);
+      const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+      for (; s + 4 <= w; s += 4) {
+        const __m256i pos = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pi + s));
+        const __m256d birth = _mm256_sub_pd(
+            _mm256_castsi256_pd(_mm256_add_epi64(_mm256_sub_epi64(pos, born), _mm256_castpd_si256(magic))),
+            magic);
+        __m256d old = _mm256_cvtps_pd(_mm_loadu_ps(tsr + s));
+        old = _mm256_blendv_pd(old, birth, _mm256_cmp_pd(old, old, _CMP_UNORD_Q));
+        const __m256i in = _mm256_andnot_si256(  // pos <= qi and pos >= 0
+            _mm256_or_si256(_mm256_cmpgt_epi64(pos, qv), _mm256_cmpgt_epi64(zero, pos)),
+            _mm256_set1_epi64x(-1));
+        const __m128 act = _mm_and_ps(  // 4 lanes of 32 bits
+            _mm_cmp_ps(_mm_div_ps(_mm_loadu_ps(ai + s), denv), av, _CMP_GE_OQ),
+            _mm_castsi128_ps(_mm256_castsi256_si128(_mm256_permutevar8x32_epi32(in, even))));
+        const __m256d act64 = _mm256_castsi256_pd(_mm256_cvtepi32_epi64(_mm_castps_si128(act)));
+        const __m128 was32 = _mm_loadu_ps(mr + s);
+        const __m256d was = _mm256_cvtps_pd(was32), gap = _mm256_sub_pd(tv, old);
+        const __m256d most = _mm256_blendv_pd(was, gap, _mm256_cmp_pd(was, gap, _CMP_LT_OQ));
+        _mm_storeu_ps(mr + s, _mm_blendv_ps(was32, _mm256_cvtpd_ps(most), act));
+        const __m256d later = _mm256_blendv_pd(old, tv, _mm256_cmp_pd(old, tv, _CMP_LT_OQ));
+        _mm_storeu_ps(tsr + s, _mm256_cvtpd_ps(_mm256_blendv_pd(old, later, act64)));
       }
 #endif
       for (; s < w; ++s) {
@@ -404,8 +443,8 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
       const RingRow row{rp + (i / r) * r0 + row_of(i) * r1, tp + (i / r) * t0 + row_of(i) * t1,
                         mp + i * k * w, cp + i * k, pr.row(i), sel ? totals.data() : nullptr};
       if (r2 == 1 && t2 == 1)  // stored by columns, as the tables keep them: vectorised
-#ifdef KVSERVE_AVX512
-        ring_row_avx512(row, sum.data(), w, k, r3, t3, up, down);
+#ifdef WINDOW_RING_LANES8
+        ring_row8(row, sum.data(), w, k, r3, t3, up, down);
 #else
         ring_row(row, sum.data(), w, k, 1, r3, 1, t3, up, down);
 #endif
