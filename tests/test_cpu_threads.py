@@ -134,6 +134,7 @@ def busy_core() -> Iterator[None]:
         spinner.wait()
 
 
+@pytest.mark.serial  # a latency bound: `make test` runs it alone
 def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
     """The must-show of issue 22: with OpenMP's defaults (spinning intra-op threads) 4
     concurrent 32-token requests took 1.8-2.1x the time of one, 5-7x beside a busy

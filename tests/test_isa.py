@@ -22,10 +22,12 @@ ROOT = Path(__file__).parent.parent
 FILES = ["tests/test_cpu_attention.py",  # the decode kernel (paged_decode_avx2.h)
          "tests/test_sampler.py",  # greedy and the exponential race
          "tests/test_policy_select.py",  # the selection's live8 loops
-         "tests/test_key_stats.py"]  # KeyDiff's 8-lane tiles (key_diversity.h)
+         "tests/test_key_stats.py",  # KeyDiff's 8-lane tiles (key_diversity.h)
+         "tests/test_policy_state.py"]  # window_ring.h's AVX2 form, lazy_track
 SELECT = ("test_cpu_attention or greedy_op or race_op "
           "or native or live_mask or layered or divisor "
-          "or key_diversity_equals or returns_the_ops_key_diversity")
+          "or key_diversity_equals or returns_the_ops_key_diversity "
+          "or window_ring_matches or lazy_track or ranks_by_torchs")
 
 
 @pytest.mark.timeout(1200)

@@ -82,6 +82,7 @@ print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]
 """
 
 
+@pytest.mark.serial  # a latency bound: `make test` runs it alone
 def test_health_p95_under_load(served: tuple[ServerThread, AsyncEngine, StepCounter]) -> None:
     server, engine, counter = served
     # Long enough that the busy period holds 20+ probes however fast the engine steps
