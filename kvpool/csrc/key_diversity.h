@@ -191,6 +191,23 @@ void score_listed_portable(int64_t n, int64_t H, int64_t D, float* out, Scratch&
 }
 #pragma GCC pop_options
 
+// The vector tiles' (AVX-512, AVX2) common start: the listed rows padded to whole tiles
+// of `tile` slots with the first row, the anchors cleared. Returns the padded count.
+inline int64_t start_tiles(Scratch& s, int64_t n, int64_t tile, int64_t HD) {
+  const int64_t np = (n + tile - 1) / tile * tile;
+  for (int64_t i = n; i < np; ++i) s.rows[i] = s.rows[0];
+  std::fill(s.anchor.begin(), s.anchor.begin() + HD, 0.f);
+  return np;
+}
+
+// Prefetch the key rows of a tile (TILE slots) into L1.
+template <int TILE, typename T>
+inline void prefetch_rows(const T* const* rows, int64_t bytes) {
+  for (int s = 0; s < TILE; ++s)
+    for (int64_t o = 0; o < bytes; o += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(rows[s]) + o, 0, 3);
+}
+
 #ifdef KVSERVE_KEYDIFF_AVX512
 // A head's D = 16 * NV values of T as NV fp32 vectors, in an order of lanes of its own:
 // norms and dot products do not depend on it, and the anchors are summed from (and
@@ -249,14 +266,6 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(order, fold<1>(f[0], f[1]));
 }
 
-// Prefetch the key rows of a tile (16 slots) into L1.
-template <typename T>
-inline void prefetch_rows(const T* const* rows, int64_t bytes) {
-  for (int s = 0; s < 16; ++s)
-    for (int64_t o = 0; o < bytes; o += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(rows[s]) + o, 0, 3);
-}
-
 // D = 16 * NV: both passes 16 listed slots at a time (the list padded to whole tiles
 // with its first row), so a norm, a square root and a division, and a cosine's sum, are
 // one vector op per 16 slots. Pass 1 prefetches two tiles ahead (blocks lie anywhere in
@@ -266,18 +275,16 @@ template <typename T, int NV>
 void score_listed_avx512(int64_t n, int64_t H, float* out, Scratch& s) {
   constexpr int64_t D = 16 * NV;
   const int64_t HD = H * D;
+  const int64_t np = start_tiles(s, n, 16, HD);
   const T** rows = reinterpret_cast<const T**>(s.rows.data());
   const int64_t* logical = s.logical.data();
-  const int64_t np = (n + 15) / 16 * 16;
-  for (int64_t i = n; i < np; ++i) rows[i] = rows[0];
   const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(T));
   float* inv = s.inv.data();  // [H][np]
   float* anchor = s.anchor.data();
-  std::fill(anchor, anchor + HD, 0.f);
   __m512 v[16], x[NV];
   for (int64_t t = 0; t < np; t += 16) {  // pass 1: inverse norms, the anchors' sums
     const __mmask16 valid = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
-    if (t + 32 < np) prefetch_rows(rows + t + 32, row_bytes);
+    if (t + 32 < np) prefetch_rows<16>(rows + t + 32, row_bytes);
     for (int64_t h = 0; h < H; ++h) {
       for (int i = 0; i < 16; ++i) {
         load_row<T, NV>(rows[t + i] + h * D, x);
@@ -353,22 +360,17 @@ void score_listed_avx2(int64_t n, int64_t H, float* out, Scratch& s) {
   constexpr int64_t D = 8 * NV;
   constexpr int CH = NV < 8 ? NV : 8;
   const int64_t HD = H * D;
+  const int64_t np = start_tiles(s, n, 8, HD);
   const T** rows = reinterpret_cast<const T**>(s.rows.data());
   const int64_t* logical = s.logical.data();
-  const int64_t np = (n + 7) / 8 * 8;
-  for (int64_t i = n; i < np; ++i) rows[i] = rows[0];
   const int64_t row_bytes = HD * static_cast<int64_t>(sizeof(T));
   float* inv = s.inv.data();  // [H][np]
   float* anchor = s.anchor.data();
-  std::fill(anchor, anchor + HD, 0.f);
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 v[8], x[NV];
   for (int64_t t = 0; t < np; t += 8) {  // pass 1: inverse norms, the anchors' sums
     const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - t)), _CMP_LT_OQ);
-    if (t + 16 < np)  // two tiles ahead: blocks lie anywhere in the pool
-      for (int i = 0; i < 8; ++i)
-        for (int64_t o = 0; o < row_bytes; o += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(rows[t + 16 + i]) + o, 0, 3);
+    if (t + 16 < np) prefetch_rows<8>(rows + t + 16, row_bytes);  // two tiles ahead
     for (int64_t h = 0; h < H; ++h) {
       for (int i = 0; i < 8; ++i) {
         load_row8<T, NV>(rows[t + i] + h * D, x);
