@@ -337,7 +337,9 @@ void score_listed_avx512(int64_t n, int64_t H, float* out, Scratch& s) {
 // elements shifted up, the odd ones masked: a lane order of its own, as load_row's), a
 // tile's 8 norms or cosines reduced by sum8x8's horizontal adds. Without it these CPUs
 // took the portable loop, whose sums (no -ffast-math) do not vectorize: KeyDiff's decode
-// step was ~3x `full`'s on a Zen 3 host.
+// step was ~3x `full`'s on a Zen 3 host. Unlike the AVX-512 form it sits inside a
+// no-fast-math region: compiled with the decode kernel's -ffast-math, its scores left
+// the pool op's in the last bits (tests/test_key_stats.py).
 template <typename T, int NV>
 inline void load_row8(const T* p, __m256* v) {
   if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {

@@ -110,7 +110,7 @@ inline __attribute__((always_inline)) void ring_row(
 inline void ring_row8(const RingRow& row, int64_t* sum, int64_t w, int64_t k, int64_t r3,
                       int64_t t3, double up, float down) {
   const auto upv = window_ring::splat(up);
-#ifdef KVSERVE_AVX512
+#ifdef WINDOW_RING_AVX512
   const __m256 downv = _mm256_set1_ps(down);
 #endif
   int64_t s = 0;
@@ -120,7 +120,7 @@ inline void ring_row8(const RingRow& row, int64_t* sum, int64_t w, int64_t k, in
       v = window_ring::put8(row.ring + row.cols[j] * r3 + s, row.mass + j * w + s, v, upv);
     if (k) window_ring::store8(row.total + s, t3, v);
     if (row.out != nullptr) {
-#ifdef KVSERVE_AVX512
+#ifdef WINDOW_RING_AVX512
       const __mmask8 live = _mm512_cmpge_epi64_mask(_mm512_loadu_si512(row.pos + s), _mm512_setzero_si512());
       _mm256_storeu_ps(row.out + s, _mm256_maskz_mul_ps(live, _mm512_cvtepi64_ps(v), downv));
 #else  // AVX2 converts no int64 to float: the scalar conversion of each total

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define WINDOW_RING_AVX512 1
 #define WINDOW_RING_LANES8 1
@@ -74,8 +74,6 @@ inline void store8(float* d0, int64_t t3, __m512i v) {
   _mm256_storeu_ps(d0 + 2 * t3, _mm512_cvtepi64_ps(_mm512_srai_epi64(v, 2 * kDigit)));
 }
 
-inline void store_sums(int64_t* dst, __m512i v) { _mm512_storeu_si512(dst, v); }
-
 inline __m512i fixed8(__m256 x, __m512d up) {
   return _mm512_cvtpd_epi64(_mm512_mul_pd(_mm512_cvtps_pd(x), up));
 }
@@ -109,6 +107,8 @@ inline __m256i load4(const float* d0, int64_t t3) {
 
 inline Sum8 load8(const float* d0, int64_t t3) { return {load4(d0, t3), load4(d0 + 4, t3)}; }
 
+// The 8 totals into dst (state_cpu.cpp converts them to float one by one: AVX2 has no
+// int64 -> float conversion; AVX-512's is exact in a vector).
 inline void store_sums(int64_t* dst, Sum8 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), v.lo);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 4), v.hi);
