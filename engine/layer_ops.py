@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -26,15 +25,10 @@ import torch
 from engine.rope import apply_rotary
 from kvpool.native import load_ops
 
-_SOURCE = Path(__file__).parent / "csrc" / "layer_ops_cpu.cpp"
-# No -ffast-math (NaNs must propagate); no FMA contraction (torch rounds mul and add apart).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
-
 
 def native(x: torch.Tensor) -> bool:
     """Whether the C++ op runs for `x` (a CPU tensor, once the library is built)."""
-    return x.device.type == "cpu" and load_ops("kvserve_layer_ops_cpu", _SOURCE, _FLAGS,
-                                               ["-fopenmp"])
+    return x.device.type == "cpu" and load_ops("kvserve_layer_ops_cpu")
 
 
 @functools.cache

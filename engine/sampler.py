@@ -9,7 +9,6 @@ and recomputed in between.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -17,7 +16,6 @@ from engine.sampling import SamplingParams
 from kvpool.native import load_ops
 
 _M32 = 0xFFFFFFFF
-_SOURCE = Path(__file__).parent / "csrc" / "sampling_cpu.cpp"
 _NO_ROWS = torch.empty(0)  # placeholder parameters of an all-greedy batch
 
 
@@ -94,7 +92,7 @@ def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.T
 
 def load_sampling_ops() -> bool:
     """Build (once; cached on disk) and load engine/csrc/sampling_cpu.cpp's ops."""
-    return load_ops("kvserve_sampling_cpu", _SOURCE, ["-O3", "-march=native"])
+    return load_ops("kvserve_sampling_cpu")
 
 
 def _native(x: torch.Tensor) -> bool:

@@ -41,7 +41,6 @@ back to the torch path with a warning, so a CPU install never fails over it.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
@@ -51,8 +50,6 @@ from kvpool.native import load_ops
 from kvpool.pool import BlockPool
 from kvpool.quant import QuantCache
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 log = logging.getLogger(__name__)
 _stale_warned = False
 
@@ -64,7 +61,7 @@ def kernel_available() -> bool:
     checkouts of different versions share TORCH_EXTENSIONS_DIR and rebuild it in turn):
     decode then falls back to the torch path, and says so once."""
     global _stale_warned
-    if not load_ops("kvserve_paged_decode_cpu", _SOURCE, _FLAGS, ["-fopenmp"]):
+    if not load_ops("kvserve_paged_decode_cpu"):
         return False
     if hasattr(torch.ops.kvserve, "paged_decode_quant"):
         return True

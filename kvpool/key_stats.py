@@ -21,21 +21,17 @@ calls it. tests/test_key_stats.py checks that both agree.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from kvpool.native import load_ops
 
-_SOURCE = Path(__file__).parent / "csrc" / "key_stats_cpu.cpp"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def load_key_stats() -> bool:
     """Build and load the C++ key statistics (csrc/key_stats_cpu.cpp) once; False keeps
     the torch form (no compiler, or KVSERVE_CPU_KERNEL=0)."""
-    return load_ops("kvserve_key_stats_cpu", _SOURCE, ["-O3", "-march=native", "-fopenmp"],
-                    ["-fopenmp"])
+    return load_ops("kvserve_key_stats_cpu")
 
 
 def native_key_diversity(k_cache: torch.Tensor) -> bool:

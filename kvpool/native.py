@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -29,15 +30,51 @@ _loaded: dict[str, bool] = {}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
-def load_ops(name: str, source: Path, cflags: list[str], ldflags: list[str] | None = None) -> bool:
-    """Build (once per process) and load the extension `name` from one C++ source; the
-    ops it registers appear under torch.ops. False when it cannot be built."""
+@dataclass(frozen=True)
+class Library:
+    """One C++ source built into one library of ops (flags as its source needs them)."""
+
+    source: Path
+    cflags: tuple[str, ...]
+    ldflags: tuple[str, ...] = ()
+
+
+_ROOT = Path(__file__).resolve().parent.parent
+_OPENMP = ("-fopenmp",)
+# Every library kvserve builds, by name: here (not in the modules that use them) so that
+# `python -m kvpool.native --build` needs nothing but torch and can run while pip installs
+# the rest (the Makefile does).
+LIBRARIES: dict[str, Library] = {
+    "kvserve_paged_decode_cpu": Library(_ROOT / "kvpool/csrc/paged_decode_cpu.cpp",
+                                        ("-O3", "-march=native", "-ffast-math", *_OPENMP),
+                                        _OPENMP),
+    "kvserve_key_stats_cpu": Library(_ROOT / "kvpool/csrc/key_stats_cpu.cpp",
+                                     ("-O3", "-march=native", *_OPENMP), _OPENMP),
+    "kvserve_tables_cpu": Library(_ROOT / "kvpool/csrc/tables_cpu.cpp", ("-O3", "-march=native")),
+    # No -ffast-math (NaNs must propagate); no FMA contraction (torch rounds mul and add apart).
+    "kvserve_layer_ops_cpu": Library(_ROOT / "engine/csrc/layer_ops_cpu.cpp",
+                                     ("-O3", "-march=native", "-fno-math-errno",
+                                      "-ffp-contract=off", *_OPENMP), _OPENMP),
+    "kvserve_sampling_cpu": Library(_ROOT / "engine/csrc/sampling_cpu.cpp",
+                                    ("-O3", "-march=native")),
+    "kvserve_select_cpu": Library(_ROOT / "policies/csrc/select_cpu.cpp", ("-O3", "-march=native")),
+    # -fno-math-errno: llrint inlines (and vectorises) only without errno to set
+    "kvserve_state_cpu": Library(_ROOT / "policies/csrc/state_cpu.cpp",
+                                 ("-O3", "-march=native", "-fno-math-errno")),
+}
+
+
+def load_ops(name: str) -> bool:
+    """Build (once per process) and load the library `name` of `LIBRARIES`; the ops it
+    registers appear under torch.ops. False when it cannot be built."""
     if name in _loaded:
         return _loaded[name]
     with _lock:
         if name not in _loaded:
-            _loaded[name] = build(name, source, [*cflags, headers_flag(source),
-                                                 *cpu_flag(cflags)], ldflags or [])
+            lib = LIBRARIES[name]
+            cflags = list(lib.cflags)
+            _loaded[name] = build(name, lib.source, [*cflags, headers_flag(lib.source),
+                                                     *cpu_flag(cflags)], list(lib.ldflags))
         return _loaded[name]
 
 
@@ -149,3 +186,65 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     log.warning("removing a stale C++ build lock %s (%.0f s old: a killed build)", lock, age)
     lock.unlink(missing_ok=True)
     return True
+
+
+def build_all(names: list[str], jobs: int) -> dict[str, bool]:
+    """Build `names` in `jobs` processes at once (a library is one compiler process, so a
+    pool of them is how a first start uses more than one core); {name: built}."""
+    import subprocess
+    import sys
+
+    todo, running, done = list(names), {}, {}
+    while todo or running:
+        while todo and len(running) < jobs:
+            name = todo.pop(0)
+            running[name] = (time.perf_counter(), subprocess.Popen(
+                [sys.executable, "-c", "import sys; from kvpool.native import load_ops; "
+                 f"sys.exit(0 if load_ops({name!r}) else 1)"], cwd=_ROOT))
+        time.sleep(0.2)
+        for name, (t0, proc) in list(running.items()):
+            if proc.poll() is not None:
+                done[name] = proc.returncode == 0
+                del running[name]
+                print(f"{name}: {'built' if done[name] else 'FAILED'} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvpool.native --build [NAME ...] [--jobs N] [--background]`: build
+    kvserve's C++ ops now rather than on first use (the names default to all of them).
+    `--background` returns at once and leaves the builds running, their output in
+    TORCH_EXTENSIONS_DIR's `kvserve-build.log`: the Makefile starts them as soon as torch
+    is installed, so they compile while pip installs the rest. A server or test that
+    needs a library meanwhile waits on its build (`_builder_lock`), never builds it twice."""
+    import argparse
+    import subprocess
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m kvpool.native", description=main.__doc__)
+    p.add_argument("--build", nargs="*", metavar="NAME", required=True)
+    p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    p.add_argument("--background", action="store_true")
+    a = p.parse_args(argv)
+    names = a.build or list(LIBRARIES)
+    if unknown := [n for n in names if n not in LIBRARIES]:
+        p.error(f"unknown libraries {unknown}; known: {', '.join(LIBRARIES)}")
+    if a.background:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / "kvserve-build.log", "a", encoding="utf-8") as out:
+            subprocess.Popen([sys.executable, "-m", "kvpool.native", "--build", *names,
+                              "--jobs", str(a.jobs)], cwd=_ROOT, stdout=out,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        print(f"building {len(names)} C++ libraries in the background (log: "
+              f"{root / 'kvserve-build.log'})", flush=True)
+        return 0
+    done = build_all(names, a.jobs)
+    return 0 if all(done.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -41,7 +41,6 @@ writes it for a whole batch as [rows, slots] tensors and never re-aligns it by p
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,13 +53,12 @@ if TYPE_CHECKING:
     from kvpool.seq_cache import SeqCache
 
 
-_MARK_SOURCE = Path(__file__).parent / "csrc" / "tables_cpu.cpp"
 
 
 def load_mark() -> bool:
     """Build and load the C++ marking (csrc/tables_cpu.cpp) once; False keeps the torch
     form (no compiler, or KVSERVE_CPU_KERNEL=0)."""
-    return load_ops("kvserve_tables_cpu", _MARK_SOURCE, ["-O3", "-march=native"])
+    return load_ops("kvserve_tables_cpu")
 
 
 def consecutive(rows: list[int]) -> bool:

@@ -23,6 +23,7 @@ both must be measured at the *same* budget, through the engine's own code paths.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -44,11 +45,13 @@ POLICIES: tuple[str, ...] = tuple(n for n in CATALOG if n != "full")
 SINK = 4
 
 
+@functools.lru_cache(maxsize=2)
 def load_data(model_dir: str):
     """`demo_model.evaluate.EvalData` without the training-split unigram counts (which
     tokenise the whole 9 MB training corpus and are only needed for bits-per-byte
     baselines): held-out documents, tokenizer and the needle generator, built exactly as
-    `load_eval_data` builds them."""
+    `load_eval_data` builds them. Once a process (read-only; bench_kv_quant evaluates
+    once per KV dtype)."""
     from collections import Counter
 
     import numpy as np

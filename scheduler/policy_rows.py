@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -32,19 +31,13 @@ from policies.base import Needs
 from policies.norms import keydiff_scores
 from policies.rows import RowsView
 
-_CSRC = Path(policy_rows.__file__).parent / "csrc"
-_SELECT_SOURCE, _STATE_SOURCE = _CSRC / "select_cpu.cpp", _CSRC / "state_cpu.cpp"
-
 
 def load_select() -> bool:
     """Build and load the C++ selection (policies/csrc/select_cpu.cpp) and the state
     updates (state_cpu.cpp) once; the torch forms stay in use without a compiler (or
     with KVSERVE_CPU_KERNEL=0). Returns whether the selection loaded."""
-    flags = ["-O3", "-march=native"]
-    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu", _SELECT_SOURCE, flags)
-    # -fno-math-errno: llrint inlines (and vectorises) only without errno to set
-    policy_rows.NATIVE["state"] = load_ops("kvserve_state_cpu", _STATE_SOURCE,
-                                           [*flags, "-fno-math-errno"])
+    policy_rows.NATIVE["select"] = load_ops("kvserve_select_cpu")
+    policy_rows.NATIVE["state"] = load_ops("kvserve_state_cpu")
     return policy_rows.NATIVE["select"]
 
 

@@ -258,7 +258,8 @@ def test_an_empty_batch_gives_an_empty_answer() -> None:
 
 def test_disabled_by_env_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_CPU_KERNEL", "0")
-    assert native.build("kvserve_paged_decode_cpu", cpu_attention._SOURCE, [], []) is False
+    assert native.build("kvserve_paged_decode_cpu",
+                        native.LIBRARIES["kvserve_paged_decode_cpu"].source, [], []) is False
 
 
 def widened(case: dict) -> dict:

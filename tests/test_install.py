@@ -38,6 +38,9 @@ def _make_dry_run(target: str, tmp_path: Path) -> str:
 def test_make_serve_installs_the_runtime_only(tmp_path: Path) -> None:
     serve = _make_dry_run("serve", tmp_path)
     assert "pip install -q -e . " in serve and "kvserve serve" in serve
+    # the C++ ops compile while pip installs the rest: after torch, before kvserve's deps
+    torch_at, build_at = serve.index('install -q "torch=='), serve.index("native --build --background")
+    assert torch_at < build_at < serve.index("pip install -q -e . ")
     assert "[dev]" not in serve and "[gpu]" not in serve and "triton" not in serve
     test = _make_dry_run("test", tmp_path)
     assert "pip install -q -e . " in test and '-e ".[dev]"' in test and "pytest" in test

@@ -113,10 +113,8 @@ def test_a_build_in_another_checkout_has_the_same_flags(tmp_path: Path) -> None:
     """Checkouts of the same source (CI's clone beside a developer's tree, a benchmark's
     base checkout) share torch's build folder: flags that named a checkout's path made
     each rebuild the library over the other's, minutes on a slow CPU."""
-    from kvpool import cpu_attention
-
-    assert not any(f.startswith("-I") for f in cpu_attention._FLAGS)
-    root = Path(cpu_attention.__file__).parent.parent
+    assert not any(f.startswith("-I") for lib in native.LIBRARIES.values() for f in lib.cflags)
+    root = Path(native.__file__).parent.parent
     copy = tmp_path / "copy"
     for rel in ("kvpool/csrc", "policies/csrc"):
         (copy / rel).mkdir(parents=True)
@@ -143,3 +141,52 @@ def test_a_native_build_names_the_cpus_instruction_sets(monkeypatch: pytest.Monk
     flags["flags"] = "fpu sse2 avx2 fma"
     assert cpu_flag(["-march=native"]) != zen4
     assert cpu_flag(["-O3"]) == []
+
+
+def test_every_cpp_source_is_a_library_and_ships() -> None:
+    """`LIBRARIES` is what `--build` compiles ahead of use: a source missing from it would
+    build on first use only. Its sources and headers are package data too (an installed,
+    non-editable kvserve builds from them)."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(native.__file__).parent.parent
+    sources = {p.resolve() for p in root.glob("*/csrc/*.cpp")}
+    assert sources == {lib.source for lib in native.LIBRARIES.values()}
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"]
+    for f in root.glob("*/csrc/*"):
+        package = f.parent.parent.name
+        assert any(fnmatch.fnmatch(f"csrc/{f.name}", pat) for pat in data.get(package, [])), f
+
+
+def test_build_command_builds_and_refuses_unknown_names(tmp_path: Path) -> None:
+    """`python -m kvpool.native --build` (the Makefile's, ahead of first use): the named
+    libraries load (found in the shared build cache, or built), in processes of their
+    own; an unknown name is a usage error. `--background` returns at once and logs."""
+    root = Path(native.__file__).parent.parent
+    names = ["kvserve_sampling_cpu", "kvserve_tables_cpu"]
+    run = subprocess.run([sys.executable, "-m", "kvpool.native", "--build", *names,
+                          "--jobs", "2"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert all(f"{n}: built" in run.stdout for n in names), run.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvpool.native", "--build", "kvserve_nope"],
+                         cwd=root, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown libraries ['kvserve_nope']" in bad.stderr
+    # the background form: its own build folder, so the log is this test's alone
+    from torch.utils.cpp_extension import get_default_build_root
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
+           or get_default_build_root()}
+    log = Path(env["TORCH_EXTENSIONS_DIR"]) / "kvserve-build.log"
+    before = log.read_text() if log.exists() else ""
+    t0 = time.perf_counter()
+    bg = subprocess.run([sys.executable, "-m", "kvpool.native", "--build", names[0],
+                         "--background"], cwd=root, env=env, capture_output=True, text=True,
+                        timeout=60)
+    assert bg.returncode == 0 and "in the background" in bg.stdout, bg.stdout + bg.stderr
+    assert time.perf_counter() - t0 < 30  # did not wait for the build
+    deadline = time.time() + 120
+    while f"{names[0]}: built" not in (log.read_text()[len(before):] if log.exists() else ""):
+        assert time.time() < deadline, "the background build never logged"
+        time.sleep(0.2)

@@ -85,31 +85,38 @@ print(json.dumps(asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]
 @pytest.mark.serial  # a latency bound: `make test` runs it alone
 def test_health_p95_under_load(served: tuple[ServerThread, AsyncEngine, StepCounter]) -> None:
     server, engine, counter = served
-    # Long enough that the busy period holds 20+ probes however fast the engine steps
-    # (32 tokens gave 17 once the step's host work shrank).
     n_clients, max_tokens = 64, 64
 
+    async def load_round(probe: httpx.AsyncClient, latencies: list[float]) -> None:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", LOAD_CLIENT, server.url, str(n_clients),
+            str(max_tokens), stdout=asyncio.subprocess.PIPE)
+        out = asyncio.create_task(proc.communicate())
+        while not out.done():
+            busy = engine.num_active > 0
+            t0 = time.perf_counter()
+            r = await probe.get("/health")
+            if busy:  # only probes sent while requests were in flight count ("under load")
+                latencies.append(time.perf_counter() - t0)
+            assert r.status_code == 200
+            await asyncio.sleep(0.005)
+        stdout, _ = await out
+        assert proc.returncode == 0
+        chunks = json.loads(stdout)
+        assert len(chunks) == n_clients and all(c >= 2 for c in chunks), chunks
+
     async def main() -> list[float]:
+        latencies: list[float] = []
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as probe:
             await probe.get("/health")  # connect first: measure the loop, not TCP setup
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", LOAD_CLIENT, server.url, str(n_clients),
-                str(max_tokens), stdout=asyncio.subprocess.PIPE)
-            out = asyncio.create_task(proc.communicate())
-            latencies = []  # probes sent while requests were in flight ("under load")
-            while not out.done():
-                busy = engine.num_active > 0
-                t0 = time.perf_counter()
-                r = await probe.get("/health")
-                if busy:
-                    latencies.append(time.perf_counter() - t0)
-                assert r.status_code == 200
-                await asyncio.sleep(0.005)
-            stdout, _ = await out
-            assert proc.returncode == 0
-            chunks = json.loads(stdout)
-            assert len(chunks) == n_clients and all(c >= 2 for c in chunks), chunks
-            return latencies
+            # However fast the engine steps, the busy periods together hold 20+ probes: a
+            # faster engine (or CI's machine) only means more rounds of load. One round gave
+            # 17 probes on CI once the step's host work shrank.
+            for _ in range(8):
+                await load_round(probe, latencies)
+                if len(latencies) >= 20:
+                    break
+        return latencies
 
     steps0 = counter.steps
     latencies = asyncio.run(main())
