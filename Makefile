@@ -25,7 +25,7 @@ VLLM_OK   := $(VLLM_VENV)/.kvserve-vllm
 $(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)" "ninja>=1.11"
+	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m kvpool.native --build --background
 	$(PY) -m pip install -q -e . "$(TORCH)"
 	touch $(RUNTIME)

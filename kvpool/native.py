@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -131,6 +132,11 @@ def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> boo
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
+        # torch runs `ninja` from PATH: a venv's own (a dependency) counts where the venv is
+        # not activated (`.venv/bin/kvserve serve`, the Makefile's way)
+        bin_dir = os.path.dirname(sys.executable)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = os.pathsep.join(filter(None, [os.environ.get("PATH"), bin_dir]))
         build_dir = Path(_get_build_directory(name, verbose=False))
         with _builder_lock(build_dir) as sole:
             clear_stale_lock(build_dir, 0.0 if sole else STALE_LOCK_S)
@@ -192,7 +198,6 @@ def build_all(names: list[str], jobs: int) -> dict[str, bool]:
     """Build `names` in `jobs` processes at once (a library is one compiler process, so a
     pool of them is how a first start uses more than one core); {name: built}."""
     import subprocess
-    import sys
 
     todo, running, done = list(names), {}, {}
     while todo or running:
@@ -220,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     needs a library meanwhile waits on its build (`_builder_lock`), never builds it twice."""
     import argparse
     import subprocess
-    import sys
 
     p = argparse.ArgumentParser(prog="python -m kvpool.native", description=main.__doc__)
     p.add_argument("--build", nargs="*", metavar="NAME", required=True)
