@@ -853,6 +853,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             "vllm_python", "vllm_version", "thread_settings")},
         "models": {},
     }
+    os.makedirs(args.out, exist_ok=True)  # vLLM's log goes there before any result
     for name in args.models:
         t0 = time.perf_counter()
         report["models"][name] = bench_model(name, args)

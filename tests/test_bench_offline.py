@@ -132,16 +132,18 @@ def test_workload_gflop_counts_linears_head_and_attention() -> None:
 @pytest.mark.timeout(150)
 def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
     """A broken vLLM venv (its python exits at once) fails vLLM's row with the reason;
-    kvserve's row is still measured and the run completes."""
+    kvserve's row is still measured and the run completes. The --out folder need not
+    exist (vLLM's log is the first file written there)."""
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
     fake.chmod(0o755)
-    report = run_quick("bench_offline", str(tmp_path), "--threads", "1", "--systems",
+    out = tmp_path / "new"
+    report = run_quick("bench_offline", str(out), "--threads", "1", "--systems",
                        "kvserve,vllm", "--vllm-python", str(fake))
     systems = report["models"]["tiny"]["systems"]
     assert "vLLM exited with 3" in systems["vllm"]["error"]
     assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
-    assert "tiny / vLLM-CPU failed:" in (tmp_path / "benchmarks.md").read_text()
+    assert "tiny / vLLM-CPU failed:" in (out / "benchmarks.md").read_text()
 
 
 def test_settle_waits_while_another_process_holds_a_core() -> None:
