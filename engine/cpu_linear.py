@@ -11,8 +11,12 @@ MKL takes its slow paths, 2.3-2.7x at 32 rows and 1.0-2.4x at one (docs/benchmar
 has the engine-level numbers).
 
 Only where it is known to help: fp32 weights, or bf16 on a CPU with native bf16 dot
-products (elsewhere oneDNN's bf16 path is emulated and slower than torch's). The dense
-weight is dropped once packed (a weight tied to the input embedding lives on as the
+products (elsewhere oneDNN's bf16 path is emulated and slower than torch's). On a CPU
+without them (AMD Zen 1-3, Intel before Cooper Lake) a bf16 weight is packed widened to
+fp32 and its layer computes in fp32, rounding its output to bf16: torch's dense bf16 GEMM
+there was 4x slower than fp32 for a whole 160M run (docs/benchmarks.md, session 29), and
+bf16 GEMMs accumulate in fp32 anyway, so the results differ from `F.linear`'s only by the
+summation order, as fp32's do; the weight's memory doubles. The dense weight is dropped once packed (a weight tied to the input embedding lives on as the
 embedding), so memory does not double. Results match `F.linear` to fp32 rounding (the
 summation order differs): tests/test_cpu_linear.py.
 
@@ -117,7 +121,7 @@ def warm_buckets(model: nn.Module, rows: Iterable[tuple[int, bool]], vocab: int,
     for m in model.modules():
         if isinstance(m, PackedLinear):
             bias = None if m.bias is None else m.bias.dtype
-            distinct.setdefault((m.in_features, m.out_features, bias, m.packed.dtype), m)
+            distinct.setdefault((m.in_features, m.out_features, bias, m.dtype), m)
     done = 0
     with torch.inference_mode():
         for n, head in rows:
@@ -125,52 +129,67 @@ def warm_buckets(model: nn.Module, rows: Iterable[tuple[int, bool]], vocab: int,
                 break
             for m in distinct.values():
                 if head or m.out_features != vocab:
-                    m(torch.zeros(n, m.in_features, dtype=m.packed.dtype))
+                    m(torch.zeros(n, m.in_features, dtype=m.dtype))
             done += 1
     return done
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """oneDNN prepacking exists in this torch build and helps for `dtype` on this CPU."""
+    """oneDNN prepacking exists in this torch build and helps for `dtype` on this CPU
+    (bf16 everywhere: natively or widened, `packed_dtype`)."""
     if not torch.backends.mkldnn.is_available() or not hasattr(
             torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
-    if dtype == torch.float32:
-        return True
-    # oneDNN also runs bf16 on plain AVX-512, emulated: 1.4x slower than torch's dense
-    # bf16 at 32 rows on this repo's machine. Only native bf16 dot products gain.
-    return dtype == torch.bfloat16 and (torch.cpu._is_avx512_bf16_supported()
-                                        or torch.cpu._is_amx_tile_supported())
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+def native_bf16() -> bool:
+    """The CPU has bf16 dot products (AVX512-BF16 or AMX)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
+    """The dtype a weight of `dtype` is packed and computed in: bf16 only where the CPU
+    has bf16 dot products (oneDNN emulates them elsewhere: on plain AVX-512 1.4x slower
+    than torch's dense bf16 at 32 rows; on AVX2 torch's dense bf16 is itself 4x slower
+    than fp32), else fp32."""
+    return dtype if dtype != torch.bfloat16 or native else torch.float32
 
 
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward over a oneDNN-prepacked weight (inference only)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, native: bool | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
+        self.dtype = linear.weight.dtype  # what the layer takes and returns
+        compute = packed_dtype(self.dtype, native_bf16() if native is None else native)
+        weight = linear.weight.detach().to(compute)
         # An opaque oneDNN tensor: a buffer, not a parameter (nothing trains it, and
         # state_dict readers must not mistake it for a dense weight).
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
             weight, _BATCH_HINT), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
-            linear.bias.detach(), requires_grad=False)
+            linear.bias.detach().to(compute), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         padded = padded_rows(rows)
+        compute = self.packed.dtype
         if padded == rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
-                                                      "")
-        xp = x.new_empty(padded, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(x.to(compute), self.packed, self.bias,
+                                                   "none", [], "")
+            return y.to(self.dtype)
+        xp = x.new_empty(padded, self.in_features, dtype=compute)
         xp[:rows] = x.reshape(rows, self.in_features)
         xp[rows:].zero_()  # rows are independent; zeros keep denormal garbage out
         y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features)
+        return y[:rows].view(*x.shape[:-1], self.out_features).to(self.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN prepacked"
+        widened = ", computed in fp32" if self.packed.dtype != self.dtype else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"oneDNN prepacked{widened}")
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -180,10 +199,15 @@ def pack_linears(model: nn.Module) -> int:
     targets = [(name, m) for name, m in model.named_modules()
                if type(m) is nn.Linear and m.weight.device.type == "cpu"
                and m.weight.numel() >= PACK_MIN_ELEMENTS and packing_available(m.weight.dtype)]
+    widened = 0
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, PackedLinear(linear))
+        packed = PackedLinear(linear)
+        widened += packed.packed.dtype != packed.dtype
+        setattr(parent, attr, packed)
     if targets:
-        log.info("CPU: %d linear layers use oneDNN-prepacked weights", len(targets))
+        log.info("CPU: %d linear layers use oneDNN-prepacked weights%s", len(targets),
+                 f" ({widened} bf16 ones widened to fp32: no bf16 dot products on this CPU)"
+                 if widened else "")
     return len(targets)

@@ -38,8 +38,35 @@ def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(out3[0], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> None:
+    """Without AVX512-BF16/AMX a bf16 layer is packed and computed in fp32 and rounds its
+    output to bf16: fp32 products of the same bf16 values, so it equals the fp32 GEMM of
+    the widened tensors rounded once (summation order aside), and takes and returns bf16."""
+    if native and not cpu_linear.native_bf16():
+        pytest.skip("no bf16 dot products on this CPU")
+    assert cpu_linear.packed_dtype(torch.bfloat16, False) == torch.float32
+    assert cpu_linear.packed_dtype(torch.bfloat16, True) == torch.bfloat16
+    assert cpu_linear.packed_dtype(torch.float32, False) == torch.float32
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160).to(torch.bfloat16)
+    x = torch.randn(rows, 96).to(torch.bfloat16)
+    widened = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    packed = PackedLinear(linear, native=native)
+    assert packed.packed.dtype == (torch.bfloat16 if native else torch.float32)
+    with torch.inference_mode():
+        out = packed(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 160)
+    # one bf16 rounding of (nearly) the same fp32 sum: at most one bf16 ulp apart
+    torch.testing.assert_close(out.float(), widened, atol=1e-2, rtol=2 ** -7)
+    if not native:
+        assert (out.float() - widened.to(torch.bfloat16).float()).abs().max() <= \
+            widened.abs().max() * 2 ** -7
+
+
 def test_only_dtypes_that_gain_are_packed(monkeypatch) -> None:
-    assert packing_available(torch.float32)
+    assert packing_available(torch.float32) and packing_available(torch.bfloat16)
     assert not packing_available(torch.float16)
     monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 0)  # any size: the dtype decides
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).half())
