@@ -11,12 +11,13 @@ MKL takes its slow paths, 2.3-2.7x at 32 rows and 1.0-2.4x at one (docs/benchmar
 has the engine-level numbers).
 
 Only where it is known to help: fp32 weights, or bf16 on a CPU with native bf16 dot
-products (elsewhere oneDNN's bf16 path is emulated and slower than torch's). On a CPU
-without them (AMD Zen 1-3, Intel before Cooper Lake) a bf16 weight is packed widened to
-fp32 and its layer computes in fp32, rounding its output to bf16: torch's dense bf16 GEMM
-there was 4x slower than fp32 for a whole 160M run (docs/benchmarks.md, session 29), and
-bf16 GEMMs accumulate in fp32 anyway, so the results differ from `F.linear`'s only by the
-summation order, as fp32's do; the weight's memory doubles. The dense weight is dropped once packed (a weight tied to the input embedding lives on as the
+products (on plain AVX-512 oneDNN's bf16 path is emulated and slower than torch's, which
+stays). On a CPU without AVX-512 at all (AMD Zen 1-3, Intel client cores) a bf16 weight
+is packed widened to fp32 and its layer computes in fp32, rounding its output to bf16
+(`bf16_path`): torch's dense bf16 GEMM there was 4x slower than fp32 for a whole 160M run
+(docs/benchmarks.md, session 29), and bf16 GEMMs accumulate in fp32 anyway, so the
+results differ from `F.linear`'s only by the summation order, as fp32's do; the weight's
+memory doubles. The dense weight is dropped once packed (a weight tied to the input embedding lives on as the
 embedding), so memory does not double. Results match `F.linear` to fp32 rounding (the
 summation order differs): tests/test_cpu_linear.py.
 
@@ -136,11 +137,11 @@ def warm_buckets(model: nn.Module, rows: Iterable[tuple[int, bool]], vocab: int,
 
 def packing_available(dtype: torch.dtype) -> bool:
     """oneDNN prepacking exists in this torch build and helps for `dtype` on this CPU
-    (bf16 everywhere: natively or widened, `packed_dtype`)."""
+    (bf16: where `bf16_path` is not "dense")."""
     if not torch.backends.mkldnn.is_available() or not hasattr(
             torch.ops.mkldnn, "_reorder_linear_weight"):
         return False
-    return dtype in (torch.float32, torch.bfloat16)
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_path() != "dense")
 
 
 def native_bf16() -> bool:
@@ -148,11 +149,20 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def bf16_path() -> str:
+    """How a bf16 linear layer runs here: "native" (bf16 dot products: packed bf16),
+    "dense" (plain AVX-512: torch's dense bf16, which its AVX-512 emulation runs 1.4x
+    faster than oneDNN's packed emulation at 32 rows) or "widened" (no AVX-512, e.g. AMD
+    Zen 1-3: packed fp32, `packed_dtype`; torch's dense bf16 there made a 160M decode
+    step 2x and a whole offline run 4x slower, docs/benchmarks.md session 29)."""
+    if native_bf16():
+        return "native"
+    return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
+
+
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
     """The dtype a weight of `dtype` is packed and computed in: bf16 only where the CPU
-    has bf16 dot products (oneDNN emulates them elsewhere: on plain AVX-512 1.4x slower
-    than torch's dense bf16 at 32 rows; on AVX2 torch's dense bf16 is itself 4x slower
-    than fp32), else fp32."""
+    has bf16 dot products, else fp32."""
     return dtype if dtype != torch.bfloat16 or native else torch.float32
 
 
