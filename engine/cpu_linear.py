@@ -16,9 +16,9 @@ stays). On a CPU without AVX-512 at all (AMD Zen 1-3, Intel client cores) a bf16
 is packed widened to fp32 and its layer computes in fp32, rounding its output to bf16
 (`bf16_path`): torch's dense bf16 GEMM there was 4x slower than fp32 for a whole 160M run
 (docs/benchmarks.md, session 29), and bf16 GEMMs accumulate in fp32 anyway, so the
-results differ from `F.linear`'s only by the summation order, as fp32's do; the weight's
-memory doubles. The dense weight is dropped once packed (a weight tied to the input embedding lives on as the
-embedding), so memory does not double. Results match `F.linear` to fp32 rounding (the
+results differ from `F.linear`'s only by the summation order, as fp32's do (the weights
+then take twice the memory). The dense weight is dropped once packed (a weight tied to the
+input embedding lives on as the embedding), so packing alone does not double memory. Results match `F.linear` to fp32 rounding (the
 summation order differs): tests/test_cpu_linear.py.
 
 Row counts are rounded up to a bucket (`padded_rows`: exact up to 32, then eight
@@ -174,6 +174,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = linear.weight.dtype  # what the layer takes and returns
         compute = packed_dtype(self.dtype, native_bf16() if native is None else native)
+        self.widened = compute != self.dtype  # converts in and out (off the fp32 hot path)
         weight = linear.weight.detach().to(compute)
         # An opaque oneDNN tensor: a buffer, not a parameter (nothing trains it, and
         # state_dict readers must not mistake it for a dense weight).
@@ -185,19 +186,19 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         padded = padded_rows(rows)
-        compute = self.packed.dtype
         if padded == rows:
-            y = torch.ops.mkldnn._linear_pointwise(x.to(compute), self.packed, self.bias,
-                                                   "none", [], "")
-            return y.to(self.dtype)
-        xp = x.new_empty(padded, self.in_features, dtype=compute)
-        xp[:rows] = x.reshape(rows, self.in_features)
-        xp[rows:].zero_()  # rows are independent; zeros keep denormal garbage out
-        y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features).to(self.dtype)
+            y = torch.ops.mkldnn._linear_pointwise(
+                x.float() if self.widened else x, self.packed, self.bias, "none", [], "")
+        else:
+            xp = x.new_empty(padded, self.in_features, dtype=self.packed.dtype)
+            xp[:rows] = x.reshape(rows, self.in_features)
+            xp[rows:].zero_()  # rows are independent; zeros keep denormal garbage out
+            y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, self.bias, "none", [], "")
+            y = y[:rows].view(*x.shape[:-1], self.out_features)
+        return y.to(self.dtype) if self.widened else y
 
     def extra_repr(self) -> str:
-        widened = ", computed in fp32" if self.packed.dtype != self.dtype else ""
+        widened = ", computed in fp32" if self.widened else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"oneDNN prepacked{widened}")
 
@@ -214,10 +215,10 @@ def pack_linears(model: nn.Module) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         packed = PackedLinear(linear)
-        widened += packed.packed.dtype != packed.dtype
+        widened += packed.widened
         setattr(parent, attr, packed)
     if targets:
         log.info("CPU: %d linear layers use oneDNN-prepacked weights%s", len(targets),
-                 f" ({widened} bf16 ones widened to fp32: no bf16 dot products on this CPU)"
+                 f" ({widened} bf16 ones widened to fp32: no AVX-512 on this CPU)"
                  if widened else "")
     return len(targets)

@@ -216,6 +216,14 @@ def build_all(names: list[str], jobs: int) -> dict[str, bool]:
     return done
 
 
+def build_log() -> Path:
+    """Where `--background` builds write: beside torch's build folders."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(),
+                "kvserve-build.log")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvpool.native --build [NAME ...] [--jobs N] [--background]`: build
     kvserve's C++ ops now rather than on first use (the names default to all of them).
@@ -235,16 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [n for n in names if n not in LIBRARIES]:
         p.error(f"unknown libraries {unknown}; known: {', '.join(LIBRARIES)}")
     if a.background:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / "kvserve-build.log", "a", encoding="utf-8") as out:
+        log_path = build_log()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a", encoding="utf-8") as out:
             subprocess.Popen([sys.executable, "-m", "kvpool.native", "--build", *names,
                               "--jobs", str(a.jobs)], cwd=_ROOT, stdout=out,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        print(f"building {len(names)} C++ libraries in the background (log: "
-              f"{root / 'kvserve-build.log'})", flush=True)
+        print(f"building {len(names)} C++ libraries in the background (log: {log_path})",
+              flush=True)
         return 0
     done = build_all(names, a.jobs)
     return 0 if all(done.values()) else 1

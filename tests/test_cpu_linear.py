@@ -38,7 +38,7 @@ def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(out3[0], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 33])
+@pytest.mark.parametrize("rows", [1, 32, 33])  # padded, exact, padded
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> None:
     """Without AVX512-BF16/AMX a bf16 layer is packed and computed in fp32 and rounds its
