@@ -95,8 +95,13 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
 def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
     prompts = _prompts(args.seed, args.decode_prompt, vocab, args.decode_batch)
     rows = []
+    # A pool of the batch's whole cache, not the default's gigabyte: zeroing that, once a
+    # dtype, took longer than the quick run's decode steps.
+    per_request = -(-(args.decode_prompt + args.decode_steps) // args.block_size) + 1
+    layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
     for dt in DTYPES:
         eng = EngineCore(EngineConfig(model=path, kv_cache_dtype=dt, block_size=args.block_size,
+                                      num_blocks=layers * args.decode_batch * per_request,
                                       max_num_seqs=args.decode_batch,
                                       max_num_batched_tokens=args.decode_prompt * args.decode_batch,
                                       enable_prefix_caching=False))

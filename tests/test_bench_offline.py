@@ -21,7 +21,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
     # vLLM's venv named missing: its rows are skipped with a note (what CI sees)
     return out, run_quick("bench_offline", out, "--profile", "--threads", "1",
-                          "--vllm-python", os.path.join(out, "no-vllm", "python"))
+                          "--vllm-python", os.path.join(out, "no-vllm", "python"), wait="spin")
 
 
 @pytest.mark.timeout(150)
@@ -139,7 +139,7 @@ def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
     fake.chmod(0o755)
     out = tmp_path / "new"
     report = run_quick("bench_offline", str(out), "--threads", "1", "--systems",
-                       "kvserve,vllm", "--vllm-python", str(fake))
+                       "kvserve,vllm", "--vllm-python", str(fake), wait="spin")
     systems = report["models"]["tiny"]["systems"]
     assert "vLLM exited with 3" in systems["vllm"]["error"]
     assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]

@@ -24,7 +24,7 @@ def test_offline_reference_replays_the_http_level(tmp_path: Any) -> None:
     out = str(tmp_path)
     report = run_quick("bench_serving", out, "--no-progress", "--systems", "kvserve",
                        "--parts", "throughput", "--offline-ref", "4",
-                       "--offline-batch", "server,level")
+                       "--offline-batch", "server,level", wait=None)
     part = report["models"]["tiny"]["throughput"]
     http = next(lv for lv in part["systems"]["kvserve"] if lv["max_concurrency"] == 4)
     ref, capped = part["offline_ref"]

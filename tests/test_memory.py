@@ -26,6 +26,10 @@ def llama(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
 
 
+# Long enough to run well past every bounded policy's budget (64) from a 24-token prompt.
+LONG = 120
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(5, 250, (n,), generator=g).tolist()
@@ -159,7 +163,7 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     probe = LLM(llama, num_blocks=10_000, block_size=bs).engine
     probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=cfg)
     reserve = probe.requests["probe"].reserve_blocks
-    assert 0 < reserve < layers * (24 + 200) // bs  # bounded well below the full cache
+    assert 0 < reserve < layers * (24 + LONG) // bs  # bounded well below the full cache
     if cfg["name"] == "pyramid":  # the same memory as a uniform budget of 64
         probe.add_request("tova", _prompt(0, 24), _long(), kv_policy={"name": "tova", "budget": 64})
         assert reserve == probe.requests["tova"].reserve_blocks
@@ -230,14 +234,14 @@ def test_unbounded_requests_are_admitted_on_what_they_need_now(llama, reserve):
     (`reserve_preempted=False`) re-admits it on what it needs now, and the same
     requests are recomputed over and over."""
     layers = _layers(llama)
-    eng = LLM(llama, num_blocks=2 * layers * (24 + 200) // 4, block_size=4, watermark=0.0,
+    eng = LLM(llama, num_blocks=2 * layers * (24 + LONG) // 4, block_size=4, watermark=0.0,
               reserve_preempted=reserve).engine
     reqs = []
     for i in range(6):
         eng.add_request(f"r{i}", _prompt(i, 24), _long())
         reqs.append(eng.requests[f"r{i}"])
     assert all(r.reserve_blocks == 0 for r in reqs)
-    assert all(r.peak_blocks == layers * -(-(24 + 200 - 1) // 4) for r in reqs)
+    assert all(r.peak_blocks == layers * -(-(24 + LONG - 1) // 4) for r in reqs)
     most = 0
     while eng.has_unfinished():
         eng.step()
@@ -273,7 +277,7 @@ def _layers(path) -> int:
 
 
 def _long() -> SamplingParams:
-    return SamplingParams(max_tokens=200, temperature=0, ignore_eos=True, detokenize=False)
+    return SamplingParams(max_tokens=LONG, temperature=0, ignore_eos=True, detokenize=False)
 
 
 def test_tenant_quota_with_burst_pool(llama):
