@@ -16,10 +16,15 @@ stays). On a CPU without AVX-512 at all (AMD Zen 1-3, Intel client cores) a bf16
 is packed widened to fp32 and its layer computes in fp32, rounding its output to bf16
 (`bf16_path`): torch's dense bf16 GEMM there was 4x slower than fp32 for a whole 160M run
 (docs/benchmarks.md, session 29), and bf16 GEMMs accumulate in fp32 anyway, so the
-results differ from `F.linear`'s only by the summation order, as fp32's do (the weights
-then take twice the memory). The dense weight is dropped once packed (a weight tied to the
-input embedding lives on as the embedding), so packing alone does not double memory. Results match `F.linear` to fp32 rounding (the
-summation order differs): tests/test_cpu_linear.py.
+results differ from `F.linear`'s only by the summation order, as fp32's do. A widened layer
+also keeps its bf16 weight: steps of at most `FEW_ROWS` rows (decoding at low
+concurrency) are bound by the weight bytes they stream, and a C++ pass over the bf16
+weight (`bf16_linear_rows`, engine/csrc/layer_ops_cpu.cpp) made a 160M single-row step 3x
+faster than oneDNN over the widened one (session 30). Such weights take three times
+their bf16 memory (the load log says so). Otherwise the dense weight is dropped once
+packed (a weight tied to the input embedding lives on as the embedding), so packing alone
+does not double memory. Results match `F.linear` to fp32 rounding (the summation order
+differs): tests/test_cpu_linear.py.
 
 Row counts are rounded up to a bucket (`padded_rows`: exact up to 32, then eight
 buckets an octave, at most 12.5% padding; on an AMD CPU fewer than 6 rows pad to 6,
@@ -40,7 +45,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvpool.native import cpuinfo
+from kvpool.native import cpuinfo, load_ops
 
 log = logging.getLogger("kvserve.engine")
 
@@ -160,6 +165,16 @@ def bf16_path() -> str:
     return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
 
 
+# Rows up to which a widened layer streams its bf16 weight (`few_rows_available`).
+FEW_ROWS = 16
+
+
+def few_rows_available() -> bool:
+    """The C++ pass of a few rows over a bf16 weight (`bf16_linear_rows`, in
+    engine/csrc/layer_ops_cpu.cpp) is built: widened layers then keep their bf16 weight."""
+    return load_ops("kvserve_layer_ops_cpu")
+
+
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
     """The dtype a weight of `dtype` is packed and computed in: bf16 only where the CPU
     has bf16 dot products, else fp32."""
@@ -182,9 +197,19 @@ class PackedLinear(nn.Module):
             weight, _BATCH_HINT), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().to(compute), requires_grad=False)
+        # A widened layer keeps its bf16 weight too, for steps of a few rows
+        # (`FEW_ROWS`): streaming half the bytes, a C++ pass beats oneDNN's fp32 there.
+        self.bf16_weight = self.bf16_bias = None
+        if self.widened and few_rows_available():
+            self.bf16_weight = linear.weight.detach().contiguous()
+            self.bf16_bias = None if linear.bias is None else linear.bias.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if rows <= FEW_ROWS and self.bf16_weight is not None and x.is_contiguous():
+            y = torch.ops.kvserve_layer.bf16_linear_rows(
+                x.view(rows, self.in_features), self.bf16_weight, self.bf16_bias)
+            return y.view(*x.shape[:-1], self.out_features)
         padded = padded_rows(rows)
         if padded == rows:
             y = torch.ops.mkldnn._linear_pointwise(
@@ -219,6 +244,8 @@ def pack_linears(model: nn.Module) -> int:
         setattr(parent, attr, packed)
     if targets:
         log.info("CPU: %d linear layers use oneDNN-prepacked weights%s", len(targets),
-                 f" ({widened} bf16 ones widened to fp32: no AVX-512 on this CPU)"
+                 f" ({widened} bf16 ones widened to fp32: no AVX-512 on this CPU"
+                 + (f"; they keep their bf16 weight too, for steps of at most {FEW_ROWS}"
+                    " rows: 3x the memory)" if few_rows_available() else ")")
                  if widened else "")
     return len(targets)

@@ -38,7 +38,7 @@ def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(out3[0], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 32, 33])  # padded, exact, padded
+@pytest.mark.parametrize("rows", [1, 32, 33])  # few (widened: the C++ pass), exact, padded
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> None:
     """Without AVX512-BF16/AMX a bf16 layer is packed and computed in fp32 and rounds its
@@ -63,6 +63,41 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
     if not native:
         assert (out.float() - widened.to(torch.bfloat16).float()).abs().max() <= \
             widened.abs().max() * 2 ** -7
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17])
+def test_few_rows_stream_the_bf16_weight(rows: int) -> None:
+    """A widened layer keeps its bf16 weight, and a step of at most FEW_ROWS rows reads it
+    through the C++ pass (half the bytes of the widened weight): the fp32 sum of the same
+    bf16 products, bias added in fp32, rounded once. More rows go to oneDNN."""
+    if not cpu_linear.few_rows_available():
+        pytest.skip("no C++ compiler")
+    torch.manual_seed(rows)
+    linear = nn.Linear(100, 72).to(torch.bfloat16)  # 100: a tail after the 16-wide loop
+    packed = PackedLinear(linear, native=False)
+    assert packed.widened and packed.bf16_weight is not None
+    x = torch.randn(1, rows, 100).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        out = packed(x)
+    ops = {e.name for e in prof.events()}
+    assert ("kvserve_layer::bf16_linear_rows" in ops) == (rows <= cpu_linear.FEW_ROWS), ops
+    assert ("mkldnn::_linear_pointwise" in ops) == (rows > cpu_linear.FEW_ROWS), ops
+    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 72)
+    assert (out.float() - ref.to(torch.bfloat16).float()).abs().max() <= ref.abs().max() * 2 ** -7
+
+
+def test_few_rows_op_refuses_what_it_cannot_take() -> None:
+    if not cpu_linear.few_rows_available():
+        pytest.skip("no C++ compiler")
+    w = torch.zeros(8, 32, dtype=torch.bfloat16)
+    op = torch.ops.kvserve_layer.bf16_linear_rows
+    for x in (torch.zeros(cpu_linear.FEW_ROWS + 1, 32, dtype=torch.bfloat16),
+              torch.zeros(2, 32), torch.zeros(2, 31, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="M <= 16"):
+            op(x, w, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(torch.zeros(2, 32, dtype=torch.bfloat16), w, torch.zeros(7, dtype=torch.bfloat16))
 
 
 def test_only_dtypes_that_gain_are_packed(monkeypatch) -> None:

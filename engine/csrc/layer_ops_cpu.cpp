@@ -21,7 +21,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -225,6 +231,98 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
   });
 }
 
+// ---- a bf16 linear layer of a few rows on a CPU without bf16 dot products -------------
+// Why: there (AMD Zen 1-3, Intel before Cooper Lake) a bf16 layer runs on its weight widened
+// to fp32 and packed by oneDNN (engine/cpu_linear.py), and a decode step of a few rows is
+// bound by the weight bytes it streams: the widened weights are twice the bf16 ones, so a
+// 160M model's single-row step took 102 ms against vLLM-CPU's 44 (docs/benchmarks.md,
+// session 30). Here the bf16 weight itself is streamed once for up to `kLinearRows` rows,
+// each 8 values widened in registers (bf16 is the top half of an fp32) and multiplied
+// into fp32 sums: the products a bf16 GEMM makes, accumulated in fp32, with one rounding
+// to bf16 at the end (bias added in fp32 first), as the widened layer rounds.
+constexpr int64_t kLinearRows = 16;
+constexpr int64_t kRowsAtOnce = 4;  // 4 rows x 2 sums of 8 lanes: 8 of the 16 ymm registers
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+// out[r] = sum_i x[r * k + i] * w[i] for the M rows of x (fp32) against one bf16 weight row.
+template <int M>
+void dot_rows(const float* x, const uint16_t* w, int64_t k, float* out) {
+  int64_t i = 0;
+  float acc[M] = {};
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a0[M], a1[M];
+  for (int r = 0; r < M; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+  for (; i + 16 <= k; i += 16) {
+    const __m256 w0 = bf16x8(w + i), w1 = bf16x8(w + i + 8);
+    for (int r = 0; r < M; ++r) {
+      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), w0, a0[r]);
+      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i + 8), w1, a1[r]);
+    }
+  }
+  for (int r = 0; r < M; ++r) acc[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+#endif
+  for (; i < k; ++i) {
+    const float wi = f32(at::BFloat16(w[i], at::BFloat16::from_bits()));
+    for (int r = 0; r < M; ++r) acc[r] += x[r * k + i] * wi;
+  }
+  for (int r = 0; r < M; ++r) out[r] = acc[r];
+}
+
+void dot_some_rows(int64_t m, const float* x, const uint16_t* w, int64_t k, float* out) {
+  switch (m) {
+    case 1: return dot_rows<1>(x, w, k, out);
+    case 2: return dot_rows<2>(x, w, k, out);
+    case 3: return dot_rows<3>(x, w, k, out);
+    default: return dot_rows<4>(x, w, k, out);
+  }
+}
+
+// x [M, K] bf16, weight [N, K] bf16 (nn.Linear's layout), bias [N] bf16 or none ->
+// [M, N] bf16, for M <= kLinearRows. Threads split the outputs: each streams its share of
+// the weight's rows once, for every input row (4 at a time, the weight row still in L1).
+at::Tensor bf16_linear_rows(const at::Tensor& x, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
+                  x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  x.size(1) == weight.size(1) && x.size(0) <= kLinearRows,
+              "bf16_linear_rows takes contiguous bf16 x [M <= ", kLinearRows, ", K] and weight [N, K]");
+  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n),
+              "bias must be a contiguous bf16 [N]");
+  std::vector<float> xf(m * k);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = f32(xp[i]);
+  at::Tensor y = at::empty({m, n}, x.options());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const at::BFloat16* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
+  // a thread's share: at least 64 weight rows (~100 KB of a 768-wide layer) per wake-up
+  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+    float out[kRowsAtOnce];
+    for (int64_t j = b; j < e; ++j) {
+      const float add = bp ? f32(bp[j]) : 0.0f;
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
+        const int64_t rows = std::min(kRowsAtOnce, m - r0);
+        dot_some_rows(rows, xf.data() + r0 * k, wp + j * k, k, out);
+        for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + j] = to<at::BFloat16>(out[r] + add);
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_layer, m) {
@@ -232,6 +330,7 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("bf16_linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
@@ -239,4 +338,5 @@ TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("bf16_linear_rows", &bf16_linear_rows);
 }
