@@ -19,7 +19,7 @@ is packed widened to fp32 and its layer computes in fp32, rounding its output to
 results differ from `F.linear`'s only by the summation order, as fp32's do. A widened layer
 also keeps its bf16 weight: steps of at most `FEW_ROWS` rows (decoding at low
 concurrency) are bound by the weight bytes they stream, and a C++ pass over the bf16
-weight (`bf16_linear_rows`, engine/csrc/layer_ops_cpu.cpp) made a 160M single-row step 3x
+weight (`linear_rows`, engine/csrc/layer_ops_cpu.cpp) made a 160M single-row step 3x
 faster than oneDNN over the widened one (session 30). Such weights take three times
 their bf16 memory (the load log says so). Otherwise the dense weight is dropped once
 packed (a weight tied to the input embedding lives on as the embedding), so packing alone
@@ -170,7 +170,7 @@ FEW_ROWS = 16
 
 
 def few_rows_available() -> bool:
-    """The C++ pass of a few rows over a bf16 weight (`bf16_linear_rows`, in
+    """The C++ pass of a few rows over a bf16 weight (`linear_rows`, in
     engine/csrc/layer_ops_cpu.cpp) is built: widened layers then keep their bf16 weight."""
     return load_ops("kvserve_layer_ops_cpu")
 
@@ -207,7 +207,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows <= FEW_ROWS and self.bf16_weight is not None and x.is_contiguous():
-            y = torch.ops.kvserve_layer.bf16_linear_rows(
+            y = torch.ops.kvserve_layer.linear_rows(
                 x.view(rows, self.in_features), self.bf16_weight, self.bf16_bias)
             return y.view(*x.shape[:-1], self.out_features)
         padded = padded_rows(rows)

@@ -81,17 +81,22 @@ def test_few_rows_stream_the_bf16_weight(rows: int) -> None:
     with torch.inference_mode(), torch.profiler.profile() as prof:
         out = packed(x)
     ops = {e.name for e in prof.events()}
-    assert ("kvserve_layer::bf16_linear_rows" in ops) == (rows <= cpu_linear.FEW_ROWS), ops
+    assert ("kvserve_layer::linear_rows" in ops) == (rows <= cpu_linear.FEW_ROWS), ops
     assert ("mkldnn::_linear_pointwise" in ops) == (rows > cpu_linear.FEW_ROWS), ops
     assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 72)
     assert (out.float() - ref.to(torch.bfloat16).float()).abs().max() <= ref.abs().max() * 2 ** -7
 
 
-def test_few_rows_op_refuses_what_it_cannot_take() -> None:
+def test_few_rows_op_in_fp32_and_what_it_refuses() -> None:
+    """The op takes fp32 too (x, weight and bias of one dtype): F.linear to fp32 rounding."""
     if not cpu_linear.few_rows_available():
         pytest.skip("no C++ compiler")
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 100), torch.randn(40, 100), torch.randn(40)
+    torch.testing.assert_close(torch.ops.kvserve_layer.linear_rows(x, w, b),
+                               torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
-    op = torch.ops.kvserve_layer.bf16_linear_rows
+    op = torch.ops.kvserve_layer.linear_rows
     for x in (torch.zeros(cpu_linear.FEW_ROWS + 1, 32, dtype=torch.bfloat16),
               torch.zeros(2, 32), torch.zeros(2, 31, dtype=torch.bfloat16)):
         with pytest.raises(RuntimeError, match="M <= 16"):

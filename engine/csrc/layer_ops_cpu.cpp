@@ -1,5 +1,6 @@
 // The element-wise parts of a Llama layer, fused: RMSNorm (with the residual add),
-// SiLU-and-mul and RoPE, each one pass over memory.
+// SiLU-and-mul and RoPE, each one pass over memory; and a linear layer of a few rows over
+// a bf16 weight, for CPUs without bf16 dot products (`linear_rows`, below).
 //
 // Registered as torch.ops.kvserve_layer.*; engine/layer_ops.py builds it on first use
 // and keeps torch's ops as the reference path. Why: in eager torch these are 3-8 ops
@@ -244,10 +245,12 @@ constexpr int64_t kLinearRows = 16;
 constexpr int64_t kRowsAtOnce = 4;  // 4 rows x 2 sums of 8 lanes: 8 of the 16 ymm registers
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 bf16x8(const uint16_t* p) {
+inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
 inline float hsum8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -256,16 +259,16 @@ inline float hsum8(__m256 v) {
 }
 #endif
 
-// out[r] = sum_i x[r * k + i] * w[i] for the M rows of x (fp32) against one bf16 weight row.
-template <int M>
-void dot_rows(const float* x, const uint16_t* w, int64_t k, float* out) {
+// out[r] = sum_i x[r * k + i] * w[i] for the M rows of x (fp32) against one weight row.
+template <int M, typename W>
+void dot_rows(const float* x, const W* w, int64_t k, float* out) {
   int64_t i = 0;
   float acc[M] = {};
 #if defined(__AVX2__) && defined(__FMA__)
   __m256 a0[M], a1[M];
   for (int r = 0; r < M; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (; i + 16 <= k; i += 16) {
-    const __m256 w0 = bf16x8(w + i), w1 = bf16x8(w + i + 8);
+    const __m256 w0 = load8(w + i), w1 = load8(w + i + 8);
     for (int r = 0; r < M; ++r) {
       a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), w0, a0[r]);
       a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i + 8), w1, a1[r]);
@@ -274,13 +277,14 @@ void dot_rows(const float* x, const uint16_t* w, int64_t k, float* out) {
   for (int r = 0; r < M; ++r) acc[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
 #endif
   for (; i < k; ++i) {
-    const float wi = f32(at::BFloat16(w[i], at::BFloat16::from_bits()));
+    const float wi = f32(w[i]);
     for (int r = 0; r < M; ++r) acc[r] += x[r * k + i] * wi;
   }
   for (int r = 0; r < M; ++r) out[r] = acc[r];
 }
 
-void dot_some_rows(int64_t m, const float* x, const uint16_t* w, int64_t k, float* out) {
+template <typename W>
+void dot_some_rows(int64_t m, const float* x, const W* w, int64_t k, float* out) {
   switch (m) {
     case 1: return dot_rows<1>(x, w, k, out);
     case 2: return dot_rows<2>(x, w, k, out);
@@ -289,37 +293,53 @@ void dot_some_rows(int64_t m, const float* x, const uint16_t* w, int64_t k, floa
   }
 }
 
-// x [M, K] bf16, weight [N, K] bf16 (nn.Linear's layout), bias [N] bf16 or none ->
-// [M, N] bf16, for M <= kLinearRows. Threads split the outputs: each streams its share of
-// the weight's rows once, for every input row (4 at a time, the weight row still in L1).
-at::Tensor bf16_linear_rows(const at::Tensor& x, const at::Tensor& weight,
-                            const std::optional<at::Tensor>& bias) {
+// x [M, K], weight [N, K] (nn.Linear's layout), bias [N] or none, all bf16 or all fp32 ->
+// [M, N] of the same dtype, for M <= kLinearRows. Threads split the outputs: each streams
+// its share of the weight's rows once, for every input row (4 at a time, the weight row
+// still in L1).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const auto dt = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
-                  x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
+                  (dt == at::kBFloat16 || dt == at::kFloat) && weight.scalar_type() == dt &&
                   x.size(1) == weight.size(1) && x.size(0) <= kLinearRows,
-              "bf16_linear_rows takes contiguous bf16 x [M <= ", kLinearRows, ", K] and weight [N, K]");
+              "linear_rows takes contiguous x [M <= ", kLinearRows, ", K] and weight [N, K], both bf16 or fp32");
   const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n),
-              "bias must be a contiguous bf16 [N]");
-  std::vector<float> xf(m * k);
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = f32(xp[i]);
+  TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
+              "bias must be a contiguous [N] of x's dtype");
   at::Tensor y = at::empty({m, n}, x.options());
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
-  const at::BFloat16* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
-  // a thread's share: at least 64 weight rows (~100 KB of a 768-wide layer) per wake-up
-  at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
-    float out[kRowsAtOnce];
-    for (int64_t j = b; j < e; ++j) {
-      const float add = bp ? f32(bp[j]) : 0.0f;
-      for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
-        const int64_t rows = std::min(kRowsAtOnce, m - r0);
-        dot_some_rows(rows, xf.data() + r0 * k, wp + j * k, k, out);
-        for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + j] = to<at::BFloat16>(out[r] + add);
-      }
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    std::vector<float> widened;
+    const float* xf;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      xf = x.data_ptr<float>();
+    } else {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      widened.resize(m * k);
+      for (int64_t i = 0; i < m * k; ++i) widened[i] = f32(xp[i]);
+      xf = widened.data();
     }
-  });
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    // a thread's share: at least 64 weight rows (~100 KB of a 768-wide layer) per wake-up
+    at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
+      float out[kRowsAtOnce];
+      for (int64_t j = b; j < e; ++j) {
+        const float add = bp ? f32(bp[j]) : 0.0f;
+        for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
+          const int64_t rows = std::min(kRowsAtOnce, m - r0);
+          dot_some_rows(rows, xf + r0 * k, wp + j * k, k, out);
+          for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + j] = to<scalar_t>(out[r] + add);
+        }
+      }
+    });
+  };
+  if (dt == at::kFloat) {
+    run(float{});
+  } else {
+    run(at::BFloat16{});
+  }
   return y;
 }
 
@@ -330,7 +350,7 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("bf16_linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
@@ -338,5 +358,5 @@ TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
-  m.impl("bf16_linear_rows", &bf16_linear_rows);
+  m.impl("linear_rows", &linear_rows);
 }
