@@ -199,10 +199,11 @@ class PackedLinear(nn.Module):
             linear.bias.detach().to(compute), requires_grad=False)
         # A widened layer keeps its bf16 weight too, for steps of a few rows
         # (`FEW_ROWS`): streaming half the bytes, a C++ pass beats oneDNN's fp32 there.
-        self.bf16_weight = self.bf16_bias = None
-        if self.widened and few_rows_available():
-            self.bf16_weight = linear.weight.detach().contiguous()
-            self.bf16_bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        keep = self.widened and few_rows_available()
+        self.register_buffer("bf16_weight", linear.weight.detach().contiguous() if keep
+                             else None, persistent=False)
+        self.register_buffer("bf16_bias", linear.bias.detach().contiguous()
+                             if keep and linear.bias is not None else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -224,6 +225,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         widened = ", computed in fp32" if self.widened else ""
+        if self.bf16_weight is not None:
+            widened += f" (bf16 weight kept for steps of at most {FEW_ROWS} rows)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"oneDNN prepacked{widened}")
 
