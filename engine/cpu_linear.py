@@ -171,8 +171,11 @@ FEW_ROWS = 16
 
 def few_rows_available() -> bool:
     """The C++ pass of a few rows over a bf16 weight (`linear_rows`, in
-    engine/csrc/layer_ops_cpu.cpp) is built: widened layers then keep their bf16 weight."""
-    return load_ops("kvserve_layer_ops_cpu")
+    engine/csrc/layer_ops_cpu.cpp) is built with its vector loop (AVX2 and up; without
+    it the pass is a scalar loop, no match for oneDNN): widened layers then keep their
+    bf16 weight."""
+    return (torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+            and load_ops("kvserve_layer_ops_cpu"))
 
 
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
