@@ -95,7 +95,7 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
 def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
     prompts = _prompts(args.seed, args.decode_prompt, vocab, args.decode_batch)
     rows = []
-    # A pool of the batch's whole cache, not the default's gigabyte: zeroing that, once a
+    # A pool of the batch's whole cache, not the default 512 MiB: zeroing that, once a
     # dtype, took longer than the quick run's decode steps.
     per_request = -(-(args.decode_prompt + args.decode_steps) // args.block_size) + 1
     layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])

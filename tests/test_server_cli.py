@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -253,4 +254,6 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
     assert warm < loaded and lines[warm]["steps"] >= 2
     assert all(i < loaded for i, m in enumerate(msgs) if m.startswith("loading C++ ops"))
     ttft = [x["ttft_s"] for x in lines if x.get("logger") == "kvserve.request"]
-    assert len(ttft) == 10 and ttft[0] <= 3 * ttft[9], ttft
+    # against the median of the rest, not the last alone: at ~10 ms a busy neighbour
+    # (the other test worker) moves any single one 3x
+    assert len(ttft) == 10 and ttft[0] <= 3 * statistics.median(ttft[1:]), ttft
