@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_linear
+from engine import cpu_linear, layer_ops
 from engine.cpu_linear import (
     PackedLinear,
     pack_linears,
@@ -88,9 +88,14 @@ def test_few_rows_stream_the_bf16_weight(rows: int) -> None:
 
 
 def test_few_rows_op_in_fp32_and_what_it_refuses() -> None:
-    """The op takes fp32 too (x, weight and bias of one dtype): F.linear to fp32 rounding."""
-    if not cpu_linear.few_rows_available():
+    """The op takes fp32 too (x, weight and bias of one dtype): F.linear to fp32 rounding.
+    Built for an AVX2 (or AVX-512) CPU, it has its vector loop."""
+    if not layer_ops.native(torch.zeros(1)):
         pytest.skip("no C++ compiler")
+    isa = str(torch.ops.kvserve_layer.linear_rows_isa())
+    assert cpu_linear.few_rows_available() == (isa == "avx2")
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert isa == "avx2"
     torch.manual_seed(0)
     x, w, b = torch.randn(5, 100), torch.randn(40, 100), torch.randn(40)
     torch.testing.assert_close(torch.ops.kvserve_layer.linear_rows(x, w, b),

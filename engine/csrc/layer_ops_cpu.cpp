@@ -23,12 +23,11 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "../../kvpool/csrc/key_diversity.h"  // its 8-lane helpers: load8 (bf16 widened), hsum8
 
 namespace {
 
@@ -244,27 +243,13 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 constexpr int64_t kLinearRows = 16;
 constexpr int64_t kRowsAtOnce = 4;  // 4 rows x 2 sums of 8 lanes: 8 of the 16 ymm registers
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-#endif
-
 // out[r] = sum_i x[r * k + i] * w[i] for the M rows of x (fp32) against one weight row.
 template <int M, typename W>
 void dot_rows(const float* x, const W* w, int64_t k, float* out) {
   int64_t i = 0;
   float acc[M] = {};
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef KVSERVE_KEYDIFF_LANES8
+  using keydiff::hsum8, keydiff::load8;
   __m256 a0[M], a1[M];
   for (int r = 0; r < M; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
   for (; i + 16 <= k; i += 16) {
@@ -343,6 +328,16 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std:
   return y;
 }
 
+// "avx2" where `linear_rows` has its vector loop in this build, else "scalar" (no match
+// for oneDNN: engine/cpu_linear.py then leaves widened layers to it).
+std::string linear_rows_isa() {
+#ifdef KVSERVE_KEYDIFF_LANES8
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_layer, m) {
@@ -351,6 +346,7 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_rows_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
@@ -359,4 +355,9 @@ TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
   m.impl("linear_rows", &linear_rows);
+}
+
+// No tensor argument to dispatch on: registered as a catch-all.
+TORCH_LIBRARY_FRAGMENT(kvserve_layer, m) {
+  m.impl("linear_rows_isa", &linear_rows_isa);
 }
