@@ -12,21 +12,22 @@ has the engine-level numbers).
 
 Only where it is known to help: fp32 weights, or bf16 on a CPU with native bf16 dot
 products (on plain AVX-512 oneDNN's bf16 path is emulated and slower than torch's, which
-stays). On a CPU without AVX-512 at all (AMD Zen 1-3, Intel client cores) a bf16 weight
-is packed widened to fp32 and its layer computes in fp32, rounding its output to bf16
-(`bf16_path`): torch's dense bf16 GEMM there was 4x slower than fp32 for a whole 160M run
-(docs/benchmarks.md, session 29), and bf16 GEMMs accumulate in fp32 anyway, so the
-results differ from `F.linear`'s only by the summation order, as fp32's do. A widened layer
-also keeps its bf16 weight: steps of at most `FEW_ROWS` rows (decoding at low
-concurrency) are bound by the weight bytes they stream, and a C++ pass over the bf16
-weight (`linear_rows`, engine/csrc/layer_ops_cpu.cpp) made a 160M single-row step 3x
-faster than oneDNN over the widened one (session 30). Such weights take three times
-their bf16 memory (the load log says so). Otherwise the dense weight is dropped once
-packed (a weight tied to the input embedding lives on as the embedding), so packing alone
-does not double memory. Results match `F.linear` to fp32 rounding (the summation order
-differs): tests/test_cpu_linear.py.
+stays). On a CPU with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores) oneDNN is not
+used at all: every weight is laid out in 16-column panels once and multiplied by kvserve's
+own kernel (`PanelLinear`, engine/csrc/linear_panels.h), in its own dtype. There a decode
+step is bound by the weight bytes it streams: the panels run the 160M model's layers
+1.3-1.5x faster than oneDNN in fp32 at 1-12 rows and no slower up to 2,048, and a bf16
+weight stays bf16 (oneDNN needed it widened to fp32: twice the bytes to stream, 2.3x slower
+at 1-8 rows, and the widened copy kept beside the bf16 one for few-row steps had tripled
+its memory; docs/benchmarks.md, session 31). Where neither panels nor native bf16 exist
+(no AVX2 and no AVX-512) a bf16 weight is packed widened to fp32 and its layer computes in
+fp32, rounding its output to bf16 (`bf16_path`): torch's dense bf16 GEMM is far slower
+there, and bf16 GEMMs accumulate in fp32 anyway, so the results differ from `F.linear`'s
+only by the summation order, as fp32's do. The dense weight is dropped once laid out (a
+weight tied to the input embedding lives on as the embedding), so neither layout doubles
+memory. Results match `F.linear` to fp32 rounding: tests/test_cpu_linear.py.
 
-Row counts are rounded up to a bucket (`padded_rows`: exact up to 32, then eight
+oneDNN's row counts are rounded up to a bucket (`padded_rows`: exact up to 32, then eight
 buckets an octave, at most 12.5% padding; on an AMD CPU fewer than 6 rows pad to 6,
 which oneDNN runs ~20% faster than one row). oneDNN builds and keeps state for every
 input shape it sees, and a server's steps have any row count up to
@@ -49,6 +50,7 @@ from kvpool.native import cpuinfo, load_ops
 
 log = logging.getLogger("kvserve.engine")
 
+PANEL = 16  # output columns a panel holds (`PanelLinear`; linear_panels.h's kNR)
 # Rows the packed layout is tuned for: a decode batch. oneDNN runs any row count on it.
 _BATCH_HINT = 64
 _EXACT_ROWS = 32  # row counts kept as they are (decode batches): padding them costs most
@@ -165,17 +167,13 @@ def bf16_path() -> str:
     return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
 
 
-# Rows up to which a widened layer streams its bf16 weight (`few_rows_available`).
-FEW_ROWS = 16
-
-
-def few_rows_available() -> bool:
-    """The C++ pass of a few rows over a bf16 weight (`linear_rows`, in
-    engine/csrc/layer_ops_cpu.cpp) is built with its vector loop (`linear_rows_isa`: AVX2
-    and FMA; elsewhere the pass is a scalar loop, no match for oneDNN): widened layers
-    then keep their bf16 weight."""
-    return (load_ops("kvserve_layer_ops_cpu")
-            and str(torch.ops.kvserve_layer.linear_rows_isa()) == "avx2")
+def panels_available() -> bool:
+    """Linear layers run on 16-column panels (`PanelLinear`): a CPU with AVX2 and FMA but
+    without AVX-512, where the C++ kernel is built with its vector loop (elsewhere it is a
+    scalar loop, and on AVX-512 oneDNN's kernels were not measured against it)."""
+    return (not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+            and load_ops("kvserve_layer_ops_cpu")
+            and str(torch.ops.kvserve_layer.linear_panels_isa()) == "avx2")
 
 
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
@@ -200,22 +198,8 @@ class PackedLinear(nn.Module):
             weight, _BATCH_HINT), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().to(compute), requires_grad=False)
-        # A widened layer keeps its bf16 weight too, for steps of a few rows
-        # (`FEW_ROWS`): streaming half the bytes, a C++ pass beats oneDNN's fp32 there.
-        # `few`: a plain attribute, read every call (a buffer's lookup through
-        # nn.Module.__getattr__ is ~1.4 us, ~0.1 ms a 160M step)
-        self.few = self.widened and few_rows_available()
-        self.register_buffer("bf16_weight", linear.weight.detach().contiguous() if self.few
-                             else None, persistent=False)
-        self.register_buffer("bf16_bias", linear.bias.detach().contiguous()
-                             if self.few and linear.bias is not None else None, persistent=False)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.few and rows <= FEW_ROWS and x.is_contiguous():
-            y = torch.ops.kvserve_layer.linear_rows(
-                x.view(rows, self.in_features), self.bf16_weight, self.bf16_bias)
-            return y.view(*x.shape[:-1], self.out_features)
         padded = padded_rows(rows)
         if padded == rows:
             y = torch.ops.mkldnn._linear_pointwise(
@@ -230,31 +214,68 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         widened = ", computed in fp32" if self.widened else ""
-        if self.few:
-            widened += f" (bf16 weight kept for steps of at most {FEW_ROWS} rows)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"oneDNN prepacked{widened}")
 
 
+class PanelLinear(nn.Module):
+    """`nn.Linear`'s forward over its weight in 16-column panels (`panels_available`;
+    inference only): any row count, in the weight's own dtype (fp32 or bf16)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.dtype = w.dtype
+        panels = -(-self.out_features // PANEL)
+        w = nn.functional.pad(w, (0, 0, 0, panels * PANEL - self.out_features))
+        # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input
+        self.register_buffer("panels", w.view(panels, PANEL, self.in_features)
+                             .transpose(1, 2).contiguous(), persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.kvserve_layer.linear_panels(
+            x.reshape(-1, self.in_features).contiguous(), self.panels, self.bias,
+            self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}")
+
+
+def faster_linear(linear: nn.Linear) -> nn.Module | None:
+    """What a CPU `nn.Linear` runs faster as here, if anything: `PanelLinear` where panels
+    are available (fp32 and bf16), else `PackedLinear` where packing helps (its dtype, at
+    least PACK_MIN_ELEMENTS weights)."""
+    w = linear.weight
+    if w.device.type != "cpu":
+        return None
+    if w.dtype in (torch.float32, torch.bfloat16) and panels_available():
+        return PanelLinear(linear)
+    if w.numel() >= PACK_MIN_ELEMENTS and packing_available(w.dtype):
+        return PackedLinear(linear)
+    return None
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU model whose weight packing helps (its dtype,
-    at least PACK_MIN_ELEMENTS weights) with a `PackedLinear`, in place; returns how
-    many were replaced (0 when unavailable)."""
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) is nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.numel() >= PACK_MIN_ELEMENTS and packing_available(m.weight.dtype)]
-    widened = kept = 0
-    for name, linear in targets:
+    """Replace every `nn.Linear` of a CPU model that runs faster laid out
+    (`faster_linear`), in place; returns how many were replaced."""
+    done: dict[str, int] = {}
+    for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
+        faster = faster_linear(linear)
+        if faster is None:
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        packed = PackedLinear(linear)
-        widened += packed.widened
-        kept += packed.few
-        setattr(parent, attr, packed)
-    if targets:
-        log.info("CPU: %d linear layers use oneDNN-prepacked weights%s", len(targets),
-                 f" ({widened} bf16 ones widened to fp32: no AVX-512 on this CPU"
-                 + (f"; {kept} keep their bf16 weight too, for steps of at most {FEW_ROWS}"
-                    " rows: 3x the memory)" if kept else ")")
-                 if widened else "")
-    return len(targets)
+        setattr(parent, attr, faster)
+        kind = type(faster).__name__
+        if isinstance(faster, PackedLinear) and faster.widened:
+            kind += " (bf16 widened to fp32: no AVX-512 or AVX2 on this CPU)"
+        done[kind] = done.get(kind, 0) + 1
+    if done:
+        log.info("CPU: linear layers laid out for this CPU: %s",
+                 ", ".join(f"{n} {kind}" for kind, n in done.items()))
+    return sum(done.values())

@@ -1,13 +1,15 @@
-"""oneDNN-packed linear layers at small row counts: which bucket is fastest on this CPU.
+"""A model's linear layers at the row counts a server runs, in each CPU layout side by side.
 
     python -m loadtest.bench_linear_rows --threads 2 --dtypes float32,bfloat16
 
-Why: `engine.cpu_linear.padded_rows` pads fewer than `MIN_ROWS` rows up to it, because
-oneDNN's kernels for one or two rows were slower than its six-row one on the AMD EPYC
-this repo runs on. Whether that holds is a property of the CPU and of oneDNN's version:
-this measures one pass over a model's linear layers (every layer's own weights, so they
-stream from DRAM as in a decode step, plus the output head) at each row count, and
-writes JSON with the environment fingerprint.
+Why: engine/cpu_linear.py picks a layout per CPU. oneDNN's prepacked weight
+(`PackedLinear`; fewer than `MIN_ROWS` rows padded up to it, because oneDNN's kernels for
+one or two rows were slower than its six-row one on an AMD EPYC) or kvserve's 16-column
+panels (`PanelLinear`, on CPUs with AVX2 but no AVX-512). Which is faster is a property of
+the CPU and of oneDNN's version. This measures one pass over a model's linear layers
+(every layer's own weights, so they stream from DRAM as in a step, plus the output
+head) per row count and layout, the layouts alternating pass by pass so that drift falls
+on both, and writes JSON with the environment fingerprint and a markdown table.
 """
 
 from __future__ import annotations
@@ -34,22 +36,58 @@ def shapes(model: str) -> list[tuple[int, int, int]]:
             (h, c["vocab_size"], 1)]
 
 
-def measure(model: str, dtype: torch.dtype, rows: list[int], reps: int) -> dict[int, float]:
-    """Median seconds of one pass over every weight, per row count."""
-    weights = [torch.ops.mkldnn._reorder_linear_weight(torch.randn(o, i).to(dtype), 64)
-               for i, o, n in shapes(model) for _ in range(n)]
-    out = {}
+def layers(model: str, dtype: torch.dtype, layout: str) -> list[torch.nn.Module]:
+    """The model's linear layers (random weights) laid out as `layout` ("packed", "panels")."""
+    from engine.cpu_linear import PackedLinear, PanelLinear
+
+    make = PackedLinear if layout == "packed" else PanelLinear
+    return [make(torch.nn.Linear(i, o, bias=False, dtype=dtype))
+            for i, o, n in shapes(model) for _ in range(n)]
+
+
+def measure(model: str, dtype: torch.dtype, rows: list[int], reps: int,
+            layouts: list[str]) -> dict[str, dict[int, float]]:
+    """Median seconds of one pass over every layer, per layout and row count."""
+    laid = {name: layers(model, dtype, name) for name in layouts}
+    out: dict[str, dict[int, float]] = {name: {} for name in layouts}
     with torch.inference_mode():
         for m in rows:
-            xs = {w.shape[1]: torch.randn(m, w.shape[1], dtype=dtype) for w in weights}
-            times = []
+            xs = {i: torch.randn(m, i, dtype=dtype) for i, _, _ in shapes(model)}
+            times: dict[str, list[float]] = {name: [] for name in layouts}
             for _ in range(reps + 1):
-                t = time.perf_counter()
-                for w in weights:
-                    torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
-                times.append(time.perf_counter() - t)
-            out[m] = statistics.median(times[1:])  # the first pass builds oneDNN's state
+                for name, mods in laid.items():
+                    t = time.perf_counter()
+                    for mod in mods:
+                        mod(xs[mod.in_features])
+                    times[name].append(time.perf_counter() - t)
+            for name in layouts:  # the first pass builds oneDNN's state
+                out[name][m] = statistics.median(times[name][1:])
     return out
+
+
+def available_layouts() -> list[str]:
+    from engine.cpu_linear import packing_available, panels_available
+
+    return ([*(["packed"] if packing_available(torch.float32) else []),
+             *(["panels"] if panels_available() else [])])
+
+
+def table(report: dict) -> str:
+    """Markdown: ms per pass by rows, and packed / panels where both ran."""
+    lines = []
+    for dtype, by_layout in report["seconds_by_rows"].items():
+        names = list(by_layout)
+        both = {"packed", "panels"} <= set(names)
+        lines += [f"**{report['settings']['model']} {dtype}** (ms for all linear layers)", "",
+                  "| rows | " + " | ".join(names) + (" | panels speed-up |" if both else " |"),
+                  "|---" * (len(names) + 1 + both) + "|"]
+        for m in by_layout[names[0]]:
+            cells = [f"{by_layout[n][m] * 1e3:.1f}" for n in names]
+            if both:
+                cells.append(f"{by_layout['packed'][m] / by_layout['panels'][m]:.2f}x")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="160m", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16,24,32")
+    p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32,48,64,128,256,1024")
+    p.add_argument("--layouts", default=None,
+                   help="packed,panels (default: those this CPU and torch build have)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="runs/")
@@ -66,17 +106,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(a.threads)
     rows = [int(x) for x in a.rows.split(",")]
+    layouts = a.layouts.split(",") if a.layouts else available_layouts()
     report: dict = {"benchmark": "bench_linear_rows", "settings": vars(a),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "seconds_by_rows": {}}
     for name in a.dtypes.split(","):
-        got = measure(a.model, getattr(torch, name), rows, a.reps)
+        got = measure(a.model, getattr(torch, name), rows, a.reps, layouts)
         report["seconds_by_rows"][name] = got
-        print(f"{name}: " + " ".join(f"{m}:{s * 1e3:.2f}ms" for m, s in got.items()), flush=True)
+        for layout, by_rows in got.items():
+            print(f"{name} {layout}: " + " ".join(f"{m}:{s * 1e3:.2f}ms"
+                                                  for m, s in by_rows.items()), flush=True)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, f"bench_linear_rows-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
+    print(table(report))
     print(f"wrote {path}")
     return report
 

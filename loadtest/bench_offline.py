@@ -445,20 +445,20 @@ def workload_gflop(cfg: dict[str, object], w: Workload) -> float:
 def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> float:
     """This machine's matmul rate at the model's MLP shape (2048 tokens, on the threads
     the systems run): the ceiling any of them can reach on the linears. The faster of
-    torch's dense GEMM and the oneDNN-prepacked weight kvserve and vLLM-CPU multiply
-    against (engine/cpu_linear.py): in bf16 on a CPU with native bf16 dot products the
-    packed one is ~2x the dense one, and a dense-only ceiling once had kvserve at "89%
-    of the machine" when it ran at ~43%."""
-    from engine.cpu_linear import PackedLinear, packing_available
+    torch's dense GEMM, the oneDNN-prepacked weight vLLM-CPU multiplies against and the
+    layout kvserve runs here (engine/cpu_linear.py: oneDNN's or its own panels): in bf16
+    on a CPU with native bf16 dot products the packed one is ~2x the dense one, and a
+    dense-only ceiling once had kvserve at "89% of the machine" when it ran at ~43%."""
+    from engine.cpu_linear import PackedLinear, faster_linear, packing_available
 
     dt = getattr(torch, dtype)
     h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
     x = torch.randn(2048, h, dtype=dt)
     linear = torch.nn.Linear(h, inter, bias=False, dtype=dt)
     fns = [lambda: torch.mm(x, linear.weight.t())]
-    if packing_available(dt):
-        packed = PackedLinear(linear)
-        fns.append(lambda: packed(x))
+    for layer in (PackedLinear(linear) if packing_available(dt) else None, faster_linear(linear)):
+        if layer is not None:
+            fns.append(lambda layer=layer: layer(x))
     best = float("inf")
     with torch.inference_mode():
         for fn in fns:

@@ -60,18 +60,22 @@ def test_table_reports_base_over_this() -> None:
 
 
 def test_linear_rows_benchmark_measures_every_row_count(tmp_path) -> None:
-    """loadtest/bench_linear_rows.py (the measurement behind cpu_linear.MIN_ROWS): one
-    pass over the model's weights per row count, JSON with the fingerprint."""
-    from engine.cpu_linear import packing_available
+    """loadtest/bench_linear_rows.py (the measurement behind cpu_linear's layouts and
+    MIN_ROWS): one pass over the model's weights per row count and layout, JSON with the
+    fingerprint, a markdown table with the ratio where both layouts ran."""
     from loadtest import bench_linear_rows
 
-    if not packing_available(torch.float32):
-        pytest.skip("no oneDNN prepacking in this torch build")
+    layouts = bench_linear_rows.available_layouts()
+    if not layouts:
+        pytest.skip("neither oneDNN prepacking nor the panel kernel here")
     assert bench_linear_rows.shapes("3m") == [(256, 384, 4), (256, 256, 4), (256, 1376, 4),
                                               (688, 256, 4), (256, 4096, 1)]
     report = bench_linear_rows.main(["--model", "tiny", "--dtypes", "float32", "--rows", "1,6",
                                      "--reps", "1", "--threads", "1", "--out", str(tmp_path)])
     got = report["seconds_by_rows"]["float32"]
-    assert set(got) == {1, 6} and all(t > 0 for t in got.values())
+    assert list(got) == layouts
+    assert all(set(by) == {1, 6} and all(t > 0 for t in by.values()) for by in got.values())
+    md = bench_linear_rows.table(report)
+    assert md.count("\n| 6 |") == 1 and ("speed-up" in md) == (len(layouts) == 2)
     (path,) = tmp_path.glob("bench_linear_rows-*.json")
     assert "fingerprint" in json.loads(path.read_text())

@@ -1,4 +1,5 @@
-"""oneDNN-prepacked linear layers on the CPU (engine/cpu_linear.py)."""
+"""Linear layers laid out for the CPU (engine/cpu_linear.py): oneDNN-prepacked, or in
+16-column panels for kvserve's own kernel (engine/csrc/linear_panels.h)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_linear, layer_ops
+from engine import cpu_linear
 from engine.cpu_linear import (
     PackedLinear,
+    PanelLinear,
     pack_linears,
     pack_min_elements,
     packing_available,
@@ -19,10 +21,19 @@ from kvpool.native import cpuinfo
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not packing_available(torch.float32),
-                                reason="this torch build has no oneDNN prepacking")
+needs_onednn = pytest.mark.skipif(not packing_available(torch.float32),
+                                  reason="this torch build has no oneDNN prepacking")
+needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
+                                  reason="no AVX2 panel kernel here (or AVX-512: oneDNN's)")
 
 
+@pytest.fixture
+def onednn_only(monkeypatch) -> None:
+    """pack_linears as on a CPU without the panel kernel (AVX-512, no AVX2)."""
+    monkeypatch.setattr(cpu_linear, "panels_available", lambda: False)
+
+
+@needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 33, 64, 200])  # 33 and 200 are padded
 def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
@@ -38,7 +49,8 @@ def test_packed_linear_matches_f_linear(bias: bool, rows: int) -> None:
     torch.testing.assert_close(out3[0], ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 32, 33])  # few (widened: the C++ pass), exact, padded
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 32, 33])  # padded on AMD, exact, padded
 @pytest.mark.parametrize("native", [False, True])
 def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> None:
     """Without AVX512-BF16/AMX a bf16 layer is packed and computed in fp32 and rounds its
@@ -65,52 +77,62 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
             widened.abs().max() * 2 ** -7
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17])
-def test_few_rows_stream_the_bf16_weight(rows: int) -> None:
-    """A widened layer keeps its bf16 weight, and a step of at most FEW_ROWS rows reads it
-    through the C++ pass (half the bytes of the widened weight): the fp32 sum of the same
-    bf16 products, bias added in fp32, rounded once. More rows go to oneDNN."""
-    if not cpu_linear.few_rows_available():
-        pytest.skip("no C++ compiler")
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+# 1-72: decoding, whole K in registers (tile tails of 1-5 rows); 73 and up: blocked (a
+# 144-row block and a tail); K 400: a 384 block and a 16 tail
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 72, 73, 150, 300])
+def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+    """The panels give F.linear's result in the weight's own dtype: fp32 to its rounding,
+    bf16 as the fp32 sum of the same bf16 products (bias added in fp32) rounded once."""
     torch.manual_seed(rows)
-    linear = nn.Linear(100, 72).to(torch.bfloat16)  # 100: a tail after the 16-wide loop
-    packed = PackedLinear(linear, native=False)
-    assert packed.widened and packed.bf16_weight is not None
-    x = torch.randn(1, rows, 100).to(torch.bfloat16)
-    ref = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
-    with torch.inference_mode(), torch.profiler.profile() as prof:
-        out = packed(x)
-    ops = {e.name for e in prof.events()}
-    assert ("kvserve_layer::linear_rows" in ops) == (rows <= cpu_linear.FEW_ROWS), ops
-    assert ("mkldnn::_linear_pointwise" in ops) == (rows > cpu_linear.FEW_ROWS), ops
-    assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 72)
-    assert (out.float() - ref.to(torch.bfloat16).float()).abs().max() <= ref.abs().max() * 2 ** -7
+    linear = nn.Linear(400, 72, bias=bias).to(dtype)  # 72 outputs: 4.5 panels
+    layer = PanelLinear(linear)
+    assert layer.panels.shape == (5, 400, 16) and layer.panels.dtype == dtype
+    x = torch.randn(2, rows, 400).to(dtype)  # leading dims, as the models' [T, h]
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.shape == (2, rows, 72) and out.dtype == dtype
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                      None if linear.bias is None else linear.bias.float())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    else:  # one rounding of (nearly) the same fp32 sum: at most one bf16 ulp apart
+        assert (out.float() - want.to(dtype).float()).abs().max() <= want.abs().max() * 2 ** -7
 
 
-def test_few_rows_op_in_fp32_and_what_it_refuses() -> None:
-    """The op takes fp32 too (x, weight and bias of one dtype): F.linear to fp32 rounding.
-    Built for an AVX2 (or AVX-512) CPU, it has its vector loop."""
-    if not layer_ops.native(torch.zeros(1)):
-        pytest.skip("no C++ compiler")
-    isa = str(torch.ops.kvserve_layer.linear_rows_isa())
-    assert cpu_linear.few_rows_available() == (isa == "avx2")
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert isa == "avx2"
-    torch.manual_seed(0)
-    x, w, b = torch.randn(5, 100), torch.randn(40, 100), torch.randn(40)
-    torch.testing.assert_close(torch.ops.kvserve_layer.linear_rows(x, w, b),
-                               torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    w = torch.zeros(8, 32, dtype=torch.bfloat16)
-    op = torch.ops.kvserve_layer.linear_rows
-    for x in (torch.zeros(cpu_linear.FEW_ROWS + 1, 32, dtype=torch.bfloat16),
-              torch.zeros(2, 32), torch.zeros(2, 31, dtype=torch.bfloat16)):
-        with pytest.raises(RuntimeError, match="M <= 16"):
-            op(x, w, None)
+@needs_panels
+def test_panel_op_refuses_what_it_cannot_run() -> None:
+    op = torch.ops.kvserve_layer.linear_panels
+    panels = torch.zeros(2, 32, 16)
+    for x, w, n in ((torch.zeros(3, 32, dtype=torch.bfloat16), panels, 20),  # dtypes differ
+                    (torch.zeros(3, 31), panels, 20),  # K differs
+                    (torch.zeros(3, 32), panels, 16),  # n: fewer than the panels hold
+                    (torch.zeros(3, 32), panels, 33),  # n: more
+                    (torch.zeros(32, 3).t(), panels, 20),  # not contiguous
+                    (torch.zeros(3, 32), torch.zeros(2, 32, 8), 20)):  # not 16 columns
+        with pytest.raises(RuntimeError, match="linear_panels takes"):
+            op(x, w, None, n)
     with pytest.raises(RuntimeError, match="bias"):
-        op(torch.zeros(2, 32, dtype=torch.bfloat16), w, torch.zeros(7, dtype=torch.bfloat16))
+        op(torch.zeros(3, 32), panels, torch.zeros(19), 20)
 
 
-def test_only_dtypes_that_gain_are_packed(monkeypatch) -> None:
+def test_panels_where_avx2_without_avx512() -> None:
+    """The panels run where the kernel is built with its vector loop and the CPU has no
+    AVX-512 (oneDNN's AVX-512 kernels were not measured against them)."""
+    from kvpool.native import load_ops
+
+    if not load_ops("kvserve_layer_ops_cpu"):
+        assert not cpu_linear.panels_available()
+        return
+    isa = str(torch.ops.kvserve_layer.linear_panels_isa())
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    assert cpu_linear.panels_available() == (isa == "avx2" and not avx512)
+
+
+@needs_onednn
+def test_only_dtypes_that_gain_are_packed(monkeypatch, onednn_only) -> None:
     assert packing_available(torch.float32)
     assert packing_available(torch.bfloat16) == (cpu_linear.bf16_path() != "dense")
     assert not packing_available(torch.float16)
@@ -120,7 +142,8 @@ def test_only_dtypes_that_gain_are_packed(monkeypatch) -> None:
     assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
 
 
-def test_small_weights_stay_dense(monkeypatch) -> None:
+@needs_onednn
+def test_small_weights_stay_dense(monkeypatch, onednn_only) -> None:
     """Below PACK_MIN_ELEMENTS (on an Intel CPU with MKL) oneDNN's per-call cost
     outweighs its layout (a model like the demo's runs dense); at it and above, the
     weight is packed."""
@@ -131,6 +154,7 @@ def test_small_weights_stay_dense(monkeypatch) -> None:
     assert type(model[0]) is nn.Linear and isinstance(model[1], PackedLinear)
 
 
+@needs_onednn
 def test_every_weight_is_packed_unless_mkl_runs_on_an_intel_cpu() -> None:
     """MKL, torch's dense fp32 GEMM, is fast for small weights only on Intel CPUs; on
     other vendors' (or without MKL) oneDNN's packed layout wins at every size."""
@@ -142,18 +166,24 @@ def test_every_weight_is_packed_unless_mkl_runs_on_an_intel_cpu() -> None:
         cpuinfo("vendor_id"), torch.backends.mkl.is_available()) == cpu_linear.PACK_MIN_ELEMENTS
 
 
-def test_engine_on_packed_weights_generates_what_dense_weights_do(tmp_path, monkeypatch) -> None:
-    """Greedy output of a model with every linear packed (attention projections, MLP,
+@pytest.mark.parametrize("layout", [
+    pytest.param(PackedLinear, marks=needs_onednn), pytest.param(PanelLinear, marks=needs_panels)])
+def test_engine_on_laid_out_weights_generates_what_dense_weights_do(
+        tmp_path, monkeypatch, layout: type) -> None:
+    """Greedy output of a model with every linear laid out (attention projections, MLP,
     tied output head) equals the dense model's, and nothing dense is left behind (the
-    tiny model's weights are all below the size floor: lifted here)."""
+    tiny model's weights are all below oneDNN's size floor: lifted here)."""
     monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 0)
+    if layout is PackedLinear:
+        monkeypatch.setattr(cpu_linear, "panels_available", lambda: False)
     model = make_tiny_model("llama", tmp_path / "llama")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5 + (3 * i + j) % 200 for j in range(11 + 9 * i)] for i in range(4)]
     packed = LLM(model, num_blocks=128, block_size=4, device="cpu")
     dense = LLM(model, num_blocks=128, block_size=4, cpu_prepack=False, device="cpu")
-    linears = [m for m in packed.engine.model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    linears = [m for m in packed.engine.model.modules()
+               if isinstance(m, (nn.Linear, PackedLinear, PanelLinear))]
+    assert linears and all(isinstance(m, layout) for m in linears)
     got = [c.token_ids for c in packed.generate(prompts, params)]
     want = [c.token_ids for c in dense.generate(prompts, params)]
     assert got == want
@@ -170,6 +200,7 @@ def test_row_buckets_are_few_and_pad_little(smallest: int) -> None:
     assert len(buckets) <= 32 + 8 * 7
 
 
+@needs_onednn
 def test_small_batches_pad_to_six_rows_on_amd_only() -> None:
     """oneDNN runs 6 rows faster than 1-4 on the AMD EPYC this was measured on; other
     vendors keep exact buckets. The padded rows change no result (a row's output does
@@ -185,6 +216,7 @@ def test_small_batches_pad_to_six_rows_on_amd_only() -> None:
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
+@needs_onednn
 @pytest.mark.skipif(not __import__("server.memwatch").memwatch.rss_bytes(),
                     reason="needs /proc")
 def test_every_row_count_twice_does_not_grow_the_process() -> None:

@@ -1,6 +1,6 @@
 // The element-wise parts of a Llama layer, fused: RMSNorm (with the residual add),
-// SiLU-and-mul and RoPE, each one pass over memory; and a linear layer of a few rows over
-// a bf16 weight, for CPUs without bf16 dot products (`linear_rows`, below).
+// SiLU-and-mul and RoPE, each one pass over memory; and linear layers over their weights in
+// 16-column panels, for CPUs with AVX2 but no AVX-512 (`linear_panels`, linear_panels.h).
 //
 // Registered as torch.ops.kvserve_layer.*; engine/layer_ops.py builds it on first use
 // and keeps torch's ops as the reference path. Why: in eager torch these are 3-8 ops
@@ -27,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../../kvpool/csrc/key_diversity.h"  // its 8-lane helpers: load8 (bf16 widened), hsum8
+#include "linear_panels.h"
 
 namespace {
 
@@ -231,112 +231,43 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
   });
 }
 
-// ---- a bf16 linear layer of a few rows on a CPU without bf16 dot products -------------
-// Why: there (AMD Zen 1-3, Intel before Cooper Lake) a bf16 layer runs on its weight widened
-// to fp32 and packed by oneDNN (engine/cpu_linear.py), and a decode step of a few rows is
-// bound by the weight bytes it streams: the widened weights are twice the bf16 ones, so a
-// 160M model's single-row step took 102 ms against vLLM-CPU's 44 (docs/benchmarks.md,
-// session 30). Here the bf16 weight itself is streamed once for up to `kLinearRows` rows,
-// each 8 values widened in registers (bf16 is the top half of an fp32) and multiplied
-// into fp32 sums: the products a bf16 GEMM makes, accumulated in fp32, with one rounding
-// to bf16 at the end (bias added in fp32 first), as the widened layer rounds.
-constexpr int64_t kLinearRows = 16;
-constexpr int64_t kRowsAtOnce = 4;  // 4 rows x 2 sums of 8 lanes: 8 of the 16 ymm registers
-
-// out[r] = sum_i x[r * k + i] * w[i] for the M rows of x (fp32) against one weight row.
-template <int M, typename W>
-void dot_rows(const float* x, const W* w, int64_t k, float* out) {
-  int64_t i = 0;
-  float acc[M] = {};
-#ifdef KVSERVE_KEYDIFF_LANES8
-  using keydiff::hsum8, keydiff::load8;
-  __m256 a0[M], a1[M];
-  for (int r = 0; r < M; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
-  for (; i + 16 <= k; i += 16) {
-    const __m256 w0 = load8(w + i), w1 = load8(w + i + 8);
-    for (int r = 0; r < M; ++r) {
-      a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i), w0, a0[r]);
-      a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + i + 8), w1, a1[r]);
-    }
-  }
-  for (int r = 0; r < M; ++r) acc[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
-#endif
-  for (; i < k; ++i) {
-    const float wi = f32(w[i]);
-    for (int r = 0; r < M; ++r) acc[r] += x[r * k + i] * wi;
-  }
-  for (int r = 0; r < M; ++r) out[r] = acc[r];
-}
-
-template <typename W>
-void dot_some_rows(int64_t m, const float* x, const W* w, int64_t k, float* out) {
-  switch (m) {
-    case 1: return dot_rows<1>(x, w, k, out);
-    case 2: return dot_rows<2>(x, w, k, out);
-    case 3: return dot_rows<3>(x, w, k, out);
-    default: return dot_rows<4>(x, w, k, out);
-  }
-}
-
-// x [M, K], weight [N, K] (nn.Linear's layout), bias [N] or none, all bf16 or all fp32 ->
-// [M, N] of the same dtype, for M <= kLinearRows. Threads split the outputs: each streams
-// its share of the weight's rows once, for every input row (4 at a time, the weight row
-// still in L1).
-at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+// ---- a linear layer over its weight in 16-column panels (linear_panels.h) -------------
+// x [M, K] @ a weight laid out in panels ([ceil(N/16), K, 16], linear_panels.h) + bias [N]
+// or none, all bf16 or all fp32 -> [M, N] of the same dtype.
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t n) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.is_contiguous() && weight.is_contiguous() &&
-                  (dt == at::kBFloat16 || dt == at::kFloat) && weight.scalar_type() == dt &&
-                  x.size(1) == weight.size(1) && x.size(0) <= kLinearRows,
-              "linear_rows takes contiguous x [M <= ", kLinearRows, ", K] and weight [N, K], both bf16 or fp32");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && x.is_contiguous() && panels.is_contiguous() &&
+                  (dt == at::kBFloat16 || dt == at::kFloat) && panels.scalar_type() == dt &&
+                  panels.size(2) == panels::kNR && x.size(1) == panels.size(1) && n > 0 &&
+                  n <= panels.size(0) * panels::kNR && n > (panels.size(0) - 1) * panels::kNR,
+              "linear_panels takes contiguous x [M, K] and panels [ceil(N/16), K, 16], both bf16 or fp32");
+  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), ldc = np * panels::kNR;
   TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous [N] of x's dtype");
-  at::Tensor y = at::empty({m, n}, x.options());
-  auto run = [&](auto tag) {
+  at::Tensor c = at::empty({m, ldc}, x.options().dtype(at::kFloat));
+  auto run = [&](auto tag) -> at::Tensor {
     using scalar_t = decltype(tag);
-    std::vector<float> widened;
-    const float* xf;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      xf = x.data_ptr<float>();
-    } else {
-      const scalar_t* xp = x.data_ptr<scalar_t>();
-      widened.resize(m * k);
-      for (int64_t i = 0; i < m * k; ++i) widened[i] = f32(xp[i]);
-      xf = widened.data();
-    }
+    const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
+    panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, c.data_ptr<float>());
+    const bool in_place = std::is_same_v<scalar_t, float> && n == ldc;  // the sums are the output
+    at::Tensor y = in_place ? c : at::empty({m, n}, x.options());
+    if (in_place && !bias) return y;
     scalar_t* yp = y.data_ptr<scalar_t>();
-    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const float* cp = c.data_ptr<float>();
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    // a thread's share: at least 64 weight rows (~100 KB of a 768-wide layer) per wake-up
-    at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
-      float out[kRowsAtOnce];
-      for (int64_t j = b; j < e; ++j) {
-        const float add = bp ? f32(bp[j]) : 0.0f;
-        for (int64_t r0 = 0; r0 < m; r0 += kRowsAtOnce) {
-          const int64_t rows = std::min(kRowsAtOnce, m - r0);
-          dot_some_rows(rows, xf + r0 * k, wp + j * k, k, out);
-          for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + j] = to<scalar_t>(out[r] + add);
-        }
-      }
+    at::parallel_for(0, m, grain(n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r)
+        for (int64_t j = 0; j < n; ++j) yp[r * n + j] = to<scalar_t>(cp[r * ldc + j] + (bp ? f32(bp[j]) : 0.0f));
     });
+    return y;
   };
-  if (dt == at::kFloat) {
-    run(float{});
-  } else {
-    run(at::BFloat16{});
-  }
-  return y;
+  return dt == at::kFloat ? run(float{}) : run(at::BFloat16{});
 }
 
-// "avx2" where `linear_rows` has its vector loop in this build, else "scalar" (no match
-// for oneDNN: engine/cpu_linear.py then leaves widened layers to it).
-std::string linear_rows_isa() {
-#ifdef KVSERVE_KEYDIFF_LANES8
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+// "avx2" where the panels' tile has its vector loop in this build, else "scalar" (no match
+// for oneDNN: engine/cpu_linear.py then leaves linear layers to it).
+std::string linear_panels_isa() { return panels::isa(); }
 
 }  // namespace
 
@@ -345,8 +276,8 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("linear_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("linear_rows_isa() -> str");
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n) -> Tensor");
+  m.def("linear_panels_isa() -> str");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
@@ -354,10 +285,10 @@ TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
-  m.impl("linear_rows", &linear_rows);
+  m.impl("linear_panels", &linear_panels);
 }
 
 // No tensor argument to dispatch on: registered as a catch-all.
 TORCH_LIBRARY_FRAGMENT(kvserve_layer, m) {
-  m.impl("linear_rows_isa", &linear_rows_isa);
+  m.impl("linear_panels_isa", &linear_panels_isa);
 }
