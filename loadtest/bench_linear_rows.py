@@ -15,7 +15,6 @@ on both, and writes JSON with the environment fingerprint and a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -23,7 +22,12 @@ import time
 
 import torch
 
+from loadtest import bench_common as bc
 from loadtest.bench_common import MODEL_CONFIGS
+
+NAME = "bench_linear_rows"
+DOC_HEADING = "## CPU linear layouts: oneDNN's packed weight and kvserve's panels (issue 22)"
+COMMAND = "python -m loadtest.bench_linear_rows --model 160m --dtypes float32,bfloat16 --threads 2"
 
 
 def shapes(model: str) -> list[tuple[int, int, int]]:
@@ -90,6 +94,32 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: str) -> None:
+    """The panels' speed-up over oneDNN's packed weight by rows, one line per dtype."""
+    data = {dt: by for dt, by in report["seconds_by_rows"].items() if {"packed", "panels"} <= set(by)}
+    if not data:
+        return
+    plt = bc.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for dtype, by in data.items():
+        rows = list(by["packed"])
+        ax.plot(rows, [by["packed"][m] / by["panels"][m] for m in rows], marker="o", label=dtype)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows in the step")
+    ax.set_ylabel("panels speed-up over oneDNN")
+    ax.set_title(f"{report['settings']['model']}: all linear layers, "
+                 f"{report['settings']['threads']} threads")
+    ax.legend()
+    bc.save_figure(fig, path)
+
+
+def render(report: dict) -> str:
+    return "\n".join([bc.environment_line(report, bc.links(report, NAME)[0]), "",
+                       table(report), "```bash", COMMAND, "```", "",
+                       f"![linear layouts]({bc.links(report, NAME)[1]})"])
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench_linear_rows", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,16 +128,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32,48,64,128,256,1024")
     p.add_argument("--layouts", default=None,
                    help="packed,panels (default: those this CPU and torch build have)")
-    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--out", default="runs/")
+    bc.add_run_args(p)
+    p.set_defaults(threads=2)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.quick:
+        a.model, a.rows, a.reps = "tiny", "1,6", 1
+    bc.default_paths(a, NAME)
     from loadtest.fingerprint import fingerprint
 
     torch.set_num_threads(a.threads)
     rows = [int(x) for x in a.rows.split(",")]
     layouts = a.layouts.split(",") if a.layouts else available_layouts()
-    report: dict = {"benchmark": "bench_linear_rows", "settings": vars(a),
+    report: dict = {"benchmark": NAME, "settings": vars(a),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "seconds_by_rows": {}}
     for name in a.dtypes.split(","):
@@ -116,12 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
         for layout, by_rows in got.items():
             print(f"{name} {layout}: " + " ".join(f"{m}:{s * 1e3:.2f}ms"
                                                   for m, s in by_rows.items()), flush=True)
-    os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, f"bench_linear_rows-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json")
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    print(table(report))
-    print(f"wrote {path}")
+    bc.publish(report, a, NAME, DOC_HEADING, render, plot)
     return report
 
 
