@@ -228,10 +228,13 @@ class PanelLinear(nn.Module):
         w = linear.weight.detach()
         self.dtype = w.dtype
         panels = -(-self.out_features // PANEL)
-        w = nn.functional.pad(w, (0, 0, 0, panels * PANEL - self.out_features))
-        # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input
-        self.register_buffer("panels", w.view(panels, PANEL, self.in_features)
-                             .transpose(1, 2).contiguous(), persistent=False)
+        if panels * PANEL != self.out_features:  # zero columns past the last output
+            w = nn.functional.pad(w, (0, 0, 0, panels * PANEL - self.out_features))
+        # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input;
+        # copied straight from the weight (no intermediate left for the heap to hold)
+        laid = torch.empty(panels, self.in_features, PANEL, dtype=w.dtype)
+        laid.copy_(w.view(panels, PANEL, self.in_features).transpose(1, 2))
+        self.register_buffer("panels", laid, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().contiguous(), requires_grad=False)
 
