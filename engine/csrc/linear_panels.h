@@ -5,8 +5,9 @@
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
 // rows, and a bf16 weight had to be widened to fp32 for oneDNN (twice the bytes, kept beside
 // the bf16 one: three times the memory). Measured on the 160M model's layers (Zen 3, two
-// threads; docs/benchmarks.md, session 31): fp32 1.3-1.5x oneDNN's speed at 1-12 rows,
-// 1.0-1.1x from 16 to 2,048; bf16 2.3-2.5x at 1-8 rows, 1.0-1.5x beyond.
+// threads; docs/benchmarks.md, session 31): fp32 1.3-2x oneDNN's speed at 1-12 rows,
+// 1.1-1.2x up to 64; bf16 2.1-3.4x at 1-12 rows, 1.2-1.9x up to 64; from 128 rows (prefill)
+// 0.83-0.96x in both (where that goes is not found yet: not the block sizes).
 //
 // The layout is the one BLIS-style kernels pack their B operand into: panel p holds columns
 // 16p..16p+15 of W^T, row after row of K ([ceil(N/16), K, 16], zero columns past N;
