@@ -1,5 +1,5 @@
 // A linear layer's GEMM over its weight laid out in panels of 16 output columns, for CPUs
-// with AVX2 but without AVX-512, where it beats oneDNN at every row count a server runs.
+// with AVX2 but without AVX-512, where it beats oneDNN at the row counts of decoding.
 //
 // Why: there (AMD Zen 1-3, Intel client cores) a decode step is bound by the weight bytes
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
