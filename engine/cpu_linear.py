@@ -159,9 +159,10 @@ def native_bf16() -> bool:
 def bf16_path() -> str:
     """How a bf16 linear layer runs here: "native" (bf16 dot products: packed bf16),
     "dense" (plain AVX-512: torch's dense bf16, which its AVX-512 emulation runs 1.4x
-    faster than oneDNN's packed emulation at 32 rows) or "widened" (no AVX-512, e.g. AMD
-    Zen 1-3: packed fp32, `packed_dtype`; torch's dense bf16 there made a 160M decode
-    step 2x and a whole offline run 4x slower, docs/benchmarks.md session 29)."""
+    faster than oneDNN's packed emulation at 32 rows) or "widened" (no AVX-512: packed
+    fp32, `packed_dtype`, where the panels are not available, `faster_linear`; torch's
+    dense bf16 on AMD Zen 3 made a 160M decode step 2x and a whole offline run 4x slower,
+    docs/benchmarks.md session 29)."""
     if native_bf16():
         return "native"
     return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
@@ -198,6 +199,7 @@ class PackedLinear(nn.Module):
             weight, _BATCH_HINT), persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().to(compute), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         padded = padded_rows(rows)

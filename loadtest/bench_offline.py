@@ -456,9 +456,11 @@ def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> fl
     x = torch.randn(2048, h, dtype=dt)
     linear = torch.nn.Linear(h, inter, bias=False, dtype=dt)
     fns = [lambda: torch.mm(x, linear.weight.t())]
-    for layer in (PackedLinear(linear) if packing_available(dt) else None, faster_linear(linear)):
-        if layer is not None:
-            fns.append(lambda layer=layer: layer(x))
+    ours = faster_linear(linear)
+    layers = [ours] if ours is not None else []
+    if packing_available(dt) and not isinstance(ours, PackedLinear):  # vLLM-CPU's layout
+        layers.append(PackedLinear(linear))
+    fns += [lambda layer=layer: layer(x) for layer in layers]
     best = float("inf")
     with torch.inference_mode():
         for fn in fns:
