@@ -1,13 +1,13 @@
 // A linear layer's GEMM over its weight laid out in panels of 16 output columns, for CPUs
-// with AVX2 but without AVX-512, where it beats oneDNN at the row counts of decoding.
+// with AVX2 but without AVX-512, where it is faster than oneDNN (most of all when decoding).
 //
 // Why: there (AMD Zen 1-3, Intel client cores) a decode step is bound by the weight bytes
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
 // rows, and a bf16 weight had to be widened to fp32 for oneDNN (twice the bytes, kept beside
 // the bf16 one: three times the memory). Measured on the 160M model's layers (Zen 3, two
-// threads; docs/benchmarks.md, session 31): fp32 1.3-2x oneDNN's speed at 1-12 rows,
-// 1.1-1.2x up to 64; bf16 2.1-3.4x at 1-12 rows, 1.2-1.9x up to 64; from 128 rows (prefill)
-// 0.83-0.96x in both (where that goes is not found yet: not the block sizes).
+// threads; docs/benchmarks.md, sessions 31-32): 1.3-2x oneDNN's speed at 1-12 rows (bf16
+// 2-3x), and since the input is packed once, the next panel and the next tile's outputs
+// prefetched (session 32), 1.0-1.2x at prefill sizes (128-1,024 rows), where it was 0.83-0.96x.
 //
 // The layout is the one BLIS-style kernels pack their B operand into: panel p holds columns
 // 16p..16p+15 of W^T, row after row of K ([ceil(N/16), K, 16], zero columns past N;
@@ -15,8 +15,8 @@
 // lives in 12 of the 16 ymm registers: each k step loads 16 weights (a bf16 one widened
 // in registers: the top half of an fp32) and broadcasts 6 inputs into 12 FMAs. Steps of up
 // to `kWholeK` rows (decoding) run whole K in registers, streaming every weight once. Longer
-// steps (prefill) work in blocks: `kMC` rows by `kKC` of K, copied so that a tile's inputs
-// are adjacent (L2), against one panel's slice at a time (L1), as BLIS does.
+// steps (prefill) work in blocks: `kMC` rows by `kKC` of K of the input, packed once so that
+// a tile's inputs are adjacent (L2), against one panel's slice at a time (L1), as BLIS does.
 //
 // The products are the ones a GEMM makes, summed in fp32 in k order; a bf16 layer rounds
 // once at the end (bias added in fp32 first), as a bf16 GEMM that accumulates in fp32 does.
@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -40,11 +41,16 @@ constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weight
 constexpr int64_t kKC = 384;     // K of a longer step's block: 24 KB of an fp32 panel (L1)
 constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp32 input (L2)
 
-// c[r, 0:16] (+)= sum_k a[r * lda + k * ks] * b[k * 16 + 0:16] for the MR rows of a tile
-// (ks 1: rows of the input; lda 1, ks MR: a block's copy, the tile's rows adjacent).
-template <int MR, typename W>
-inline void tile(const float* a, int64_t lda, int64_t ks, const W* b, int64_t kc, float* c, int64_t ldc,
-                 bool accumulate) {
+// c[r, 0:16] (+)= sum_k a[r * lda + k] * b[k * 16 + 0:16] for the MR rows of a tile, or
+// with PACKED, a[k * MR + r] (the packed input: the tile's rows adjacent, a constant
+// stride: the runtime one cost ~4% at 1,024 rows).
+// With PF, each k step also prefetches row k of `next` (the next panel's slice, as stored):
+// that slice is then on chip when its own first tile starts, not requested a line at a time
+// by the loads that need it (a decode step streams its weight from DRAM at ~1.15x the rate
+// with it, and a prefill step no longer stalls on L3 at each panel).
+template <int MR, bool PACKED, bool PF, typename W, typename N>
+inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
+                 bool accumulate, const N* next) {
 #ifdef KVSERVE_KEYDIFF_LANES8
   // Named registers, not arrays: GCC kept an accumulator array on the stack, storing all
   // 12 every k step (2.5x slower at 1,024 rows).
@@ -58,7 +64,7 @@ inline void tile(const float* a, int64_t lda, int64_t ks, const W* b, int64_t kc
   }
 #define KVSERVE_PANEL_FMA(r)                                                           \
   if constexpr (r < MR) {                                                              \
-    const __m256 ar = _mm256_broadcast_ss(a + r * lda + k * ks);                       \
+    const __m256 ar = _mm256_broadcast_ss(PACKED ? a + k * MR + r : a + r * lda + k);  \
     lo##r = _mm256_fmadd_ps(ar, b0, lo##r);                                            \
     hi##r = _mm256_fmadd_ps(ar, b1, hi##r);                                            \
   }
@@ -69,6 +75,7 @@ inline void tile(const float* a, int64_t lda, int64_t ks, const W* b, int64_t kc
   }
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
     const __m256 b0 = load8(b + k * kNR), b1 = load8(b + k * kNR + 8);
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_FMA)
   }
@@ -78,27 +85,29 @@ inline void tile(const float* a, int64_t lda, int64_t ks, const W* b, int64_t kc
 #undef KVSERVE_PANEL_FMA
 #undef KVSERVE_PANEL_STORE
 #else
+  (void)next;
   float acc[MR][kNR];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kNR; ++j) acc[r][j] = accumulate ? c[r * ldc + j] : 0.0f;
   for (int64_t k = 0; k < kc; ++k)
     for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < kNR; ++j) acc[r][j] += a[r * lda + k * ks] * static_cast<float>(b[k * kNR + j]);
+      for (int j = 0; j < kNR; ++j)
+        acc[r][j] += (PACKED ? a[k * MR + r] : a[r * lda + k]) * static_cast<float>(b[k * kNR + j]);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[r][j];
 #endif
 }
 
-template <typename W>
-inline void some_rows(int64_t mr, const float* a, int64_t lda, int64_t ks, const W* b, int64_t kc, float* c,
-                      int64_t ldc, bool accumulate) {
+template <bool PACKED, bool PF, typename W, typename N>
+inline void some_rows(int64_t mr, const float* a, int64_t lda, const W* b, int64_t kc, float* c,
+                      int64_t ldc, bool accumulate, const N* next) {
   switch (mr) {
-    case 1: return tile<1>(a, lda, ks, b, kc, c, ldc, accumulate);
-    case 2: return tile<2>(a, lda, ks, b, kc, c, ldc, accumulate);
-    case 3: return tile<3>(a, lda, ks, b, kc, c, ldc, accumulate);
-    case 4: return tile<4>(a, lda, ks, b, kc, c, ldc, accumulate);
-    case 5: return tile<5>(a, lda, ks, b, kc, c, ldc, accumulate);
-    default: return tile<6>(a, lda, ks, b, kc, c, ldc, accumulate);
+    case 1: return tile<1, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 2: return tile<2, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 3: return tile<3, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 4: return tile<4, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 5: return tile<5, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    default: return tile<6, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
   }
 }
 
@@ -109,6 +118,24 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, keydiff::load8(src + i));
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// A longer step's input, packed once for all threads: for each block of `kKC` of K (at
+// offset pc * m), each tile of `kMR` rows (at r0 * kc) holds its rows' values side by side,
+// k after k, so a tile reads one stream. Copied by every thread per block, as it was, it
+// cost 6-10% of a prefill GEMM on 768-deep layers.
+inline void pack_input(const float* a, int64_t m, int64_t k, float* packed) {
+  at::parallel_for(0, (m + kMR - 1) / kMR, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t pc = 0; pc < k; pc += kKC) {
+      const int64_t kc = std::min(kKC, k - pc);
+      for (int64_t r0 = t0 * kMR; r0 < std::min(m, t1 * kMR); r0 += kMR) {
+        const int64_t mr = std::min(kMR, m - r0);
+        float* t = packed + pc * m + r0 * kc;
+        for (int64_t kk = 0; kk < kc; ++kk)
+          for (int64_t r = 0; r < mr; ++r) t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
+      }
+    }
+  });
 }
 
 // c [m, np * 16] = a [m, k] @ the np panels [np, k, 16]. Threads split the panels: each
@@ -122,33 +149,45 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // (streamed: half the bytes); a block's is widened into L1 first: widening per tile made
   // a 1,000-row bf16 step 0.85x oneDNN's speed over the widened weight.
   const bool widen = !std::is_same_v<W, float> && blocked;
+  // not value-initialised: every element is written by pack_input
+  std::unique_ptr<float[]> packed(blocked ? new float[m * k] : nullptr);
+  if (blocked) pack_input(a, m, k, packed.get());
   // a thread's share: at least 4 panels (~50 KB of a 768-deep fp32 weight) per wake-up
   at::parallel_for(0, np, 4, [&](int64_t p0, int64_t p1) {
-    std::vector<float> ap(blocked ? kMC * kc_step : 0), wide(widen ? kc_step * kNR : 0);
+    std::vector<float> wide(widen ? kc_step * kNR : 0);
     for (int64_t pc = 0; pc < k; pc += kc_step) {
       const int64_t kc = std::min(kc_step, k - pc);
       for (int64_t ic = 0; ic < m; ic += kMC) {
         const int64_t rows = std::min(kMC, m - ic);
-        if (blocked) {  // each thread copies the block (~1% of its FMAs on it)
-          for (int64_t r0 = 0; r0 < rows; r0 += kMR) {
-            const int64_t mr = std::min(kMR, rows - r0);
-            float* t = ap.data() + r0 * kc;
-            for (int64_t r = 0; r < mr; ++r) {
-              const float* src = a + (ic + r0 + r) * k + pc;
-              for (int64_t kk = 0; kk < kc; ++kk) t[kk * mr + r] = src[kk];
-            }
-          }
-        }
         for (int64_t p = p0; p < p1; ++p) {
           const W* b = panels + (p * k + pc) * kNR;
+          // The next panel's slice (this one's on the last: prefetching it again is harmless).
+          const W* next = p + 1 < p1 ? b + k * kNR : b;
           auto tiles = [&](const auto* slice) {
             for (int64_t r = ic; r < ic + rows; r += kMR) {
               const int64_t mr = std::min(kMR, ic + rows - r);
               float* cp = c + r * ldc + p * kNR;
-              if (blocked) {
-                some_rows(mr, ap.data() + (r - ic) * kc, 1, mr, slice, kc, cp, ldc, pc > 0);
+              const bool first = r == ic;  // the first tile pulls the next panel's slice in
+              if (!blocked) {
+                if (first) {
+                  some_rows<false, true>(mr, a + r * k + pc, k, slice, kc, cp, ldc, pc > 0, next);
+                } else {
+                  some_rows<false, false>(mr, a + r * k + pc, k, slice, kc, cp, ldc, pc > 0, next);
+                }
+                continue;
+              }
+              // The next tile's rows of C, asked for now: they are 6 lines a whole row of
+              // C apart (from L3 on a prefill step), and their misses stalled every tile's
+              // start (~10% of a 1,024-row step).
+              for (int64_t rr = r + mr; rr < std::min(r + mr + kMR, ic + rows); ++rr) {
+                __builtin_prefetch(cp + (rr - r) * ldc, 1);
+                __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
+              }
+              const float* ap = packed.get() + pc * m + r * kc;
+              if (first) {
+                some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
               } else {
-                some_rows(mr, a + r * k + pc, k, 1, slice, kc, cp, ldc, pc > 0);
+                some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
               }
             }
           };
