@@ -120,17 +120,17 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// A longer step's input, packed once for all threads: for each block of `kKC` of K (at
-// offset pc * m), each tile of `kMR` rows (at r0 * kc) holds its rows' values side by side,
-// k after k, so a tile reads one stream. Copied by every thread per block, as it was, it
-// cost 6-10% of a prefill GEMM on 768-deep layers.
-inline void pack_input(const float* a, int64_t m, int64_t k, float* packed) {
-  at::parallel_for(0, (m + kMR - 1) / kMR, 16, [&](int64_t t0, int64_t t1) {
+// A block of a longer step's input rows, packed once for all threads: for each block of
+// `kKC` of K (at offset pc * rows), each tile of `kMR` rows (at r0 * kc) holds its rows'
+// values side by side, k after k, so that a tile reads one stream. Copied by every thread
+// (as it was until session 32), it cost 6-10% of a prefill GEMM on 768-deep layers.
+inline void pack_rows(const float* a, int64_t rows, int64_t k, float* packed) {
+  at::parallel_for(0, (rows + kMR - 1) / kMR, 4, [&](int64_t t0, int64_t t1) {
     for (int64_t pc = 0; pc < k; pc += kKC) {
       const int64_t kc = std::min(kKC, k - pc);
-      for (int64_t r0 = t0 * kMR; r0 < std::min(m, t1 * kMR); r0 += kMR) {
-        const int64_t mr = std::min(kMR, m - r0);
-        float* t = packed + pc * m + r0 * kc;
+      for (int64_t r0 = t0 * kMR; r0 < std::min(rows, t1 * kMR); r0 += kMR) {
+        const int64_t mr = std::min(kMR, rows - r0);
+        float* t = packed + pc * rows + r0 * kc;
         for (int64_t kk = 0; kk < kc; ++kk)
           for (int64_t r = 0; r < mr; ++r) t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
       }
@@ -138,52 +138,54 @@ inline void pack_input(const float* a, int64_t m, int64_t k, float* packed) {
   });
 }
 
-// c [m, np * 16] = a [m, k] @ the np panels [np, k, 16]. Threads split the panels: each
-// streams its share of the weight once per block of `kMC` rows.
+// c [m, np * 16] = a [m, k] @ the np panels [np, k, 16]. Blocks of `kMC` rows one after
+// the other (a step of up to `kWholeK` rows is one block), each packed and then multiplied
+// with the threads splitting the panels: the block's input and outputs stay on chip across
+// its K blocks (a whole 2,048-row step packed first spilled to DRAM at 3,072 deep).
 template <typename W>
 void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
   const int64_t ldc = np * kNR;
   const bool blocked = m > kWholeK;
-  const int64_t kc_step = blocked ? kKC : k;
+  const int64_t kc_step = blocked ? kKC : k, mc = blocked ? kMC : std::max<int64_t>(m, 1);
   // A bf16 slice is widened in registers when each of its weights is used once or twice
   // (streamed: half the bytes); a block's is widened into L1 first: widening per tile made
   // a 1,000-row bf16 step 0.85x oneDNN's speed over the widened weight.
   const bool widen = !std::is_same_v<W, float> && blocked;
-  // not value-initialised: every element is written by pack_input
-  std::unique_ptr<float[]> packed(blocked ? new float[m * k] : nullptr);
-  if (blocked) pack_input(a, m, k, packed.get());
-  // a thread's share: at least 4 panels (~50 KB of a 768-deep fp32 weight) per wake-up
-  at::parallel_for(0, np, 4, [&](int64_t p0, int64_t p1) {
-    std::vector<float> wide(widen ? kc_step * kNR : 0);
-    for (int64_t pc = 0; pc < k; pc += kc_step) {
-      const int64_t kc = std::min(kc_step, k - pc);
-      for (int64_t ic = 0; ic < m; ic += kMC) {
-        const int64_t rows = std::min(kMC, m - ic);
+  // not value-initialised: pack_rows writes every element a block reads
+  std::unique_ptr<float[]> packed(blocked ? new float[kMC * k] : nullptr);
+  for (int64_t ic = 0; ic < m; ic += mc) {
+    const int64_t rows = std::min(mc, m - ic);
+    if (blocked) pack_rows(a + ic * k, rows, k, packed.get());
+    // a thread's share: at least 4 panels (~50 KB of a 768-deep fp32 weight) per wake-up
+    at::parallel_for(0, np, 4, [&](int64_t p0, int64_t p1) {
+      std::vector<float> wide(widen ? kc_step * kNR : 0);
+      for (int64_t pc = 0; pc < k; pc += kc_step) {
+        const int64_t kc = std::min(kc_step, k - pc);
         for (int64_t p = p0; p < p1; ++p) {
           const W* b = panels + (p * k + pc) * kNR;
           // The next panel's slice (this one's on the last: prefetching it again is harmless).
           const W* next = p + 1 < p1 ? b + k * kNR : b;
           auto tiles = [&](const auto* slice) {
-            for (int64_t r = ic; r < ic + rows; r += kMR) {
-              const int64_t mr = std::min(kMR, ic + rows - r);
-              float* cp = c + r * ldc + p * kNR;
-              const bool first = r == ic;  // the first tile pulls the next panel's slice in
+            for (int64_t r = 0; r < rows; r += kMR) {
+              const int64_t mr = std::min(kMR, rows - r);
+              float* cp = c + (ic + r) * ldc + p * kNR;
+              const bool first = r == 0;  // the first tile pulls the next panel's slice in
               if (!blocked) {
+                const float* ar = a + (ic + r) * k + pc;
                 if (first) {
-                  some_rows<false, true>(mr, a + r * k + pc, k, slice, kc, cp, ldc, pc > 0, next);
+                  some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
                 } else {
-                  some_rows<false, false>(mr, a + r * k + pc, k, slice, kc, cp, ldc, pc > 0, next);
+                  some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
                 }
                 continue;
               }
-              // The next tile's rows of C, asked for now: they are 6 lines a whole row of
-              // C apart (from L3 on a prefill step), and their misses stalled every tile's
-              // start (~10% of a 1,024-row step).
-              for (int64_t rr = r + mr; rr < std::min(r + mr + kMR, ic + rows); ++rr) {
+              // The next tile's rows of C, asked for now: they are a whole row of C apart,
+              // and their misses stalled every tile's start (~10% of a 1,024-row step).
+              for (int64_t rr = r + mr; rr < std::min(r + mr + kMR, rows); ++rr) {
                 __builtin_prefetch(cp + (rr - r) * ldc, 1);
                 __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
               }
-              const float* ap = packed.get() + pc * m + r * kc;
+              const float* ap = packed.get() + pc * rows + r * kc;
               if (first) {
                 some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
               } else {
@@ -199,8 +201,8 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
           }
         }
       }
-    }
-  });
+    });
+  }
 }
 
 // "avx2" where `tile` has its vector loop in this build, else "scalar".
