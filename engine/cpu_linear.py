@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -114,10 +114,12 @@ def row_buckets(limit: int) -> list[int]:
     return out
 
 
-def warm_buckets(model: nn.Module, rows: Iterable[tuple[int, bool]], vocab: int,
-                 deadline: float) -> int:
+def warm_buckets(model: nn.Module, rows: Sequence[tuple[int, bool]], vocab: int,
+                 deadline: float) -> tuple[int, int]:
     """Run each distinct packed weight shape once at each (rows, head) bucket, in order,
-    until `time.perf_counter()` passes `deadline`; returns the buckets done.
+    until `time.perf_counter()` passes `deadline`; returns (buckets done, buckets to do):
+    (0, 0) for a model with no oneDNN-packed layer (panels, dense), which has no
+    per-shape state to create.
 
     Why: oneDNN creates its kernel state for a shape on the first call with it, and a
     served step's rows can be any bucket; the first wave of traffic paid ~0.4 ms per
@@ -130,6 +132,8 @@ def warm_buckets(model: nn.Module, rows: Iterable[tuple[int, bool]], vocab: int,
         if isinstance(m, PackedLinear):
             bias = None if m.bias is None else m.bias.dtype
             distinct.setdefault((m.in_features, m.out_features, bias, m.dtype), m)
+    if not distinct:
+        return 0, 0
     done = 0
     with torch.inference_mode():
         for n, head in rows:
@@ -139,7 +143,7 @@ def warm_buckets(model: nn.Module, rows: Iterable[tuple[int, bool]], vocab: int,
                 if head or m.out_features != vocab:
                     m(torch.zeros(n, m.in_features, dtype=m.dtype))
             done += 1
-    return done
+    return done, len(rows)
 
 
 def packing_available(dtype: torch.dtype) -> bool:

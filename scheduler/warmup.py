@@ -58,7 +58,7 @@ class Warmup:
     seconds: float = 0.0
     native_ops: dict[str, bool] = field(default_factory=dict)  # op -> loaded
     steps: int = 0
-    row_buckets: tuple[int, int] = (0, 0)  # oneDNN row buckets warmed, of all there are
+    row_buckets: tuple[int, int] = (0, 0)  # oneDNN row buckets warmed, of all (0 without oneDNN)
     baseline: EngineStats = field(default_factory=EngineStats)  # stats after the warm-up
 
 
@@ -92,7 +92,7 @@ def warm_up(core: Any) -> Warmup:
     ops = load_native_ops(getattr(core, "device", torch.device("cpu")))
     vocab = int(core.model_config.vocab_size)
     buckets = step_buckets(core.config.max_num_seqs, core.config.max_num_batched_tokens)
-    warmed = warm_buckets(core.model, buckets, vocab, t0 + PRIMITIVE_BUDGET_S)
+    warmed, to_warm = warm_buckets(core.model, buckets, vocab, t0 + PRIMITIVE_BUDGET_S)
     prompt = [t % vocab for t in (1, 2, 3)]
     params = [SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True),
               SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=8, min_p=0.01,
@@ -115,11 +115,11 @@ def warm_up(core: Any) -> Warmup:
     if graphs is not None:  # CUDA: every decode bucket's graph, before any client's step
         graphs.capture_all()
     w = Warmup(time.perf_counter() - t0, ops, steps, baseline=core.stats(),
-               row_buckets=(warmed, len(buckets)))
+               row_buckets=(warmed, to_warm))
     # which vector path -march=native gave the decode kernel (avx512, avx2, portable)
     isa = vector_path() if ops.get("paged_decode_cpu") else None
     logger.info("warmed up", extra={"fields": {"warmup_s": round(w.seconds, 3),
                                                "native_ops": ops, "decode_vector_path": isa,
                                                "steps": steps,
-                                               "row_buckets": f"{warmed}/{len(buckets)}"}})
+                                               "row_buckets": f"{warmed}/{to_warm}"}})
     return w
