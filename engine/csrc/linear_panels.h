@@ -24,11 +24,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../../kvpool/csrc/key_diversity.h"  // load8: 8 lanes of fp32 or widened bf16
@@ -120,28 +124,36 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// A block of a longer step's input rows, packed once for all threads: for each block of
-// `kKC` of K (at offset pc * rows), each tile of `kMR` rows (at r0 * kc) holds its rows'
-// values side by side, k after k, so that a tile reads one stream. Copied by every thread
-// (as it was until session 32), it cost 6-10% of a prefill GEMM on 768-deep layers.
-inline void pack_rows(const float* a, int64_t rows, int64_t k, float* packed) {
-  at::parallel_for(0, (rows + kMR - 1) / kMR, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t pc = 0; pc < k; pc += kKC) {
-      const int64_t kc = std::min(kKC, k - pc);
-      for (int64_t r0 = t0 * kMR; r0 < std::min(rows, t1 * kMR); r0 += kMR) {
-        const int64_t mr = std::min(kMR, rows - r0);
-        float* t = packed + pc * rows + r0 * kc;
-        for (int64_t kk = 0; kk < kc; ++kk)
-          for (int64_t r = 0; r < mr; ++r) t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
-      }
+// Tiles [t0, t1) of a block of a longer step's input rows, packed: for each block of `kKC`
+// of K (at offset pc * rows), each tile of `kMR` rows (at r0 * kc) holds its rows' values
+// side by side, k after k, so that a tile reads one stream.
+inline void pack_rows(const float* a, int64_t rows, int64_t k, int64_t t0, int64_t t1, float* packed) {
+  for (int64_t pc = 0; pc < k; pc += kKC) {
+    const int64_t kc = std::min(kKC, k - pc);
+    for (int64_t r0 = t0 * kMR; r0 < std::min(rows, t1 * kMR); r0 += kMR) {
+      const int64_t mr = std::min(kMR, rows - r0);
+      float* t = packed + pc * rows + r0 * kc;
+      for (int64_t kk = 0; kk < kc; ++kk)
+        for (int64_t r = 0; r < mr; ++r) t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
     }
-  });
+  }
+}
+
+// [tid * share, ...) of n items, at least `grain` to a thread (at::parallel_for's split).
+inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, int team) {
+  const int64_t share = std::max(grain, (n + team - 1) / team);
+  const int64_t lo = std::min(n, tid * share);
+  return {lo, std::min(n, lo + share)};
 }
 
 // c [m, np * 16] = a [m, k] @ the np panels [np, k, 16]. Blocks of `kMC` rows one after
-// the other (a step of up to `kWholeK` rows is one block), each packed and then multiplied
-// with the threads splitting the panels: the block's input and outputs stay on chip across
-// its K blocks (a whole 2,048-row step packed first spilled to DRAM at 3,072 deep).
+// the other (a step of up to `kWholeK` rows is one block, not packed): the threads pack a
+// block's rows together, then multiply it splitting the panels, so that the block's input
+// and outputs stay on chip across its K blocks. Why one team with barriers: every thread
+// copying every block cost 6-10% of a 768-deep layer; a whole 2,048-row input packed first
+// spilled to DRAM at 3,072 deep (0.77x oneDNN); and a parallel region per block woke the
+// threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the demo
+// model's 2,048-row layers 0.8x as fast.
 template <typename W>
 void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
   const int64_t ldc = np * kNR;
@@ -153,12 +165,24 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   const bool widen = !std::is_same_v<W, float> && blocked;
   // not value-initialised: pack_rows writes every element a block reads
   std::unique_ptr<float[]> packed(blocked ? new float[kMC * k] : nullptr);
-  for (int64_t ic = 0; ic < m; ic += mc) {
-    const int64_t rows = std::min(mc, m - ic);
-    if (blocked) pack_rows(a + ic * k, rows, k, packed.get());
-    // a thread's share: at least 4 panels (~50 KB of a 768-deep fp32 weight) per wake-up
-    at::parallel_for(0, np, 4, [&](int64_t p0, int64_t p1) {
-      std::vector<float> wide(widen ? kc_step * kNR : 0);
+  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#ifdef _OPENMP
+    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+#else
+    const int tid = 0, team = 1;
+#endif
+    // a thread's share: at least 4 panels (~50 KB of a 768-deep fp32 weight)
+    const auto [p0, p1] = share_of(np, 4, tid, team);
+    std::vector<float> wide(widen ? kc_step * kNR : 0);
+    for (int64_t ic = 0; ic < m; ic += mc) {
+      const int64_t rows = std::min(mc, m - ic);
+      if (blocked) {  // all threads take this branch or none: the barriers match
+        const auto [t0, t1] = share_of((rows + kMR - 1) / kMR, 1, tid, team);
+        pack_rows(a + ic * k, rows, k, t0, t1, packed.get());
+#pragma omp barrier
+      }
       for (int64_t pc = 0; pc < k; pc += kc_step) {
         const int64_t kc = std::min(kc_step, k - pc);
         for (int64_t p = p0; p < p1; ++p) {
@@ -201,7 +225,10 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
           }
         }
       }
-    });
+      if (blocked) {  // the next block's packing overwrites this one's
+#pragma omp barrier
+      }
+    }
   }
 }
 
