@@ -196,7 +196,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
               const bool first = r == 0;  // the first tile pulls the next panel's slice in
               if (!blocked) {
                 const float* ar = a + (ic + r) * k + pc;
-                if (first) {
+                if (first && m >= kMR) {  // fewer rows: each k step too short to hide it
                   some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
                 } else {
                   some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
