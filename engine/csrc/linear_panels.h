@@ -1,13 +1,13 @@
 // A linear layer's GEMM over its weight laid out in panels of 16 output columns, for CPUs
-// with AVX2 but without AVX-512, where it is faster than oneDNN (most of all when decoding).
+// with AVX2 but without AVX-512: faster than oneDNN when decoding, level with it at prefill.
 //
 // Why: there (AMD Zen 1-3, Intel client cores) a decode step is bound by the weight bytes
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
 // rows, and a bf16 weight had to be widened to fp32 for oneDNN (twice the bytes, kept beside
 // the bf16 one: three times the memory). Measured on the 160M model's layers (Zen 3, two
 // threads; docs/benchmarks.md, sessions 31-32): 1.3-2x oneDNN's speed at 1-12 rows (bf16
-// 2-3x), and since the input is packed once, the next panel and the next tile's outputs
-// prefetched (session 32), 1.0-1.2x at prefill sizes (128-1,024 rows), where it was 0.83-0.96x.
+// 2-3x); at prefill sizes (128-1,024 rows) level with it (0.94-1.08x; 0.83-0.96x before
+// session 32 packed each block of rows once and prefetched what the next tile needs).
 //
 // The layout is the one BLIS-style kernels pack their B operand into: panel p holds columns
 // 16p..16p+15 of W^T, row after row of K ([ceil(N/16), K, 16], zero columns past N;
