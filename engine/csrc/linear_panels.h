@@ -165,7 +165,11 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   const bool widen = !std::is_same_v<W, float> && blocked;
   // not value-initialised: pack_rows writes every element a block reads
   std::unique_ptr<float[]> packed(blocked ? new float[kMC * k] : nullptr);
-  const int threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // at least 4 panels (~50 KB of a 768-deep fp32 weight) a thread, as at::parallel_for's
+  // grain sized the team: a thread with no panels would only pack and wait at barriers
+  const int64_t grain = 4;
+  const int64_t wanted = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #ifdef _OPENMP
@@ -173,8 +177,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
 #else
     const int tid = 0, team = 1;
 #endif
-    // a thread's share: at least 4 panels (~50 KB of a 768-deep fp32 weight)
-    const auto [p0, p1] = share_of(np, 4, tid, team);
+    const auto [p0, p1] = share_of(np, grain, tid, team);
     std::vector<float> wide(widen ? kc_step * kNR : 0);
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic);
