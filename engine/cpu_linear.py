@@ -16,10 +16,11 @@ stays). On a CPU with AVX2 but no AVX-512 (AMD Zen 1-3, Intel client cores) oneD
 used at all: every weight is laid out in 16-column panels once and multiplied by kvserve's
 own kernel (`PanelLinear`, engine/csrc/linear_panels.h), in its own dtype. There a decode
 step is bound by the weight bytes it streams: the panels run the 160M model's layers
-1.3-2x faster than oneDNN in fp32 at 1-12 rows (0.83-0.96x of it for prefill-sized steps), and a
-bf16 weight stays bf16 (oneDNN needed it widened to fp32: twice the bytes to stream, 2-3x
-slower at 1-8 rows, and the widened copy kept beside the bf16 one for few-row steps had
-tripled its memory; docs/benchmarks.md, session 31). Where neither panels nor native bf16 exist
+1.3-2x faster than oneDNN in fp32 at 1-12 rows and level with it for prefill-sized steps
+(0.94-1.08x), and a bf16 weight stays bf16 (oneDNN needed it widened to fp32: twice the
+bytes to stream, 2-3x slower at 1-8 rows, and the widened copy kept beside the bf16 one for
+few-row steps had tripled its memory; docs/benchmarks.md, sessions 31-32). Where neither
+panels nor native bf16 exist
 (no AVX2 and no AVX-512) a bf16 weight is packed widened to fp32 and its layer computes in
 fp32, rounding its output to bf16 (`bf16_path`): torch's dense bf16 GEMM is far slower
 there, and bf16 GEMMs accumulate in fp32 anyway, so the results differ from `F.linear`'s

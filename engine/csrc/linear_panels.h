@@ -170,6 +170,9 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   const int64_t grain = 4;
   const int64_t wanted = at::in_parallel_region() ? 1 : at::get_num_threads();
   const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
+  // each thread's L1 copy of a widened bf16 slice, allocated here: nothing inside the
+  // parallel region may throw (OpenMP would terminate where at::parallel_for rethrew)
+  std::vector<float> wide_all(widen ? std::max(threads, 1) * kc_step * kNR : 0);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #ifdef _OPENMP
@@ -178,7 +181,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
     const int tid = 0, team = 1;
 #endif
     const auto [p0, p1] = share_of(np, grain, tid, team);
-    std::vector<float> wide(widen ? kc_step * kNR : 0);
+    float* wide = wide_all.data() + (widen ? tid * kc_step * kNR : 0);
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic);
       if (blocked) {  // all threads take this branch or none: the barriers match
@@ -221,8 +224,8 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
             }
           };
           if (widen) {  // widened once for the block's tiles, not once per tile
-            widen_slice(b, kc * kNR, wide.data());
-            tiles(wide.data());
+            widen_slice(b, kc * kNR, wide);
+            tiles(static_cast<const float*>(wide));
           } else {
             tiles(b);
           }
