@@ -21,6 +21,8 @@ at the 1.5x bound of one that passive waiting meets easily. A server with cores 
 its own should use it. An offline run (`kvserve generate`) has no HTTP side and
 usually owns its cores, so spin is its default (`plan(default_wait=...)`): ~190% CPU
 on 2 cores against 150-170% passive, 10-25% more tokens per second on the 160M model.
+With passive waiting the kernels that open parallel regions of their own keep small
+calls on the calling thread (kvpool/csrc/team_wake.h reads the same environment).
 Pinning each intra-op thread to one core was slower as soon as another process used
 that core (a pinned thread cannot move away), so pinning is opt-in (`--cpu-bind`).
 

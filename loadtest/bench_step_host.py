@@ -16,7 +16,8 @@ one round by round, and the table compares medians.
 Each round builds the engine, starts `--running` requests of the same seeded prompts
 (greedy, EOS ignored, long enough to outlive the round), steps until all decode, then
 times `--steps` steps through `StepStats`. Threads are `kvserve generate`'s defaults
-(`--threads`); `--detokenize` makes the requests detokenize, as served ones do.
+(`--threads`; `--cpu-wait passive` waits as `kvserve serve`'s threads do); `--detokenize`
+makes the requests detokenize, as served ones do.
 Writes JSON with the environment fingerprint; prints a markdown table.
 """
 
@@ -30,6 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
+
+from engine.cpu_threads import WAITS  # no torch: threads are set before it loads
 
 NAME = "bench_step_host"
 PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sample_ms",
@@ -132,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--detokenize", action="store_true",
                    help="requests detokenize their tokens, as a served request does")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: cores)")
+    p.add_argument("--cpu-wait", choices=WAITS, default="spin",
+                   help="how idle intra-op threads wait: spin (`kvserve generate`'s default) "
+                        "or passive (`kvserve serve`'s)")
     p.add_argument("--base", help="another checkout to run the same way, interleaved")
     p.add_argument("--rounds", type=int, default=3, help="rounds (each: this, then base)")
     p.add_argument("--out", default="runs/")
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
     from loadtest.bench_common import pin_threads
 
     threads = a.threads or cpu_threads.plan(None, None).threads
-    choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait="spin")
+    choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait=a.cpu_wait)
     args = (a.model, a.dtype, a.running, a.steps, a.kv_policy, a.detokenize)
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "threads": choice, "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--dtype", a.dtype, "--running", str(a.running), "--steps", str(a.steps),
-            "--threads", str(threads), *(["--kv-policy", a.kv_policy] if a.kv_policy else []),
+            "--threads", str(threads), "--cpu-wait", a.cpu_wait, *(["--kv-policy", a.kv_policy] if a.kv_policy else []),
             *(["--detokenize"] if a.detokenize else [])]
     def say(got: dict) -> str:
         line = f"outside forward {100 * got['this']['outside_share']:.1f}%"

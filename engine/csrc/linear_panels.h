@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../../kvpool/csrc/key_diversity.h"  // load8: 8 lanes of fp32 or widened bf16
+#include "../../kvpool/csrc/team_wake.h"
 
 namespace panels {
 
@@ -168,7 +169,10 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // at least 4 panels (~50 KB of a 768-deep fp32 weight) a thread, as at::parallel_for's
   // grain sized the team: a thread with no panels would only pack and wait at barriers
   const int64_t grain = 4;
-  const int64_t wanted = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // and one thread for a small product where waking a sleeping team costs more (team_wake.h)
+  const bool small = team_wake::team_sleeps() &&
+      np * kNR * k * std::max<int64_t>(m, 4) < team_wake::kSleepingLinearWork;
+  const int64_t wanted = at::in_parallel_region() || small ? 1 : at::get_num_threads();
   const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
   // each thread's L1 copy of a widened bf16 slice, allocated here: nothing inside the
   // parallel region may throw (OpenMP would terminate where at::parallel_for rethrew)
