@@ -9,6 +9,7 @@ benchmark in docs/benchmarks.md that a rerun replaces without touching anything 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -144,8 +145,10 @@ def pin_threads(module: str, threads: int, argv: list[str] | None,
         os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],
                   {**os.environ, **env})
     choice = cpu_threads.apply(choice)
-    if torch.get_num_interop_threads() != threads:  # settable once a process
-        torch.set_num_interop_threads(threads)
+    if torch.get_num_interop_threads() != threads:
+        # settable once a process, before any parallel work (a test's may have run)
+        with contextlib.suppress(RuntimeError):
+            torch.set_num_interop_threads(threads)
     return choice.fields()
 
 
