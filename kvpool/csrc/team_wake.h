@@ -17,19 +17,24 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
+#include <strings.h>  // strcasecmp: libgomp reads the policy in any case
 
 namespace team_wake {
 
 // libgomp's own reading of the environment, which it makes once when torch loads it:
-// GOMP_SPINCOUNT wins, then OMP_WAIT_POLICY; unset, the threads spin (300,000 turns).
+// GOMP_SPINCOUNT wins (a number of turns, or "infinite"), then OMP_WAIT_POLICY; unset,
+// the threads spin (300,000 turns).
 // (kvserve used as a library after torch was imported: the environment may no longer be
 // what libgomp read; cpu_threads says so in its log line.)
 inline bool team_sleeps() {
   static const bool sleeps = [] {
-    if (const char* spin = std::getenv("GOMP_SPINCOUNT")) return std::strtoll(spin, nullptr, 10) == 0;
+    if (const char* spin = std::getenv("GOMP_SPINCOUNT")) {
+      char* end = nullptr;
+      const long long turns = std::strtoll(spin, &end, 10);
+      return end != spin && turns == 0;
+    }
     const char* policy = std::getenv("OMP_WAIT_POLICY");
-    return policy != nullptr && (std::strcmp(policy, "PASSIVE") == 0 || std::strcmp(policy, "passive") == 0);
+    return policy != nullptr && strcasecmp(policy, "passive") == 0;
   }();
   return sleeps;
 }
