@@ -20,11 +20,10 @@ step is bound by the weight bytes it streams: the panels run the 160M model's la
 (0.94-1.08x), and a bf16 weight stays bf16 (oneDNN needed it widened to fp32: twice the
 bytes to stream, 2-3x slower at 1-8 rows, and the widened copy kept beside the bf16 one for
 few-row steps had tripled its memory; docs/benchmarks.md, sessions 31-32). Where neither
-panels nor native bf16 exist
-(no AVX2 and no AVX-512) a bf16 weight is packed widened to fp32 and its layer computes in
-fp32, rounding its output to bf16 (`bf16_path`): torch's dense bf16 GEMM is far slower
-there, and bf16 GEMMs accumulate in fp32 anyway, so the results differ from `F.linear`'s
-only by the summation order, as fp32's do. The dense weight is dropped once laid out (a
+panels nor native bf16 exist (no AVX2 and no AVX-512) a bf16 weight is packed widened to
+fp32 and its layer computes in fp32, rounding its output to bf16 (`bf16_path`): torch's
+dense bf16 GEMM is far slower there, and bf16 GEMMs accumulate in fp32 anyway, so the
+results differ from `F.linear`'s only by the summation order, as fp32's do. The dense weight is dropped once laid out (a
 weight tied to the input embedding lives on as the embedding), so neither layout doubles
 memory. Results match `F.linear` to fp32 rounding: tests/test_cpu_linear.py.
 

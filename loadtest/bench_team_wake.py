@@ -51,7 +51,7 @@ def measure(threads: int, cycle_mb: int) -> dict[str, dict[str, float]]:
     import torch
 
     from engine.cpu_linear import PanelLinear, panels_available
-    from kvpool import cpu_attention, native
+    from kvpool import cpu_attention
 
     got: dict[str, dict[str, float]] = {}
     cycle = cycle_mb << 20
@@ -69,7 +69,7 @@ def measure(threads: int, cycle_mb: int) -> dict[str, dict[str, float]]:
             for m in (1, 4):
                 x = torch.randn(m, k)
                 both(f"linear {k}x{n}, {m} row{'s' * (m > 1)}", [partial(f, x) for f in layers])
-    if cpu_attention.kernel_available() and native.load_ops("kvserve_paged_decode_cpu"):
+    if cpu_attention.kernel_available():  # builds and loads the op
         op, bs = torch.ops.kvserve.paged_decode, 16
         for (hq, hkv, d, model), b, n in DECODES:
             nb = -(-n // bs)
