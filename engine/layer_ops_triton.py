@@ -65,15 +65,18 @@ def _rotate(X, t, st, sh, heads, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr
     p1 = X + t * st + h * sh + i
     x1 = tl.load(p1, mask=ok, other=0.0)
     x2 = tl.load(p1 + HALF, mask=ok, other=0.0)
+    # transformers' roundings: cos/sin in the activations' dtype, each product and the
+    # sum rounded to it. Written in that dtype, not as fp32 with explicit round trips:
+    # compiled for a GPU, those round trips did not round as torch does (session 34: 21%
+    # of fp16/bf16 outputs off, by up to 25 units in the last place, where Triton's
+    # interpreter matched exactly); `rotary_` also turns FMA contraction off.
     dtype = x1.dtype
-    ci = c.to(dtype).to(tl.float32)
-    si = s.to(dtype).to(tl.float32)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    o1 = (a * ci).to(dtype).to(tl.float32) - (b * si).to(dtype).to(tl.float32)
-    o2 = (b * ci).to(dtype).to(tl.float32) + (a * si).to(dtype).to(tl.float32)
-    tl.store(p1, o1.to(dtype), mask=ok)
-    tl.store(p1 + HALF, o2.to(dtype), mask=ok)
+    ci = c.to(dtype)
+    si = s.to(dtype)
+    o1 = x1 * ci - x2 * si
+    o2 = x2 * ci + x1 * si
+    tl.store(p1, o1, mask=ok)
+    tl.store(p1 + HALF, o2, mask=ok)
 
 
 @triton.jit
@@ -133,4 +136,5 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), q.shape[1],
         k.shape[1], BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]), HALF=half,
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4)
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        enable_fp_fusion=False)  # a fused multiply-add would round once where torch rounds twice

@@ -57,6 +57,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 
 _LOG2E = 1.4426950408889634
+# One-token rows run `_decode_kernel` unless this is False: loadtest/bench_gpu's row that
+# measures the general kernel in the same run.
+DECODE_KERNEL = True
 
 
 @_jit
@@ -166,6 +169,102 @@ def _attn_kernel(
         if STORE_LSE:
             lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
             tl.store(LSE + (b * Tq + t) * (Hkv * G) + h, lse, mask=row_ok)
+
+
+@_jit
+def _decode_kernel(
+    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART, SLEN,
+    sq_b, sq_h, sq_d,
+    sk_n, sk_s, sk_h, sk_d,
+    sv_n, sv_s, sv_h, sv_d,
+    sc_n, sc_s, sc_h, sc_g,
+    st_b, st_n, ssp_b, ssp_s, sqp_b,
+    so_b, so_h, so_d,
+    scale_log2, window, S, Hkv, tiles_per_split,
+    G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
+    QUANT: tl.constexpr, GS: tl.constexpr, DYN_S: tl.constexpr,
+):
+    """One query token of one (sequence, kv head, split): the decode step's attention.
+
+    Why apart from `_attn_kernel`: its loop skips a tile no row sees with an `if`
+    around the loads, which keeps them in program order (positions, then block ids,
+    then K, then V after the scores: four dependent round trips to memory a tile).
+    Here the loop has no branch: K and V are loaded together at the top of each tile,
+    masked by visibility (an evicted, windowed-out or padded slot costs no memory
+    traffic and reads zeros, never a stale NaN), and the next tile's positions and
+    block ids are loaded a tile ahead. The group's G rows are padded to GP >= 16 for
+    `tl.dot`: on an H200 that beat scores and output as fp32 broadcast products (the
+    form SGLang's and LightLLM's MHA decode kernels take) by 1.5x at G = 1 and 5x at
+    G = 4 (session 34's sweep, docs/benchmarks.md); its padding rows cost no memory."""
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    h = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+
+    qp = tl.load(Q_POS + b * sqp_b).to(tl.int64)
+    q = tl.load(Q + b * sq_b + h[:, None] * sq_h + d[None, :] * sq_d,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = q * scale_log2  # scores come out in log2 units: exp2 instead of exp
+
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], tl.float32)
+
+    if DYN_S:
+        S = tl.minimum(tl.load(SLEN).to(tl.int32), S)
+    first = pid_s * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(S, BLOCK_N))
+    # A tile's positions and block ids are loaded one tile ahead, so that within a
+    # tile only the K/V loads wait on memory (else three dependent round trips a tile).
+    s = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    sp = tl.load(SLOT_POS + b * ssp_b + s * ssp_s, mask=s < S, other=-1)
+    blk = tl.load(TABLE + b * st_b + (s // BS) * st_n, mask=s < S, other=0)
+    for _tile in range(first, last):
+        s_next = s + BLOCK_N
+        sp_next = tl.load(SLOT_POS + b * ssp_b + s_next * ssp_s, mask=s_next < S, other=-1)
+        blk_next = tl.load(TABLE + b * st_b + (s_next // BS) * st_n, mask=s_next < S, other=0)
+        pos = sp.to(tl.int64)
+        vis = (pos >= 0) & (pos <= qp)
+        if HAS_WINDOW:
+            vis = vis & (pos > qp - window)
+        rows_at = tl.maximum(blk, 0).to(tl.int64)
+        off = s % BS
+        kv_ok = vis[:, None] & d_ok[None, :]
+        k = _load_rows(K, KS, rows_at, off, kvh, d, sk_n, sk_s, sk_h, sk_d,
+                       sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
+        v = _load_rows(V, VS, rows_at, off, kvh, d, sv_n, sv_s, sv_h, sv_d,
+                       sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(vis[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN on empty rows
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(scores - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        m_i = m_new
+        s, sp, blk = s_next, sp_next, blk_next
+
+    if SPLIT:  # partials [B*Hkv, splits, G, (BLOCK_D)], merged by _combine_kernel
+        base = (pid_bh * tl.num_programs(1) + pid_s) * G + g
+        tl.store(M_PART + base, m_i, mask=g_ok)
+        tl.store(L_PART + base, l_i, mask=g_ok)
+        tl.store(O_PART + base[:, None] * BLOCK_D + d[None, :], acc, mask=g_ok[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + b * so_b + h[:, None] * so_h + d[None, :] * so_d,
+                 out.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), 0.0)
+            tl.store(LSE + b * (Hkv * G) + h, lse, mask=g_ok)
 
 
 @_jit
@@ -320,7 +419,8 @@ def paged_attention_triton(
     slot_count: torch.Tensor | None = None,
     sum_heads: bool = False,
     mass_rows: torch.Tensor | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
+    decode: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton twin of `kvpool.attention.paged_attention` (same arguments and results).
 
@@ -332,9 +432,11 @@ def paged_attention_triton(
     beyond it is zero. `sum_heads`: the mass summed over every head,
     [B, Tq, 1, S] (the C++ kernel's flag: what a policy that reads no head apart takes).
     `mass_rows` ([B] int32 on the device): only rows b with mass_rows[b] != 0 get mass, the rest
-    zeros (a graph's batch where some requests ask for it). `tiles`: (BLOCK_N,
-    num_warps, num_stages) of the attention pass instead of the defaults (the GPU
-    benchmark's sweep, loadtest/bench_gpu_kernels.py). Every tensor is addressed
+    zeros (a graph's batch where some requests ask for it). `decode`: one query
+    token a row runs `_decode_kernel` (None: whenever Tq == 1, unless `DECODE_KERNEL`
+    is off; False forces the general kernel, the benchmark's comparison). `tiles`:
+    (BLOCK_N, num_warps, num_stages) of the attention pass instead of the defaults (the
+    GPU benchmark's sweep, loadtest/bench_gpu_kernels.py). Every tensor is addressed
     through its strides, so views need no copy (q sliced out of a fused qkv
     projection, k_cache = kv[0]).
     """
@@ -367,11 +469,22 @@ def paged_attention_triton(
 
     block_d = _pow2(d)
     rows = tq * g
-    block_m = min(_pow2(rows), 64)
-    block_n, warps, stages = tiles or (64 if block_d <= 64 else 32, 4, None)
+    decode = (tq == 1 and DECODE_KERNEL) if decode is None else decode
+    if decode:
+        if tq != 1:
+            raise ValueError("the decode kernel takes one query token a row")
+        block_m = _pow2(g)  # the group's rows, padded (GP)
+        # session 34's H200 sweep (64 x 384 slots, head_dim 64): 128 slots a tile for
+        # MHA (0.030 ms a layer against 0.035 at 64), 64 for G = 4 (0.020 against 0.023)
+        default_n = 128 if g == 1 and block_d <= 64 else 64 if block_d <= 64 else 32
+        m_tiles = 1
+    else:
+        block_m = min(_pow2(rows), 64)
+        default_n = 64 if block_d <= 64 else 32
+        m_tiles = triton.cdiv(rows, block_m)
+    block_n, warps, stages = tiles[:3] if tiles else (default_n, 4, None)
     block_n = min(block_n, _pow2(s_len))
     n_tiles = triton.cdiv(s_len, block_n)
-    m_tiles = triton.cdiv(rows, block_m)
     if num_splits is None:
         num_splits = _auto_splits(m_tiles * b * hkv, n_tiles, dev)
     tiles_per_split = triton.cdiv(n_tiles, max(1, min(num_splits, n_tiles)))
@@ -389,17 +502,30 @@ def paged_attention_triton(
     scale_log2 = float(scale) * _LOG2E
     win = int(window) if window is not None else 0
 
-    _attn_kernel[(m_tiles, b * hkv, splits)](
-        q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
-        m_part, l_part, q_pos if slot_count is None else slot_count,  # SLEN: unread if None
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
-        *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
-        scale_log2, win, tq, s_len, hkv, tiles_per_split,
-        G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
-        PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, num_warps=warps,
-        **({} if stages is None else {"num_stages": stages}),
-    )
+    s_lens = q_pos if slot_count is None else slot_count  # SLEN: unread if None
+    launch = {"num_warps": warps, **({} if stages is None else {"num_stages": stages})}
+    if decode:
+        _decode_kernel[(b * hkv, splits)](
+            q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
+            m_part, l_part, s_lens, q.stride(0), q.stride(2), q.stride(3),
+            *k_cache.stride(), *v_cache.stride(), *sc_strides, *table.stride(),
+            *slot_pos.stride(), q_pos.stride(0), out.stride(0), out.stride(2), out.stride(3),
+            scale_log2, win, s_len, hkv, tiles_per_split,
+            G=g, GP=block_m, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
+            HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
+            PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, **launch,
+        )
+    else:
+        _attn_kernel[(m_tiles, b * hkv, splits)](
+            q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
+            m_part, l_part, s_lens,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
+            *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
+            scale_log2, win, tq, s_len, hkv, tiles_per_split,
+            G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+            HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
+            PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, **launch,
+        )
     if splits > 1:
         _combine_kernel[(m_tiles, b * hkv)](
             o_part, m_part, l_part, out, lse, *out.stride(), tq, hkv, splits,

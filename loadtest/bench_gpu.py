@@ -5,8 +5,10 @@ model (`bench_common.build_model`), bf16 weights and KV, N requests of P random 
 tokens generating G each, greedy, EOS ignored, all submitted at once, `max_num_seqs=N`,
 no prefix caching. Runs, each on a fresh engine after a warm-up:
 
-- kvserve `full` with CUDA graphs (engine/cuda_graphs.py), the same with torch's layer
-  ops instead of the Triton kernels (engine/layer_ops_triton.py), and `enforce_eager`;
+- kvserve `full` with CUDA graphs (engine/cuda_graphs.py), the same with decode steps
+  on the general attention kernel instead of `_decode_kernel`, the same with torch's
+  layer ops instead of the Triton kernels (engine/layer_ops_triton.py), and
+  `enforce_eager`;
 - kvserve policies at their budget inside graphs (streaming; h2o, whose attention mass
   the statistics graphs' Triton pass computes; knorm, whose key norms they keep), and
   h2o eagerly beside them: the step and its policy share;
@@ -172,6 +174,19 @@ def torch_layer_ops(run: Any) -> dict:
         layer_ops._triton_ops.cache_clear()
 
 
+def general_attention(run: Any) -> dict:
+    """`run()` with decode steps on the general Triton kernel (`_attn_kernel`) instead of
+    `_decode_kernel` (kvpool.triton_attention.DECODE_KERNEL): what the decode kernel
+    buys end to end, in the same run."""
+    from kvpool import triton_attention
+
+    triton_attention.DECODE_KERNEL = False
+    try:
+        return run()
+    finally:
+        triton_attention.DECODE_KERNEL = True
+
+
 def run_hf(path: str, prompts: list[list[int]], gen: int, cache: str | None) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -288,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
     plan: list[tuple[str, Any]] = []
     if "kvserve" in parts:
         plan += [("kvserve full graphs", lambda: run_kvserve(path, prompts, a.gen)),
+                 ("kvserve full graphs, general attention kernel", lambda: general_attention(
+                     lambda: run_kvserve(path, prompts, a.gen))),
                  ("kvserve full graphs, torch layer ops", lambda: torch_layer_ops(
                      lambda: run_kvserve(path, prompts, a.gen))),
                  ("kvserve full eager", lambda: run_kvserve(path, prompts, a.gen, eager=True))]

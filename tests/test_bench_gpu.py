@@ -58,3 +58,22 @@ def test_torch_layer_ops_row_switches_the_kernels_off_and_back(monkeypatch) -> N
     assert seen["ops"] is None  # the torch path inside the run
     assert "KVSERVE_TRITON_LAYER_OPS" not in os.environ
     assert layer_ops._triton_ops.cache_info().currsize == 0  # asked again afterwards
+
+
+def test_general_attention_row_runs_decode_on_the_general_kernel_and_back() -> None:
+    """The row's run sees one-token rows routed to `_attn_kernel` (the same call's
+    result as `decode=False`), and the decode kernel is the default again after it,
+    also when the run fails."""
+    pytest.importorskip("triton")
+    from kvpool import triton_attention
+    from tests.attention_cases import make_case
+
+    case = make_case([40, 9], [1, 1], bs=8, hq=2, hkv=2)
+    general, _ = triton_attention.paged_attention_triton(**case, decode=False)
+    seen = bench_gpu.general_attention(lambda: {
+        "flag": triton_attention.DECODE_KERNEL,
+        "out": triton_attention.paged_attention_triton(**case)[0]})
+    assert seen["flag"] is False and torch.equal(seen["out"], general)
+    with pytest.raises(RuntimeError):
+        bench_gpu.general_attention(lambda: (_ for _ in ()).throw(RuntimeError("run failed")))
+    assert triton_attention.DECODE_KERNEL is True

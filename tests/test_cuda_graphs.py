@@ -125,7 +125,7 @@ def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypat
     kernels too: their mass comes summed over the kv heads from the kernel, as the
     statistics graphs hand it (the same pass, so the same bits in either step), not
     per head to be summed on the host (1/Hkv of the bytes to copy out). The
-    generations equal the C++ kernel's run."""
+    generations equal the C++ kernel's run on the CPU."""
     from engine.runner import ModelRunner
     from kvpool.triton_attention import paged_attention_triton
 
@@ -139,7 +139,8 @@ def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypat
         return out
 
     monkeypatch.setattr(ModelRunner, "execute", spy)
-    got, llm = _run(tiny, "off", STATS, device="cpu", attention=paged_attention_triton)
+    # the Triton kernels on the GPU where there is one, else through the interpreter
+    got, llm = _run(tiny, "off", STATS, device=DEVICE, attention=paged_attention_triton)
     assert got == ref
     assert llm.engine.model_config.num_kv_heads == 2
     assert {s[3] for s in shapes} == {1}  # [L, B, Tq, Hkv, S]: summed, Hkv = 1

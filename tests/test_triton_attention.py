@@ -100,6 +100,46 @@ def test_graph_mass_summed_over_heads_for_flagged_rows() -> None:
     torch.testing.assert_close(mass.sum(-1).flatten().cpu(), torch.tensor([4.0, 0.0, 4.0]))
 
 
+@pytest.mark.parametrize(("hq", "hkv", "d", "tiles"), [
+    (2, 2, 8, None), (6, 2, 12, (16, 2, 2)), (8, 2, 8, None), (8, 1, 8, (32, 4, 2))])
+def test_decode_kernel_matches_the_general_kernel(hq: int, hkv: int, d: int,
+                                                  tiles: tuple[int, ...] | None) -> None:
+    """`_decode_kernel` (one query token a row; auto for Tq = 1) against `_attn_kernel`
+    (`decode=False`) and the reference: MHA, a group of 3 (rows padded) with head_dim 12
+    (padded to 16), G = 4, G = 8; over evicted slots, a window, forced splits, the mass
+    pass (which reads the decode kernel's LSE) and several slot tiles."""
+    evict = {0: [1, 2, 6, 8, 9, 10, 11], 1: [0, 3, 4]}
+    case = make_case([70, 9, 0], [1, 1, 1], bs=8, hq=hq, hkv=hkv, d=d, extra_blocks=2,
+                     evict=evict)
+    for window, splits in ((None, None), (20, 3)):
+        out, mass = paged_attention_triton(**case, window=window, num_splits=splits,
+                                           return_probs=True, tiles=tiles)
+        ref, ref_mass = paged_attention_triton(**case, window=window, num_splits=splits,
+                                               return_probs=True, decode=False)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=1e-5)
+    check(case, window=20, num_splits=3, probs=True)
+
+
+def test_decode_kernel_never_reads_an_invisible_slot() -> None:
+    """Slots no query sees (evicted, past the causal edge, a table's -1 tail) may hold
+    anything, NaN included (a pool's memory is not cleared when a slot is freed): the
+    decode kernel masks their loads, so the result is the reference's on clean caches."""
+    evict = {0: [1, 2, 6], 1: [0, 3, 4]}
+    case = make_case([13, 9], [1, 1], extra_blocks=2, evict=evict, hq=4, hkv=2)
+    dirty = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
+    for b, row in enumerate(case["table"].tolist()):
+        for s in range(len(row) * 4):
+            blk = row[s // 4]
+            if blk >= 0 and int(case["slot_pos"][b, s]) < 0:  # a dead slot of a live block
+                dirty["k_cache"][blk, s % 4] = float("nan")
+                dirty["v_cache"][blk, s % 4] = float("nan")
+    assert dirty["v_cache"].isnan().any()
+    out, _ = paged_attention_triton(**dirty)
+    ref, _ = paged_attention_triton(**case)
+    torch.testing.assert_close(out, ref)
+
+
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (8, 1), (2, 2)])
 def test_prefill_chunk_over_cached_prefix(hq: int, hkv: int) -> None:
     """Chunks attend causally to an earlier cached prefix; padded rows included."""
@@ -222,12 +262,14 @@ def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_tile_choices_give_the_same_attention() -> None:
     """The GPU benchmark's tile sweep (loadtest/bench_gpu_kernels.py) must only move the
-    speed: every (BLOCK_N, warps, stages) it tries answers as the default, over slot
-    tiles that cross blocks and a split."""
-    from loadtest.bench_gpu_kernels import TILES
+    speed: every (BLOCK_N, warps, stages) it tries answers as the default, over
+    slot tiles that cross blocks and a split, MHA for its MHA tiles, G = 4 for the GQA
+    ones."""
+    from loadtest.bench_gpu_kernels import GQA_TILES, TILES
 
-    case = make_case([149, 36], [1, 1], bs=8, hq=4, hkv=2)
-    ref, _ = paged_attention_triton(**case)
-    for tiles in TILES:
-        out, _ = paged_attention_triton(**case, tiles=tiles)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for tiles_tried, hq in ((TILES, 2), (GQA_TILES, 8)):
+        case = make_case([149, 36], [1, 1], bs=8, hq=hq, hkv=2)
+        ref, _ = paged_attention_triton(**case)
+        for tiles in tiles_tried:
+            out, _ = paged_attention_triton(**case, tiles=tiles)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
