@@ -142,7 +142,9 @@ def _attn_kernel(
             blk = tl.load(TABLE + b * st_b + (s // BS) * st_n, mask=s_ok, other=0)
             blk = tl.maximum(blk, 0).to(tl.int64)  # -1 pads read block 0, as the reference
             off = s % BS
-            kv_ok = s_ok[:, None] & d_ok[None, :]
+            # slots no row sees are not read: zeros, never a dead slot's stale NaN
+            seen = tl.max(vis.to(tl.int32), axis=0) > 0
+            kv_ok = seen[:, None] & d_ok[None, :]
             k = _load_rows(K, KS, blk, off, kvh, d, sk_n, sk_s, sk_h, sk_d,
                            sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)

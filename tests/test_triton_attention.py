@@ -121,12 +121,15 @@ def test_decode_kernel_matches_the_general_kernel(hq: int, hkv: int, d: int,
     check(case, window=20, num_splits=3, probs=True)
 
 
-def test_decode_kernel_never_reads_an_invisible_slot() -> None:
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_kernels_never_read_an_invisible_slot(chunk: int) -> None:
     """Slots no query sees (evicted, past the causal edge, a table's -1 tail) may hold
-    anything, NaN included (a pool's memory is not cleared when a slot is freed): the
-    decode kernel masks their loads, so the result is the reference's on clean caches."""
+    anything, NaN included (a pool's memory is not cleared when a slot is freed): both
+    kernels mask their loads (the decode kernel by each slot's visibility, the general
+    one, here for decode rows and a prefill chunk, by whether any row of the tile sees
+    it), so the result is the one on clean caches."""
     evict = {0: [1, 2, 6], 1: [0, 3, 4]}
-    case = make_case([13, 9], [1, 1], extra_blocks=2, evict=evict, hq=4, hkv=2)
+    case = make_case([13, 9], [chunk, chunk], extra_blocks=2, evict=evict, hq=4, hkv=2)
     dirty = {**case, "k_cache": case["k_cache"].clone(), "v_cache": case["v_cache"].clone()}
     for b, row in enumerate(case["table"].tolist()):
         for s in range(len(row) * 4):
@@ -135,9 +138,10 @@ def test_decode_kernel_never_reads_an_invisible_slot() -> None:
                 dirty["k_cache"][blk, s % 4] = float("nan")
                 dirty["v_cache"][blk, s % 4] = float("nan")
     assert dirty["v_cache"].isnan().any()
-    out, _ = paged_attention_triton(**dirty)
-    ref, _ = paged_attention_triton(**case)
-    torch.testing.assert_close(out, ref)
+    for decode in ((None, False) if chunk == 1 else (None,)):
+        out, _ = paged_attention_triton(**dirty, decode=decode)
+        ref, _ = paged_attention_triton(**case, decode=decode)
+        torch.testing.assert_close(out, ref)
 
 
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (8, 1), (2, 2)])
