@@ -3,8 +3,12 @@
 import atexit
 import os
 import sys
+from collections.abc import Iterator
 
+import pytest
 import torch
+
+from engine.cpu_threads import ENV_VARS as _THREAD_VARS
 
 # Triton kernels run on CPU through the interpreter; it must be chosen before anything
 # imports triton (kvpool.triton_attention decorates its kernels at import time).
@@ -40,3 +44,26 @@ atexit.register(_quiet_triton_teardown)
 # Test models are tiny: a second OpenMP thread only adds synchronisation, and on a busy
 # 2-core machine it makes every op wait for a descheduled thread.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _threads_as_they_were() -> Iterator[None]:
+    """Each test leaves torch's thread count, OpenMP's variables and the CPU affinity as
+    it found them. Why: code under test sets them for the whole process
+    (`cpu_threads.apply`, as `kvserve serve` and the benchmarks' `pin_threads` do), and
+    a test that called it left its pytest worker on two spinning OpenMP threads beside
+    the other worker's on 2 cores: every later test of that worker ran 4-8x slower
+    (test_policies_engine.py's files took 70 s where they take 12)."""
+    threads = torch.get_num_threads()
+    env = {k: os.environ.get(k) for k in _THREAD_VARS}
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        elif os.environ.get(k) != v:
+            os.environ[k] = v
+    if affinity is not None and os.sched_getaffinity(0) != affinity:
+        os.sched_setaffinity(0, affinity)
