@@ -12,7 +12,9 @@ from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 
 BS = 4
-LONG = 1000
+# Generated tokens a request: 4x the prompt and 6x the largest fixed budget, so every
+# policy evicts (and lazy ones compress) many times over (1,000 took 4x the time).
+LONG = 400
 
 # Every policy at a budget small enough to evict within this test's lengths.
 POLICIES = [
@@ -59,7 +61,7 @@ def test_full_policy_equals_no_policy(model):
 
 
 def test_mixed_batch_of_every_policy_stays_within_budget(model):
-    """All policies in one continuous batch for 1,000 generated tokens each: every
+    """All policies in one continuous batch for LONG generated tokens each: every
     request's peak live tokens per layer respect its policy's bound (plus one step's
     chunk), peak blocks follow, and the pool is empty and consistent at the end."""
     llm = LLM(model, num_blocks=4000, block_size=BS, max_num_batched_tokens=64)
@@ -107,13 +109,16 @@ def test_mixed_batch_of_every_policy_stays_within_budget(model):
 
 @pytest.mark.parametrize("name", ["streaming", "lazy_streaming"])
 def test_rope_shift_generates_far_past_the_position_limit(tmp_path, name):
-    path = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
+    """A 128-position model (so 3x its limit is 400 steps, not 1,600 at 512: the
+    step count was this file's run time), the window well inside it."""
+    limit, window, gen = 128, 40, 400
+    path = make_tiny_model("llama", tmp_path, max_position_embeddings=limit)
     llm = LLM(path, num_blocks=200, block_size=BS)
-    cfg = {"name": name, "sink": 4, "window": 120, "rope": "shift"}
+    cfg = {"name": name, "sink": 4, "window": window, "rope": "shift"}
     out = None
     eng = llm.engine
     layers = eng.model_config.num_layers
-    eng.add_request("long", _prompt(0, 50), _greedy(1600), kv_policy=cfg)  # 3x the limit
+    eng.add_request("long", _prompt(0, 50), _greedy(gen), kv_policy=cfg)  # 3x the limit
     peak_blocks = 0
     n = 0
     while eng.has_unfinished():
@@ -123,9 +128,9 @@ def test_rope_shift_generates_far_past_the_position_limit(tmp_path, name):
         r = eng.requests.get("long")
         if r is not None and r.cache is not None:
             peak_blocks = max(peak_blocks, r.cache.num_blocks)
-            assert int(r.cache.slot_pos.max()) < 512  # positions stay inside the model's range
-    assert n == 1600 and out.finish_reason == "length"
-    assert peak_blocks <= layers * ((4 + 120 + 64) // BS + 3)
+            assert int(r.cache.slot_pos.max()) < limit  # positions stay inside the model's range
+    assert n == gen and out.finish_reason == "length"
+    assert peak_blocks <= layers * ((4 + window + 64) // BS + 3)
     assert eng.pool.num_used == 0
 
 
