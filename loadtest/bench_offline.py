@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import json
 import os
 import pstats
@@ -193,7 +194,10 @@ class HFContinuous:
         # Room for every request at once (as kvserve's pool has), sized to the workload:
         # HF plans an attention mask over the whole cache, so "2GiB" would cost GiBs more.
         blocks = sum(-(-(len(p) + n) // page) + 1 for p, n in zip(w.prompts, w.output_lens))
-        cb = ContinuousBatchingConfig(page_size=page, num_blocks=blocks,
+        # transformers 5.17 names a page `block_size`; later releases `page_size`
+        size = ("page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig).parameters
+                else "block_size")
+        cb = ContinuousBatchingConfig(**{size: page}, num_blocks=blocks,
                                       max_batch_tokens=self.max_batched,
                                       max_requests_per_batch=self.max_seqs)
         gen = GenerationConfig(max_new_tokens=max(w.output_lens), do_sample=False,

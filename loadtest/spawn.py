@@ -40,9 +40,16 @@ def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
     of loadtest/offline_ref.py), so the two differ in nothing but what they are told."""
     out = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out["PYTHONPATH"] = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    out["PYTHONPATH"] = python_path()
     return out
+
+
+def python_path() -> str:
+    """This checkout first, then whatever PYTHONPATH already holds (packages installed
+    with `pip --target`, as on a lent GPU machine: a child that lost them could not
+    import uvicorn)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
 
 
 class Spawned:

@@ -27,7 +27,7 @@ from engine.cpu_threads import (
     parse_cpu_list,
     physical_cores,
 )
-from loadtest.spawn import free_port
+from loadtest.spawn import free_port, python_path
 from server.cli import main
 from tests.live_server import wait_ready
 
@@ -82,7 +82,7 @@ def served(tmp_path: Path, *args: str) -> Iterator[tuple[str, list[dict], int]]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
              "--no-request-log", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**env, "PYTHONPATH": str(ROOT)})
+            env={**env, "PYTHONPATH": python_path()})
         try:
             wait_ready(proc, url, log_path)
             lines = [json.loads(x) for x in log_path.read_text().splitlines()

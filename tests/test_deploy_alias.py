@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.spawn import python_path
 from scheduler.async_engine import AsyncEngine
 from scheduler.outputs import EngineStats
 from server.cli import build_parser
@@ -139,7 +140,7 @@ def test_kvserve_serve_metrics_alias_vllm(tmp_path: Path) -> None:
          "--served-model-name", "tiny", "--num-blocks", "48", "--block-size", "4",
          "--metrics-alias", "vllm", "--no-request-log"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     try:
         wait_ready(proc, url, tmp_path / "server.log", 120)
         with httpx.Client(base_url=url, timeout=30) as c:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loadtest.spawn import python_path
 from tests.tiny_models import make_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +120,7 @@ print("triton imported:", sorted(m for m in sys.modules if m.split(".")[0] == "t
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**env, "PYTHONPATH": str(ROOT)})
+                       timeout=300, env={**env, "PYTHONPATH": python_path()})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "triton imported: []" in p.stdout, p.stdout
     assert "nanobind" not in p.stderr, p.stderr[-3000:]

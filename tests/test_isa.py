@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.spawn import python_path
 from tests import isa
 
 ROOT = Path(__file__).parent.parent
@@ -35,7 +36,7 @@ SELECT = ("test_cpu_attention or greedy_op or race_op "
                     reason="no AVX-512 here: the files' own cases ran on the AVX2 paths")
 def test_the_avx2_paths_on_an_avx512_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "KVSERVE_TEST_CFLAGS": "-mno-avx512f",
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": str(ROOT)}
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "PYTHONPATH": python_path()}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         *FILES, "-k", SELECT], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=1100)

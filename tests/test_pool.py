@@ -10,6 +10,7 @@ import torch
 from kvpool.pool import BlockPool, PoolExhausted, parse_bytes
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
+from loadtest.spawn import python_path
 
 
 def test_parse_bytes():
@@ -208,7 +209,7 @@ def test_pool_memory_is_backed_by_huge_pages() -> None:
             "print(_anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": python_path()})
     assert out.returncode == 0, out.stderr
     huge = int(out.stdout.split()[-1])
     if huge == 0 and _free_huge_blocks() < 32:
