@@ -37,6 +37,7 @@ CPU (through Triton's interpreter), since only capture itself needs CUDA.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -46,7 +47,7 @@ import torch
 from kvpool.triton_attention import paged_attention_triton
 
 if TYPE_CHECKING:  # the runner imports this module
-    from engine.runner import ModelRunner, SeqInput, StepOutput
+    from engine.runner import IdsFrom, ModelRunner, SeqInput, StepOutput
     from kvpool.manager import DecodeBatch
 
 # Longest table (in tokens) a graph step takes; longer steps run eagerly. The buffers
@@ -123,11 +124,19 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def run(self, inputs: list[SeqInput], decode: DecodeBatch) -> StepOutput | None:
+    def fits(self, slots: int) -> bool:
+        """Whether a table of `slots` slots, the longest of a step, fits the buffers
+        (with a block to spare: where a row's slots start in its last block)."""
+        return -(-slots // self.runner.pool.block_size) < self.max_blocks
+
+    def run(self, inputs: list[SeqInput], decode: DecodeBatch,
+            ids_from: IdsFrom | None = None) -> StepOutput | None:
         """The step's output (logits float32, valid until the next replay; the
         statistics its inputs asked for, on the host), or None when the step does not
         fit a graph (then the runner runs it eagerly). `decode`: the scheduler's batch
-        append, whose rows and widest table stand for the inputs' caches."""
+        append, whose rows and widest table stand for the inputs' caches. `ids_from`:
+        the input ids are rows of a tensor on the device (async scheduling: a step in
+        flight sampled them), not the inputs' own."""
         from engine.runner import StepOutput  # the runner imports this module
 
         b = len(inputs)
@@ -143,13 +152,13 @@ class DecodeGraphs:
         key = (bucket, stats)
         if key not in self.logits:
             self._capture(bucket, stats)
-        self._stage(inputs, decode, bucket, stats)
+        self._stage(inputs, decode, bucket, stats, ids_from)
         if self.capture:
             self.graphs[key].replay()
         else:
             self.logits[key] = self._forward(bucket, stats)
         self.replays[key] += 1
-        out = StepOutput(logits=self.logits[key][:b])
+        out = StepOutput(logits=self.logits[key][:b], graph=True)
         if stats:
             self._statistics(inputs, bucket, nb * self.runner.pool.block_size, out)
         return out
@@ -173,8 +182,19 @@ class DecodeGraphs:
             return
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
-            self.logits[bucket, stats] = self._forward(bucket, stats)
+        # No garbage collection inside the capture (torch.cuda.graph collects just
+        # before it): a cycle holding a pinned host tensor (an eager step's upload, a
+        # swap copy) freed there records a CUDA event, which invalidates a capture: the
+        # likely cause of a parity test under swap preemption whose capture of bucket 1
+        # was invalidated on an H200 (session 35; not reproduced).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._mempool):
+                self.logits[bucket, stats] = self._forward(bucket, stats)
+        finally:
+            if enabled:
+                gc.enable()
         torch.cuda.synchronize()
         self.graphs[bucket, stats] = graph
 
@@ -208,18 +228,20 @@ class DecodeGraphs:
         self.mass_rows[:bucket] = 0
 
     def _stage(self, inputs: list[SeqInput], decode: DecodeBatch, bucket: int,
-               stats: bool) -> None:
+               stats: bool, ids_from: IdsFrom | None = None) -> None:
         """The step's inputs into the static buffers: rows b < B are the step's, the
         rest padding; tables and positions fill the first nb columns (`slot_count`).
         Every piece is written straight into the pinned staging buffer (the tables'
         rows by `SlotTables.rows_into`, nb columns each), crosses in one copy, and is
-        spread into its buffer by a device copy."""
+        spread into its buffer by a device copy. With `ids_from` the ids staged are the
+        rows to take from its tensor, gathered on the device."""
         b, nl, nb = len(inputs), self.runner.config.num_layers, decode.blocks
         width = nb * self.runner.pool.block_size
         pos = [x.start_pos for x in inputs]
         pad = bucket - b
         flags = [int(x.wants_attention) for x in inputs] + [0] * pad if stats else []
-        small = torch.tensor([x.token_ids[0] for x in inputs] + [0] * pad + pos + [0] * pad
+        ids = ids_from[1] if ids_from is not None else [x.token_ids[0] for x in inputs]
+        small = torch.tensor(ids + [0] * pad + pos + [0] * pad
                              + pos + [-1] * pad + [width] + flags, dtype=torch.int32)
         self._host[: small.numel()].copy_(small)
         spread: list[tuple[int, tuple[int, ...], torch.Tensor]] = []  # (at, shape, where)
@@ -241,6 +263,8 @@ class DecodeGraphs:
         small_dev = self._dev[: small.numel()]
         for dst, at in ((self.ids, 0), (self.pos, bucket), (self.q_pos[:, 0], 2 * bucket)):
             dst[:bucket].copy_(small_dev[at : at + bucket])
+        if ids_from is not None:  # padding's rows take row 0's id: they see nothing
+            torch.index_select(ids_from[0], 0, small_dev[:bucket], out=self.ids[:bucket])
         self.slot_count.copy_(small_dev[3 * bucket : 3 * bucket + 1])
         if stats:
             self.mass_rows[:bucket].copy_(small_dev[3 * bucket + 1 :])

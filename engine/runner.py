@@ -133,6 +133,12 @@ class StepOutput:
     attention: dict[int, AttentionMass] = field(default_factory=dict)
     # seq index -> its scored rows (SeqInput.score), on the host
     scores: dict[int, TokenScores] = field(default_factory=dict)
+    graph: bool = False  # a CUDA graph's replay (engine/cuda_graphs.py) computed it
+
+
+# A step's input ids taken on the device: (the ids a step in flight sampled, the row of
+# them each input takes), for async scheduling (scheduler/engine_core.py).
+IdsFrom = tuple[torch.Tensor, list[int]]
 
 
 class ModelRunner:
@@ -153,13 +159,17 @@ class ModelRunner:
         # the first step that asks.
         self._adds: bool | None = None
 
-    def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None) -> StepOutput:
+    def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None,
+                ids_from: IdsFrom | None = None) -> StepOutput:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
-        order): their slots and rows."""
+        order): their slots and rows. `ids_from`: the inputs' ids are on the device
+        (their `token_ids` are placeholders); only a graph step takes them."""
         if self.graphs is not None and decode is not None:
-            out = self.graphs.run(inputs, decode)
+            out = self.graphs.run(inputs, decode, ids_from)
             if out is not None:  # the step was a graph's; else it runs eagerly here
                 return out
+        if ids_from is not None:
+            raise ValueError("input ids on the device need a CUDA graph step")
         cfg, dev = self.config, self.device
         offsets: list[int] = []
         ids: list[int] = []

@@ -5,7 +5,8 @@ model (`bench_common.build_model`), bf16 weights and KV, N requests of P random 
 tokens generating G each, greedy, EOS ignored, all submitted at once, `max_num_seqs=N`,
 no prefix caching. Runs, each on a fresh engine after a warm-up:
 
-- kvserve `full` with CUDA graphs (engine/cuda_graphs.py), the same with decode steps
+- kvserve `full` with CUDA graphs (engine/cuda_graphs.py), the same without async
+  scheduling (each step's tokens on the host before the next is planned), with decode steps
   on the general attention kernel instead of `_decode_kernel`, the same with torch's
   layer ops instead of the Triton kernels (engine/layer_ops_triton.py), and
   `enforce_eager`;
@@ -92,7 +93,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> tuple[float, float
 
 def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = None,
                 eager: bool = False, memory: str = "8GiB", num_blocks: int | None = None,
-                profile: bool = True) -> dict:
+                profile: bool = True, overlap: bool = True) -> dict:
     from engine.sampling import SamplingParams
     from scheduler.engine_core import EngineConfig, EngineCore
     from scheduler.warmup import warm_up
@@ -103,7 +104,8 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
                           {"kv_cache_memory": memory})
     eng = EngineCore(EngineConfig(model=path, dtype="bfloat16", kv_cache_dtype="bfloat16",
                                   max_num_seqs=n, max_num_batched_tokens=8192,
-                                  enable_prefix_caching=False, enforce_eager=eager, **kw),
+                                  enable_prefix_caching=False, enforce_eager=eager,
+                                  async_scheduling=overlap, **kw),
                      on_step=stats.append)
     t0 = time.perf_counter()
     warm_up(eng)  # as the server does: native ops, every graph bucket captured
@@ -120,6 +122,7 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
         eng.step()
     stats.clear()
     graph_steps0 = eng.runner.graphs.steps if eng.runner.graphs else 0
+    overlapped0 = eng.overlapped_steps
     torch.cuda.synchronize()
     t = time.perf_counter()
     for i, p in enumerate(prompts):
@@ -132,7 +135,8 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
     r: dict[str, Any] = dict(tok_s=n * gen / wall, wall_s=wall, steps=len(stats),
                              warmup_s=warmup_s,
                              graph_steps=(eng.runner.graphs.steps - graph_steps0
-                                          if eng.runner.graphs else 0))
+                                          if eng.runner.graphs else 0),
+                             overlapped_steps=eng.overlapped_steps - overlapped0)
     if profile:  # after the timed run: the profiler's start-up took seconds inside it (s23)
         for i, p in enumerate(prompts):
             eng.add_request(f"p{i}", p, params(PROFILE_AT + PROFILE_STEPS), kv_policy=policy)
@@ -216,7 +220,7 @@ def pressure_blocks(path: str, fit: int, tokens: int, block_size: int = 16) -> i
 def table(report: dict) -> str:
     rows = ["| run | output tok/s | × HF generate (pressure: × full) | decode tok/s at N | "
             "step ms at N | forward | schedule | sample | policy share | GPU busy | "
-            "replay GPU ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "replay GPU ms | overlapped |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     n = report["settings"]["requests"]
     runs = report["runs"]
     hf = runs.get("hf_generate", {}).get("tok_s")
@@ -227,7 +231,7 @@ def table(report: dict) -> str:
 
     for label, r in report["runs"].items():
         if "error" in r:
-            rows.append(f"| {label} | failed: {r['error'][:60]} | | | | | | | | | |")
+            rows.append(f"| {label} | failed: {r['error'][:60]} | | | | | | | | | | |")
             continue
         base = pressure if label.startswith("pressure") else hf  # like against like
         ratio = r["tok_s"] / base if base else None
@@ -236,7 +240,7 @@ def table(report: dict) -> str:
                     f"{f(decode, '{:,.0f}')} | {f(r.get('step_ms'))} | {f(r.get('forward_ms'))} | "
                     f"{f(r.get('schedule_ms'))} | {f(r.get('sample_ms'))} | "
                     f"{f(r.get('policy_share'), '{:.0%}')} | {f(r.get('gpu_busy'), '{:.0%}')} | "
-                    f"{f(r.get('replay_ms'))}{replay_host(r)} |")
+                    f"{f(r.get('replay_ms'))}{replay_host(r)} | {overlapped(r)} |")
     return "\n".join(rows)
 
 
@@ -246,6 +250,14 @@ def kernels_part(path: str, prompts: list[list[int]]) -> dict:
 
     cfg = load_model_config(path)
     return bench_gpu_kernels.run(path, prompts, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+
+
+def overlapped(r: dict) -> str:
+    """The share of the run's steps planned and launched while the one before them ran
+    on the GPU (async scheduling); – where the run predates it."""
+    if "overlapped_steps" not in r or not r.get("steps"):
+        return "–"
+    return f"{r['overlapped_steps'] / r['steps']:.0%}"
 
 
 def replay_host(r: dict) -> str:
@@ -303,6 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
     plan: list[tuple[str, Any]] = []
     if "kvserve" in parts:
         plan += [("kvserve full graphs", lambda: run_kvserve(path, prompts, a.gen)),
+                 ("kvserve full graphs, no async scheduling", lambda: run_kvserve(
+                     path, prompts, a.gen, overlap=False)),
                  ("kvserve full graphs, general attention kernel", lambda: general_attention(
                      lambda: run_kvserve(path, prompts, a.gen))),
                  ("kvserve full graphs, torch layer ops", lambda: torch_layer_ops(

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from engine.cpu_linear import pack_linears
 from engine.loader import load_model
-from engine.runner import ModelRunner, PromptScoring, SeqInput
+from engine.runner import ModelRunner, PromptScoring, SeqInput, StepOutput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.attention_select import select_attention
@@ -40,11 +40,12 @@ from scheduler.outputs import (
 from scheduler.policy_runner import PolicyRunner
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
-from scheduler.request import Request
-from scheduler.scheduler import Chunk, MemoryConfig, Scheduler
+from scheduler.request import Request, Status
+from scheduler.scheduler import Chunk, MemoryConfig, Plan, Scheduler
 
 _NO_NEEDS = Needs()  # a request without a policy asks the runner for nothing
 _ALL_GREEDY = SamplingBatch.greedy()  # read only
+_PLACEHOLDER = [0]  # a decode input whose id is on the device (read only)
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *_DTYPES, *FORMATS)  # what --kv-cache-dtype accepts
@@ -85,8 +86,32 @@ class EngineConfig:
     # On CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py); True runs them
     # eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False
+    # With CUDA graphs, plan and launch a decode step while the one before it runs on the
+    # GPU (`EngineCore.step`; vLLM's --async-scheduling); False waits for every step's
+    # tokens before planning the next.
+    async_scheduling: bool = True
 
     DEFAULT_KV_MEMORY = "512MiB"
+
+
+@dataclass(slots=True, eq=False)
+class _Launch:
+    """A step whose forward and sampling were issued: what completing it needs."""
+
+    plan: Plan
+    done: list[Chunk]  # sampled chunks, in the order of `ids`
+    scored: list[Request]  # scoring requests (max_tokens 0) it finishes
+    ids: torch.Tensor  # the sampled ids, on the model's device
+    lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # their logprobs, if asked
+    out: StepOutput
+    n_pre: int
+    n_dec: int
+    schedule_s: float
+    forward_s: float
+    graph: bool  # its forward was a CUDA graph's replay
+    sample_s: float = 0.0
+    host: torch.Tensor | None = None  # left in flight: the ids' copy under way to here
+    event: torch.cuda.Event | None = None  # ... recorded after that copy (on CUDA)
 
 
 class EngineCore:
@@ -172,6 +197,9 @@ class EngineCore:
         self._sampling = 0
         self._default_policy = parse_kv_policy(config.default_kv_policy)
         self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies)
+        self._pending: _Launch | None = None  # a step in flight (async scheduling)
+        self._host_ids: list[torch.Tensor] | None = None  # its ids' pinned buffers
+        self.overlapped_steps = 0  # steps launched while the one before them ran
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
@@ -251,10 +279,63 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan, compute and advance one step; the outputs of the step it completed.
+
+        Async scheduling (EngineConfig.async_scheduling, vLLM's --async-scheduling): a
+        CUDA-graph decode step of plain requests is left in flight, its sampled ids on
+        the device, and the next call plans and launches the step after it (whose input
+        ids the graph takes from those on the device) before it waits for them, so the
+        host's planning, staging and bookkeeping overlap the GPU's forward instead of
+        following it. Such a call returns the previous step's outputs (the first one
+        none). Only steps whose plan cannot depend on those tokens overlap
+        (`_overlaps`): nobody waits or is swapped out, no request can finish on its
+        length, none has a kv_policy (it acts between steps on what the forward saw) or
+        wants logprobs, and the pool holds a block per layer for everyone. A request that
+        stops on a token of the step in flight had the next one computed for nothing,
+        and dropped (as vLLM does)."""
+        pending, self._pending = self._pending, None
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule()
-        if not plan.chunks:
+        if pending is not None:
+            if not self._overlaps():
+                return self._complete(pending, t0)
+            launch = self._launch(self.scheduler.schedule(), t0, pending)
+            assert launch is not None and launch.graph, "an overlapped step is a graph's"
+            self.overlapped_steps += 1
+            outputs = self._complete(pending, time.perf_counter())
+            self._pending = launch
+            return outputs
+        launch = self._launch(self.scheduler.schedule(), t0)
+        if launch is None:
             return []
+        if launch.host is not None:  # left in flight: the next call completes it
+            self._pending = launch
+            return []
+        return self._complete(launch, time.perf_counter())
+
+    def _overlaps(self) -> bool:
+        """Whether the next step can be planned before the step in flight's tokens are
+        known: the plan will be every running request's next decode token in a graph,
+        with no admission, preemption or finish on length among them."""
+        s, graphs = self.scheduler, self.runner.graphs
+        running = s.running
+        if (s.waiting or s.swapped or not running or graphs is None
+                or self.pool.num_free < self.model_config.num_layers * len(running)
+                or graphs.bucket(len(running)) is None):
+            return False
+        top = 0
+        for r in running:
+            if (r.pending_tokens != 1 or r.policy is not None or r.params.logprobs is not None
+                    or len(r.output_ids) + 1 >= r.params.max_tokens):
+                return False
+            top = max(top, r.num_computed)
+        return graphs.fits(top + 1)
+
+    def _launch(self, plan: Plan, t0: float, after: _Launch | None = None) -> _Launch | None:
+        """Build the plan's inputs, run the forward and sample, on the device. `after`:
+        the step in flight whose sampled ids are this step's input ids (every chunk is
+        then one of its requests' decode token)."""
+        if not plan.chunks:
+            return None
         now = time.monotonic()
         inputs: list[SeqInput] = []
         done: list[Chunk] = []  # chunks that reach the end of their known tokens: sampled
@@ -263,6 +344,7 @@ class EngineCore:
         seeds: list[int] = []
         steps: list[int] = []
         n_dec = n_pre = 0
+        plain = self.config.async_scheduling  # every request may leave its tokens in flight
         for c in plan.chunks:  # one pass: at 64 decoding every per-request pass shows
             r = c.request
             if c.num_tokens == 1:
@@ -280,13 +362,18 @@ class EngineCore:
                 if self._sampling:
                     params.append(p)
                     seeds.append(r.seed)
-                    steps.append(len(r.output_ids))
+                    steps.append(len(r.output_ids) + r.pending_tokens)
             elif completes:
                 scored.append(r)
-            tokens = r.token_slice(c.start, c.start + c.num_tokens)
+            # a token still in flight stands as a placeholder: the graph reads its id
+            # from the device (`after`)
+            tokens = _PLACEHOLDER if after is not None else r.token_slice(
+                c.start, c.start + c.num_tokens)
             if r.policy is None and r.prompt_logprobs is None:  # asks for nothing more
                 inputs.append(SeqInput(tokens, c.start - r.pos_offset, c.slots, cache, sampled))
+                plain = plain and p.logprobs is None
             else:
+                plain = False
                 needs = r.policy.needs if r.policy is not None else _NO_NEEDS
                 inputs.append(SeqInput(
                     tokens, c.start - r.pos_offset, c.slots, cache, sampled, needs.attention,
@@ -299,7 +386,10 @@ class EngineCore:
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += c.num_tokens
         t1 = time.perf_counter()
-        out = self.runner.execute(inputs, plan.decode)
+        ids_from = None
+        if after is not None:  # each row's token: its request's row in the step in flight
+            ids_from = (after.ids, [c.request.pending_row for c in plan.chunks])
+        out = self.runner.execute(inputs, plan.decode, ids_from)
         t2 = time.perf_counter()
         for i, scores in out.scores.items():
             _add_prompt_logprobs(plan.chunks[i].request, scores)
@@ -309,21 +399,59 @@ class EngineCore:
         lp = None
         if batch.max_logprobs is not None:
             lp = top_logprobs(out.logits, ids, batch.max_logprobs)
-        tokens, lp = to_host(ids, lp)  # the step's one device-to-host copy
+        launch = _Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1,
+                         out.graph)
+        if plain and out.graph and not scored and len(done) == len(plan.chunks):
+            # left in flight: the ids start for the host now, read by the next call
+            launch.host, launch.event = self._ids_to_host(ids)
+            for row, c in enumerate(done):
+                c.request.pending_tokens += 1
+                c.request.pending_row = row
+        launch.sample_s = time.perf_counter() - t2
+        return launch
+
+    def _ids_to_host(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start the sampled ids' copy to the host without waiting for it: into one of two
+        pinned buffers (a step's and the one in flight before it), an event after it."""
+        if ids.device.type != "cuda":
+            return ids, None
+        if self._host_ids is None:
+            n = self.config.max_num_seqs
+            self._host_ids = [torch.empty(n, dtype=ids.dtype, pin_memory=True) for _ in "ab"]
+        self._host_ids.reverse()
+        host = self._host_ids[0][: ids.numel()]
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def _complete(self, launch: _Launch, t: float) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and advance its requests: stop conditions,
+        outputs, then their policies on the slot layout its forward saw."""
+        if launch.host is not None:
+            if launch.event is not None:
+                launch.event.synchronize()
+            tokens, lp = launch.host.tolist(), None
+        else:
+            tokens, lp = to_host(launch.ids, launch.lp)  # the step's one device-to-host copy
         t3 = time.perf_counter()
+        plan = launch.plan
         self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
-        outputs = self._advance(done, tokens, lp) + self._finish_scored(scored)
+        outputs = self._advance(launch.done, tokens, lp) + self._finish_scored(launch.scored)
         t4 = time.perf_counter()
-        self.policies.run(plan.chunks, out.attention)  # the slot layout the forward saw
+        self.policies.run(plan.chunks, launch.out.attention)  # the slot layout the forward saw
         t5 = time.perf_counter()
         if self._min_window < 2**62:  # a model with sliding-window layers
             for c in plan.chunks:
                 self._trim_windows(c.request)
-        if self.cost_model is not None and len(plan.chunks) == 1 and plan.chunks[0].num_tokens > 1:
-            self.cost_model.observe_prefill(plan.chunks[0].num_tokens, t2 - t1)
+        if (self.cost_model is not None and len(plan.chunks) == 1
+                and plan.chunks[0].num_tokens > 1):
+            self.cost_model.observe_prefill(plan.chunks[0].num_tokens, launch.forward_s)
         if self.on_step is not None:
-            self.on_step(StepStats(len(plan.chunks), n_pre, n_dec, t1 - t0 + t4 - t3,
-                                   t2 - t1, t3 - t2, t5 - t4, t5 - t0))
+            self.on_step(StepStats(
+                len(plan.chunks), launch.n_pre, launch.n_dec, launch.schedule_s + t4 - t3,
+                launch.forward_s, launch.sample_s + t3 - t, t5 - t4,
+                launch.schedule_s + launch.forward_s + launch.sample_s + t5 - t))
         return outputs
 
     def _advance(self, done: list[Chunk], tokens: list[int],
@@ -331,9 +459,13 @@ class EngineCore:
                  ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
-        self._generation_tokens += len(tokens)
         for row, (c, tok) in enumerate(zip(done, tokens)):
             r = c.request
+            if r.status is Status.FINISHED:  # stopped, or aborted, while this step ran
+                continue
+            self._generation_tokens += 1
+            if r.pending_tokens:
+                r.pending_tokens -= 1
             if r.first_token_time is None:
                 r.first_token_time = now
                 self._prompt_tokens += len(r.prompt_ids)
@@ -347,6 +479,7 @@ class EngineCore:
             text, finish = self._check_stop(r, tok)
             if finish is not None:
                 r.finish_reason = finish
+                r.pending_tokens = 0  # a token of the step after this one is dropped
                 if r.detok is not None:
                     text += r.detok.flush()
                 self.scheduler.remove(r)

@@ -64,6 +64,11 @@ class Request:
     registered: int = 0  # prompt blocks published to (or taken from) the prefix cache
     resume_mark: int = 0  # len(output_ids) when last resumed (thrash protection)
     output_ids: list[int] = field(default_factory=list)
+    # Sampled tokens still on the device (async scheduling, EngineCore.step): counted in
+    # `num_tokens`, so the next step is planned before they reach `output_ids`; the
+    # row of the step whose sampled ids hold the newest one.
+    pending_tokens: int = 0
+    pending_row: int = 0
     # Tokens whose K/V are in the cache. Reset to 0 when preempted by recompute: the
     # prompt and the tokens generated so far are then prefilled again.
     num_computed: int = 0
@@ -90,7 +95,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending_tokens
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)

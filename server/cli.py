@@ -179,6 +179,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                    "(as vLLM's flag): slower, for debugging and comparison")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="on CUDA, wait for each decode step's tokens before planning the "
+                        "next (by default a graph step of plain requests is planned and "
+                        "launched while the one before it runs, as vLLM's "
+                        "--async-scheduling)")
     g.add_argument("--no-batch-policies", action="store_true",
                    help="step every request's kv_policy alone (same plans, slower): "
                         "decode steps at the budget are otherwise batched per policy")
@@ -193,7 +198,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               swap_space=a.swap_space, watermark=a.watermark,
               reserve_preempted=not a.no_reserve_preempted,
               enable_prefix_caching=not a.no_prefix_caching,
-              batch_policies=not a.no_batch_policies, enforce_eager=a.enforce_eager)
+              batch_policies=not a.no_batch_policies, enforce_eager=a.enforce_eager,
+              async_scheduling=not a.no_async_scheduling)
     # Given only when set: EngineConfig keeps the default (importing it here would load
     # torch before the arguments are parsed).
     if a.min_prefill_chunk is not None:

@@ -31,6 +31,9 @@ def test_renders_the_doc_block_from_a_run() -> None:
     assert "| 3.5× |" in rows["kvserve full graphs"]  # against HF generate
     assert "| 4.0× |" in rows["pressure streaming 128"]  # against pressure full
     assert "| 18,316 |" in rows["kvserve full graphs"]  # 64 / step time
+    assert rows["kvserve full graphs"].endswith("| – |")  # before async scheduling
+    report["runs"]["kvserve full graphs"].update(overlapped_steps=225, steps=250)
+    assert bench_gpu.render(report).count("| 90% |") == 1  # its steps' overlapped share
 
 
 def test_renders_the_kernels_part_and_a_failed_run() -> None:

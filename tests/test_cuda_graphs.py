@@ -105,6 +105,67 @@ def test_uncaptured_graph_steps_equal_eager(tiny: str, policies: list, scratch_p
     assert {s for _, s in graphs.logits} == {policies in (POLICIES, STATS)}
     assert {b for b, _ in graphs.logits} <= {1, 2, 4, 8}
     assert llm.engine.pool.num_used == 0  # the scratch block is nobody's
+    _check_overlap(llm, policies)
+
+
+def _check_overlap(llm: LLM, policies: list) -> None:
+    """Async scheduling plans a step while the last one runs only in a batch of plain
+    requests (no kv_policy: it acts between steps on what the forward saw)."""
+    if policies == POLICIES[:1]:
+        assert llm.engine.overlapped_steps > 0
+    if policies == STATS:  # a policy in every request
+        assert llm.engine.overlapped_steps == 0
+
+
+def test_async_scheduling_changes_no_token(tiny: str, scratch_pool) -> None:
+    """Async scheduling (EngineCore.step) plans and launches a graph step before the
+    tokens of the one in flight are on the host, its ids taken from the device. Every
+    request's tokens must equal the engine's that waits for each step: greedy and seeded
+    sampled rows, requests finishing on length at different steps, one stopping on a
+    token id while the next step is already computed for it (dropped), one aborted
+    with a step in flight; a request arriving mid-run ends the overlap until it joins.
+    Nothing leaks."""
+
+    def run(overlap: bool, stop: int | None) -> tuple[dict[str, list[int]], LLM]:
+        llm = LLM(tiny, num_blocks=200, block_size=4, max_num_seqs=8, device=DEVICE,
+                  max_num_batched_tokens=64, enforce_eager=True, async_scheduling=overlap)
+        core = llm.engine
+        core.runner.graphs = cuda_graphs.DecodeGraphs(core.runner, 8, core.max_model_len,
+                                                      capture=False)
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(5, 250, (7 + 5 * i,), generator=gen).tolist() for i in range(6)]
+
+        def params(i: int) -> SamplingParams:
+            return SamplingParams(max_tokens=[9, 14, 12, 16, 10, 6][i],
+                                  temperature=0.8 if i == 3 else 0, seed=7, ignore_eos=True,
+                                  stop_token_ids=[stop] if i == 1 and stop is not None else [],
+                                  detokenize=False)
+        for i in range(5):
+            core.add_request(f"r{i}", prompts[i], params(i))
+        tokens: dict[str, list[int]] = {}
+        calls = 0
+        while core.has_unfinished():
+            calls += 1
+            if calls == 6:
+                core.add_request("r5", prompts[5], params(5))  # joins: the overlap waits
+            if len(tokens.get("r2", [])) >= 4 and "r2" in core.requests:
+                core.abort_request("r2")
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                assert out.num_output_tokens == len(tokens[out.request_id])
+            core.check_invariants()
+        assert core.pool.num_used == 0 and not core.requests
+        return tokens, llm
+
+    free, _ = run(False, None)
+    stop = free["r1"][5]  # r1 stops on its sixth token, mid-run
+    ref, _ = run(False, stop)
+    got, llm = run(True, stop)
+    assert got == ref
+    assert len(got["r1"]) == free["r1"].index(stop) + 1 < 14
+    assert [len(got[f"r{i}"]) for i in (0, 3, 4, 5)] == [9, 16, 10, 6]
+    assert 4 <= len(got["r2"]) < 12
+    assert llm.engine.overlapped_steps > 5
 
 
 def test_capture_all_takes_both_graphs_of_every_bucket(tiny: str, scratch_pool) -> None:
@@ -133,8 +194,8 @@ def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypat
     shapes: list[tuple[int, ...]] = []
     execute = ModelRunner.execute
 
-    def spy(self, inputs, decode=None):
-        out = execute(self, inputs, decode)
+    def spy(self, inputs, decode=None, ids_from=None):
+        out = execute(self, inputs, decode, ids_from)
         shapes.extend(tuple(a.group.shape) for a in out.attention.values() if a.group is not None)
         return out
 
@@ -173,6 +234,7 @@ def test_captured_graphs_equal_eager(tiny: str, policies: list) -> None:
     graphs = llm.engine.runner.graphs
     assert got == eager
     assert graphs.graphs and graphs.steps > 0 and graphs.eager_steps == 0
+    _check_overlap(llm, policies)
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a CUDA device")

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from engine.sampling import SamplingParams
+from loadtest.spawn import python_path
 from policies.config import known_policies
 from scheduler.llm import LLM
 from server.cli import main
@@ -52,7 +53,7 @@ def test_missing_model_is_a_clear_error(capsys: pytest.CaptureFixture) -> None:
 def _run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server.cli", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": python_path()})
 
 
 BAD_POLICIES = [
@@ -145,7 +146,7 @@ def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path, lay
          "--served-model-name", "tiny", "--num-blocks", "256", "--drain-timeout", "60",
          "--engine-layout", layout],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env={**os.environ, "PYTHONPATH": python_path()})
     try:
         wait_ready(proc, url, tmp_path / "server.log", 120)
         with httpx.Client(base_url=url, timeout=10) as c:
@@ -203,10 +204,12 @@ def test_engine_flags_reach_the_engine_config() -> None:
     on = _engine_kwargs(build_parser().parse_args(["serve"]))
     off = _engine_kwargs(build_parser().parse_args(
         ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05",
-         "--enforce-eager"]))
-    assert (on["batch_policies"], on["reserve_preempted"], on["enforce_eager"]) == (True, True, False)
+         "--enforce-eager", "--no-async-scheduling"]))
+    assert (on["batch_policies"], on["reserve_preempted"], on["enforce_eager"],
+            on["async_scheduling"]) == (True, True, False, True)
     assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
     assert off["enforce_eager"] is True  # CUDA graphs off (engine/cuda_graphs.py)
+    assert off["async_scheduling"] is False  # each step's tokens before the next plan
     # Unset, the engine's own default applies; given, it reaches EngineConfig.
     from kvpool.manager import MIN_PREFILL_CHUNK
     from scheduler.engine_core import EngineConfig
@@ -226,7 +229,7 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+        env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     try:
         wait_ready(proc, url, tmp_path / "server.log")
         with httpx.Client(base_url=url, timeout=60) as c:
