@@ -110,6 +110,8 @@ class _Launch:
     forward_s: float
     graph: bool  # its forward was a CUDA graph's replay
     sample_s: float = 0.0
+    policy_s: float = 0.0  # its policies' seconds where they ran before its completion
+    policies_ran: bool = False  # ... they did: before the next step's plan (async)
     host: torch.Tensor | None = None  # left in flight: the ids' copy under way to here
     event: torch.cuda.Event | None = None  # ... recorded after that copy (on CUDA)
 
@@ -289,16 +291,23 @@ class EngineCore:
         following it. Such a call returns the previous step's outputs (the first one
         none). Only steps whose plan cannot depend on those tokens overlap
         (`_overlaps`): nobody waits or is swapped out, no request can finish on its
-        length, none has a kv_policy (it acts between steps on what the forward saw) or
-        wants logprobs, and the pool holds a block per layer for everyone. A request that
-        stops on a token of the step in flight had the next one computed for nothing,
-        and dropped (as vLLM does)."""
+        length or wants logprobs, no kv_policy reads the forward's statistics (one that
+        decides from sizes and positions alone, the streaming family, acts before the
+        next plan, as it would after the tokens), and the pool holds a block per layer
+        for everyone. A request that stops on a token of the step in flight had the next
+        one computed for nothing, and dropped (as vLLM does)."""
         pending, self._pending = self._pending, None
         t0 = time.perf_counter()
         if pending is not None:
             if not self._overlaps():
                 return self._complete(pending, t0)
-            launch = self._launch(self.scheduler.schedule(), t0, pending)
+            # Its requests' policies act now, on the slot layout its forward saw, as they
+            # would after its tokens: they read sizes and positions, not the tokens, and
+            # the next plan must see their evictions. (A request about to stop has slots
+            # evicted that its release frees anyway.)
+            self.policies.run(pending.plan.chunks, pending.out.attention)
+            pending.policy_s, pending.policies_ran = time.perf_counter() - t0, True
+            launch = self._launch(self.scheduler.schedule(), time.perf_counter(), pending)
             assert launch is not None and launch.graph, "an overlapped step is a graph's"
             self.overlapped_steps += 1
             outputs = self._complete(pending, time.perf_counter())
@@ -324,8 +333,9 @@ class EngineCore:
             return False
         top = 0
         for r in running:
-            if (r.pending_tokens != 1 or r.policy is not None or r.params.logprobs is not None
-                    or len(r.output_ids) + 1 >= r.params.max_tokens):
+            if (r.pending_tokens != 1 or r.params.logprobs is not None
+                    or len(r.output_ids) + 1 >= r.params.max_tokens
+                    or (r.policy is not None and r.policy.needs != _NO_NEEDS)):  # type: ignore[attr-defined]
                 return False
             top = max(top, r.num_computed)
         return graphs.fits(top + 1)
@@ -373,8 +383,11 @@ class EngineCore:
                 inputs.append(SeqInput(tokens, c.start - r.pos_offset, c.slots, cache, sampled))
                 plain = plain and p.logprobs is None
             else:
-                plain = False
                 needs = r.policy.needs if r.policy is not None else _NO_NEEDS
+                # a policy that decides from sizes and positions alone may act before
+                # the next plan without waiting for this step's tokens
+                plain = (plain and needs == _NO_NEEDS and r.prompt_logprobs is None
+                         and p.logprobs is None)
                 inputs.append(SeqInput(
                     tokens, c.start - r.pos_offset, c.slots, cache, sampled, needs.attention,
                     _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
@@ -439,7 +452,8 @@ class EngineCore:
         self.scheduler.publish(plan.chunks)  # before anything is evicted or trimmed
         outputs = self._advance(launch.done, tokens, lp) + self._finish_scored(launch.scored)
         t4 = time.perf_counter()
-        self.policies.run(plan.chunks, launch.out.attention)  # the slot layout the forward saw
+        if not launch.policies_ran:
+            self.policies.run(plan.chunks, launch.out.attention)  # the layout the forward saw
         t5 = time.perf_counter()
         if self._min_window < 2**62:  # a model with sliding-window layers
             for c in plan.chunks:
@@ -450,8 +464,9 @@ class EngineCore:
         if self.on_step is not None:
             self.on_step(StepStats(
                 len(plan.chunks), launch.n_pre, launch.n_dec, launch.schedule_s + t4 - t3,
-                launch.forward_s, launch.sample_s + t3 - t, t5 - t4,
-                launch.schedule_s + launch.forward_s + launch.sample_s + t5 - t))
+                launch.forward_s, launch.sample_s + t3 - t, launch.policy_s + t5 - t4,
+                launch.schedule_s + launch.forward_s + launch.sample_s + launch.policy_s
+                + t5 - t))
         return outputs
 
     def _advance(self, done: list[Chunk], tokens: list[int],

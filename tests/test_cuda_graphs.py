@@ -41,6 +41,9 @@ PARAMS = pytest.mark.parametrize("policies", [POLICIES[:1], POLICIES[:2], SNAPKV
                                  ids=["full", "streaming", "snapkv", "mixed", "statistics"])
 
 
+STREAMING = {"name": "streaming", "sink": 2, "window": 6}
+
+
 def test_batch_buckets() -> None:
     assert cuda_graphs.batch_buckets(1) == [1]
     assert cuda_graphs.batch_buckets(8) == [1, 2, 4, 8]
@@ -123,8 +126,9 @@ def test_async_scheduling_changes_no_token(tiny: str, scratch_pool) -> None:
     request's tokens must equal the engine's that waits for each step: greedy and seeded
     sampled rows, requests finishing on length at different steps, one stopping on a
     token id while the next step is already computed for it (dropped), one aborted
-    with a step in flight; a request arriving mid-run ends the overlap until it joins.
-    Nothing leaks."""
+    with a step in flight, two evicting every step (streaming: its policy acts before
+    the next plan, on sizes and positions alone); a request arriving mid-run ends the
+    overlap until it joins. Nothing leaks."""
 
     def run(overlap: bool, stop: int | None) -> tuple[dict[str, list[int]], LLM]:
         llm = LLM(tiny, num_blocks=200, block_size=4, max_num_seqs=8, device=DEVICE,
@@ -140,8 +144,9 @@ def test_async_scheduling_changes_no_token(tiny: str, scratch_pool) -> None:
                                   temperature=0.8 if i == 3 else 0, seed=7, ignore_eos=True,
                                   stop_token_ids=[stop] if i == 1 and stop is not None else [],
                                   detokenize=False)
-        for i in range(5):
-            core.add_request(f"r{i}", prompts[i], params(i))
+        for i in range(5):  # r0 and r4 evict every step (a policy of sizes alone)
+            core.add_request(f"r{i}", prompts[i], params(i),
+                             kv_policy=STREAMING if i in (0, 4) else None)
         tokens: dict[str, list[int]] = {}
         calls = 0
         while core.has_unfinished():
@@ -166,6 +171,7 @@ def test_async_scheduling_changes_no_token(tiny: str, scratch_pool) -> None:
     assert [len(got[f"r{i}"]) for i in (0, 3, 4, 5)] == [9, 16, 10, 6]
     assert 4 <= len(got["r2"]) < 12
     assert llm.engine.overlapped_steps > 5
+    assert llm.engine.policies.evicted_tokens["streaming"] > 20
 
 
 def test_capture_all_takes_both_graphs_of_every_bucket(tiny: str, scratch_pool) -> None:
