@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -168,7 +169,12 @@ class Soak:
                         if self.rss_base is None and time.monotonic() >= warm_end:
                             self.rss_base = v
 
-            await asyncio.gather(sampler(), *(worker() for _ in range(a.concurrency)))
+            # the RSS samples end with the load: at --minutes, or once --max-requests sent
+            sampling = asyncio.create_task(sampler())
+            await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+            sampling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
 
     def wait_idle(self, timeout: float) -> dict[str, float | None]:
         deadline = time.monotonic() + timeout

@@ -241,7 +241,9 @@ def test_soak_with_disconnects_and_malformed(server: ServerThread, model_dir: st
     from loadtest.soak import main as soak_main
 
     out = tmp_path / "soak.json"
-    rc = soak_main(["--base-url", server.url, "--minutes", str(8 / 60), "--concurrency", "4",
+    # bounded by a count, not a time: the same requests (seeded) on a fast or slow engine
+    rc = soak_main(["--base-url", server.url, "--minutes", "2", "--max-requests", "40",
+                    "--concurrency", "4",
                     "--tokenizer", model_dir, "--max-model-len", str(CONTEXT),
                     "--prompt-len", "24", "--output-len", "16", "--disconnect-fraction", "0.3",
                     "--malformed-fraction", "0.15", "--rss-every", "1",
