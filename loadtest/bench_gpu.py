@@ -145,6 +145,12 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
         r["gpu_busy"] = gpu_busy(PROFILE_STEPS, eng)
         while eng.has_unfinished():
             eng.step()
+    prefill = [s for s in stats if s.num_prefill_tokens]
+    if prefill:  # the prompts' steps: eager, thousands of tokens each
+        r["prefill_steps"] = len(prefill)
+        r["prefill_tok_s"] = (sum(s.num_prefill_tokens for s in prefill)
+                              / sum(s.total_s for s in prefill))
+        r["prefill_share"] = sum(s.total_s for s in prefill) / wall
     if full:
         for key, field in (("step_ms", "total_s"), ("forward_ms", "forward_s"),
                            ("schedule_ms", "schedule_s"), ("sample_ms", "sample_s"),
@@ -220,7 +226,8 @@ def pressure_blocks(path: str, fit: int, tokens: int, block_size: int = 16) -> i
 def table(report: dict) -> str:
     rows = ["| run | output tok/s | × HF generate (pressure: × full) | decode tok/s at N | "
             "step ms at N | forward | schedule | sample | policy share | GPU busy | "
-            "replay GPU ms | overlapped |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "replay GPU ms | overlapped | prefill tok/s (share of the run) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     n = report["settings"]["requests"]
     runs = report["runs"]
     hf = runs.get("hf_generate", {}).get("tok_s")
@@ -231,7 +238,7 @@ def table(report: dict) -> str:
 
     for label, r in report["runs"].items():
         if "error" in r:
-            rows.append(f"| {label} | failed: {r['error'][:60]} | | | | | | | | | | |")
+            rows.append(f"| {label} | failed: {r['error'][:60]} | | | | | | | | | | | |")
             continue
         base = pressure if label.startswith("pressure") else hf  # like against like
         ratio = r["tok_s"] / base if base else None
@@ -240,7 +247,8 @@ def table(report: dict) -> str:
                     f"{f(decode, '{:,.0f}')} | {f(r.get('step_ms'))} | {f(r.get('forward_ms'))} | "
                     f"{f(r.get('schedule_ms'))} | {f(r.get('sample_ms'))} | "
                     f"{f(r.get('policy_share'), '{:.0%}')} | {f(r.get('gpu_busy'), '{:.0%}')} | "
-                    f"{f(r.get('replay_ms'))}{replay_host(r)} | {overlapped(r)} |")
+                    f"{f(r.get('replay_ms'))}{replay_host(r)} | {overlapped(r)} | "
+                    f"{prefill_rate(r)} |")
     return "\n".join(rows)
 
 
@@ -258,6 +266,14 @@ def overlapped(r: dict) -> str:
     if "overlapped_steps" not in r or not r.get("steps"):
         return "–"
     return f"{r['overlapped_steps'] / r['steps']:.0%}"
+
+
+def prefill_rate(r: dict) -> str:
+    """Prompt tokens a second over the steps that prefilled, and their share of the
+    run's wall time; – where the run predates it."""
+    if "prefill_tok_s" not in r:
+        return "–"
+    return f"{r['prefill_tok_s']:,.0f} ({r['prefill_share']:.0%})"
 
 
 def replay_host(r: dict) -> str:

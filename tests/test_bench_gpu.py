@@ -32,8 +32,10 @@ def test_renders_the_doc_block_from_a_run() -> None:
     assert "| 4.0× |" in rows["pressure streaming 128"]  # against pressure full
     assert "| 18,316 |" in rows["kvserve full graphs"]  # 64 / step time
     assert rows["kvserve full graphs"].endswith("| – |")  # before async scheduling
-    report["runs"]["kvserve full graphs"].update(overlapped_steps=225, steps=250)
-    assert bench_gpu.render(report).count("| 90% |") == 1  # its steps' overlapped share
+    report["runs"]["kvserve full graphs"].update(overlapped_steps=225, steps=250,
+                                                 prefill_tok_s=81234.5, prefill_share=0.41)
+    text = bench_gpu.render(report)
+    assert text.count("| 90% | 81,234 (41%) |") == 1  # overlapped share; prompts' rate
 
 
 def test_renders_the_kernels_part_and_a_failed_run() -> None:
