@@ -306,8 +306,9 @@ class EngineCore:
             # the next plan must see their evictions. (A request about to stop has slots
             # evicted that its release frees anyway.)
             self.policies.run(pending.plan.chunks, pending.out.attention)
-            pending.policy_s, pending.policies_ran = time.perf_counter() - t0, True
-            launch = self._launch(self.scheduler.schedule(), time.perf_counter(), pending)
+            t1 = time.perf_counter()
+            pending.policy_s, pending.policies_ran = t1 - t0, True
+            launch = self._launch(self.scheduler.schedule(), t1, pending)
             assert launch is not None and launch.graph, "an overlapped step is a graph's"
             self.overlapped_steps += 1
             outputs = self._complete(pending, time.perf_counter())
