@@ -107,6 +107,10 @@ class DecodeGraphs:
         n = 4 * bmax + 1 + nl * bmax * (1 + nbm + nbm * bs)
         self._host = torch.empty(n, dtype=torch.int32, pin_memory=dev.type == "cuda")
         self._dev = torch.empty(n, **i32)
+        # Recorded after each step's copy out of `_host`: with async scheduling the next
+        # step is staged while this one may still wait in the stream, and its copy must
+        # have read the pinned buffer before the host writes it again.
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None
         # keyed (bucket, statistics): the statistics graph also returns (mass
         # [L, bucket, 1, 1, nbm*bs], K norms, V norms [L, bucket, Hkv]) in `stats`
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
@@ -235,6 +239,8 @@ class DecodeGraphs:
         rows by `SlotTables.rows_into`, nb columns each), crosses in one copy, and is
         spread into its buffer by a device copy. With `ids_from` the ids staged are the
         rows to take from its tensor, gathered on the device."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy is done (it always is by now)
         b, nl, nb = len(inputs), self.runner.config.num_layers, decode.blocks
         width = nb * self.runner.pool.block_size
         pos = [x.start_pos for x in inputs]
@@ -260,6 +266,8 @@ class DecodeGraphs:
         decode.tables.rows_into(decode.rows, nb, host((nl, b, nb), self.tables[:, :b, :nb]),
                                 host((nl, b, width), self.slot_pos[:, :b, :width]))
         self._dev[:a].copy_(self._host[:a], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         small_dev = self._dev[: small.numel()]
         for dst, at in ((self.ids, 0), (self.pos, bucket), (self.q_pos[:, 0], 2 * bucket)):
             dst[:bucket].copy_(small_dev[at : at + bucket])
