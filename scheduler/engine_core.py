@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from engine.cpu_linear import pack_linears
 from engine.loader import load_model
-from engine.runner import ModelRunner, PromptScoring, SeqInput, StepOutput
+from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool.attention_select import select_attention
@@ -28,6 +28,7 @@ from policies.base import Needs
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
 from scheduler.detokenizer import Detokenizer
+from scheduler.inflight import HostIds, Launch
 from scheduler.limits import fit_max_tokens, fit_shifted_positions, shifts_rope
 from scheduler.outputs import (
     EngineStats,
@@ -92,28 +93,6 @@ class EngineConfig:
     async_scheduling: bool = True
 
     DEFAULT_KV_MEMORY = "512MiB"
-
-
-@dataclass(slots=True, eq=False)
-class _Launch:
-    """A step whose forward and sampling were issued: what completing it needs."""
-
-    plan: Plan
-    done: list[Chunk]  # sampled chunks, in the order of `ids`
-    scored: list[Request]  # scoring requests (max_tokens 0) it finishes
-    ids: torch.Tensor  # the sampled ids, on the model's device
-    lp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # their logprobs, if asked
-    out: StepOutput
-    n_pre: int
-    n_dec: int
-    schedule_s: float
-    forward_s: float
-    graph: bool  # its forward was a CUDA graph's replay
-    sample_s: float = 0.0
-    policy_s: float = 0.0  # its policies' seconds where they ran before its completion
-    policies_ran: bool = False  # ... they did: before the next step's plan (async)
-    host: torch.Tensor | None = None  # left in flight: the ids' copy under way to here
-    event: torch.cuda.Event | None = None  # ... recorded after that copy (on CUDA)
 
 
 class EngineCore:
@@ -199,8 +178,8 @@ class EngineCore:
         self._sampling = 0
         self._default_policy = parse_kv_policy(config.default_kv_policy)
         self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies)
-        self._pending: _Launch | None = None  # a step in flight (async scheduling)
-        self._host_ids: list[torch.Tensor] | None = None  # its ids' pinned buffers
+        self._pending: Launch | None = None  # a step in flight (async scheduling)
+        self._host_ids = HostIds(config.max_num_seqs)  # its ids' pinned buffers
         self.overlapped_steps = 0  # steps launched while the one before them ran
 
     # ---- requests ----------------------------------------------------------------
@@ -341,7 +320,7 @@ class EngineCore:
             top = max(top, r.num_computed)
         return graphs.fits(top + 1)
 
-    def _launch(self, plan: Plan, t0: float, after: _Launch | None = None) -> _Launch | None:
+    def _launch(self, plan: Plan, t0: float, after: Launch | None = None) -> Launch | None:
         """Build the plan's inputs, run the forward and sample, on the device. `after`:
         the step in flight whose sampled ids are this step's input ids (every chunk is
         then one of its requests' decode token)."""
@@ -413,33 +392,18 @@ class EngineCore:
         lp = None
         if batch.max_logprobs is not None:
             lp = top_logprobs(out.logits, ids, batch.max_logprobs)
-        launch = _Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1,
+        launch = Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1,
                          out.graph)
         if plain and out.graph and not scored and len(done) == len(plan.chunks):
             # left in flight: the ids start for the host now, read by the next call
-            launch.host, launch.event = self._ids_to_host(ids)
+            launch.host, launch.event = self._host_ids.start(ids)
             for row, c in enumerate(done):
                 c.request.pending_tokens += 1
                 c.request.pending_row = row
         launch.sample_s = time.perf_counter() - t2
         return launch
 
-    def _ids_to_host(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Start the sampled ids' copy to the host without waiting for it: into one of two
-        pinned buffers (a step's and the one in flight before it), an event after it."""
-        if ids.device.type != "cuda":
-            return ids, None
-        if self._host_ids is None:
-            n = self.config.max_num_seqs
-            self._host_ids = [torch.empty(n, dtype=ids.dtype, pin_memory=True) for _ in "ab"]
-        self._host_ids.reverse()
-        host = self._host_ids[0][: ids.numel()]
-        host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
-
-    def _complete(self, launch: _Launch, t: float) -> list[RequestOutput]:
+    def _complete(self, launch: Launch, t: float) -> list[RequestOutput]:
         """Wait for a launched step's tokens and advance its requests: stop conditions,
         outputs, then their policies on the slot layout its forward saw."""
         if launch.host is not None:
