@@ -230,6 +230,10 @@ class PanelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        # its op, also where `pack_linears` would not pick panels (a benchmark of both
+        # layouts on a CPU with AVX-512 found it unloaded)
+        if not load_ops("kvserve_layer_ops_cpu"):
+            raise RuntimeError("panels need the C++ layer ops (kvpool.native: no compiler?)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().contiguous()
         self.dtype = w.dtype

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -100,6 +104,25 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     elif rows:  # one rounding of (nearly) the same fp32 sum: at most one bf16 ulp apart
         assert (out.float() - want.to(dtype).float()).abs().max() <= want.abs().max() * 2 ** -7
+
+
+def test_a_panel_layer_made_directly_loads_its_op() -> None:
+    """A fresh process that makes a `PanelLinear` itself, as bench_linear_rows does for
+    both layouts on any CPU (not through `pack_linears`, which loads the op while
+    choosing), gets F.linear's answer: the layer loads its op."""
+    from kvpool.native import load_ops
+    from loadtest.spawn import python_path
+
+    if not load_ops("kvserve_layer_ops_cpu"):
+        pytest.skip("no C++ compiler")
+    code = ("import torch\nfrom engine.cpu_linear import PanelLinear\n"
+            "torch.manual_seed(0)\nlin = torch.nn.Linear(32, 20)\nx = torch.randn(3, 32)\n"
+            "with torch.inference_mode():\n"
+            "    torch.testing.assert_close(PanelLinear(lin)(x), lin(x), atol=1e-5, rtol=1e-5)\n"
+            "print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": python_path()})
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
 
 
 @needs_panels
