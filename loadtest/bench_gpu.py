@@ -20,8 +20,9 @@ no prefix caching. Runs, each on a fresh engine after a warm-up:
   tokens, `full` against streaming and h2o.
 
 Each kvserve run reports output tok/s, the mean decode step at N running (total,
-forward, schedule, sample, policy), and the GPU's busy share over 10 such steps
-(torch.profiler: CUDA kernel and copy time over wall time). Writes JSON with the
+forward, schedule, sample, policy), the GPU's busy share over 10 such steps
+(torch.profiler: CUDA kernel and copy time over wall time), the share of its steps
+planned while the one before ran (async scheduling) and the prompts' prefill rate. Writes JSON with the
 environment fingerprint (GPU included) and a markdown table to docs/benchmarks.md.
 
     python -m loadtest.bench_gpu --model 160m          # the issue's run (about 3 min)
