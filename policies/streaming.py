@@ -65,7 +65,9 @@ def drop_middle(view: RowsView, sink: int, keep: list[int]) -> torch.Tensor | No
     """Per row: keep the first `sink` and the most recent keep[i] - sink live tokens,
     i.e. drop the live tokens of rank sink + 1 .. sink + (n - keep[i]) (rows within
     keep[i] keep everything); None when no row drops. The counts are host ints."""
-    return drop_earliest(view, [max(0, n - k) for n, k in zip(view.lengths, keep)], sink)
+    # (a conditional, not max(): this runs for every (request, layer) row every step)
+    return drop_earliest(view, [n - k if n > k else 0 for n, k in zip(view.lengths, keep)],
+                         sink)
 
 
 @dataclass
