@@ -269,10 +269,12 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
         small_dev = self._dev[: small.numel()]
-        for dst, at in ((self.ids, 0), (self.pos, bucket), (self.q_pos[:, 0], 2 * bucket)):
-            dst[:bucket].copy_(small_dev[at : at + bucket])
-        if ids_from is not None:  # padding's rows take row 0's id: they see nothing
+        if ids_from is None:
+            self.ids[:bucket].copy_(small_dev[:bucket])
+        else:  # the staged rows of its tensor; padding's take row 0's id: they see nothing
             torch.index_select(ids_from[0], 0, small_dev[:bucket], out=self.ids[:bucket])
+        for dst, at in ((self.pos, bucket), (self.q_pos[:, 0], 2 * bucket)):
+            dst[:bucket].copy_(small_dev[at : at + bucket])
         self.slot_count.copy_(small_dev[3 * bucket : 3 * bucket + 1])
         if stats:
             self.mass_rows[:bucket].copy_(small_dev[3 * bucket + 1 :])

@@ -288,7 +288,7 @@ class EngineCore:
             t1 = time.perf_counter()
             pending.policy_s, pending.policies_ran = t1 - t0, True
             launch = self._launch(self.scheduler.schedule(), t1, pending)
-            assert launch is not None and launch.graph, "an overlapped step is a graph's"
+            assert launch is not None and launch.out.graph, "an overlapped step is a graph's"
             self.overlapped_steps += 1
             outputs = self._complete(pending, time.perf_counter())
             self._pending = launch
@@ -392,8 +392,7 @@ class EngineCore:
         lp = None
         if batch.max_logprobs is not None:
             lp = top_logprobs(out.logits, ids, batch.max_logprobs)
-        launch = Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1,
-                         out.graph)
+        launch = Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1)
         if plain and out.graph and not scored and len(done) == len(plan.chunks):
             # left in flight: the ids start for the host now, read by the next call
             launch.host, launch.event = self._host_ids.start(ids)

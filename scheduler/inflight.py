@@ -30,7 +30,6 @@ class Launch:
     n_dec: int
     schedule_s: float
     forward_s: float
-    graph: bool  # its forward was a CUDA graph's replay
     sample_s: float = 0.0
     policy_s: float = 0.0  # its policies' seconds where they ran before its completion
     policies_ran: bool = False  # ... they did: before the next step's plan (async)
@@ -44,19 +43,20 @@ class HostIds:
 
     def __init__(self, max_rows: int) -> None:
         self.max_rows = max_rows
-        self._buffers: list[torch.Tensor] | None = None  # made on the first CUDA step
+        # (buffer, its event), made on the first CUDA step
+        self._pairs: list[tuple[torch.Tensor, torch.cuda.Event]] | None = None
 
     def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The ids' host copy under way and an event recorded after it; off CUDA the
         ids themselves (already on the host) and no event."""
         if ids.device.type != "cuda":
             return ids, None
-        if self._buffers is None:
-            self._buffers = [torch.empty(self.max_rows, dtype=ids.dtype, pin_memory=True)
-                             for _ in "ab"]
-        self._buffers.reverse()
-        host = self._buffers[0][: ids.numel()]
+        if self._pairs is None:
+            self._pairs = [(torch.empty(self.max_rows, dtype=ids.dtype, pin_memory=True),
+                            torch.cuda.Event()) for _ in "ab"]
+        self._pairs.reverse()
+        buffer, event = self._pairs[0]
+        host = buffer[: ids.numel()]
         host.copy_(ids, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         return host, event
