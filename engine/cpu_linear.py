@@ -19,7 +19,10 @@ step is bound by the weight bytes it streams: the panels run the 160M model's la
 1.3-2x faster than oneDNN in fp32 at 1-12 rows and level with it for prefill-sized steps
 (0.94-1.08x), and a bf16 weight stays bf16 (oneDNN needed it widened to fp32: twice the
 bytes to stream, 2-3x slower at 1-8 rows, and the widened copy kept beside the bf16 one for
-few-row steps had tripled its memory; docs/benchmarks.md, sessions 31-32). Where neither
+few-row steps had tripled its memory; docs/benchmarks.md, sessions 31-32). On an AMD CPU
+with AVX-512 (Zen 4) fp32 layers take the panels too, with a 12-row AVX-512 tile (1.3-1.4x
+oneDNN at 1-4 rows, level at 16-256, 0.93x at 2,048; session 36), and bf16 layers stay on
+oneDNN's native bf16 dot products (`panels_for`). Where neither
 panels nor native bf16 exist (no AVX2 and no AVX-512) a bf16 weight is packed widened to
 fp32 and its layer computes in fp32, rounding its output to bf16 (`bf16_path`): torch's
 dense bf16 GEMM is far slower there, and bf16 GEMMs accumulate in fp32 anyway, so the
@@ -172,13 +175,35 @@ def bf16_path() -> str:
     return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
 
 
+def panels_isa() -> str:
+    """The panel kernel's vector loop in this build: "avx2", "avx512", or "scalar" (or
+    "none" without the C++ layer ops)."""
+    if not load_ops("kvserve_layer_ops_cpu"):
+        return "none"
+    return str(torch.ops.kvserve_layer.linear_panels_isa())
+
+
 def panels_available() -> bool:
-    """Linear layers run on 16-column panels (`PanelLinear`): a CPU with AVX2 and FMA but
-    without AVX-512, where the C++ kernel is built with its vector loop (elsewhere it is a
-    scalar loop, and on AVX-512 oneDNN's kernels were not measured against it)."""
-    return (not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-            and load_ops("kvserve_layer_ops_cpu")
-            and str(torch.ops.kvserve_layer.linear_panels_isa()) == "avx2")
+    """The panel kernel (`PanelLinear`) is built here with a vector loop (AVX2 and FMA,
+    or AVX-512): elsewhere it is a scalar loop."""
+    return panels_isa() in ("avx2", "avx512")
+
+
+def panels_for(dtype: torch.dtype, vendor: str | None = None) -> bool:
+    """Whether a linear layer of `dtype` runs on panels here rather than oneDNN: where
+    they were measured faster (docs/benchmarks.md, "CPU linear layouts").
+
+    - AVX2 without AVX-512 (AMD Zen 1-3): fp32 and bf16 (sessions 31-32).
+    - AVX-512 on AMD (Zen 4: the 12-row tile): fp32, 1.3-1.4x oneDNN at 1-4 rows,
+      level at 16-256, 0.93x at 2,048 (session 36). bf16 stays on oneDNN, whose bf16
+      dot products do twice the panels' fp32 FMAs a cycle at prefill sizes.
+    - Intel CPUs with AVX-512 (two 512-bit FMA units, AMX): not measured, oneDNN's."""
+    if dtype not in (torch.float32, torch.bfloat16) or not panels_available():
+        return False
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return True
+    vendor = cpuinfo("vendor_id") if vendor is None else vendor
+    return dtype == torch.float32 and vendor == "AuthenticAMD" and panels_isa() == "avx512"
 
 
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
@@ -261,12 +286,12 @@ class PanelLinear(nn.Module):
 
 def faster_linear(linear: nn.Linear) -> nn.Module | None:
     """What a CPU `nn.Linear` runs faster as here, if anything: `PanelLinear` where panels
-    are available (fp32 and bf16), else `PackedLinear` where packing helps (its dtype, at
-    least PACK_MIN_ELEMENTS weights)."""
+    win for its dtype (`panels_for`), else `PackedLinear` where packing helps (its dtype,
+    at least PACK_MIN_ELEMENTS weights)."""
     w = linear.weight
     if w.device.type != "cpu":
         return None
-    if w.dtype in (torch.float32, torch.bfloat16) and panels_available():
+    if panels_for(w.dtype):
         return PanelLinear(linear)
     if w.numel() >= PACK_MIN_ELEMENTS and packing_available(w.dtype):
         return PackedLinear(linear)

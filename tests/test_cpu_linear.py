@@ -23,17 +23,18 @@ from engine.cpu_linear import (
 from engine.sampling import SamplingParams
 from kvpool.native import cpuinfo
 from scheduler.llm import LLM
+from tests.isa import expected_path
 from tests.tiny_models import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(not packing_available(torch.float32),
                                   reason="this torch build has no oneDNN prepacking")
 needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
-                                  reason="no AVX2 panel kernel here (or AVX-512: oneDNN's)")
+                                  reason="no vector panel kernel here (no AVX2)")
 
 
 @pytest.fixture
 def onednn_only(monkeypatch) -> None:
-    """pack_linears as on a CPU without the panel kernel (AVX-512, no AVX2)."""
+    """pack_linears as on a CPU where no layer takes the panels (an Intel AVX-512 one)."""
     monkeypatch.setattr(cpu_linear, "panels_available", lambda: False)
 
 
@@ -84,9 +85,10 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
 @needs_panels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-# 1-72: decoding, whole K in registers (tile tails of 1-5 rows); 73 and up: blocked (a
-# 144-row block and a tail); K 400: a 384 block and a 16 tail
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 13, 72, 73, 150, 300])
+# AVX2: 1-72 decoding, whole K in registers (tile tails of 1-5 rows), 73 and up blocked (a
+# 144-row block and a tail). AVX-512: 1-12 whole K (one tile), 13-144 one block packed by
+# each thread, 145 and up blocks packed together. K 400: a 384 block and a 16 tail.
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 11, 12, 13, 72, 73, 144, 145, 150, 300])
 def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
     """The panels give F.linear's result in the weight's own dtype: fp32 to its rounding,
     bf16 as the fp32 sum of the same bf16 products (bias added in fp32) rounded once."""
@@ -141,17 +143,29 @@ def test_panel_op_refuses_what_it_cannot_run() -> None:
         op(torch.zeros(3, 32), panels, torch.zeros(19), 20)
 
 
-def test_panels_where_avx2_without_avx512() -> None:
-    """The panels run where the kernel is built with its vector loop and the CPU has no
-    AVX-512 (oneDNN's AVX-512 kernels were not measured against them)."""
+def test_panels_where_they_were_measured_faster() -> None:
+    """The kernel's vector loop follows the build's ISA, and a layer takes the panels
+    where they beat oneDNN: every fp32/bf16 layer on AVX2 without AVX-512, fp32 only on
+    an AMD CPU with AVX-512 (bf16 keeps oneDNN's bf16 dot products), nothing on an Intel
+    CPU with AVX-512 (not measured)."""
     from kvpool.native import load_ops
 
     if not load_ops("kvserve_layer_ops_cpu"):
-        assert not cpu_linear.panels_available()
+        assert not cpu_linear.panels_available() and not cpu_linear.panels_for(torch.float32)
         return
-    isa = str(torch.ops.kvserve_layer.linear_panels_isa())
+    isa = cpu_linear.panels_isa()
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    assert cpu_linear.panels_available() == (isa == "avx2" and not avx512)
+    assert isa == {"portable": "scalar"}.get(expected_path(), expected_path())
+    assert cpu_linear.panels_available() == (isa != "scalar")
+    assert not cpu_linear.panels_for(torch.float16)
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        fp32, bf16 = (cpu_linear.panels_for(d, vendor) for d in (torch.float32, torch.bfloat16))
+        if isa == "scalar":
+            assert not fp32 and not bf16
+        elif not avx512:
+            assert fp32 and bf16
+        else:
+            assert fp32 == (vendor == "AuthenticAMD" and isa == "avx512") and not bf16
 
 
 @needs_onednn

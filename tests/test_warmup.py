@@ -40,7 +40,7 @@ def test_since_takes_off_counters_only() -> None:
 def test_engine_warms_up_before_loaded(model_dir: str) -> None:
     import torch
 
-    from engine.cpu_linear import packing_available, panels_available
+    from engine.cpu_linear import packing_available, panels_for
 
     async def main() -> None:
         engine = AsyncEngine.from_config(EngineConfig(model=model_dir, num_blocks=96))
@@ -51,7 +51,7 @@ def test_engine_warms_up_before_loaded(model_dir: str) -> None:
         assert w is not None and w.steps >= 2 and w.seconds > 0
         done, total = w.row_buckets  # oneDNN row buckets: all of them for a tiny model
         # oneDNN layers (on a CPU engine: on CUDA the model's layers are the GPU's)
-        if (packing_available(torch.float32) and not panels_available()
+        if (packing_available(torch.float32) and not panels_for(torch.float32)
                 and not torch.cuda.is_available()):
             assert total > 32 and done == total
         else:  # panels, or no packing in this torch build: nothing to warm
