@@ -108,6 +108,27 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int
         assert (out.float() - want.to(dtype).float()).abs().max() <= want.abs().max() * 2 ** -7
 
 
+@needs_panels
+def test_panels_with_sleeping_threads_match_f_linear() -> None:
+    """Where the intra-op threads sleep (`kvserve serve`'s wait, read by the kernel once
+    per process) each thread packs every block of a long step for itself instead of
+    sharing it across barriers: the same result, in a process started that way."""
+    from loadtest.spawn import python_path
+
+    code = ("import torch\nfrom engine.cpu_linear import PanelLinear\n"
+            "torch.manual_seed(0)\nlin = torch.nn.Linear(400, 72)\n"
+            "with torch.inference_mode():\n"
+            "    for rows in (13, 145, 300, 1000):\n"
+            "        x = torch.randn(rows, 400)\n"
+            "        torch.testing.assert_close(PanelLinear(lin)(x), lin(x), atol=1e-5, rtol=1e-5)\n"
+            "print('ok')")
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_WAIT_POLICY": "PASSIVE",
+           "GOMP_SPINCOUNT": "0", "OMP_NUM_THREADS": "2"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
 def test_a_panel_layer_made_directly_loads_its_op() -> None:
     """A fresh process that makes a `PanelLinear` itself, as bench_linear_rows does for
     both layouts on any CPU (not through `pack_linears`, which loads the op while

@@ -203,10 +203,11 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
 // the other (a step of up to `kWholeK` rows is one block, not packed): the threads pack a
 // block's rows together, then multiply it splitting the panels, so that the block's input
 // and outputs stay on chip across its K blocks. Why one team with barriers: every thread
-// copying every block cost 6-10% of a 768-deep layer; a whole 2,048-row input packed first
-// spilled to DRAM at 3,072 deep (0.77x oneDNN); and a parallel region per block woke the
-// threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the demo
-// model's 2,048-row layers 0.8x as fast.
+// copying every block cost 6-10% of a 768-deep layer (with spinning threads, whose
+// barriers are cheap; sleeping ones copy instead: `own`); a whole 2,048-row input packed
+// first spilled to DRAM at 3,072 deep (0.77x oneDNN); and a parallel region per block woke
+// the threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the
+// demo model's 2,048-row layers 0.8x as fast.
 template <typename W>
 void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
   const int64_t ldc = np * kNR;
@@ -216,10 +217,11 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // (streamed: half the bytes); a block's is widened into L1 first: widening per tile made
   // a 1,000-row bf16 step 0.85x oneDNN's speed over the widened weight.
   const bool widen = !std::is_same_v<W, float> && blocked;
-  // A step of one block packs it in each thread, whole: a copy of at most kMC rows costs
-  // ~2% of its product, a barrier between packing and multiplying is a futex wake-up
-  // per layer where the threads wait passively (`kvserve serve`).
-  const bool own = blocked && m <= kMC;
+  // Each thread packs every block whole for itself when the step is one block, or when
+  // the team sleeps (`kvserve serve`): there a barrier between packing and multiplying is
+  // a futex wake-up, two per 144 rows, and copying a block twice costs less (1,000-token
+  // prefills of the 160M model in a server: 1.58-1.70 s against 1.75-1.78 with barriers).
+  const bool own = blocked && (m <= kMC || team_wake::team_sleeps());
   const int copies = own ? std::max(1, at::get_num_threads()) : 1;
   // not value-initialised: pack_rows writes every element a block reads
   std::unique_ptr<float[]> packed(blocked ? new float[copies * kMC * k] : nullptr);
