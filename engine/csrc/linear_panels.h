@@ -96,10 +96,6 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_FMA)
   }
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_STORE)
-#undef KVSERVE_PANEL_ROWS
-#undef KVSERVE_PANEL_INIT
-#undef KVSERVE_PANEL_FMA
-#undef KVSERVE_PANEL_STORE
 #elif defined(KVSERVE_KEYDIFF_LANES8)
   // Named registers, not arrays: GCC kept an accumulator array on the stack, storing all
   // 12 every k step (2.5x slower at 1,024 rows).
@@ -129,10 +125,6 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_FMA)
   }
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_STORE)
-#undef KVSERVE_PANEL_ROWS
-#undef KVSERVE_PANEL_INIT
-#undef KVSERVE_PANEL_FMA
-#undef KVSERVE_PANEL_STORE
 #else
   (void)next;
   float acc[MR][kNR];
@@ -146,6 +138,10 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
     for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[r][j];
 #endif
 }
+#undef KVSERVE_PANEL_ROWS
+#undef KVSERVE_PANEL_INIT
+#undef KVSERVE_PANEL_FMA
+#undef KVSERVE_PANEL_STORE
 
 template <bool PACKED, bool PF, typename W, typename N>
 inline void some_rows(int64_t mr, const float* a, int64_t lda, const W* b, int64_t kc, float* c,
