@@ -328,9 +328,11 @@ def markers(name: str) -> tuple[str, str]:
 
 def default_paths(args, name: str) -> None:
     """--quick keeps the doc, the final JSON and the plot under --out; otherwise
-    docs/benchmarks.md, docs/results/<name>.json and docs/img/<name>.png."""
+    docs/benchmarks.md, docs/results/<name>.json and docs/img/<name>.png. `--doc ""`
+    writes no doc (a run to look at, not to publish)."""
     base = args.out if args.quick else None
-    args.doc = args.doc or (os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md")
+    if args.doc is None:
+        args.doc = os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md"
     args.results = args.results or (os.path.join(base, f"{name}.json") if base
                                     else f"docs/results/{name}.json")
     args.plot = args.plot or (os.path.join(base, f"{name}.png") if base else f"docs/img/{name}.png")
@@ -392,14 +394,15 @@ def publish(report: dict, args, name: str, heading: str, render, plot) -> None:
     """The common end of a benchmark run: JSON (runs/ and docs/results/), the doc's
     generated block, the plot, and one line saying where they went."""
     report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
-    here = os.path.dirname(os.path.abspath(args.doc))
+    here = os.path.dirname(os.path.abspath(args.doc or args.results))
     report["links"] = {k: os.path.relpath(os.path.abspath(v), here)
                        for k, v in (("results", args.results), ("plot", args.plot))}
     run_path = save_json(report, args.out, name, args.results)
-    begin, end = markers(name)
-    update_doc(args.doc, render(report), heading, begin, end)
+    if args.doc:
+        begin, end = markers(name)
+        update_doc(args.doc, render(report), heading, begin, end)
     plot(report, args.plot)
-    print(f"wrote {run_path}, {args.results}, {args.doc}, {args.plot}", flush=True)
+    print(f"wrote {run_path}, {args.results}, {args.doc or '(no doc)'}, {args.plot}", flush=True)
 
 
 def add_run_args(p) -> None:

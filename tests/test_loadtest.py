@@ -436,3 +436,28 @@ def test_sse_lines_split_only_at_cr_lf(cut: int) -> None:
     lines = asyncio.run(collect())
     assert lines == ['data: {"t": "a\u2028b\u2029c\x85d"}', "", "data: [DONE]", "la\x1cst", "x"]
     assert json.loads(lines[0][5:])["t"] == "a\u2028b\u2029c\x85d"
+
+
+@pytest.mark.parametrize("doc", [None, ""])
+def test_publish_writes_the_doc_unless_told_not_to(tmp_path, monkeypatch, doc: str | None) -> None:
+    """A benchmark driver's outputs: without `--doc` the generated block goes into
+    docs/benchmarks.md; `--doc ""` writes the JSON and the plot but no doc (a look at a
+    machine, not a result to publish)."""
+    import argparse
+
+    from loadtest import bench_common as bc
+
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(doc=doc, results=None, plot=None, out="runs", quick=False)
+    bc.default_paths(args, "bench_x")
+    drawn: list[str] = []
+    report = {"benchmark": "bench_x", "fingerprint": {}}
+    bc.publish(report, args, "bench_x", "## X", lambda r: "the table",
+               lambda r, path: drawn.append(path))
+    assert (tmp_path / "docs/results/bench_x.json").is_file()
+    assert drawn == ["docs/img/bench_x.png"]
+    written = tmp_path / "docs/benchmarks.md"
+    if doc is None:
+        assert "the table" in written.read_text(encoding="utf-8")
+    else:
+        assert not written.exists()
