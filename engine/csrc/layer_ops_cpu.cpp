@@ -34,9 +34,9 @@ namespace {
 // Rows a thread must have before a second one is woken: below ~32k elements a
 // wake-up costs more than the pass (a decode step's rows run on the calling thread).
 // Where the team sleeps (`kvserve serve`) a wake-up is a futex call and a reschedule,
-// and ~512k elements: measured (Zen 4, passive, µs a call) add_rms_norm over 100 x 768
-// 17 on one thread against 65 on two, 400 rows 83 against 90, 800 rows 155 against 119;
-// silu_and_mul over 64 x 6,144 105 against 159, 100 rows 171 against 145.
+// which pays from ~512k elements: measured (Zen 4, passive, µs a call) add_rms_norm over
+// 100 x 768 17 on one thread against 65 on two, 400 rows 83 against 90, 800 rows 155
+// against 119; silu_and_mul over 64 x 6,144 105 against 159, 100 rows 171 against 145.
 int64_t grain(int64_t row_elems) {
   const int64_t work = team_wake::team_sleeps() ? int64_t{1} << 19 : int64_t{1} << 15;
   return std::max<int64_t>(1, work / std::max<int64_t>(1, row_elems));

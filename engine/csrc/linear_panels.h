@@ -37,7 +37,7 @@
 #include <utility>
 #include <vector>
 
-#include "../../kvpool/csrc/key_diversity.h"  // load8: 8 lanes of fp32 or widened bf16
+#include "../../kvpool/csrc/key_diversity.h"  // load8 / load16: fp32 or widened bf16 lanes
 #include "../../kvpool/csrc/team_wake.h"
 
 namespace panels {
@@ -86,13 +86,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
     if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
-    __m512 b0;
-    if constexpr (std::is_same_v<W, float>) {
-      b0 = _mm512_loadu_ps(b + k * kNR);
-    } else {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + k * kNR));
-      b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    const __m512 b0 = keydiff::load16(b + k * kNR);
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_FMA)
   }
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_STORE)
@@ -218,9 +212,6 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // a futex wake-up, two per 144 rows, and copying a block twice costs less (1,000-token
   // prefills of the 160M model in a server: 1.58-1.70 s against 1.75-1.78 with barriers).
   const bool own = blocked && (m <= kMC || team_wake::team_sleeps());
-  const int copies = own ? std::max(1, at::get_num_threads()) : 1;
-  // not value-initialised: pack_rows writes every element a block reads
-  std::unique_ptr<float[]> packed(blocked ? new float[copies * kMC * k] : nullptr);
   // at least 4 panels (~50 KB of a 768-deep fp32 weight) a thread, as at::parallel_for's
   // grain sized the team: a thread with no panels would only pack and wait at barriers
   const int64_t grain = 4;
@@ -232,6 +223,11 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // each thread's L1 copy of a widened bf16 slice, allocated here: nothing inside the
   // parallel region may throw (OpenMP would terminate where at::parallel_for rethrew)
   std::vector<float> wide_all(widen ? std::max(threads, 1) * kc_step * kNR : 0);
+  // a block's packed rows: one copy, or one a thread (`own`); not value-initialised:
+  // pack_rows writes every element a block reads
+  const int64_t packed_size = std::min(m, mc) * k;
+  std::unique_ptr<float[]> packed(
+      blocked ? new float[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #ifdef _OPENMP
@@ -241,7 +237,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
 #endif
     const auto [p0, p1] = share_of(np, grain, tid, team);
     float* wide = wide_all.data() + (widen ? tid * kc_step * kNR : 0);
-    float* const mine = packed.get() + (own ? tid * kMC * k : 0);
+    float* const mine = packed.get() + (own ? tid * packed_size : 0);
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic);
       if (own) {

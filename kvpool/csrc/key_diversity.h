@@ -33,6 +33,26 @@
 
 namespace keydiff {
 
+#ifdef KVSERVE_KEYDIFF_AVX512
+// 16 lanes of bf16 or fp16 widened to fp32 (bf16 is the top half of an fp32: a shift).
+template <typename T>
+inline __m512 widen16(__m256i h) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  else
+    return _mm512_cvtph_ps(h);
+}
+
+// 16 elements of T (fp32, bf16, fp16) widened to fp32.
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>)
+    return _mm512_loadu_ps(p);
+  else
+    return widen16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 #ifdef KVSERVE_KEYDIFF_LANES8
 // 8 elements of T (fp32, bf16, fp16) widened to fp32.
 template <typename T>
@@ -82,15 +102,7 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
     int64_t x = 0;
 #ifdef KVSERVE_KEYDIFF_AVX512
     if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
-      for (; x + 16 <= n; x += 16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + x));
-        __m512 f;
-        if constexpr (std::is_same_v<T, c10::BFloat16>)
-          f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        else
-          f = _mm512_cvtph_ps(h);
-        _mm512_storeu_ps(buf + x, f);
-      }
+      for (; x + 16 <= n; x += 16) _mm512_storeu_ps(buf + x, load16(src + x));
     }
 #elif defined(KVSERVE_KEYDIFF_AVX2)
     if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>)
@@ -226,13 +238,7 @@ inline void load_row(const T* p, __m512* v) {
       v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hi));
     }
   } else {
-    for (int c = 0; c < NV; ++c) {
-      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * c));
-      if constexpr (std::is_same_v<T, c10::BFloat16>)
-        v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      else
-        v[c] = _mm512_cvtph_ps(h);
-    }
+    for (int c = 0; c < NV; ++c) v[c] = load16(p + 16 * c);
   }
 }
 

@@ -262,14 +262,7 @@ inline void touch(const void* p, int64_t bytes) {
 }
 
 #ifdef KVSERVE_AVX512
-// 16 lanes of bf16 or fp16 widened to fp32.
-template <typename T>
-inline __m512 widen16(__m256i h) {
-  if constexpr (std::is_same_v<T, at::BFloat16>)  // bf16 is the top half of an fp32
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  else
-    return _mm512_cvtph_ps(h);
-}
+using keydiff::widen16;  // key_diversity.h's: one copy
 
 // 16 one-byte codes widened to fp32: int8 exactly; fp8 e4m3 as the fp16 whose exponent
 // and mantissa bits are the code's shifted into place, which is the code's value / 2^8
