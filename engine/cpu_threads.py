@@ -9,26 +9,29 @@ How a thread waits after its share of an op is the trade-off. OpenMP's default s
 for ~15 ms (GOMP_SPINCOUNT 300,000), so an idle server keeps every core busy and a
 request beside another busy process took seconds (a spinning thread holds its core
 while the partner it waits for has no core at all). Passive waiting (sleep at once)
-is safe there but costs a futex wake-up, ~0.1 ms on this VM, at each of a decode
-step's ~60 parallel regions: 10-15% of a 160M model's decode step at 1-13 running
-requests (docs/benchmarks.md). `--cpu-wait spin` is in between: spin for
-GOMP_SPINCOUNT `SPIN_COUNT` (~1.5 ms, long enough to bridge the gaps between one step's
-ops and between back-to-back steps), then sleep, so an idle server goes quiet within a
-few milliseconds. It is not the default: beside another CPU-bound process it made a
-request 3.6x slower than passive waiting (a spinning thread holds its core while the
-partner it waits for has none), and with 4 concurrent requests on the demo model it sat
-at the 1.5x bound of one that passive waiting meets easily. A server with cores of
-its own should use it. An offline run (`kvserve generate`) has no HTTP side and
-usually owns its cores, so spin is its default (`plan(default_wait=...)`): ~190% CPU
-on 2 cores against 150-170% passive, 10-25% more tokens per second on the 160M model.
-With passive waiting the kernels that open parallel regions of their own keep small
-calls on the calling thread (kvpool/csrc/team_wake.h reads the same environment).
+is safe there but costs a futex wake-up at each of a decode step's ~60 parallel
+regions, which on a VM whose idle vCPUs halt is also a host wake-up: 10-30% of a 160M
+model's decode step. Every kernel of kvserve's own (the linear layers' panels, decode
+attention, the layer ops, sampling) runs on kvserve's own team (kvpool/csrc/team.h),
+whose threads poll for `TEAM_POLL_US` (1 ms) after a job, yielding their core to any
+thread that wants it, then sleep. `poll`, serve's default, is that team with torch's
+own OpenMP threads (oneDNN's GEMMs, prefill attention) sleeping at once; `passive`
+makes the team sleep at once too (as every thread did before session 37); `spin` adds
+OpenMP's spin for GOMP_SPINCOUNT `SPIN_COUNT` (~1.5 ms), which helps where torch's
+ops matter (bf16 layers on oneDNN) but beside another CPU-bound process made a request
+3.6x slower than passive waiting. An offline run (`kvserve generate`) has no HTTP side
+and usually owns its cores, so spin is its default (`plan(default_wait=...)`): ~190%
+CPU on 2 cores against 150-170% passive, 10-25% more tokens per second on the 160M
+model. Where the team sleeps at once, the kernels keep small calls on the calling
+thread (team.h reads the same environment).
+
 Pinning each intra-op thread to one core was slower as soon as another process used
 that core (a pinned thread cannot move away), so pinning is opt-in (`--cpu-bind`).
 
 OpenMP reads its settings when torch loads it, so `apply` must run before `import
 torch`; if torch is already loaded (kvserve used as a library), the thread count still
-takes effect through torch, the wait does not.
+takes effect through torch, OpenMP's wait does not (kvserve's team reads its own at its
+first job).
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ _SYS_CPU = Path("/sys/devices/system/cpu")
 # GNU OpenMP's spin before a waiting thread sleeps, in its unit (one `pause` loop: ~50 ns
 # on the Xeons measured). OpenMP's own default is 300,000.
 SPIN_COUNT = 30_000
-WAITS = ("spin", "passive")
+# How long kvserve's own team (kvpool/csrc/team.h) polls for its next job before it sleeps,
+# in microseconds, for `poll` and `spin`: longer than the gaps between a decode step's ops.
+TEAM_POLL_US = 1000
+WAITS = ("poll", "spin", "passive")
 # Every variable `environment` may set: what a child that must start as a user's would
 # (a benchmark's server, a peer with settings of its own) has removed.
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
-            "KMP_BLOCKTIME")
+            "KMP_BLOCKTIME", "KVSERVE_TEAM_SPIN_US")
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,9 @@ class CpuThreads:
     source: str  # "default" (physical cores), "--cpu-threads", "OMP_NUM_THREADS"
     bind: list[int] | None  # CPUs the process is confined to; None: left as it was
     physical_cores: int  # in the CPUs the process may run on, at most its cgroup's limit
-    # "spin" (GOMP_SPINCOUNT=SPIN_COUNT, then sleep), "passive" (sleep at once), or
-    # "environment" (the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT, left as they are)
+    # "poll" (kvserve's team polls TEAM_POLL_US yielding its core, OpenMP's sleeps at
+    # once), "spin" (both spin: GOMP_SPINCOUNT=SPIN_COUNT, then sleep), "passive" (both
+    # sleep at once), or "environment" (the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT)
     wait: str
     applied_before_torch: bool = True
 
@@ -111,10 +118,10 @@ def parse_cpu_list(text: str) -> list[int]:
 
 
 def plan(threads: int | None, bind: str | None, wait: str | None = None,
-         default_wait: str = "passive") -> CpuThreads:
+         default_wait: str = "poll") -> CpuThreads:
     """The choice for `--cpu-threads` / `--cpu-bind` / `--cpu-wait` (None: not given);
     ValueError with a message for the user on a bad value. `default_wait` is the wait
-    when neither the option nor the environment says: passive for a server, spin for an
+    when neither the option nor the environment says: poll for a server, spin for an
     offline run (`kvserve generate`), which has no HTTP side to spin against."""
     cpus = allowed_cpus()
     chosen: list[int] | None = None
@@ -143,15 +150,16 @@ def plan(threads: int | None, bind: str | None, wait: str | None = None,
 
 
 def _wait_from_env(default: str) -> str:
-    """`default` where the environment holds no wait; 'spin' or 'passive' where it holds
-    exactly what `environment` sets for it (a re-executed benchmark, a child server),
+    """`default` where the environment holds no wait; 'poll', 'spin' or 'passive' where it
+    holds exactly what `environment` sets for it (a re-executed benchmark, a child server),
     else 'environment' (the user's own)."""
     policy = os.environ.get("OMP_WAIT_POLICY", "").upper()
     spin = os.environ.get("GOMP_SPINCOUNT", "")
+    team = os.environ.get("KVSERVE_TEAM_SPIN_US", "")
     if not policy and not spin:
         return default
     if policy in ("", "PASSIVE") and spin in ("", "0"):
-        return "passive"
+        return "poll" if team == str(TEAM_POLL_US) else "passive"
     if not policy and spin == str(SPIN_COUNT):
         return "spin"
     return "environment"
@@ -178,9 +186,11 @@ def environment(choice: CpuThreads) -> dict[str, str]:
     n = str(choice.threads)
     env = {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
     if choice.wait == "spin":  # GOMP_SPINCOUNT wins over an OMP_WAIT_POLICY in libgomp
-        env.update(GOMP_SPINCOUNT=str(SPIN_COUNT), KMP_BLOCKTIME="1")
-    elif choice.wait == "passive":
-        env.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0", KMP_BLOCKTIME="0")
+        env.update(GOMP_SPINCOUNT=str(SPIN_COUNT), KMP_BLOCKTIME="1",
+                   KVSERVE_TEAM_SPIN_US=str(TEAM_POLL_US))
+    elif choice.wait in ("passive", "poll"):
+        env.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="0", KMP_BLOCKTIME="0",
+                   KVSERVE_TEAM_SPIN_US=str(TEAM_POLL_US if choice.wait == "poll" else 0))
     return env
 
 

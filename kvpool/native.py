@@ -41,16 +41,17 @@ class Library:
 
 
 _ROOT = Path(__file__).resolve().parent.parent
-_OPENMP = ("-fopenmp",)
+# `#pragma omp simd` only: the kernels' threads are kvserve's own team (csrc/team.h), not
+# OpenMP's, so no OpenMP runtime is linked.
+_SIMD = ("-fopenmp-simd",)
 # Every library kvserve builds, by name: here (not in the modules that use them) so that
 # `python -m kvpool.native --build` needs nothing but torch and can run while pip installs
 # the rest (the Makefile does).
 LIBRARIES: dict[str, Library] = {
     "kvserve_paged_decode_cpu": Library(_ROOT / "kvpool/csrc/paged_decode_cpu.cpp",
-                                        ("-O3", "-march=native", "-ffast-math", *_OPENMP),
-                                        _OPENMP),
+                                        ("-O3", "-march=native", "-ffast-math", *_SIMD)),
     "kvserve_key_stats_cpu": Library(_ROOT / "kvpool/csrc/key_stats_cpu.cpp",
-                                     ("-O3", "-march=native", *_OPENMP), _OPENMP),
+                                     ("-O3", "-march=native", *_SIMD)),
     "kvserve_tables_cpu": Library(_ROOT / "kvpool/csrc/tables_cpu.cpp", ("-O3", "-march=native")),
     # No -ffast-math (NaNs must propagate); no FMA contraction (torch rounds mul and add apart).
     # -fno-trapping-math: without it GCC keeps a float compare that could trap as a branch,
@@ -59,7 +60,7 @@ LIBRARIES: dict[str, Library] = {
     # floating-point exception flags).
     "kvserve_layer_ops_cpu": Library(_ROOT / "engine/csrc/layer_ops_cpu.cpp",
                                      ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-                                      "-ffp-contract=off", *_OPENMP), _OPENMP),
+                                      "-ffp-contract=off", *_SIMD)),
     "kvserve_sampling_cpu": Library(_ROOT / "engine/csrc/sampling_cpu.cpp",
                                     ("-O3", "-march=native")),
     "kvserve_select_cpu": Library(_ROOT / "policies/csrc/select_cpu.cpp", ("-O3", "-march=native")),

@@ -58,12 +58,14 @@ from loadtest.workloads import (
 )
 
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
-# kvserve's runs -> their extra options. kvserve-spin: what a server with cores of its
-# own gets; kvserve-thread: the engine core on a thread of the server's process (and
+# kvserve's runs -> their extra options. kvserve-passive: every intra-op thread sleeps
+# at once (serve's default before session 37); kvserve-spin: what a server with cores of
+# its own gets; kvserve-thread: the engine core on a thread of the server's process (and
 # -thread-spin both); kvserve-1t / -2t: one / two intra-op threads (a small model is
 # faster on one: docs/benchmarks.md, session 15). The ratios stay against plain kvserve,
 # its default; only when asked for.
-KVSERVE = {"kvserve": (), "kvserve-spin": ("--cpu-wait", "spin"),
+KVSERVE = {"kvserve": (), "kvserve-passive": ("--cpu-wait", "passive"),
+           "kvserve-spin": ("--cpu-wait", "spin"),
            "kvserve-1t": ("--cpu-threads", "1"), "kvserve-2t": ("--cpu-threads", "2"),
            "kvserve-thread": ("--engine-layout", "thread"),
            "kvserve-thread-spin": ("--engine-layout", "thread", "--cpu-wait", "spin")}

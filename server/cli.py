@@ -131,11 +131,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="threads of the model's CPU ops; without it, env OMP_NUM_THREADS "
                    "if set, else one per physical core this process may use")
     g.add_argument("--cpu-wait", default=None, choices=cpu_threads.WAITS,
-                   help="how an intra-op thread waits between ops: passive (sleep at "
-                   "once, so none spins against the HTTP threads or another process) or "
-                   "spin (~1.5 ms, then sleep: 10-25%% faster on cores of its own). "
-                   "Without it, env OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else passive "
-                   "for serve and spin for generate (no HTTP side)")
+                   help="how an intra-op thread waits between ops: poll (kvserve's "
+                   "kernels' threads poll ~1 ms yielding their core, then sleep; torch's "
+                   "own sleep at once), passive (all sleep at once) or spin (torch's spin "
+                   "~1.5 ms too: faster for bf16 on cores of its own). Without it, env "
+                   "OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else poll for serve and spin "
+                   "for generate (no HTTP side)")
     g.add_argument("--cpu-bind", default=None, metavar="LIST|none",
                    help="confine the whole process to these CPUs, e.g. 0-3 (taskset's "
                    "format); the thread default then counts their physical cores. Without "
@@ -276,7 +277,7 @@ def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
         fail(str(e))
 
 
-def threads(a: argparse.Namespace, default_wait: str = "passive") -> cpu_threads.CpuThreads:
+def threads(a: argparse.Namespace, default_wait: str = "poll") -> cpu_threads.CpuThreads:
     """`--cpu-threads` / `--cpu-bind` / `--cpu-wait` checked and applied before torch
     loads (exit 2 on a bad value): OpenMP takes its thread count and wait policy from
     the environment once, when it loads (engine/cpu_threads.py says why the default is

@@ -110,7 +110,7 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int
 
 @needs_panels
 def test_panels_with_sleeping_threads_match_f_linear() -> None:
-    """Where the intra-op threads sleep (`kvserve serve`'s wait, read by the kernel once
+    """Where the intra-op threads sleep (`--cpu-wait passive`, read by the kernel once
     per process) each thread packs every block of a long step for itself instead of
     sharing it across barriers: the same result, in a process started that way."""
     from loadtest.spawn import python_path
@@ -123,7 +123,7 @@ def test_panels_with_sleeping_threads_match_f_linear() -> None:
             "        torch.testing.assert_close(PanelLinear(lin)(x), lin(x), atol=1e-5, rtol=1e-5)\n"
             "print('ok')")
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_WAIT_POLICY": "PASSIVE",
-           "GOMP_SPINCOUNT": "0", "OMP_NUM_THREADS": "2"}
+           "GOMP_SPINCOUNT": "0", "KVSERVE_TEAM_SPIN_US": "0", "OMP_NUM_THREADS": "2"}
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=300, env=env)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

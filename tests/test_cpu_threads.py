@@ -146,7 +146,7 @@ def test_default_threads_share_the_cpu_with_http(tmp_path: Path) -> None:
         cpu = next(x for x in lines if x.get("msg") == "cpu threads")
         assert cpu["source"] == "default" and cpu["applied_before_torch"], cpu
         assert cpu["threads"] == physical_cores(allowed_cpus()), cpu
-        assert cpu["wait"] == "passive" and cpu["bind"] is None, cpu
+        assert cpu["wait"] == "poll" and cpu["bind"] is None, cpu
         one, four = _four_over_one(url)
         assert four <= BOUND * one, f"quiet: one {one:.3f} s, four {four:.3f} s"
         with busy_core():
@@ -171,20 +171,30 @@ def test_thread_options_override_the_default(tmp_path: Path) -> None:
 
 
 def test_the_wait_sets_openmp_and_honours_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
-    """passive (the default): sleep at once; spin: GNU OpenMP's spin count bounded (it
-    wins over OMP_WAIT_POLICY); a wait variable the user exported is theirs, unless it
-    is what kvserve itself sets (a re-executed benchmark, a child server)."""
+    """poll (the default): OpenMP's threads sleep at once, kvserve's team polls;
+    passive: both sleep at once; spin: GNU OpenMP's spin count bounded (it wins over
+    OMP_WAIT_POLICY) and the team polls; a wait variable the user exported is theirs,
+    unless it is what kvserve itself sets (a re-executed benchmark, a child server)."""
     for k in THREAD_VARS:
         monkeypatch.delenv(k, raising=False)
-    passive = cpu_threads.plan(2, None)
-    assert passive.wait == "passive"
-    assert cpu_threads.environment(passive) == {
-        "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
-        "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+    poll = cpu_threads.plan(2, None)
+    assert poll.wait == "poll"
+    sleep = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+             "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+    assert cpu_threads.environment(poll) == {
+        **sleep, "KVSERVE_TEAM_SPIN_US": str(cpu_threads.TEAM_POLL_US)}
+    passive = cpu_threads.plan(2, None, "passive")
+    assert cpu_threads.environment(passive) == {**sleep, "KVSERVE_TEAM_SPIN_US": "0"}
     spin = cpu_threads.plan(2, None, "spin")
     env = cpu_threads.environment(spin)
     assert (env["GOMP_SPINCOUNT"], env["KMP_BLOCKTIME"]) == (str(cpu_threads.SPIN_COUNT), "1")
+    assert env["KVSERVE_TEAM_SPIN_US"] == str(cpu_threads.TEAM_POLL_US)
     assert "OMP_WAIT_POLICY" not in env
+    for wait in ("poll", "passive"):  # a child started with what the parent's wait set
+        with monkeypatch.context() as m:
+            for k, v in cpu_threads.environment(cpu_threads.plan(2, None, wait)).items():
+                m.setenv(k, v)
+            assert cpu_threads.plan(2, None, default_wait="spin").wait == wait
     monkeypatch.setenv("GOMP_SPINCOUNT", str(cpu_threads.SPIN_COUNT))  # a child of ours
     assert cpu_threads.plan(2, None).wait == "spin"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
@@ -198,7 +208,7 @@ def test_an_offline_run_spins_by_default_and_a_server_sleeps(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvserve generate` has no HTTP side for the threads to spin against: its default
     is the bounded spin (what GNU OpenMP would do anyway, for 10x longer); `serve`
-    keeps passive waiting. The option and the user's variables win over both."""
+    polls. The option and the user's variables win over both."""
     from server import cli
 
     for k in THREAD_VARS:  # recorded, so the test's changes to os.environ are undone
@@ -209,7 +219,10 @@ def test_an_offline_run_spins_by_default_and_a_server_sleeps(
     assert os.environ["GOMP_SPINCOUNT"] == str(cpu_threads.SPIN_COUNT)
     for k in THREAD_VARS:
         monkeypatch.delenv(k, raising=False)
-    assert cpu_threads.plan(2, None).wait == "passive"  # serve's default
+    assert cpu_threads.plan(2, None).wait == "poll"  # serve's default
+    assert cli.threads(cli.build_parser().parse_args(["serve"])).wait == "poll"
+    for k in THREAD_VARS:
+        monkeypatch.delenv(k, raising=False)
     assert cpu_threads.plan(2, None, "passive", default_wait="spin").wait == "passive"
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     assert cpu_threads.plan(2, None, default_wait="spin").wait == "passive"

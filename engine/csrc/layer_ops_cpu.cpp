@@ -38,7 +38,7 @@ namespace {
 // 100 x 768 17 on one thread against 65 on two, 400 rows 83 against 90, 800 rows 155
 // against 119; silu_and_mul over 64 x 6,144 105 against 159, 100 rows 171 against 145.
 int64_t grain(int64_t row_elems) {
-  const int64_t work = team_wake::team_sleeps() ? int64_t{1} << 19 : int64_t{1} << 15;
+  const int64_t work = team::sleeps() ? int64_t{1} << 19 : int64_t{1} << 15;
   return std::max<int64_t>(1, work / std::max<int64_t>(1, row_elems));
 }
 
@@ -141,7 +141,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0);
-    at::parallel_for(0, x.size(0), grain(h), [&](int64_t b, int64_t e) {
+    team::parallel_for(0, x.size(0), grain(h), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) norm_row(xp + t * xs, wp, op + t * h, h, static_cast<float>(eps));
     });
   });
@@ -162,7 +162,7 @@ void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight
     scalar_t* rp = residual.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0), rs = residual.stride(0);
-    at::parallel_for(0, x.size(0), grain(h), [&](int64_t b, int64_t e) {
+    team::parallel_for(0, x.size(0), grain(h), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         add_norm_row(xp + t * xs, rp + t * rs, wp, h, static_cast<float>(eps));
       }
@@ -180,7 +180,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     const scalar_t* gp = gate_up.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t gs = gate_up.stride(0);
-    at::parallel_for(0, gate_up.size(0), grain(2 * m), [&](int64_t b, int64_t e) {
+    team::parallel_for(0, gate_up.size(0), grain(2 * m), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         silu_mul_row(gp + t * gs, op + t * m, m);
       }
@@ -229,7 +229,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
     const float* c = cos.data_ptr<float>();
     const float* s = sin.data_ptr<float>();
     const int64_t row = (q.size(1) + k.size(1)) * 2 * half;
-    at::parallel_for(0, tokens, grain(row), [&](int64_t b, int64_t e) {
+    team::parallel_for(0, tokens, grain(row), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         rotate_heads(qp, q.stride(0), q.stride(1), q.size(1), c, s, half, t);
         rotate_heads(kp, k.stride(0), k.stride(1), k.size(1), c, s, half, t);
@@ -263,7 +263,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
     scalar_t* yp = y.data_ptr<scalar_t>();
     const float* cp = c.data_ptr<float>();
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, m, grain(n), [&](int64_t b, int64_t e) {
+    team::parallel_for(0, m, grain(n), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r)
         for (int64_t j = 0; j < n; ++j) yp[r * n + j] = to<scalar_t>(cp[r * ldc + j] + (bp ? f32(bp[j]) : 0.0f));
     });

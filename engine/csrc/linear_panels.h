@@ -26,9 +26,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -38,7 +35,7 @@
 #include <vector>
 
 #include "../../kvpool/csrc/key_diversity.h"  // load8 / load16: fp32 or widened bf16 lanes
-#include "../../kvpool/csrc/team_wake.h"
+#include "../../kvpool/csrc/team.h"
 
 namespace panels {
 
@@ -211,14 +208,14 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // the team sleeps (`kvserve serve`): there a barrier between packing and multiplying is
   // a futex wake-up, two per 144 rows, and copying a block twice costs less (1,000-token
   // prefills of the 160M model in a server: 1.58-1.70 s against 1.75-1.78 with barriers).
-  const bool own = blocked && (m <= kMC || team_wake::team_sleeps());
+  const bool own = blocked && (m <= kMC || team::sleeps());
   // at least 4 panels (~50 KB of a 768-deep fp32 weight) a thread, as at::parallel_for's
   // grain sized the team: a thread with no panels would only pack and wait at barriers
   const int64_t grain = 4;
-  // and one thread for a small product where waking a sleeping team costs more (team_wake.h)
-  const bool small = team_wake::team_sleeps() &&
-      np * kNR * k * std::max<int64_t>(m, 4) < team_wake::kSleepingLinearWork;
-  const int64_t wanted = at::in_parallel_region() || small ? 1 : at::get_num_threads();
+  // and one thread for a small product where waking a sleeping team costs more (team.h)
+  const bool small = team::sleeps() &&
+      np * kNR * k * std::max<int64_t>(m, 4) < team::kSleepingLinearWork;
+  const int64_t wanted = small ? 1 : at::get_num_threads();
   const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
   // each thread's L1 copy of a widened bf16 slice, allocated here: nothing inside the
   // parallel region may throw (OpenMP would terminate where at::parallel_for rethrew)
@@ -228,13 +225,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   const int64_t packed_size = std::min(m, mc) * k;
   std::unique_ptr<float[]> packed(
       blocked ? new float[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-#ifdef _OPENMP
-    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
-#else
-    const int tid = 0, team = 1;
-#endif
+  auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
     float* wide = wide_all.data() + (widen ? tid * kc_step * kNR : 0);
     float* const mine = packed.get() + (own ? tid * packed_size : 0);
@@ -245,7 +236,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
       } else if (blocked) {  // all threads take this branch or none: the barriers match
         const auto [t0, t1] = share_of((rows + kMR - 1) / kMR, 1, tid, team);
         pack_rows(a + ic * k, rows, k, t0, t1, mine);
-#pragma omp barrier
+        team::get().barrier(team);
       }
       for (int64_t pc = 0; pc < k; pc += kc_step) {
         const int64_t kc = std::min(kc_step, k - pc);
@@ -289,11 +280,10 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
           }
         }
       }
-      if (blocked && !own) {  // the next block's packing overwrites this one's
-#pragma omp barrier
-      }
+      if (blocked && !own) team::get().barrier(team);  // the next block's packing overwrites this one's
     }
-  }
+  };
+  team::get().run(threads, body);
 }
 
 // "avx2" where `tile` has its vector loop in this build, else "scalar".

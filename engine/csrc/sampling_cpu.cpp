@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#include "../../kvpool/csrc/team.h"
+
 namespace {
 
 int64_t first_max(const float* x, int64_t n) {
@@ -98,7 +100,7 @@ at::Tensor greedy(const at::Tensor& logits) {
   // Rows in parallel once a share is worth waking a thread for (256 KiB of logits):
   // at 64 rows of a 4k vocabulary the logits arrive from the LM head's two threads,
   // and one thread reading all of them was ~60 us of a 3M model's 8 ms step.
-  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / vocab), [&](int64_t b, int64_t e) {
+  team::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / vocab), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) o[r] = first_max(p + r * vocab, vocab);
   });
   return out;

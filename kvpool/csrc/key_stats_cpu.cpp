@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "key_diversity.h"
+#include "team.h"
 
 namespace {
 
@@ -76,7 +77,7 @@ at::Tensor key_diversity(const at::Tensor& k_cache, const at::Tensor& table,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "key_diversity", [&] {
     const Rows<scalar_t> a{k_cache.data_ptr<scalar_t>(), tp, p.data_ptr<int64_t>(),
                            out.data_ptr<float>(), nb, w, bs, h, d};
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    team::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       keydiff::Scratch s(w, h, d);
       for (int64_t r = begin; r < end; ++r) score_row(a, r, s);
     });

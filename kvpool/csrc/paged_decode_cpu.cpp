@@ -42,7 +42,7 @@
 
 // Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
 #include "key_diversity.h"  // the pool op's scoring: the same bits
-#include "team_wake.h"
+#include "team.h"
 // pyramid's window ring: the same bits. Relative, not -I: a build's flags then do not
 // name its checkout's path, so checkouts of the same source share one cached build.
 #include "../../policies/csrc/window_ring.h"
@@ -682,14 +682,14 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
   Batch<TKV> a = batch;
   a.stream = 2 * a.B * a.S * a.row_len * static_cast<int64_t>(sizeof(TKV)) > kStreamBytes;
   const int64_t B = a.B, Hq = a.Hq, Hkv = a.Hkv, D = a.D, S = a.S;
-  // A small call runs on the calling thread (team_wake.h): the K/V elements it reads at
+  // A small call runs on the calling thread (team.h): the K/V elements it reads at
   // most, each sequence's positions up to its query's (its table may be wider).
   int64_t reads = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t upto = std::min(S, a.q_pos[b] + 1);
     reads += 2 * a.row_len * (a.window > 0 ? std::min(upto, a.window) : upto);
   }
-  const bool alone = reads < team_wake::decode_parallel_elements();
+  const bool alone = reads < team::decode_parallel_elements();
   // (Not with `mass_sum`, `acc` or `ring`: a slice would write its heads' part of one row.)
   const int64_t slices = B == 0 || alone || a.mass_sum || a.acc != nullptr || a.ring.values != nullptr
       ? 1 : std::min(Hkv, (at::get_num_threads() + B - 1) / B);
@@ -697,7 +697,7 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
   std::vector<Batch<TKV>> parts;
   for (int64_t j = 0; j < slices; ++j) parts.push_back(head_slice(a, Hkv * j / slices,
                                                                    Hkv * (j + 1) / slices));
-  at::parallel_for(0, B * slices, alone ? std::max<int64_t>(B, 1) : 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, B * slices, alone ? std::max<int64_t>(B, 1) : 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<int64_t>(S), std::vector<int64_t>(S), std::vector<float>(Hq * D),
               std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1)),
               std::vector<float>(scales), std::vector<float>(scales),
@@ -989,7 +989,7 @@ std::vector<at::Tensor> paged_decode_quant(
   if (mode != 3 && vector_codes(a, r, mode)) return {out, mass};
   fp8_table();  // built once, before the threads
   const int64_t S = a.S;
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<int64_t>(S), std::vector<int64_t>(S), std::vector<float>(Hq * D),
               std::vector<float>(Hq * (S + 16)), std::vector<float>(Hkv * D + Hq * (D + 1))};
     for (int64_t b = begin; b < end; ++b) decode_seq_quant(a, r, b, w);

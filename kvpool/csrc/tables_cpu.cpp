@@ -21,6 +21,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "team.h"
+
 namespace {
 
 // Whether any of n bools is set, read 8 bytes at a time (a bool is 0 or 1): a plan's
@@ -76,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mark_dead(at::Tensor slot_pos, at
   bool* ep = emptied.data_ptr<bool>();
   bool* mp = same.data_ptr<bool>();
   for (int64_t i = 0; i < r; ++i) TORCH_CHECK(rp[i] >= 0 && rp[i] < rt, "row out of range");
-  at::parallel_for(0, r, 1, [&](int64_t a, int64_t b) {
+  team::parallel_for(0, r, 1, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t row = rp[i];
       if (ap[i]) {  // before any write: did every layer lose the same live slots?
@@ -587,7 +589,7 @@ void take_rows_into(const at::Tensor& src, c10::IntArrayRef rows, at::Tensor out
     return;
   }
   int32_t* op = out.data_ptr<int32_t>();
-  at::parallel_for(0, nl * n, 16, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, nl * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       const int64_t* __restrict from = sp + ((k / n) * rt + rows[k % n]) * s;
       int32_t* __restrict to = op + k * w;
@@ -607,7 +609,7 @@ void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots) {
   const int64_t s0 = src.stride(0), s1 = src.stride(1);
   const TS* sp = src.data_ptr<TS>();
   TD* dp = dst.data_ptr<TD>();
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < hkv; ++h) {
         const TS* x = sp + t * s0 + h * s1;

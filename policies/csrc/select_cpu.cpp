@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "live_slots.h"
+#include "../../kvpool/csrc/team.h"
 
 namespace {
 
@@ -166,7 +167,7 @@ at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
   const auto run = [&](const auto& pr) {
-    at::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
+    team::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
       std::vector<float> q(dvp != nullptr ? w : 0);  // a row's quotients
       for (int64_t i = a; i < b; ++i) {
         const float* s = sr.row(i);
@@ -197,7 +198,7 @@ at::Tensor drop_earliest(const at::Tensor& positions, const at::Tensor& first, c
   at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
   const int64_t *fp = f.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
-  at::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
+  team::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
     for (int64_t i = a; i < b; ++i) {
       const int64_t* row = pr.row(i);
       int64_t skip = fp[i], left = dp[i];

@@ -22,6 +22,7 @@
 
 #include "live_slots.h"
 #include "window_ring.h"
+#include "../../kvpool/csrc/team.h"
 
 #if defined(KVSERVE_LIVE16) && defined(__AVX512DQ__)  // live16: live_slots.h
 #define KVSERVE_AVX512 1
@@ -168,7 +169,7 @@ void lazy_track(at::Tensor ts, at::Tensor mri, const at::Tensor& mass, const at:
   const float* ap = m.data_ptr<float>();
   const float* sp = tot.data_ptr<float>();
   const float a32 = static_cast<float>(alpha);  // torch compares a float32 tensor in float32
-  at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
+  team::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       float* tsr = tp + (i / r) * ts.stride(0) + (i % r) * ts.stride(1);
       float* mr = mp + (i / r) * mri.stride(0) + (i % r) * mri.stride(1);
@@ -461,7 +462,7 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
   const double up = std::ldexp(1.0, static_cast<int>(shift));
   const float down = std::ldexp(1.0f, -static_cast<int>(shift));
   std::vector<std::vector<int64_t>> near(select ? n : 0);  // per row, its candidates
-  at::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
+  team::parallel_for(0, n, 4, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> sum(w);
     std::vector<float> totals(select ? w : 0), vals;
     for (int64_t i = lo; i < hi; ++i) {
