@@ -2,9 +2,9 @@
 
     python -m loadtest.bench_team_wake --cpu-wait passive --base /tmp/base-checkout
 
-Why: with `kvserve serve`'s sleeping intra-op threads (engine/cpu_threads.py) every
+Why: with sleeping intra-op threads (`--cpu-wait passive`, engine/cpu_threads.py) every
 parallel region wakes the team, ~20-40 us here, and a demo-model decode step opened ~21
-of them for ops of 40-150 us. kvpool/csrc/team_wake.h keeps small linear layers and
+of them for ops of 40-150 us. kvpool/csrc/team.h (`sleeps()`) keeps small linear layers and
 paged-decode calls on the calling thread; this measures each op of the demo (3m) and
 160M shapes at decode sizes with one thread and with `--threads`, in this checkout and
 (`--base`) in another, interleaved round by round. Operands cycle through 64 MB

@@ -1,5 +1,5 @@
 """loadtest/bench_team_wake.py: small ops on one thread against the team, alone and
-against a base checkout (kvpool/csrc/team_wake.h, issue 22)."""
+against a base checkout (kvpool/csrc/team.h, issue 22)."""
 
 from __future__ import annotations
 

@@ -317,7 +317,7 @@ def test_fewer_sequences_than_threads_split_by_kv_heads(hq: int, hkv: int, d: in
     """With more threads than sequences each sequence is cut into slices of its kv heads
     (4 threads: 1 row -> up to 4 slices, 3 rows -> 2); the answers, attention mass
     included, are the one-slice answers. The first sequence reads 128K K/V elements
-    inside its window: a smaller call runs on one thread (kvpool/csrc/team_wake.h)."""
+    inside its window: a smaller call runs on one thread (kvpool/csrc/team.h)."""
     first = (128 << 10) // (2 * hkv * d) + 20
     case = make_case([first, 5, 33][:rows], [1] * rows, evict={0: [3, 4, 40]}, hq=hq,
                      hkv=hkv, d=d, bs=bs, dtype=dtype)

@@ -1,6 +1,7 @@
 """kvserve's own intra-op thread team (kvpool/csrc/team.h, issue 22): every index once,
 exceptions back to the caller, nested jobs inline, one team a process across libraries, a
-forked child that still works, and an idle worker that goes to sleep.
+forked child that still works, an idle worker that goes to sleep, and a caller that takes
+the share of a worker that has not turned up.
 
 The team is compiled from tests/data/team_probe.cpp into two libraries of its own and
 driven through ctypes: no op of the engine hides it."""
@@ -67,6 +68,20 @@ def test_an_exception_reaches_the_caller(probe: ctypes.CDLL, tid: int) -> None:
     assert probe.covers(1000, 1) == 2
 
 
+def test_the_caller_takes_a_late_workers_share(probe: ctypes.CDLL) -> None:
+    """A share is taken by whichever thread comes first: when the worker sleeps (its
+    wake-up takes microseconds), the caller finishes its own share and takes the worker's
+    too, instead of waiting. A job whose shares meet at a barrier (`together`) keeps one
+    share a thread."""
+    stolen = 0
+    for _ in range(20):
+        time.sleep(0.01)  # past the worker's poll: it sleeps
+        stolen += probe.distinct_threads(0) == 1
+        time.sleep(0.01)
+        assert probe.distinct_threads(1) == 2
+    assert stolen > 0
+
+
 def test_a_job_inside_a_job_runs_on_its_thread(probe: ctypes.CDLL) -> None:
     assert probe.nested() == 2
 
@@ -82,8 +97,15 @@ def test_one_team_a_process_across_libraries(probe: ctypes.CDLL) -> None:
 
 
 def _team_threads() -> list[Path]:
-    return [t for t in Path("/proc/self/task").iterdir()
-            if (t / "comm").read_text().strip() == "kvserve-team"]
+    """The team's workers, by the name each gives itself when it starts (a worker whose
+    first share the caller took may not have started yet: waited for, up to 5 s)."""
+    deadline = time.monotonic() + 5
+    while True:
+        named = [t for t in Path("/proc/self/task").iterdir()
+                 if (t / "comm").read_text().strip() == "kvserve-team"]
+        if named or time.monotonic() > deadline:
+            return named
+        time.sleep(0.01)
 
 
 def _cpu_ticks(task: Path) -> int:

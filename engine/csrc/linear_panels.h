@@ -283,7 +283,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
       if (blocked && !own) team::get().barrier(team);  // the next block's packing overwrites this one's
     }
   };
-  team::get().run(threads, body);
+  team::get().run(threads, body, /*together=*/blocked && !own);  // its shares meet at barriers
 }
 
 // "avx2" where `tile` has its vector loop in this build, else "scalar".

@@ -92,39 +92,45 @@ inline thread_local bool in_job = false;  // nested calls run on the calling thr
 
 class Team {
  public:
-  // Runs fn(tid, n) on n threads (the caller is tid 0) and returns when all have finished;
-  // the first exception any of them threw is rethrown here (as at::parallel_for does).
+  // Runs fn(share, n) for the shares 0..n-1 of a job on up to n threads and returns when
+  // all have finished; the first exception any share threw is rethrown here (as
+  // at::parallel_for does). A thread takes the next share not taken yet, so the caller
+  // does a worker's share itself when that worker has not turned up by the time its own
+  // is done (its core went to another thread: waiting for it cost a scheduler slice).
+  // `together`: each share on a thread of its own, at once, for a job whose shares meet
+  // at `barrier`.
   template <typename F>
-  void run(int n, F&& fn) {
+  void run(int n, F&& fn, bool together = false) {
     if (n <= 1 || in_job || at::in_parallel_region()) {
-      fn(0, 1);
+      fn(0, 1);  // one share: the whole job
       return;
     }
     std::lock_guard<std::mutex> one_job(job_lock_);  // two engine threads: one job at a time
     ensure(n - 1);
     n = std::min<int>(n, static_cast<int>(workers_.size()) + 1);
     using Fn = std::remove_reference_t<F>;
-    auto call = [](void* f, int tid, int team) { (*static_cast<Fn*>(f))(tid, team); };
-    job_ = {call, const_cast<void*>(static_cast<const void*>(&fn)), n};
+    auto call = [](void* f, int share, int shares) { (*static_cast<Fn*>(f))(share, shares); };
+    job_ = {call, const_cast<void*>(static_cast<const void*>(&fn)), n, together};
     failure_ = nullptr;
     failed_.store(false, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
-    gen_.fetch_add(1, std::memory_order_seq_cst);  // then read sleepers_: a Dekker pair
+    finished_.store(0, std::memory_order_relaxed);
+    const uint32_t g = gen_.load(std::memory_order_relaxed) + 1;
+    claim_.store(uint64_t{g} << 32 | uint64_t(n) << 16, std::memory_order_release);
+    gen_.store(g, std::memory_order_seq_cst);  // then read sleepers_: a Dekker pair
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&gen_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
               nullptr, 0);
     }
     in_job = true;
-    call_catching(0);
+    take_shares(g);
     in_job = false;
-    const int others = static_cast<int>(workers_.size());
-    for (int turns = 0; done_.load(std::memory_order_acquire) < others; ++turns) {
+    for (int turns = 0; finished_.load(std::memory_order_acquire) < n; ++turns) {
       if (turns < 64) pause(); else sched_yield();
     }
     if (failure_ != nullptr) std::rethrow_exception(failure_);
   }
 
-  // A barrier for the n threads of the current job (a job's phases: pack, then multiply).
+  // A barrier for the n shares of a `together` job (a job's phases: pack, then multiply).
   void barrier(int n) {
     if (n <= 1) return;
     const uint32_t phase = phase_.load(std::memory_order_acquire);
@@ -145,28 +151,51 @@ class Team {
     void (*call)(void*, int, int) = nullptr;
     void* fn = nullptr;
     int n = 0;
+    bool together = false;
   };
 
-  void call_catching(int tid) {
-    try {
-      job_.call(job_.fn, tid, job_.n);
-    } catch (...) {
-      if (!failed_.exchange(true)) failure_ = std::current_exception();
+  // The next untaken share of job `g`, or -1: `claim_` packs the job's generation, its
+  // share count and the next share, so a worker that turns up after its job ended (and
+  // the next began) takes nothing of either.
+  int claim(uint32_t g) {
+    uint64_t w = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      const int n = static_cast<int>(w >> 16 & 0xFFFF), next = static_cast<int>(w & 0xFFFF);
+      if (static_cast<uint32_t>(w >> 32) != g || next >= n) return -1;
+      if (claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel,
+                                       std::memory_order_acquire)) {
+        return next;
+      }
+    }
+  }
+
+  // Shares of job `g` until none is left (one only in a `together` job); `job_` is read
+  // only after a share was taken: the job cannot end before that share has.
+  void take_shares(uint32_t g) {
+    for (int share = claim(g); share >= 0; share = claim(g)) {
+      const Job job = job_;
+      try {
+        job.call(job.fn, share, job.n);
+      } catch (...) {
+        if (!failed_.exchange(true)) failure_ = std::current_exception();
+      }
+      const bool together = job.together;
+      finished_.fetch_add(1, std::memory_order_release);
+      if (together) return;
     }
   }
 
   void ensure(int wanted) {
     while (static_cast<int>(workers_.size()) < wanted) {
-      const int tid = static_cast<int>(workers_.size()) + 1;
       const uint32_t seen = gen_.load(std::memory_order_acquire);
-      workers_.emplace_back([this, tid, seen] {
+      workers_.emplace_back([this, seen] {
         pthread_setname_np(pthread_self(), "kvserve-team");  // as top -H and tests see it
-        work(tid, seen);
+        work(seen);
       });
     }
   }
 
-  void work(int tid, uint32_t seen) {
+  void work(uint32_t seen) {
     in_job = true;  // a worker's own kernels run nested calls inline
     for (;;) {
       uint32_t g;
@@ -187,8 +216,7 @@ class Team {
         }
       }
       seen = g;
-      if (tid < job_.n) call_catching(tid);
-      done_.fetch_add(1, std::memory_order_release);
+      take_shares(g);
     }
   }
 
@@ -196,8 +224,9 @@ class Team {
   std::vector<std::thread> workers_;
   Job job_;
   std::atomic<uint32_t> gen_{0};
+  std::atomic<uint64_t> claim_{0};
   std::atomic<int> sleepers_{0};
-  std::atomic<int> done_{0};
+  std::atomic<int> finished_{0};
   std::exception_ptr failure_;
   std::atomic<bool> failed_{false};
   std::atomic<int> arrived_{0};

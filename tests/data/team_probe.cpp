@@ -52,4 +52,13 @@ int nested() {
   return inner.load();
 }
 
+// The threads (by kernel thread id) that ran the two shares of a job started while the
+// worker sleeps: with `together` always two; without, often the caller's alone (it takes
+// the worker's share before the worker has woken).
+int distinct_threads(int together) {
+  std::atomic<long> ran[2] = {0, 0};
+  team::get().run(2, [&](int share, int) { ran[share].store(syscall(SYS_gettid)); }, together != 0);
+  return ran[0].load() == ran[1].load() ? 1 : 2;
+}
+
 }  // extern "C"
