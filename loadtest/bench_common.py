@@ -130,9 +130,10 @@ def make_word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
 
 
 def pin_threads(module: str, threads: int, argv: list[str] | None,
-                default_wait: str = "passive") -> dict[str, object]:
+                default_wait: str = "poll") -> dict[str, object]:
     """Run with `threads` intra-op threads set as `kvserve serve --cpu-threads` sets them
-    (engine/cpu_threads.py; `default_wait` "spin" is `kvserve generate`'s default),
+    (engine/cpu_threads.py: "poll" by default, as serve waits; "spin" is `kvserve
+    generate`'s default),
     re-executing the module if needed; returns the choice for the report.
 
     OpenMP reads its environment when torch loads it, and threads other than the main

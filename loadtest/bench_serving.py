@@ -365,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of the offline references' batch caps: server (the "
                    "server's --max-seqs, as `kvserve generate` would run them) and/or level "
                    "(at most the level's concurrency, the batch the server ran)")
-    p.add_argument("--offline-cpu-wait", choices=("spin", "passive"), default=None,
+    p.add_argument("--offline-cpu-wait", choices=("spin", "poll", "passive"), default=None,
                    help="--cpu-wait of the offline reference; default: kvserve generate's "
                    "(spin, which beside another busy process is several times slower)")
     p.add_argument("--seed", type=int, default=0)

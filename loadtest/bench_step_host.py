@@ -16,7 +16,7 @@ one round by round, and the table compares medians.
 Each round builds the engine, starts `--running` requests of the same seeded prompts
 (greedy, EOS ignored, long enough to outlive the round), steps until all decode, then
 times `--steps` steps through `StepStats`. Threads are `kvserve generate`'s defaults
-(`--threads`; `--cpu-wait passive` waits as `kvserve serve`'s threads do); `--detokenize`
+(`--threads`; `--cpu-wait poll` waits as `kvserve serve`'s threads do); `--detokenize`
 makes the requests detokenize, as served ones do.
 Writes JSON with the environment fingerprint; prints a markdown table.
 """
@@ -136,8 +136,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="requests detokenize their tokens, as a served request does")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: cores)")
     p.add_argument("--cpu-wait", choices=WAITS, default="spin",
-                   help="how idle intra-op threads wait: spin (`kvserve generate`'s default) "
-                        "or passive (`kvserve serve`'s)")
+                   help="how idle intra-op threads wait: spin (`kvserve generate`'s default), "
+                        "poll (`kvserve serve`'s) or passive")
     p.add_argument("--base", help="another checkout to run the same way, interleaved")
     p.add_argument("--rounds", type=int, default=3, help="rounds (each: this, then base)")
     p.add_argument("--out", default="runs/")

@@ -88,12 +88,14 @@ def test_a_job_inside_a_job_runs_on_its_thread(probe: ctypes.CDLL) -> None:
 
 def test_one_team_a_process_across_libraries(probe: ctypes.CDLL) -> None:
     """Each kvserve library compiles team.h in; its `get()` static is a GNU unique symbol,
-    so all share one team (two would poll against each other on the same cores)."""
+    so all share one team (two would poll against each other on the same cores). The
+    team has grown to the most threads any job asked for in this process (a test before
+    this one may have asked for more than two)."""
     other = _probe("kvserve_team_probe_b")
     assert probe.covers(100, 1) == 2 and other.covers(100, 1) == 2
     assert probe.team_address() == other.team_address()
-    assert probe.team_threads() == other.team_threads() == 2
-    assert len(_team_threads()) == 1
+    assert probe.team_threads() == other.team_threads() >= 2
+    assert len(_team_threads()) == probe.team_threads() - 1
 
 
 def _team_threads() -> list[Path]:
@@ -115,16 +117,18 @@ def _cpu_ticks(task: Path) -> int:
 
 def test_an_idle_worker_sleeps(probe: ctypes.CDLL) -> None:
     """A worker polls for ~1 ms after its job (the gaps inside a decode step), then sleeps:
-    an idle server burns no core. Over 0.5 s idle it used under 50 ms of CPU (a worker
+    an idle server burns no core. Over 0.5 s idle the workers used under 50 ms of CPU (one
     that never slept would use the whole 0.5 s)."""
     assert probe.covers(1000, 1) == 2
-    (worker,) = _team_threads()
+    workers = _team_threads()
+    assert workers
     time.sleep(0.05)
-    before = _cpu_ticks(worker)
+    before = sum(_cpu_ticks(w) for w in workers)
     time.sleep(0.5)
-    used = (_cpu_ticks(worker) - before) / os.sysconf("SC_CLK_TCK")
-    assert used < 0.05, f"an idle worker used {used:.3f} s of CPU in 0.5 s"
-    assert (worker / "stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
+    used = (sum(_cpu_ticks(w) for w in workers) - before) / os.sysconf("SC_CLK_TCK")
+    assert used < 0.05, f"idle workers used {used:.3f} s of CPU in 0.5 s"
+    for w in workers:
+        assert (w / "stat").read_text().rsplit(")", 1)[1].split()[0] == "S"
 
 
 def test_a_forked_child_builds_its_own_team(probe: ctypes.CDLL) -> None:
@@ -134,7 +138,7 @@ def test_a_forked_child_builds_its_own_team(probe: ctypes.CDLL) -> None:
     pid = os.fork()
     if pid == 0:  # the child: exit at once, whatever happens
         try:
-            os._exit(0 if probe.covers(1000, 1) == 2 and len(_team_threads()) == 1 else 1)
+            os._exit(0 if probe.covers(1000, 1) == 2 and len(_team_threads()) >= 1 else 1)
         finally:
             os._exit(2)
     deadline = time.monotonic() + 60
