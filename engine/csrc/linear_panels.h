@@ -217,8 +217,8 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
       np * kNR * k * std::max<int64_t>(m, 4) < team::kSleepingLinearWork;
   const int64_t wanted = small ? 1 : at::get_num_threads();
   const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
-  // each thread's L1 copy of a widened bf16 slice, allocated here: nothing inside the
-  // parallel region may throw (OpenMP would terminate where at::parallel_for rethrew)
+  // each share's L1 copy of a widened bf16 slice, allocated here: nothing inside the job
+  // may throw (a share that threw would leave the others waiting at a barrier)
   std::vector<float> wide_all(widen ? std::max(threads, 1) * kc_step * kNR : 0);
   // a block's packed rows: one copy, or one a thread (`own`); not value-initialised:
   // pack_rows writes every element a block reads
