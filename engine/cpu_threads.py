@@ -10,7 +10,7 @@ for ~15 ms (GOMP_SPINCOUNT 300,000), so an idle server keeps every core busy and
 request beside another busy process took seconds (a spinning thread holds its core
 while the partner it waits for has no core at all). Passive waiting (sleep at once)
 is safe there but costs a futex wake-up at each of a decode step's ~60 parallel
-regions, which on a VM whose idle vCPUs halt is also a host wake-up: 10-30% of a 160M
+regions, which on a VM whose idle vCPUs halt is also a host wake-up: 10-20% of a 160M
 model's decode step. Every kernel of kvserve's own (the linear layers' panels, decode
 attention, the layer ops, sampling) runs on kvserve's own team (kvpool/csrc/team.h),
 whose threads poll for `TEAM_POLL_US` (1 ms) after a job, yielding their core to any

@@ -8,7 +8,7 @@
 // tens of microseconds, and asleep between steps and beside other processes. Waking a
 // sleeping thread is a futex call; on a VM whose idle vCPUs halt at once (this repo's:
 // the guest's halt polling is off, guest_halt_poll_ns 0) it is also an IPI and a vCPU
-// wake-up on the host. That was 10-30% of the 160M model's decode step; with the guest's
+// wake-up on the host. That was 10-20% of the 160M model's decode step; with the guest's
 // halt polling switched on, sleeping threads were as fast as spinning ones
 // (docs/benchmarks.md, session 37). Here a worker that finished a job polls for the next
 // for `spin_ns()` (1 ms unless KVSERVE_TEAM_SPIN_US says otherwise: longer than a step's
