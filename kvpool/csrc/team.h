@@ -33,9 +33,8 @@
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
-#include <memory>
-#include <mutex>
 #include <exception>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -107,7 +106,6 @@ class Team {
     }
     std::lock_guard<std::mutex> one_job(job_lock_);  // two engine threads: one job at a time
     ensure(n - 1);
-    n = std::min<int>(n, static_cast<int>(workers_.size()) + 1);
     using Fn = std::remove_reference_t<F>;
     auto call = [](void* f, int share, int shares) { (*static_cast<Fn*>(f))(share, shares); };
     job_ = {call, const_cast<void*>(static_cast<const void*>(&fn)), n, together};
@@ -236,15 +234,23 @@ class Team {
 // The process's team (a child forked after it started gets a new one: its workers stayed
 // behind in the parent). Never destroyed: workers must not be joined while a library unloads.
 inline Team& get() {
-  static Team* the = nullptr;
-  static pid_t owner = 0;
+  static std::atomic<Team*> the{nullptr};
   static std::mutex lock;
-  std::lock_guard<std::mutex> guard(lock);
-  if (the == nullptr || owner != getpid()) {
-    the = new Team();  // a forked child's old team is leaked: its threads are not here
-    owner = getpid();
+  // A forked child has none of the parent's workers: it starts a team of its own (the
+  // parent's is leaked there). Registered once, so a job pays no check of the process id.
+  static const bool forks_start_afresh =
+      pthread_atfork(nullptr, nullptr, [] { the.store(nullptr, std::memory_order_relaxed); }) == 0;
+  (void)forks_start_afresh;
+  Team* team = the.load(std::memory_order_acquire);
+  if (team == nullptr) {
+    std::lock_guard<std::mutex> guard(lock);
+    team = the.load(std::memory_order_relaxed);
+    if (team == nullptr) {
+      team = new Team();
+      the.store(team, std::memory_order_release);
+    }
   }
-  return *the;
+  return *team;
 }
 
 // at::parallel_for's contract on this team: [begin, end) in contiguous chunks of at least
@@ -253,8 +259,8 @@ template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t n = end - begin;
   if (n <= 0) return;
-  const int64_t most = std::max<int64_t>(1, (n + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1));
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), most));
+  const int64_t g = std::max<int64_t>(grain, 1);
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (n + g - 1) / g));
   if (threads <= 1) {
     f(begin, end);
     return;
