@@ -21,8 +21,9 @@ step is bound by the weight bytes it streams: the panels run the 160M model's la
 bytes to stream, 2-3x slower at 1-8 rows, and the widened copy kept beside the bf16 one for
 few-row steps had tripled its memory; docs/benchmarks.md, sessions 31-32). On an AMD CPU
 with AVX-512 (Zen 4) fp32 layers take the panels too, with a 12-row AVX-512 tile (1.3-1.4x
-oneDNN at 1-4 rows, level at 16-256, 0.93x at 2,048; session 36), and bf16 layers stay on
-oneDNN's native bf16 dot products (`panels_for`). Where neither
+oneDNN at 1-4 rows, level at 16-256, 0.93x at 2,048; session 36), and so do bf16 layers
+where the CPU has bf16 dot products (AVX512-BF16), in pairs multiplied by `vdpbf16ps`
+(session 38; `panels_for`). Where neither
 panels nor native bf16 exist (no AVX2 and no AVX-512) a bf16 weight is packed widened to
 fp32 and its layer computes in fp32, rounding its output to bf16 (`bf16_path`): torch's
 dense bf16 GEMM is far slower there, and bf16 GEMMs accumulate in fp32 anyway, so the
@@ -176,7 +177,8 @@ def bf16_path() -> str:
 
 
 def panels_isa() -> str:
-    """The panel kernel's vector loop in this build: "avx2", "avx512", or "scalar" (or
+    """The panel kernel's vector loop in this build: "avx2", "avx512", "avx512_bf16"
+    (AVX-512 with bf16 dot products: bf16 layers in pairs, `PanelLinear`), or "scalar" (or
     "none" without the C++ layer ops)."""
     if not load_ops("kvserve_layer_ops_cpu"):
         return "none"
@@ -186,7 +188,7 @@ def panels_isa() -> str:
 def panels_available() -> bool:
     """The panel kernel (`PanelLinear`) is built here with a vector loop (AVX2 and FMA,
     or AVX-512): elsewhere it is a scalar loop."""
-    return panels_isa() in ("avx2", "avx512")
+    return panels_isa() in ("avx2", "avx512", "avx512_bf16")
 
 
 def panels_for(dtype: torch.dtype, vendor: str | None = None) -> bool:
@@ -195,15 +197,20 @@ def panels_for(dtype: torch.dtype, vendor: str | None = None) -> bool:
 
     - AVX2 without AVX-512 (AMD Zen 1-3): fp32 and bf16 (sessions 31-32).
     - AVX-512 on AMD (Zen 4: the 12-row tile): fp32, 1.3-1.4x oneDNN at 1-4 rows,
-      level at 16-256, 0.93x at 2,048 (session 36). bf16 stays on oneDNN, whose bf16
-      dot products do twice the panels' fp32 FMAs a cycle at prefill sizes.
+      level at 16-256, 0.93x at 2,048 (session 36); bf16 where the build has the pair
+      tile's bf16 dot products ("avx512_bf16"): a decode step of the 160M model 1.45x as
+      fast as on oneDNN's bf16 with serve's waits at one row, 1.1x at 8-32, prefill level
+      (session 38; the layers on kvserve's thread team, not on OpenMP's sleeping one).
+      Without the pair tile bf16 stays on oneDNN (widened panels: half its speed at 16+).
     - Intel CPUs with AVX-512 (two 512-bit FMA units, AMX): not measured, oneDNN's."""
     if dtype not in (torch.float32, torch.bfloat16) or not panels_available():
         return False
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return True
     vendor = cpuinfo("vendor_id") if vendor is None else vendor
-    return dtype == torch.float32 and vendor == "AuthenticAMD" and panels_isa() == "avx512"
+    if vendor != "AuthenticAMD" or not panels_isa().startswith("avx512"):
+        return False
+    return dtype == torch.float32 or panels_isa() == "avx512_bf16"
 
 
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
@@ -251,9 +258,13 @@ class PackedLinear(nn.Module):
 
 class PanelLinear(nn.Module):
     """`nn.Linear`'s forward over its weight in 16-column panels (`panels_available`;
-    inference only): any row count, in the weight's own dtype (fp32 or bf16)."""
+    inference only): any row count, in the weight's own dtype (fp32 or bf16).
 
-    def __init__(self, linear: nn.Linear) -> None:
+    A bf16 weight is laid out in pairs ([panels, in / 2, 16, 2]: two consecutive inputs'
+    weights side by side) where the kernel multiplies them with bf16 dot products
+    (`panels_isa` "avx512_bf16"), else as fp32's layout, widened as it is read."""
+
+    def __init__(self, linear: nn.Linear, pairs: bool | None = None) -> None:
         super().__init__()
         # its op, also where `pack_linears` would not pick panels (a benchmark of both
         # layouts on a CPU with AVX-512 found it unloaded)
@@ -265,10 +276,18 @@ class PanelLinear(nn.Module):
         panels = -(-self.out_features // PANEL)
         if panels * PANEL != self.out_features:  # zero columns past the last output
             w = nn.functional.pad(w, (0, 0, 0, panels * PANEL - self.out_features))
-        # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input;
-        # copied straight from the weight (no intermediate left for the heap to hold)
-        laid = torch.empty(panels, self.in_features, PANEL, dtype=w.dtype)
-        laid.copy_(w.view(panels, PANEL, self.in_features).transpose(1, 2))
+        if pairs is None:
+            pairs = w.dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
+        self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
+        # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
+        # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
+        # intermediate left for the heap to hold)
+        if self.pairs:
+            laid = torch.empty(panels, self.in_features // 2, PANEL, 2, dtype=w.dtype)
+            laid.copy_(w.view(panels, PANEL, self.in_features // 2, 2).transpose(1, 2))
+        else:
+            laid = torch.empty(panels, self.in_features, PANEL, dtype=w.dtype)
+            laid.copy_(w.view(panels, PANEL, self.in_features).transpose(1, 2))
         self.register_buffer("panels", laid, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().contiguous(), requires_grad=False)
@@ -280,8 +299,9 @@ class PanelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        pairs = " pairs" if self.pairs else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}")
+                f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}{pairs}")
 
 
 def faster_linear(linear: nn.Linear) -> nn.Module | None:
@@ -312,6 +332,8 @@ def pack_linears(model: nn.Module) -> int:
         kind = type(faster).__name__
         if isinstance(faster, PackedLinear) and faster.widened:
             kind += " (bf16 widened to fp32: no AVX-512 or AVX2 on this CPU)"
+        if isinstance(faster, PanelLinear) and faster.pairs:
+            kind += " (bf16 pairs: bf16 dot products)"
         done[kind] = done.get(kind, 0) + 1
     if done:
         log.info("CPU: linear layers laid out for this CPU: %s",

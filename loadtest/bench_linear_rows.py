@@ -41,10 +41,16 @@ def shapes(model: str) -> list[tuple[int, int, int]]:
 
 
 def layers(model: str, dtype: torch.dtype, layout: str) -> list[torch.nn.Module]:
-    """The model's linear layers (random weights) laid out as `layout` ("packed", "panels")."""
+    """The model's linear layers (random weights) laid out as `layout`: "packed",
+    "panels", or "widened-panels" (bf16 panels widened as read, where "panels" would
+    hold pairs for bf16 dot products)."""
     from engine.cpu_linear import PackedLinear, PanelLinear
 
-    make = PackedLinear if layout == "packed" else PanelLinear
+    def make(linear: torch.nn.Linear) -> torch.nn.Module:
+        if layout == "packed":
+            return PackedLinear(linear)
+        return PanelLinear(linear, pairs=False) if layout == "widened-panels" else PanelLinear(linear)
+
     return [make(torch.nn.Linear(i, o, bias=False, dtype=dtype))
             for i, o, n in shapes(model) for _ in range(n)]
 
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--rows", default="1,2,4,6,8,12,16,24,32,48,64,128,256,1024")
     p.add_argument("--layouts", default=None,
-                   help="packed,panels (default: those this CPU and torch build have)")
+                   help="packed,panels,widened-panels (default: packed and panels where "
+                        "this CPU and torch build have them)")
     p.add_argument("--reps", type=int, default=5)
     bc.add_run_args(p)
     p.set_defaults(threads=2)

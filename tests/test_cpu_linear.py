@@ -23,6 +23,7 @@ from engine.cpu_linear import (
 from engine.sampling import SamplingParams
 from kvpool.native import cpuinfo
 from scheduler.llm import LLM
+from tests.isa import cpu_has as isa_has
 from tests.isa import expected_path
 from tests.tiny_models import make_tiny_model
 
@@ -83,20 +84,31 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False),
+                                         (torch.bfloat16, True)])
 @pytest.mark.parametrize("bias", [False, True])
 # AVX2: 1-72 decoding, whole K in registers (tile tails of 1-5 rows), 73 and up blocked (a
 # 144-row block and a tail). AVX-512: 1-12 whole K (one tile), 13-144 one block packed by
 # each thread, 145 and up blocks packed together. K 400: a 384 block and a 16 tail.
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 11, 12, 13, 72, 73, 144, 145, 150, 300])
-def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int) -> None:
+def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, bias: bool,
+                                       rows: int) -> None:
     """The panels give F.linear's result in the weight's own dtype: fp32 to its rounding,
-    bf16 as the fp32 sum of the same bf16 products (bias added in fp32) rounded once."""
+    bf16 as the fp32 sum of the same bf16 products (bias added in fp32) rounded once,
+    widened as read or in pairs (bf16 dot products where the CPU has them, the same sums
+    in a plain loop elsewhere). K 800 in pairs: a block of 384 pairs and a 16 tail."""
     torch.manual_seed(rows)
-    linear = nn.Linear(400, 72, bias=bias).to(dtype)  # 72 outputs: 4.5 panels
-    layer = PanelLinear(linear)
-    assert layer.panels.shape == (5, 400, 16) and layer.panels.dtype == dtype
-    x = torch.randn(2, rows, 400).to(dtype)  # leading dims, as the models' [T, h]
+    k = 800 if pairs else 400
+    linear = nn.Linear(k, 72, bias=bias).to(dtype)  # 72 outputs: 4.5 panels
+    layer = PanelLinear(linear, pairs=pairs)
+    assert layer.pairs == pairs and layer.panels.dtype == dtype
+    assert layer.panels.shape == ((5, 400, 16, 2) if pairs else (5, 400, 16))
+    if pairs:  # column 16p + j's weights for inputs 2i, 2i + 1 side by side
+        w = linear.weight.detach()
+        assert torch.equal(layer.panels[1, 7, 3], w[16 + 3, 14:16])
+        assert torch.equal(layer.panels[4, 399, 7], w[64 + 7, 798:800])
+        assert not layer.panels[4, :, 8:].any()  # past the 72nd output: zeros
+    x = torch.randn(2, rows, k).to(dtype)  # leading dims, as the models' [T, h]
     with torch.inference_mode():
         out = layer(x)
     assert out.shape == (2, rows, 72) and out.dtype == dtype
@@ -112,7 +124,8 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, bias: bool, rows: int
 def test_panels_with_sleeping_threads_match_f_linear() -> None:
     """Where the intra-op threads sleep (`--cpu-wait passive`, read by the kernel once
     per process) each thread packs every block of a long step for itself instead of
-    sharing it across barriers: the same result, in a process started that way."""
+    sharing it across barriers: the same result, in a process started that way (fp32,
+    and bf16 in pairs)."""
     from loadtest.spawn import python_path
 
     code = ("import torch\nfrom engine.cpu_linear import PanelLinear\n"
@@ -121,6 +134,13 @@ def test_panels_with_sleeping_threads_match_f_linear() -> None:
             "    for rows in (13, 145, 300, 1000):\n"
             "        x = torch.randn(rows, 400)\n"
             "        torch.testing.assert_close(PanelLinear(lin)(x), lin(x), atol=1e-5, rtol=1e-5)\n"
+            "lin = torch.nn.Linear(800, 72).to(torch.bfloat16)\n"  # pairs: 384 and 16 of K
+            "with torch.inference_mode():\n"
+            "    for rows in (13, 145, 1000):\n"
+            "        x = torch.randn(rows, 800).to(torch.bfloat16)\n"
+            "        want = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())\n"
+            "        err = (PanelLinear(lin, pairs=True)(x).float() - want).abs().max()\n"
+            "        assert err <= want.abs().max() * 2 ** -7, err\n"
             "print('ok')")
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_WAIT_POLICY": "PASSIVE",
            "GOMP_SPINCOUNT": "0", "KVSERVE_TEAM_SPIN_US": "0", "OMP_NUM_THREADS": "2"}
@@ -152,12 +172,20 @@ def test_a_panel_layer_made_directly_loads_its_op() -> None:
 def test_panel_op_refuses_what_it_cannot_run() -> None:
     op = torch.ops.kvserve_layer.linear_panels
     panels = torch.zeros(2, 32, 16)
+
+    def bf16(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.bfloat16)
+
+    assert op(bf16(3, 32), bf16(2, 16, 16, 2), None, 20).shape == (3, 20)  # pairs run
     for x, w, n in ((torch.zeros(3, 32, dtype=torch.bfloat16), panels, 20),  # dtypes differ
                     (torch.zeros(3, 31), panels, 20),  # K differs
                     (torch.zeros(3, 32), panels, 16),  # n: fewer than the panels hold
                     (torch.zeros(3, 32), panels, 33),  # n: more
                     (torch.zeros(32, 3).t(), panels, 20),  # not contiguous
-                    (torch.zeros(3, 32), torch.zeros(2, 32, 8), 20)):  # not 16 columns
+                    (torch.zeros(3, 32), torch.zeros(2, 32, 8), 20),  # not 16 columns
+                    (torch.zeros(3, 32), torch.zeros(2, 16, 16, 2), 20),  # fp32 in pairs
+                    (bf16(3, 32), bf16(2, 32, 16, 2), 20),  # K: pairs hold 64
+                    (bf16(3, 32), bf16(2, 8, 16, 4), 20)):  # not pairs
         with pytest.raises(RuntimeError, match="linear_panels takes"):
             op(x, w, None, n)
     with pytest.raises(RuntimeError, match="bias"):
@@ -167,8 +195,8 @@ def test_panel_op_refuses_what_it_cannot_run() -> None:
 def test_panels_where_they_were_measured_faster() -> None:
     """The kernel's vector loop follows the build's ISA, and a layer takes the panels
     where they beat oneDNN: every fp32/bf16 layer on AVX2 without AVX-512, fp32 only on
-    an AMD CPU with AVX-512 (bf16 keeps oneDNN's bf16 dot products), nothing on an Intel
-    CPU with AVX-512 (not measured)."""
+    an AMD CPU with AVX-512 (bf16 there too where the build has the pair tile's bf16 dot
+    products), nothing on an Intel CPU with AVX-512 (not measured)."""
     from kvpool.native import load_ops
 
     if not load_ops("kvserve_layer_ops_cpu"):
@@ -176,7 +204,8 @@ def test_panels_where_they_were_measured_faster() -> None:
         return
     isa = cpu_linear.panels_isa()
     avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    assert isa == {"portable": "scalar"}.get(expected_path(), expected_path())
+    path = {"portable": "scalar"}.get(expected_path(), expected_path())
+    assert isa == (path + "_bf16" if path == "avx512" and isa_has("avx512_bf16") else path)
     assert cpu_linear.panels_available() == (isa != "scalar")
     assert not cpu_linear.panels_for(torch.float16)
     for vendor in ("AuthenticAMD", "GenuineIntel"):
@@ -186,7 +215,8 @@ def test_panels_where_they_were_measured_faster() -> None:
         elif not avx512:
             assert fp32 and bf16
         else:
-            assert fp32 == (vendor == "AuthenticAMD" and isa == "avx512") and not bf16
+            assert fp32 == (vendor == "AuthenticAMD" and isa.startswith("avx512"))
+            assert bf16 == (vendor == "AuthenticAMD" and isa == "avx512_bf16")
 
 
 @needs_onednn

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from engine.loader import load_model
 from engine.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from engine.rope import RotaryEmbedding
+from kvpool.native import load_ops
 
 CASES = {f: (f, {}) for f in TINY_FAMILIES} | {
     "gpt_neox_serial": ("gpt_neox", {"use_parallel_residual": False, "rotary_pct": 0.25}),
@@ -94,11 +95,31 @@ def test_fp32_parity_with_transformers(case, tiny_dirs):
     torch.testing.assert_close(packed, ref, atol=1e-4, rtol=1e-4)
 
 
+def lay_out_in_pairs(model: torch.nn.Module) -> int:
+    """Every `nn.Linear` of a bf16 model replaced by bf16 pair panels (any CPU: bf16 dot
+    products where it has them, the same sums in a loop elsewhere); how many."""
+    from engine.cpu_linear import PanelLinear
+
+    done = 0
+    for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, PanelLinear(linear, pairs=True))
+        done += 1
+    return done
+
+
+@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("case", ["llama3", "qwen2", "gpt_neox"])
-def test_bf16_smoke(case, tiny_dirs):
+def test_bf16_smoke(case, pairs, tiny_dirs):
+    """bf16 logits near transformers' bf16 and fp32 ones, dense or with every linear layer
+    in bf16 pair panels (engine/csrc/linear_panels.h's bf16 dot products)."""
     path = tiny_dirs(case)
     model, config = load_model(path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    if pairs:
+        if not load_ops("kvserve_layer_ops_cpu"):
+            pytest.skip("no C++ compiler: no panels")
+        assert lay_out_in_pairs(model) >= 4 * config.num_layers
     seqs = _seqs(config.vocab_size, lengths=(33,))
     ours = run_packed(model, config, seqs)
     assert ours.dtype == torch.float32

@@ -239,24 +239,33 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 }
 
 // ---- a linear layer over its weight in 16-column panels (linear_panels.h) -------------
-// x [M, K] @ a weight laid out in panels ([ceil(N/16), K, 16], linear_panels.h) + bias [N]
-// or none, all bf16 or all fp32 -> [M, N] of the same dtype.
+// x [M, K] @ a weight laid out in panels ([ceil(N/16), K, 16], or for bf16 in pairs
+// [ceil(N/16), K/2, 16, 2], linear_panels.h) + bias [N] or none, all bf16 or all fp32 ->
+// [M, N] of the same dtype.
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t n) {
   const auto dt = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && x.is_contiguous() && panels.is_contiguous() &&
+  const bool pairs = panels.dim() == 4;
+  TORCH_CHECK(x.dim() == 2 && (panels.dim() == 3 || (pairs && panels.size(3) == 2 && dt == at::kBFloat16)) &&
+                  x.is_contiguous() && panels.is_contiguous() &&
                   (dt == at::kBFloat16 || dt == at::kFloat) && panels.scalar_type() == dt &&
-                  panels.size(2) == panels::kNR && x.size(1) == panels.size(1) && n > 0 &&
+                  panels.size(2) == panels::kNR && x.size(1) == panels.size(1) * (pairs ? 2 : 1) && n > 0 &&
                   n <= panels.size(0) * panels::kNR && n > (panels.size(0) - 1) * panels::kNR,
-              "linear_panels takes contiguous x [M, K] and panels [ceil(N/16), K, 16], both bf16 or fp32");
+              "linear_panels takes contiguous x [M, K] and panels [ceil(N/16), K, 16], both bf16 or fp32, "
+              "or bf16 pairs [ceil(N/16), K/2, 16, 2]");
   const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), ldc = np * panels::kNR;
   TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous [N] of x's dtype");
   at::Tensor c = at::empty({m, ldc}, x.options().dtype(at::kFloat));
   auto run = [&](auto tag) -> at::Tensor {
     using scalar_t = decltype(tag);
-    const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-    panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, c.data_ptr<float>());
+    if (pairs) {  // the bf16 input as it is: K/2 pairs a row
+      panels::gemm(reinterpret_cast<const panels::Pair*>(x.data_ptr()), m, k / 2,
+                   reinterpret_cast<const panels::Pair*>(panels.data_ptr()), np, c.data_ptr<float>());
+    } else {
+      const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
+      panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, c.data_ptr<float>());
+    }
     const bool in_place = std::is_same_v<scalar_t, float> && n == ldc;  // the sums are the output
     at::Tensor y = in_place ? c : at::empty({m, n}, x.options());
     if (in_place && !bias) return y;
@@ -272,8 +281,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
   return dt == at::kFloat ? run(float{}) : run(at::BFloat16{});
 }
 
-// "avx2" where the panels' tile has its vector loop in this build, else "scalar" (no match
-// for oneDNN: engine/cpu_linear.py then leaves linear layers to it).
+// panels::isa(): "avx2" / "avx512" / "avx512_bf16" where the panels' tiles have their
+// vector loops in this build, else "scalar" (no match for oneDNN: engine/cpu_linear.py then
+// leaves linear layers to it).
 std::string linear_panels_isa() { return panels::isa(); }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // A linear layer's GEMM over its weight laid out in panels of 16 output columns, for CPUs
-// with AVX2 but without AVX-512, and for fp32 on AMD CPUs with AVX-512 (Zen 4): faster than
-// oneDNN when decoding, level with it (or nearly: 0.93x at 2,048 rows on Zen 4) at prefill.
+// with AVX2 but without AVX-512, and on AMD CPUs with AVX-512 (Zen 4) for fp32 and, with
+// bf16 dot products, bf16: faster than oneDNN when decoding, level with it (or nearly:
+// 0.93x at 2,048 rows on Zen 4; bf16 0.9x at 64-1,024) at prefill.
 //
 // Why: there (AMD Zen 1-3, Intel client cores) a decode step is bound by the weight bytes
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
@@ -22,6 +23,13 @@
 //
 // The products are the ones a GEMM makes, summed in fp32 in k order; a bf16 layer rounds
 // once at the end (bias added in fp32 first), as a bf16 GEMM that accumulates in fp32 does.
+//
+// Where the CPU has bf16 dot products (AVX512-BF16: Zen 4, Cooper Lake and later), a bf16
+// layer's panels hold pairs instead: [ceil(N/16), K/2, 16, 2], the two bf16 weights of
+// consecutive k side by side for each column, so that one `vdpbf16ps` multiplies a 32-bit
+// pair of the (bf16) input, broadcast, into 16 columns' two products at once: twice the
+// products of an fp32 FMA an instruction, and no widening (`Pair`; the op takes a bf16
+// input as it is). The sum is still fp32, a pair's two products added one after the other.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -39,6 +47,17 @@
 
 namespace panels {
 
+#if defined(KVSERVE_KEYDIFF_AVX512) && defined(__AVX512BF16__)
+#define KVSERVE_PANELS_BF16_DOT 1
+#endif
+
+// Two bf16 values of consecutive k (the lower one first), as one 32-bit element: of the
+// input, and of a pair panel's column. A pair GEMM is the fp32 one over K/2 such elements.
+using Pair = uint32_t;
+
+inline float bf16_lo(Pair p) { return __builtin_bit_cast(float, p << 16); }
+inline float bf16_hi(Pair p) { return __builtin_bit_cast(float, p & 0xffff0000u); }
+
 constexpr int64_t kNR = 16;   // columns a panel holds: two 8-lane registers, or one 16-lane
 #ifdef KVSERVE_KEYDIFF_AVX512
 // Rows of a register tile: 12 x 1 accumulators of the 32 zmm registers (the 6-row AVX2
@@ -53,7 +72,9 @@ constexpr int64_t kMR = 6;    // rows of a register tile: 6 x 2 accumulators
 constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weights stream once
 #endif
 constexpr int64_t kPrefetchRows = 6;  // steps of fewer whole-K rows prefetch no next panel
-constexpr int64_t kKC = 384;     // K of a longer step's block: 24 KB of an fp32 panel (L1)
+// K of a longer step's block: 24 KB of an fp32 panel (L1); in pairs (2 x 384 of K) the
+// same bytes (192 pairs made 64-1,024-row bf16 steps ~5% slower, 768 no faster)
+constexpr int64_t kKC = 384;
 constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp32 input (L2)
 
 // c[r, 0:16] (+)= sum_k a[r * lda + k] * b[k * 16 + 0:16] for the MR rows of a tile, or
@@ -134,8 +155,59 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
 #undef KVSERVE_PANEL_FMA
 #undef KVSERVE_PANEL_STORE
 
-template <bool PACKED, bool PF, typename W, typename N>
-inline void some_rows(int64_t mr, const float* a, int64_t lda, const W* b, int64_t kc, float* c,
+// The same tile over pairs: c[r, 0:16] (+)= sum over the kc pairs k of a's pair times the
+// panel's pair of each column (b[k * 16 + j]), the higher k's product added first, as
+// `vdpbf16ps` does (round to nearest even, denormals flushed).
+template <int MR, bool PACKED, bool PF>
+inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c, int64_t ldc,
+                 bool accumulate, const Pair* next) {
+#if defined(KVSERVE_PANELS_BF16_DOT)
+  // The input's pair broadcast inside the instruction (`m32{1to16}`), written in asm: GCC 12
+  // emits a vpbroadcastd of its own for `_mm512_dpbf16_ps(c, set1(pair), w)` (64-1,024-row
+  // steps of the 160M model's layers were 7-10% slower that way).
+  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;
+#define KVSERVE_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define KVSERVE_PANEL_INIT(r) \
+  if constexpr (r < MR) c##r = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+#define KVSERVE_PANEL_DOT(r)                                                                  \
+  if constexpr (r < MR)                                                                       \
+    asm("vdpbf16ps %1%{1to16%}, %2, %0"                                                       \
+        : "+v"(c##r) : "m"(PACKED ? a[k * MR + r] : a[r * lda + k]), "v"(b0));
+#define KVSERVE_PANEL_STORE(r) \
+  if constexpr (r < MR) _mm512_storeu_ps(c + r * ldc, c##r);
+  KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
+  for (int64_t k = 0; k < kc; ++k) {
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * kNR);
+    KVSERVE_PANEL_ROWS(KVSERVE_PANEL_DOT)
+  }
+  KVSERVE_PANEL_ROWS(KVSERVE_PANEL_STORE)
+#undef KVSERVE_PANEL_ROWS
+#undef KVSERVE_PANEL_INIT
+#undef KVSERVE_PANEL_DOT
+#undef KVSERVE_PANEL_STORE
+#else
+  // Anywhere else (a test of the layout on a CPU without the instruction): the same sums.
+  (void)next;
+  float acc[MR][kNR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kNR; ++j) acc[r][j] = accumulate ? c[r * ldc + j] : 0.0f;
+  for (int64_t k = 0; k < kc; ++k)
+    for (int r = 0; r < MR; ++r) {
+      const Pair x = PACKED ? a[k * MR + r] : a[r * lda + k];
+      for (int j = 0; j < kNR; ++j) {
+        const Pair w = b[k * kNR + j];
+        acc[r][j] += bf16_hi(x) * bf16_hi(w);
+        acc[r][j] += bf16_lo(x) * bf16_lo(w);
+      }
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[r][j];
+#endif
+}
+
+template <bool PACKED, bool PF, typename A, typename W, typename N>
+inline void some_rows(int64_t mr, const A* a, int64_t lda, const W* b, int64_t kc, float* c,
                       int64_t ldc, bool accumulate, const N* next) {
   switch (mr) {
     case 1: return tile<1, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
@@ -167,12 +239,13 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
 // Tiles [t0, t1) of a block of a longer step's input rows, packed: for each block of `kKC`
 // of K (at offset pc * rows), each tile of `kMR` rows (at r0 * kc) holds its rows' values
 // side by side, k after k, so that a tile reads one stream.
-inline void pack_rows(const float* a, int64_t rows, int64_t k, int64_t t0, int64_t t1, float* packed) {
+template <typename A>
+inline void pack_rows(const A* a, int64_t rows, int64_t k, int64_t t0, int64_t t1, A* packed) {
   for (int64_t pc = 0; pc < k; pc += kKC) {
     const int64_t kc = std::min(kKC, k - pc);
     for (int64_t r0 = t0 * kMR; r0 < std::min(rows, t1 * kMR); r0 += kMR) {
       const int64_t mr = std::min(kMR, rows - r0);
-      float* t = packed + pc * rows + r0 * kc;
+      A* t = packed + pc * rows + r0 * kc;
       for (int64_t kk = 0; kk < kc; ++kk)
         for (int64_t r = 0; r < mr; ++r) t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
     }
@@ -194,16 +267,18 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
 // barriers are cheap; sleeping ones copy instead: `own`); a whole 2,048-row input packed
 // first spilled to DRAM at 3,072 deep (0.77x oneDNN); and a parallel region per block woke
 // the threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the
-// demo model's 2,048-row layers 0.8x as fast.
-template <typename W>
-void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
+// demo model's 2,048-row layers 0.8x as fast. Over pairs (A and W `Pair`), k counts pairs.
+template <typename A, typename W>
+void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
+  static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "pairs meet pairs");
   const int64_t ldc = np * kNR;
   const bool blocked = m > kWholeK;
   const int64_t kc_step = blocked ? kKC : k, mc = blocked ? kMC : std::max<int64_t>(m, 1);
   // A bf16 slice is widened in registers when each of its weights is used once or twice
   // (streamed: half the bytes); a block's is widened into L1 first: widening per tile made
   // a 1,000-row bf16 step 0.85x oneDNN's speed over the widened weight.
-  const bool widen = !std::is_same_v<W, float> && blocked;
+  constexpr bool kWidens = std::is_same_v<A, float> && !std::is_same_v<W, float>;
+  const bool widen = kWidens && blocked;
   // Each thread packs every block whole for itself when the step is one block, or when
   // the team sleeps (`kvserve serve`): there a barrier between packing and multiplying is
   // a futex wake-up, two per 144 rows, and copying a block twice costs less (1,000-token
@@ -213,8 +288,9 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // grain sized the team: a thread with no panels would only pack and wait at barriers
   const int64_t grain = 4;
   // and one thread for a small product where waking a sleeping team costs more (team.h)
+  const int64_t depth = std::is_same_v<A, Pair> ? 2 * k : k;  // K, in the input's values
   const bool small = team::sleeps() &&
-      np * kNR * k * std::max<int64_t>(m, 4) < team::kSleepingLinearWork;
+      np * kNR * depth * std::max<int64_t>(m, 4) < team::kSleepingLinearWork;
   const int64_t wanted = small ? 1 : at::get_num_threads();
   const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
   // each share's L1 copy of a widened bf16 slice, allocated here: nothing inside the job
@@ -223,12 +299,12 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   // a block's packed rows: one copy, or one a thread (`own`); not value-initialised:
   // pack_rows writes every element a block reads
   const int64_t packed_size = std::min(m, mc) * k;
-  std::unique_ptr<float[]> packed(
-      blocked ? new float[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
+  std::unique_ptr<A[]> packed(
+      blocked ? new A[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
   auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
     float* wide = wide_all.data() + (widen ? tid * kc_step * kNR : 0);
-    float* const mine = packed.get() + (own ? tid * packed_size : 0);
+    A* const mine = packed.get() + (own ? tid * packed_size : 0);
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic);
       if (own) {
@@ -250,7 +326,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
               float* cp = c + (ic + r) * ldc + p * kNR;
               const bool first = r == 0;  // the first tile pulls the next panel's slice in
               if (!blocked) {
-                const float* ar = a + (ic + r) * k + pc;
+                const A* ar = a + (ic + r) * k + pc;
                 if (first && m >= kPrefetchRows) {  // fewer: each k step too short to hide it
                   some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
                 } else {
@@ -264,7 +340,7 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
                 __builtin_prefetch(cp + (rr - r) * ldc, 1);
                 __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
               }
-              const float* ap = mine + pc * rows + r * kc;
+              const A* ap = mine + pc * rows + r * kc;
               if (first) {
                 some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
               } else {
@@ -272,12 +348,14 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
               }
             }
           };
-          if (widen) {  // widened once for the block's tiles, not once per tile
-            widen_slice(b, kc * kNR, wide);
-            tiles(static_cast<const float*>(wide));
-          } else {
-            tiles(b);
+          if constexpr (kWidens) {
+            if (widen) {  // widened once for the block's tiles, not once per tile
+              widen_slice(b, kc * kNR, wide);
+              tiles(static_cast<const float*>(wide));
+              continue;
+            }
           }
+          tiles(b);
         }
       }
       if (blocked && !own) team::get().barrier(team);  // the next block's packing overwrites this one's
@@ -286,9 +364,12 @@ void gemm(const float* a, int64_t m, int64_t k, const W* panels, int64_t np, flo
   team::get().run(threads, body, /*together=*/blocked && !own);  // its shares meet at barriers
 }
 
-// "avx2" where `tile` has its vector loop in this build, else "scalar".
+// "avx2" / "avx512" where `tile` has its vector loop in this build ("avx512_bf16": and the
+// pair tile its dot products), else "scalar".
 inline const char* isa() {
-#if defined(KVSERVE_KEYDIFF_AVX512)
+#if defined(KVSERVE_PANELS_BF16_DOT)
+  return "avx512_bf16";
+#elif defined(KVSERVE_KEYDIFF_AVX512)
   return "avx512";
 #elif defined(KVSERVE_KEYDIFF_LANES8)
   return "avx2";
