@@ -32,6 +32,7 @@ from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.attention_select import sums_any_heads
 from kvpool.cpu_attention import (
     accumulates,
+    causal_prefill_cpu,
     fuses_key_diversity,
     paged_attention_cpu,
     paged_decode_key_diversity,
@@ -193,6 +194,7 @@ class ModelRunner:
                                   decode.slots if decode is not None else None)  # [L, T]
         windows = cfg.sliding_windows
         kernel = self.attention_fn is paged_attention_cpu
+        causal = causal_prefill_cpu if kernel else causal_self_attention  # a fresh prompt's
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention
@@ -233,8 +235,7 @@ class ModelRunner:
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
-                out[a : a + n] = causal_self_attention(q[a : a + n], k[a : a + n],
-                                                       v[a : a + n], self.scale)
+                out[a : a + n] = causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale)
             for j, g in enumerate(groups):
                 args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)

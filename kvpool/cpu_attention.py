@@ -32,8 +32,12 @@ read (portable loop). At the 3m shape (16 sequences of 512 slots, one thread) a 
 decode call took 135 us over bf16, 160 over int8, 210 over fp8 and ~1,150 over int4
 (int8 ~650 and fp8 ~800 on the portable loop before).
 
-Prefill chunks (many queries per sequence) stay on the torch path, where SDPA's matrix
-products pay off. The build needs a C++ compiler (torch.utils.cpp_extension, cached
+A fresh prompt (nothing cached before it) attends causally over its own keys in a second
+C++ op on AVX-512 CPUs, `causal_prefill` (`csrc/causal_prefill.h`: FlashAttention's online
+softmax with a query a vector lane, on kvserve's thread team): a 500-token prompt of the
+160M model's shape 2.1x torch's fused SDPA in fp32 and 2.3x in bf16 in one process, more
+in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38). Other prefill
+chunks (a cached prefix) stay on the torch path, where SDPA's matrix products pay off. The build needs a C++ compiler (torch.utils.cpp_extension, cached
 under TORCH_EXTENSIONS_DIR); without one, or with KVSERVE_CPU_KERNEL=0, decode falls
 back to the torch path with a warning, so a CPU install never fails over it.
 """
@@ -44,7 +48,7 @@ import logging
 
 import torch
 
-from kvpool.attention import paged_attention
+from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.key_stats import native_key_diversity
 from kvpool.native import load_ops
 from kvpool.pool import BlockPool
@@ -77,6 +81,19 @@ def vector_path() -> str | None:
     """The decode kernel's vector path in this build: "avx512", "avx2" or "portable"
     (what -march=native found on this CPU); None without the kernel."""
     return str(torch.ops.kvserve.paged_decode_isa()) if kernel_available() else None
+
+
+def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    """`kvpool.attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
+    -> [T, Hq, D]) on the `causal_prefill` op where it runs: an AVX-512 build, fp32 or
+    bf16, head dim 16/32/64/128, each row's heads and channels contiguous; SDPA elsewhere."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if (q.dtype in (torch.float32, torch.bfloat16) and q.shape[2] in (16, 32, 64, 128)
+            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
+            and vector_path() == "avx512"):
+        return torch.ops.kvserve.causal_prefill(q, k, v, float(scale))
+    return causal_self_attention(q, k, v, scale)
 
 
 def paged_attention_cpu(

@@ -545,6 +545,8 @@ SeqFn<TKV> pick_seq(int64_t G) {
   if (G2 > 1 && G % G2 == 0) return decode_seq_avx512<TKV, NV, G2>;
   return decode_seq_avx512<TKV, NV, 1>;
 }
+
+#include "causal_prefill.h"  // a fresh prompt's causal attention: the same exp512 and load16
 #endif  // KVSERVE_AVX512
 
 #ifdef KVSERVE_AVX2
@@ -997,6 +999,44 @@ std::vector<at::Tensor> paged_decode_quant(
   return {out, mass};
 }
 
+// A prompt chunk with nothing cached before it, causal over its own keys (causal_prefill.h):
+// q [T, Hq, D], k/v [T, Hkv, D] (rows strided, heads and channels contiguous: the views of
+// a fused qkv output), all fp32 or all bf16, D 16/32/64/128 -> [T, Hq, D] contiguous.
+// AVX-512 builds only (`paged_decode_isa` "avx512"); elsewhere SDPA runs it.
+at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
+                  q.size(0) == k.size(0) && q.size(2) == k.size(2) && k.size(1) > 0 &&
+                  q.size(1) % k.size(1) == 0 && k.scalar_type() == dt && v.scalar_type() == dt &&
+                  (dt == at::kFloat || dt == at::kBFloat16),
+              "causal_prefill takes q [T, Hq, D] and k, v [T, Hkv, D] of one dtype (fp32 or bf16), "
+              "Hq a multiple of Hkv");
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_prefill: each row's heads and channels contiguous");
+  const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  at::Tensor out = at::empty({t, hq, d}, q.options());
+#if defined(KVSERVE_AVX512)
+  TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "causal_prefill: head dim 16, 32, 64 or 128");
+  if (t == 0) return out;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto one = [&](auto dim) {
+      prefill::causal<T, decltype(dim)::value>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), t, hq, hkv,
+                                               q.stride(0), k.stride(0), v.stride(0), static_cast<float>(scale),
+                                               out.data_ptr<T>());
+    };
+    if (d == 16) one(std::integral_constant<int, 16>{});
+    else if (d == 32) one(std::integral_constant<int, 32>{});
+    else if (d == 64) one(std::integral_constant<int, 64>{});
+    else one(std::integral_constant<int, 128>{});
+  };
+  if (dt == at::kFloat) run(float{}); else run(c10::BFloat16{});
+  return out;
+#else
+  TORCH_CHECK(false, "causal_prefill needs an AVX-512 build");
+#endif
+}
+
 // The vector path this build takes for the usual head dims (`vector_seq`).
 std::string paged_decode_isa() {
 #if defined(KVSERVE_AVX512)
@@ -1018,11 +1058,13 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
   m.def("paged_decode_isa() -> str");
+  m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("paged_decode_quant", &paged_decode_quant);
+  m.impl("causal_prefill", &causal_prefill);
 }
 
 // No tensor argument to dispatch on: registered as a catch-all.
