@@ -9,7 +9,9 @@ panels (`PanelLinear`, on CPUs with AVX2 but no AVX-512). Which is faster is a p
 the CPU and of oneDNN's version. This measures one pass over a model's linear layers
 (every layer's own weights, so they stream from DRAM as in a step, plus the output
 head) per row count and layout, the layouts alternating pass by pass so that drift falls
-on both, and writes JSON with the environment fingerprint and a markdown table.
+on both, with the threads waiting as `kvserve serve`'s do (`--cpu-wait poll`: the module
+re-executes itself to set them), and writes JSON with the environment fingerprint and a
+markdown table.
 """
 
 from __future__ import annotations
@@ -144,10 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
     bc.default_paths(a, NAME)
     from loadtest.fingerprint import fingerprint
 
-    torch.set_num_threads(a.threads)
+    # the threads wait as `kvserve serve`'s do (torch's OpenMP sleeps, kvserve's team polls):
+    # with OpenMP's own default spin, a oneDNN pass left its threads spinning against the
+    # panels' next pass (a 768 x 2,304 bf16 layer at 1-24 rows ran on one core's worth)
+    threads = bc.pin_threads(f"loadtest.{NAME}", a.threads, argv)
     rows = [int(x) for x in a.rows.split(",")]
     layouts = a.layouts.split(",") if a.layouts else available_layouts()
-    report: dict = {"benchmark": NAME, "settings": vars(a),
+    report: dict = {"benchmark": NAME, "settings": vars(a), "threads": threads,
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "seconds_by_rows": {}}
     for name in a.dtypes.split(","):

@@ -80,3 +80,35 @@ def test_linear_rows_benchmark_measures_every_row_count(tmp_path) -> None:
     assert (tmp_path / "bench_linear_rows.png").exists() == (len(layouts) == 2)
     path = tmp_path / "bench_linear_rows.json"
     assert "fingerprint" in json.loads(path.read_text())
+
+
+def test_prefill_attention_benchmark_times_both_ways(tmp_path) -> None:
+    """loadtest/bench_prefill_attention.py: the op and SDPA per prompt length, GFLOP/s and
+    the ratio in the table, JSON with the fingerprint, the plot."""
+    from kvpool.cpu_attention import vector_path
+    from loadtest import bench_prefill_attention
+
+    if vector_path() != "avx512":
+        pytest.skip("the causal_prefill op runs on AVX-512 builds only")
+    report = bench_prefill_attention.main(["--quick", "--dtypes", "float32,bfloat16",
+                                           "--threads", "1", "--out", str(tmp_path)])
+    for by_way in report["seconds_by_length"].values():
+        assert all(set(by) == {17, 40} and all(t > 0 for t in by.values()) for by in by_way.values())
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert md.count("\n| 40 |") == 2 and "speed-up" in md
+    assert (tmp_path / "bench_prefill_attention.png").exists()
+    assert "fingerprint" in json.loads((tmp_path / "bench_prefill_attention.json").read_text())
+
+
+def test_linear_rows_lays_bf16_out_widened_or_in_pairs() -> None:
+    """bench_linear_rows' layouts: "widened-panels" keeps bf16 panels widened as read
+    where "panels" holds pairs (on a CPU with bf16 dot products)."""
+    from engine import cpu_linear
+    from loadtest import bench_linear_rows
+
+    if not cpu_linear.panels_available():
+        pytest.skip("no vector panel kernel here")
+    widened = bench_linear_rows.layers("tiny", torch.bfloat16, "widened-panels")
+    laid = bench_linear_rows.layers("tiny", torch.bfloat16, "panels")
+    assert len(widened) == len(laid) == 9 and not any(m.pairs for m in widened)
+    assert all(m.pairs == (cpu_linear.panels_isa() == "avx512_bf16") for m in laid)

@@ -1,7 +1,8 @@
 // A linear layer's GEMM over its weight laid out in panels of 16 output columns, for CPUs
 // with AVX2 but without AVX-512, and on AMD CPUs with AVX-512 (Zen 4) for fp32 and, with
 // bf16 dot products, bf16: faster than oneDNN when decoding, level with it (or nearly:
-// 0.93x at 2,048 rows on Zen 4; bf16 0.9x at 64-1,024) at prefill.
+// 0.93-0.95x at 1,024-2,048 rows on Zen 4; bf16 in pairs 0.92-0.97x at 256-1,024 and
+// 1.06-1.77x at 1-64) at prefill.
 //
 // Why: there (AMD Zen 1-3, Intel client cores) a decode step is bound by the weight bytes
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
@@ -270,7 +271,7 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
 // demo model's 2,048-row layers 0.8x as fast. Over pairs (A and W `Pair`), k counts pairs.
 template <typename A, typename W>
 void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
-  static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "pairs meet pairs");
+  static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "a pair input needs pair panels");
   const int64_t ldc = np * kNR;
   const bool blocked = m > kWholeK;
   const int64_t kc_step = blocked ? kKC : k, mc = blocked ? kMC : std::max<int64_t>(m, 1);

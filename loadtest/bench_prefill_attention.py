@@ -1,0 +1,136 @@
+"""A fresh prompt's causal attention on the CPU: kvserve's op against torch's fused SDPA.
+
+    python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024,2048
+
+Why: a prompt with nothing cached attends over its own keys once per layer, and torch's
+CPU SDPA (`is_causal`) ran it at ~44 GFLOP/s in bf16 and ~90 in fp32 on torch's OpenMP
+threads, which sleep in a server. `kvpool/csrc/causal_prefill.h` runs it on kvserve's
+thread team. This times one layer's call for each prompt length, the two alternating
+call by call so that drift falls on both, with the threads waiting as `kvserve serve`'s
+do (`--cpu-wait poll`, re-executing itself to set them), and reports medians, GFLOP/s
+(causal: half the products) and the ratio; JSON with the environment fingerprint, a
+markdown table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from loadtest import bench_common as bc
+from loadtest.bench_common import MODEL_CONFIGS
+
+NAME = "bench_prefill_attention"
+DOC_HEADING = "## Prefill attention on the CPU (issue 22)"
+COMMAND = "python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024,2048"
+WAYS = ("kvserve", "sdpa")
+
+
+def heads(model: str) -> tuple[int, int, int]:
+    c = MODEL_CONFIGS[model]
+    hq = c["num_attention_heads"]
+    return hq, c.get("num_key_value_heads", hq), c["hidden_size"] // hq
+
+
+def measure(model: str, dtype: torch.dtype, lengths: list[int], reps: int) -> dict[str, dict[int, float]]:
+    """Median seconds of one layer's call per prompt length, per way."""
+    from kvpool.attention import causal_self_attention
+
+    hq, hkv, d = heads(model)
+    ways = {"kvserve": torch.ops.kvserve.causal_prefill, "sdpa": causal_self_attention}
+    out: dict[str, dict[int, float]] = {w: {} for w in WAYS}
+    for t in lengths:
+        qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)  # the views a model makes
+        q, k, v = qkv.view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+        times: dict[str, list[float]] = {w: [] for w in WAYS}
+        for _ in range(reps + 1):
+            for w in WAYS:
+                t0 = time.perf_counter()
+                ways[w](q, k, v, d ** -0.5)
+                times[w].append(time.perf_counter() - t0)
+        for w in WAYS:  # the first call warms both
+            out[w][t] = statistics.median(times[w][1:])
+    return out
+
+
+def flops(model: str, t: int) -> float:
+    hq, _, d = heads(model)
+    return 2.0 * 2 * hq * d * t * (t + 1) / 2  # QK^T and PV over the causal half
+
+
+def table(report: dict) -> str:
+    model = report["settings"]["model"]
+    lines = []
+    for dtype, by_way in report["seconds_by_length"].items():
+        lines += [f"**{model} {dtype}**, one layer (ms; GFLOP/s)", "",
+                  "| prompt tokens | kvserve | SDPA | kvserve speed-up |", "|---|---|---|---|"]
+        for t, s in by_way["kvserve"].items():
+            sd = by_way["sdpa"][t]
+            g = flops(model, int(t)) / 1e9
+            lines.append(f"| {t} | {s * 1e3:.2f} ({g / s:.0f}) | {sd * 1e3:.2f} ({g / sd:.0f}) "
+                         f"| {sd / s:.2f}x |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    plt = bc.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for dtype, by in report["seconds_by_length"].items():
+        ts = list(by["kvserve"])
+        ax.plot([int(t) for t in ts], [by["sdpa"][t] / by["kvserve"][t] for t in ts],
+                marker="o", label=dtype)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("speed-up over torch SDPA")
+    ax.set_title(f"{report['settings']['model']}: causal prefill attention, one layer")
+    ax.legend()
+    bc.save_figure(fig, path)
+
+
+def render(report: dict) -> str:
+    results, img = bc.links(report, NAME)
+    return "\n".join([bc.environment_line(report, results), "", table(report), "```bash",
+                      COMMAND, "```", "", f"![prefill attention]({img})"])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m loadtest.bench_prefill_attention", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="160m", choices=sorted(MODEL_CONFIGS))
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--lengths", default="128,512,1024,2048")
+    p.add_argument("--reps", type=int, default=9)
+    bc.add_run_args(p)
+    p.set_defaults(threads=2)
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.quick:
+        a.model, a.lengths, a.reps = "tiny", "17,40", 1
+    bc.default_paths(a, NAME)
+    threads = bc.pin_threads(f"loadtest.{NAME}", a.threads, argv)
+    from kvpool.cpu_attention import vector_path
+    from loadtest.fingerprint import fingerprint
+
+    if vector_path() != "avx512":
+        raise SystemExit("the causal_prefill op runs on AVX-512 builds only")
+    report: dict = {"benchmark": NAME, "settings": vars(a), "threads": threads,
+                    "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
+                    "seconds_by_length": {}}
+    lengths = [int(x) for x in a.lengths.split(",")]
+    for name in a.dtypes.split(","):
+        got = measure(a.model, getattr(torch, name), lengths, a.reps)
+        report["seconds_by_length"][name] = got
+        print(f"{name}: " + " ".join(f"{t}: {got['kvserve'][t] * 1e3:.2f} vs {got['sdpa'][t] * 1e3:.2f} ms"
+                                     for t in lengths), flush=True)
+    bc.publish(report, a, NAME, DOC_HEADING, render, plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()
