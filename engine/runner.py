@@ -194,7 +194,8 @@ class ModelRunner:
                                   decode.slots if decode is not None else None)  # [L, T]
         windows = cfg.sliding_windows
         kernel = self.attention_fn is paged_attention_cpu
-        causal = causal_prefill_cpu if kernel else causal_self_attention  # a fresh prompt's
+        # a fresh prompt's causal attention over its own keys: the C++ op beside the kernel
+        causal = causal_prefill_cpu if kernel else causal_self_attention
         # Only the torch path pads a group to its longest sequence; the kernels walk
         # each sequence's own blocks, so they take a group whole.
         pads = self.attention_fn is paged_attention

@@ -37,9 +37,12 @@ C++ op on AVX-512 CPUs, `causal_prefill` (`csrc/causal_prefill.h`: FlashAttentio
 softmax with a query a vector lane, on kvserve's thread team): a 500-token prompt of the
 160M model's shape 2.1x torch's fused SDPA in fp32 and 2.3x in bf16 in one process, more
 in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38). Other prefill
-chunks (a cached prefix) stay on the torch path, where SDPA's matrix products pay off. The build needs a C++ compiler (torch.utils.cpp_extension, cached
-under TORCH_EXTENSIONS_DIR); without one, or with KVSERVE_CPU_KERNEL=0, decode falls
-back to the torch path with a warning, so a CPU install never fails over it.
+chunks (a cached prefix) stay on the torch path, where SDPA's matrix products pay off.
+
+The build needs a C++ compiler (torch.utils.cpp_extension, cached
+under TORCH_EXTENSIONS_DIR); without one, or with KVSERVE_CPU_KERNEL=0, decode (and a fresh
+prompt's attention) falls back to the torch path with a warning, so a CPU install never
+fails over it.
 """
 
 from __future__ import annotations
