@@ -78,6 +78,15 @@ constexpr int64_t kPrefetchRows = 6;  // steps of fewer whole-K rows prefetch no
 constexpr int64_t kKC = 384;
 constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp32 input (L2)
 
+#if defined(KVSERVE_KEYDIFF_AVX512)
+// Both AVX-512 tiles' rows (fp32 below, pairs after it): accumulator c<r> is row r of C.
+#define KVSERVE_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define KVSERVE_PANEL_INIT(r) \
+  if constexpr (r < MR) c##r = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
+#define KVSERVE_PANEL_STORE(r) \
+  if constexpr (r < MR) _mm512_storeu_ps(c + r * ldc, c##r);
+#endif
+
 // c[r, 0:16] (+)= sum_k a[r * lda + k] * b[k * 16 + 0:16] for the MR rows of a tile, or
 // with PACKED, a[k * MR + r] (the packed input: the tile's rows adjacent, a constant
 // stride: the runtime one cost ~4% at 1,024 rows).
@@ -94,14 +103,9 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
   // from memory inside the FMA, into its row. Zen 4 runs a 512-bit FMA as two 256-bit
   // halves, so the gain over the AVX2 tile is twice the rows per weight load, not lanes.
   [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;
-#define KVSERVE_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define KVSERVE_PANEL_INIT(r) \
-  if constexpr (r < MR) c##r = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
 #define KVSERVE_PANEL_FMA(r)                                                               \
   if constexpr (r < MR)                                                                    \
     c##r = _mm512_fmadd_ps(_mm512_set1_ps(PACKED ? a[k * MR + r] : a[r * lda + k]), b0, c##r);
-#define KVSERVE_PANEL_STORE(r) \
-  if constexpr (r < MR) _mm512_storeu_ps(c + r * ldc, c##r);
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
     if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
@@ -151,10 +155,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
     for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[r][j];
 #endif
 }
-#undef KVSERVE_PANEL_ROWS
-#undef KVSERVE_PANEL_INIT
-#undef KVSERVE_PANEL_FMA
-#undef KVSERVE_PANEL_STORE
+#undef KVSERVE_PANEL_FMA  // ROWS, INIT and STORE last through the pair tile
 
 // The same tile over pairs: c[r, 0:16] (+)= sum over the kc pairs k of a's pair times the
 // panel's pair of each column (b[k * 16 + j]), the higher k's product added first, as
@@ -167,15 +168,10 @@ inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c
   // emits a vpbroadcastd of its own for `_mm512_dpbf16_ps(c, set1(pair), w)` (64-1,024-row
   // steps of the 160M model's layers were 7-10% slower that way).
   [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;
-#define KVSERVE_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
-#define KVSERVE_PANEL_INIT(r) \
-  if constexpr (r < MR) c##r = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
 #define KVSERVE_PANEL_DOT(r)                                                                  \
   if constexpr (r < MR)                                                                       \
     asm("vdpbf16ps %1%{1to16%}, %2, %0"                                                       \
         : "+v"(c##r) : "m"(PACKED ? a[k * MR + r] : a[r * lda + k]), "v"(b0));
-#define KVSERVE_PANEL_STORE(r) \
-  if constexpr (r < MR) _mm512_storeu_ps(c + r * ldc, c##r);
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
     if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
@@ -183,10 +179,7 @@ inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_DOT)
   }
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_STORE)
-#undef KVSERVE_PANEL_ROWS
-#undef KVSERVE_PANEL_INIT
 #undef KVSERVE_PANEL_DOT
-#undef KVSERVE_PANEL_STORE
 #else
   // Anywhere else (a test of the layout on a CPU without the instruction): the same sums.
   (void)next;
@@ -206,6 +199,9 @@ inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c
     for (int j = 0; j < kNR; ++j) c[r * ldc + j] = acc[r][j];
 #endif
 }
+#undef KVSERVE_PANEL_ROWS
+#undef KVSERVE_PANEL_INIT
+#undef KVSERVE_PANEL_STORE
 
 template <bool PACKED, bool PF, typename A, typename W, typename N>
 inline void some_rows(int64_t mr, const A* a, int64_t lda, const W* b, int64_t kc, float* c,
