@@ -58,6 +58,7 @@ from loadtest.bench_common import (
 )
 from loadtest.bench_common import update_doc as _update_doc
 from loadtest.fingerprint import fingerprint
+from loadtest.roofline import ModelCost, bound, memory_bandwidth, schedule
 
 # kvserve_dense: kvserve with torch's dense F.linear instead of oneDNN-prepacked weights
 # (engine/cpu_linear.py), to measure what prepacking gives; opt-in, not in the default.
@@ -363,6 +364,7 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
     quiet_s = 1.0 if args.quick else 10.0  # the longest wait for a quiet machine (settle)
     settle(quiet_s)  # vLLM's peer spins for a while after its start-up run
     peak = gemm_peak_gflops(MODEL_CONFIGS[name], dtype)
+    bandwidth = memory_bandwidth()
     errors: dict[str, str] = {}
     for sys_name, system in systems.items():  # warm-up, outside the timed region
         settle(quiet_s)
@@ -414,7 +416,9 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
             r["gflops"] = gflop / (sum(r["wall_s"]) / len(r["wall_s"]))
     out = {"params": params, "config": MODEL_CONFIGS[name], "dtype": dtype,
            "workload": w.summary(), "workload_gflop": gflop,
-           "gemm_peak_gflops": peak,
+           "gemm_peak_gflops": peak, "memory_gbs": bandwidth / 1e9,
+           "roofline": workload_bound(MODEL_CONFIGS[name], dtype, w, peak * 1e9, bandwidth,
+                                      args.max_seqs, args.max_batched_tokens, results),
            "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
            "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
     if args.profile:
@@ -429,21 +433,28 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
 # ---- how much of the machine each system uses ------------------------------------------
 
 def workload_gflop(cfg: dict[str, object], w: Workload) -> float:
-    """Forward GFLOP the workload needs, whatever serves it: every prompt token and every
-    output token but the last goes through the layers once (2 FLOP per weight of the
-    linears), each sampled token through the LM head, and each token attends its
-    context (QK and PV: 4 × heads × head_dim per cached token per layer). Padding and
-    tokens generated past a request's length are not counted: this is useful work."""
-    h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
-    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-    hd = h // heads
-    linear = layers * (2 * h * heads * hd + 2 * h * kv_heads * hd + 3 * h * int(cfg["intermediate_size"]))
-    flop = 0.0
-    for prompt, out in zip(w.prompts, w.output_lens):
-        n = len(prompt) + out - 1  # tokens through the layers
-        flop += 2 * linear * n + 2 * h * int(cfg["vocab_size"]) * out
-        flop += 4 * heads * hd * layers * n * (n + 1) / 2
-    return flop / 1e9
+    """Forward GFLOP the workload needs, whatever serves it (`roofline.ModelCost`: every
+    prompt token and every output token but the last through the layers, each sampled
+    token through the LM head, each token attending its context). Padding and tokens
+    generated past a request's length are not counted: this is useful work."""
+    cost = ModelCost.of(cfg)
+    return sum(cost.request_flop(len(p), o) for p, o in zip(w.prompts, w.output_lens)) / 1e9
+
+
+def workload_bound(cfg: dict[str, object], dtype: str, w: Workload, gemm_flops: float,
+                   bandwidth: float, max_seqs: int, max_tokens: int,
+                   results: dict[str, dict]) -> dict[str, object]:
+    """The least wall time any engine could take here (loadtest/roofline.py), each
+    system's mean wall time as a share of it, and the share 1.3x vLLM's throughput
+    would take (issue 22's target)."""
+    cost = ModelCost.of(cfg, torch.empty((), dtype=getattr(torch, dtype)).element_size())
+    steps = list(schedule([len(p) for p in w.prompts], w.output_lens, max_seqs, max_tokens))
+    out: dict[str, object] = bound(cost, steps, gemm_flops, bandwidth)
+    walls = {k: sum(r["wall_s"]) / len(r["wall_s"]) for k, r in results.items() if r["wall_s"]}
+    out["of_bound"] = {k: out["sequential_s"] / t for k, t in walls.items()}
+    out["vllm_x1.3_needs"] = (TARGETS["vllm"] * out["sequential_s"] / walls["vllm"]
+                              if "vllm" in walls else None)
+    return out
 
 
 def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> float:
@@ -667,6 +678,27 @@ def render_table(report: dict) -> str:
         need = f"{2.5 * cb:.1f} ({250 * cb / peak:.0f}%)" if cb else "—"
         lines.append(f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} "
                      f"| {m['workload_gflop']:.0f} | {peak:.1f} | {' | '.join(cells)} | {need} |")
+    bounds = [(name, m, m["roofline"]) for name, m in report["models"].items() if "roofline" in m]
+    if bounds:
+        lines += [
+            "",
+            "The least wall time any engine could take on this workload here "
+            "(loadtest/roofline.py: the steps continuous batching runs it in; each step's "
+            "linears, then its attention, at this machine's GEMM rate or its memory read "
+            "rate, whichever is slower; *overlapped*: the whole step at the slower of the "
+            "two), and each system's share of it (sequential bound / wall time). The bound "
+            "is optimistic: attention at the GEMM rate, no sampling, no host work.",
+            "",
+            "| model | dtype | memory GB/s | steps | bound s, sequential (overlapped) "
+            "| kvserve | vLLM | 1.3× vLLM needs |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    for name, m, rf in bounds:
+        shares = [_pct(rf["of_bound"].get(k)) for k in ("kvserve", "vllm")]
+        lines.append(
+            f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} | {m['memory_gbs']:.1f} "
+            f"| {rf['steps']} | {rf['sequential_s']:.1f} ({rf['overlapped_s']:.1f}) "
+            f"| {' | '.join(shares)} | {_pct(rf['vllm_x1.3_needs'])} |")
     for name, m in report["models"].items():
         for sys_name, r in m["systems"].items():
             if r.get("error"):

@@ -66,6 +66,15 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
     for r in (r for r in sys_.values() if r["wall_s"]):
         mean_wall = sum(r["wall_s"]) / len(r["wall_s"])
         assert r["gflops"] == pytest.approx(m["workload_gflop"] / mean_wall)
+    # ... and against the least wall time any engine could take here (loadtest/roofline.py)
+    rf = m["roofline"]
+    assert m["memory_gbs"] > 0 and 0 < rf["overlapped_s"] <= rf["sequential_s"]
+    assert rf["steps"] >= w["output_max"]  # a decode step per output token, at least
+    for name, r in sys_.items():
+        if r["wall_s"]:
+            share = rf["sequential_s"] / (sum(r["wall_s"]) / len(r["wall_s"]))
+            assert rf["of_bound"][name] == pytest.approx(share)
+    assert rf["vllm_x1.3_needs"] is None  # no vLLM here
 
     steps = m["kvserve_step_overhead"]["all_steps"]
     assert steps["steps"] > 0 and 0 <= steps["outside_forward_share"] < 1
@@ -81,6 +90,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     assert "## Offline throughput (issue 2)" in doc
     assert "| tiny |" in doc and "python -m loadtest.bench_offline --quick" in doc
     assert "tiny / vLLM-CPU: vLLM skipped: no vLLM venv at" in doc
+    assert "| model | dtype | memory GB/s | steps | bound s, sequential (overlapped)" in doc
     with open(os.path.join(out, "bench_offline.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -1,0 +1,208 @@
+"""The least wall time any engine can take on an offline workload on this machine.
+
+Why: issue 22 asks kvserve for 1.3x vLLM-CPU's offline throughput. On a two-core CPU
+both engines are bound by the machine (docs/benchmarks.md, session 38: 62% and 56% of
+the GEMM rate as useful FLOPs), so whether a target is in reach is a question of how far
+the peer already is from the machine's limit. This bounds a workload's wall time from
+the model's arithmetic and bytes, the machine's measured GEMM rate and memory bandwidth,
+and the steps continuous batching gives it: decodes first, then prompts in arrival
+order, split to fill `max_num_batched_tokens`, at most `max_num_seqs` running (vLLM's
+and kvserve's default schedule).
+
+Each step costs FLOPs (every token through the linear layers, each sampled row through
+the LM head, each token's attention over its context: QK and PV) and bytes (every
+weight read once, and each running request's K/V context read once). Two bounds:
+
+- `overlapped_s`: the sum over steps of max(FLOPs / GEMM rate, bytes / bandwidth), a
+  roofline per step: nothing that runs these steps is faster;
+- `sequential_s`: the sum over steps of the linears' roofline plus attention's, as an
+  engine that runs a layer's GEMMs and its attention one after the other (vLLM-CPU and
+  kvserve both do) takes at least. Decoding is where the two differ: its GEMMs are
+  compute-bound and its attention bound by the K/V bytes.
+
+Both are optimistic (attention at the GEMM rate, no sampling, no host work, every byte at
+the streaming read rate), so a target that needs more than 100% of them is out of reach.
+
+`bench_offline` reports it for its own run. For a `bench_serving` report (its throughput
+runs: closed loops, so `max_num_seqs` is the concurrency), measure this machine now:
+
+    python -m loadtest.roofline docs/results/bench_serving_vllm_zen4_s38.json --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one token costs a Llama-shaped model (a config dict's fields)."""
+
+    linear_params: int  # weights every token through the layers multiplies
+    head_params: int  # the LM head's: only sampled rows go through it
+    attn_flop: int  # FLOPs per (token, context token): QK and PV, every layer
+    kv_bytes: int  # K and V of one token, every layer
+    element_bytes: int  # of a weight (and of K/V: the model's dtype, as both engines default)
+
+    @classmethod
+    def of(cls, cfg: dict[str, object], element_bytes: int = 4) -> ModelCost:
+        h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
+        heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+        hd = h // heads
+        linear = layers * (2 * h * heads * hd + 2 * h * kv_heads * hd
+                           + 3 * h * int(cfg["intermediate_size"]))
+        return cls(linear, h * int(cfg["vocab_size"]), 4 * heads * hd * layers,
+                   2 * kv_heads * hd * layers * element_bytes, element_bytes)
+
+    def request_flop(self, prompt: int, output: int) -> float:
+        """A request's forward FLOPs: its prompt and every output token but the last
+        through the layers, each output token sampled from the head."""
+        n = prompt + output - 1
+        return 2 * self.linear_params * n + 2 * self.head_params * output \
+            + self.attn_flop * n * (n + 1) / 2
+
+
+@dataclass(frozen=True)
+class Step:
+    tokens: int  # through the layers
+    sampled: int  # rows through the head (a finished prompt, or a decode)
+    pairs: int  # (token, context token) pairs attention scores
+    context: int  # K/V tokens read: each request's context once
+
+
+def schedule(prompts: Sequence[int], outputs: Sequence[int], max_seqs: int,
+             max_tokens: int) -> Iterator[Step]:
+    """The steps continuous batching runs the workload in (all requests there at once)."""
+    waiting = list(range(len(prompts)))[::-1]  # popped from the end: arrival order
+    running: list[int] = []
+    done = [0] * len(prompts)  # tokens through the layers
+    made = [0] * len(prompts)  # tokens sampled
+    while waiting or running:
+        budget, tokens, sampled, pairs, context = max_tokens, 0, 0, 0, 0
+        order = [i for i in running if done[i] >= prompts[i]] \
+            + [i for i in running if done[i] < prompts[i]]  # decodes first
+        while waiting and len(running) < max_seqs:
+            running.append(waiting.pop())
+            order.append(running[-1])
+        for i in order:
+            if budget == 0:
+                break
+            s = done[i]
+            n = 1 if s >= prompts[i] else min(prompts[i] - s, budget)
+            e = s + n
+            budget, tokens, done[i] = budget - n, tokens + n, e
+            pairs += (e * (e + 1) - s * (s + 1)) // 2
+            context += e
+            if e >= prompts[i]:  # the prompt's last chunk, or a decode: a token sampled
+                sampled, made[i] = sampled + 1, made[i] + 1
+        running = [i for i in running if made[i] < outputs[i]]
+        yield Step(tokens, sampled, pairs, context)
+
+
+def bound(cost: ModelCost, steps: Sequence[Step], gemm_flops: float,
+          bandwidth: float) -> dict[str, float]:
+    """Both bounds (seconds) for `steps` at `gemm_flops` FLOP/s and `bandwidth` B/s."""
+    weights = cost.linear_params * cost.element_bytes
+    head = cost.head_params * cost.element_bytes
+    overlapped = sequential = 0.0
+    for s in steps:
+        lin_f = 2 * cost.linear_params * s.tokens + 2 * cost.head_params * s.sampled
+        lin_b = weights + (head if s.sampled else 0)
+        att_f, att_b = cost.attn_flop * s.pairs, cost.kv_bytes * s.context
+        overlapped += max((lin_f + att_f) / gemm_flops, (lin_b + att_b) / bandwidth)
+        sequential += max(lin_f / gemm_flops, lin_b / bandwidth) \
+            + max(att_f / gemm_flops, att_b / bandwidth)
+    return {"steps": len(steps), "overlapped_s": overlapped, "sequential_s": sequential}
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """This machine's streaming read rate in bytes/s on torch's current threads: the best
+    of `repeats` sums over `mib` MiB (past every cache), as a decode step reads weights
+    and K/V."""
+    x = torch.ones(mib << 18, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first touches the pages
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+# ---- a bench_serving report against this machine, now ------------------------------
+
+def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int = 8
+                 ) -> list[dict[str, object]]:
+    """Each throughput run's bound and each system's share of it. The report keeps a run's
+    requests sorted by prompt length, not in their order: the bound is the least over that
+    order, its reverse and `orders` shuffles."""
+    from loadtest.bench_common import MODEL_CONFIGS
+
+    st, rows = report["settings"], []
+    for name, m in report["models"].items():
+        config = Path(m["model"]["path"]) / "config.json"
+        cfg = json.loads(config.read_text()) if config.exists() else MODEL_CONFIGS[name]
+        cost = ModelCost.of(cfg, torch.empty((), dtype=getattr(torch, st["dtype"])).element_size())
+        by_label: dict[str, dict[str, dict]] = {}
+        for system, runs in m["throughput"]["systems"].items():
+            for run in runs:
+                by_label.setdefault(run["label"], {})[system] = run
+        for label, runs in by_label.items():
+            first = next(iter(runs.values()))
+            pairs, seqs = list(first["token_counts"]), int(first["max_concurrency"])
+            shuffles = [pairs, pairs[::-1]] + [random.Random(i).sample(pairs, len(pairs))
+                                               for i in range(orders)]
+            best = min((bound(cost, list(schedule([p for p, _ in o], [n for _, n in o], seqs,
+                                                  st["max_batched_tokens"])),
+                              gemm_flops, bandwidth) for o in shuffles),
+                       key=lambda b: b["sequential_s"])
+            walls = {k: r["duration"] for k, r in runs.items()}
+            rows.append({"model": name, "dtype": st["dtype"], "label": label, **best,
+                         "wall_s": walls,
+                         "of_bound": {k: best["sequential_s"] / t for k, t in walls.items()},
+                         "vllm_x1.3_needs": 1.3 * best["sequential_s"] / walls["vllm"]
+                         if "vllm" in walls else None})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, object]]:
+    p = argparse.ArgumentParser(prog="python -m loadtest.roofline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("reports", nargs="+", help="bench_serving JSON reports")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from loadtest.bench_common import MODEL_CONFIGS, pin_threads
+    from loadtest.bench_offline import gemm_peak_gflops
+
+    pin_threads("loadtest.roofline", a.threads, argv)
+    bandwidth, rows = memory_bandwidth(), []
+    print(f"memory read rate {bandwidth / 1e9:.1f} GB/s on {a.threads} thread(s)")
+    print("| model | dtype | run | steps | GEMM GFLOP/s | bound s, sequential (overlapped) "
+          "| kvserve | vLLM | 1.3× vLLM needs |\n|---|---|---|---|---|---|---|---|---|")
+    peaks: dict[str, float] = {}
+    for path in a.reports:
+        report = json.loads(Path(path).read_text())
+        dtype = report["settings"]["dtype"]
+        if dtype not in peaks:  # the model's MLP shape; every model here shares the rate
+            peaks[dtype] = gemm_peak_gflops(MODEL_CONFIGS["160m"], dtype)
+        for r in serving_rows(report, peaks[dtype] * 1e9, bandwidth):
+            pct = {k: f"{100 * v:.0f}%" for k, v in r["of_bound"].items()}  # type: ignore[union-attr]
+            need = r["vllm_x1.3_needs"]
+            print(f"| {r['model']} | {r['dtype']} | {r['label']} | {r['steps']} "
+                  f"| {peaks[dtype]:.0f} | {r['sequential_s']:.1f} ({r['overlapped_s']:.1f}) "
+                  f"| {pct.get('kvserve', '—')} | {pct.get('vllm', '—')} "
+                  f"| {'—' if need is None else f'{100 * need:.0f}%'} |", flush=True)
+            rows.append({**r, "gemm_gflops": peaks[dtype], "memory_gbs": bandwidth / 1e9})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
