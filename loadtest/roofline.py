@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -124,17 +125,20 @@ def bound(cost: ModelCost, steps: Sequence[Step], gemm_flops: float,
     return {"steps": len(steps), "overlapped_s": overlapped, "sequential_s": sequential}
 
 
-def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
-    """This machine's streaming read rate in bytes/s on torch's current threads: the best
-    of `repeats` sums over `mib` MiB (past every cache), as a decode step reads weights
-    and K/V."""
+def memory_bandwidth(mib: int = 512, repeats: int = 7) -> float:
+    """This machine's streaming read rate in bytes/s on torch's current threads: the
+    median of `repeats` sums over `mib` MiB (past every cache), as a decode step reads
+    weights and K/V. The median, not the best: now and then one sum here ran at ~1.6x
+    the others' rate (50.9 against 31-33 GB/s), and a bound should not hang on one
+    outlier (in one run it made a bf16 workload's bound 7% lower: 53.7 against 33.2 GB/s)."""
     x = torch.ones(mib << 18, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first touches the pages
+    x.sum()  # touches the pages
+    times = []
+    for _ in range(repeats):
         t = time.perf_counter()
         x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times)
 
 
 # ---- a bench_serving report against this machine, now ------------------------------

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.cpu_linear import pack_linears
+from engine.cpu_memory import keep_freed_memory
 from engine.loader import load_model
 from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
@@ -181,6 +182,8 @@ class EngineCore:
         self._pending: Launch | None = None  # a step in flight (async scheduling)
         self._host_ids = HostIds(config.max_num_seqs)  # its ids' pinned buffers
         self.overlapped_steps = 0  # steps launched while the one before them ran
+        if self.device.type == "cpu":  # after the weights and the pool: steps' buffers stay
+            keep_freed_memory()
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
