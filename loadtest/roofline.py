@@ -143,14 +143,13 @@ def memory_bandwidth(mib: int = 512, repeats: int = 7) -> float:
 
 # ---- a bench_serving report against this machine, now ------------------------------
 
-VLLM_TARGET = 1.3  # issue 22: kvserve's throughput over vLLM-CPU's (bench_offline.TARGETS)
-
 def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int = 8
                  ) -> list[dict[str, object]]:
     """Each throughput run's bound and each system's share of it. The report keeps a run's
     requests sorted by prompt length, not in their order: the bound is the least over that
     order, its reverse and `orders` shuffles."""
     from loadtest.bench_common import MODEL_CONFIGS
+    from loadtest.bench_offline import TARGETS  # issue 22's 1.3x over vLLM-CPU
 
     st, rows = report["settings"], []
     for name, m in report["models"].items():
@@ -174,7 +173,7 @@ def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int 
             rows.append({"model": name, "dtype": st["dtype"], "label": label, **best,
                          "wall_s": walls,
                          "of_bound": {k: best["sequential_s"] / t for k, t in walls.items()},
-                         "vllm_x1.3_needs": VLLM_TARGET * best["sequential_s"] / walls["vllm"]
+                         "vllm_x1.3_needs": TARGETS["vllm"] * best["sequential_s"] / walls["vllm"]
                          if "vllm" in walls else None})
     return rows
 
