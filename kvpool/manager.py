@@ -55,6 +55,10 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * pool.num_blocks)
         self.prefix_caching = enable_prefix_caching
         self.swap = swap
+        # Whether a policy's ring (StreamingLLM's fixed-size cache, `SlotTables.start_ring`)
+        # is used: the engine turns it off for models with sliding-window layers, whose
+        # trimming evicts by position under the ring.
+        self.rings = True
         # Every cache is a row of these (kvpool/tables.py); they grow as needed.
         self.tables = SlotTables(num_layers, pool.block_size, rows=rows)
 
@@ -67,6 +71,10 @@ class KVCacheManager:
         """Blocks (all layers) that `tokens` tokens of a full cache hold."""
         return self.num_layers * -(-tokens // self.block_size)
 
+    def ring(self, policy: Any | None) -> tuple[int, int] | None:
+        """(sink, cap) of the ring a request under `policy` gets at its window, or None."""
+        return getattr(policy, "ring", None) if self.rings else None
+
     def reservation(self, policy: Any | None, prompt_len: int, total: int,
                     max_chunk: int) -> tuple[int, int]:
         """(reserve, peak) in blocks over all layers for a request of `total` tokens.
@@ -74,7 +82,8 @@ class KVCacheManager:
         `peak`: the most it can ever hold — prompt + max_tokens, or under a policy that
         bounds its cache, the bound plus one prefill chunk (eviction runs after each
         chunk) and a partly dead block. `reserve`: the steady-state size admission keeps
-        free for a bounded request (0: unbounded, admitted on what it needs now)."""
+        free for a bounded request (0: unbounded, admitted on what it needs now); with a
+        ring, exactly the blocks of its bound (the step's token goes over the oldest)."""
         bs, layers = self.block_size, self.num_layers
         peak = total - 1  # the last sampled token is never fed back: it needs no slot
         reserve = 0
@@ -87,6 +96,8 @@ class KVCacheManager:
                 # layers of different bounds (pyramid), the same from the sum over layers:
                 # Σ_l ceil((n_l + 1) / bs) + 1 <= ceil(Σ_l n_l / bs) + 2L.
                 reserve = layers * (-(-(live + 1) // bs) + 1)
+                if self.ring(policy) is not None:
+                    reserve = layers * -(-live // bs)
                 if hasattr(policy, "max_live_total"):
                     summed = policy.max_live_total(total, prompt_len, bs, layers)
                     reserve = min(reserve, -(-summed // bs) + 2 * layers)

@@ -57,6 +57,7 @@ class SeqCache:
         "bs",
         "num_layers",
         "pool",
+        "ring",
         "swapped",
         "tables",
         "uniform",
@@ -79,6 +80,7 @@ class SeqCache:
         # as position-only policies do): per-layer sizes are then all live // layers.
         self.alike = True
         self.swapped = False  # table holds host swap-space ids instead of pool ids
+        self.ring = False  # decode tokens may go over the oldest past the sinks (start_ring)
 
     # ---- the row ---------------------------------------------------------------------
     @property
@@ -170,6 +172,9 @@ class SeqCache:
             if self.uniform:
                 return nl if sz[o + nl] >= sz[o] * self.bs else 0
             z, bs = sz[o : o + 2 * nl].tolist(), self.bs
+            if self.ring:
+                over = self.tables.ring_writes(self._row)
+                return sum([x >= b * bs and not w for b, x, w in zip(z[:nl], z[nl:], over)])
             return sum([x >= b * bs for b, x in zip(z[:nl], z[nl:])])
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
@@ -244,6 +249,9 @@ class SeqCache:
         the runner writes the tokens' K and V.
         """
         n, bs, nl = positions.numel(), self.bs, self.num_layers
+        if self.ring:  # token by token, as a decode step appends: over the ring at its cap
+            return torch.cat([self.tables.append_decode(self.pool, [self.row], [p])[0]
+                              for p in positions.tolist()], dim=1)
         if self.uniform:
             nb, nxt = self.nblocks[0], self.next_slot[0]
             k = _blocks_for(nb, nxt, n, bs)
@@ -366,15 +374,46 @@ class SeqCache:
             elif b in pool.hash_of:
                 pool.forget(pool.hash_of[b])
 
+    def start_ring(self, sink: int, cap: int) -> bool:
+        """From now on a layer at exactly `cap` live tokens writes its next decode token
+        over its oldest past the first `sink` (StreamingLLM's fixed-size cache,
+        `SlotTables.start_ring`). An overwrite changes a block, so every block held
+        becomes this request's own first: one shared with another request is copied
+        (copy-on-write), one the prefix cache publishes is unpublished. False, with
+        nothing changed, when the pool has no block for the copies. The caller keeps
+        slots in position order until then (appends and compaction do) and evicts
+        nothing by position afterwards (no sliding window, no RoPE shift)."""
+        assert not self.swapped
+        pool, table = self.pool, self.table
+        held = torch.arange(table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+        shared = held & (pool.ref[table.clamp_min(0)] > 1)
+        k = int(shared.sum())
+        if k:
+            if k > pool.num_free:
+                return False
+            old, new = table[shared], pool.allocate(k)
+            pool.copy_blocks(new, old)
+            table[shared] = new
+            pool.release(old)
+        if pool.hash_of:
+            for b in table[held].tolist():
+                if b in pool.hash_of:
+                    pool.forget(pool.hash_of[b])
+        self.uniform = False
+        self.ring = True
+        self.tables.start_ring(self.row, sink, cap)
+        return True
+
     def release(self) -> None:
         """Give every block back to the pool (request finished, aborted or preempted);
         a swapped cache must be swapped in or dropped with `discard_swapped` instead."""
         assert not self.swapped, "release() of a swapped cache"
         self.pool.release(self.owned_blocks())
         if self._row is not None:
-            self.tables.release_row(self._row)  # -1 filled, sizes 0
+            self.tables.release_row(self._row)  # -1 filled, sizes and ring 0
             self._row = None
         self.uniform = self.alike = True
+        self.ring = False
 
     def discard_swapped(self, swap) -> None:
         """A swapped request was aborted: free its host blocks."""

@@ -31,6 +31,19 @@ place (issue 18: lengths updated in place, no per-request Python), while Python 
 one size through `sz`, a flat memoryview of the same memory (~40 ns an int, a list's
 speed; a tensor element would be ~1 µs). `SeqCache` is a view of its row.
 
+A row may also have a ring (`start_ring`), StreamingLLM's fixed-size cache:
+
+    ring[R, 3 + L]          sinks (SINK), cap (CAP, 0 = no ring), overwritten slots not
+                            yet counted (OVER), then per layer the logical slot the next
+                            overwrite takes
+
+Once a layer holds exactly `cap` slots, every one live, its next decode token goes over
+its oldest token past the sinks (evict before write, 001_01037b507c6df960.txt App. A.1:
+the cache holds sink + window tokens *including* the new one) instead of into a new
+slot, so a request at its window holds exactly ceil(cap / bs) blocks a layer, never a
+block more for the step's token and a partly dead block at the window's old edge. The
+kept set after each step is the one the policy's own eviction would leave.
+
 Beside the positions, a policy's per-token state lives here too (`state`: named
 `[L, R, W * bs]` float32 tensors, created when a policy first declares one): H2O's
 cumulative attention, LazyEviction's activation times. State is per logical slot for
@@ -152,6 +165,7 @@ def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.T
 
 
 NBLOCKS, NEXT, LIVE = 0, 1, 2  # sizes[row, field, layer]
+SINK, CAP, OVER = 0, 1, 2  # ring[row, field]; the layers' cursors follow
 
 
 def _int_view(t: torch.Tensor) -> memoryview:
@@ -197,6 +211,8 @@ class SlotTables:
         # where the sizes change instead of read from every request every step.
         self.peaks = torch.zeros((self.table.shape[1], 2), dtype=torch.int64)
         self.pk = _int_view(self.peaks)
+        self.ring = torch.zeros((self.table.shape[1], 3 + num_layers), dtype=torch.int64)
+        self.rg = _int_view(self.ring)  # rebound when the rows grow: never keep it
         self.state: dict[str, torch.Tensor] = {}  # name -> [L, R, W * bs(, k)] float32
         self.fills: dict[str, float] = {}  # name -> a new slot's value
         # `native_states`' answer, kept until a state is added or the tensors grow
@@ -242,6 +258,7 @@ class SlotTables:
         self.slot_pos[:, row].fill_(-1)
         self.sizes[row] = 0
         self.peaks[row] = 0
+        self.ring[row] = 0
         self._free_rows.append(row)
 
     def ensure_width(self, blocks: int) -> None:
@@ -263,12 +280,51 @@ class SlotTables:
             peaks = torch.zeros((rows, 2), dtype=torch.int64)
             peaks[:r] = self.peaks
             self.peaks, self.pk = peaks, _int_view(peaks)
+            ring = torch.zeros((rows, 3 + nl), dtype=torch.int64)
+            ring[:r] = self.ring
+            self.ring, self.rg = ring, _int_view(ring)
         for name, old in self.state.items():
             k = old.shape[3] if old.dim() == 4 else 0
             new = _new_state(pos.shape, k, self.fills[name], by_columns(old))
             new[:, :r, : w * self.bs] = old
             self.state[name] = new
         self._native = None
+
+    # ---- rings ------------------------------------------------------------------------
+    def start_ring(self, row: int, sink: int, cap: int) -> None:
+        """From now on, a layer of `row` holding exactly `cap` live slots and no dead one
+        takes its next decode token over its oldest token past the first `sink` slots
+        (the module's docstring). The caller guarantees that the row's slots then hold
+        its tokens in position order (every append and compaction keeps that order) and
+        that no block of the row is shared or published (an overwrite changes it)."""
+        assert 0 <= sink < cap, "a ring needs a slot past the sinks"
+        o = row * (3 + self.num_layers)
+        rg = self.rg
+        rg[o + SINK], rg[o + CAP], rg[o + OVER] = sink, cap, 0
+        for layer in range(self.num_layers):
+            rg[o + 3 + layer] = sink
+
+    def ring_writes(self, row: int) -> list[bool]:
+        """Per layer, whether the row's next decode token goes over its ring."""
+        nl = self.num_layers
+        o, z = row * (3 + nl), row * 3 * nl
+        cap, sz = self.rg[o + CAP], self.sz
+        return [cap > 0 and sz[z + NEXT * nl + i] == cap and sz[z + LIVE * nl + i] == cap
+                for i in range(nl)]
+
+    def take_overwritten(self, row: int) -> int:
+        """Tokens (slots over layers, whole layers only) the row's ring overwrote since the
+        last call: its policy's evictions, counted where they happen."""
+        o = row * (3 + self.num_layers) + OVER
+        tokens = self.rg[o] // self.num_layers
+        self.rg[o] -= tokens * self.num_layers
+        return tokens
+
+    def _ring_writes(self, sizes: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """[L, B] the torch form of `ring_writes` for rows' sizes [B, 3, L] and rings
+        [B, 3 + L]."""
+        cap = ring[:, CAP, None]
+        return ((cap > 0) & (sizes[:, NEXT] == cap) & (sizes[:, LIVE] == cap)).t()
 
     # ---- what a step reads -----------------------------------------------------------
     def rows_of(self, rows: list[int], nb: int, whole: bool = False
@@ -312,22 +368,28 @@ class SlotTables:
         if not rows:
             return 0, 0
         if self.table.device.type == "cpu" and load_mark():
-            return torch.ops.kvserve_tables.decode_need(self.sizes, rows, self.bs)
-        sizes = self.sizes.index_select(0, int64_tensor(rows))
-        after = sizes[:, NBLOCKS] + (sizes[:, NEXT] >= sizes[:, NBLOCKS] * self.bs)
-        return int((after - sizes[:, NBLOCKS]).sum()), int(after.max())
+            return torch.ops.kvserve_tables.decode_need(self.sizes, self.ring, rows, self.bs)
+        take = self._takes_block(int64_tensor(rows))
+        return int(take.sum()), int((self.sizes[rows, NBLOCKS] + take).max())
+
+    def _takes_block(self, row_t: torch.Tensor) -> torch.Tensor:
+        """[B, L] whether a decode append takes a block for each row's layer: its last
+        block is full and its token does not go over its ring (the torch form)."""
+        sizes = self.sizes.index_select(0, row_t)
+        ring = self.ring.index_select(0, row_t)
+        full = sizes[:, NEXT] >= sizes[:, NBLOCKS] * self.bs
+        return full & ~self._ring_writes(sizes, ring).t()
 
     def held_and_need(self, rows: list[int]) -> tuple[list[int], list[int]]:
         """Per row: (blocks held over all layers, blocks a decode append would take: a
         layer whose last block is full takes one), `SeqCache.num_blocks` and
         `blocks_needed(1)` of many rows at once. One C++ call on CPU."""
         if self.table.device.type == "cpu" and load_mark():
-            both = torch.ops.kvserve_tables.held_and_need(self.sizes, rows, self.bs)
+            both = torch.ops.kvserve_tables.held_and_need(self.sizes, self.ring, rows, self.bs)
             return both[0::2], both[1::2]
-        sizes = self.sizes.index_select(0, int64_tensor(rows))  # [n, fields, L]
-        nb = sizes[:, NBLOCKS]
-        return (nb.sum(dim=1).tolist(),
-                (sizes[:, NEXT] >= nb * self.bs).sum(dim=1).tolist())
+        row_t = int64_tensor(rows)
+        return (self.sizes[row_t, NBLOCKS].sum(dim=1).tolist(),
+                self._takes_block(row_t).sum(dim=1).tolist())
 
     def append_decode(self, pool: BlockPool, rows: list[int],
                       positions: list[int]) -> tuple[torch.Tensor, int]:
@@ -348,24 +410,33 @@ class SlotTables:
             taken = pool.take(need)  # raises before anything changes
             states, columns = self.native_states()
             return torch.ops.kvserve_tables.append_rows(
-                self.table, self.slot_pos, self.sizes, self.peaks, states, columns,
+                self.table, self.slot_pos, self.sizes, self.peaks, self.ring, states, columns,
                 list(self.fills.values()), pool.ref, rows + positions + taken, len(rows),
                 bs), widest
         row_t = int64_tensor(rows)
         sizes = self.sizes.index_select(0, row_t)  # [B, 3, L]
+        ring = self.ring.index_select(0, row_t)  # [B, 3 + L]
         nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, B]
-        full = nxt >= nb * bs
+        over = self._ring_writes(sizes, ring)  # [L, B]
+        at = ring[:, 3:].t()
+        full = (nxt >= nb * bs) & ~over
+        slot = torch.where(over, at, nxt)
         lay = torch.arange(nl)[:, None]
         if need:  # new blocks in (cache, layer) order, as the C++ pass takes them
             ids = pool.allocate(need)
             ci, li = full.t().nonzero().unbind(1)  # (cache, layer) pairs
             self.table[li, row_t[ci], nb[li, ci]] = ids
-        self.slot_pos[lay, row_t, nxt] = int64_tensor(positions)
-        self.fill_state(lay, row_t, nxt)
-        slots = self.table[lay, row_t, nxt // bs] * bs + nxt % bs
+        self.slot_pos[lay, row_t, slot] = int64_tensor(positions)
+        self.fill_state(lay, row_t, slot)
+        slots = self.table[lay, row_t, slot // bs] * bs + slot % bs
         sizes[:, NBLOCKS] += full.t()
-        sizes[:, NEXT:] += 1
+        sizes[:, NEXT:] += (~over).t()[:, None]
         self.sizes.index_copy_(0, row_t, sizes)
+        sink, cap = ring[:, SINK], ring[:, CAP]
+        moved = torch.where(at + 1 >= cap, sink, at + 1)
+        ring[:, 3:] = torch.where(over, moved, at).t()
+        ring[:, OVER] += over.sum(dim=0)
+        self.ring.index_copy_(0, row_t, ring)
         now = torch.stack([sizes[:, NBLOCKS].sum(1), sizes[:, LIVE].sum(1) // nl], dim=1)
         self.peaks.index_copy_(0, row_t, torch.maximum(self.peaks.index_select(0, row_t), now))
         return slots, widest

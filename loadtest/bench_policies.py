@@ -39,7 +39,9 @@ bf16: less per-token compute, which no policy saves, so a higher ceiling), `--ge
 around `--gen`, so requests do not finish in lockstep waves and continuous batching
 refills their places), `--policies h2o,h2o:unbatched` (a policy also run with every
 request's policy stepped alone, `batch_policies=False`: what the batched decode step
-buys, on the same machine in the same run).
+buys, on the same machine in the same run), `--policies streaming,streaming:noring`
+(StreamingLLM also run without its ring, `streaming_ring=False`: appending, then
+evicting after the step).
 
     python -m loadtest.bench_policies --out runs/
 """
@@ -70,13 +72,15 @@ BASELINES = ("vllm", "fit")  # the extra ways to run `full`: names "full:<way>"
 
 
 def _engine(path: str, num_blocks: int, max_seqs: int, args: argparse.Namespace,
-            reserve_preempted: bool = True, batch_policies: bool = True) -> EngineCore:
+            reserve_preempted: bool = True, batch_policies: bool = True,
+            streaming_ring: bool = True) -> EngineCore:
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
                                    dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                    reserve_preempted=reserve_preempted,
-                                   batch_policies=batch_policies))
+                                   batch_policies=batch_policies,
+                                   streaming_ring=streaming_ring))
 
 
 def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
@@ -113,7 +117,7 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
         kv = policy_config(base, budget)
         eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
                       args, reserve_preempted=way != "vllm",
-                      batch_policies=way != "unbatched")
+                      batch_policies=way != "unbatched", streaming_ring=way != "noring")
         _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
         bc.drive(eng, "warm-up", progress=False)
         _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
@@ -327,9 +331,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
     bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES
-           or x.partition(":")[2] not in ("", "unbatched")]
+           or x.partition(":")[2] not in ("", "unbatched", "noring")]
     if bad:
-        p.error(f"--policies: unknown {', '.join(bad)} (a policy, or <policy>:unbatched)")
+        p.error(f"--policies: unknown {', '.join(bad)} (a policy, <policy>:unbatched or "
+                "<policy>:noring)")
     a.quality_variants = [x for x in a.quality_variants.split(";") if x]
     bad = [x for x in a.quality_variants if x.partition("/")[0] not in POLICIES
            or not all("=" in o for o in x.partition("/")[2].split(","))]

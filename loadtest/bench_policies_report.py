@@ -71,6 +71,8 @@ def _throughput(t: dict, st: dict) -> list[str]:
         params = _FULL_WAYS.get(name, _params(r["kv_policy"]))
         if name.endswith(":unbatched"):
             params += "; each request's policy stepped alone (`batch_policies=False`)"
+        if name.endswith(":noring"):
+            params += "; appended, evicted after the step (`streaming_ring=False`)"
         lines.append(
             f"| {name}{ok} | {params} | {r['max_running']} "
             f"| {r['mean_running']:.1f} | {r['tok_s']:.1f} | {_f(r['tok_s_vs_full'], '.2f', '×')} "

@@ -92,6 +92,19 @@ class StreamingPolicy:
         c = policies[0].config
         return drop_middle(view, c.sink, [c.sink + c.window] * len(view.lengths))
 
+    @property
+    def ring(self) -> tuple[int, int] | None:
+        """(sink, sink + window): in decode, once a layer holds sink + window tokens, the
+        engine writes each new token over the oldest past the sinks (kvpool/tables.py,
+        `SlotTables.start_ring`) instead of evicting it after the step. The kept set
+        after every step is the same; the step's attention sees the cache the paper
+        keeps, sink + window tokens with the new one (001_01037b507c6df960.txt App. A.1;
+        StreamingLLM's own cache makes room before it appends), not one token more; and a
+        request at its window holds exactly ceil((sink + window) / block_size) blocks a
+        layer. None with `rope: "shift"`, which renumbers the kept tokens by order."""
+        c = self.config
+        return (c.sink, c.sink + c.window) if c.rope == "original" else None
+
     def idle(self, view: StepView) -> bool:
         """No layer holds more than sink + window: `step` keeps everything."""
         return max(view.lengths, default=0) <= self.config.sink + self.config.window

@@ -82,6 +82,10 @@ class EngineConfig:
     # A step's requests of equal policies run as one group (scheduler/policy_rows.py);
     # False: every request a group of one (the same plans).
     batch_policies: bool = True
+    # StreamingLLM at its window writes each decode token over its oldest past the sinks
+    # (kvpool/tables.py's ring): exactly its window's blocks, the paper's cache; False
+    # appends and evicts after the step (a block more a layer while it runs).
+    streaming_ring: bool = True
     # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
     # False keeps torch's dense F.linear (for comparison).
     cpu_prepack: bool = True
@@ -172,6 +176,7 @@ class EngineCore:
         self._eos = set(mc.eos_token_ids)
         windows = [w for w in mc.sliding_windows if w is not None]
         self._min_window = min(windows) if windows else 2**62  # effectively never trims
+        self.kv.rings = config.streaming_ring and not windows
         self._prompt_tokens = 0
         self._generation_tokens = 0
         # Requests here whose rows need sampling parameters (a temperature, logprobs):
@@ -226,7 +231,8 @@ class EngineCore:
         req = Request(request_id, list(prompt_ids), params, seed,
                       arrival_time if arrival_time is not None else time.monotonic(),
                       priority=priority, kv_policy=config, policy_name=config.name,
-                      policy=policy, rope_shift=rope_shift, tenant=tenant,
+                      policy=policy, rope_shift=rope_shift, ring=self.kv.ring(policy),
+                      tenant=tenant,
                       block_hashes=block_hashes(prompt_ids, bs, cache_salt),
                       reserve_blocks=reserve, peak_blocks=need, max_chunk=chunk,
                       stop_ids=frozenset(params.stop_token_ids).union(
@@ -552,7 +558,8 @@ class EngineCore:
             prefix_cache_hits_total=self.scheduler.prefix_hits,
             tenant_blocks=self.scheduler.tenant_blocks(),
             requests_by_policy_total=dict(self.policies.requests),
-            evicted_tokens_by_policy_total=dict(self.policies.evicted_tokens),
+            evicted_tokens_by_policy_total=_added(self.policies.evicted_tokens,
+                                                  self.scheduler.ring_evicted),
             freed_blocks_by_policy_total=dict(self.policies.freed_blocks),
             policy_seconds_total=dict(self.policies.seconds))
 
@@ -590,3 +597,11 @@ def _add_prompt_logprobs(r: Request, s: TokenScores) -> None:
         r.prompt_logprobs.append(TokenLogprob(
             r.prompt_ids[first + k], s.logprob[k], list(zip(s.top_ids[k], s.top_logprobs[k])),
             s.rank[k]))
+
+
+def _added(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    """Two per-policy counters as one (a new dict)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out

@@ -29,6 +29,9 @@ class Request:
     policy_name: str = "full"
     policy: object | None = None  # built from kv_policy; None for "full"
     rope_shift: bool = False  # kv_policy asked for rope: "shift"
+    # (sink, cap) of its policy's ring (`KVCacheManager.ring`): its cache starts one once
+    # a layer holds cap tokens (`PolicyRunner.run`).
+    ring: tuple[int, int] | None = None
     # The kv_policy as canonical JSON, set on its first policy step: requests with equal
     # keys share a policy group (a string hashes once; a pydantic model on every step).
     policy_key: str | None = None

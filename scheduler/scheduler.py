@@ -101,6 +101,9 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens served from the cache
         self.pending: dict[int, int] = {}  # prefix hash -> requests computing it now
+        # Per policy name, tokens its requests' rings overwrote (evictions counted where
+        # the decode append does them; `PolicyRunner` counts the policies' own).
+        self.ring_evicted: dict[str, int] = {}
 
     # ---- queues ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -153,6 +156,8 @@ class Scheduler:
             n = min(left, budget, req.max_chunk)
             cache = req.cache
             assert cache is not None
+            if cache.ring:
+                self._count_ring(req)
             if n == 1 and roomy and nl * (len(rows) + 1) <= free:
                 need = 0
             else:
@@ -348,12 +353,22 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """Give a request's cache back, its peak sizes kept in the request's usage."""
         assert req.cache is not None
+        if req.cache.ring:
+            self._count_ring(req)
         blocks, live = req.cache.peak()
         kv = req.kv
         kv.peak_blocks = max(kv.peak_blocks, blocks)
         kv.peak_live_tokens = max(kv.peak_live_tokens, live)
         self.kv.release(req.cache)
         req.cache = None
+
+    def _count_ring(self, req: Request) -> None:
+        """Count what its ring overwrote since last asked as its policy's evictions."""
+        assert req.cache is not None
+        n = req.cache.tables.take_overwritten(req.cache.row)
+        if n:
+            req.kv.evicted_tokens += n
+            self.ring_evicted[req.policy_name] = self.ring_evicted.get(req.policy_name, 0) + n
 
     def _mode(self, req: Request) -> str:
         mode = self.mem.preemption_mode

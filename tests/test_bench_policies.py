@@ -165,6 +165,23 @@ def test_unbatched_variant_runs_beside_the_batched_policy(tmp_path) -> None:
     assert "h2o:unbatched | budget" in doc and "`batch_policies=False`" in doc
 
 
+@pytest.mark.timeout(150)
+def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
+    """`streaming:noring` runs StreamingLLM appending and evicting after the step
+    (`streaming_ring=False`) beside its ring in the same run, both to their lengths, the
+    ring at least as many at once (a block less a layer each)."""
+    report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts",
+                       "throughput", "--baselines", "", "--policies",
+                       "streaming,streaming:noring")
+    rows = report["throughput"]["policies"]
+    assert list(rows) == ["full", "streaming", "streaming:noring"]
+    a, b = rows["streaming"], rows["streaming:noring"]
+    assert a["kv_policy"] == b["kv_policy"] and a["all_lengths_ok"] and b["all_lengths_ok"]
+    assert a["max_running"] >= b["max_running"]
+    doc = (tmp_path / "benchmarks.md").read_text()
+    assert "streaming:noring | " in doc and "`streaming_ring=False`" in doc
+
+
 def test_unknown_policy_variant_is_refused() -> None:
     from loadtest.bench_policies import parse_args
 

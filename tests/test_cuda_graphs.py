@@ -124,20 +124,24 @@ def _check_overlap(llm: LLM, policies: list) -> None:
 # one is not planned ahead while a running request has no token in flight), and overlap
 # comes only as requests finish
 @pytest.mark.parametrize("budget", [64, 3])
-def test_async_scheduling_changes_no_token(tiny: str, scratch_pool, budget: int) -> None:
+@pytest.mark.parametrize("ring", [True, False])
+def test_async_scheduling_changes_no_token(tiny: str, scratch_pool, budget: int,
+                                           ring: bool) -> None:
     """Async scheduling (EngineCore.step) plans and launches a graph step before the
     tokens of the one in flight are on the host, its ids taken from the device. Every
     request's tokens must equal the engine's that waits for each step: greedy and seeded
     sampled rows, requests finishing on length at different steps, one stopping on a
     token id while the next step is already computed for it (dropped), one aborted
-    with a step in flight, two evicting every step (streaming: its policy acts before
-    the next plan, on sizes and positions alone); a request arriving mid-run ends the
+    with a step in flight, two evicting every step (streaming: with its ring, the decode
+    append writes over the oldest token as the step after is planned; without, its
+    policy acts before the next plan, on sizes and positions alone); a request arriving mid-run ends the
     overlap until it joins; with a token budget under the batch, steps that leave a
     request out. Nothing leaks."""
 
     def run(overlap: bool, stop: int | None) -> tuple[dict[str, list[int]], LLM]:
         llm = LLM(tiny, num_blocks=200, block_size=4, max_num_seqs=8, device=DEVICE,
-                  max_num_batched_tokens=budget, enforce_eager=True, async_scheduling=overlap)
+                  max_num_batched_tokens=budget, enforce_eager=True, async_scheduling=overlap,
+                  streaming_ring=ring)
         core = llm.engine
         core.runner.graphs = cuda_graphs.DecodeGraphs(core.runner, 8, core.max_model_len,
                                                       capture=False)
@@ -176,7 +180,8 @@ def test_async_scheduling_changes_no_token(tiny: str, scratch_pool, budget: int)
     assert [len(got[f"r{i}"]) for i in (0, 3, 4, 5)] == [9, 16, 10, 6]
     assert 4 <= len(got["r2"]) < 12
     assert llm.engine.overlapped_steps > (5 if budget > 8 else 0)
-    assert llm.engine.policies.evicted_tokens["streaming"] > 20
+    assert llm.engine.stats().evicted_tokens_by_policy_total["streaming"] > 20
+    assert bool(llm.engine.scheduler.ring_evicted) == ring  # the ring's, counted as it writes
 
 
 def test_capture_all_takes_both_graphs_of_every_bucket(tiny: str, scratch_pool) -> None:

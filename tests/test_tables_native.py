@@ -166,10 +166,12 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
     """SlotTables.append_decode's C++ pass (csrc/tables_cpu.cpp::append_rows) against its
     torch form over nine steps: caches whose layers hold different block counts after
     eviction (uneven) beside one that never evicted (aligned), block boundaries crossed
-    in some layers and not others, three kinds of per-slot state. The slots returned,
-    the tables, positions, states, reference counts, free list and sizes all agree, and
-    both forms of `decode_need` (and `held_and_need`, row by row) count what the
-    caches' `blocks_needed(1)` count."""
+    in some layers and not others, three kinds of per-slot state, and two ring caches
+    (`SeqCache.start_ring`): one at its cap from the first step (a cap that ends inside
+    a block, the cursor wrapping), one that reaches it mid-way. The slots returned,
+    the tables, positions, states, reference counts, free list, sizes and rings all
+    agree, and both forms of `decode_need` (and `held_and_need`, row by row) count what
+    the caches' `blocks_needed(1)` count."""
     from kvpool.seq_cache import SeqCache
 
     if not tables_mod.load_mark():
@@ -184,6 +186,12 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
         fresh = SeqCache(pool, 3, tables=t)
         fresh.append(torch.arange(7 + seed))
         caches.insert(seed % 4, fresh)
+        at_cap, reaching = SeqCache(pool, 3, tables=t), SeqCache(pool, 3, tables=t)
+        at_cap.append(torch.arange(10))
+        assert at_cap.start_ring(2, 10)  # 10 slots: two blocks and a half, 8 in the ring
+        reaching.append(torch.arange(5))
+        assert reaching.start_ring(1, 9)
+        caches += [at_cap, reaching]
         slots = []
         for step in range(9):
             pos = [100 * i + step for i in range(len(caches))]
@@ -198,9 +206,18 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
             got, width = t.append_decode(pool, rows, pos)
             assert width == widest == max(c.max_blocks for c in caches)  # what the step reads
             slots.append(got)
+        k = len(caches) - 2  # the ring caches' index: their positions are 100 k + step
+        kept = [sorted(p for p in c.slot_pos[layer].tolist() if p >= 0)
+                for c in caches[-2:] for layer in range(3)]
+        assert kept == [[0, 1, *range(100 * k + 1, 100 * k + 9)]] * 3 + \
+            [[0, *range(100 * (k + 1) + 1, 100 * (k + 1) + 9)]] * 3  # sinks + the newest
+        assert [t.take_overwritten(c.row) for c in caches[-2:]] == [9, 5]
         runs.append((pool, t, slots, [(c.nblocks, c.next_slot, c.layer_live) for c in caches]))
     (pa, a, sa, ca), (pb, b, sb, cb) = runs
     assert ca == cb
+    assert ca[-2] == ([3] * 3, [10] * 3, [10] * 3)  # at its cap all along: nothing appended
+    assert ca[-1] == ([3] * 3, [9] * 3, [9] * 3)  # grew to its cap (5 + 4 tokens), then rang
+    assert torch.equal(a.ring, b.ring)
     assert any(len(set(nb)) > 1 for nb, _, _ in ca), "no uneven cache was measured"
     assert all(torch.equal(x, y) for x, y in zip(sa, sb))
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)

@@ -48,6 +48,24 @@ void check_sizes(const at::Tensor& sizes, int64_t rt, int64_t nl) {
               "sizes must be a contiguous [Rt, 3, L] int64 tensor");
 }
 
+// Each row's ring ([Rt, 3 + L] int64: kvpool/tables.py's SlotTables.ring): its sinks, its
+// cap (0: no ring), its overwritten slots not yet counted, and per layer the logical slot
+// the next overwrite takes.
+void check_ring(const at::Tensor& ring, int64_t rt, int64_t nl) {
+  TORCH_CHECK(ring.dim() == 2 && ring.scalar_type() == at::kLong && ring.is_contiguous() &&
+              ring.size(0) >= rt && ring.size(1) == 3 + nl,
+              "ring must be a contiguous [Rt, 3 + L] int64 tensor");
+}
+
+// Whether layer l of a row writes its next decode token over its oldest token past the
+// sinks instead of appending (StreamingLLM's evict-before-write, SlotTables.start_ring):
+// the row has a ring and the layer holds exactly `cap` slots, every one live. `g` is the
+// row's ring, `z` its sizes.
+inline bool ring_writes(const int64_t* g, const int64_t* z, int64_t nl, int64_t l) {
+  const int64_t cap = g[1];
+  return cap > 0 && z[nl + l] == cap && z[2 * nl + l] == cap;
+}
+
 // slot_pos [L, Rt, S] int64, updated in place; sizes: each row's live counts lose the
 // slots that died; rows [R] the caches' rows; dead [L, R, W] bool (W <= S, a multiple of
 // bs); alike [R] bool (caches whose layers hold the same slots). Returns (counts [L, R]
@@ -425,12 +443,18 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
 // `decode_need` counts). Returns the physical slots [L, b] to write this step's K/V to.
 // `peaks` [Rt, 2] int64 keeps each row's most blocks
 // (all layers) and live tokens (summed over layers // layers) right after an append.
+// A layer that `ring_writes` takes no slot: its token goes over the ring's next slot, in
+// a block only this row holds (checked), the cursor moves on within [sink, cap) and the
+// row's overwritten count grows; its sizes stay.
 at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, at::Tensor peaks,
-                       std::vector<at::Tensor> states, const at::Tensor& columns,
+                       at::Tensor ring, std::vector<at::Tensor> states, const at::Tensor& columns,
                        std::vector<double> fills, at::Tensor ref, c10::IntArrayRef plan, int64_t b, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
   check_sizes(sizes, rt, nl);
+  check_ring(ring, rt, nl);
+  TORCH_CHECK(ring.size(0) == sizes.size(0), "ring and sizes must have the same rows");
+  int64_t* gp = ring.data_ptr<int64_t>();
   TORCH_CHECK(peaks.dim() == 2 && peaks.scalar_type() == at::kLong && peaks.is_contiguous() &&
               peaks.size(0) == sizes.size(0) && peaks.size(1) == 2, "peaks must be a contiguous [Rt, 2] int64 tensor");
   TORCH_CHECK(ref.dim() == 1 && ref.scalar_type() == at::kInt && ref.is_contiguous(), "ref must be [blocks] int32");
@@ -462,11 +486,17 @@ at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, 
   int64_t need = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t* z = zp + rows[i] * 3 * nl;
+    const int64_t* g = gp + rows[i] * (3 + nl);
     for (int64_t l = 0; l < nl; ++l) {
       const int64_t nb = z[l], nxt = z[nl + l];
       TORCH_CHECK(nb >= 0 && nxt >= 0 && nxt <= nb * bs, "sizes out of range");
       const int64_t lr = l * rt + rows[i];
-      if (nxt == nb * bs) {
+      if (ring_writes(g, z, nl, l)) {
+        const int64_t at = g[3 + l];
+        TORCH_CHECK(at >= g[0] && at < g[1], "ring cursor out of range");
+        const int64_t id = tp[lr * wt + at / bs];
+        TORCH_CHECK(id >= 0 && id < ref.size(0) && refp[id] == 1, "a ring slot in a block not only this row's");
+      } else if (nxt == nb * bs) {
         TORCH_CHECK(nb < wt, "the tables are too narrow for a new block");
         ++need;
       } else {
@@ -482,17 +512,25 @@ at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, 
   int64_t taken = 0;
   for (int64_t i = 0; i < b; ++i) {
     int64_t* z = zp + rows[i] * 3 * nl;
+    int64_t* g = gp + rows[i] * (3 + nl);
     int64_t blocks = 0, live = 0;
     for (int64_t l = 0; l < nl; ++l) {
-      const int64_t lr = l * rt + rows[i], slot = z[nl + l];
-      if (slot == z[l] * bs) {
-        const int64_t id = ids[taken++];
-        tp[lr * wt + z[l]] = id;
-        refp[id] = 1;
-        ++z[l];
+      const int64_t lr = l * rt + rows[i];
+      int64_t slot = z[nl + l];
+      if (ring_writes(g, z, nl, l)) {
+        slot = g[3 + l];
+        g[3 + l] = slot + 1 == g[1] ? g[0] : slot + 1;
+        ++g[2];
+      } else {
+        if (slot == z[l] * bs) {
+          const int64_t id = ids[taken++];
+          tp[lr * wt + z[l]] = id;
+          refp[id] = 1;
+          ++z[l];
+        }
+        ++z[nl + l];
+        ++z[2 * nl + l];
       }
-      ++z[nl + l];
-      ++z[2 * nl + l];
       blocks += z[l];
       live += z[2 * nl + l];
       sp[lr * s + slot] = pos[i];
@@ -527,17 +565,32 @@ const int64_t* row_sizes(const at::Tensor& sizes, c10::IntArrayRef rows) {
   return zp;
 }
 
+// Whether `append_rows` takes a block for layer l of a row: its last block is full and
+// its token does not go over the row's ring.
+inline bool takes_block(const int64_t* g, const int64_t* z, int64_t nl, int64_t l, int64_t bs) {
+  return z[nl + l] >= z[l] * bs && !ring_writes(g, z, nl, l);
+}
+
+const int64_t* ring_rows(const at::Tensor& ring, const at::Tensor& sizes) {
+  check_ring(ring, sizes.size(0), sizes.size(2));
+  TORCH_CHECK(ring.size(0) == sizes.size(0), "ring and sizes must have the same rows");
+  return ring.data_ptr<int64_t>();
+}
+
 // The blocks `append_rows` would take for these rows (a layer whose last block is full
 // takes one) and the most blocks a row will then hold in a layer (the width the tables
 // need). Asked once for a step's decoding rows, instead of every request in Python.
-std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, const at::Tensor& ring,
+                                         c10::IntArrayRef rows, int64_t bs) {
   const int64_t* zp = row_sizes(sizes, rows);
   const int64_t nl = sizes.size(2);
+  const int64_t* gp = ring_rows(ring, sizes);
   int64_t need = 0, widest = 0;
   for (const int64_t row : rows) {
     const int64_t* z = zp + row * 3 * nl;
+    const int64_t* g = gp + row * (3 + nl);
     for (int64_t l = 0; l < nl; ++l) {
-      const bool full = z[nl + l] >= z[l] * bs;
+      const bool full = takes_block(g, z, nl, l, bs);
       need += full;
       widest = std::max(widest, z[l] + full);
     }
@@ -548,17 +601,20 @@ std::tuple<int64_t, int64_t> decode_need(const at::Tensor& sizes, c10::IntArrayR
 // Per row, [held_0, need_0, held_1, need_1, ...]: blocks held over all layers, and blocks a
 // decode append would take (`decode_need`'s count, row by row): the policy runner's
 // reservation check of every request near its reservation, one call a step.
-std::vector<int64_t> held_and_need(const at::Tensor& sizes, c10::IntArrayRef rows, int64_t bs) {
+std::vector<int64_t> held_and_need(const at::Tensor& sizes, const at::Tensor& ring,
+                                   c10::IntArrayRef rows, int64_t bs) {
   const int64_t* zp = row_sizes(sizes, rows);
   const int64_t nl = sizes.size(2);
+  const int64_t* gp = ring_rows(ring, sizes);
   std::vector<int64_t> out;
   out.reserve(2 * rows.size());
   for (const int64_t row : rows) {
     const int64_t* z = zp + row * 3 * nl;
+    const int64_t* g = gp + row * (3 + nl);
     int64_t held = 0, need = 0;
     for (int64_t l = 0; l < nl; ++l) {
       held += z[l];
-      need += z[nl + l] >= z[l] * bs;
+      need += takes_block(g, z, nl, l, bs);
     }
     out.push_back(held);
     out.push_back(need);
@@ -679,11 +735,12 @@ TORCH_LIBRARY(kvserve_tables, m) {
         "Tensor columns, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
   m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
-  m.def("decode_need(Tensor sizes, int[] rows, int bs) -> (int, int)");
-  m.def("held_and_need(Tensor sizes, int[] rows, int bs) -> int[]");
+  m.def("decode_need(Tensor sizes, Tensor ring, int[] rows, int bs) -> (int, int)");
+  m.def("held_and_need(Tensor sizes, Tensor ring, int[] rows, int bs) -> int[]");
   m.def("take_rows_into(Tensor src, int[] rows, Tensor(a!) out) -> ()");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
-        "Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, int b, int bs) "
+        "Tensor(g!) ring, Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, "
+        "int b, int bs) "
         "-> Tensor");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, "
         "Tensor columns, Tensor(e!)[] flats, Tensor rows, Tensor only, Tensor ref, int bs) "
