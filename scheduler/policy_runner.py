@@ -70,8 +70,8 @@ class PolicyRunner:
             r = c.request
             policy = r.policy
             cache = r.cache
-            if policy is None or cache is None:  # full cache, or finished this step
-                continue
+            if policy is None or cache is None or r.ringing:  # full cache, finished, or
+                continue  # a ring at its cap: nothing to drop, never a block more
             t = time.perf_counter()
             first_full = False
             if not r.prefill_done:

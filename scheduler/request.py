@@ -32,6 +32,10 @@ class Request:
     # (sink, cap) of its policy's ring (`KVCacheManager.ring`): its cache starts one once
     # a layer holds cap tokens (`PolicyRunner.run`).
     ring: tuple[int, int] | None = None
+    # Its ring has written over a token: from then on every layer stays at exactly its
+    # cap, so its policy has nothing to drop and its cache never grows (the policy runner
+    # skips it). Reset when preempted by recompute.
+    ringing: bool = False
     # The kv_policy as canonical JSON, set on its first policy step: requests with equal
     # keys share a policy group (a string hashes once; a pydantic model on every step).
     policy_key: str | None = None

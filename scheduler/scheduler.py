@@ -345,6 +345,7 @@ class Scheduler:
         req.window_trimmed = 0
         req.pos_offset = 0
         req.prefill_done = False
+        req.ringing = False
         req.reserve_ok_until = 0  # its growth is a prefill's again
         if req.policy is not None:  # its state described tokens that are gone
             req.policy = build_policy(req.kv_policy)
@@ -367,6 +368,7 @@ class Scheduler:
         assert req.cache is not None
         n = req.cache.tables.take_overwritten(req.cache.row)
         if n:
+            req.ringing = True
             req.kv.evicted_tokens += n
             self.ring_evicted[req.policy_name] = self.ring_evicted.get(req.policy_name, 0) + n
 

@@ -17,6 +17,7 @@ import torch
 
 from engine.sampling import SamplingParams
 from scheduler.llm import LLM
+from scheduler.policy_runner import PolicyRunner
 from tests.tiny_models import make_tiny_model
 
 BS = 4
@@ -69,7 +70,18 @@ def _kept_is_sinks_and_window(eng) -> None:
 
 
 @pytest.mark.parametrize("prompt_len", [10, 50])  # within the window; past it (evicted, compacted)
-def test_the_ring_keeps_the_window_in_exactly_its_blocks(model, prompt_len):
+def test_the_ring_keeps_the_window_in_exactly_its_blocks(model, prompt_len, monkeypatch):
+    """... and once its ring has written, a request is never handed to its policy again
+    (nothing to drop, no block more: `Request.ringing`)."""
+    steps: dict[tuple[int, str], int] = {}  # (runner, request) -> steps its policy ran
+    real = PolicyRunner._note_reserve  # every request its policy looks at comes here
+
+    def noting(self, r, num_new):
+        assert not r.ringing
+        steps[id(self), r.request_id] = steps.get((id(self), r.request_id), 0) + 1
+        real(self, r, num_new)
+
+    monkeypatch.setattr(PolicyRunner, "_note_reserve", noting)
     runs = []
     for ring, cfg in ((True, RING), (False, SHORTER)):
         llm = LLM(model, num_blocks=400, block_size=BS, streaming_ring=ring)
@@ -96,6 +108,9 @@ def test_the_ring_keeps_the_window_in_exactly_its_blocks(model, prompt_len):
             assert usage[f"r{i}"].peak_blocks == blocks
             assert usage_short[f"r{i}"].peak_blocks > blocks
     assert max(held_short) > blocks  # a block more a layer during the step, a partly dead one
+    ring_runner = id(llm.engine.policies)
+    for (runner, _), n in steps.items():  # until its ring first wrote; without one, always
+        assert n < 40 if runner == ring_runner else n >= 79, (runner == ring_runner, n)
     stats = llm.engine.stats()
     assert stats.evicted_tokens_by_policy_total == {
         "streaming": sum(u.evicted_tokens for u in usage.values())}
