@@ -93,7 +93,7 @@ def _ceiling(t: dict) -> list[str]:
         "", f"**Ceiling on this machine.** A policy that cost nothing, held exactly the budget "
         f"and kept the pool full ({c['requests']} requests of {c['prompt']} tokens, decoding "
         f"with no prefill and no last wave: a `full` engine, same run, the median of "
-        f"{c.get('steps', 64)} steps) would serve "
+        f"{c.get('steps', 64)} steps{_twice(c)}) would serve "
         f"{c['tok_s']:.1f} tok/s = **{c['tok_s_vs_full']:.2f}× full** "
         f"({c['tok_s_vs_best_full']:.2f}× the fastest `full`); the best policy, {name}, "
         f"reaches {r['tok_s'] / c['tok_s']:.0%} of it. The same batch with almost no K/V "
@@ -101,6 +101,13 @@ def _ceiling(t: dict) -> list[str]:
         f"{c['kv_share_of_step']:.0%} of that step, and the rest (weights, per-token compute, "
         "the step's fixed cost) is paid with or without eviction.", *_waves(c, name, r),
         *_anatomy(t)]
+
+
+def _twice(c: dict) -> str:
+    if c.get("tok_s_first") is None:  # measured once, after the runs (before session 40)
+        return ""
+    return (f"; measured before the runs and after them, {c['tok_s_first']:.1f} and "
+            f"{c['tok_s_last']:.1f} tok/s, and their mean taken")
 
 
 def _anatomy(t: dict) -> list[str]:
@@ -127,12 +134,13 @@ def _waves(c: dict, name: str, r: dict) -> list[str]:
         return []
     w = c["waves"]
     return [
-        "", f"**In the waves this pool allows.** A request holds budget + 1 tokens during a "
-        f"step, so {w[0]} fit at once and the {sum(w)} requests run as "
-        f"{' + '.join(map(str, w))}; free eviction in those waves (each wave's step measured "
-        f"at its size) would serve {c['tok_s_waves']:.1f} tok/s = "
+        "", f"**In the waves this pool allows a policy that evicts after the step.** Such a "
+        f"request holds budget + 1 tokens during a step, so {w[0]} fit at once and the "
+        f"{sum(w)} requests run as {' + '.join(map(str, w))}; free eviction in those waves "
+        f"(each wave's step measured at its size) would serve {c['tok_s_waves']:.1f} tok/s = "
         f"{c['tok_s_waves_vs_full']:.2f}× full; {name} reaches "
-        f"{r['tok_s'] / c['tok_s_waves']:.0%} of that."]
+        f"{r['tok_s'] / c['tok_s_waves']:.0%} of that. (StreamingLLM's ring writes the step's "
+        f"token over its oldest: {c['requests']} fit, the ceiling's count.)"]
 
 
 def _overhead(o: dict) -> list[str]:

@@ -67,6 +67,10 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     assert c["tok_s_vs_full"] == pytest.approx(c["tok_s"] / full["tok_s"])
     assert c["tok_s_vs_best_full"] == pytest.approx(c["tok_s"] / fastest)
     assert c["kv_share_of_step"] == pytest.approx(1 - c["tok_s"] / c["tok_s_no_kv"])
+    # measured before the runs and after them; the mean is the ceiling
+    assert c["tok_s"] == pytest.approx((c["tok_s_first"] + c["tok_s_last"]) / 2)
+    with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
+        assert "measured before the runs and after them" in f.read()
     # the waves the pool forces: requests holding budget + 1 tokens, as many as fit
     fit = t["num_blocks"] // (2 * math.ceil((t["budget_tokens"] + 1) / 16))
     assert sum(c["waves"]) == st["requests"] and max(c["waves"]) == fit
@@ -113,7 +117,8 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
         doc = f.read()
     assert "## KV eviction policies under memory pressure (issue 5)" in doc
     assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
-    assert "**Ceiling on this machine.**" in doc and "**In the waves this pool allows.**" in doc
+    assert "**Ceiling on this machine.**" in doc
+    assert "**In the waves this pool allows a policy that evicts after" in doc
     assert "Where each run's time went" in doc
     with open(os.path.join(out, "bench_policies.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
