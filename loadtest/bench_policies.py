@@ -54,6 +54,7 @@ import math
 import os
 import random
 import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -111,49 +112,70 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
     gens = gen_lengths(args.requests, args.gen, args.gen_spread, args.seed)
     out: dict = {"context": ctx, "num_blocks": blocks, "budget_tokens": budget,
                  "full_requests_fit": blocks // (layers * math.ceil(ctx / 16)), "policies": {}}
-    runs = ["full", *(f"full:{b}" for b in args.baselines), *args.policies]
-    # The ceiling's rate before the runs too: the machine drifts by 10% within a run,
-    # and one measurement after them made a policy read as 89% of it in one run and
-    # 106% in the next (session 40).
-    first = _decode_rate(path, args, ceiling_requests(args, blocks, budget), budget)
+    # Every run is read against the ceiling measured just before and just after it: the
+    # machine drifts by 10-20% within minutes, and one measurement after all the runs
+    # made the same policy read as 89% of it in one run and 106% in the next (session
+    # 40). `--rounds` runs the policies again, in reverse order every other round.
+    n_ceiling = ceiling_requests(args, blocks, budget)
+    rates = [_decode_rate(path, args, n_ceiling, budget)]
+    runs = ["full", *(f"full:{b}" for b in args.baselines)]
+    for k in range(args.rounds):
+        runs += args.policies[::-1] if k % 2 else args.policies
     for name in runs:
-        base, _, way = name.partition(":")
-        kv = policy_config(base, budget)
-        eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
-                      args, reserve_preempted=way != "vllm",
-                      batch_policies=way != "unbatched", streaming_ring=way != "noring")
-        _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
-        bc.drive(eng, "warm-up", progress=False)
-        _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
-        c0 = time.process_time()
-        d = bc.drive(eng, f"throughput {name}", progress=not args.no_progress)
-        cpu = time.process_time() - c0
-        st = eng.stats()
-        steps_total = sum(s.total_s for s in d.steps)
-        recs = list(d.requests.values())
-        r = {"kv_policy": kv, "wall_s": d.wall_s, "cpu_s": cpu, "output_tokens": d.output_tokens,
-             "tok_s": d.output_tokens / d.wall_s, "tok_per_cpu_s": d.output_tokens / cpu,
-             "max_running": d.max_running, "mean_running": d.mean_running, "steps": len(d.steps),
-             "all_lengths_ok": all(d.requests[f"{name}-{i}"]["output_tokens"] == g
-                                   for i, g in enumerate(gens)),
-             "p50_e2e_s": bc.pct(d.latencies(), 50), "p99_e2e_s": bc.pct(d.latencies(), 99),
-             "mean_peak_live_tokens": sum(x["peak_live_tokens"] for x in recs) / len(recs),
-             "max_peak_live_tokens": max(x["peak_live_tokens"] for x in recs),
-             "preemptions": sum(st.preemptions_total.values()),
-             "policy_share": sum(s.policy_s for s in d.steps) / steps_total,
-             "anatomy": step_anatomy(d.steps)}
-        out["policies"][name] = r
-        print(f"[throughput] {name}: {r['tok_s']:.1f} tok/s, max {r['max_running']} / mean "
-              f"{r['mean_running']:.1f} running, {r['preemptions']} preemptions, "
-              f"{d.wall_s:.1f} s (CPU {cpu:.1f} s)", flush=True)
+        r = _run_one(path, args, name, blocks, budget, gens, vocab)
+        rates.append(_decode_rate(path, args, n_ceiling, budget))
+        r["ceiling_around"] = rates[-2:]
+        r["of_ceiling"] = r["tok_s"] / statistics.mean(rates[-2:])
+        round_ = {k: r[k] for k in ("tok_s", "of_ceiling", "ceiling_around")}
+        if name in out["policies"]:
+            out["policies"][name]["rounds"].append(round_)
+        else:
+            r["rounds"] = [round_]
+            out["policies"][name] = r
+    for r in out["policies"].values():
+        r["of_ceiling_median"] = statistics.median(x["of_ceiling"] for x in r["rounds"])
     full = out["policies"]["full"]
     best = max(r["tok_s"] for n, r in out["policies"].items() if n.startswith("full"))
     for r in out["policies"].values():
         for k in ("tok_s", "tok_per_cpu_s", "max_running", "mean_running"):
             r[f"{k}_vs_full"] = r[k] / full[k] if full[k] else None
         r["tok_s_vs_best_full"] = r["tok_s"] / best
-    out["ceiling"] = run_ceiling(path, args, blocks, budget, full["tok_s"], best, first)
+    out["ceiling"] = run_ceiling(path, args, blocks, budget, full["tok_s"], best, rates)
     return out
+
+
+def _run_one(path: str, args: argparse.Namespace, name: str, blocks: int, budget: int,
+             gens: list[int], vocab: int) -> dict:
+    """One throughput run of `name` (a policy, or `full[:way]`, or `<policy>:<way>`)."""
+    base, _, way = name.partition(":")
+    kv = policy_config(base, budget)
+    eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
+                  args, reserve_preempted=way != "vllm",
+                  batch_policies=way != "unbatched", streaming_ring=way != "noring")
+    _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
+    bc.drive(eng, "warm-up", progress=False)
+    _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
+    c0 = time.process_time()
+    d = bc.drive(eng, f"throughput {name}", progress=not args.no_progress)
+    cpu = time.process_time() - c0
+    st = eng.stats()
+    steps_total = sum(s.total_s for s in d.steps)
+    recs = list(d.requests.values())
+    r = {"kv_policy": kv, "wall_s": d.wall_s, "cpu_s": cpu, "output_tokens": d.output_tokens,
+         "tok_s": d.output_tokens / d.wall_s, "tok_per_cpu_s": d.output_tokens / cpu,
+         "max_running": d.max_running, "mean_running": d.mean_running, "steps": len(d.steps),
+         "all_lengths_ok": all(d.requests[f"{name}-{i}"]["output_tokens"] == g
+                               for i, g in enumerate(gens)),
+         "p50_e2e_s": bc.pct(d.latencies(), 50), "p99_e2e_s": bc.pct(d.latencies(), 99),
+         "mean_peak_live_tokens": sum(x["peak_live_tokens"] for x in recs) / len(recs),
+         "max_peak_live_tokens": max(x["peak_live_tokens"] for x in recs),
+         "preemptions": sum(st.preemptions_total.values()),
+         "policy_share": sum(s.policy_s for s in d.steps) / steps_total,
+         "anatomy": step_anatomy(d.steps)}
+    print(f"[throughput] {name}: {r['tok_s']:.1f} tok/s, max {r['max_running']} / mean "
+          f"{r['mean_running']:.1f} running, {r['preemptions']} preemptions, "
+          f"{d.wall_s:.1f} s (CPU {cpu:.1f} s)", flush=True)
+    return r
 
 
 def step_anatomy(steps: list) -> dict[str, dict[str, float]]:
@@ -199,7 +221,8 @@ def ceiling_requests(args: argparse.Namespace, blocks: int, budget: int) -> int:
 
 
 def run_ceiling(path: str, args: argparse.Namespace, blocks: int, budget: int,
-                full_tok_s: float, best_full_tok_s: float, first: float | None = None) -> dict:
+                full_tok_s: float, best_full_tok_s: float, rates: list[float] | None = None
+                ) -> dict:
     """The most any policy at this budget could serve here: as many requests as the pool
     holds at exactly `budget` tokens each (no slack, no partly filled block), decoding
     with an eviction that costs nothing (a `full` engine whose contexts stay near
@@ -218,17 +241,17 @@ def run_ceiling(path: str, args: argparse.Namespace, blocks: int, budget: int,
     with little K/V to read — weights, norms, sampling, the step's fixed cost — is paid
     per token with or without eviction; only the rest shrinks with the budget.
 
-    `first`: the same rate measured before the runs; the ceiling is then the mean of the
-    two (`tok_s_first`, `tok_s_last`), each run's share of it read against the machine
-    as it was on average over the runs.
+    `rates`: the same rate as measured around the runs (before the first, after each);
+    the ceiling is then their mean (the machine as it was on average over the runs; the
+    first and last as `tok_s_first`, `tok_s_last`), else it is measured here.
     """
     layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
     n = ceiling_requests(args, blocks, budget)
-    last = _decode_rate(path, args, n, budget)
-    at_budget = last if first is None else (first + last) / 2
+    rates = rates or [_decode_rate(path, args, n, budget)]
+    at_budget = sum(rates) / len(rates)
     no_kv = _decode_rate(path, args, n, 1)
     out = {"requests": n, "prompt": budget, "steps": args.ceiling_steps, "tok_s": at_budget,
-           "tok_s_first": first, "tok_s_last": last,
+           "tok_s_first": rates[0], "tok_s_last": rates[-1], "measurements": len(rates),
            "tok_s_vs_full": at_budget / full_tok_s, "tok_s_vs_best_full": at_budget / best_full_tok_s,
            "tok_s_no_kv": no_kv, "kv_share_of_step": 1 - at_budget / no_kv}
     fit = max(1, blocks // (layers * math.ceil((budget + 1) / 16)))
@@ -327,6 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decode steps per policy in part 2 (a share is the mean of all but "
                         "the first few; over ~55 steps it moved ±20%% between rounds here, "
                         "too much to read a 10%% line)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each policy (not of full), reverse order every other round")
     p.add_argument("--ceiling-steps", type=int, default=256,
                    help="decode steps a ceiling rate is the median of")
     p.add_argument("--kvpress-python", default=kvpress_compare.DEFAULT_PYTHON,
@@ -370,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = bc.new_report(NAME, args, (
                         "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
                         "policies", "seed",
-                        "overhead_batch", "overhead_steps", "ceiling_steps", "quality_budgets", "ppl_windows",
+                        "overhead_batch", "overhead_steps", "ceiling_steps", "rounds", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
                         "needle_tasks", "demo_model", "kvpress_python", "quality_variants",
                         "quality_min_prefill_chunk",

@@ -6,6 +6,8 @@ a pure function of the report dict (the JSON in docs/results/bench_policies.json
 
 from __future__ import annotations
 
+import statistics
+
 from loadtest import bench_common as bc
 from loadtest import kvpress_report
 
@@ -96,18 +98,46 @@ def _ceiling(t: dict) -> list[str]:
         f"{c.get('steps', 64)} steps{_twice(c)}) would serve "
         f"{c['tok_s']:.1f} tok/s = **{c['tok_s_vs_full']:.2f}× full** "
         f"({c['tok_s_vs_best_full']:.2f}× the fastest `full`); the best policy, {name}, "
-        f"reaches {r['tok_s'] / c['tok_s']:.0%} of it. The same batch with almost no K/V "
+        f"reaches {r['tok_s'] / c['tok_s']:.0%} of it{_around(r)}. The same batch with almost no K/V "
         f"serves {c['tok_s_no_kv']:.1f} tok/s: reading {c['prompt']} tokens of K/V is "
         f"{c['kv_share_of_step']:.0%} of that step, and the rest (weights, per-token compute, "
-        "the step's fixed cost) is paid with or without eviction.", *_waves(c, name, r),
-        *_anatomy(t)]
+        "the step's fixed cost) is paid with or without eviction.", *_rounds(t),
+        *_waves(c, name, r), *_anatomy(t)]
 
 
 def _twice(c: dict) -> str:
     if c.get("tok_s_first") is None:  # measured once, after the runs (before session 40)
         return ""
-    return (f"; measured before the runs and after them, {c['tok_s_first']:.1f} and "
-            f"{c['tok_s_last']:.1f} tok/s, and their mean taken")
+    return (f"; measured before the first run and after each, {c.get('measurements', 2)} "
+            f"times, from {c['tok_s_first']:.1f} to {c['tok_s_last']:.1f} tok/s, their mean "
+            "taken")
+
+
+def _around(r: dict) -> str:
+    """A run against the ceiling measured right before and right after it (the machine
+    drifts within minutes), the median over its rounds."""
+    if "of_ceiling_median" not in r:
+        return ""
+    k = len(r["rounds"])
+    return (f", and {r['of_ceiling_median']:.0%} of the ceiling measured around "
+            f"{'its run' if k == 1 else f'each of its {k} runs (the median)'}")
+
+
+def _rounds(t: dict) -> list[str]:
+    rows = [(n, r) for n, r in t["policies"].items() if "rounds" in r]
+    if not rows or "ceiling" not in t:
+        return []
+    most = max(len(r["rounds"]) for _, r in rows)
+    lines = ["", "Each run against the ceiling measured right before and right after it "
+             "(tok/s, and its share of their mean; the machine drifts by 10-20% within "
+             "minutes):", "",
+             "| policy | " + " | ".join(f"run {i + 1}" for i in range(most)) + " | median share |",
+             "|---|" + "---|" * (most + 1)]
+    for name, r in rows:
+        cells = [f"{x['tok_s']:.1f} ({x['of_ceiling']:.0%} of {statistics.mean(x['ceiling_around']):.1f})"
+                 for x in r["rounds"]] + ["—"] * (most - len(r["rounds"]))
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['of_ceiling_median']:.0%} |")
+    return lines
 
 
 def _anatomy(t: dict) -> list[str]:

@@ -7,6 +7,7 @@ the script pins the OpenMP thread count in its environment before torch loads.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -67,10 +68,20 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     assert c["tok_s_vs_full"] == pytest.approx(c["tok_s"] / full["tok_s"])
     assert c["tok_s_vs_best_full"] == pytest.approx(c["tok_s"] / fastest)
     assert c["kv_share_of_step"] == pytest.approx(1 - c["tok_s"] / c["tok_s_no_kv"])
-    # measured before the runs and after them; the mean is the ceiling
-    assert c["tok_s"] == pytest.approx((c["tok_s_first"] + c["tok_s_last"]) / 2)
+    # measured before the first run and after each; each run read against its two
+    runs = list(t["policies"].values())
+    assert c["measurements"] == len(runs) + 1
+    assert c["tok_s_first"] == runs[0]["ceiling_around"][0]
+    assert c["tok_s_last"] == runs[-1]["ceiling_around"][1]
+    for a, b in itertools.pairwise(runs):
+        assert a["ceiling_around"][1] == b["ceiling_around"][0]
+    for r in runs:
+        assert r["of_ceiling"] == pytest.approx(2 * r["tok_s"] / sum(r["ceiling_around"]))
+        assert len(r["rounds"]) == 1 and r["of_ceiling_median"] == r["of_ceiling"]
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
-        assert "measured before the runs and after them" in f.read()
+        doc = f.read()
+    assert f"after each, {len(runs) + 1} times" in doc
+    assert "Each run against the ceiling measured right before and right after it" in doc
     # the waves the pool forces: requests holding budget + 1 tokens, as many as fit
     fit = t["num_blocks"] // (2 * math.ceil((t["budget_tokens"] + 1) / 16))
     assert sum(c["waves"]) == st["requests"] and max(c["waves"]) == fit
@@ -177,14 +188,20 @@ def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
     ring at least as many at once (a block less a layer each)."""
     report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts",
                        "throughput", "--baselines", "", "--policies",
-                       "streaming,streaming:noring")
+                       "streaming,streaming:noring", "--rounds", "2")
     rows = report["throughput"]["policies"]
     assert list(rows) == ["full", "streaming", "streaming:noring"]
     a, b = rows["streaming"], rows["streaming:noring"]
     assert a["kv_policy"] == b["kv_policy"] and a["all_lengths_ok"] and b["all_lengths_ok"]
     assert a["max_running"] >= b["max_running"]
+    # two rounds of each policy (full once), the second in reverse order: the ceiling
+    # measured between any two runs is the one after the first and before the second
+    assert [len(r["rounds"]) for r in rows.values()] == [1, 2, 2]
+    assert b["rounds"][0]["ceiling_around"][1] == b["rounds"][1]["ceiling_around"][0]
+    assert report["throughput"]["ceiling"]["measurements"] == 6
     doc = (tmp_path / "benchmarks.md").read_text()
     assert "streaming:noring | " in doc and "`streaming_ring=False`" in doc
+    assert "| run 1 | run 2 | median share |" in doc
 
 
 def test_unknown_policy_variant_is_refused() -> None:
