@@ -374,6 +374,34 @@ class SeqCache:
             elif b in pool.hash_of:
                 pool.forget(pool.hash_of[b])
 
+    def hold(self, blocks: int) -> bool:
+        """Link fresh blocks so that every layer holds `blocks` before its tokens need
+        them, each layer's new ones taken together (consecutive ids where the free list
+        runs in order). Why: blocks taken one a step, as decode fills them, interleave
+        with every other decoding request's, scattering a row's K/V over the pool, and
+        the decode kernel then reads block by block from anywhere (a shuffled pool made
+        the 3m model's decode forward 20-40% slower, docs/benchmarks.md session 40). For
+        a request whose memory is known and reserved anyway (a ring's window). False,
+        with nothing changed, when the pool has not the blocks free. Blocks past the
+        appended slots hold no live slot: an eviction pass would free them."""
+        nb = self.nblocks
+        need = [max(0, blocks - b) for b in nb]
+        total = sum(need)
+        if total == 0:
+            return True
+        if total > self.pool.num_free:
+            return False
+        ids = self.pool.allocate(total)
+        self.ensure_capacity(blocks)
+        off = 0
+        for layer, k in enumerate(need):
+            if k:
+                self.table[layer, nb[layer] : nb[layer] + k] = ids[off : off + k]
+                off += k
+        self.nblocks = [b + k for b, k in zip(nb, need)]
+        self._note_peak()
+        return True
+
     def start_ring(self, sink: int, cap: int) -> bool:
         """From now on a layer at exactly `cap` live tokens writes its next decode token
         over its oldest past the first `sink` (StreamingLLM's fixed-size cache,

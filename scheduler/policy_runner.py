@@ -78,8 +78,11 @@ class PolicyRunner:
                 first_full = r.prefill_done = r.num_computed >= len(r.prompt_ids)
             idle = getattr(policy, "idle", None)
             live = cache.layer_live  # read once: `idle` decides on it, the group's view reads it
-            if r.ring is not None and not cache.ring and min(live) >= r.ring[1]:
-                cache.start_ring(*r.ring)  # from the next decode token (else: next step)
+            if r.ring is not None and not cache.ring:
+                if min(live) >= r.ring[1]:
+                    cache.start_ring(*r.ring)  # from the next decode token (else: next step)
+                elif first_full and r.reserve_blocks:  # the window's blocks, reserved: together
+                    cache.hold(-(-r.ring[1] // cache.bs))
             if idle is not None and idle(_sizes(r, c, r.num_computed, first_full, live)):
                 self._note_reserve(r, c.num_tokens)
                 name = r.policy_name
