@@ -213,3 +213,27 @@ def test_no_ring_where_positions_are_renumbered_or_trimmed(model, tmp_path):
     assert llm.engine.requests["ring"].ring is None
     _drive(llm)  # the window trims the sinks too, as it does without a ring
     assert llm.engine.pool.num_used == 0
+
+
+def test_a_ring_request_holds_its_window_together_once_its_prompt_is_in(model):
+    """Its window's blocks are reserved anyway: taken at once when the prompt is in, each
+    layer's consecutive, not one a step interleaved with the other requests' (which
+    scatters a row's K/V over the pool). A request that ends within its window (nothing
+    reserved) takes only what it fills."""
+    llm = LLM(model, num_blocks=400, block_size=BS)
+    eng = llm.engine
+    eng.add_request("ring", _prompt(3, 10), _greedy(60), kv_policy=RING)
+    eng.add_request("other", _prompt(4, 10), _greedy(60), kv_policy=RING)
+    eng.add_request("short", _prompt(5, 10), _greedy(8), kv_policy=RING)
+    eng.step()  # the prompts
+    blocks = math.ceil(CAP / BS)
+    caches = {r.request_id: r.cache for r in eng.scheduler.running}
+    for name in ("ring", "other"):
+        c = caches[name]
+        assert c.nblocks == [blocks] * c.num_layers
+        for layer in range(c.num_layers):
+            ids = c.table[layer, 3:blocks].tolist()  # past the prompt's 3 blocks
+            assert ids == list(range(ids[0], ids[0] + len(ids)))
+    assert caches["short"].nblocks == [3] * caches["short"].num_layers
+    _, usage, _ = _drive(llm, _kept_is_sinks_and_window)
+    assert usage["ring"].peak_blocks == usage["other"].peak_blocks == blocks * caches["ring"].num_layers
