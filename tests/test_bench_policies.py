@@ -81,6 +81,10 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert f"after each, {len(runs) + 1} times" in doc
+    # beside each median, the same steps' mean
+    assert len(c["tok_s_mean_steps"]) == c["measurements"]
+    assert c["tok_s_mean_step"] == pytest.approx(sum(c["tok_s_mean_steps"]) / c["measurements"])
+    assert "from the ceiling steps' mean rather than their median" in doc
     assert "Each run against the ceiling measured right before and right after it" in doc
     # the waves the pool forces: requests holding budget + 1 tokens, as many as fit
     fit = t["num_blocks"] // (2 * math.ceil((t["budget_tokens"] + 1) / 16))
