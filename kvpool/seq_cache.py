@@ -171,10 +171,9 @@ class SeqCache:
             sz, o, nl = self.tables.sz, self._o, self.num_layers  # a layer whose last block is full
             if self.uniform:
                 return nl if sz[o + nl] >= sz[o] * self.bs else 0
+            if self.ring:  # a layer at its cap takes none: the append's own count
+                return self.tables.held_and_need([self._row])[1][0]
             z, bs = sz[o : o + 2 * nl].tolist(), self.bs
-            if self.ring:
-                over = self.tables.ring_writes(self._row)
-                return sum([x >= b * bs and not w for b, x, w in zip(z[:nl], z[nl:], over)])
             return sum([x >= b * bs for b, x in zip(z[:nl], z[nl:])])
         if self.uniform:
             return self.num_layers * _blocks_for(self.nblocks[0], self.next_slot[0], n, self.bs)
@@ -269,18 +268,7 @@ class SeqCache:
             self._note_peak()
             return slots
         nblocks, next_slot = self.nblocks, self.next_slot
-        need = [_blocks_for(b, s, n, bs) for b, s in zip(nblocks, next_slot)]
-        total = sum(need)
-        if total:
-            ids = self.pool.allocate(total)
-            self.ensure_capacity(max(b + k for b, k in zip(nblocks, need)))
-            off = 0
-            for layer, k in enumerate(need):  # only the layers whose tail block is full
-                if k:
-                    nb = nblocks[layer]
-                    self.table[layer, nb : nb + k] = ids[off : off + k]
-                    off += k
-            self.nblocks = [b + k for b, k in zip(nblocks, need)]
+        self._link(nblocks, [_blocks_for(b, s, n, bs) for b, s in zip(nblocks, next_slot)])
         j = torch.tensor(next_slot)[:, None] + torch.arange(n)  # [L, n]
         slots = self.table.gather(1, j // bs) * bs + j % bs
         self.slot_pos.scatter_(1, j, positions.to(torch.int64).expand(nl, n))
@@ -386,21 +374,28 @@ class SeqCache:
         appended slots hold no live slot: an eviction pass would free them."""
         nb = self.nblocks
         need = [max(0, blocks - b) for b in nb]
-        total = sum(need)
-        if total == 0:
-            return True
-        if total > self.pool.num_free:
+        if sum(need) > self.pool.num_free:
             return False
-        ids = self.pool.allocate(total)
-        self.ensure_capacity(blocks)
-        off = 0
-        for layer, k in enumerate(need):
-            if k:
-                self.table[layer, nb[layer] : nb[layer] + k] = ids[off : off + k]
-                off += k
-        self.nblocks = [b + k for b, k in zip(nb, need)]
-        self._note_peak()
+        if self._link(nb, need):
+            self._note_peak()
         return True
+
+    def _link(self, nblocks: list[int], need: list[int]) -> int:
+        """Take sum(need) fresh blocks (raises PoolExhausted first if they are not free)
+        and append need[l] of them, consecutive, after layer l's `nblocks[l]` held ones;
+        returns how many were taken."""
+        total = sum(need)
+        if total:
+            ids = self.pool.allocate(total)
+            self.ensure_capacity(max(b + k for b, k in zip(nblocks, need)))
+            off = 0
+            for layer, k in enumerate(need):
+                if k:
+                    nb = nblocks[layer]
+                    self.table[layer, nb : nb + k] = ids[off : off + k]
+                    off += k
+            self.nblocks = [b + k for b, k in zip(nblocks, need)]
+        return total
 
     def start_ring(self, sink: int, cap: int) -> bool:
         """From now on a layer at exactly `cap` live tokens writes its next decode token

@@ -304,14 +304,6 @@ class SlotTables:
         for layer in range(self.num_layers):
             rg[o + 3 + layer] = sink
 
-    def ring_writes(self, row: int) -> list[bool]:
-        """Per layer, whether the row's next decode token goes over its ring."""
-        nl = self.num_layers
-        o, z = row * (3 + nl), row * 3 * nl
-        cap, sz = self.rg[o + CAP], self.sz
-        return [cap > 0 and sz[z + NEXT * nl + i] == cap and sz[z + LIVE * nl + i] == cap
-                for i in range(nl)]
-
     def take_overwritten(self, row: int) -> int:
         """Tokens (slots over layers, whole layers only) the row's ring overwrote since the
         last call: its policy's evictions, counted where they happen."""
@@ -321,7 +313,8 @@ class SlotTables:
         return tokens
 
     def _ring_writes(self, sizes: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
-        """[L, B] the torch form of `ring_writes` for rows' sizes [B, 3, L] and rings
+        """[L, B] whether each row's layer writes its next decode token over its ring
+        (csrc/tables_cpu.cpp's `ring_writes`), for rows' sizes [B, 3, L] and rings
         [B, 3 + L]."""
         cap = ring[:, CAP, None]
         return ((cap > 0) & (sizes[:, NEXT] == cap) & (sizes[:, LIVE] == cap)).t()

@@ -141,9 +141,7 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
         for k in ("tok_s", "tok_per_cpu_s", "max_running", "mean_running"):
             r[f"{k}_vs_full"] = r[k] / full[k] if full[k] else None
         r["tok_s_vs_best_full"] = r["tok_s"] / best
-    out["ceiling"] = run_ceiling(path, args, blocks, budget, full["tok_s"], best, rates)
-    out["ceiling"]["tok_s_mean_steps"] = means
-    out["ceiling"]["tok_s_mean_step"] = statistics.mean(means)
+    out["ceiling"] = run_ceiling(path, args, blocks, budget, full["tok_s"], best, rates, means)
     return out
 
 
@@ -229,8 +227,8 @@ def ceiling_requests(args: argparse.Namespace, blocks: int, budget: int) -> int:
 
 
 def run_ceiling(path: str, args: argparse.Namespace, blocks: int, budget: int,
-                full_tok_s: float, best_full_tok_s: float, rates: list[float] | None = None
-                ) -> dict:
+                full_tok_s: float, best_full_tok_s: float, rates: list[float],
+                means: list[float]) -> dict:
     """The most any policy at this budget could serve here: as many requests as the pool
     holds at exactly `budget` tokens each (no slack, no partly filled block), decoding
     with an eviction that costs nothing (a `full` engine whose contexts stay near
@@ -250,16 +248,17 @@ def run_ceiling(path: str, args: argparse.Namespace, blocks: int, budget: int,
     per token with or without eviction; only the rest shrinks with the budget.
 
     `rates`: the same rate as measured around the runs (before the first, after each);
-    the ceiling is then their mean (the machine as it was on average over the runs; the
-    first and last as `tok_s_first`, `tok_s_last`), else it is measured here.
+    the ceiling is their mean (the machine as it was on average over the runs; the first
+    and last as `tok_s_first`, `tok_s_last`). `means`: the same measurements' steps'
+    mean (`tok_s_mean_step`, a run's own tok/s being its steps' mean).
     """
     layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
     n = ceiling_requests(args, blocks, budget)
-    rates = rates or [_decode_rate(path, args, n, budget)]
-    at_budget = sum(rates) / len(rates)
+    at_budget = statistics.mean(rates)
     no_kv = _decode_rate(path, args, n, 1)
     out = {"requests": n, "prompt": budget, "steps": args.ceiling_steps, "tok_s": at_budget,
            "tok_s_first": rates[0], "tok_s_last": rates[-1], "measurements": len(rates),
+           "tok_s_mean_steps": means, "tok_s_mean_step": statistics.mean(means),
            "tok_s_vs_full": at_budget / full_tok_s, "tok_s_vs_best_full": at_budget / best_full_tok_s,
            "tok_s_no_kv": no_kv, "kv_share_of_step": 1 - at_budget / no_kv}
     fit = max(1, blocks // (layers * math.ceil((budget + 1) / 16)))

@@ -95,7 +95,7 @@ def _ceiling(t: dict) -> list[str]:
         "", f"**Ceiling on this machine.** A policy that cost nothing, held exactly the budget "
         f"and kept the pool full ({c['requests']} requests of {c['prompt']} tokens, decoding "
         f"with no prefill and no last wave: a `full` engine, same run, the median of "
-        f"{c.get('steps', 64)} steps{_twice(c)}) would serve "
+        f"{c.get('steps', 64)} steps{_measured(c)}) would serve "
         f"{c['tok_s']:.1f} tok/s = **{c['tok_s_vs_full']:.2f}× full** "
         f"({c['tok_s_vs_best_full']:.2f}× the fastest `full`); the best policy, {name}, "
         f"reaches {r['tok_s'] / c['tok_s']:.0%} of it{_around(r)}{_mean_step(c, r)}. The same batch with almost no K/V "
@@ -105,7 +105,7 @@ def _ceiling(t: dict) -> list[str]:
         *_waves(c, name, r), *_anatomy(t)]
 
 
-def _twice(c: dict) -> str:
+def _measured(c: dict) -> str:
     if c.get("tok_s_first") is None:  # measured once, after the runs (before session 40)
         return ""
     return (f"; measured before the first run and after each, {c.get('measurements', 2)} "
