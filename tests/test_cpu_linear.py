@@ -121,6 +121,47 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, bias: bo
 
 
 @needs_panels
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False),
+                                         (torch.bfloat16, True)])
+@pytest.mark.parametrize("rows", [1, 13, 300])  # whole K; one block; blocks and a tail
+def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool,
+                                                rows: int) -> None:
+    """Each tile's sums are finished (bias added, rounded) as soon as they are whole, into
+    the output: sums made exact by construction come out bit for bit as torch rounds them.
+    In bf16 the half-way sums 1 + 2^-8, 1 + 3 * 2^-8 and 1 - 3 * 2^-9 go to the even
+    neighbour, a bias is added before the one rounding (1 + 2^-8 + 2^-8 is 1 + 2^-7, not
+    1), a NaN in the input is the quiet 0x7FC0 and an infinity stays one; columns past
+    the last whole panel (N 40) and a K block's tail (K 800) are on the way."""
+    k, n = 800, 40
+    w = torch.zeros(n, k)
+    w[:, 0] = 1.0
+    w[:, 1] = torch.tensor([2.0 ** -8, 3 * 2.0 ** -8, 2.0 ** -8, -3 * 2.0 ** -9] * 10)
+    w[:, 799] = 2.0 ** -9  # the last pair of the K tail: only where the input has it
+    linear = nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+        linear.bias.copy_(torch.tensor([0.0, 0.0, 2.0 ** -8, 0.0] * 10))
+    linear = linear.to(dtype)
+    x = torch.zeros(rows, k)
+    x[:, :2] = 1.0
+    x[1::3, 799] = 1.0
+    x[2::5, 0] = float("nan")
+    x[3::7, 1] = float("inf")
+    x = x.to(dtype)
+    with torch.inference_mode():
+        out = PanelLinear(linear, pairs=pairs)(x)
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                      linear.bias.float()).to(dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan], want[~nan])  # exact, ties to even, infinities kept
+    if dtype == torch.bfloat16:
+        assert (out[nan].view(bits) == 0x7FC0).all()
+        assert torch.equal(out[0, :4].float(), torch.tensor([1.0, 1 + 2.0 ** -6, 1 + 2.0 ** -7, 1 - 2.0 ** -7]))
+
+
+@needs_panels
 def test_panels_with_sleeping_threads_match_f_linear() -> None:
     """Where the intra-op threads sleep (`--cpu-wait passive`, read by the kernel once
     per process) each thread packs every block of a long step for itself instead of

@@ -69,6 +69,17 @@ inline T to(float v) {
   }
 }
 
+#ifdef KVSERVE_KEYDIFF_AVX512
+// `to<at::BFloat16>` of 16 floats at once: the same bits.
+inline __m256i to_bf16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 // Round a float to T and back: where transformers' 16-bit ops round (identity in fp32).
 template <typename T>
 inline float r(float v) { return f32(to<T>(v)); }
@@ -256,26 +267,47 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
   const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), ldc = np * panels::kNR;
   TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous [N] of x's dtype");
-  at::Tensor c = at::empty({m, ldc}, x.options().dtype(at::kFloat));
   auto run = [&](auto tag) -> at::Tensor {
     using scalar_t = decltype(tag);
+    at::Tensor y = at::empty({m, n}, x.options());
+    // fp32 without a bias over whole panels: the sums are the output, made in place
+    const bool in_place = std::is_same_v<scalar_t, float> && n == ldc && !bias;
+    at::Tensor c = in_place ? y : at::empty({panels::block_rows(m), ldc}, x.options().dtype(at::kFloat));
+    // A tile's sums (+ bias, rounded to the layer's dtype) into y, as soon as they are whole
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    auto finish = [yp, bp, n](int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
+      const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
+      float b[panels::kNR] = {};
+      for (int64_t j = 0; j < cols && bp; ++j) b[j] = f32(bp[j0 + j]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = sums + r * ldc;
+        scalar_t* out = yp + (row + r) * n + j0;
+#ifdef KVSERVE_KEYDIFF_AVX512
+        if (cols == panels::kNR) {
+          const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(b));
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            _mm512_storeu_ps(out, v);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(v));
+          }
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < cols; ++j) out[j] = to<scalar_t>(s[j] + b[j]);
+      }
+    };
+    float* cp = c.data_ptr<float>();
     if (pairs) {  // the bf16 input as it is: K/2 pairs a row
-      panels::gemm(reinterpret_cast<const panels::Pair*>(x.data_ptr()), m, k / 2,
-                   reinterpret_cast<const panels::Pair*>(panels.data_ptr()), np, c.data_ptr<float>());
+      const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
+      const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
+      if (in_place) panels::gemm(xp, m, k / 2, wp, np, cp);
+      else panels::gemm(xp, m, k / 2, wp, np, cp, finish);
     } else {
       const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-      panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, c.data_ptr<float>());
+      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp);
+      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, finish);
     }
-    const bool in_place = std::is_same_v<scalar_t, float> && n == ldc;  // the sums are the output
-    at::Tensor y = in_place ? c : at::empty({m, n}, x.options());
-    if (in_place && !bias) return y;
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    const float* cp = c.data_ptr<float>();
-    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    team::parallel_for(0, m, grain(n), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r)
-        for (int64_t j = 0; j < n; ++j) yp[r * n + j] = to<scalar_t>(cp[r * ldc + j] + (bp ? f32(bp[j]) : 0.0f));
-    });
     return y;
   };
   return dt == at::kFloat ? run(float{}) : run(at::BFloat16{});

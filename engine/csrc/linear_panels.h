@@ -256,7 +256,18 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
   return {lo, std::min(n, lo + share)};
 }
 
-// c [m, np * 16] = a [m, k] @ the np panels [np, k, 16]. Blocks of `kMC` rows one after
+// Rows of C a step works on at once: the scratch a finishing `gemm` needs ([rows, np * 16]).
+inline int64_t block_rows(int64_t m) { return m > kWholeK ? std::min(m, kMC) : m; }
+
+// No finishing (`NoFinish`): the sums are the output, c [m, np * 16]. With a `finish`
+// callable, c is scratch for one block of rows ([block_rows(m), np * 16]), and each tile's sums, once its last K block
+// is in, go to finish(row, rows, panel, sums, ldc) while they are in L1: the caller adds its
+// bias and rounds into its own output. Why: a bf16 layer's whole fp32 C, written and read
+// back by a second pass, was a 50 MB detour at 2,048 x 6,144 (the gate/up GEMM ran at
+// ~295 GFLOP/s against ~415 for the other layers of that step; session 41).
+struct NoFinish {};
+
+// c = a [m, k] @ the np panels [np, k, 16]. Blocks of `kMC` rows one after
 // the other (a step of up to `kWholeK` rows is one block, not packed): the threads pack a
 // block's rows together, then multiply it splitting the panels, so that the block's input
 // and outputs stay on chip across its K blocks. Why one team with barriers: every thread
@@ -265,8 +276,9 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
 // first spilled to DRAM at 3,072 deep (0.77x oneDNN); and a parallel region per block woke
 // the threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the
 // demo model's 2,048-row layers 0.8x as fast. Over pairs (A and W `Pair`), k counts pairs.
-template <typename A, typename W>
-void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c) {
+template <typename A, typename W, typename F = NoFinish>
+void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c, F finish = {}) {
+  constexpr bool kFinishes = !std::is_same_v<F, NoFinish>;
   static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "a pair input needs pair panels");
   const int64_t ldc = np * kNR;
   const bool blocked = m > kWholeK;
@@ -320,7 +332,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
           auto tiles = [&](const auto* slice) {
             for (int64_t r = 0; r < rows; r += kMR) {
               const int64_t mr = std::min(kMR, rows - r);
-              float* cp = c + (ic + r) * ldc + p * kNR;
+              float* cp = c + (kFinishes ? r : ic + r) * ldc + p * kNR;
               const bool first = r == 0;  // the first tile pulls the next panel's slice in
               if (!blocked) {
                 const A* ar = a + (ic + r) * k + pc;
@@ -329,19 +341,22 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
                 } else {
                   some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
                 }
-                continue;
-              }
-              // The next tile's rows of C, asked for now: they are a whole row of C apart,
-              // and their misses stalled every tile's start (~10% of a 1,024-row step).
-              for (int64_t rr = r + mr; rr < std::min(r + mr + kMR, rows); ++rr) {
-                __builtin_prefetch(cp + (rr - r) * ldc, 1);
-                __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
-              }
-              const A* ap = mine + pc * rows + r * kc;
-              if (first) {
-                some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
               } else {
-                some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
+                // The next tile's rows of C, asked for now: they are a whole row of C apart,
+                // and their misses stalled every tile's start (~10% of a 1,024-row step).
+                for (int64_t rr = r + mr; rr < std::min(r + mr + kMR, rows); ++rr) {
+                  __builtin_prefetch(cp + (rr - r) * ldc, 1);
+                  __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
+                }
+                const A* ap = mine + pc * rows + r * kc;
+                if (first) {
+                  some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
+                } else {
+                  some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
+                }
+              }
+              if constexpr (kFinishes) {
+                if (pc + kc == k) finish(ic + r, mr, p, static_cast<const float*>(cp), ldc);
               }
             }
           };
