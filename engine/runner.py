@@ -36,6 +36,8 @@ from kvpool.cpu_attention import (
     fuses_key_diversity,
     paged_attention_cpu,
     paged_decode_key_diversity,
+    prefix_prefill_cpu,
+    prefix_prefill_runs,
 )
 from kvpool.host import int64_tensor
 from kvpool.pool import BlockPool
@@ -220,6 +222,12 @@ class ModelRunner:
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
+        # Prompt chunks after a cached prefix wanting no statistics, under no sliding window
+        # they could outgrow: one `causal_prefill` call a sequence over the pool in place
+        # (`prefix_prefill_cpu`) instead of the torch path's gather, mask and SDPA.
+        prefixed = {j for j, g in enumerate(groups)
+                    if kernel and g.q_index.shape[1] > 1 and not g.want_probs
+                    and g.want_kd is None and all(w is None or w > int(g.q_pos.max()) for w in windows)}
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
         kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups)
                                               if g.want_kd is not None}
@@ -238,6 +246,15 @@ class ModelRunner:
                 a, n = offsets[i], len(inputs[i].token_ids)
                 out[a : a + n] = causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale)
             for j, g in enumerate(groups):
+                if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], pool.k_cache.dtype,
+                                                         pool.quant is not None):
+                    for b, i in enumerate(g.members):
+                        a, n = offsets[i], len(inputs[i].token_ids)
+                        out[a : a + n] = pool.attend(
+                            prefix_prefill_cpu, q[a : a + n], k[a : a + n], v[a : a + n],
+                            g.tables[layer, b], g.slot_pos[layer, b], inputs[i].start_pos,
+                            self.scale)[0]
+                    continue
                 args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
                 kw = {"sum_heads": True} if g.sum_heads else {}

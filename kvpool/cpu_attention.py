@@ -36,8 +36,10 @@ A fresh prompt (nothing cached before it) attends causally over its own keys in 
 C++ op on AVX-512 CPUs, `causal_prefill` (`csrc/causal_prefill.h`: FlashAttention's online
 softmax with a query a vector lane, on kvserve's thread team): a 500-token prompt of the
 160M model's shape 2.1x torch's fused SDPA in fp32 and 2.3x in bf16 in one process, more
-in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38). Other prefill
-chunks (a cached prefix) stay on the torch path, where SDPA's matrix products pay off.
+in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38). A chunk after a
+cached prefix takes the same op with the pool (`prefix_prefill_cpu`: the prefix's visible
+slots read from their blocks in place) where the pool holds the model's dtype unquantized
+and no statistics are wanted; other chunks stay on the torch path.
 
 The build needs a C++ compiler (torch.utils.cpp_extension, cached
 under TORCH_EXTENSIONS_DIR); without one, or with KVSERVE_CPU_KERNEL=0, decode (and a fresh
@@ -86,17 +88,48 @@ def vector_path() -> str | None:
     return str(torch.ops.kvserve.paged_decode_isa()) if kernel_available() else None
 
 
+def causal_prefill_runs(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the `causal_prefill` op runs here for this dtype and head dim (an AVX-512
+    build, fp32 or bf16, head dim 16/32/64/128)."""
+    return (dtype in (torch.float32, torch.bfloat16) and head_dim in (16, 32, 64, 128)
+            and vector_path() == "avx512")
+
+
 def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> torch.Tensor:
     """`kvpool.attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
-    -> [T, Hq, D]) on the `causal_prefill` op where it runs: an AVX-512 build, fp32 or
-    bf16, head dim 16/32/64/128, each row's heads and channels contiguous; SDPA elsewhere."""
+    -> [T, Hq, D]) on the `causal_prefill` op where it runs (`causal_prefill_runs`, each
+    row's heads and channels contiguous); SDPA elsewhere."""
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if (q.dtype in (torch.float32, torch.bfloat16) and q.shape[2] in (16, 32, 64, 128)
-            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
-            and vector_path() == "avx512"):
+    if (causal_prefill_runs(q.dtype, q.shape[2])
+            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))):
         return torch.ops.kvserve.causal_prefill(q, k, v, float(scale))
     return causal_self_attention(q, k, v, scale)
+
+
+def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                       slot_pos: torch.Tensor, start: int, scale: float
+                       ) -> tuple[torch.Tensor, None]:
+    """A prompt chunk after a cached prefix (a prefix-cache hit, a long prompt's later
+    chunk), `BlockPool.attend`'s contract: q [T, Hq, D] causal over its own k/v
+    [T, Hkv, D] (positions start..start+T-1) and over every visible slot of its sequence
+    before `start`, read from the pool's blocks in place (this layer's table [NB] and
+    slot_pos [NB*bs]), on the `causal_prefill` op. Only where `prefix_prefill_runs`.
+
+    Why: the torch path gathers every block of the group into a padded copy and runs SDPA
+    under a [T, S] mask (session 39's profile: the gather 14% and SDPA 15% of such a
+    step); the op reads each prefix row once, widened, and runs the fresh prompt's tiles."""
+    out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
+                                           slot_pos, int(start))
+    return out, None
+
+
+def prefix_prefill_runs(dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype,
+                        quantized: bool) -> bool:
+    """Whether `prefix_prefill_cpu` runs here: the `causal_prefill` op for this dtype and
+    head dim, over an unquantized pool of the model's own dtype."""
+    return not quantized and cache_dtype == dtype and causal_prefill_runs(dtype, head_dim)
 
 
 def paged_attention_cpu(

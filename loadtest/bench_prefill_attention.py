@@ -1,6 +1,7 @@
-"""A fresh prompt's causal attention on the CPU: kvserve's op against torch's fused SDPA.
+"""A prompt chunk's causal attention on the CPU: kvserve's op against torch's SDPA.
 
     python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024,2048
+    python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512 --prefix 1000
 
 Why: a prompt with nothing cached attends over its own keys once per layer, and torch's
 CPU SDPA (`is_causal`) ran it at ~44 GFLOP/s in bf16 and ~90 in fp32 on torch's OpenMP
@@ -10,6 +11,11 @@ call by call so that drift falls on both, with the threads waiting as `kvserve s
 do (`--cpu-wait poll`, re-executing itself to set them), and reports medians, GFLOP/s
 (causal: half the products) and the ratio; JSON with the environment fingerprint, a
 markdown table and a plot.
+
+`--prefix N`: each chunk follows N tokens cached in a pool's blocks (scattered, as a
+server's are): the op reads them in place (`prefix_prefill_cpu`), the torch path gathers
+the blocks and runs SDPA under a mask (`paged_attention`), the two ways a runner attends
+a chunk after a prefix-cache hit or a long prompt's first chunk. Its own doc block.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,7 +35,9 @@ from loadtest.bench_common import MODEL_CONFIGS
 NAME = "bench_prefill_attention"
 DOC_HEADING = "## Prefill attention on the CPU (issue 22)"
 COMMAND = "python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024,2048"
+PREFIX_HEADING = "## Prefill attention after a cached prefix on the CPU (issue 22)"
 WAYS = ("kvserve", "sdpa")
+BLOCK = 16  # the pool's block size in --prefix runs (the engine's default)
 
 
 def heads(model: str) -> tuple[int, int, int]:
@@ -37,41 +46,69 @@ def heads(model: str) -> tuple[int, int, int]:
     return hq, c.get("num_key_value_heads", hq), c["hidden_size"] // hq
 
 
-def measure(model: str, dtype: torch.dtype, lengths: list[int], reps: int) -> dict[str, dict[int, float]]:
-    """Median seconds of one layer's call per prompt length, per way."""
-    from kvpool.attention import causal_self_attention
+def calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> dict[str, Callable]:
+    """Each way's call on one layer's chunk: over its own keys, or after `prefix` tokens
+    cached in a pool's scattered blocks (the chunk's own K/V written there after them, as
+    the runner writes a layer's before attending)."""
+    from kvpool.attention import causal_self_attention, paged_attention
+    from kvpool.cpu_attention import prefix_prefill_cpu
 
+    t, hkv, d = k.shape
+    scale = d ** -0.5
+    if not prefix:
+        return {"kvserve": lambda: torch.ops.kvserve.causal_prefill(q, k, v, scale),
+                "sdpa": lambda: causal_self_attention(q, k, v, scale)}
+    nb = -(-(prefix + t) // BLOCK)
+    table = torch.randperm(2 * nb)[:nb]
+    k_cache = torch.randn(2 * nb, BLOCK, hkv, d).to(k.dtype)
+    v_cache = torch.randn(2 * nb, BLOCK, hkv, d).to(k.dtype)
+    pos = torch.full((nb * BLOCK,), -1)  # slot s holds position s; the last block's tail empty
+    pos[: prefix + t] = torch.arange(prefix + t)
+    chunk = pos[prefix : prefix + t]
+    rows = table[chunk // BLOCK] * BLOCK + chunk % BLOCK
+    k_cache.view(-1, hkv, d)[rows], v_cache.view(-1, hkv, d)[rows] = k, v
+    return {"kvserve": lambda: prefix_prefill_cpu(q, k_cache, v_cache, k, v, table, pos, prefix,
+                                                  scale),
+            "sdpa": lambda: paged_attention(q[None], k_cache, v_cache, table[None], pos[None],
+                                            chunk[None], scale)}
+
+
+def measure(model: str, dtype: torch.dtype, lengths: list[int], reps: int,
+            prefix: int = 0) -> dict[str, dict[int, float]]:
+    """Median seconds of one layer's call per prompt length, per way."""
     hq, hkv, d = heads(model)
-    ways = {"kvserve": torch.ops.kvserve.causal_prefill, "sdpa": causal_self_attention}
     out: dict[str, dict[int, float]] = {w: {} for w in WAYS}
     for t in lengths:
         qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)  # the views a model makes
         q, k, v = qkv.view(t, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+        ways = calls(q, k, v, prefix)
         times: dict[str, list[float]] = {w: [] for w in WAYS}
         for _ in range(reps + 1):
             for w in WAYS:
                 t0 = time.perf_counter()
-                ways[w](q, k, v, d ** -0.5)
+                ways[w]()
                 times[w].append(time.perf_counter() - t0)
         for w in WAYS:  # the first call warms both
             out[w][t] = statistics.median(times[w][1:])
     return out
 
 
-def flops(model: str, t: int) -> float:
+def flops(model: str, t: int, prefix: int = 0) -> float:
     hq, _, d = heads(model)
-    return 2.0 * 2 * hq * d * t * (t + 1) / 2  # QK^T and PV over the causal half
+    return 2.0 * 2 * hq * d * t * (prefix + (t + 1) / 2)  # QK^T and PV: the prefix, the causal half
 
 
 def table(report: dict) -> str:
-    model = report["settings"]["model"]
+    model, prefix = report["settings"]["model"], report["settings"].get("prefix", 0)
+    after = f", after {prefix} cached tokens" if prefix else ""
+    torch_way = "gather + SDPA" if prefix else "SDPA"
     lines = []
     for dtype, by_way in report["seconds_by_length"].items():
-        lines += [f"**{model} {dtype}**, one layer (ms; GFLOP/s)", "",
-                  "| prompt tokens | kvserve | SDPA | kvserve speed-up |", "|---|---|---|---|"]
+        lines += [f"**{model} {dtype}**, one layer{after} (ms; GFLOP/s)", "",
+                  f"| prompt tokens | kvserve | {torch_way} | kvserve speed-up |", "|---|---|---|---|"]
         for t, s in by_way["kvserve"].items():
             sd = by_way["sdpa"][t]
-            g = flops(model, int(t)) / 1e9
+            g = flops(model, int(t), prefix) / 1e9
             lines.append(f"| {t} | {s * 1e3:.2f} ({g / s:.0f}) | {sd * 1e3:.2f} ({g / sd:.0f}) "
                          f"| {sd / s:.2f}x |")
         lines.append("")
@@ -87,17 +124,21 @@ def plot(report: dict, path: str) -> None:
                 marker="o", label=dtype)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("speed-up over torch SDPA")
+    prefix = report["settings"].get("prefix", 0)
+    ax.set_xlabel("prompt tokens" + (f" after {prefix} cached" if prefix else ""))
+    ax.set_ylabel("speed-up over the torch path")
     ax.set_title(f"{report['settings']['model']}: causal prefill attention, one layer")
     ax.legend()
     bc.save_figure(fig, path)
 
 
 def render(report: dict) -> str:
-    results, img = bc.links(report, NAME)
+    prefix = report["settings"].get("prefix", 0)
+    results, img = bc.links(report, f"{NAME}_prefix" if prefix else NAME)
+    command = (f"python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024 "
+               f"--prefix {prefix}") if prefix else COMMAND
     return "\n".join([bc.environment_line(report, results), "", table(report), "```bash",
-                      COMMAND, "```", "", f"![prefill attention]({img})"])
+                      command, "```", "", f"![prefill attention]({img})"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,12 +148,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--lengths", default="128,512,1024,2048")
     p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--prefix", type=int, default=0,
+                   help="tokens cached in the pool before each chunk (0: a fresh prompt)")
     bc.add_run_args(p)
     p.set_defaults(threads=2)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     if a.quick:
         a.model, a.lengths, a.reps = "tiny", "17,40", 1
-    bc.default_paths(a, NAME)
+    name = f"{NAME}_prefix" if a.prefix else NAME
+    bc.default_paths(a, name)
     threads = bc.pin_threads(f"loadtest.{NAME}", a.threads, argv)
     from kvpool.cpu_attention import vector_path
     from loadtest.fingerprint import fingerprint
@@ -123,12 +167,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "seconds_by_length": {}}
     lengths = [int(x) for x in a.lengths.split(",")]
-    for name in a.dtypes.split(","):
-        got = measure(a.model, getattr(torch, name), lengths, a.reps)
-        report["seconds_by_length"][name] = got
-        print(f"{name}: " + " ".join(f"{t}: {got['kvserve'][t] * 1e3:.2f} vs {got['sdpa'][t] * 1e3:.2f} ms"
-                                     for t in lengths), flush=True)
-    bc.publish(report, a, NAME, DOC_HEADING, render, plot)
+    for dtype in a.dtypes.split(","):
+        got = measure(a.model, getattr(torch, dtype), lengths, a.reps, a.prefix)
+        report["seconds_by_length"][dtype] = got
+        print(f"{dtype}: " + " ".join(f"{t}: {got['kvserve'][t] * 1e3:.2f} vs {got['sdpa'][t] * 1e3:.2f} ms"
+                                      for t in lengths), flush=True)
+    bc.publish(report, a, name, PREFIX_HEADING if a.prefix else DOC_HEADING, render, plot)
     return report
 
 

@@ -82,22 +82,28 @@ def test_linear_rows_benchmark_measures_every_row_count(tmp_path) -> None:
     assert "fingerprint" in json.loads(path.read_text())
 
 
-def test_prefill_attention_benchmark_times_both_ways(tmp_path) -> None:
-    """loadtest/bench_prefill_attention.py: the op and SDPA per prompt length, GFLOP/s and
-    the ratio in the table, JSON with the fingerprint, the plot."""
+@pytest.mark.parametrize("prefix", [0, 37])
+def test_prefill_attention_benchmark_times_both_ways(tmp_path, prefix: int) -> None:
+    """loadtest/bench_prefill_attention.py: the op and the torch path per prompt length,
+    over the chunk's own keys or after a cached prefix (its own doc block and files),
+    GFLOP/s and the ratio in the table, JSON with the fingerprint, the plot."""
     from kvpool.cpu_attention import vector_path
     from loadtest import bench_prefill_attention
 
     if vector_path() != "avx512":
         pytest.skip("the causal_prefill op runs on AVX-512 builds only")
     report = bench_prefill_attention.main(["--quick", "--dtypes", "float32,bfloat16",
-                                           "--threads", "1", "--out", str(tmp_path)])
+                                           "--threads", "1", "--out", str(tmp_path),
+                                           "--prefix", str(prefix)])
     for by_way in report["seconds_by_length"].values():
         assert all(set(by) == {17, 40} and all(t > 0 for t in by.values()) for by in by_way.values())
+    name = "bench_prefill_attention" + ("_prefix" if prefix else "")
     md = (tmp_path / "benchmarks.md").read_text()
     assert md.count("\n| 40 |") == 2 and "speed-up" in md
-    assert (tmp_path / "bench_prefill_attention.png").exists()
-    assert "fingerprint" in json.loads((tmp_path / "bench_prefill_attention.json").read_text())
+    assert (f"after {prefix} cached tokens" in md) == bool(prefix)
+    assert ("gather + SDPA" in md) == bool(prefix)
+    assert (tmp_path / f"{name}.png").exists()
+    assert "fingerprint" in json.loads((tmp_path / f"{name}.json").read_text())
 
 
 def test_linear_rows_lays_bf16_out_widened_or_in_pairs() -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.model_config import load_model_config
 from kvpool import cpu_attention
-from kvpool.attention import causal_self_attention
+from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.cpu_attention import causal_prefill_cpu
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
@@ -91,3 +92,138 @@ def test_the_fallback_takes_sdpa_where_the_op_does_not_run() -> None:
                     tuple(x.transpose(0, 1).contiguous().transpose(0, 1)
                           for x in qkv_views(20, 4, 2, 16, torch.float32))):
         assert torch.equal(causal_prefill_cpu(q, k, v, 0.3), causal_self_attention(q, k, v, 0.3))
+
+
+needs_op = pytest.mark.skipif(not cpu_attention.causal_prefill_runs(torch.float32, 64),
+                              reason="the causal_prefill op runs on AVX-512 builds only")
+
+
+def prefixed_case(p: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
+                  holes: int = 0, bs: int = 16, seed: int = 0) -> dict:
+    """A sequence whose first p positions are cached in a pool's blocks (scattered, `holes`
+    of them evicted: position -1) and whose chunk of t tokens (positions p..p+t-1) was
+    just written after them, as the runner writes a layer's K/V before attending."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = qkv_views(t, hq, hkv, d, dtype, seed=seed)
+    nb = -(-(p + t) // bs) + 1  # one table entry past the tokens: a pad (-1)
+    blocks = torch.randperm(3 * nb, generator=g)[:nb]
+    k_cache = (torch.randn(3 * nb, bs, hkv, d, generator=g) * 2).to(dtype)
+    v_cache = (torch.randn(3 * nb, bs, hkv, d, generator=g) * 2).to(dtype)
+    table = blocks.clone()
+    table[-1] = -1
+    slot_pos = torch.full((nb * bs,), -1, dtype=torch.int64)
+    slot_pos[: p + t] = torch.arange(p + t)
+    if holes:  # evicted prefix slots
+        slot_pos[torch.randperm(p, generator=g)[:holes]] = -1
+    rows = blocks[torch.arange(p, p + t) // bs] * bs + torch.arange(p, p + t) % bs
+    k_cache.view(-1, hkv, d)[rows] = k
+    v_cache.view(-1, hkv, d)[rows] = v
+    return {"q": q, "k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "table": table,
+            "slot_pos": slot_pos, "start": p}
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("p", "t", "holes", "hq", "hkv", "d"), [
+    (1, 1, 0, 2, 1, 16), (15, 17, 0, 4, 2, 64), (16, 16, 3, 3, 3, 64), (17, 40, 5, 12, 12, 64),
+    (100, 5, 0, 8, 2, 32), (300, 257, 40, 4, 2, 64), (33, 100, 0, 4, 1, 128), (5, 3, 5, 2, 2, 16)])
+def test_a_chunk_after_a_cached_prefix_matches_the_torch_path(
+        dtype: torch.dtype, p: int, t: int, holes: int, hq: int, hkv: int, d: int) -> None:
+    """The op over a prefix in the pool (front padding to whole chunks of 16 masked, the
+    chunk's diagonal aligned after it, evicted slots and the table's pad skipped) gives the
+    torch path's answer (gather, mask, attention in fp32) for the same sequence: prefixes
+    shorter than, equal to and past a chunk of 16, many chunks, GQA, every head dim, bf16,
+    and a prefix whose every slot was evicted (the fresh prompt's answer)."""
+    c = prefixed_case(p, t, hq, hkv, d, dtype, holes, seed=p + t)
+    scale = d ** -0.5
+    out, none = cpu_attention.prefix_prefill_cpu(
+        c["q"], c["k_cache"], c["v_cache"], c["k"], c["v"], c["table"], c["slot_pos"],
+        c["start"], scale)
+    assert none is None and out.dtype == dtype and out.shape == (t, hq, d)
+    want, _ = paged_attention(c["q"].float()[None], c["k_cache"].float(), c["v_cache"].float(),
+                              c["table"][None], c["slot_pos"][None],
+                              torch.arange(p, p + t)[None], scale, return_probs=True)
+    want = want[0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    else:  # the fp32 result rounded once: within a bf16 ulp of its magnitude
+        assert (out.float() - want).abs().max() <= want.abs().max() * 2 ** -7
+    if holes == p:  # nothing visible before the chunk: a fresh prompt
+        assert torch.equal(out, torch.ops.kvserve.causal_prefill(c["q"], c["k"], c["v"], scale))
+
+
+@needs_op
+def test_every_query_sees_the_whole_prefix_and_its_own_keys() -> None:
+    """Equal scores: each query's output is the mean of the values it sees, the p prefix
+    values (not the pad in front of them, nor the pool's other rows) and the chunk's up
+    to itself, exactly where the chunks of 16 meet (p 21: a pad of 11)."""
+    p, t, d = 21, 40, 16
+    c = prefixed_case(p, t, 1, 1, d, torch.float32)
+    c["q"] = torch.zeros(t, 1, d)
+    c["k_cache"].view(-1, d)[:] = 1.0  # every value 0 except channel 0 = its position
+    vflat = c["v_cache"].view(-1, d)
+    vflat[:] = 0.0
+    slots = torch.arange(p + t)
+    rows = c["table"][slots // 16] * 16 + slots % 16
+    vflat[rows, 0] = slots.float()
+    v = torch.zeros(t, 1, d)
+    v[:, 0, 0] = torch.arange(p, p + t, dtype=torch.float32)
+    out, _ = cpu_attention.prefix_prefill_cpu(c["q"], c["k_cache"], c["v_cache"], c["k"], v,
+                                              c["table"], c["slot_pos"], p, 1.0)
+    means = torch.arange(p, p + t, dtype=torch.float32) / 2  # mean of 0..p+i
+    torch.testing.assert_close(out[:, 0, 0], means, atol=1e-4, rtol=1e-6)
+    assert not out[:, 0, 1:].any()
+
+
+@needs_op
+def test_the_prefix_arguments_are_checked() -> None:
+    c = prefixed_case(20, 4, 4, 2, 16, torch.float32)
+    op = torch.ops.kvserve.causal_prefill
+    base = (c["q"], c["k"], c["v"], 0.25)
+    for kw, match in (({"k_cache": c["k_cache"]}, "together"),
+                      ({**c, "k_cache": c["k_cache"].bfloat16()}, "q's dtype"),
+                      ({**c, "table": c["table"].int()}, "int64"),
+                      ({**c, "table": torch.full_like(c["table"], 999)}, "past the pool")):
+        kw = {key: kw[key] for key in ("k_cache", "v_cache", "table", "slot_pos", "start") if key in kw}
+        with pytest.raises(RuntimeError, match=match):
+            op(*base, **kw)
+
+
+@needs_op
+def test_the_engine_attends_chunks_after_a_prefix_through_the_op(tmp_path, monkeypatch) -> None:
+    """A prompt split into chunks and a prefix-cache hit attend through the op (the real
+    function, counted), and greedy tokens equal transformers' `generate`."""
+    from transformers import AutoModelForCausalLM
+
+    from engine import runner
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+    from tests.tiny_models import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, hf.config.vocab_size, (37,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 30)]
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                            pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+                for p in prompts]
+    calls: list[int] = []
+
+    def counted(q, *args, **kw):
+        calls.append(q.shape[0])
+        return cpu_attention.prefix_prefill_cpu(q, *args, **kw)
+
+    monkeypatch.setattr(runner, "prefix_prefill_cpu", counted)
+    llm = LLM(path, num_blocks=256, block_size=4, max_num_batched_tokens=16,
+              enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False)
+    first = llm.generate(prompts[:1], params)  # 42 tokens: chunks of 16, 16 and 10
+    chunked = len(calls)
+    second = llm.generate(prompts[1:], params)  # a 36-token hit, then 31 tokens
+    assert [first[0].token_ids, second[0].token_ids] == want
+    layers = load_model_config(path).num_layers
+    assert chunked == 2 * layers  # the second and third chunks, every layer
+    assert len(calls) > chunked and llm.engine.scheduler.prefix_hits > 0

@@ -1,6 +1,8 @@
-// Causal attention of a prompt chunk over its own keys (nothing cached before it), for
-// AVX-512 CPUs: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D], on kvserve's thread team.
-// Included by paged_decode_cpu.cpp inside its AVX-512 section (its exp512 and load16).
+// Causal attention of a prompt chunk over its own keys and, where the chunk follows a
+// cached prefix (a prefix-cache hit, a long prompt's later chunk), over the prefix's keys
+// in the pool, for AVX-512 CPUs: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D], on
+// kvserve's thread team. Included by paged_decode_cpu.cpp inside its AVX-512 section
+// (its exp512 and load16).
 //
 // Why: torch's fused CPU SDPA (`is_causal`) ran 500-token prefills of the 160M model at
 // ~44 GFLOP/s in bf16 (25% of the prefill) and ~90 in fp32 (15% at 1,000 tokens), on
@@ -16,6 +18,13 @@
 // probabilities. Keys past a query are masked on the diagonal chunk only. K and V are
 // first widened to fp32, one [T rounded up to 16, D] block per kv head (zero rows past T),
 // so that bf16 and fp32 take the same loop and a tail needs no other path.
+//
+// A cached prefix's visible rows (read from the pool's blocks where they lie) go in front
+// of the chunk's, padded at the front to whole chunks of 16 (`pad` empty rows, masked for
+// every query), so that each query block's diagonal chunk stays aligned: query i's own key
+// is row `pre` + i. Why: a chunk after a prefix went through the torch path, which gathers
+// every block into a padded copy and runs SDPA under a mask (session 39: a gather 14% and
+// SDPA 15% of such a step).
 #pragma once
 
 namespace prefill {
@@ -23,15 +32,17 @@ namespace prefill {
 constexpr int64_t kL = 16;  // queries a job (one a lane) and keys a chunk
 
 // One job: queries i0..i0+15 of a head (qt [D][16], scaled; lanes past T are zero) against
-// keys 0..i0+15 of their kv head (kf/vf [>= i0 + 16][D] fp32). ot [D][16] gets the
+// keys 0..pre+i0+15 of their kv head (kf/vf [>= pre + i0 + 16][D] fp32): `pre` rows of a
+// cached prefix (the first `pad` of them empty), then the chunk's own. ot [D][16] gets the
 // normalised output, transposed.
 template <int D>
-inline void attend_block(const float* qt, const float* kf, const float* vf, int64_t i0, float* ot) {
+inline void attend_block(const float* qt, const float* kf, const float* vf, int64_t i0, int64_t pre,
+                         int pad, float* ot) {
   for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kL, _mm512_setzero_ps());
   __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
   __m512 s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15;
 #define KVSERVE_KEYS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
-  for (int64_t j0 = 0; j0 <= i0; j0 += kL) {
+  for (int64_t j0 = 0; j0 <= pre + i0; j0 += kL) {
     const float* kc = kf + j0 * D;
     const float* vc = vf + j0 * D;
 #define KVSERVE_ZERO(j) s##j = _mm512_setzero_ps();
@@ -41,9 +52,11 @@ inline void attend_block(const float* qt, const float* kf, const float* vf, int6
 #define KVSERVE_SCORE(j) s##j = _mm512_fmadd_ps(_mm512_set1_ps(kc[j * D + d]), qd, s##j);
       KVSERVE_KEYS(KVSERVE_SCORE)
     }
-    const bool diagonal = j0 == i0;  // key j0 + j is past query i0 + lane where lane < j
+    const bool diagonal = j0 == pre + i0;  // key j0 + j is past query i0 + lane where lane < j
+    const bool lead = j0 == 0 && pad > 0;  // keys j < pad: the prefix's empty front rows
 #define KVSERVE_MASK(j) if (diagonal) s##j = _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), \
-                                                                static_cast<__mmask16>(0xFFFFu << j), s##j);
+                                                                static_cast<__mmask16>(0xFFFFu << j), s##j); \
+    if (lead && j < pad) s##j = _mm512_set1_ps(-1e30f);
     KVSERVE_KEYS(KVSERVE_MASK)
     const __m512 mx = _mm512_max_ps(
         _mm512_max_ps(_mm512_max_ps(_mm512_max_ps(s0, s1), _mm512_max_ps(s2, s3)),
@@ -55,7 +68,8 @@ inline void attend_block(const float* qt, const float* kf, const float* vf, int6
     m = mnew;
     // masked keys' probabilities are exactly zero (exp512 clamps at e^-87, not 0)
 #define KVSERVE_PROB(j) s##j = exp512(_mm512_sub_ps(s##j, mnew)); \
-    if (diagonal) s##j = _mm512_maskz_mov_ps(static_cast<__mmask16>(0xFFFFu << j), s##j);
+    if (diagonal) s##j = _mm512_maskz_mov_ps(static_cast<__mmask16>(0xFFFFu << j), s##j); \
+    if (lead && j < pad) s##j = _mm512_setzero_ps();
     KVSERVE_KEYS(KVSERVE_PROB)
     l = _mm512_fmadd_ps(l, alpha,
         _mm512_add_ps(
@@ -106,20 +120,27 @@ inline void attend_block(const float* qt, const float* kf, const float* vf, int6
   for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kL, _mm512_mul_ps(_mm512_loadu_ps(ot + d * kL), inv));
 }
 
-// The op's body for one input dtype T (float or c10::BFloat16) and head dim D.
+// The op's body for one input dtype T (float or c10::BFloat16) and head dim D. `pool_k` /
+// `pool_v` ([rows, Hkv, D], rows `sp` apart) and `prefix` (P pool rows, in any order: a
+// softmax's keys are a set) give the cached keys before the chunk; P = 0: none.
 template <typename T, int D>
 void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t hkv,
-            int64_t sq, int64_t sk, int64_t sv, float scale, T* out) {
+            int64_t sq, int64_t sk, int64_t sv, float scale, T* out, const T* pool_k = nullptr,
+            const T* pool_v = nullptr, int64_t sp = 0, const int64_t* prefix = nullptr, int64_t p = 0) {
   const int64_t tp = (t + kL - 1) / kL * kL, g = hq / hkv, blocks = tp / kL;
-  std::vector<float> kf(hkv * tp * D), vf(hkv * tp * D);  // zero rows past t
-  team::parallel_for(0, hkv * blocks, 1, [&](int64_t b, int64_t e) {
+  const int64_t pre = (p + kL - 1) / kL * kL, pad = pre - p, rows = pre + tp;
+  std::vector<float> kf(hkv * rows * D), vf(hkv * rows * D);  // zero rows: pad, past t
+  team::parallel_for(0, hkv * (rows / kL), 1, [&](int64_t b, int64_t e) {
     for (int64_t x = b; x < e; ++x) {
-      const int64_t h = x / blocks, r0 = x % blocks * kL;
-      for (int64_t r = r0; r < std::min(r0 + kL, t); ++r)
+      const int64_t h = x / (rows / kL), r0 = x % (rows / kL) * kL;
+      for (int64_t r = std::max(r0, pad); r < std::min(r0 + kL, pre + t); ++r) {
+        const T* kr = r < pre ? pool_k + prefix[r - pad] * sp : k + (r - pre) * sk;
+        const T* vr = r < pre ? pool_v + prefix[r - pad] * sp : v + (r - pre) * sv;
         for (int64_t d = 0; d < D; d += 16) {
-          _mm512_storeu_ps(&kf[(h * tp + r) * D + d], load16(k + r * sk + h * D + d));
-          _mm512_storeu_ps(&vf[(h * tp + r) * D + d], load16(v + r * sv + h * D + d));
+          _mm512_storeu_ps(&kf[(h * rows + r) * D + d], load16(kr + h * D + d));
+          _mm512_storeu_ps(&vf[(h * rows + r) * D + d], load16(vr + h * D + d));
         }
+      }
     }
   });
   // Jobs in an order whose halves cost alike (a job costs its block's index + 1 chunks):
@@ -133,7 +154,7 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
       for (int64_t lane = 0; lane < kL; ++lane)
         for (int64_t d = 0; d < D; ++d)
           qt[d * kL + lane] = lane < n ? static_cast<float>(q[(i0 + lane) * sq + head * D + d]) * scale : 0.0f;
-      attend_block<D>(qt, &kf[h * tp * D], &vf[h * tp * D], i0, ot);
+      attend_block<D>(qt, &kf[h * rows * D], &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot);
       for (int64_t lane = 0; lane < n; ++lane)
         for (int64_t d = 0; d < D; ++d) out[((i0 + lane) * hq + head) * D + d] = static_cast<T>(ot[d * kL + lane]);
     }

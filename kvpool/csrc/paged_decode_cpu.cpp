@@ -999,11 +999,17 @@ std::vector<at::Tensor> paged_decode_quant(
   return {out, mass};
 }
 
-// A prompt chunk with nothing cached before it, causal over its own keys (causal_prefill.h):
+// A prompt chunk causal over its own keys (causal_prefill.h) and, given the pool
+// (k_cache/v_cache [blocks, bs, Hkv, D] of q's dtype) with the sequence's table [NB] and
+// slot_pos [NB * bs] (this layer's rows) and the chunk's first position `start`, over every
+// visible slot before it (0 <= position < start: a cached prefix, holes and all):
 // q [T, Hq, D], k/v [T, Hkv, D] (rows strided, heads and channels contiguous: the views of
 // a fused qkv output), all fp32 or all bf16, D 16/32/64/128 -> [T, Hq, D] contiguous.
 // AVX-512 builds only (`paged_decode_isa` "avx512"); elsewhere SDPA runs it.
-at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                          const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
+                          const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& slot_pos,
+                          int64_t start) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
                   q.size(0) == k.size(0) && q.size(2) == k.size(2) && k.size(1) > 0 &&
@@ -1014,16 +1020,44 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
   for (const at::Tensor* x : {&q, &k, &v})
     TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_prefill: each row's heads and channels contiguous");
   const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
+  const bool cached = k_cache.has_value();
+  TORCH_CHECK(cached == v_cache.has_value() && cached == table.has_value() && cached == slot_pos.has_value(),
+              "causal_prefill: a prefix needs k_cache, v_cache, table and slot_pos together");
+  std::vector<int64_t> prefix;  // the pool rows of the visible slots before `start`
+  int64_t sp = 0;
+  if (cached) {
+    const at::Tensor &kc = *k_cache, &vc = *v_cache, &tb = *table, &pos = *slot_pos;
+    TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes() && kc.scalar_type() == dt && vc.scalar_type() == dt &&
+                    kc.is_contiguous() && vc.is_contiguous() && kc.size(2) == hkv && kc.size(3) == d,
+                "causal_prefill: k_cache and v_cache must be contiguous [blocks, bs, Hkv, D] of q's dtype");
+    TORCH_CHECK(tb.dim() == 1 && pos.dim() == 1 && tb.scalar_type() == at::kLong && pos.scalar_type() == at::kLong &&
+                    pos.size(0) <= tb.size(0) * kc.size(1),
+                "causal_prefill: table [NB] and slot_pos [<= NB * bs], int64");
+    const int64_t bs = kc.size(1), nb = kc.size(0);
+    const at::Tensor tc = tb.contiguous(), pc = pos.contiguous();
+    const int64_t *tp = tc.data_ptr<int64_t>(), *pp = pc.data_ptr<int64_t>();
+    for (int64_t s = 0; s < pc.size(0); ++s) {
+      const int64_t block = tp[s / bs];
+      if (pp[s] >= 0 && pp[s] < start && block >= 0) {
+        TORCH_CHECK(block < nb, "causal_prefill: a table entry past the pool");
+        prefix.push_back(block * bs + s % bs);
+      }
+    }
+    sp = hkv * d;
+  }
   at::Tensor out = at::empty({t, hq, d}, q.options());
 #if defined(KVSERVE_AVX512)
   TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "causal_prefill: head dim 16, 32, 64 or 128");
   if (t == 0) return out;
   auto run = [&](auto tag) {
     using T = decltype(tag);
+    const T* pk = cached ? k_cache->data_ptr<T>() : nullptr;
+    const T* pv = cached ? v_cache->data_ptr<T>() : nullptr;
     auto one = [&](auto dim) {
       prefill::causal<T, decltype(dim)::value>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), t, hq, hkv,
                                                q.stride(0), k.stride(0), v.stride(0), static_cast<float>(scale),
-                                               out.data_ptr<T>());
+                                               out.data_ptr<T>(), pk, pv, sp, prefix.data(),
+                                               static_cast<int64_t>(prefix.size()));
     };
     if (d == 16) one(std::integral_constant<int, 16>{});
     else if (d == 32) one(std::integral_constant<int, 32>{});
@@ -1058,7 +1092,8 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
   m.def("paged_decode_isa() -> str");
-  m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_cache=None, Tensor? v_cache=None, "
+        "Tensor? table=None, Tensor? slot_pos=None, int start=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
