@@ -289,9 +289,11 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     blocks = n * layers * (math.ceil((prompt + steps) / 16) + 2)
     out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget,
                  "prompt": prompt, "policies": {}}
-    for name in ("full", *_plain(args.policies)):
-        eng = _engine(path, blocks, n, args)
-        kv = policy_config(name, budget)
+    for name in ("full", *args.policies):  # a `:<way>` as part 1 runs it (`_run_one`)
+        base, _, way = name.partition(":")
+        eng = _engine(path, blocks, n, args, batch_policies=way != "unbatched",
+                      streaming_ring=way != "noring")
+        kv = policy_config(base, budget)
         _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
         d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
         sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
@@ -302,12 +304,13 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
             "policy_share": pol / tot if tot else None,
             "policy_us_per_request_step": 1e6 * pol / max(1, len(sel) * n),
             "forward_share": sum(s.forward_s for s in sel) / tot if tot else None,
-            "policy_seconds_total": eng.stats().policy_seconds_total.get(name, 0.0)}
+            "policy_seconds_total": eng.stats().policy_seconds_total.get(base, 0.0)}
     return out
 
 
 def _plain(names: list[str]) -> list[str]:
-    """Policies without a `:<way>` (ways only change how part 1 runs them)."""
+    """Policies without a `:<way>` (ways change how the engine runs a policy, not what it
+    keeps: quality is the plain policy's)."""
     return [n for n in names if ":" not in n]
 
 

@@ -189,10 +189,14 @@ def test_unbatched_variant_runs_beside_the_batched_policy(tmp_path) -> None:
 def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
     """`streaming:noring` runs StreamingLLM appending and evicting after the step
     (`streaming_ring=False`) beside its ring in the same run, both to their lengths, the
-    ring at least as many at once (a block less a layer each)."""
+    ring at least as many at once (a block less a layer each); the overhead part runs it
+    that way too (its own row: the evictions the ring does in place are policy steps)."""
     report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts",
-                       "throughput", "--baselines", "", "--policies",
+                       "throughput,overhead", "--baselines", "", "--policies",
                        "streaming,streaming:noring", "--rounds", "2")
+    over = report["overhead"]["policies"]
+    assert list(over) == ["full", "streaming", "streaming:noring"]
+    assert over["streaming:noring"]["mean_policy_ms"] > over["streaming"]["mean_policy_ms"]
     rows = report["throughput"]["policies"]
     assert list(rows) == ["full", "streaming", "streaming:noring"]
     a, b = rows["streaming"], rows["streaming:noring"]
