@@ -25,7 +25,19 @@
 // is row `pre` + i. Why: a chunk after a prefix went through the torch path, which gathers
 // every block into a padded copy and runs SDPA under a mask (session 39: a gather 14% and
 // SDPA 15% of such a step).
+//
+// bf16 inputs where the CPU has bf16 dot products (AVX512-BF16: Zen 4, Cooper Lake on):
+// the scores come from `vdpbf16ps` over the unscaled bf16 q and K in pairs of channels
+// (exact products summed in fp32, as the widened FMAs sum them but for the pairing; the
+// scale applied to each score after), half the instructions of the fp32 FMAs and K copied
+// unwidened; V stays widened (the probabilities are fp32).
 #pragma once
+
+#include <type_traits>
+
+#if defined(__AVX512BF16__)
+#define KVSERVE_CAUSAL_BF16_DOT 1
+#endif
 
 namespace prefill {
 
@@ -34,23 +46,41 @@ constexpr int64_t kL = 16;  // queries a job (one a lane) and keys a chunk
 // One job: queries i0..i0+15 of a head (qt [D][16], scaled; lanes past T are zero) against
 // keys 0..pre+i0+15 of their kv head (kf/vf [>= pre + i0 + 16][D] fp32): `pre` rows of a
 // cached prefix (the first `pad` of them empty), then the chunk's own. ot [D][16] gets the
-// normalised output, transposed.
-template <int D>
-inline void attend_block(const float* qt, const float* kf, const float* vf, int64_t i0, int64_t pre,
-                         int pad, float* ot) {
+// normalised output, transposed. QK uint32_t: qt holds bf16 pairs of channels [D/2][16],
+// unscaled, and kf the keys' bf16 pairs [rows][D/2]; each score is multiplied by `scale`.
+template <int D, typename QK = float>
+inline void attend_block(const QK* qt, const QK* kf, const float* vf, int64_t i0, int64_t pre,
+                         int pad, float* ot, float scale = 1.0f) {
   for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kL, _mm512_setzero_ps());
   __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
   __m512 s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15;
 #define KVSERVE_KEYS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
   for (int64_t j0 = 0; j0 <= pre + i0; j0 += kL) {
-    const float* kc = kf + j0 * D;
     const float* vc = vf + j0 * D;
 #define KVSERVE_ZERO(j) s##j = _mm512_setzero_ps();
     KVSERVE_KEYS(KVSERVE_ZERO)
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 qd = _mm512_loadu_ps(qt + d * kL);
+    if constexpr (std::is_same_v<QK, float>) {
+      const float* kc = kf + j0 * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 qd = _mm512_loadu_ps(qt + d * kL);
 #define KVSERVE_SCORE(j) s##j = _mm512_fmadd_ps(_mm512_set1_ps(kc[j * D + d]), qd, s##j);
-      KVSERVE_KEYS(KVSERVE_SCORE)
+        KVSERVE_KEYS(KVSERVE_SCORE)
+      }
+    } else {
+#if defined(KVSERVE_CAUSAL_BF16_DOT)
+      const QK* kc = kf + j0 * (D / 2);
+      for (int64_t dp = 0; dp < D / 2; ++dp) {
+        const __m512i qd = _mm512_loadu_si512(qt + dp * kL);
+        // the key's pair broadcast inside the instruction, as linear_panels.h's tile does
+#define KVSERVE_DOT(j) asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(s##j) : "m"(kc[j * (D / 2) + dp]), "v"(qd));
+        KVSERVE_KEYS(KVSERVE_DOT)
+#undef KVSERVE_DOT
+      }
+      const __m512 sc = _mm512_set1_ps(scale);
+#define KVSERVE_SCALE(j) s##j = _mm512_mul_ps(s##j, sc);
+      KVSERVE_KEYS(KVSERVE_SCALE)
+#undef KVSERVE_SCALE
+#endif
     }
     const bool diagonal = j0 == pre + i0;  // key j0 + j is past query i0 + lane where lane < j
     const bool lead = j0 == 0 && pad > 0;  // keys j < pad: the prefix's empty front rows
@@ -129,16 +159,24 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
             const T* pool_v = nullptr, int64_t sp = 0, const int64_t* prefix = nullptr, int64_t p = 0) {
   const int64_t tp = (t + kL - 1) / kL * kL, g = hq / hkv, blocks = tp / kL;
   const int64_t pre = (p + kL - 1) / kL * kL, pad = pre - p, rows = pre + tp;
-  std::vector<float> kf(hkv * rows * D), vf(hkv * rows * D);  // zero rows: pad, past t
+#if defined(KVSERVE_CAUSAL_BF16_DOT)
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kPairs = false;
+#endif
+  // K widened to fp32, or for pairs as it is (bf16 bits); V widened. Zero rows: pad, past t.
+  std::vector<float> kf(kPairs ? 0 : hkv * rows * D), vf(hkv * rows * D);
+  std::vector<uint16_t> kb(kPairs ? hkv * rows * D : 0);
   team::parallel_for(0, hkv * (rows / kL), 1, [&](int64_t b, int64_t e) {
     for (int64_t x = b; x < e; ++x) {
       const int64_t h = x / (rows / kL), r0 = x % (rows / kL) * kL;
       for (int64_t r = std::max(r0, pad); r < std::min(r0 + kL, pre + t); ++r) {
-        const T* kr = r < pre ? pool_k + prefix[r - pad] * sp : k + (r - pre) * sk;
-        const T* vr = r < pre ? pool_v + prefix[r - pad] * sp : v + (r - pre) * sv;
+        const T* kr = (r < pre ? pool_k + prefix[r - pad] * sp : k + (r - pre) * sk) + h * D;
+        const T* vr = (r < pre ? pool_v + prefix[r - pad] * sp : v + (r - pre) * sv) + h * D;
+        if constexpr (kPairs) std::memcpy(&kb[(h * rows + r) * D], kr, D * sizeof(T));
         for (int64_t d = 0; d < D; d += 16) {
-          _mm512_storeu_ps(&kf[(h * rows + r) * D + d], load16(kr + h * D + d));
-          _mm512_storeu_ps(&vf[(h * rows + r) * D + d], load16(vr + h * D + d));
+          if constexpr (!kPairs) _mm512_storeu_ps(&kf[(h * rows + r) * D + d], load16(kr + d));
+          _mm512_storeu_ps(&vf[(h * rows + r) * D + d], load16(vr + d));
         }
       }
     }
@@ -147,14 +185,25 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
   // block pairs (0, last), (1, last - 1), ... across the heads.
   team::parallel_for(0, hq * blocks, 1, [&](int64_t b, int64_t e) {
     alignas(64) float qt[D * kL], ot[D * kL];
+    alignas(64) uint32_t qp[D / 2 * kL];  // the pairs' q (unused in fp32)
     for (int64_t x = b; x < e; ++x) {
       const int64_t rank = x / hq, head = x % hq;
       const int64_t blk = rank % 2 == 0 ? rank / 2 : blocks - 1 - rank / 2;
       const int64_t i0 = blk * kL, n = std::min(kL, t - i0), h = head / g;
-      for (int64_t lane = 0; lane < kL; ++lane)
-        for (int64_t d = 0; d < D; ++d)
-          qt[d * kL + lane] = lane < n ? static_cast<float>(q[(i0 + lane) * sq + head * D + d]) * scale : 0.0f;
-      attend_block<D>(qt, &kf[h * rows * D], &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot);
+      if constexpr (kPairs) {  // two channels' bf16 bits a lane, the lower channel low
+        for (int64_t lane = 0; lane < kL; ++lane) {
+          const T* qr = q + (i0 + lane) * sq + head * D;
+          for (int64_t dp = 0; dp < D / 2; ++dp)
+            qp[dp * kL + lane] = lane < n ? (static_cast<uint32_t>(qr[2 * dp + 1].x) << 16) | qr[2 * dp].x : 0u;
+        }
+        attend_block<D, uint32_t>(qp, reinterpret_cast<const uint32_t*>(&kb[h * rows * D]), &vf[h * rows * D],
+                                  i0, pre, static_cast<int>(pad), ot, scale);
+      } else {
+        for (int64_t lane = 0; lane < kL; ++lane)
+          for (int64_t d = 0; d < D; ++d)
+            qt[d * kL + lane] = lane < n ? static_cast<float>(q[(i0 + lane) * sq + head * D + d]) * scale : 0.0f;
+        attend_block<D>(qt, &kf[h * rows * D], &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot);
+      }
       for (int64_t lane = 0; lane < n; ++lane)
         for (int64_t d = 0; d < D; ++d) out[((i0 + lane) * hq + head) * D + d] = static_cast<T>(ot[d * kL + lane]);
     }
