@@ -36,7 +36,8 @@ A fresh prompt (nothing cached before it) attends causally over its own keys in 
 C++ op on AVX-512 CPUs, `causal_prefill` (`csrc/causal_prefill.h`: FlashAttention's online
 softmax with a query a vector lane, on kvserve's thread team): a 500-token prompt of the
 160M model's shape 2.1x torch's fused SDPA in fp32 and 2.3x in bf16 in one process, more
-in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38). A chunk after a
+in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38); bf16 scores
+from bf16 dot products where the CPU has them, ~1.35x that (session 41). A chunk after a
 cached prefix takes the same op with the pool (`prefix_prefill_cpu`: the prefix's visible
 slots read from their blocks in place) where the pool holds the model's dtype unquantized
 and no statistics are wanted; other chunks stay on the torch path.
