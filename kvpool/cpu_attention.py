@@ -96,14 +96,19 @@ def causal_prefill_runs(dtype: torch.dtype, head_dim: int) -> bool:
             and vector_path() == "avx512")
 
 
+def _rows_whole(x: torch.Tensor) -> bool:
+    """Whether each row of x [T, H, D] holds its heads and channels in one run, as the
+    `causal_prefill` op reads them (a view of a fused qkv output does)."""
+    return x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
+
+
 def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        scale: float) -> torch.Tensor:
     """`kvpool.attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
     -> [T, Hq, D]) on the `causal_prefill` op where it runs (`causal_prefill_runs`, each
     row's heads and channels contiguous); SDPA elsewhere."""
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if (causal_prefill_runs(q.dtype, q.shape[2])
-            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))):
+    if causal_prefill_runs(q.dtype, q.shape[2]) and all(map(_rows_whole, (q, k, v))):
         return torch.ops.kvserve.causal_prefill(q, k, v, float(scale))
     return causal_self_attention(q, k, v, scale)
 
@@ -121,6 +126,7 @@ def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     Why: the torch path gathers every block of the group into a padded copy and runs SDPA
     under a [T, S] mask (session 39's profile: the gather 14% and SDPA 15% of such a
     step); the op reads each prefix row once, widened, and runs the fresh prompt's tiles."""
+    q, k, v = (x if _rows_whole(x) else x.contiguous() for x in (q, k, v))
     out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
                                            slot_pos, int(start))
     return out, None

@@ -150,6 +150,11 @@ def test_a_chunk_after_a_cached_prefix_matches_the_torch_path(
         assert (out.float() - want).abs().max() <= want.abs().max() * 2 ** -7
     if holes == p:  # nothing visible before the chunk: a fresh prompt
         assert torch.equal(out, torch.ops.kvserve.causal_prefill(c["q"], c["k"], c["v"], scale))
+    # heads not side by side in a row (a transposed copy): taken contiguous, the same answer
+    apart = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (c["q"], c["k"], c["v"])]
+    again, _ = cpu_attention.prefix_prefill_cpu(apart[0], c["k_cache"], c["v_cache"], *apart[1:],
+                                                c["table"], c["slot_pos"], c["start"], scale)
+    assert torch.equal(again, out)
 
 
 @needs_op

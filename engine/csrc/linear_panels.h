@@ -260,11 +260,12 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
 inline int64_t block_rows(int64_t m) { return m > kWholeK ? std::min(m, kMC) : m; }
 
 // No finishing (`NoFinish`): the sums are the output, c [m, np * 16]. With a `finish`
-// callable, c is scratch for one block of rows ([block_rows(m), np * 16]), and each tile's sums, once its last K block
-// is in, go to finish(row, rows, panel, sums, ldc) while they are in L1: the caller adds its
-// bias and rounds into its own output. Why: a bf16 layer's whole fp32 C, written and read
-// back by a second pass, was a 50 MB detour at 2,048 x 6,144 (the gate/up GEMM ran at
-// ~295 GFLOP/s against ~415 for the other layers of that step; session 41).
+// callable, c is scratch for one block of rows ([block_rows(m), np * 16]), and each tile's
+// sums, once its last K block is in, go to finish(row, rows, panel, sums, ldc) while they
+// are in L1: the caller adds its bias and rounds into its own output. Why: a bf16 layer's
+// whole fp32 C, written and read back by a second pass, was a 50 MB detour at 2,048 x
+// 6,144 (the gate/up GEMM ran at ~295 GFLOP/s against ~415 for the other layers of that
+// step; with the finishing ~410: docs/benchmarks.md, session 41).
 struct NoFinish {};
 
 // c = a [m, k] @ the np panels [np, k, 16]. Blocks of `kMC` rows one after

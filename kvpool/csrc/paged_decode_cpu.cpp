@@ -1018,7 +1018,8 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
               "causal_prefill takes q [T, Hq, D] and k, v [T, Hkv, D] of one dtype (fp32 or bf16), "
               "Hq a multiple of Hkv");
   for (const at::Tensor* x : {&q, &k, &v})
-    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "causal_prefill: each row's heads and channels contiguous");
+    TORCH_CHECK(x->stride(2) == 1 && (x->stride(1) == x->size(2) || x->size(1) == 1),
+                "causal_prefill: each row's heads and channels contiguous");
   const int64_t t = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
   const bool cached = k_cache.has_value();
   TORCH_CHECK(cached == v_cache.has_value() && cached == table.has_value() && cached == slot_pos.has_value(),
