@@ -125,7 +125,7 @@ def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
     Why: the torch path gathers every block of the group into a padded copy and runs SDPA
     under a [T, S] mask (session 39's profile: the gather 14% and SDPA 15% of such a
-    step); the op reads each prefix row once, widened, and runs the fresh prompt's tiles."""
+    step); the op copies each prefix row once and runs the fresh prompt's tiles over it."""
     q, k, v = (x if _rows_whole(x) else x.contiguous() for x in (q, k, v))
     out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
                                            slot_pos, int(start))

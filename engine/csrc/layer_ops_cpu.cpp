@@ -298,11 +298,9 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
       }
     };
     float* cp = c.data_ptr<float>();
-    if (pairs) {  // the bf16 input as it is: K/2 pairs a row
-      const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
-      const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
-      if (in_place) panels::gemm(xp, m, k / 2, wp, np, cp);
-      else panels::gemm(xp, m, k / 2, wp, np, cp, finish);
+    if (pairs) {  // the bf16 input as it is: K/2 pairs a row (bf16: never in place)
+      panels::gemm(reinterpret_cast<const panels::Pair*>(x.data_ptr()), m, k / 2,
+                   reinterpret_cast<const panels::Pair*>(panels.data_ptr()), np, cp, finish);
     } else {
       const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
       if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp);

@@ -47,7 +47,8 @@ constexpr int64_t kL = 16;  // queries a job (one a lane) and keys a chunk
 // keys 0..pre+i0+15 of their kv head (kf/vf [>= pre + i0 + 16][D] fp32): `pre` rows of a
 // cached prefix (the first `pad` of them empty), then the chunk's own. ot [D][16] gets the
 // normalised output, transposed. QK uint32_t: qt holds bf16 pairs of channels [D/2][16],
-// unscaled, and kf the keys' bf16 pairs [rows][D/2]; each score is multiplied by `scale`.
+// unscaled, and kf the keys' bf16 pairs [rows][D/2]; each score is multiplied by `scale`
+// (float: qt comes scaled, `scale` unused).
 // PADDED: pad > 0 (a prefix not a whole number of chunks; without it the masks of the
 // padding cost the fp32 loop 3-12%).
 template <int D, typename QK, bool PADDED>
@@ -192,21 +193,23 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
       const int64_t rank = x / hq, head = x % hq;
       const int64_t blk = rank % 2 == 0 ? rank / 2 : blocks - 1 - rank / 2;
       const int64_t i0 = blk * kL, n = std::min(kL, t - i0), h = head / g;
+      auto attend = [&](const auto* qv, const auto* kv) {  // the padding's masks only where needed
+        using QK = std::remove_cv_t<std::remove_pointer_t<decltype(qv)>>;
+        if (pad > 0) attend_block<D, QK, true>(qv, kv, &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot, scale);
+        else attend_block<D, QK, false>(qv, kv, &vf[h * rows * D], i0, pre, 0, ot, scale);
+      };
       if constexpr (kPairs) {  // two channels' bf16 bits a lane, the lower channel low
         for (int64_t lane = 0; lane < kL; ++lane) {
           const T* qr = q + (i0 + lane) * sq + head * D;
           for (int64_t dp = 0; dp < D / 2; ++dp)
             qp[dp * kL + lane] = lane < n ? (static_cast<uint32_t>(qr[2 * dp + 1].x) << 16) | qr[2 * dp].x : 0u;
         }
-        const auto* kp = reinterpret_cast<const uint32_t*>(&kb[h * rows * D]);
-        if (pad > 0) attend_block<D, uint32_t, true>(qp, kp, &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot, scale);
-        else attend_block<D, uint32_t, false>(qp, kp, &vf[h * rows * D], i0, pre, 0, ot, scale);
+        attend(static_cast<const uint32_t*>(qp), reinterpret_cast<const uint32_t*>(&kb[h * rows * D]));
       } else {
         for (int64_t lane = 0; lane < kL; ++lane)
           for (int64_t d = 0; d < D; ++d)
             qt[d * kL + lane] = lane < n ? static_cast<float>(q[(i0 + lane) * sq + head * D + d]) * scale : 0.0f;
-        if (pad > 0) attend_block<D, float, true>(qt, &kf[h * rows * D], &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot);
-        else attend_block<D, float, false>(qt, &kf[h * rows * D], &vf[h * rows * D], i0, pre, 0, ot);
+        attend(static_cast<const float*>(qt), &kf[h * rows * D]);
       }
       for (int64_t lane = 0; lane < n; ++lane)
         for (int64_t d = 0; d < D; ++d) out[((i0 + lane) * hq + head) * D + d] = static_cast<T>(ot[d * kL + lane]);
