@@ -436,10 +436,11 @@ class SlotTables:
 
     # ---- what eviction changes -------------------------------------------------------
     def evict_mask(self, pool: BlockPool, caches: list[SeqCache],
-                   dead: torch.Tensor) -> list[tuple[int, int]]:
+                   dead: torch.Tensor) -> list[tuple[int, int, list[int]]]:
         """Mark the slots where `dead` [L, R, W] is True dead (W a multiple of the block
         size, at least every cache's held width) and free the blocks that leaves without
-        a live slot; per cache (slots evicted over all layers, blocks freed). The one
+        a live slot; per cache (slots evicted over all layers, blocks freed, slots
+        evicted in each layer: the layers a compaction or re-rotation revisits). The one
         way a policy's plan reaches the pool: a fixed number of ops for any batch.
         The C++ form (csrc/tables_cpu.cpp::evict_rows) marks and frees in one call, the
         torch form is `_mark_dead` then `free_dead_blocks`; both take the dead slots off
@@ -456,23 +457,24 @@ class SlotTables:
         else:
             per_cache = self._evict_torch(pool, caches, rows, dead, alike)
         done = []
-        for c, (died, freed, same) in zip(caches, per_cache):
+        for c, (died, freed, same, *by_layer) in zip(caches, per_cache):
             if died:
                 c.alike = c.alike and bool(same)
                 c.uniform = False
-            done.append((died, freed))
+            done.append((died, freed, by_layer))
         return done
 
     def _evict_torch(self, pool: BlockPool, caches: list[SeqCache], rows: torch.Tensor,
-                     dead: torch.Tensor, alike: torch.Tensor) -> list[tuple[int, int, bool]]:
-        """`evict_rows`' torch form: per cache (slots that died over all layers, blocks
-        freed, whether every layer lost the same slots)."""
+                     dead: torch.Tensor, alike: torch.Tensor) -> list[list[int]]:
+        """`evict_rows`' torch form: per cache [slots that died over all layers, blocks
+        freed, whether every layer lost the same slots, then the slots that died in each
+        layer]."""
         counts, emptied, same = self._mark_dead(rows, dead, alike)
         if not any(map(any, counts)):
-            return [(0, 0, True)] * len(caches)
+            return [[0, 0, True, *k] for k in counts]
         hit = [i for i, e in enumerate(emptied.tolist()) if e]
         freed = dict(zip(hit, self.free_dead_blocks(pool, [caches[i] for i in hit]))) if hit else {}
-        return [(sum(k), freed.get(i, 0), s) for i, (k, s) in enumerate(zip(counts, same))]
+        return [[sum(k), freed.get(i, 0), s, *k] for i, (k, s) in enumerate(zip(counts, same))]
 
     def _mark_dead(self, rows: torch.Tensor, dead: torch.Tensor, alike: torch.Tensor
                    ) -> tuple[list[list[int]], torch.Tensor, list[bool]]:

@@ -17,6 +17,10 @@ from typing import Protocol
 
 import torch
 
+# Set by the engine once the C++ selection (policies/csrc/select_cpu.cpp) and state
+# updates (state_cpu.cpp) are loaded (scheduler/policy_rows.py::load_select).
+NATIVE: dict[str, bool] = {"select": False, "state": False}
+
 
 @dataclass(frozen=True)
 class Needs:
@@ -164,7 +168,15 @@ def sum_dims(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def head_parts(attention: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`head_mean`'s numerator [..., Tq, n] and denominator [..., Tq], for a caller that
-    divides elsewhere (LazyEviction's C++ tracking) and must round as it does."""
+    divides elsewhere (LazyEviction's C++ tracking) and must round as it does.
+
+    On CPU with the policies' C++ ops the denominator is `row_sums`
+    (policies/csrc/state_cpu.cpp): torch's sum of a decode step's [rows, slots] runs on
+    OpenMP threads that a server leaves asleep, a wake-up per step."""
+    if NATIVE["state"] and attention.device.type == "cpu" and attention.dtype == torch.float32:
+        flat = attention.flatten(-2)
+        total = torch.ops.kvserve_policy_state.row_sums(flat.reshape(-1, flat.shape[-1]))
+        return sum_dims(attention, (-2,)), total.view(attention.shape[:-2])
     return (sum_dims(attention, (-2,)),
             attention.sum(dim=(-2, -1), keepdim=False).clamp_min(1e-30))
 

@@ -118,14 +118,18 @@ class LazyEvictionPolicy:
         # so a step's group usually has a few (eq. 2 is a dozen sweeps in double).
         rows = [i for i, (n, k) in enumerate(zip(view.lengths, keep)) if n > k]
         r = view.num_requests
-        at = torch.tensor(rows)
         times = [t_now[i % r] for i in rows]
         if NATIVE["state"] and view.slot_pos.device.type == "cpu":  # one pass (C++)
+            # every row's scores (0 where no drop), selected over the view's own rows
             scores = torch.ops.kvserve_policy_state.lazy_importance(
                 view.layered("ts"), view.layered("mri"), rows, times)
-        else:  # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
-            ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
-            scores = importance(torch.tensor(times, dtype=torch.float64)[:, None], ts, mri)
+            return drop_lowest(view.live_or_positions, scores,
+                               [max(0, n - k) for n, k in zip(view.lengths, keep)],
+                               last=c.window)
+        # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
+        at = torch.tensor(rows)
+        ts, mri = (view.layered(name)[at // r, at % r].double() for name in ("ts", "mri"))
+        scores = importance(torch.tensor(times, dtype=torch.float64)[:, None], ts, mri)
         drop = drop_lowest(view.positions_of(at), scores,
                            [view.lengths[i] - keep[i] for i in rows], last=c.window)
         return view.rows_mask(at, drop)

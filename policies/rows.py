@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from policies.base import resolve_budget
+from policies.base import NATIVE, resolve_budget
 
 # Up to this many drops per row a partial top-k plus a tie count beats a full stable sort
 # (about 10x on a thousand scores); beyond it (a prompt's one big plan) we sort.
@@ -232,9 +232,6 @@ def _per_row(values: list[int] | int, n: int) -> torch.Tensor:
     return _ints(values if isinstance(values, list) else [values] * n)
 
 
-# Set by the engine once the C++ selection (policies/csrc/select_cpu.cpp) and state
-# updates (state_cpu.cpp) are loaded.
-NATIVE: dict[str, bool] = {"select": False, "state": False}
 
 
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],

@@ -273,13 +273,14 @@ def carry_out(caches: list[SeqCache], dead: torch.Tensor, compact: list[bool],
     layers that lost tokens (`compact`) or re-number them 0..n-1 and re-rotate their
     keys (`rotate`, RoPE shift); per cache (evicted slots, freed blocks)."""
     first = caches[0]
-    done = first.tables.evict_mask(first.pool, caches, dead)
-    asked = [i for i, (evicted, _) in enumerate(done)
-             if evicted and (compact[i] or rotate[i] is not None)]
+    evicted = first.tables.evict_mask(first.pool, caches, dead)
+    done = [(died, freed) for died, freed, _ in evicted]
+    asked = [i for i, (died, _) in enumerate(done)
+             if died and (compact[i] or rotate[i] is not None)]
     if not asked:
         return done
-    hit = dead.any(dim=2).t().tolist()  # [R][L]: the layers that lost tokens, one op
-    layers = {i: [x for x, h in enumerate(hit[i]) if h] for i in asked}
+    # the layers that lost tokens
+    layers = {i: [x for x, n in enumerate(evicted[i][2]) if n] for i in asked}
     packs: dict[tuple[int, ...], list[int]] = {}  # compacted together: the same layers
     for i in asked:
         if compact[i]:

@@ -127,9 +127,10 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed, native, monkeypatc
         monkeypatch.setattr(tables_mod, "load_mark", lambda: False)
         want = []
         for c, d in zip(alone, dead.unbind(1)):
-            before = c.live
+            before = list(c.layer_live)
             freed = c.evict_mask(d)
-            want.append((before - c.live, freed))
+            by_layer = [b - a for b, a in zip(before, c.layer_live)]
+            want.append((sum(by_layer), freed, by_layer))
         assert got == want
         for a, b in zip(group, alone):
             assert torch.equal(a.slot_pos, b.slot_pos) and torch.equal(a.table, b.table)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from policies import pyramid, rows
+from policies.base import head_parts
 from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy, _track
 from policies.pyramid import PyramidConfig, PyramidPolicy
 from policies.rows import RowsView
@@ -117,6 +118,28 @@ def test_lazy_track_matches_torch(seed, native, monkeypatch):
     assert torch.equal(got["mri"], mri)
 
 
+@pytest.mark.parametrize("shape", [(64, 1, 1, 1056), (3, 2, 2, 50), (2, 1, 1, 40000), (1, 1, 1, 7)])
+def test_head_parts_denominator_is_torch_sum(shape, native, monkeypatch):
+    """`row_sums` (chunks of rows under torch's parallel grain, each summed on the
+    calling thread) has the bits of torch's own sum over the kv heads and slots, clamped
+    as head_mean clamps: rows across chunk edges, rows wider than the grain, a slice view,
+    zero rows (clamped), NaN (kept)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    att = torch.rand(shape[0], shape[1] + 1, *shape[2:], generator=g) ** 3
+    att = att[:, -1:] if shape[1] == 1 else att[:, :shape[1]]  # not contiguous
+    att[0] = 0.0
+    if shape[0] > 2:
+        att[2, 0, 0, 3] = math.nan
+    per, total = head_parts(att)
+    monkeypatch.setitem(rows.NATIVE, "state", False)
+    per_t, total_t = head_parts(att)
+    assert torch.equal(per.nan_to_num(-1), per_t.nan_to_num(-1))
+    assert torch.equal(total.nan_to_num(-1), total_t.nan_to_num(-1))
+    assert bool((total[0] == torch.tensor(1e-30)).all()) and total.shape == shape[:2]
+    if shape[0] > 2:
+        assert math.isnan(float(total[2, 0]))
+
+
 @pytest.mark.parametrize("w", [1040, 50])
 def test_lazy_importance_matches_torch(w, native):
     """`lazy_importance` (eq. 2 in one C++ pass, torch's own vector exp) scores every slot
@@ -140,7 +163,10 @@ def test_lazy_importance_matches_torch(w, native):
     at = torch.tensor(rows_)
     want = importance(torch.tensor(times, dtype=torch.float64)[:, None],
                       ts_v[at // r, at % r].double(), mri_v[at // r, at % r].double())
-    assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    assert got.dtype == torch.float32 and got.shape == (nl * r, w)  # every row of the view
+    assert torch.equal(got[at], want.float())
+    others = [i for i in range(nl * r) if i not in rows_]
+    assert not bool(got[others].any())  # rows that do not decide: 0
     assert bool((want == 1.0).any()) and bool((want == 0.0).any())
 
 

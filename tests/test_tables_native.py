@@ -362,7 +362,9 @@ def test_native_evict_mask_matches_torch(seed, monkeypatch):
                                          for c in caches], pool.num_free))
     (da, ra, a, ca, fa), (db, rb, b, cb, fb) = runs
     assert da == db and ra == rb and ca == cb and fa == fb
-    assert any(f for _, f in da) and da[2] == (0, 0)
+    assert any(f for _, f, _ in da) and da[2] == (0, 0, [0, 0, 0])
+    for died, _, by_layer in da:  # the per-layer counts add up
+        assert died == sum(by_layer)
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
     assert torch.equal(a.sizes, b.sizes)
     for name in a.state:

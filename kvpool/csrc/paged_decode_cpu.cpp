@@ -801,7 +801,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   const int64_t* rp = table_rows(rows, q.size(0), t.size(0), rows_keep);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor mass = return_probs
-      ? at::zeros({q.size(0), sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
+      ? team::zeros({q.size(0), sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
   // key_diversity: [B] bool, the rows whose KeyDiff scores to return (others: 0)
@@ -813,7 +813,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                 "key_diversity must be a [B] bool tensor of the rows to score");
     TORCH_CHECK(window == 0, "key_diversity needs every live slot visible (no window)");
   }
-  at::Tensor kd = want_kd ? at::zeros({q.size(0), p.size(1)}, q.options().dtype(at::kFloat))
+  at::Tensor kd = want_kd ? team::zeros({q.size(0), p.size(1)}, q.options().dtype(at::kFloat))
                           : at::empty({0}, q.options().dtype(at::kFloat));
   float* kp = want_kd ? kd.data_ptr<float>() : nullptr;
   const bool* kr = want_kd ? kd_rows.data_ptr<bool>() : nullptr;
@@ -975,7 +975,7 @@ std::vector<at::Tensor> paged_decode_quant(
   at::Tensor rows_keep;
   const int64_t* rp = table_rows(rows, B, t.size(0), rows_keep);
   at::Tensor out = at::empty({B, Hq, D}, q.options());
-  at::Tensor mass = return_probs ? at::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
+  at::Tensor mass = return_probs ? team::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
                                  : at::empty({0}, q.options().dtype(at::kFloat));
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
                    Hq, D, static_cast<float>(scale), Hq * D};

@@ -282,9 +282,9 @@ std::tuple<at::Tensor, at::Tensor> free_dead(at::Tensor table, at::Tensor slot_p
 // last live slot: SlotTables.evict_mask's native form, one dispatch and one small result
 // where the two passes and the Python between them (the counts as lists, the emptied
 // rows, a second rows tensor, the freed counts summed) were ~50 us of a policy step.
-// Returns (info [R, 3] int64: per cache the slots that died over all layers, the blocks
-// freed, and 1 if every layer lost the same slots (computed for alike rows, else 1);
-// the freed block ids, as free_dead orders them).
+// Returns (info [R, 3 + L] int64: per cache the slots that died over all layers, the
+// blocks freed, 1 if every layer lost the same slots (computed for alike rows, else 1),
+// then the slots that died in each layer; the freed block ids, as free_dead orders them).
 std::tuple<at::Tensor, at::Tensor> evict_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes,
                                               std::vector<at::Tensor> states,
                                               const at::Tensor& columns, const at::Tensor& rows,
@@ -292,7 +292,8 @@ std::tuple<at::Tensor, at::Tensor> evict_rows(at::Tensor table, at::Tensor slot_
                                               int64_t bs) {
   const auto [counts, emptied, same] = mark_dead(slot_pos, sizes, rows, dead, alike, bs);
   const int64_t nl = counts.size(0), r = counts.size(1);
-  at::Tensor info = at::zeros({r, 3}, rows.options());
+  const int64_t ni = 3 + nl;  // info's columns
+  at::Tensor info = at::zeros({r, ni}, rows.options());
   int64_t* ip = info.data_ptr<int64_t>();
   const int64_t* cp = counts.data_ptr<int64_t>();
   const bool* ep = emptied.data_ptr<bool>();
@@ -301,8 +302,11 @@ std::tuple<at::Tensor, at::Tensor> evict_rows(at::Tensor table, at::Tensor slot_
   const int64_t* rp = rw.data_ptr<int64_t>();
   std::vector<int64_t> hit, hit_rows;
   for (int64_t i = 0; i < r; ++i) {
-    for (int64_t l = 0; l < nl; ++l) ip[i * 3] += cp[l * r + i];
-    ip[i * 3 + 2] = mp[i];
+    for (int64_t l = 0; l < nl; ++l) {
+      ip[i * ni] += cp[l * r + i];
+      ip[i * ni + 3 + l] = cp[l * r + i];
+    }
+    ip[i * ni + 2] = mp[i];
     if (ep[i]) {
       hit.push_back(i);
       hit_rows.push_back(rp[i]);
@@ -315,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> evict_rows(at::Tensor table, at::Tensor slot_
   const int64_t* dp = ndead.data_ptr<int64_t>();
   const int64_t m = static_cast<int64_t>(hit.size());
   for (int64_t k = 0; k < m; ++k)
-    for (int64_t l = 0; l < nl; ++l) ip[hit[k] * 3 + 1] += dp[l * m + k];
+    for (int64_t l = 0; l < nl; ++l) ip[hit[k] * ni + 1] += dp[l * m + k];
   return {info, ids};
 }
 

@@ -39,7 +39,10 @@
 #include <type_traits>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+
+#include <cstring>
 
 namespace team {
 
@@ -270,6 +273,17 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     const int64_t lo = begin + std::min(n, tid * share), hi = begin + std::min(n, (tid + 1) * share);
     if (lo < hi) f(lo, hi);
   });
+}
+
+// at::zeros, filled on the calling thread. torch fills a tensor of more than 32,768
+// elements on its OpenMP threads, which a server's wait leaves asleep
+// (engine/cpu_threads.py): each fill of an op's [rows, slots] output (a policy's drop
+// mask, the decode kernel's attention mass) was a futex wake-up, 40-70 us on this repo's
+// VM, for a memset of a few microseconds.
+inline at::Tensor zeros(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(sizes, options);
+  std::memset(t.data_ptr(), 0, t.nbytes());
+  return t;
 }
 
 }  // namespace team

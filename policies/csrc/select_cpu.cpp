@@ -163,7 +163,7 @@ at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
   }
   const float* dvp = dv.defined() ? dv.data_ptr<float>() : nullptr;
   const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
-  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  at::Tensor out = team::zeros({n, w}, positions.options().dtype(at::kBool));
   const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
   const auto run = [&](const auto& pr) {
@@ -195,7 +195,7 @@ at::Tensor drop_earliest(const at::Tensor& positions, const at::Tensor& first, c
     TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
                 "first and drop must be [N] int64");
   const at::Tensor f = first.contiguous(), d = drop.contiguous();
-  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  at::Tensor out = team::zeros({n, w}, positions.options().dtype(at::kBool));
   const int64_t *fp = f.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
   bool* op = out.data_ptr<bool>();
   team::parallel_for(0, n, 16, [&](int64_t a, int64_t b) {
@@ -232,7 +232,7 @@ at::Tensor pack_live(const at::Tensor& scores, const at::Tensor& positions, cons
   TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && bs > 0, "rows must be [M] int64");
   const at::Tensor rw = rows.contiguous();
   const int64_t m = rows.size(0), width = (w + bs - 1) / bs * bs;
-  at::Tensor out = at::zeros({m, width}, scores.options());
+  at::Tensor out = team::zeros({m, width}, scores.options());
   const int64_t* rp = rw.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
@@ -266,7 +266,7 @@ at::Tensor block_drops(const at::Tensor& means, const at::Tensor& positions, con
   const float* mp = mn.data_ptr<float>();
   const int64_t* rp = rw.data_ptr<int64_t>();
   const int64_t *fp = nf.data_ptr<int64_t>(), *dp = dr.data_ptr<int64_t>();
-  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  at::Tensor out = team::zeros({n, w}, positions.options().dtype(at::kBool));
   bool* op = out.data_ptr<bool>();
   std::vector<int64_t> cand;
   std::vector<char> gone(nb);

@@ -263,7 +263,9 @@ extern "C" __m256d Sleef_expd4_u10(__m256d) __attribute__((weak));
 // double, each σ(v) as torch's vector kernel takes it: 1 / (1 + exp(0 - v)). One pass
 // instead of a gather, two casts and a dozen sweeps over [M, W] in double.
 // ts, mri [L, R, W] float32 (slots contiguous); rows: the deciding rows (l·R + r); t:
-// each one's time. Returns [M, W] float32.
+// each one's time. Returns [L·R, W] float32, the other rows 0: the selection takes it
+// whole with no drops in those rows, where a gather of the deciding rows' positions and
+// a plan scattered back into [L·R, W] were two more passes (and an OpenMP wake-up).
 at::Tensor lazy_importance(const at::Tensor& ts, const at::Tensor& mri, at::IntArrayRef rows,
                            at::IntArrayRef t) {
   TORCH_CHECK(ts.dim() == 3 && mri.sizes() == ts.sizes() && ts.stride(2) == 1 &&
@@ -273,7 +275,7 @@ at::Tensor lazy_importance(const at::Tensor& ts, const at::Tensor& mri, at::IntA
   TORCH_CHECK(rows.size() == t.size(), "one time a row");
   const int64_t r = ts.size(1), w = ts.size(2), m = rows.size();
   for (const int64_t i : rows) TORCH_CHECK(i >= 0 && i < ts.size(0) * r, "row out of range");
-  at::Tensor out = at::empty({m, w}, ts.options());
+  at::Tensor out = team::zeros({ts.size(0) * r, w}, ts.options());
   float* op = out.data_ptr<float>();
   const auto h = [](double x, double y) {  // 2σ(-x) + (2σ(-y) or 0), x, y as below
     return 2.0 * (1.0 / (1.0 + std::exp(0.0 - -x))) + y;
@@ -283,7 +285,7 @@ at::Tensor lazy_importance(const at::Tensor& ts, const at::Tensor& mri, at::IntA
     const float* tr = ts.data_ptr<float>() + (i / r) * ts.stride(0) + (i % r) * ts.stride(1);
     const float* mr = mri.data_ptr<float>() + (i / r) * mri.stride(0) + (i % r) * mri.stride(1);
     const double tk = static_cast<double>(t[k]);
-    float* o = op + k * w;
+    float* o = op + i * w;
     int64_t s = 0;
 #ifdef KVSERVE_AVX512
     if (Sleef_expd8_u10 != nullptr) {
@@ -481,7 +483,7 @@ at::Tensor pyramid_window(at::Tensor ring, at::Tensor total, const at::Tensor& m
     }
   });
   if (!select) return at::empty({0, w}, positions.options().dtype(at::kBool));
-  at::Tensor out = at::zeros({n, w}, positions.options().dtype(at::kBool));
+  at::Tensor out = team::zeros({n, w}, positions.options().dtype(at::kBool));
   bool* op = out.data_ptr<bool>();
   // A row with no more candidates than drops drops them all, whatever their sums' last
   // bits: only rows with more candidates than drops need the rings summed. In decode at
@@ -564,6 +566,30 @@ void new_scores(at::Tensor state, const at::Tensor& index, const at::Tensor& key
   }
 }
 
+// Each row's sum, at least 1e-30 ([N, W] float32 -> [N]): `head_parts`' denominator
+// (TOVA's and LazyEviction's head mean), torch's sum with its bits. torch sums more than
+// 32,768 elements (at::internal::GRAIN_SIZE) on its OpenMP threads, which a server's
+// wait leaves asleep (engine/cpu_threads.py): a futex wake-up (40-70 us on this repo's
+// VM) in every decode step of those policies for a sum of a few microseconds. Here torch
+// sums chunks of whole rows under that size, each on this thread; a row is summed whole
+// either way (torch splits a reduction of several outputs over them), so the bits are
+// the same. Rows wider than the grain are summed in one call, as torch would.
+at::Tensor row_sums(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [N, W] float32");
+  const int64_t n = x.size(0), w = std::max<int64_t>(x.size(1), 1);
+  at::Tensor out = at::empty({n}, x.options());
+  const int64_t fit = (at::internal::GRAIN_SIZE - 1) / w;  // whole rows under the grain
+  const int64_t step = fit > 0 ? fit : std::max<int64_t>(n, 1);
+  for (int64_t a = 0; a < n; a += step) {
+    const int64_t m = std::min(step, n - a);
+    at::Tensor part = out.narrow(0, a, m);
+    at::sum_out(part, x.narrow(0, a, m), {1});
+  }
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) op[i] = std::max(op[i], 1e-30f);  // clamp_min: NaN stays
+  return out;
+}
+
 TORCH_LIBRARY(kvserve_policy_state, m) {
   m.def("pyramid_window(Tensor(a!) ring, Tensor(b!) total, Tensor mass, int[] cols, Tensor positions, "
         "int[] edges, int[] drop, int shift, float rel, float abs, int[] rows=[]) -> Tensor");
@@ -571,6 +597,7 @@ TORCH_LIBRARY(kvserve_policy_state, m) {
         "int[] qpos, int[] prompt, float alpha) -> ()");
   m.def("lazy_importance(Tensor ts, Tensor mri, int[] rows, int[] t) -> Tensor");
   m.def("new_scores(Tensor(a!) state, Tensor index, Tensor key_norm, Tensor? value_norm) -> ()");
+  m.def("row_sums(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
@@ -578,4 +605,5 @@ TORCH_LIBRARY_IMPL(kvserve_policy_state, CPU, m) {
   m.impl("lazy_track", lazy_track);
   m.impl("lazy_importance", lazy_importance);
   m.impl("new_scores", new_scores);
+  m.impl("row_sums", row_sums);
 }
