@@ -118,8 +118,17 @@ def test_lazy_track_matches_torch(seed, native, monkeypatch):
     assert torch.equal(got["mri"], mri)
 
 
+@pytest.fixture
+def two_threads():
+    """torch at two intra-op threads for the test (row_sums chunks only then)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("shape", [(64, 1, 1, 1056), (3, 2, 2, 50), (2, 1, 1, 40000), (1, 1, 1, 7)])
-def test_head_parts_denominator_is_torch_sum(shape, native, monkeypatch):
+def test_head_parts_denominator_is_torch_sum(shape, native, two_threads, monkeypatch):
     """`row_sums` (chunks of rows under torch's parallel grain, each summed on the
     calling thread) has the bits of torch's own sum over the kv heads and slots, clamped
     as head_mean clamps: rows across chunk edges, rows wider than the grain, a slice view,

@@ -573,13 +573,14 @@ void new_scores(at::Tensor state, const at::Tensor& index, const at::Tensor& key
 // VM) in every decode step of those policies for a sum of a few microseconds. Here torch
 // sums chunks of whole rows under that size, each on this thread; a row is summed whole
 // either way (torch splits a reduction of several outputs over them), so the bits are
-// the same. Rows wider than the grain are summed in one call, as torch would.
+// the same. Rows wider than the grain, or a single thread (nothing to wake), are summed
+// in one call, as torch would.
 at::Tensor row_sums(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be [N, W] float32");
   const int64_t n = x.size(0), w = std::max<int64_t>(x.size(1), 1);
   at::Tensor out = at::empty({n}, x.options());
   const int64_t fit = (at::internal::GRAIN_SIZE - 1) / w;  // whole rows under the grain
-  const int64_t step = fit > 0 ? fit : std::max<int64_t>(n, 1);
+  const int64_t step = fit > 0 && at::get_num_threads() > 1 ? fit : std::max<int64_t>(n, 1);
   for (int64_t a = 0; a < n; a += step) {
     const int64_t m = std::min(step, n - a);
     at::Tensor part = out.narrow(0, a, m);
