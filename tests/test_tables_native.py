@@ -107,6 +107,9 @@ def _pool_case(seed: int, shared: bool = False):
                                                   generator=g, dtype=torch.uint8))
     if pool.scales is not None:  # a quantized pool: the scales move with their slots
         pool.scales.copy_(torch.rand(pool.scales.shape, generator=g).half())
+    # blocks handed out in no order: a row's neighbouring blocks are apart in the pool,
+    # so a move that ran past a block's end would land in the wrong block
+    pool._free = [pool._free[i] for i in torch.randperm(len(pool._free), generator=g).tolist()]
     t = SlotTables(3, 4)
     t.declare_state({"score": 0.5, "ring": (0.0, 3), "cols": (-1.0, 5)}, columns=("cols",))
     caches = _filled(pool, t, g, [20 + 9 * i for i in range(3)])
