@@ -34,23 +34,26 @@ HEADS = {"160m": (12, 12, 64), "3m": (8, 2, 32)}
 
 
 def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
-                seed: int, bs: int = 16) -> dict:
+                seed: int, bs: int = 16, q_dtype: torch.dtype = torch.float32) -> dict:
     """`b` sequences of `n` cached tokens each decoding one, their blocks shuffled over
-    the pool as a served pool's are; the kwargs of `paged_attention_cpu`."""
+    the pool as a served pool's are; the kwargs of `paged_attention_cpu`. `q_dtype`: the
+    model's (a bf16 model's queries over its bf16 pool take the kernel's bf16 dot
+    products; an fp32 model's over a bf16 pool, `--kv-cache-dtype bfloat16`, do not)."""
     g = torch.Generator().manual_seed(seed)
     per = -(-n // bs)
     ids = torch.randperm(b * per, generator=g)
     slot_pos = torch.full((b, per * bs), -1, dtype=torch.int64)
     slot_pos[:, :n] = torch.arange(n)
     kv = torch.randn(2, b * per, bs, hkv, d, generator=g).to(dtype)
-    return {"q": torch.randn(b, 1, hq, d, generator=g), "k_cache": kv[0], "v_cache": kv[1],
+    return {"q": torch.randn(b, 1, hq, d, generator=g).to(q_dtype), "k_cache": kv[0], "v_cache": kv[1],
             "table": ids.view(b, per), "slot_pos": slot_pos,
             "q_pos": torch.full((b, 1), n - 1, dtype=torch.int64), "scale": d**-0.5}
 
 
 def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: int,
             dtype: torch.dtype, calls: int, threads: int,
-            key_diversity: bool = False) -> list[dict[str, float]]:
+            key_diversity: bool = False, q_dtype: torch.dtype = torch.float32
+            ) -> list[dict[str, float]]:
     """Median and min ms per layer call for each (sequences, tokens) shape; with
     `key_diversity` also the medians of the kernel returning KeyDiff's scores and of
     the pool's op computing them alone."""
@@ -64,7 +67,7 @@ def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: 
     for b, n in shapes:
         pools = []
         for layer in range(layers):
-            pools.append(decode_case(b, n, hq, hkv, d, dtype, seed=layer))
+            pools.append(decode_case(b, n, hq, hkv, d, dtype, seed=layer, q_dtype=q_dtype))
         for case in pools:  # warm: first-touch page faults, the op's first call
             paged_attention_cpu(**case)
         ways = {"": paged_attention_cpu}
@@ -139,6 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="SEQUENCESxTOKENS, comma-separated")
     p.add_argument("--layers", type=int, default=12, help="pools cycled, one per layer")
     p.add_argument("--dtype", default="bfloat16", help="the pool's dtype")
+    p.add_argument("--q-dtype", default=None,
+                   help="the queries' dtype (the model's); default: the pool's")
     p.add_argument("--calls", type=int, default=8, help="calls per layer per shape")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--key-diversity", action="store_true",
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     args = (shapes, HEADS[a.model], a.layers, getattr(torch, a.dtype), a.calls, a.threads,
-            a.key_diversity)
+            a.key_diversity, getattr(torch, a.q_dtype or a.dtype))
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)  # type: ignore[arg-type]
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--shapes", a.shapes, "--layers", str(a.layers),
-            "--dtype", a.dtype, "--calls", str(a.calls), "--threads", str(a.threads),
+            "--dtype", a.dtype, "--q-dtype", a.q_dtype or a.dtype, "--calls", str(a.calls),
+            "--threads", str(a.threads),
             *(["--key-diversity"] if a.key_diversity else [])]
     # imported here, not in the worker: a base checkout may lack it
     from loadtest.bench_common import ab_rounds

@@ -137,6 +137,28 @@ def test_invisible_slots_are_never_read(hq: int, hkv: int, d: int, bs: int) -> N
 
 
 @needs_kernel
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(3, 3, 64), (4, 2, 64), (8, 2, 32), (8, 2, 16),
+                                              (2, 2, 128), (4, 1, 128)])
+def test_bf16_scores_are_fp32_sums_of_exact_products(hq: int, hkv: int, d: int) -> None:
+    """bf16 queries over a bf16 cache: on a CPU with bf16 dot products the scores come
+    from `vdpbf16ps` over channel pairs of the unscaled q (scale applied after). Each
+    product of two bf16 values is exact and the sums are fp32, so the probabilities
+    match the fp32 computation on the same values to fp32 rounding, here with scores of
+    several units (q times 4, exact in bf16) where a scale or pairing error shows; heads
+    taken 1, 2 and 4 at a time (K chunks of 16, 8 and 4 pairs)."""
+    case = make_case([31, 7, 60, 200], [1, 1, 1, 1], dtype=torch.bfloat16, hq=hq, hkv=hkv, d=d,
+                     bs=16)
+    case["q"].mul_(4)  # a power of two: still exact
+    out, mass = paged_attention_cpu(**case, return_probs=True)
+    ref_case = {k: (v.double() if k in ("q", "k_cache", "v_cache") else v)
+                for k, v in case.items()}
+    ref, ref_mass = paged_attention(**ref_case, return_probs=True)
+    assert float(ref_mass.max()) > 0.2  # peaked: the scores are large
+    torch.testing.assert_close(mass.double(), ref_mass.double().nan_to_num(0.0), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out.double(), ref.double().nan_to_num(0.0), atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 2, 8), (8, 2, 32), (2, 2, 64)])
 def test_half_caches_accumulate_in_fp32(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:

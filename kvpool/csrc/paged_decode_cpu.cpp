@@ -354,22 +354,11 @@ constexpr int bitrev(int bits, int j) {
 template <int R>
 constexpr int unfold(int i) { return (i & ~(R - 1)) | bitrev(log2i(R), i & (R - 1)); }
 
-// Scores of 16 slots for GC query heads of one kv head: out[g] lane s = q_g . k_s.
-// row(s) is slot s's K row at the kv head; qv holds the GC heads' queries (pre-scaled)
-// as J = D * GC / 16 vectors whose lanes are (head g, dim j*R + r), R = 16 / GC.
-// Each slot costs J FMAs against its K row broadcast in chunks of R, leaving R partial
-// sums per head; log2(R) fold levels reduce 16 such vectors to GC vectors of 16 scores.
-// GC > 1 (GQA) shares one K load between heads and skips fold levels: the 3m model's
-// 4 heads per kv head run at about half the cost of GC = 1.
-template <typename T, int NV, int GC, typename Row>
-inline void tile_scores(Row row, const __m512* qv, __m512* out) {
-  constexpr int R = 16 / GC, J = NV * GC, L = log2i(R);
-  auto dot = [&](int s) {
-    const T* k = row(s);
-    __m512 acc = _mm512_mul_ps(qv[0], load_bcast<T, R>(k));
-    for (int j = 1; j < J; ++j) acc = _mm512_fmadd_ps(qv[j], load_bcast<T, R>(k + j * R), acc);
-    return acc;
-  };
+// The scores of 16 slots (`dot(s)`: slot s's R partial sums for each of GC heads, in
+// lanes (head, r)) folded and reordered into GC vectors of 16 scores.
+template <int GC, typename Dot>
+inline void fold_scores(Dot dot, __m512* out) {
+  constexpr int R = 16 / GC, L = log2i(R);
   __m512 f[8];
   for (int s = 0; s < 8; ++s) f[s] = fold<R / 2>(dot(2 * s), dot(2 * s + 1));
   if constexpr (L >= 2) for (int s = 0; s < 4; ++s) f[s] = fold<R / 4>(f[2 * s], f[2 * s + 1]);
@@ -397,6 +386,58 @@ inline void tile_scores(Row row, const __m512* qv, __m512* out) {
   }
 }
 
+// Scores of 16 slots for GC query heads of one kv head: out[g] lane s = q_g . k_s.
+// row(s) is slot s's K row at the kv head; qv holds the GC heads' queries (pre-scaled)
+// as J = D * GC / 16 vectors whose lanes are (head g, dim j*R + r), R = 16 / GC.
+// Each slot costs J FMAs against its K row broadcast in chunks of R, leaving R partial
+// sums per head; log2(R) fold levels reduce 16 such vectors to GC vectors of 16 scores.
+// GC > 1 (GQA) shares one K load between heads and skips fold levels: the 3m model's
+// 4 heads per kv head run at about half the cost of GC = 1.
+template <typename T, int NV, int GC, typename Row>
+inline void tile_scores(Row row, const __m512* qv, __m512* out) {
+  constexpr int R = 16 / GC, J = NV * GC;
+  fold_scores<GC>([&](int s) {
+    const T* k = row(s);
+    __m512 acc = _mm512_mul_ps(qv[0], load_bcast<T, R>(k));
+    for (int j = 1; j < J; ++j) acc = _mm512_fmadd_ps(qv[j], load_bcast<T, R>(k + j * R), acc);
+    return acc;
+  }, out);
+}
+
+#if defined(__AVX512BF16__)
+#define KVSERVE_DECODE_BF16_DOT 1
+// R channel pairs of a bf16 K row (2R values) in every group of R lanes: `load_bcast`'s
+// layout for `vdpbf16ps`, whose lane i sums the products of its operands' elements 2i
+// and 2i + 1.
+template <int R>
+inline __m512i pair_bcast(const c10::BFloat16* p) {
+  static_assert(R == 16 || R == 8 || R == 4, "R = 16 / GC, GC 1, 2 or 4");
+  if constexpr (R == 16) {
+    return _mm512_loadu_si512(p);
+  } else if constexpr (R == 8) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// `tile_scores` for a bf16 cache and bf16 queries, unscaled: `vdpbf16ps` over channel
+// pairs (qp: J / 2 vectors of the GC heads' q pairs in tile_scores' lane order). The
+// products of two bf16 values are exact in fp32 and summed in fp32, as the widened FMAs
+// sum them but for the pairing; half the multiply instructions, and no widening of K.
+template <int NV, int GC, typename Row>
+inline void tile_scores_bf16(Row row, const __m512i* qp, __m512* out) {
+  constexpr int R = 16 / GC, J2 = NV * GC / 2;
+  fold_scores<GC>([&](int s) {
+    const c10::BFloat16* k = row(s);
+    __m512 acc = _mm512_setzero_ps();
+    for (int j = 0; j < J2; ++j)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)qp[j], (__m512bh)pair_bcast<R>(k + j * 2 * R));
+    return acc;
+  }, out);
+}
+#endif
+
 // One sequence, head dim D = 16 * NV, query heads taken GC at a time (GC divides G).
 template <typename TKV, int NV, int GC>
 void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
@@ -407,10 +448,27 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   const int64_t n = visible_slots(a, b, w.phys.data(), w.logical.data(), slot);
   if (n == 0) return a.io.zero(b);
   float* qf = w.qf.data();  // per chunk of GC heads, J vectors laid out for tile_scores
-  a.io.read(b, w.tmp.data());
-  for (int64_t hq = 0; hq < Hq; ++hq)
-    for (int64_t x = 0; x < D; ++x)
-      qf[((hq / GC * J) + x / R) * 16 + (hq % GC) * R + x % R] = w.tmp[hq * D + x];
+#ifdef KVSERVE_DECODE_BF16_DOT
+  // bf16 queries against a bf16 cache: q's channel pairs, unscaled (exact as they are),
+  // J / 2 vectors a chunk of heads in qf's memory; the scale multiplies the scores.
+  constexpr bool kPairs = std::is_same_v<TKV, c10::BFloat16> && J % 2 == 0;
+  const bool pairs = kPairs && a.io.dtype == at::kBFloat16;
+#else
+  constexpr bool pairs = false;
+#endif
+  if (pairs) {
+    const auto* q = static_cast<const c10::BFloat16*>(a.io.q) + b * a.io.s0;
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      for (int64_t x = 0; x < D; x += 2) {
+        const uint32_t pair = q[hq * a.io.s1 + x].x | static_cast<uint32_t>(q[hq * a.io.s1 + x + 1].x) << 16;
+        std::memcpy(qf + ((hq / GC * J / 2) + x / 2 / R) * 16 + (hq % GC) * R + x / 2 % R, &pair, 4);
+      }
+  } else {
+    a.io.read(b, w.tmp.data());
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      for (int64_t x = 0; x < D; ++x)
+        qf[((hq / GC * J) + x / R) * 16 + (hq % GC) * R + x % R] = w.tmp[hq * D + x];
+  }
   const int64_t np = (n + 15) / 16 * 16;  // score rows padded to whole tiles
   float* sc = w.sc.data();                // [Hq][np]
   const int64_t* phys = w.phys.data();
@@ -450,12 +508,29 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
     for (int64_t h = 0, hq = 0; h < a.Hkv; ++h) {
       const int64_t off = h * D;
       for (int64_t g = 0; g < G; g += GC, hq += GC) {
-        __m512 qv[J], s[GC];
-        for (int j = 0; j < J; ++j) qv[j] = _mm512_loadu_ps(qf + (hq / GC * J + j) * 16);
-        if (contiguous)
-          tile_scores<TKV, NV, GC>([&](int i) { return rows[0] + i * rl + off; }, qv, s);
-        else
-          tile_scores<TKV, NV, GC>([&](int i) { return rows[i] + off; }, qv, s);
+        __m512 s[GC];
+#ifdef KVSERVE_DECODE_BF16_DOT
+        if constexpr (kPairs) {
+          if (pairs) {
+            __m512i qp[J / 2];
+            for (int j = 0; j < J / 2; ++j) qp[j] = _mm512_loadu_si512(qf + (hq / GC * J / 2 + j) * 16);
+            if (contiguous)
+              tile_scores_bf16<NV, GC>([&](int i) { return rows[0] + i * rl + off; }, qp, s);
+            else
+              tile_scores_bf16<NV, GC>([&](int i) { return rows[i] + off; }, qp, s);
+            const __m512 scale = _mm512_set1_ps(a.io.scale);
+            for (int c = 0; c < GC; ++c) s[c] = _mm512_mul_ps(s[c], scale);
+          }
+        }
+#endif
+        if (!pairs) {
+          __m512 qv[J];
+          for (int j = 0; j < J; ++j) qv[j] = _mm512_loadu_ps(qf + (hq / GC * J + j) * 16);
+          if (contiguous)
+            tile_scores<TKV, NV, GC>([&](int i) { return rows[0] + i * rl + off; }, qv, s);
+          else
+            tile_scores<TKV, NV, GC>([&](int i) { return rows[i] + off; }, qv, s);
+        }
         if constexpr (is_code<TKV>) {  // q . (s_k * codes) = s_k * (q . codes)
           const __m512 kv_scale = _mm512_loadu_ps(ksc + h * np + t);
           for (int c = 0; c < GC; ++c) s[c] = _mm512_mul_ps(s[c], kv_scale);
