@@ -288,23 +288,36 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     prompt = max(args.prompt, budget + 1)
     blocks = n * layers * (math.ceil((prompt + steps) / 16) + 2)
     out: dict = {"batch": n, "decode_steps": steps, "budget_tokens": budget,
-                 "prompt": prompt, "policies": {}}
-    for name in ("full", *args.policies):  # a `:<way>` as part 1 runs it (`_run_one`)
-        base, _, way = name.partition(":")
-        eng = _engine(path, blocks, n, args, batch_policies=way != "unbatched",
-                      streaming_ring=way != "noring")
-        kv = policy_config(base, budget)
-        _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
-        d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
-        sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
-        tot, pol = sum(s.total_s for s in sel), sum(s.policy_s for s in sel)
+                 "prompt": prompt, "rounds": args.rounds, "policies": {}}
+    # `--rounds`: every policy again, in reverse order every other round; a policy's
+    # figures are the medians of its rounds (its share moved by ±0.5 points between two
+    # runs ten minutes apart, at issue 18's 10% line: session 42).
+    runs: dict[str, list[dict]] = {}
+    for k in range(args.rounds):
+        names = ["full", *args.policies]  # a `:<way>` as part 1 runs it (`_run_one`)
+        for name in names[::-1] if k % 2 else names:
+            base, _, way = name.partition(":")
+            eng = _engine(path, blocks, n, args, batch_policies=way != "unbatched",
+                          streaming_ring=way != "noring")
+            kv = policy_config(base, budget)
+            _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
+            d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
+            sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
+            tot, pol = sum(s.total_s for s in sel), sum(s.policy_s for s in sel)
+            runs.setdefault(name, []).append({
+                "steps": len(sel), "mean_step_ms": 1e3 * tot / max(1, len(sel)),
+                "mean_policy_ms": 1e3 * pol / max(1, len(sel)),
+                "policy_share": pol / tot if tot else None,
+                "policy_us_per_request_step": 1e6 * pol / max(1, len(sel) * n),
+                "forward_share": sum(s.forward_s for s in sel) / tot if tot else None,
+                "policy_seconds_total": eng.stats().policy_seconds_total.get(base, 0.0)})
+    for name in ("full", *args.policies):
+        rs = runs[name]
         out["policies"][name] = {
-            "steps": len(sel), "mean_step_ms": 1e3 * tot / max(1, len(sel)),
-            "mean_policy_ms": 1e3 * pol / max(1, len(sel)),
-            "policy_share": pol / tot if tot else None,
-            "policy_us_per_request_step": 1e6 * pol / max(1, len(sel) * n),
-            "forward_share": sum(s.forward_s for s in sel) / tot if tot else None,
-            "policy_seconds_total": eng.stats().policy_seconds_total.get(base, 0.0)}
+            key: (statistics.median(r[key] for r in rs) if rs[0][key] is not None else None)
+            for key in rs[0]}
+        out["policies"][name]["steps"] = rs[0]["steps"]
+        out["policies"][name]["share_by_round"] = [r["policy_share"] for r in rs]
     return out
 
 
@@ -361,7 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the first few; over ~55 steps it moved ±20%% between rounds here, "
                         "too much to read a 10%% line)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="runs of each policy (not of full), reverse order every other round")
+                   help="runs of each policy (part 1: not of full), reverse order every "
+                        "other round; part 2 reports each policy's medians")
     p.add_argument("--ceiling-steps", type=int, default=256,
                    help="decode steps a ceiling rate is the median of")
     p.add_argument("--kvpress-python", default=kvpress_compare.DEFAULT_PYTHON,

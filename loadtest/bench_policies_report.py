@@ -184,21 +184,26 @@ def _waves(c: dict, name: str, r: dict) -> list[str]:
 
 
 def _overhead(o: dict) -> list[str]:
+    by_round = o.get("rounds", 1) > 1
     lines = [
         "", f"**Per-step overhead** with every policy at the same batch: {o['batch']} requests "
         f"decoding (steps with all {o['batch']} running and no prefill), budget "
         f"{o['budget_tokens']} tokens, prompts of {o.get('prompt', 'the part-1')} tokens "
         "(every step at the budget); `policy_seconds_total` is EngineStats' per-policy "
-        "eviction time over the whole run (prefill included).", "",
+        "eviction time over the whole run (prefill included)."
+        + (f" Medians of {o['rounds']} rounds (policies in reverse order every other "
+           "round); the share of each round last." if o.get("rounds", 1) > 1 else ""), "",
         "| policy | steps | step ms | policy ms / step | policy share | µs / request / step "
-        "| forward share | policy_seconds_total |",
-        "|---|---|---|---|---|---|---|---|"]
+        "| forward share | policy_seconds_total |" + (" share by round |" if by_round else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if by_round else "")]
     for name, r in o["policies"].items():
+        rounds = " / ".join(_f(100 * x if x is not None else None, ".1f", "%")
+                            for x in r.get("share_by_round", []))
         lines.append(
             f"| {name} | {r['steps']} | {r['mean_step_ms']:.2f} | {r['mean_policy_ms']:.2f} "
             f"| {_f(100 * r['policy_share'] if r['policy_share'] is not None else None, '.1f', '%')} "
             f"| {r['policy_us_per_request_step']:.0f} | {_f(r['forward_share'], '.0%')} "
-            f"| {r['policy_seconds_total']:.3f} |")
+            f"| {r['policy_seconds_total']:.3f} |" + (f" {rounds} |" if by_round else ""))
     return lines
 
 

@@ -197,6 +197,9 @@ def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
     over = report["overhead"]["policies"]
     assert list(over) == ["full", "streaming", "streaming:noring"]
     assert over["streaming:noring"]["mean_policy_ms"] > over["streaming"]["mean_policy_ms"]
+    for r in over.values():  # the overhead part's rounds too (full's included): medians
+        assert len(r["share_by_round"]) == 2
+        assert r["policy_share"] == pytest.approx(sum(r["share_by_round"]) / 2)
     rows = report["throughput"]["policies"]
     assert list(rows) == ["full", "streaming", "streaming:noring"]
     a, b = rows["streaming"], rows["streaming:noring"]
@@ -210,6 +213,7 @@ def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
     doc = (tmp_path / "benchmarks.md").read_text()
     assert "streaming:noring | " in doc and "`streaming_ring=False`" in doc
     assert "| run 1 | run 2 | median share |" in doc
+    assert "Medians of 2 rounds" in doc and "| share by round |" in doc
 
 
 def test_unknown_policy_variant_is_refused() -> None:
