@@ -192,7 +192,7 @@ def _overhead(o: dict) -> list[str]:
         "(every step at the budget); `policy_seconds_total` is EngineStats' per-policy "
         "eviction time over the whole run (prefill included)."
         + (f" Medians of {o['rounds']} rounds (policies in reverse order every other "
-           "round); the share of each round last." if o.get("rounds", 1) > 1 else ""), "",
+           "round); the share of each round last." if by_round else ""), "",
         "| policy | steps | step ms | policy ms / step | policy share | µs / request / step "
         "| forward share | policy_seconds_total |" + (" share by round |" if by_round else ""),
         "|---|---|---|---|---|---|---|---|" + ("---|" if by_round else "")]
