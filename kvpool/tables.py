@@ -184,9 +184,8 @@ def layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
         if num_layers not in _ALL_LAYERS:
             _ALL_LAYERS[num_layers] = torch.ones(num_layers, dtype=torch.bool)
         return _ALL_LAYERS[num_layers]
-    only = torch.zeros(num_layers, dtype=torch.bool)
-    only[layers] = True
-    return only
+    chosen = set(layers)
+    return bool_tensor([layer in chosen for layer in range(num_layers)])  # one op, not three
 
 
 def by_columns(t: torch.Tensor) -> bool:

@@ -267,8 +267,9 @@ def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
         counts = _ints([*(first if isinstance(first, list) else [first] * n),
                         *(last if isinstance(last, list) else [last] * n),
                         *drop]).view(3, n)
-        return torch.ops.kvserve_policies.select_drop(
-            scores.float(), positions, counts[0], counts[1], counts[2], divisor)
+        if scores.dtype != torch.float32:
+            scores = scores.float()
+        return torch.ops.kvserve_policies.select_drop(scores, positions, counts, divisor)
     positions = positions.reshape(n, w)  # [L, R, W] -> [N, W] (a copy)
     scores = scores.reshape(n, w)  # [L, R, W] state -> [N, W] (a copy)
     if divisor is not None:

@@ -356,7 +356,8 @@ def test_ops_read_positions_in_place_as_rows(seed, native):
     counts = [torch.randint(0, 3, (n,), generator=g) for _ in range(3)]
     ops = torch.ops.kvserve_policies
     for pos in (flat, sp):  # the same rows either way
-        got = [ops.select_drop(scores, pos, *counts), ops.drop_earliest(pos, counts[0], counts[2])]
+        got = [ops.select_drop(scores, pos, torch.stack(counts)),
+               ops.drop_earliest(pos, counts[0], counts[2])]
         at = torch.tensor([0, 3, n - 1])
         packed = ops.pack_live(scores, pos, at, bs)
         got += [packed, ops.block_drops(packed.view(3, -1, bs).mean(dim=2), pos, at,

@@ -142,19 +142,20 @@ Rows<float> score_rows(const at::Tensor& scores, int64_t n, int64_t w) {
 }
 
 // scores and positions [N, W] or [L, R, W] (`Rows`); positions int64, or a bool live
-// mask [N, W]. `divisor` [N] float32: row i ranks scores / divisor[i] (each quotient
+// mask [N, W]. counts [3, N] int64: each row's first, last and drop (one host-made
+// tensor: three would be three more ops to slice it, each cold after the forward).
+// `divisor` [N] float32: row i ranks scores / divisor[i] (each quotient
 // one IEEE division, as torch divides), which can tie values its scores do not: TOVA's
 // head mean (`head_mean`) without its own pass over the rows.
 at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
-                       const at::Tensor& first, const at::Tensor& last, const at::Tensor& drop,
-                       const std::optional<at::Tensor>& divisor) {
+                       const at::Tensor& counts, const std::optional<at::Tensor>& divisor) {
   const bool mask = positions.scalar_type() == at::kBool;
   const int64_t n = positions.dim() == 3 ? positions.size(0) * positions.size(1) : positions.size(0);
   const int64_t w = positions.size(-1);
   const Rows<float> sr = score_rows(scores, n, w);
-  for (const at::Tensor* t : {&first, &last, &drop})
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong,
-                "first, last and drop must be [N] int64");
+  TORCH_CHECK(counts.dim() == 2 && counts.size(0) == 3 && counts.size(1) == n &&
+                  counts.scalar_type() == at::kLong,
+              "counts must be [3, N] int64 (first, last, drop)");
   at::Tensor dv;
   if (divisor.has_value()) {
     dv = divisor->contiguous();
@@ -162,9 +163,9 @@ at::Tensor select_drop(const at::Tensor& scores, const at::Tensor& positions,
                 "divisor must be [N] float32");
   }
   const float* dvp = dv.defined() ? dv.data_ptr<float>() : nullptr;
-  const at::Tensor f = first.contiguous(), l = last.contiguous(), d = drop.contiguous();
+  const at::Tensor c = counts.contiguous();
   at::Tensor out = team::zeros({n, w}, positions.options().dtype(at::kBool));
-  const int64_t *fp = f.data_ptr<int64_t>(), *lp = l.data_ptr<int64_t>(), *dp = d.data_ptr<int64_t>();
+  const int64_t *fp = c.data_ptr<int64_t>(), *lp = fp + n, *dp = fp + 2 * n;
   bool* op = out.data_ptr<bool>();
   const auto run = [&](const auto& pr) {
     team::parallel_for(0, n, 8, [&](int64_t a, int64_t b) {
@@ -298,8 +299,7 @@ at::Tensor block_drops(const at::Tensor& means, const at::Tensor& positions, con
 }
 
 TORCH_LIBRARY(kvserve_policies, m) {
-  m.def("select_drop(Tensor scores, Tensor positions, Tensor first, Tensor last, Tensor drop, "
-        "Tensor? divisor=None) -> Tensor");
+  m.def("select_drop(Tensor scores, Tensor positions, Tensor counts, Tensor? divisor=None) -> Tensor");
   m.def("drop_earliest(Tensor positions, Tensor first, Tensor drop) -> Tensor");
   m.def("pack_live(Tensor scores, Tensor positions, Tensor rows, int bs) -> Tensor");
   m.def("block_drops(Tensor means, Tensor positions, Tensor rows, Tensor nfull, Tensor drop, "
