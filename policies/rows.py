@@ -232,8 +232,6 @@ def _per_row(values: list[int] | int, n: int) -> torch.Tensor:
     return _ints(values if isinstance(values, list) else [values] * n)
 
 
-
-
 def drop_lowest(positions: torch.Tensor, scores: torch.Tensor, drop: list[int],
                 first: list[int] | int = 0, last: list[int] | int = 0,
                 divisor: torch.Tensor | None = None) -> torch.Tensor:
