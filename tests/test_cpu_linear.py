@@ -162,6 +162,26 @@ def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool,
 
 
 @needs_panels
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, True)])
+def test_a_row_comes_out_the_same_in_any_batch(dtype: torch.dtype, pairs: bool) -> None:
+    """A row's outputs do not depend on how many rows share the step: every register tile,
+    whatever its height (the rows are shared evenly among a step's tiles: 13 rows run as
+    7 + 6, 25 as 9 + 9 + 7), sums its products in k order. Continuous batching relies on it
+    (a request's tokens must not change with the batch it lands in); K 1,600 in pairs:
+    several K blocks, whose partial sums go through C."""
+    torch.manual_seed(0)
+    k = 1600 if pairs else 800
+    linear = nn.Linear(k, 72, bias=True).to(dtype)
+    layer = PanelLinear(linear, pairs=pairs)
+    x = torch.randn(300, k).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(0, 300, 23)])
+        for rows in (1, 5, 12, 13, 16, 25, 40, 64, 143, 145, 300):
+            batch = layer(x[:rows])[::23]
+            assert torch.equal(batch, alone[:len(batch)]), rows
+
+
+@needs_panels
 def test_panels_with_sleeping_threads_match_f_linear() -> None:
     """Where the intra-op threads sleep (`--cpu-wait passive`, read by the kernel once
     per process) each thread packs every block of a long step for itself instead of
