@@ -50,6 +50,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kvpool.huge_pages import huge_page_empty
 from kvpool.native import cpuinfo, load_ops
 
 log = logging.getLogger("kvserve.engine")
@@ -281,12 +282,14 @@ class PanelLinear(nn.Module):
         self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
-        # intermediate left for the heap to hold)
+        # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
+        # every panel, and small pages cost that stream ~20% of its rate here
+        # (kvpool/huge_pages.py)
         if self.pairs:
-            laid = torch.empty(panels, self.in_features // 2, PANEL, 2, dtype=w.dtype)
+            laid = huge_page_empty((panels, self.in_features // 2, PANEL, 2), w.dtype)
             laid.copy_(w.view(panels, PANEL, self.in_features // 2, 2).transpose(1, 2))
         else:
-            laid = torch.empty(panels, self.in_features, PANEL, dtype=w.dtype)
+            laid = huge_page_empty((panels, self.in_features, PANEL), w.dtype)
             laid.copy_(w.view(panels, PANEL, self.in_features).transpose(1, 2))
         self.register_buffer("panels", laid, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(

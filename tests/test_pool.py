@@ -1,8 +1,5 @@
 """Block pool and per-request slot lists: accounting and invariants."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,7 +7,6 @@ import torch
 from kvpool.pool import BlockPool, PoolExhausted, parse_bytes
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
-from loadtest.spawn import python_path
 
 
 def test_parse_bytes():
@@ -170,58 +166,6 @@ def test_alike_flag_tracks_layers_evicted_the_same() -> None:
     assert not c.alike
     c.release()
     assert c.alike and pool.num_free == 400
-
-
-def _anon_huge_kib(addr: int) -> int:
-    """AnonHugePages of the mapping that holds `addr` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1])
-    return 0
-
-
-def _thp_mode() -> str:
-    path = "/sys/kernel/mm/transparent_hugepage/enabled"
-    if not os.path.exists(path):
-        return "never"
-    with open(path) as f:
-        return f.read().split("[")[1].split("]")[0]
-
-
-@pytest.mark.skipif(_thp_mode() == "never", reason="no transparent huge pages here")
-def test_pool_memory_is_backed_by_huge_pages() -> None:
-    """The pool asks for 2 MiB pages before it touches its memory. Whether the kernel
-    finds them is the host's state: a host fragmented by hours of other work may have
-    no free 2 MiB blocks left, which is not the pool's fault (skipped, saying so)."""
-    # In a fresh process, as a server allocates its pool at start-up: in this one, earlier
-    # tests' allocations may hand the pool memory the allocator already touched (no
-    # page fault, no huge page), which failed the suite twice while it passed alone.
-    code = ("from kvpool.pool import BlockPool, advise_huge_pages\n"
-            "from tests.test_pool import _anon_huge_kib\n"
-            "pool = BlockPool(4096, 16, 2, 64)\n"  # 64 MiB of K/V
-            "assert pool.kv.nbytes == 64 << 20 and advise_huge_pages(pool.kv)\n"
-            "print(_anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": python_path()})
-    assert out.returncode == 0, out.stderr
-    huge = int(out.stdout.split()[-1])
-    if huge == 0 and _free_huge_blocks() < 32:
-        pytest.skip(f"the host has {_free_huge_blocks()} free 2 MiB blocks: too fragmented")
-    assert huge >= 16 << 10
-
-
-def _free_huge_blocks() -> int:
-    """Free blocks of 2 MiB or more (/proc/buddyinfo, orders >= 9 of 4 KiB pages)."""
-    with open("/proc/buddyinfo") as f:
-        return sum(int(n) << (order - 9) for line in f
-                   for order, n in enumerate(line.split()[4:]) if order >= 9)
 
 
 def test_append_decode_on_an_exhausted_pool_changes_nothing() -> None:
