@@ -244,16 +244,15 @@ class ModelRunner:
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
-                out[a : a + n] = causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale)
+                causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale, out=out[a : a + n])
             for j, g in enumerate(groups):
                 if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], pool.k_cache.dtype,
                                                          pool.quant is not None):
                     for b, i in enumerate(g.members):
                         a, n = offsets[i], len(inputs[i].token_ids)
-                        out[a : a + n] = pool.attend(
-                            prefix_prefill_cpu, q[a : a + n], k[a : a + n], v[a : a + n],
-                            g.tables[layer, b], g.slot_pos[layer, b], inputs[i].start_pos,
-                            self.scale)[0]
+                        pool.attend(prefix_prefill_cpu, q[a : a + n], k[a : a + n],
+                                    v[a : a + n], g.tables[layer, b], g.slot_pos[layer, b],
+                                    inputs[i].start_pos, self.scale, out=out[a : a + n])
                     continue
                 args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)

@@ -115,17 +115,17 @@ def paged_attention(
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """A prompt chunk with nothing cached before it attends only to its own keys:
     q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] by plain causal SDPA (the fused kernel,
     no block gather, no [T, S] mask). About half of a 3M model's prefill time went to
     gathering and masking before this existed. k/v in another dtype (read back from a
-    narrower pool) are cast to q's, as in `paged_attention`."""
+    narrower pool) are cast to q's, as in `paged_attention`. Into `out` when given."""
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
     # 4-D inputs: with 3-D ones CPU SDPA leaves its fused kernel (~3x slower).
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True,
-                                         scale=scale, enable_gqa=g > 1)
-    return out[0].transpose(0, 1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], is_causal=True,
+                                       scale=scale, enable_gqa=g > 1)[0].transpose(0, 1)
+    return o if out is None else out.copy_(o)
 

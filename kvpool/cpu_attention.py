@@ -102,33 +102,37 @@ def _rows_whole(x: torch.Tensor) -> bool:
     return x.stride(2) == 1 and (x.stride(1) == x.shape[2] or x.shape[1] == 1)
 
 
-def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       scale: float) -> torch.Tensor:
+def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """`kvpool.attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
-    -> [T, Hq, D]) on the `causal_prefill` op where it runs (`causal_prefill_runs`, each
-    row's heads and channels contiguous); SDPA elsewhere."""
+    -> [T, Hq, D], into `out` when given) on the `causal_prefill` op where it runs
+    (`causal_prefill_runs`, each row's heads and channels contiguous; the op writes a
+    contiguous `out` itself); SDPA elsewhere."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     if causal_prefill_runs(q.dtype, q.shape[2]) and all(map(_rows_whole, (q, k, v))):
-        return torch.ops.kvserve.causal_prefill(q, k, v, float(scale))
-    return causal_self_attention(q, k, v, scale)
+        if out is None or out.is_contiguous():
+            return torch.ops.kvserve.causal_prefill(q, k, v, float(scale), out=out)
+        return out.copy_(torch.ops.kvserve.causal_prefill(q, k, v, float(scale)))
+    return causal_self_attention(q, k, v, scale, out)
 
 
 def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-                       slot_pos: torch.Tensor, start: int, scale: float
-                       ) -> tuple[torch.Tensor, None]:
+                       slot_pos: torch.Tensor, start: int, scale: float,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
     """A prompt chunk after a cached prefix (a prefix-cache hit, a long prompt's later
     chunk), `BlockPool.attend`'s contract: q [T, Hq, D] causal over its own k/v
     [T, Hkv, D] (positions start..start+T-1) and over every visible slot of its sequence
     before `start`, read from the pool's blocks in place (this layer's table [NB] and
-    slot_pos [NB*bs]), on the `causal_prefill` op. Only where `prefix_prefill_runs`.
+    slot_pos [NB*bs]), on the `causal_prefill` op, into `out` when given (contiguous). Only
+    where `prefix_prefill_runs`.
 
     Why: the torch path gathers every block of the group into a padded copy and runs SDPA
     under a [T, S] mask (session 39's profile: the gather 14% and SDPA 15% of such a
     step); the op copies each prefix row once and runs the fresh prompt's tiles over it."""
     q, k, v = (x if _rows_whole(x) else x.contiguous() for x in (q, k, v))
     out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
-                                           slot_pos, int(start))
+                                           slot_pos, int(start), out=out)
     return out, None
 
 

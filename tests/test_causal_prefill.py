@@ -98,6 +98,32 @@ needs_op = pytest.mark.skipif(not cpu_attention.causal_prefill_runs(torch.float3
                               reason="the causal_prefill op runs on AVX-512 builds only")
 
 
+@pytest.mark.parametrize("d", [64, 48])  # the op where it runs; SDPA (48)
+def test_out_takes_the_result_in_place(d: int) -> None:
+    """With `out` (a prompt's rows of the step's output, as the runner passes them) the
+    result is written there and returned, the same bits as without; the rows around it
+    stay. The op refuses an `out` of another shape or dtype, a strided one, or q itself
+    (it reads q while it writes)."""
+    q, k, v = qkv_views(40, 4, 2, d, torch.bfloat16, seed=3)
+    want = causal_prefill_cpu(q, k, v, 0.2)
+    step = torch.full((50, 4, d), 7.0, dtype=torch.bfloat16)
+    got = causal_prefill_cpu(q, k, v, 0.2, out=step[5:45])
+    assert got.data_ptr() == step[5:45].data_ptr() and torch.equal(step[5:45], want)
+    assert (step[:5] == 7).all() and (step[45:] == 7).all()
+    strided = torch.zeros(4, 40, d, dtype=torch.bfloat16).transpose(0, 1)
+    assert torch.equal(causal_prefill_cpu(q, k, v, 0.2, out=strided), want)  # copied into
+    if not cpu_attention.causal_prefill_runs(torch.bfloat16, d):
+        return
+    op = torch.ops.kvserve.causal_prefill
+    qc = q.contiguous()
+    for out, match in ((torch.empty(39, 4, d, dtype=torch.bfloat16), "out must be"),
+                       (torch.empty(40, 4, d), "out must be"),
+                       (strided, "out must be"),
+                       (qc, "apart from q")):
+        with pytest.raises(RuntimeError, match=match):
+            op(qc, k, v, 0.2, out=out)
+
+
 def prefixed_case(p: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
                   holes: int = 0, bs: int = 16, seed: int = 0) -> dict:
     """A sequence whose first p positions are cached in a pool's blocks (scattered, `holes`

@@ -1079,12 +1079,15 @@ std::vector<at::Tensor> paged_decode_quant(
 // slot_pos [NB * bs] (this layer's rows) and the chunk's first position `start`, over every
 // visible slot before it (0 <= position < start: a cached prefix, holes and all):
 // q [T, Hq, D], k/v [T, Hkv, D] (rows strided, heads and channels contiguous: the views of
-// a fused qkv output), all fp32 or all bf16, D 16/32/64/128 -> [T, Hq, D] contiguous.
+// a fused qkv output), all fp32 or all bf16, D 16/32/64/128 -> [T, Hq, D] contiguous:
+// `out` when given (the caller's rows of a whole step's output; copying a new tensor
+// into them ran on torch's OpenMP threads past 32,768 elements, a wake-up per layer and
+// prompt where a server lets them sleep).
 // AVX-512 builds only (`paged_decode_isa` "avx512"); elsewhere SDPA runs it.
 at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                           const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                           const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& slot_pos,
-                          int64_t start) {
+                          int64_t start, const std::optional<at::Tensor>& into) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
                   q.size(0) == k.size(0) && q.size(2) == k.size(2) && k.size(1) > 0 &&
@@ -1121,7 +1124,11 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
     }
     sp = hkv * d;
   }
-  at::Tensor out = at::empty({t, hq, d}, q.options());
+  if (into.has_value())
+    TORCH_CHECK(into->sizes() == q.sizes() && into->scalar_type() == dt && into->is_contiguous() &&
+                    into->data_ptr() != q.data_ptr(),
+                "causal_prefill: out must be a contiguous [T, Hq, D] of q's dtype, apart from q");
+  at::Tensor out = into.has_value() ? *into : at::empty({t, hq, d}, q.options());
 #if defined(KVSERVE_AVX512)
   TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "causal_prefill: head dim 16, 32, 64 or 128");
   if (t == 0) return out;
@@ -1169,7 +1176,7 @@ TORCH_LIBRARY(kvserve, m) {
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
   m.def("paged_decode_isa() -> str");
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_cache=None, Tensor? v_cache=None, "
-        "Tensor? table=None, Tensor? slot_pos=None, int start=0) -> Tensor");
+        "Tensor? table=None, Tensor? slot_pos=None, int start=0, Tensor(a!)? out=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
