@@ -36,15 +36,19 @@ HEADS = {"160m": (12, 12, 64), "3m": (8, 2, 32)}
 def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
                 seed: int, bs: int = 16, q_dtype: torch.dtype = torch.float32) -> dict:
     """`b` sequences of `n` cached tokens each decoding one, their blocks shuffled over
-    the pool as a served pool's are; the kwargs of `paged_attention_cpu`. `q_dtype`: the
+    the pool as a served pool's are, on 2 MiB pages as a served pool is
+    (kvpool/huge_pages.py); the kwargs of `paged_attention_cpu`. `q_dtype`: the
     model's (a bf16 model's queries over its bf16 pool take the kernel's bf16 dot
     products; an fp32 model's over a bf16 pool, `--kv-cache-dtype bfloat16`, do not)."""
+    from kvpool.huge_pages import huge_page_empty
+
     g = torch.Generator().manual_seed(seed)
     per = -(-n // bs)
     ids = torch.randperm(b * per, generator=g)
     slot_pos = torch.full((b, per * bs), -1, dtype=torch.int64)
     slot_pos[:, :n] = torch.arange(n)
-    kv = torch.randn(2, b * per, bs, hkv, d, generator=g).to(dtype)
+    kv = huge_page_empty((2, b * per, bs, hkv, d), dtype)
+    kv.copy_(torch.randn(2, b * per, bs, hkv, d, generator=g))
     return {"q": torch.randn(b, 1, hq, d, generator=g).to(q_dtype), "k_cache": kv[0], "v_cache": kv[1],
             "table": ids.view(b, per), "slot_pos": slot_pos,
             "q_pos": torch.full((b, 1), n - 1, dtype=torch.int64), "scale": d**-0.5}
