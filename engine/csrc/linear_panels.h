@@ -93,7 +93,11 @@ constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp3
 // With PF, each k step also prefetches row k of `next` (the next panel's slice, as stored):
 // that slice is then on chip when its own first tile starts, not requested a line at a time
 // by the loads that need it (a decode step streams its weight from DRAM at ~1.15x the rate
-// with it, and a prefill step no longer stalls on L3 at each panel).
+// with it, and a prefill step no longer stalls on L3 at each panel). Into L2, not L1: a
+// line prefetched into L1 holds one of L1's few miss buffers until DRAM answers, so the
+// stream stalled the tile's own loads; L2 keeps many more in flight (Zen 4, the 160M
+// model's bf16 layers, two threads: a pass at 8-16 rows 0.66-0.77x the time, 24-32 rows
+// 0.85x, fp32 12-32 rows 0.75-0.87x; prefill sizes level: docs/benchmarks.md, session 43).
 template <int MR, bool PACKED, bool PF, typename W, typename N>
 inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
                  bool accumulate, const N* next) {
@@ -108,7 +112,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
     c##r = _mm512_fmadd_ps(_mm512_set1_ps(PACKED ? a[k * MR + r] : a[r * lda + k]), b0, c##r);
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T1);
     const __m512 b0 = keydiff::load16(b + k * kNR);
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_FMA)
   }
@@ -137,7 +141,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
   }
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T1);
     const __m256 b0 = load8(b + k * kNR), b1 = load8(b + k * kNR + 8);
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_FMA)
   }
@@ -174,7 +178,7 @@ inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c
         : "+v"(c##r) : "m"(PACKED ? a[k * MR + r] : a[r * lda + k]), "v"(b0));
   KVSERVE_PANEL_ROWS(KVSERVE_PANEL_INIT)
   for (int64_t k = 0; k < kc; ++k) {
-    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T0);
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T1);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * kNR);
     KVSERVE_PANEL_ROWS(KVSERVE_PANEL_DOT)
   }
