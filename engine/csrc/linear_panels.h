@@ -96,9 +96,9 @@ constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp3
 // with it, and a prefill step no longer stalls on L3 at each panel). Into L2, not L1: a
 // line prefetched into L1 holds one of L1's few miss buffers until DRAM answers, so the
 // stream stalled the tile's own loads; L2 keeps many more in flight (Zen 4, the 160M
-// model's bf16 layers, two threads: a pass at 8-16 rows 0.66-0.77x the time, 24-32 rows
-// 0.85x, fp32 12-32 rows 0.75-0.87x, the AVX2 tile's fp32 8-32 rows 0.80-0.87x; prefill
-// sizes level: docs/benchmarks.md, session 43).
+// model's layers, two threads: bf16 at 8-16 rows 0.67-0.76x the time of a pass, 24-32
+// rows 0.84-0.87x; fp32 12-32 rows 0.72-0.87x; the AVX2 tile's fp32 8-32 rows
+// 0.79-0.87x; prefill sizes level: docs/benchmarks.md, session 43).
 template <int MR, bool PACKED, bool PF, typename W, typename N>
 inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
                  bool accumulate, const N* next) {
