@@ -98,7 +98,7 @@ constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp3
 // stream stalled the tile's own loads; L2 keeps many more in flight (Zen 4, the 160M
 // model's layers, two threads: bf16 at 8-16 rows 0.67-0.76x the time of a pass, 24-32
 // rows 0.84-0.87x; fp32 12-32 rows 0.72-0.87x; the AVX2 tile's fp32 8-32 rows
-// 0.79-0.87x; prefill sizes level: docs/benchmarks.md, session 43).
+// 0.78-0.87x; prefill sizes level: docs/benchmarks.md, session 43).
 template <int MR, bool PACKED, bool PF, typename W, typename N>
 inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
                  bool accumulate, const N* next) {
