@@ -283,7 +283,7 @@ class PanelLinear(nn.Module):
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
         # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
-        # every panel, and small pages cost that stream ~20% of its rate here
+        # every panel, and small pages cost a one-thread stream ~20% of its rate here
         # (kvpool/huge_pages.py)
         if self.pairs:
             laid = huge_page_empty((panels, self.in_features // 2, PANEL, 2), w.dtype)

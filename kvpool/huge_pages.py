@@ -52,7 +52,11 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if sys.platform != "linux" or nbytes < 2 * HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
     private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (shared memory has its own THP setting)
-    raw = torch.frombuffer(mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private), dtype=torch.uint8)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=private)
+    except OSError:  # no address space for a mapping of its own: the allocator's memory
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     t = raw[start:start + nbytes].view(dtype).view(shape)
     advise_huge_pages(t)
