@@ -282,10 +282,15 @@ def _describe(wl: WorkloadConfig) -> dict[str, Any]:
 
 
 def _compact(level: dict[str, Any]) -> dict[str, Any]:
-    """The summary, plus rounded TTFT / E2EL lists (ms) for the CDF plots."""
-    ok = [r for r in level["requests"] if r["status"] == "200"]
+    """The summary, plus rounded TTFT / E2EL lists (ms) for the CDF plots, in the order the
+    requests were sent, with each one's send time (s from the level's start): a closed
+    loop's first `concurrency` entries are its first wave. (The runner collects them as
+    they finish; read in that order, a wave's short requests looked like its first.)"""
+    ok = sorted((r for r in level["requests"] if r["status"] == "200"), key=lambda r: r["start"])
+    timed = [r for r in ok if r["ttft"] is not None]
     return {**level["summary"],
-            "ttft_list_ms": [round(r["ttft"] * 1000, 2) for r in ok if r["ttft"] is not None],
+            "start_list_s": [round(r["start"], 4) for r in timed],
+            "ttft_list_ms": [round(r["ttft"] * 1000, 2) for r in timed],
             "e2el_list_ms": [round(r["e2el"] * 1000, 2) for r in ok if r["e2el"] is not None],
             # (prompt, output) tokens of each request: what the offline reference must match
             "token_counts": sorted([r["prompt_tokens"] or 0, r["output_tokens"]] for r in ok)}

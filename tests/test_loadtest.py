@@ -110,6 +110,14 @@ def test_closed_loop(server: ServerThread, maker: TextMaker) -> None:
     assert strict["completed"] == 0 and strict["ttft_ms"]["mean"] == 0.0
     text = format_summary(s)
     assert "Request goodput (req/s):" in text and "Maximum request concurrency:" in text
+    # bench_serving's lists for a report: in send order (the runner collects requests as
+    # they finish), so that a closed loop's first `concurrency` entries are its first wave
+    from loadtest.bench_serving import _compact
+
+    compact = _compact(level)
+    sent = sorted(level["requests"], key=lambda r: r["start"])
+    assert compact["start_list_s"] == sorted(compact["start_list_s"])
+    assert compact["ttft_list_ms"] == [round(r["ttft"] * 1000, 2) for r in sent]
 
 
 @pytest.mark.parametrize("arrival", ["poisson", "gamma"])
