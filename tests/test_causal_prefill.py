@@ -49,18 +49,24 @@ def test_the_op_matches_sdpa(dtype: torch.dtype, t: int, hq: int, hkv: int, d: i
 
 
 @needs_kernel
-def test_each_query_sees_exactly_the_keys_up_to_it() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_query_sees_exactly_the_keys_up_to_it(dtype: torch.dtype) -> None:
     """A value placed at key j reaches queries j.. only, and with a query whose scores are
     all equal the output is the mean of the values it sees (the mask and the softmax,
-    exactly where the blocks and chunks meet: keys 15, 16, 31, 32)."""
+    exactly where the blocks and chunks meet: keys 15, 16, 31, 32). In bf16 the
+    probabilities (1 or 0) and the means are exact in bf16, so the weighted values' pairs
+    of keys must each be the right two keys' values: the answer is exact."""
     t, d = 48, 16
-    q = torch.zeros(t, 1, d)  # equal scores: each query averages its visible values
-    k = torch.randn(t, 1, d)
-    v = torch.zeros(t, 1, d)
+    q = torch.zeros(t, 1, d, dtype=dtype)  # equal scores: each query averages its visible values
+    k = torch.randn(t, 1, d).to(dtype)
+    v = torch.zeros(t, 1, d, dtype=dtype)
     v[:, 0, 0] = torch.arange(t, dtype=torch.float32)
     out = causal_prefill_cpu(q, k, v, 1.0)
     means = torch.arange(t, dtype=torch.float32) / 2  # mean of 0..i
-    torch.testing.assert_close(out[:, 0, 0], means, atol=1e-5, rtol=1e-6)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out[:, 0, 0].float(), means)
+    else:
+        torch.testing.assert_close(out[:, 0, 0], means, atol=1e-5, rtol=1e-6)
     assert not out[:, 0, 1:].any()
 
 

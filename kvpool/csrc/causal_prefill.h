@@ -30,7 +30,12 @@
 // the scores come from `vdpbf16ps` over the unscaled bf16 q and K in pairs of channels
 // (exact products summed in fp32, as the widened FMAs sum them but for the pairing; the
 // scale applied to each score after), half the instructions of the fp32 FMAs and K copied
-// unwidened; V stays widened (the probabilities are fp32).
+// unwidened. The weighted values likewise: each chunk's probabilities are rounded to bf16
+// in pairs of keys, and V is copied in pairs of rows (two keys' bf16 values side by side
+// a channel), so that each `vdpbf16ps` adds two keys' terms to 16 queries' output channel:
+// half the instructions of the fp32 FMAs over widened V. torch's CPU flash attention
+// rounds its probabilities to bf16 for the same product (FlashAttentionKernel.cpp,
+// `qk_reduced_data`); the softmax's denominator sums them unrounded, as it does.
 #pragma once
 
 #include <type_traits>
@@ -52,14 +57,13 @@ constexpr int64_t kL = 16;  // queries a job (one a lane) and keys a chunk
 // PADDED: pad > 0 (a prefix not a whole number of chunks; without it the masks of the
 // padding cost the fp32 loop 3-12%).
 template <int D, typename QK, bool PADDED>
-inline void attend_block(const QK* qt, const QK* kf, const float* vf, int64_t i0, int64_t pre,
+inline void attend_block(const QK* qt, const QK* kf, const QK* vf, int64_t i0, int64_t pre,
                          int pad, float* ot, float scale = 1.0f) {
   for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kL, _mm512_setzero_ps());
   __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
   __m512 s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15;
 #define KVSERVE_KEYS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
   for (int64_t j0 = 0; j0 <= pre + i0; j0 += kL) {
-    const float* vc = vf + j0 * D;
 #define KVSERVE_ZERO(j) s##j = _mm512_setzero_ps();
     KVSERVE_KEYS(KVSERVE_ZERO)
     if constexpr (std::is_same_v<QK, float>) {
@@ -110,6 +114,33 @@ inline void attend_block(const QK* qt, const QK* kf, const float* vf, int64_t i0
                           _mm512_add_ps(_mm512_add_ps(s4, s5), _mm512_add_ps(s6, s7))),
             _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(s8, s9), _mm512_add_ps(s10, s11)),
                           _mm512_add_ps(_mm512_add_ps(s12, s13), _mm512_add_ps(s14, s15)))));
+#if defined(KVSERVE_CAUSAL_BF16_DOT)
+    if constexpr (!std::is_same_v<QK, float>) {
+      // the probabilities in pairs of keys: lane q holds keys 2p and 2p + 1 of query q
+      // (cvtne2ps puts key 2p's 16 queries in words 0-15 and key 2p + 1's in 16-31)
+      const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                             23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+#define KVSERVE_PAIR(a, b) _mm512_permutexvar_epi16(inter, (__m512i)_mm512_cvtne2ps_pbh(b, a))
+      const __m512i p0 = KVSERVE_PAIR(s0, s1), p1 = KVSERVE_PAIR(s2, s3), p2 = KVSERVE_PAIR(s4, s5),
+                    p3 = KVSERVE_PAIR(s6, s7), p4 = KVSERVE_PAIR(s8, s9), p5 = KVSERVE_PAIR(s10, s11),
+                    p6 = KVSERVE_PAIR(s12, s13), p7 = KVSERVE_PAIR(s14, s15);
+#undef KVSERVE_PAIR
+      const QK* vc = vf + j0 / 2 * D;  // [8 key pairs][D] pairs of values
+      for (int64_t d = 0; d < D; d += 8) {
+        __m512 o[8];
+        for (int x = 0; x < 8; ++x) o[x] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + x) * kL), alpha);
+#define KVSERVE_PV(jp)                                                                     \
+  for (int x = 0; x < 8; ++x)                                                              \
+    asm("vdpbf16ps %1%{1to16%}, %2, %0" : "+v"(o[x]) : "m"(vc[jp * D + d + x]), "v"(p##jp));
+        KVSERVE_PV(0) KVSERVE_PV(1) KVSERVE_PV(2) KVSERVE_PV(3)
+        KVSERVE_PV(4) KVSERVE_PV(5) KVSERVE_PV(6) KVSERVE_PV(7)
+#undef KVSERVE_PV
+        for (int x = 0; x < 8; ++x) _mm512_storeu_ps(ot + (d + x) * kL, o[x]);
+      }
+      continue;
+    }
+#endif
+    const float* vc = reinterpret_cast<const float*>(vf) + j0 * D;
     // eight output rows at a time: eight independent FMA chains over the 16 keys
     for (int64_t d = 0; d < D; d += 8) {
       __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(ot + (d + 0) * kL), alpha);
@@ -167,19 +198,32 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
 #else
   constexpr bool kPairs = false;
 #endif
-  // K widened to fp32, or for pairs as it is (bf16 bits); V widened. Zero rows: pad, past t.
-  std::vector<float> kf(kPairs ? 0 : hkv * rows * D), vf(hkv * rows * D);
-  std::vector<uint16_t> kb(kPairs ? hkv * rows * D : 0);
+  // K and V widened to fp32, or for pairs as they are (bf16 bits): K a row at a time, V
+  // in pairs of rows ([rows / 2][D][2]: rows 2i and 2i + 1 side by side a channel).
+  // Zero rows: pad, past t.
+  std::vector<float> kf(kPairs ? 0 : hkv * rows * D), vf(kPairs ? 0 : hkv * rows * D);
+  std::vector<uint16_t> kb(kPairs ? hkv * rows * D : 0), vb(kPairs ? hkv * rows * D : 0);
   team::parallel_for(0, hkv * (rows / kL), 1, [&](int64_t b, int64_t e) {
     for (int64_t x = b; x < e; ++x) {
       const int64_t h = x / (rows / kL), r0 = x % (rows / kL) * kL;
       for (int64_t r = std::max(r0, pad); r < std::min(r0 + kL, pre + t); ++r) {
         const T* kr = (r < pre ? pool_k + prefix[r - pad] * sp : k + (r - pre) * sk) + h * D;
         const T* vr = (r < pre ? pool_v + prefix[r - pad] * sp : v + (r - pre) * sv) + h * D;
-        if constexpr (kPairs) std::memcpy(&kb[(h * rows + r) * D], kr, D * sizeof(T));
-        for (int64_t d = 0; d < D; d += 16) {
-          if constexpr (!kPairs) _mm512_storeu_ps(&kf[(h * rows + r) * D + d], load16(kr + d));
-          _mm512_storeu_ps(&vf[(h * rows + r) * D + d], load16(vr + d));
+        if constexpr (kPairs) {
+          std::memcpy(&kb[(h * rows + r) * D], kr, D * sizeof(T));
+          // each value zero-extended into its channel's pair, shifted up for an odd row,
+          // OR-ed in (vb starts zero; a pair's two rows lie in one job's chunk)
+          uint32_t* vp = reinterpret_cast<uint32_t*>(&vb[(h * rows + (r & ~int64_t{1})) * D]);
+          for (int64_t d = 0; d < D; d += 16) {
+            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + d)));
+            if (r & 1) w = _mm512_slli_epi32(w, 16);
+            _mm512_storeu_si512(vp + d, _mm512_or_si512(_mm512_loadu_si512(vp + d), w));
+          }
+        } else {
+          for (int64_t d = 0; d < D; d += 16) {
+            _mm512_storeu_ps(&kf[(h * rows + r) * D + d], load16(kr + d));
+            _mm512_storeu_ps(&vf[(h * rows + r) * D + d], load16(vr + d));
+          }
         }
       }
     }
@@ -195,8 +239,10 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
       const int64_t i0 = blk * kL, n = std::min(kL, t - i0), h = head / g;
       auto attend = [&](const auto* qv, const auto* kv) {  // the padding's masks only where needed
         using QK = std::remove_cv_t<std::remove_pointer_t<decltype(qv)>>;
-        if (pad > 0) attend_block<D, QK, true>(qv, kv, &vf[h * rows * D], i0, pre, static_cast<int>(pad), ot, scale);
-        else attend_block<D, QK, false>(qv, kv, &vf[h * rows * D], i0, pre, 0, ot, scale);
+        const QK* vv = kPairs ? reinterpret_cast<const QK*>(vb.data() + h * rows * D)
+                              : reinterpret_cast<const QK*>(vf.data() + h * rows * D);
+        if (pad > 0) attend_block<D, QK, true>(qv, kv, vv, i0, pre, static_cast<int>(pad), ot, scale);
+        else attend_block<D, QK, false>(qv, kv, vv, i0, pre, 0, ot, scale);
       };
       if constexpr (kPairs) {  // two channels' bf16 bits a lane, the lower channel low
         for (int64_t lane = 0; lane < kL; ++lane) {
