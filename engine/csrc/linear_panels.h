@@ -64,12 +64,19 @@ constexpr int64_t kNR = 16;   // columns a panel holds: two 8-lane registers, or
 // Rows of a register tile: 12 x 1 accumulators of the 32 zmm registers (the 6-row AVX2
 // tile re-reads each panel slice twice as often: 0.84x oneDNN at 256-2,048 rows on Zen 4).
 constexpr int64_t kMR = 12;
+// The most rows a tile holds (16 accumulators): a step of 13-16 rows is one tile, not
+// two of 7-8, whose second re-reads every weight slice (the medians of three passes over
+// the 160M model's layers at 13, 15 and 16 rows: bf16 0.88-0.94x the time, fp32
+// 0.90-0.94x). Longer steps keep tiles of about kMR rows: tiles of 16 were no faster at
+// 20-144 rows, and fp32 at 64 rows 2-4% slower (docs/benchmarks.md, session 44).
+constexpr int64_t kTallest = 16;
 // Rows up to which a step runs whole K unpacked: one tile. Twelve rows of a 3,072-deep
 // input read in place are 144 KB, past L1, so longer steps are packed (their weights
 // still stream once up to kMC rows): 16-64 rows went from 0.8-0.9x oneDNN to 1.0-1.1x.
 constexpr int64_t kWholeK = kMR;
 #else
 constexpr int64_t kMR = 6;    // rows of a register tile: 6 x 2 accumulators
+constexpr int64_t kTallest = kMR;
 constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weights stream once
 #endif
 constexpr int64_t kPrefetchRows = 6;  // steps of fewer whole-K rows prefetch no next panel
@@ -80,7 +87,8 @@ constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp3
 
 #if defined(KVSERVE_KEYDIFF_AVX512)
 // Both AVX-512 tiles' rows (fp32 below, pairs after it): accumulator c<r> is row r of C.
-#define KVSERVE_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+#define KVSERVE_PANEL_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) \
+  X(12) X(13) X(14) X(15)
 #define KVSERVE_PANEL_INIT(r) \
   if constexpr (r < MR) c##r = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();
 #define KVSERVE_PANEL_STORE(r) \
@@ -107,7 +115,7 @@ inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, 
   // one widened: the top half of an fp32) and multiplies each row's input, broadcast
   // from memory inside the FMA, into its row. Zen 4 runs a 512-bit FMA as two 256-bit
   // halves, so the gain over the AVX2 tile is twice the rows per weight load, not lanes.
-  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;
+  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15;
 #define KVSERVE_PANEL_FMA(r)                                                               \
   if constexpr (r < MR)                                                                    \
     c##r = _mm512_fmadd_ps(_mm512_set1_ps(PACKED ? a[k * MR + r] : a[r * lda + k]), b0, c##r);
@@ -172,7 +180,7 @@ inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c
   // The input's pair broadcast inside the instruction (`m32{1to16}`), written in asm: GCC 12
   // emits a vpbroadcastd of its own for `_mm512_dpbf16_ps(c, set1(pair), w)` (64-1,024-row
   // steps of the 160M model's layers were 7-10% slower that way).
-  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;
+  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15;
 #define KVSERVE_PANEL_DOT(r)                                                                  \
   if constexpr (r < MR)                                                                       \
     asm("vdpbf16ps %1%{1to16%}, %2, %0"                                                       \
@@ -224,8 +232,12 @@ inline void some_rows(int64_t mr, const A* a, int64_t lda, const W* b, int64_t k
     case 9: return tile<9, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
     case 10: return tile<10, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
     case 11: return tile<11, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 12: return tile<12, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 13: return tile<13, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 14: return tile<14, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    case 15: return tile<15, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
 #endif
-    default: return tile<kMR, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
+    default: return tile<kTallest, PACKED, PF>(a, lda, b, kc, c, ldc, accumulate, next);
   }
 }
 
@@ -238,14 +250,14 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// Rows of each register tile over `rows` rows: as many tiles as `kMR`-row ones would
-// take, the rows shared evenly among them. Why: a remainder tile of a row or two runs that
+// Rows of each register tile over `rows` rows: one tile up to `kTallest` rows, else as
+// many tiles as `kMR`-row ones would take, the rows shared evenly among them. Why: a remainder tile of a row or two runs that
 // many chains of dependent dot products, bound by their latency rather than the weights'
 // bytes: a pass over the 160M model's bf16 layers took 17.0 ms at 13 rows (12 + 1)
 // against 13.0 at 12. Every row is summed in k order in any tile: the same bits.
 inline int64_t tile_height(int64_t rows) {
   const int64_t tiles = (rows + kMR - 1) / kMR;
-  return tiles > 1 ? (rows + tiles - 1) / tiles : kMR;
+  return rows > kTallest ? (rows + tiles - 1) / tiles : kTallest;
 }
 
 // Tiles [t0, t1) of a block of a longer step's input rows, packed: for each block of `kKC`
