@@ -58,7 +58,7 @@ from loadtest.bench_common import (
 )
 from loadtest.bench_common import update_doc as _update_doc
 from loadtest.fingerprint import fingerprint
-from loadtest.roofline import ModelCost, bound, memory_bandwidth, schedule
+from loadtest.roofline import ModelCost, bound, by_kind, memory_bandwidth, schedule
 
 # kvserve_dense: kvserve with torch's dense F.linear instead of oneDNN-prepacked weights
 # (engine/cpu_linear.py), to measure what prepacking gives; opt-in, not in the default.
@@ -418,7 +418,8 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
            "workload": w.summary(), "workload_gflop": gflop,
            "gemm_peak_gflops": peak, "memory_gbs": bandwidth / 1e9,
            "roofline": workload_bound(MODEL_CONFIGS[name], dtype, w, peak * 1e9, bandwidth,
-                                      args.max_seqs, args.max_batched_tokens, results),
+                                      args.max_seqs, args.max_batched_tokens, results,
+                                      systems["kvserve"].steps),
            "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
            "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs)}
     if args.profile:
@@ -443,13 +444,16 @@ def workload_gflop(cfg: dict[str, object], w: Workload) -> float:
 
 def workload_bound(cfg: dict[str, object], dtype: str, w: Workload, gemm_flops: float,
                    bandwidth: float, max_seqs: int, max_tokens: int,
-                   results: dict[str, dict]) -> dict[str, object]:
+                   results: dict[str, dict], kvserve_steps: list) -> dict[str, object]:
     """The least wall time any engine could take here (loadtest/roofline.py), each
-    system's mean wall time as a share of it, and the share 1.3x vLLM's throughput
-    would take (issue 22's target)."""
+    system's mean wall time as a share of it, the share 1.3x vLLM's throughput would
+    take (issue 22's target), and kvserve's timed steps by kind beside their bound."""
     cost = ModelCost.of(cfg, torch.empty((), dtype=getattr(torch, dtype)).element_size())
     steps = list(schedule([len(p) for p in w.prompts], w.output_lens, max_seqs, max_tokens))
     out: dict[str, object] = bound(cost, steps, gemm_flops, bandwidth)
+    out["kvserve_by_kind"] = by_kind(
+        cost, steps, [(s.num_prefill_tokens + s.num_decode_tokens, s.num_prefill_tokens, s.total_s)
+                      for s in kvserve_steps], gemm_flops, bandwidth, max_seqs)
     walls = {k: sum(r["wall_s"]) / len(r["wall_s"]) for k, r in results.items() if r["wall_s"]}
     out["of_bound"] = {k: out["sequential_s"] / t for k, t in walls.items()}
     out["vllm_x1.3_needs"] = (TARGETS["vllm"] * out["sequential_s"] / walls["vllm"]
@@ -699,6 +703,25 @@ def render_table(report: dict) -> str:
             f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} | {m['memory_gbs']:.1f} "
             f"| {rf['steps']} | {rf['sequential_s']:.1f} ({rf['overlapped_s']:.1f}) "
             f"| {' | '.join(shares)} | {_pct(rf['vllm_x1.3_needs'])} |")
+    kinds = [(name, m, rf["kvserve_by_kind"]) for name, m, rf in bounds if rf.get("kvserve_by_kind")]
+    if kinds:
+        lines += [
+            "",
+            "kvserve's timed steps by kind beside the same steps' sequential bound (per run): "
+            "where its seconds over the bound are.",
+            "",
+            "| model | dtype | steps | count | kvserve s | bound s: linears + attention "
+            "| share of the bound | over the bound, s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    for name, m, rows in kinds:
+        for k in rows:
+            b = k["linears_bound_s"] + k["attention_bound_s"]
+            lines.append(
+                f"| {name.partition(':')[0]} | {m.get('dtype', 'float32')} | {k['kind']} "
+                f"| {k['steps']:.0f} | {k['seconds']:.2f} | {k['linears_bound_s']:.2f} + "
+                f"{k['attention_bound_s']:.2f} | {_pct(b / k['seconds'] if k['seconds'] else None)} "
+                f"| {k['seconds'] - b:.2f} |")
     for name, m in report["models"].items():
         for sys_name, r in m["systems"].items():
             if r.get("error"):

@@ -109,20 +109,55 @@ def schedule(prompts: Sequence[int], outputs: Sequence[int], max_seqs: int,
         yield Step(tokens, sampled, pairs, context)
 
 
+def step_bound(cost: ModelCost, s: Step, gemm_flops: float,
+               bandwidth: float) -> tuple[float, float, float]:
+    """One step's least seconds: (its linears, its attention, the whole step overlapped)."""
+    lin_f = 2 * cost.linear_params * s.tokens + 2 * cost.head_params * s.sampled
+    lin_b = (cost.linear_params + (cost.head_params if s.sampled else 0)) * cost.element_bytes
+    att_f, att_b = cost.attn_flop * s.pairs, cost.kv_bytes * s.context
+    return (max(lin_f / gemm_flops, lin_b / bandwidth), max(att_f / gemm_flops, att_b / bandwidth),
+            max((lin_f + att_f) / gemm_flops, (lin_b + att_b) / bandwidth))
+
+
 def bound(cost: ModelCost, steps: Sequence[Step], gemm_flops: float,
           bandwidth: float) -> dict[str, float]:
     """Both bounds (seconds) for `steps` at `gemm_flops` FLOP/s and `bandwidth` B/s."""
-    weights = cost.linear_params * cost.element_bytes
-    head = cost.head_params * cost.element_bytes
     overlapped = sequential = 0.0
     for s in steps:
-        lin_f = 2 * cost.linear_params * s.tokens + 2 * cost.head_params * s.sampled
-        lin_b = weights + (head if s.sampled else 0)
-        att_f, att_b = cost.attn_flop * s.pairs, cost.kv_bytes * s.context
-        overlapped += max((lin_f + att_f) / gemm_flops, (lin_b + att_b) / bandwidth)
-        sequential += max(lin_f / gemm_flops, lin_b / bandwidth) \
-            + max(att_f / gemm_flops, att_b / bandwidth)
+        lin, att, whole = step_bound(cost, s, gemm_flops, bandwidth)
+        overlapped += whole
+        sequential += lin + att
     return {"steps": len(steps), "overlapped_s": overlapped, "sequential_s": sequential}
+
+
+def by_kind(cost: ModelCost, planned: Sequence[Step], measured: Sequence[tuple[int, int, float]],
+            gemm_flops: float, bandwidth: float, max_seqs: int) -> list[dict[str, object]] | None:
+    """An engine's seconds per kind of step beside the sequential bound of those steps:
+    the steps with prompt tokens, then decode-only steps by quarters of `max_seqs`
+    running. Why: a share of the whole run says how far an engine is from the machine,
+    not where; this says which steps hold the seconds over the bound (session 44: the
+    160M bf16 workload's few prompt steps ~40% of them). `measured`: each step's (tokens
+    through the layers, prompt tokens, seconds), over whole runs of the planned steps in
+    order; per run. None when the steps do not follow `planned` (another schedule)."""
+    n = len(planned)
+    if not n or not measured or len(measured) % n or any(
+            tokens != planned[i % n].tokens for i, (tokens, _, _) in enumerate(measured)):
+        return None
+    quarter, kinds = max(1, max_seqs // 4), {}
+    for i, (tokens, prompt, seconds) in enumerate(measured):
+        lin, att, _ = step_bound(cost, planned[i % n], gemm_flops, bandwidth)
+        top = -(-tokens // quarter) * quarter
+        kind = "prompt" if prompt else f"decode {top - quarter + 1}-{top}"
+        k = kinds.setdefault(kind, {"kind": kind, "steps": 0, "seconds": 0.0,
+                                    "linears_bound_s": 0.0, "attention_bound_s": 0.0})
+        for key, x in (("steps", 1), ("seconds", seconds), ("linears_bound_s", lin),
+                       ("attention_bound_s", att)):
+            k[key] += x
+    runs = len(measured) // n
+    order = sorted(kinds, key=lambda kind: (kind != "prompt", int(kind.split()[-1].split("-")[0])
+                                            if kind != "prompt" else 0))
+    return [{key: v / runs if key != "kind" else v for key, v in kinds[kind].items()}
+            for kind in order]
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 7) -> float:

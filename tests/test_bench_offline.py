@@ -75,6 +75,12 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
             share = rf["sequential_s"] / (sum(r["wall_s"]) / len(r["wall_s"]))
             assert rf["of_bound"][name] == pytest.approx(share)
     assert rf["vllm_x1.3_needs"] is None  # no vLLM here
+    # kvserve's timed steps follow the bound's schedule: by kind, they add up to them
+    kinds = rf["kvserve_by_kind"]
+    assert kinds and kinds[0]["kind"] == "prompt"
+    assert sum(k["steps"] for k in kinds) == rf["steps"]
+    assert sum(k["linears_bound_s"] + k["attention_bound_s"] for k in kinds) == \
+        pytest.approx(rf["sequential_s"])
 
     steps = m["kvserve_step_overhead"]["all_steps"]
     assert steps["steps"] > 0 and 0 <= steps["outside_forward_share"] < 1
@@ -91,6 +97,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     assert "| tiny |" in doc and "python -m loadtest.bench_offline --quick" in doc
     assert "tiny / vLLM-CPU: vLLM skipped: no vLLM venv at" in doc
     assert "| model | dtype | memory GB/s | steps | bound s, sequential (overlapped)" in doc
+    assert "| tiny | float32 | prompt |" in doc  # the steps by kind beside their bound
     with open(os.path.join(out, "bench_offline.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

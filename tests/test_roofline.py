@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.bench_common import MODEL_CONFIGS
-from loadtest.roofline import ModelCost, Step, bound, schedule, serving_rows
+from loadtest.roofline import ModelCost, Step, bound, by_kind, schedule, serving_rows
 
 
 def test_schedule_by_hand() -> None:
@@ -58,6 +58,28 @@ def test_bounds() -> None:
     assert mem["overlapped_s"] == pytest.approx(want) == mem["sequential_s"]
     # bf16 halves the bytes, not the FLOPs
     assert ModelCost.of(MODEL_CONFIGS["tiny"], 2).kv_bytes * 2 == cost.kv_bytes
+
+
+def test_by_kind() -> None:
+    """Two runs of the planned steps, timed: each kind's steps, seconds and bound per run,
+    the prompt steps first, then decodes by quarters of max_seqs running; steps of
+    another schedule give None."""
+    cost = ModelCost.of(MODEL_CONFIGS["tiny"])
+    steps = list(schedule([40, 7, 100, 12], [5, 30, 2, 9], 4, 64))
+    prompt = [s.tokens if s.tokens > s.sampled else 0 for s in steps]  # steps with prompt tokens
+    measured = [(s.tokens, p, 0.5) for s, p in zip(steps, prompt)] * 2
+    kinds = by_kind(cost, steps, measured, 1e9, 1e9, max_seqs=4)
+    assert kinds is not None and kinds[0]["kind"] == "prompt"
+    assert [k["kind"] for k in kinds[1:]] == sorted(
+        {f"decode {s.tokens}-{s.tokens}" for s, p in zip(steps, prompt) if not p},
+        key=lambda k: int(k.split()[1].split("-")[0]))  # a quarter of 4 rows: 1 each
+    assert sum(k["steps"] for k in kinds) == len(steps)  # per run, not over both
+    assert sum(k["seconds"] for k in kinds) == pytest.approx(0.5 * len(steps))
+    b = bound(cost, steps, 1e9, 1e9)
+    assert sum(k["linears_bound_s"] + k["attention_bound_s"] for k in kinds) == \
+        pytest.approx(b["sequential_s"])
+    assert by_kind(cost, steps, measured[:-1], 1e9, 1e9, 4) is None  # not whole runs
+    assert by_kind(cost, steps, [(t + 1, p, x) for t, p, x in measured], 1e9, 1e9, 4) is None
 
 
 def _serving_report(path: Path) -> Path:
