@@ -183,7 +183,8 @@ class EngineCore:
         # while there are none, a step builds no parameter lists at all.
         self._sampling = 0
         self._default_policy = parse_kv_policy(config.default_kv_policy)
-        self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies)
+        self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies,
+                                     spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)
         self._host_ids = HostIds(config.max_num_seqs)  # its ids' pinned buffers
         self.overlapped_steps = 0  # steps launched while the one before them ran

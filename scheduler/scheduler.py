@@ -235,6 +235,15 @@ class Scheduler:
         a long re-prefill)."""
         return sum(self._ahead(r) for r in self.running)
 
+    def spare_blocks(self) -> int:
+        """Free blocks no one is owed: past the running bounded requests' growth to
+        their reservations and the watermark, while nobody waits or is swapped out (then
+        none: what the pool frees goes to them). A scattered-eviction request over its
+        reservation may borrow these instead of compacting (`PolicyRunner`)."""
+        if self.waiting or self.swapped:
+            return 0
+        return max(0, self.pool.num_free - self._reserved() - self.kv.watermark_blocks)
+
     def _admit(self, req: Request, budget: int, reserved: int = 0) -> int:
         """Set up a waiting request's cache (prefix hits included) if it may start now;
         returns the tokens to compute this step (0: memory is short; OVER_QUOTA).
