@@ -170,7 +170,7 @@ class PolicyRunner:
                     # or the pool is full): the request is then compacted as before.
                     if left is None:
                         left = self.spare() if self.spare is not None else 0
-                    if 0 < left and n <= left and h + n <= r.reserve_blocks + r.reserve_blocks // 8:
+                    if left > 0 and n <= left and h + n <= r.reserve_blocks + r.reserve_blocks // 8:
                         left -= n
                     else:
                         self._to_compact.append(r)
