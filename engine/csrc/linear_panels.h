@@ -251,10 +251,11 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
 }
 
 // Rows of each register tile over `rows` rows: one tile up to `kTallest` rows, else as
-// many tiles as `kMR`-row ones would take, the rows shared evenly among them. Why: a remainder tile of a row or two runs that
-// many chains of dependent dot products, bound by their latency rather than the weights'
-// bytes: a pass over the 160M model's bf16 layers took 17.0 ms at 13 rows (12 + 1)
-// against 13.0 at 12. Every row is summed in k order in any tile: the same bits.
+// many tiles as `kMR`-row ones would take, the rows shared evenly among them. Why: a
+// remainder tile of a row or two runs that many chains of dependent dot products, bound
+// by their latency rather than the weights' bytes: a pass over the 160M model's bf16
+// layers took 17.0 ms at 13 rows as 12 + 1 against 13.0 at 12 (session 43, before 13-16
+// rows became one tile). Every row is summed in k order in any tile: the same bits.
 inline int64_t tile_height(int64_t rows) {
   const int64_t tiles = (rows + kMR - 1) / kMR;
   return rows > kTallest ? (rows + tiles - 1) / tiles : kTallest;
