@@ -5,9 +5,10 @@ hardware prefetcher, which does not follow a stream across a page boundary. On t
 repo's machine (AMD Zen 4, a Firecracker VM) a sequential read of 75 MB ran at 25-27
 GB/s on one thread and 48-53 on two, against 31-33 and 62-65 on 2 MiB pages; blocks of
 24 KB read in random order (a pool's blocks) on one thread 13.6 against 16.6 GB/s. When
-the VM's DRAM itself is the limit (two threads at ~31 GB/s) the pages change nothing. Where transparent
-huge pages are `madvise`-only (a common default) a process must ask, before the memory
-is first touched; `always` needs nothing and `never` ignores the advice.
+the VM's DRAM itself is the limit (two threads at ~31 GB/s) the pages change nothing.
+Where transparent huge pages are `madvise`-only (a common default) a process must ask,
+before the memory is first touched; `always` needs nothing and `never` ignores the
+advice.
 """
 
 from __future__ import annotations

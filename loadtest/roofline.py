@@ -143,21 +143,17 @@ def by_kind(cost: ModelCost, planned: Sequence[Step], measured: Sequence[tuple[i
     if not n or not measured or len(measured) % n or any(
             tokens != planned[i % n].tokens for i, (tokens, _, _) in enumerate(measured)):
         return None
-    quarter, kinds = max(1, max_seqs // 4), {}
+    quarter, runs = max(1, max_seqs // 4), len(measured) // n
+    kinds: dict[int, list[float]] = {}  # 0: prompt steps, else the quarter's top row count
     for i, (tokens, prompt, seconds) in enumerate(measured):
         lin, att, _ = step_bound(cost, planned[i % n], gemm_flops, bandwidth)
-        top = -(-tokens // quarter) * quarter
-        kind = "prompt" if prompt else f"decode {top - quarter + 1}-{top}"
-        k = kinds.setdefault(kind, {"kind": kind, "steps": 0, "seconds": 0.0,
-                                    "linears_bound_s": 0.0, "attention_bound_s": 0.0})
-        for key, x in (("steps", 1), ("seconds", seconds), ("linears_bound_s", lin),
-                       ("attention_bound_s", att)):
-            k[key] += x
-    runs = len(measured) // n
-    order = sorted(kinds, key=lambda kind: (kind != "prompt", int(kind.split()[-1].split("-")[0])
-                                            if kind != "prompt" else 0))
-    return [{key: v / runs if key != "kind" else v for key, v in kinds[kind].items()}
-            for kind in order]
+        k = kinds.setdefault(0 if prompt else -(-tokens // quarter) * quarter, [0, 0.0, 0.0, 0.0])
+        for j, x in enumerate((1, seconds, lin, att)):
+            k[j] += x
+    return [{"kind": f"decode {top - quarter + 1}-{top}" if top else "prompt",
+             **{key: x / runs for key, x in zip(("steps", "seconds", "linears_bound_s",
+                                                 "attention_bound_s"), kinds[top])}}
+            for top in sorted(kinds)]
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 7) -> float:
