@@ -192,7 +192,7 @@ def panels_available() -> bool:
     return panels_isa() in ("avx2", "avx512", "avx512_bf16")
 
 
-def panels_for(dtype: torch.dtype, vendor: str | None = None) -> bool:
+def panels_for(dtype: torch.dtype, vendor: str | None = None, amx: bool | None = None) -> bool:
     """Whether a linear layer of `dtype` runs on panels here rather than oneDNN: where
     they were measured faster (docs/benchmarks.md, "CPU linear layouts").
 
@@ -203,15 +203,32 @@ def panels_for(dtype: torch.dtype, vendor: str | None = None) -> bool:
       fast as on oneDNN's bf16 with serve's waits at one row, 1.1x at 8-32, prefill level
       (session 38; the layers on kvserve's thread team, not on OpenMP's sleeping one).
       Without the pair tile bf16 stays on oneDNN (widened panels: half its speed at 16+).
-    - Intel CPUs with AVX-512 (two 512-bit FMA units, AMX): not measured, oneDNN's."""
+    - Intel CPUs with AVX-512 but no AMX (a Xeon, model 207, two threads; session 45), the
+      same rule: a pass over the 160M model's fp32 layers 1.3x oneDNN's speed at one row,
+      1.6x at 16, 1.25x at 32, 1.08x at 64, 0.89-0.91x at 256-2,048; bf16 in pairs 1.4x at
+      one row, 1.8x at 8, 1.2x at 32, and from 13 rows on multiplied by FMAs
+      (`pair_fma`), 1.3-1.4x at 32-64 and 1.4x at 256-2,048.
+    - Intel CPUs with AMX: not measured (oneDNN's AMX bf16 kernels), oneDNN's."""
     if dtype not in (torch.float32, torch.bfloat16) or not panels_available():
         return False
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return True
     vendor = cpuinfo("vendor_id") if vendor is None else vendor
-    if vendor != "AuthenticAMD" or not panels_isa().startswith("avx512"):
+    amx = torch.cpu._is_amx_tile_supported() if amx is None else amx
+    if not panels_isa().startswith("avx512") or not (
+            vendor == "AuthenticAMD" or (vendor == "GenuineIntel" and not amx)):
         return False
     return dtype == torch.float32 or panels_isa() == "avx512_bf16"
+
+
+def pair_fma(vendor: str | None = None) -> bool:
+    """Whether a bf16 layer in pairs multiplies its steps of more than 12 rows by fp32
+    FMAs rather than bf16 dot products (the same bits: linear_panels.h, `gemm`'s ByFma).
+    Yes on Intel, whose cores run two 512-bit FMAs a cycle and `vdpbf16ps` at half that
+    (a Xeon without AMX, the 160M model's bf16 layers: 2,048 rows 2.36 s by FMAs over
+    widened weights against 3.51 by dot products; session 45); no on AMD Zen 4, whose
+    dot products run at its FMAs' rate, two products each (session 38)."""
+    return (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"
 
 
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
@@ -265,7 +282,8 @@ class PanelLinear(nn.Module):
     weights side by side) where the kernel multiplies them with bf16 dot products
     (`panels_isa` "avx512_bf16"), else as fp32's layout, widened as it is read."""
 
-    def __init__(self, linear: nn.Linear, pairs: bool | None = None) -> None:
+    def __init__(self, linear: nn.Linear, pairs: bool | None = None,
+                 fma: bool | None = None) -> None:
         super().__init__()
         # its op, also where `pack_linears` would not pick panels (a benchmark of both
         # layouts on a CPU with AVX-512 found it unloaded)
@@ -280,6 +298,8 @@ class PanelLinear(nn.Module):
         if pairs is None:
             pairs = w.dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
         self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
+        # pairs: steps of more than 12 rows by FMAs (`pair_fma`)
+        self.fma = self.pairs and (pair_fma() if fma is None else fma)
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
         # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
@@ -298,11 +318,11 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.kvserve_layer.linear_panels(
             x.reshape(-1, self.in_features).contiguous(), self.panels, self.bias,
-            self.out_features)
+            self.out_features, self.fma)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        pairs = " pairs" if self.pairs else ""
+        pairs = " pairs" + (", FMAs past 12 rows" if self.fma else "") if self.pairs else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}{pairs}")
 

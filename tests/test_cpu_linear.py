@@ -84,24 +84,27 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False),
-                                         (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
+                                             (torch.bfloat16, False, False),
+                                             (torch.bfloat16, True, False),
+                                             (torch.bfloat16, True, True)])
 @pytest.mark.parametrize("bias", [False, True])
 # AVX2: 1-72 decoding, whole K in registers (tile tails of 1-5 rows), 73 and up blocked (a
 # 144-row block and a tail). AVX-512: 1-12 whole K (one tile), 13-144 one block packed by
 # each thread, 145 and up blocks packed together. K 400: a 384 block and a 16 tail.
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 11, 12, 13, 72, 73, 144, 145, 150, 300])
-def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, bias: bool,
-                                       rows: int) -> None:
+def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: bool,
+                                       bias: bool, rows: int) -> None:
     """The panels give F.linear's result in the weight's own dtype: fp32 to its rounding,
     bf16 as the fp32 sum of the same bf16 products (bias added in fp32) rounded once,
     widened as read or in pairs (bf16 dot products where the CPU has them, the same sums
-    in a plain loop elsewhere). K 800 in pairs: a block of 384 pairs and a 16 tail."""
+    in a plain loop elsewhere; with `fma`, steps of 13 rows and more by FMAs over the
+    pairs widened). K 800 in pairs: a block of 384 pairs and a 16 tail."""
     torch.manual_seed(rows)
     k = 800 if pairs else 400
     linear = nn.Linear(k, 72, bias=bias).to(dtype)  # 72 outputs: 4.5 panels
-    layer = PanelLinear(linear, pairs=pairs)
-    assert layer.pairs == pairs and layer.panels.dtype == dtype
+    layer = PanelLinear(linear, pairs=pairs, fma=fma)
+    assert layer.pairs == pairs and layer.fma == fma and layer.panels.dtype == dtype
     assert layer.panels.shape == ((5, 400, 16, 2) if pairs else (5, 400, 16))
     if pairs:  # column 16p + j's weights for inputs 2i, 2i + 1 side by side
         w = linear.weight.detach()
@@ -121,10 +124,12 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, bias: bo
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False),
-                                         (torch.bfloat16, True)])
+@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
+                                             (torch.bfloat16, False, False),
+                                             (torch.bfloat16, True, False),
+                                             (torch.bfloat16, True, True)])
 @pytest.mark.parametrize("rows", [1, 13, 300])  # whole K; one block; blocks and a tail
-def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool,
+def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool, fma: bool,
                                                 rows: int) -> None:
     """Each tile's sums are finished (bias added, rounded) as soon as they are whole, into
     the output: sums made exact by construction come out bit for bit as torch rounds them.
@@ -149,7 +154,7 @@ def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool,
     x[3::7, 1] = float("inf")
     x = x.to(dtype)
     with torch.inference_mode():
-        out = PanelLinear(linear, pairs=pairs)(x)
+        out = PanelLinear(linear, pairs=pairs, fma=fma)(x)
     want = torch.nn.functional.linear(x.float(), linear.weight.float(),
                                       linear.bias.float()).to(dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
@@ -162,17 +167,26 @@ def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool,
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, True)])
-def test_a_row_comes_out_the_same_in_any_batch(dtype: torch.dtype, pairs: bool) -> None:
+@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
+                                             (torch.bfloat16, True, False),
+                                             (torch.bfloat16, True, True)])
+def test_a_row_comes_out_the_same_in_any_batch(dtype: torch.dtype, pairs: bool,
+                                               fma: bool) -> None:
     """A row's outputs do not depend on how many rows share the step: every register tile,
     whatever its height (one tile up to 16 rows, then the rows shared evenly among a
     step's tiles: 17 rows run as 9 + 8, 25 as 9 + 9 + 7), sums its products in k order. Continuous batching relies on it
     (a request's tokens must not change with the batch it lands in); K 1,600 in pairs:
-    several K blocks, whose partial sums go through C."""
+    several K blocks, whose partial sums go through C. With `fma` (pairs: 1-12 rows by
+    bf16 dot products, 13 and up by FMAs) the FMAs add each pair's products in the dot
+    product's order, each rounded, as Intel defines `vdpbf16ps` (the CPUs `pair_fma`
+    picks) and as the plain loop does without the instruction."""
+    if fma and cpu_linear.panels_isa() == "avx512_bf16" and not cpu_linear.pair_fma():
+        pytest.skip("FMAs over pairs run on Intel only; another vendor's dot product may "
+                    "round a pair's two products once")
     torch.manual_seed(0)
     k = 1600 if pairs else 800
     linear = nn.Linear(k, 72, bias=True).to(dtype)
-    layer = PanelLinear(linear, pairs=pairs)
+    layer = PanelLinear(linear, pairs=pairs, fma=fma)
     x = torch.randn(300, k).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([layer(x[i:i + 1]) for i in range(0, 300, 23)])
@@ -257,7 +271,8 @@ def test_panels_where_they_were_measured_faster() -> None:
     """The kernel's vector loop follows the build's ISA, and a layer takes the panels
     where they beat oneDNN: every fp32/bf16 layer on AVX2 without AVX-512, fp32 only on
     an AMD CPU with AVX-512 (bf16 there too where the build has the pair tile's bf16 dot
-    products), nothing on an Intel CPU with AVX-512 (not measured)."""
+    products), the same on an Intel CPU with AVX-512 but no AMX, nothing where it has AMX
+    (not measured)."""
     from kvpool.native import load_ops
 
     if not load_ops("kvserve_layer_ops_cpu"):
@@ -269,15 +284,18 @@ def test_panels_where_they_were_measured_faster() -> None:
     assert isa == (path + "_bf16" if path == "avx512" and isa_has("avx512_bf16") else path)
     assert cpu_linear.panels_available() == (isa != "scalar")
     assert not cpu_linear.panels_for(torch.float16)
-    for vendor in ("AuthenticAMD", "GenuineIntel"):
-        fp32, bf16 = (cpu_linear.panels_for(d, vendor) for d in (torch.float32, torch.bfloat16))
+    for vendor, amx in (("AuthenticAMD", False), ("GenuineIntel", False),
+                        ("GenuineIntel", True), ("HygonGenuine", False)):
+        fp32, bf16 = (cpu_linear.panels_for(d, vendor, amx) for d in (torch.float32, torch.bfloat16))
         if isa == "scalar":
             assert not fp32 and not bf16
         elif not avx512:
             assert fp32 and bf16
         else:
-            assert fp32 == (vendor == "AuthenticAMD" and isa.startswith("avx512"))
-            assert bf16 == (vendor == "AuthenticAMD" and isa == "avx512_bf16")
+            measured = vendor == "AuthenticAMD" or (vendor == "GenuineIntel" and not amx)
+            assert fp32 == (measured and isa.startswith("avx512"))
+            assert bf16 == (measured and isa == "avx512_bf16")
+    assert cpu_linear.pair_fma("GenuineIntel") and not cpu_linear.pair_fma("AuthenticAMD")
 
 
 @needs_onednn

@@ -250,6 +250,27 @@ inline void widen_slice(const W* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// kc / 2 rows of a pair panel's slice ([kc / 2, 16] pairs) widened into fp32 [kc, 16], each
+// pair's higher k first: the order `vdpbf16ps` adds a pair's two products in, so that FMAs
+// over this slice (and an input packed the same way, `pack_rows`) make the pair tile's sums
+// bit for bit (`gemm`'s ByFma).
+inline void widen_pair_slice(const Pair* src, int64_t kc, float* dst) {
+  for (int64_t kp = 0; kp < kc / 2; ++kp) {
+    const Pair* s = src + kp * kNR;
+    float* d = dst + 2 * kp * kNR;
+#ifdef KVSERVE_KEYDIFF_AVX512
+    const __m512i x = _mm512_loadu_si512(s);
+    _mm512_storeu_ps(d, _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536))));
+    _mm512_storeu_ps(d + kNR, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
+#else
+    for (int64_t j = 0; j < kNR; ++j) {
+      d[j] = bf16_hi(s[j]);
+      d[kNR + j] = bf16_lo(s[j]);
+    }
+#endif
+  }
+}
+
 // Rows of each register tile over `rows` rows: one tile up to `kTallest` rows, else as
 // many tiles as `kMR`-row ones would take, the rows shared evenly among them. Why: a
 // remainder tile of a row or two runs that many chains of dependent dot products, bound
@@ -263,17 +284,28 @@ inline int64_t tile_height(int64_t rows) {
 
 // Tiles [t0, t1) of a block of a longer step's input rows, packed: for each block of `kKC`
 // of K (at offset pc * rows), each tile of `tile_height(rows)` rows (at r0 * kc) holds its
-// rows' values side by side, k after k, so that a tile reads one stream.
-template <typename A>
-inline void pack_rows(const A* a, int64_t rows, int64_t k, int64_t t0, int64_t t1, A* packed) {
+// rows' values side by side, k after k, so that a tile reads one stream. A bf16 input
+// (`uint16_t`: a pair input multiplied by FMAs) is widened as it is packed, each pair's
+// higher k first (`widen_pair_slice`).
+template <typename A, typename P>
+inline void pack_rows(const A* a, int64_t rows, int64_t k, int64_t t0, int64_t t1, P* packed) {
+  constexpr bool kPairs = std::is_same_v<A, uint16_t>;  // k, kKC and pc are even then
+  static_assert(std::is_same_v<A, P> || (kPairs && std::is_same_v<P, float>));
   const int64_t h = tile_height(rows);
   for (int64_t pc = 0; pc < k; pc += kKC) {
     const int64_t kc = std::min(kKC, k - pc);
     for (int64_t r0 = t0 * h; r0 < std::min(rows, t1 * h); r0 += h) {
       const int64_t mr = std::min(h, rows - r0);
-      A* t = packed + pc * rows + r0 * kc;
+      P* t = packed + pc * rows + r0 * kc;
       for (int64_t kk = 0; kk < kc; ++kk)
-        for (int64_t r = 0; r < mr; ++r) t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
+        for (int64_t r = 0; r < mr; ++r) {
+          if constexpr (kPairs) {
+            const uint32_t bits = a[(r0 + r) * k + pc + (kk ^ 1)];
+            t[kk * mr + r] = __builtin_bit_cast(float, bits << 16);
+          } else {
+            t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
+          }
+        }
     }
   }
 }
@@ -306,17 +338,36 @@ struct NoFinish {};
 // first spilled to DRAM at 3,072 deep (0.77x oneDNN); and a parallel region per block woke
 // the threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the
 // demo model's 2,048-row layers 0.8x as fast. Over pairs (A and W `Pair`), k counts pairs.
-template <typename A, typename W, typename F = NoFinish>
+//
+// ByFma (pairs, a step of more than `kWholeK` rows): the pairs multiplied by fp32 FMAs, not
+// `vdpbf16ps`, for CPUs that run the FMAs at twice its rate (an Intel Xeon with AVX-512
+// and bf16 dot products but no AMX: a pass over the 160M model's bf16 layers at 256-2,048
+// rows took 0.68-0.69x the time; docs/benchmarks.md, session 45): the input widened as it
+// is packed, each panel's slice into L1, both with each pair's higher k first, so the sums
+// are the pair tile's bit for bit (vdpbf16ps flushes denormals, the FMAs keep them). The
+// same panels still serve shorter steps by dot products: one layout, no second copy.
+template <typename A, typename W, typename F = NoFinish, bool ByFma = false>
 void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c, F finish = {}) {
   constexpr bool kFinishes = !std::is_same_v<F, NoFinish>;
   static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "a pair input needs pair panels");
+  static_assert(!ByFma || std::is_same_v<A, Pair>, "FMAs over pairs take a pair input");
+  // ByFma: from here on k counts bf16 values (two a pair), the input read as such (In) and
+  // packed widened (P); a panel's slice starts (p * k + pc) * 16 values in
+  using In = std::conditional_t<ByFma, uint16_t, A>;
+  using P = std::conditional_t<ByFma, float, A>;
+  constexpr int64_t kPerW = ByFma ? 2 : 1;  // the input's values a W element holds
+  const In* in = reinterpret_cast<const In*>(a);
+  if constexpr (ByFma) {
+    k *= 2;
+    if (m <= kWholeK) return;  // the caller's error (the op checks): never unpacked
+  }
   const int64_t ldc = np * kNR;
   const bool blocked = m > kWholeK;
   const int64_t kc_step = blocked ? kKC : k, mc = blocked ? kMC : std::max<int64_t>(m, 1);
   // A bf16 slice is widened in registers when each of its weights is used once or twice
   // (streamed: half the bytes); a block's is widened into L1 first: widening per tile made
   // a 1,000-row bf16 step 0.85x oneDNN's speed over the widened weight.
-  constexpr bool kWidens = std::is_same_v<A, float> && !std::is_same_v<W, float>;
+  constexpr bool kWidens = (std::is_same_v<A, float> && !std::is_same_v<W, float>) || ByFma;
   const bool widen = kWidens && blocked;
   // Each thread packs every block whole for itself when the step is one block, or when
   // the team sleeps (`kvserve serve`): there a barrier between packing and multiplying is
@@ -327,7 +378,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   // grain sized the team: a thread with no panels would only pack and wait at barriers
   const int64_t grain = 4;
   // and one thread for a small product where waking a sleeping team costs more (team.h)
-  const int64_t depth = std::is_same_v<A, Pair> ? 2 * k : k;  // K, in the input's values
+  const int64_t depth = std::is_same_v<A, Pair> && !ByFma ? 2 * k : k;  // K, in the input's values
   const bool small = team::sleeps() &&
       np * kNR * depth * std::max<int64_t>(m, 4) < team::kSleepingLinearWork;
   const int64_t wanted = small ? 1 : at::get_num_threads();
@@ -338,51 +389,59 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   // a block's packed rows: one copy, or one a thread (`own`); not value-initialised:
   // pack_rows writes every element a block reads
   const int64_t packed_size = std::min(m, mc) * k;
-  std::unique_ptr<A[]> packed(
-      blocked ? new A[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
+  std::unique_ptr<P[]> packed(
+      blocked ? new P[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
   auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
     float* wide = wide_all.data() + (widen ? tid * kc_step * kNR : 0);
-    A* const mine = packed.get() + (own ? tid * packed_size : 0);
+    P* const mine = packed.get() + (own ? tid * packed_size : 0);
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic), h = tile_height(rows);
       if (own) {
-        pack_rows(a + ic * k, rows, k, 0, (rows + h - 1) / h, mine);
+        pack_rows(in + ic * k, rows, k, 0, (rows + h - 1) / h, mine);
       } else if (blocked) {  // all threads take this branch or none: the barriers match
         const auto [t0, t1] = share_of((rows + h - 1) / h, 1, tid, team);
-        pack_rows(a + ic * k, rows, k, t0, t1, mine);
+        pack_rows(in + ic * k, rows, k, t0, t1, mine);
         team::get().barrier(team);
       }
       for (int64_t pc = 0; pc < k; pc += kc_step) {
         const int64_t kc = std::min(kc_step, k - pc);
         for (int64_t p = p0; p < p1; ++p) {
-          const W* b = panels + (p * k + pc) * kNR;
+          const W* b = panels + (p * k + pc) * kNR / kPerW;
           // The next panel's slice (this one's on the last: prefetching it again is harmless).
-          const W* next = p + 1 < p1 ? b + k * kNR : b;
+          const W* next = p + 1 < p1 ? b + k * kNR / kPerW : b;
+          // as the first tile's k steps prefetch it: ByFma's k steps are half a pair each
+          const auto* next_k = [next] {
+            if constexpr (ByFma) return reinterpret_cast<const uint16_t*>(next);
+            else return next;
+          }();
           auto tiles = [&](const auto* slice) {
             for (int64_t r = 0; r < rows; r += h) {
               const int64_t mr = std::min(h, rows - r);
               float* cp = c + (kFinishes ? r : ic + r) * ldc + p * kNR;
               const bool first = r == 0;  // the first tile pulls the next panel's slice in
-              if (!blocked) {
+              if constexpr (ByFma) {
+                // always blocked: the tile below
+              } else if (!blocked) {
                 const A* ar = a + (ic + r) * k + pc;
                 if (first && m >= kPrefetchRows) {  // fewer: each k step too short to hide it
-                  some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
+                  some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
                 } else {
-                  some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next);
+                  some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
                 }
-              } else {
+              }
+              if (blocked) {
                 // The next tile's rows of C, asked for now: they are a whole row of C apart,
                 // and their misses stalled every tile's start (~10% of a 1,024-row step).
                 for (int64_t rr = r + mr; rr < std::min(r + mr + h, rows); ++rr) {
                   __builtin_prefetch(cp + (rr - r) * ldc, 1);
                   __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
                 }
-                const A* ap = mine + pc * rows + r * kc;
+                const P* ap = mine + pc * rows + r * kc;
                 if (first) {
-                  some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
+                  some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
                 } else {
-                  some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next);
+                  some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
                 }
               }
               if constexpr (kFinishes) {
@@ -390,14 +449,19 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               }
             }
           };
-          if constexpr (kWidens) {
-            if (widen) {  // widened once for the block's tiles, not once per tile
-              widen_slice(b, kc * kNR, wide);
-              tiles(static_cast<const float*>(wide));
-              continue;
+          if constexpr (ByFma) {
+            widen_pair_slice(b, kc, wide);
+            tiles(static_cast<const float*>(wide));
+          } else {
+            if constexpr (kWidens) {
+              if (widen) {  // widened once for the block's tiles, not once per tile
+                widen_slice(b, kc * kNR, wide);
+                tiles(static_cast<const float*>(wide));
+                continue;
+              }
             }
+            tiles(b);
           }
-          tiles(b);
         }
       }
       if (blocked && !own) team::get().barrier(team);  // the next block's packing overwrites this one's
