@@ -84,6 +84,9 @@ constexpr int64_t kPrefetchRows = 6;  // steps of fewer whole-K rows prefetch no
 // same bytes (192 pairs made 64-1,024-row bf16 steps ~5% slower, 768 no faster)
 constexpr int64_t kKC = 384;
 constexpr int64_t kMC = 144;     // rows of a longer step's block: 216 KB of fp32 input (L2)
+// Deepest input whose whole block (kMC rows, fp32: 442 KB at 768) a step keeps in L2
+// (`gemm`'s panels_outer)
+constexpr int64_t kPanelsOuterK = 2 * kKC;
 
 #if defined(KVSERVE_KEYDIFF_AVX512)
 // Both AVX-512 tiles' rows (fp32 below, pairs after it): accumulator c<r> is row r of C.
@@ -374,6 +377,13 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   // a futex wake-up, two per 144 rows, and copying a block twice costs less (1,000-token
   // prefills of the 160M model in a server: 1.58-1.70 s against 1.75-1.78 with barriers).
   const bool own = blocked && (m <= kMC || team::sleeps());
+  // A block's K blocks inside each panel, not its panels inside each K block, where the
+  // block's whole packed input stays in L2 (up to kPanelsOuterK deep): each tile's sums
+  // then stay in L1 between its K blocks, where they went out to L3 and back once a K
+  // block when the block's outputs were wide (the gate/up GEMM, 768 x 6,144: 144 rows x
+  // 6,144 of fp32 sums, 3.5 MB; the other order, as deep inputs need, keeps a K block's
+  // slice of the input in L2 and the block's sums there across its K blocks).
+  const bool panels_outer = blocked && k > kKC && k <= kPanelsOuterK;
   // at least 4 panels (~50 KB of a 768-deep fp32 weight) a thread, as at::parallel_for's
   // grain sized the team: a thread with no panels would only pack and wait at barriers
   const int64_t grain = 4;
@@ -404,12 +414,16 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
         pack_rows(in + ic * k, rows, k, t0, t1, mine);
         team::get().barrier(team);
       }
-      for (int64_t pc = 0; pc < k; pc += kc_step) {
-        const int64_t kc = std::min(kc_step, k - pc);
-        for (int64_t p = p0; p < p1; ++p) {
+      // One panel's slice of kc of K from pc on, against the block's rows.
+      auto slice_of = [&](int64_t p, int64_t pc) {
+          const int64_t kc = std::min(kc_step, k - pc);
           const W* b = panels + (p * k + pc) * kNR / kPerW;
-          // The next panel's slice (this one's on the last: prefetching it again is harmless).
-          const W* next = p + 1 < p1 ? b + k * kNR / kPerW : b;
+          // The slice after this one in the order below (this one's on the last:
+          // prefetching it again is harmless): the next panel's at pc, or with the panels
+          // outer this panel's next K block, the next panel's first after the last one
+          // (adjacent either way: a panel is [k, 16], one after the other).
+          const W* next = panels_outer ? (p + 1 < p1 || pc + kc < k ? b + kc * kNR / kPerW : b)
+                                       : (p + 1 < p1 ? b + k * kNR / kPerW : b);
           // as the first tile's k steps prefetch it: ByFma's k steps are half a pair each
           const auto* next_k = [next] {
             if constexpr (ByFma) return reinterpret_cast<const uint16_t*>(next);
@@ -457,12 +471,18 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               if (widen) {  // widened once for the block's tiles, not once per tile
                 widen_slice(b, kc * kNR, wide);
                 tiles(static_cast<const float*>(wide));
-                continue;
+                return;
               }
             }
             tiles(b);
           }
-        }
+      };
+      if (panels_outer) {
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t pc = 0; pc < k; pc += kc_step) slice_of(p, pc);
+      } else {
+        for (int64_t pc = 0; pc < k; pc += kc_step)
+          for (int64_t p = p0; p < p1; ++p) slice_of(p, pc);
       }
       if (blocked && !own) team::get().barrier(team);  // the next block's packing overwrites this one's
     }
