@@ -1,8 +1,9 @@
 // A linear layer's GEMM over its weight laid out in panels of 16 output columns, for CPUs
-// with AVX2 but without AVX-512, and on AMD CPUs with AVX-512 (Zen 4) for fp32 and, with
-// bf16 dot products, bf16: faster than oneDNN when decoding, level with it (or nearly:
-// 0.93-0.95x at 1,024-2,048 rows on Zen 4; bf16 in pairs 0.92-0.97x at 256-1,024 and
-// 1.06-1.77x at 1-64) at prefill.
+// with AVX2 but without AVX-512, and on AMD CPUs (Zen 4) and Intel CPUs without AMX with
+// AVX-512 for fp32 and, with bf16 dot products, bf16: faster than oneDNN when decoding,
+// level with it (or nearly: 0.93-0.95x at 1,024-2,048 rows on Zen 4, fp32 0.9x on a Xeon;
+// bf16 in pairs 0.92-0.97x at 256-1,024 and 1.06-1.77x at 1-64 on Zen 4, 1.5x on a Xeon
+// by FMAs, `gemm`'s ByFma) at prefill.
 //
 // Why: there (AMD Zen 1-3, Intel client cores) a decode step is bound by the weight bytes
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
@@ -219,6 +220,73 @@ inline void tile(const Pair* a, int64_t lda, const Pair* b, int64_t kc, float* c
 #undef KVSERVE_PANEL_INIT
 #undef KVSERVE_PANEL_STORE
 
+#ifdef KVSERVE_KEYDIFF_AVX512
+// The most rows of a wide tile: 2 x 12 accumulators, two weight registers and a broadcast
+// input of the 32 zmm registers.
+constexpr int64_t kWideRows = 12;
+#define KVSERVE_WIDE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+// Two panels' tile of a packed block (fp32 slices: fp32 panels, or bf16 ones widened into
+// L1): c[r, 0:32] (+)= sum_k a[k * MR + r] * (b[k * 16 + 0:16], b2[k * 16 + 0:16]), the
+// second panel's columns 16 after the first's in C. Why: the one-panel tile loads each
+// input once per 16 columns, 13 loads for 12 FMAs, and Intel's cores (two 512-bit FMAs
+// but two 512-bit loads a cycle) ran it at ~85% of their FMA rate; with each broadcast
+// input feeding two panels it is 14 loads for 24 FMAs (docs/benchmarks.md, session 45).
+// The same products summed in the same k order as `tile`: the same bits.
+template <int MR, bool PF, typename N>
+inline void tile2(const float* a, const float* b, const float* b2, int64_t kc, float* c,
+                  int64_t ldc, bool accumulate, const N* next, const N* next2) {
+  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11;
+  [[maybe_unused]] __m512 d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11;
+#define KVSERVE_WIDE_INIT(r)                                                           \
+  if constexpr (r < MR) {                                                              \
+    c##r = accumulate ? _mm512_loadu_ps(c + r * ldc) : _mm512_setzero_ps();            \
+    d##r = accumulate ? _mm512_loadu_ps(c + r * ldc + kNR) : _mm512_setzero_ps();      \
+  }
+#define KVSERVE_WIDE_FMA(r)                                                            \
+  if constexpr (r < MR) {                                                              \
+    const __m512 x = _mm512_set1_ps(a[k * MR + r]);                                    \
+    c##r = _mm512_fmadd_ps(x, b0, c##r);                                               \
+    d##r = _mm512_fmadd_ps(x, b1, d##r);                                               \
+  }
+#define KVSERVE_WIDE_STORE(r)                                                          \
+  if constexpr (r < MR) {                                                              \
+    _mm512_storeu_ps(c + r * ldc, c##r);                                               \
+    _mm512_storeu_ps(c + r * ldc + kNR, d##r);                                         \
+  }
+  KVSERVE_WIDE_ROWS(KVSERVE_WIDE_INIT)
+  for (int64_t k = 0; k < kc; ++k) {
+    if constexpr (PF) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kNR), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next2 + k * kNR), _MM_HINT_T1);
+    }
+    const __m512 b0 = _mm512_loadu_ps(b + k * kNR), b1 = _mm512_loadu_ps(b2 + k * kNR);
+    KVSERVE_WIDE_ROWS(KVSERVE_WIDE_FMA)
+  }
+  KVSERVE_WIDE_ROWS(KVSERVE_WIDE_STORE)
+#undef KVSERVE_WIDE_INIT
+#undef KVSERVE_WIDE_FMA
+#undef KVSERVE_WIDE_STORE
+}
+#undef KVSERVE_WIDE_ROWS
+
+template <bool PF, typename N>
+inline void wide_rows(int64_t mr, const float* a, const float* b, const float* b2, int64_t kc,
+                      float* c, int64_t ldc, bool accumulate, const N* next, const N* next2) {
+  switch (mr) {
+#define KVSERVE_WIDE_CASE(r) \
+    case r: return tile2<r, PF>(a, b, b2, kc, c, ldc, accumulate, next, next2);
+    KVSERVE_WIDE_CASE(1) KVSERVE_WIDE_CASE(2) KVSERVE_WIDE_CASE(3) KVSERVE_WIDE_CASE(4)
+    KVSERVE_WIDE_CASE(5) KVSERVE_WIDE_CASE(6) KVSERVE_WIDE_CASE(7) KVSERVE_WIDE_CASE(8)
+    KVSERVE_WIDE_CASE(9) KVSERVE_WIDE_CASE(10) KVSERVE_WIDE_CASE(11)
+#undef KVSERVE_WIDE_CASE
+    default: return tile2<kWideRows, PF>(a, b, b2, kc, c, ldc, accumulate, next, next2);
+  }
+}
+#else
+constexpr int64_t kWideRows = 0;  // no wide tile: 16 registers hold one panel's
+#endif
+
 template <bool PACKED, bool PF, typename A, typename W, typename N>
 inline void some_rows(int64_t mr, const A* a, int64_t lda, const W* b, int64_t kc, float* c,
                       int64_t ldc, bool accumulate, const N* next) {
@@ -395,7 +463,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   const int threads = static_cast<int>(std::min(wanted, (np + grain - 1) / grain));
   // each share's L1 copy of a widened bf16 slice, allocated here: nothing inside the job
   // may throw (a share that threw would leave the others waiting at a barrier)
-  std::vector<float> wide_all(widen ? std::max(threads, 1) * kc_step * kNR : 0);
+  std::vector<float> wide_all(widen ? std::max(threads, 1) * 2 * kc_step * kNR : 0);
   // a block's packed rows: one copy, or one a thread (`own`); not value-initialised:
   // pack_rows writes every element a block reads
   const int64_t packed_size = std::min(m, mc) * k;
@@ -403,7 +471,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
       blocked ? new P[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
   auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
-    float* wide = wide_all.data() + (widen ? tid * kc_step * kNR : 0);
+    float* wide = wide_all.data() + (widen ? tid * 2 * kc_step * kNR : 0);
     P* const mine = packed.get() + (own ? tid * packed_size : 0);
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic), h = tile_height(rows);
@@ -414,75 +482,105 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
         pack_rows(in + ic * k, rows, k, t0, t1, mine);
         team::get().barrier(team);
       }
-      // One panel's slice of kc of K from pc on, against the block's rows.
-      auto slice_of = [&](int64_t p, int64_t pc) {
-          const int64_t kc = std::min(kc_step, k - pc);
-          const W* b = panels + (p * k + pc) * kNR / kPerW;
-          // The slice after this one in the order below (this one's on the last:
-          // prefetching it again is harmless): the next panel's at pc, or with the panels
-          // outer this panel's next K block, the next panel's first after the last one
-          // (adjacent either way: a panel is [k, 16], one after the other).
-          const W* next = panels_outer ? (p + 1 < p1 || pc + kc < k ? b + kc * kNR / kPerW : b)
-                                       : (p + 1 < p1 ? b + k * kNR / kPerW : b);
-          // as the first tile's k steps prefetch it: ByFma's k steps are half a pair each
-          const auto* next_k = [next] {
-            if constexpr (ByFma) return reinterpret_cast<const uint16_t*>(next);
-            else return next;
-          }();
-          auto tiles = [&](const auto* slice) {
-            for (int64_t r = 0; r < rows; r += h) {
-              const int64_t mr = std::min(h, rows - r);
-              float* cp = c + (kFinishes ? r : ic + r) * ldc + p * kNR;
-              const bool first = r == 0;  // the first tile pulls the next panel's slice in
-              if constexpr (ByFma) {
-                // always blocked: the tile below
-              } else if (!blocked) {
-                const A* ar = a + (ic + r) * k + pc;
-                if (first && m >= kPrefetchRows) {  // fewer: each k step too short to hide it
-                  some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
-                } else {
-                  some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
-                }
-              }
-              if (blocked) {
-                // The next tile's rows of C, asked for now: they are a whole row of C apart,
-                // and their misses stalled every tile's start (~10% of a 1,024-row step).
-                for (int64_t rr = r + mr; rr < std::min(r + mr + h, rows); ++rr) {
-                  __builtin_prefetch(cp + (rr - r) * ldc, 1);
-                  __builtin_prefetch(cp + (rr - r) * ldc + kNR - 1, 1);
-                }
-                const P* ap = mine + pc * rows + r * kc;
-                if (first) {
-                  some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
-                } else {
-                  some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
-                }
-              }
-              if constexpr (kFinishes) {
-                if (pc + kc == k) finish(ic + r, mr, p, static_cast<const float*>(cp), ldc);
+      // Two panels side by side in the wide tile where the packed input is fp32 and the
+      // tiles are short enough (AVX-512), else one.
+      const int64_t width = std::is_same_v<P, float> && blocked && h <= kWideRows ? 2 : 1;
+      // `n` (1 or 2) panels' slices of kc of K from pc on, against the block's rows.
+      auto slice_of = [&](int64_t p, int64_t n, int64_t pc) {
+        const int64_t kc = std::min(kc_step, k - pc);
+        const int64_t stride = k * kNR / kPerW;  // a panel, in W's elements
+        const W* b = panels + p * stride + pc * kNR / kPerW;
+        // The slices after these in the order below (these on the last: prefetching them
+        // again is harmless): the next panels' at pc, or with the panels outer these
+        // panels' next K block (the next panel's first after the last one: a panel is
+        // [k, 16], one after the other).
+        const W* next = panels_outer ? (p + n < p1 || pc + kc < k ? b + kc * kNR / kPerW : b)
+                                     : (p + n < p1 ? b + n * stride : b);
+        const W* next2 = n == 2 ? next + stride : next;
+        // as the first tile's k steps prefetch them: ByFma's k steps are half a pair each
+        auto by_k = [](const W* w) {
+          if constexpr (ByFma) return reinterpret_cast<const uint16_t*>(w);
+          else return w;
+        };
+        const auto* next_k = by_k(next);
+        const auto* next2_k = by_k(next2);
+        auto tiles = [&](const auto* slice, const auto* slice2) {
+          for (int64_t r = 0; r < rows; r += h) {
+            const int64_t mr = std::min(h, rows - r);
+            float* cp = c + (kFinishes ? r : ic + r) * ldc + p * kNR;
+            const bool first = r == 0;  // the first tile pulls the next panels' slices in
+            if constexpr (ByFma) {
+              // always blocked: the tiles below
+            } else if (!blocked) {
+              const A* ar = a + (ic + r) * k + pc;
+              if (first && m >= kPrefetchRows) {  // fewer: each k step too short to hide it
+                some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
+              } else {
+                some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
               }
             }
-          };
-          if constexpr (ByFma) {
-            widen_pair_slice(b, kc, wide);
-            tiles(static_cast<const float*>(wide));
-          } else {
-            if constexpr (kWidens) {
-              if (widen) {  // widened once for the block's tiles, not once per tile
-                widen_slice(b, kc * kNR, wide);
-                tiles(static_cast<const float*>(wide));
-                return;
+            if (blocked) {
+              // The next tile's rows of C, asked for now: they are a whole row of C apart,
+              // and their misses stalled every tile's start (~10% of a 1,024-row step).
+              for (int64_t rr = r + mr; rr < std::min(r + mr + h, rows); ++rr) {
+                __builtin_prefetch(cp + (rr - r) * ldc, 1);
+                __builtin_prefetch(cp + (rr - r) * ldc + n * kNR - 1, 1);
+              }
+              const P* ap = mine + pc * rows + r * kc;
+#ifdef KVSERVE_KEYDIFF_AVX512
+              if constexpr (std::is_same_v<P, float> &&
+                            std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(slice)>>, float>) {
+                if (n == 2) {
+                  if (first) {
+                    wide_rows<true>(mr, ap, slice, slice2, kc, cp, ldc, pc > 0, next_k, next2_k);
+                  } else {
+                    wide_rows<false>(mr, ap, slice, slice2, kc, cp, ldc, pc > 0, next_k, next2_k);
+                  }
+                  if constexpr (kFinishes) {
+                    if (pc + kc == k) {
+                      finish(ic + r, mr, p, static_cast<const float*>(cp), ldc);
+                      finish(ic + r, mr, p + 1, static_cast<const float*>(cp + kNR), ldc);
+                    }
+                  }
+                  continue;
+                }
+              }
+#endif
+              if (first) {
+                some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
+              } else {
+                some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
               }
             }
-            tiles(b);
+            if constexpr (kFinishes) {
+              if (pc + kc == k) finish(ic + r, mr, p, static_cast<const float*>(cp), ldc);
+            }
           }
+        };
+        if constexpr (ByFma) {
+          widen_pair_slice(b, kc, wide);
+          if (n == 2) widen_pair_slice(b + stride, kc, wide + kc * kNR);
+          tiles(static_cast<const float*>(wide), static_cast<const float*>(wide + kc * kNR));
+        } else {
+          if constexpr (kWidens) {
+            if (widen) {  // widened once for the block's tiles, not once per tile
+              widen_slice(b, kc * kNR, wide);
+              if (n == 2) widen_slice(b + stride, kc * kNR, wide + kc * kNR);
+              tiles(static_cast<const float*>(wide), static_cast<const float*>(wide + kc * kNR));
+              return;
+            }
+          }
+          tiles(b, b + (n == 2 ? stride : 0));
+        }
       };
+      // the last panel of an odd share alone
+      auto panels_from = [&](int64_t p) { return std::min(width, p1 - p); };
       if (panels_outer) {
-        for (int64_t p = p0; p < p1; ++p)
-          for (int64_t pc = 0; pc < k; pc += kc_step) slice_of(p, pc);
+        for (int64_t p = p0; p < p1; p += width)
+          for (int64_t pc = 0; pc < k; pc += kc_step) slice_of(p, panels_from(p), pc);
       } else {
         for (int64_t pc = 0; pc < k; pc += kc_step)
-          for (int64_t p = p0; p < p1; ++p) slice_of(p, pc);
+          for (int64_t p = p0; p < p1; p += width) slice_of(p, panels_from(p), pc);
       }
       if (blocked && !own) team::get().barrier(team);  // the next block's packing overwrites this one's
     }
