@@ -204,10 +204,10 @@ def panels_for(dtype: torch.dtype, vendor: str | None = None, amx: bool | None =
       (session 38; the layers on kvserve's thread team, not on OpenMP's sleeping one).
       Without the pair tile bf16 stays on oneDNN (widened panels: half its speed at 16+).
     - Intel CPUs with AVX-512 but no AMX (a Xeon, model 207, two threads; session 45), the
-      same rule: a pass over the 160M model's fp32 layers 1.3x oneDNN's speed at one row,
-      1.6x at 16, 1.25x at 32, 1.08x at 64, 0.89-0.91x at 256-2,048; bf16 in pairs 1.4x at
-      one row, 1.8x at 8, 1.2x at 32, and from 13 rows on multiplied by FMAs
-      (`pair_fma`), 1.3-1.4x at 32-64 and 1.4x at 256-2,048.
+      same rule: a pass over the 160M model's fp32 layers 1.4x oneDNN's speed at 1-8
+      rows, 1.7x at 16, 1.4x at 24-32, 1.2x at 64, 0.97x at 256-2,048 (the wide tile);
+      bf16 in pairs 1.4x at one row, 1.9x at 8, and from 13 rows on multiplied by FMAs
+      (`pair_fma`) 1.5-1.6x at 16-2,048.
     - Intel CPUs with AMX: not measured (oneDNN's AMX bf16 kernels), oneDNN's."""
     if dtype not in (torch.float32, torch.bfloat16) or not panels_available():
         return False
