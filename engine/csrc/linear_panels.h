@@ -80,7 +80,18 @@ constexpr int64_t kMR = 6;    // rows of a register tile: 6 x 2 accumulators
 constexpr int64_t kTallest = kMR;
 constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weights stream once
 #endif
-constexpr int64_t kPrefetchRows = 6;  // steps of fewer whole-K rows prefetch no next panel
+// Steps of fewer whole-K rows than this prefetch no next panel: on AMD Zen 4 each k step
+// of 1-5 rows was too short to hide it (level or 5-10% slower: docs/benchmarks.md, session
+// 43); an Intel Xeon (no AMX) streamed the weights of 1-4 rows 1.2-1.4x as fast with it
+// (session 45).
+inline int64_t prefetch_rows() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const int64_t rows = __builtin_cpu_is("intel") ? 1 : 6;
+#else
+  static const int64_t rows = 6;
+#endif
+  return rows;
+}
 // K of a longer step's block: 24 KB of an fp32 panel (L1); in pairs (2 x 384 of K) the
 // same bytes (192 pairs made 64-1,024-row bf16 steps ~5% slower, 768 no faster)
 constexpr int64_t kKC = 384;
@@ -513,7 +524,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               // always blocked: the tiles below
             } else if (!blocked) {
               const A* ar = a + (ic + r) * k + pc;
-              if (first && m >= kPrefetchRows) {  // fewer: each k step too short to hide it
+              if (first && m >= prefetch_rows()) {
                 some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
               } else {
                 some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
