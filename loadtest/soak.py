@@ -116,11 +116,18 @@ class Soak:
             else:  # non-streaming: give up before the answer
                 body = {"prompt": spec.prompt, "max_tokens": spec.max_tokens, "ignore_eos": True,
                         **({"model": ccfg.model} if ccfg.model else {})}
+                # Given up by httpx's own read timeout, not by cancelling the request
+                # (asyncio.wait_for): a request cancelled while its connection is being
+                # set up leaves that connection in the client's pool for good (httpcore
+                # 1.0.9, encode/httpcore#1093), and once the pool's 16 slots were gone
+                # every request waited 120 s for one and failed with PoolTimeout, counted
+                # as server errors (session 45's second soak on a Xeon).
+                wait = rng.uniform(0.01, 0.3)
                 try:
-                    await asyncio.wait_for(client.post(self.url + "/v1/completions", json=body),
-                                           rng.uniform(0.01, 0.3))
+                    await client.post(self.url + "/v1/completions", json=body,
+                                      timeout=httpx.Timeout(120.0, connect=30.0, read=wait))
                     self.record("abandon", "200")
-                except asyncio.TimeoutError:
+                except httpx.ReadTimeout:
                     self.record("abandon", "disconnected")
                 except httpx.HTTPError as e:
                     self.record("abandon", f"error:{type(e).__name__}")
