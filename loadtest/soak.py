@@ -47,6 +47,9 @@ from loadtest.workloads import (
 )
 from server.memwatch import tree_rss_bytes
 
+# The load's requests' timeouts: long enough for any answer; an "abandon" request keeps
+# all but the read, which it cuts short
+TIMEOUT = httpx.Timeout(120.0, connect=30.0)
 DEFAULT_MIX = ('[[0.6, "full"], [0.2, {"name": "streaming", "sink": 4, "window": 32}], '
                '[0.2, {"name": "snapkv", "budget": 24, "obs_window": 8}]]')
 
@@ -125,7 +128,8 @@ class Soak:
                 wait = rng.uniform(0.01, 0.3)
                 try:
                     await client.post(self.url + "/v1/completions", json=body,
-                                      timeout=httpx.Timeout(120.0, connect=30.0, read=wait))
+                                      timeout=httpx.Timeout(connect=TIMEOUT.connect, read=wait,
+                                                            write=TIMEOUT.write, pool=TIMEOUT.pool))
                     self.record("abandon", "200")
                 except httpx.ReadTimeout:
                     self.record("abandon", "disconnected")
@@ -158,7 +162,7 @@ class Soak:
         end = start + a.minutes * 60
         warm_end = start + a.warmup_fraction * a.minutes * 60
         limits = httpx.Limits(max_connections=a.concurrency + 8)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=30.0),
+        async with httpx.AsyncClient(timeout=TIMEOUT,
                                      limits=limits) as client:
             async def worker() -> None:
                 for spec in specs:

@@ -382,8 +382,7 @@ inline void pack_rows(const A* a, int64_t rows, int64_t k, int64_t t0, int64_t t
       for (int64_t kk = 0; kk < kc; ++kk)
         for (int64_t r = 0; r < mr; ++r) {
           if constexpr (kPairs) {
-            const uint32_t bits = a[(r0 + r) * k + pc + (kk ^ 1)];
-            t[kk * mr + r] = __builtin_bit_cast(float, bits << 16);
+            t[kk * mr + r] = bf16_lo(a[(r0 + r) * k + pc + (kk ^ 1)]);
           } else {
             t[kk * mr + r] = a[(r0 + r) * k + pc + kk];
           }
@@ -441,7 +440,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   const In* in = reinterpret_cast<const In*>(a);
   if constexpr (ByFma) {
     k *= 2;
-    if (m <= kWholeK) return;  // the caller's error (the op checks): never unpacked
+    TORCH_CHECK(m > kWholeK, "FMAs over pairs run packed blocks only: more than ", kWholeK, " rows");
   }
   const int64_t ldc = np * kNR;
   const bool blocked = m > kWholeK;
