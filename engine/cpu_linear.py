@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from kvpool.huge_pages import huge_page_empty
-from kvpool.native import cpuinfo, load_ops
+from kvpool.native import cpuinfo, load_ops, pair_fma
 
 log = logging.getLogger("kvserve.engine")
 
@@ -219,16 +219,6 @@ def panels_for(dtype: torch.dtype, vendor: str | None = None, amx: bool | None =
             vendor == "AuthenticAMD" or (vendor == "GenuineIntel" and not amx)):
         return False
     return dtype == torch.float32 or panels_isa() == "avx512_bf16"
-
-
-def pair_fma(vendor: str | None = None) -> bool:
-    """Whether a bf16 layer in pairs multiplies its steps of more than 12 rows by fp32
-    FMAs rather than bf16 dot products (the same bits: linear_panels.h, `gemm`'s ByFma).
-    Yes on Intel, whose cores run two 512-bit FMAs a cycle and `vdpbf16ps` at half that
-    (a Xeon without AMX, the 160M model's bf16 layers: 2,048 rows 2.36 s by FMAs over
-    widened weights against 3.51 by dot products; session 45); no on AMD Zen 4, whose
-    dot products run at its FMAs' rate, two products each (session 38)."""
-    return (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"
 
 
 def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:

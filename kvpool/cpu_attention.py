@@ -37,7 +37,9 @@ C++ op on AVX-512 CPUs, `causal_prefill` (`csrc/causal_prefill.h`: FlashAttentio
 softmax with a query a vector lane, on kvserve's thread team): a 500-token prompt of the
 160M model's shape 2.1x torch's fused SDPA in fp32 and 2.3x in bf16 in one process, more
 in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38); bf16 scores
-from bf16 dot products where the CPU has them, ~1.35x that (session 41). A chunk after a
+from bf16 dot products where the CPU has them, ~1.35x that (session 41), except on Intel
+(`PAIR_FMA`), where fp32 FMAs over widened K and V are 1.25-1.6x the dot products (session
+46). A chunk after a
 cached prefix takes the same op with the pool (`prefix_prefill_cpu`: the prefix's visible
 slots read from their blocks in place) where the pool holds the model's dtype unquantized
 and no statistics are wanted; other chunks stay on the torch path.
@@ -56,7 +58,7 @@ import torch
 
 from kvpool.attention import causal_self_attention, paged_attention
 from kvpool.key_stats import native_key_diversity
-from kvpool.native import load_ops
+from kvpool.native import load_ops, pair_fma
 from kvpool.pool import BlockPool
 from kvpool.quant import QuantCache
 
@@ -89,6 +91,11 @@ def vector_path() -> str | None:
     return str(torch.ops.kvserve.paged_decode_isa()) if kernel_available() else None
 
 
+# bf16 prompts' attention by fp32 FMAs over widened K and V rather than bf16 dot products
+# (read once: the op is called per layer and prompt)
+PAIR_FMA = pair_fma()
+
+
 def causal_prefill_runs(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the `causal_prefill` op runs here for this dtype and head dim (an AVX-512
     build, fp32 or bf16, head dim 16/32/64/128)."""
@@ -111,8 +118,8 @@ def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     k, v = k.to(q.dtype), v.to(q.dtype)
     if causal_prefill_runs(q.dtype, q.shape[2]) and all(map(_rows_whole, (q, k, v))):
         if out is None or out.is_contiguous():
-            return torch.ops.kvserve.causal_prefill(q, k, v, float(scale), out=out)
-        return out.copy_(torch.ops.kvserve.causal_prefill(q, k, v, float(scale)))
+            return torch.ops.kvserve.causal_prefill(q, k, v, float(scale), out=out, fma=PAIR_FMA)
+        return out.copy_(torch.ops.kvserve.causal_prefill(q, k, v, float(scale), fma=PAIR_FMA))
     return causal_self_attention(q, k, v, scale, out)
 
 
@@ -132,7 +139,7 @@ def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     step); the op copies each prefix row once and runs the fresh prompt's tiles over it."""
     q, k, v = (x if _rows_whole(x) else x.contiguous() for x in (q, k, v))
     out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
-                                           slot_pos, int(start), out=out)
+                                           slot_pos, int(start), out=out, fma=PAIR_FMA)
     return out, None
 
 

@@ -5,7 +5,8 @@ Shapes cross what the kernel must get right: prompts shorter than, equal to and 
 its 16-query blocks (the diagonal chunk's mask, zero rows past T), long ones (many key
 chunks, the online softmax's rescaling), GQA groups, every head dim it has a path for,
 the strided q/k/v views of a fused qkv output, and bf16 (widened, rounded once at the
-end). tests/test_isa.py runs the file again on a build without AVX-512, where the op
+end; where the CPU has bf16 dot products, by them or, as on Intel, widened into fp32's
+loop: both are checked on any AVX-512 CPU). tests/test_isa.py runs the file again on a build without AVX-512, where the op
 refuses and `causal_prefill_cpu` takes SDPA."""
 
 from __future__ import annotations
@@ -40,12 +41,19 @@ def test_the_op_matches_sdpa(dtype: torch.dtype, t: int, hq: int, hkv: int, d: i
     out = causal_prefill_cpu(q, k, v, scale)
     want = causal_self_attention(q.float(), k.float(), v.float(), scale)
     assert out.dtype == dtype and out.shape == (t, hq, d)
-    if cpu_attention.vector_path() == "avx512":  # the op ran
-        assert torch.equal(out, torch.ops.kvserve.causal_prefill(q, k, v, scale))
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
-    else:  # the fp32 result rounded once: within a bf16 ulp of its magnitude
-        assert (out.float() - want).abs().max() <= want.abs().max() * 2 ** -7
+    outs = [out]
+    if cpu_attention.vector_path() == "avx512":  # the op ran, with this CPU's bf16 path
+        op = torch.ops.kvserve.causal_prefill
+        assert torch.equal(out, op(q, k, v, scale, fma=cpu_attention.PAIR_FMA))
+        # and the other CPU kind's: bf16 dot products, or bf16 widened into fp32's loop
+        outs.append(op(q, k, v, scale, fma=not cpu_attention.PAIR_FMA))
+        if dtype == torch.float32:  # one loop whatever `fma` says
+            assert torch.equal(outs[1], out)
+    for o in outs:
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, want, atol=2e-5, rtol=2e-5)
+        else:  # the fp32 result rounded once: within a bf16 ulp of its magnitude
+            assert (o.float() - want).abs().max() <= want.abs().max() * 2 ** -7
 
 
 @needs_kernel
@@ -61,13 +69,16 @@ def test_each_query_sees_exactly_the_keys_up_to_it(dtype: torch.dtype) -> None:
     k = torch.randn(t, 1, d).to(dtype)
     v = torch.zeros(t, 1, d, dtype=dtype)
     v[:, 0, 0] = torch.arange(t, dtype=torch.float32)
-    out = causal_prefill_cpu(q, k, v, 1.0)
     means = torch.arange(t, dtype=torch.float32) / 2  # mean of 0..i
-    if dtype == torch.bfloat16:
-        assert torch.equal(out[:, 0, 0].float(), means)
-    else:
-        torch.testing.assert_close(out[:, 0, 0], means, atol=1e-5, rtol=1e-6)
-    assert not out[:, 0, 1:].any()
+    outs = [causal_prefill_cpu(q, k, v, 1.0)]
+    if cpu_attention.vector_path() == "avx512":  # both bf16 paths, whichever this CPU takes
+        outs += [torch.ops.kvserve.causal_prefill(q, k, v, 1.0, fma=f) for f in (False, True)]
+    for out in outs:
+        if dtype == torch.bfloat16:
+            assert torch.equal(out[:, 0, 0].float(), means)
+        else:
+            torch.testing.assert_close(out[:, 0, 0], means, atol=1e-5, rtol=1e-6)
+        assert not out[:, 0, 1:].any()
 
 
 @needs_kernel
@@ -176,12 +187,17 @@ def test_a_chunk_after_a_cached_prefix_matches_the_torch_path(
                               c["table"][None], c["slot_pos"][None],
                               torch.arange(p, p + t)[None], scale, return_probs=True)
     want = want[0]
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
-    else:  # the fp32 result rounded once: within a bf16 ulp of its magnitude
-        assert (out.float() - want).abs().max() <= want.abs().max() * 2 ** -7
+    op, fma = torch.ops.kvserve.causal_prefill, cpu_attention.PAIR_FMA
+    # the other CPU kind's bf16 path too (bf16 dot products, or widened into fp32's loop)
+    other = op(c["q"], c["k"], c["v"], scale, c["k_cache"], c["v_cache"], c["table"],
+               c["slot_pos"], c["start"], fma=not fma)
+    for o in (out, other):
+        if dtype == torch.float32:
+            torch.testing.assert_close(o, want, atol=2e-5, rtol=2e-5)
+        else:  # the fp32 result rounded once: within a bf16 ulp of its magnitude
+            assert (o.float() - want).abs().max() <= want.abs().max() * 2 ** -7
     if holes == p:  # nothing visible before the chunk: a fresh prompt
-        assert torch.equal(out, torch.ops.kvserve.causal_prefill(c["q"], c["k"], c["v"], scale))
+        assert torch.equal(out, op(c["q"], c["k"], c["v"], scale, fma=fma))
     # heads not side by side in a row (a transposed copy): taken contiguous, the same answer
     apart = [x.transpose(0, 1).contiguous().transpose(0, 1) for x in (c["q"], c["k"], c["v"])]
     again, _ = cpu_attention.prefix_prefill_cpu(apart[0], c["k_cache"], c["v_cache"], *apart[1:],

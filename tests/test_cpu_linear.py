@@ -21,7 +21,7 @@ from engine.cpu_linear import (
     padded_rows,
 )
 from engine.sampling import SamplingParams
-from kvpool.native import cpuinfo
+from kvpool.native import cpuinfo, pair_fma
 from scheduler.llm import LLM
 from tests.isa import cpu_has as isa_has
 from tests.isa import expected_path
@@ -180,7 +180,7 @@ def test_a_row_comes_out_the_same_in_any_batch(dtype: torch.dtype, pairs: bool,
     bf16 dot products, 13 and up by FMAs) the FMAs add each pair's products in the dot
     product's order, each rounded, as Intel defines `vdpbf16ps` (the CPUs `pair_fma`
     picks) and as the plain loop does without the instruction."""
-    if fma and cpu_linear.panels_isa() == "avx512_bf16" and not cpu_linear.pair_fma():
+    if fma and cpu_linear.panels_isa() == "avx512_bf16" and not pair_fma():
         pytest.skip("FMAs over pairs run on Intel only; another vendor's dot product may "
                     "round a pair's two products once")
     torch.manual_seed(0)
@@ -295,7 +295,7 @@ def test_panels_where_they_were_measured_faster() -> None:
             measured = vendor == "AuthenticAMD" or (vendor == "GenuineIntel" and not amx)
             assert fp32 == (measured and isa.startswith("avx512"))
             assert bf16 == (measured and isa == "avx512_bf16")
-    assert cpu_linear.pair_fma("GenuineIntel") and not cpu_linear.pair_fma("AuthenticAMD")
+    assert pair_fma("GenuineIntel") and not pair_fma("AuthenticAMD")
 
 
 @needs_onednn

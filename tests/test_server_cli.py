@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -220,9 +219,14 @@ def test_engine_flags_reach_the_engine_config() -> None:
 
 
 def test_warm_up_before_ready(tmp_path: Path) -> None:
-    """The demo model served by the CLI: every native op is loaded and a request has run
-    before /ready says 200, so the first client's TTFT is like the tenth's; the warm-up
-    leaves no trace in the metrics."""
+    """The demo model served by the CLI: every native op is loaded and requests have run
+    before /ready says 200, so the first client pays no start-up cost; the warm-up leaves
+    no trace in the metrics.
+
+    Structural, not timed: a cold first request costs ~7x a warm one (24 vs 3.5 ms on the
+    demo model), but a busy neighbour (the other test worker) moves a 10 ms TTFT 3x too
+    (stop 58's CI), so what is asserted is what makes it warm: the ops loaded and the
+    warm-up's steps logged before "model loaded", and no op loaded after it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
@@ -256,7 +260,6 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
     warm = msgs.index("warmed up")
     assert warm < loaded and lines[warm]["steps"] >= 2
     assert all(i < loaded for i, m in enumerate(msgs) if m.startswith("loading C++ ops"))
-    ttft = [x["ttft_s"] for x in lines if x.get("logger") == "kvserve.request"]
-    # against the median of the rest, not the last alone: at ~10 ms a busy neighbour
-    # (the other test worker) moves any single one 3x
-    assert len(ttft) == 10 and ttft[0] <= 3 * statistics.median(ttft[1:]), ttft
+    assert lines[warm]["native_ops"]
+    served = [i for i, x in enumerate(lines) if x.get("logger") == "kvserve.request"]
+    assert len(served) == 10 and served[0] > loaded

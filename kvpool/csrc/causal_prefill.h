@@ -35,7 +35,10 @@
 // a channel), so that each `vdpbf16ps` adds two keys' terms to 16 queries' output channel:
 // half the instructions of the fp32 FMAs over widened V. torch's CPU flash attention
 // rounds its probabilities to bf16 for the same product (FlashAttentionKernel.cpp,
-// `qk_reduced_data`); the softmax's denominator sums them unrounded, as it does.
+// `qk_reduced_data`); the softmax's denominator sums them unrounded, as it does. Not on
+// Intel (the op's `fma`, kvpool/native.py `pair_fma`): its cores run `vdpbf16ps` at half
+// the rate of their two FMA units, and bf16 widened to fp32's loop was 1.25-1.6x as fast
+// (a Xeon, one layer of the 160M model, 128-2,048 tokens; session 46).
 #pragma once
 
 #include <type_traits>
@@ -187,17 +190,19 @@ inline void attend_block(const QK* qt, const QK* kf, const QK* vf, int64_t i0, i
 // The op's body for one input dtype T (float or c10::BFloat16) and head dim D. `pool_k` /
 // `pool_v` ([rows, Hkv, D], rows `sp` apart) and `prefix` (P pool rows, in any order: a
 // softmax's keys are a set) give the cached keys before the chunk; P = 0: none.
-template <typename T, int D>
+// kPairs: bf16 by `vdpbf16ps` (the op's caller decides: not where FMAs run at twice its
+// rate, `pair_fma`); otherwise bf16 is widened and takes fp32's loop.
+template <typename T, int D, bool kPairs>
 void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t hkv,
             int64_t sq, int64_t sk, int64_t sv, float scale, T* out, const T* pool_k = nullptr,
             const T* pool_v = nullptr, int64_t sp = 0, const int64_t* prefix = nullptr, int64_t p = 0) {
+#if defined(KVSERVE_CAUSAL_BF16_DOT)
+  static_assert(!kPairs || std::is_same_v<T, c10::BFloat16>, "pairs are bf16's");
+#else
+  static_assert(!kPairs, "pairs need AVX512-BF16");
+#endif
   const int64_t tp = (t + kL - 1) / kL * kL, g = hq / hkv, blocks = tp / kL;
   const int64_t pre = (p + kL - 1) / kL * kL, pad = pre - p, rows = pre + tp;
-#if defined(KVSERVE_CAUSAL_BF16_DOT)
-  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
-#else
-  constexpr bool kPairs = false;
-#endif
   // K and V widened to fp32, or for pairs as they are (bf16 bits): K a row at a time, V
   // in pairs of rows ([rows / 2][D][2]: rows 2i and 2i + 1 side by side a channel).
   // Zero rows: pad, past t.
@@ -228,13 +233,15 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
       }
     }
   });
-  // Jobs in an order whose halves cost alike (a job costs its block's index + 1 chunks):
-  // block pairs (0, last), (1, last - 1), ... across the heads.
+  // Jobs head by head, so that a thread's run of jobs reads one kv head's K and V (at
+  // 2,048 fp32 rows of D 64, 1 MB: in L2) rather than every head's (12 MB); within a head
+  // in an order whose halves cost alike (a job costs its block's index + 1 chunks): block
+  // pairs (0, last), (1, last - 1), ...
   team::parallel_for(0, hq * blocks, 1, [&](int64_t b, int64_t e) {
     alignas(64) float qt[D * kL], ot[D * kL];
     alignas(64) uint32_t qp[D / 2 * kL];  // the pairs' q (unused in fp32)
     for (int64_t x = b; x < e; ++x) {
-      const int64_t rank = x / hq, head = x % hq;
+      const int64_t head = x / blocks, rank = x % blocks;
       const int64_t blk = rank % 2 == 0 ? rank / 2 : blocks - 1 - rank / 2;
       const int64_t i0 = blk * kL, n = std::min(kL, t - i0), h = head / g;
       auto attend = [&](const auto* qv, const auto* kv) {  // the padding's masks only where needed

@@ -1083,11 +1083,13 @@ std::vector<at::Tensor> paged_decode_quant(
 // `out` when given (the caller's rows of a whole step's output; copying a new tensor
 // into them ran on torch's OpenMP threads past 32,768 elements, a wake-up per layer and
 // prompt where a server lets them sleep).
+// `fma`: bf16 widened into fp32's loop rather than by bf16 dot products (Intel's cores,
+// `pair_fma`); fp32, and builds without AVX512-BF16, take fp32's loop either way.
 // AVX-512 builds only (`paged_decode_isa` "avx512"); elsewhere SDPA runs it.
 at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                           const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                           const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& slot_pos,
-                          int64_t start, const std::optional<at::Tensor>& into) {
+                          int64_t start, const std::optional<at::Tensor>& into, bool fma) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
                   q.size(0) == k.size(0) && q.size(2) == k.size(2) && k.size(1) > 0 &&
@@ -1136,16 +1138,24 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
     using T = decltype(tag);
     const T* pk = cached ? k_cache->data_ptr<T>() : nullptr;
     const T* pv = cached ? v_cache->data_ptr<T>() : nullptr;
-    auto one = [&](auto dim) {
-      prefill::causal<T, decltype(dim)::value>(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), t, hq, hkv,
-                                               q.stride(0), k.stride(0), v.stride(0), static_cast<float>(scale),
-                                               out.data_ptr<T>(), pk, pv, sp, prefix.data(),
-                                               static_cast<int64_t>(prefix.size()));
+    auto one = [&](auto dim, auto pairs) {
+      prefill::causal<T, decltype(dim)::value, decltype(pairs)::value>(
+          q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), t, hq, hkv, q.stride(0), k.stride(0),
+          v.stride(0), static_cast<float>(scale), out.data_ptr<T>(), pk, pv, sp, prefix.data(),
+          static_cast<int64_t>(prefix.size()));
     };
-    if (d == 16) one(std::integral_constant<int, 16>{});
-    else if (d == 32) one(std::integral_constant<int, 32>{});
-    else if (d == 64) one(std::integral_constant<int, 64>{});
-    else one(std::integral_constant<int, 128>{});
+    auto dims = [&](auto pairs) {
+      if (d == 16) one(std::integral_constant<int, 16>{}, pairs);
+      else if (d == 32) one(std::integral_constant<int, 32>{}, pairs);
+      else if (d == 64) one(std::integral_constant<int, 64>{}, pairs);
+      else one(std::integral_constant<int, 128>{}, pairs);
+    };
+#if defined(KVSERVE_CAUSAL_BF16_DOT)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (!fma) return dims(std::true_type{});
+    }
+#endif
+    dims(std::false_type{});
   };
   if (dt == at::kFloat) run(float{}); else run(c10::BFloat16{});
   return out;
@@ -1176,7 +1186,7 @@ TORCH_LIBRARY(kvserve, m) {
         "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
   m.def("paged_decode_isa() -> str");
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_cache=None, Tensor? v_cache=None, "
-        "Tensor? table=None, Tensor? slot_pos=None, int start=0, Tensor(a!)? out=None) -> Tensor");
+        "Tensor? table=None, Tensor? slot_pos=None, int start=0, Tensor(a!)? out=None, bool fma=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
