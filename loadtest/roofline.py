@@ -23,10 +23,12 @@ weight read once, and each running request's K/V context read once). Two bounds:
 Both are optimistic (attention at the GEMM rate, no sampling, no host work, every byte at
 the streaming read rate), so a target that needs more than 100% of them is out of reach.
 
-`bench_offline` reports it for its own run. For a `bench_serving` report (its throughput
-runs: closed loops, so `max_num_seqs` is the concurrency), measure this machine now:
+`bench_offline` reports it for its own run (`--offline REPORT.json` prints it, with
+kvserve's seconds by kind of step). For a `bench_serving` report (its throughput runs:
+closed loops, so `max_num_seqs` is the concurrency), measure this machine now:
 
     python -m loadtest.roofline docs/results/bench_serving_vllm_zen4_s38.json --threads 2
+    python -m loadtest.roofline --offline docs/results/bench_offline_vllm_xeon_s45.json
 """
 
 from __future__ import annotations
@@ -209,12 +211,42 @@ def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int 
     return rows
 
 
+def offline_table(report: dict) -> str:
+    """A bench_offline report's own bound (measured in its run) and kvserve's seconds by
+    kind of step beside it, as markdown: no measurement here, the run's machine is gone."""
+    lines = []
+    for name, m in report["models"].items():
+        r = m.get("roofline")
+        if r is None:
+            continue
+        share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r["of_bound"].items())
+        need = r.get("vllm_x1.3_needs")
+        lines += [f"**{name} {m['dtype']}**: bound {r['sequential_s']:.1f} s sequential "
+                  f"({r['overlapped_s']:.1f} overlapped), {r['steps']} steps; of it: {share}"
+                  + ("" if need is None else f"; 1.3x vLLM needs {100 * need:.0f}%"), "",
+                  "| steps | count | kvserve s | linears bound s | attention bound s | of bound |",
+                  "|---|---|---|---|---|---|"]
+        for k in r.get("kvserve_by_kind") or []:
+            b = k["linears_bound_s"] + k["attention_bound_s"]
+            lines.append(f"| {k['kind']} | {k['steps']:.0f} | {k['seconds']:.2f} "
+                         f"| {k['linears_bound_s']:.2f} | {k['attention_bound_s']:.2f} "
+                         f"| {100 * b / k['seconds']:.0f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     p = argparse.ArgumentParser(prog="python -m loadtest.roofline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", nargs="+", help="bench_serving JSON reports")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--offline", action="store_true",
+                   help="the reports are bench_offline's: print the bound each carries")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.offline:
+        for path in a.reports:
+            print(offline_table(json.loads(Path(path).read_text())), flush=True)
+        return []
     from loadtest.bench_common import MODEL_CONFIGS, pin_threads
     from loadtest.bench_offline import gemm_peak_gflops
 
@@ -226,6 +258,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     peaks: dict[str, float] = {}
     for path in a.reports:
         report = json.loads(Path(path).read_text())
+        if report.get("benchmark", "bench_serving") != "bench_serving":
+            raise SystemExit(f"{path}: a {report.get('benchmark', 'unknown')} report, not "
+                             "bench_serving's (bench_offline reports carry their own bound: "
+                             "`python -m loadtest.roofline --offline REPORT.json`)")
         dtype = report["settings"]["dtype"]
         if dtype not in peaks:  # the model's MLP shape; every model here shares the rate
             peaks[dtype] = gemm_peak_gflops(MODEL_CONFIGS["160m"], dtype)

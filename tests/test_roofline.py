@@ -116,3 +116,18 @@ def test_command(tmp_path: Path) -> None:
     (row,) = [line for line in out.splitlines() if line.startswith("| tiny |")]
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2] == "concurrency 2" and cells[6].endswith("%") and cells[8].endswith("%")
+
+
+def test_an_offline_report_prints_its_own_bound(tmp_path: Path) -> None:
+    """A bench_offline report (the Xeon's, session 45) with `--offline`: its run's bound and
+    kvserve's seconds by kind of step, nothing measured; without it, a clear refusal
+    rather than a KeyError on a bench_serving field."""
+    path = Path(__file__).parents[1] / "docs/results/bench_offline_vllm_xeon_s45.json"
+    out = subprocess.run([sys.executable, "-m", "loadtest.roofline", "--offline", str(path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "**160m float32**: bound 26.7 s sequential (23.8 overlapped), 259 steps" in out
+    assert "1.3x vLLM needs 86%" in out
+    assert "| decode 17-32 | 58 | 4.37 | 1.26 | 1.41 | 61% |" in out
+    bad = subprocess.run([sys.executable, "-m", "loadtest.roofline", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "not bench_serving's" in bad.stderr
