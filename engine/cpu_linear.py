@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from kvpool.huge_pages import huge_page_empty
-from kvpool.native import cpuinfo, load_ops, pair_fma
+from kvpool.native import cpuinfo, load_ops, pair_fma, prefetch_from
 
 log = logging.getLogger("kvserve.engine")
 
@@ -99,6 +99,8 @@ def min_rows(vendor: str) -> int:
 
 
 MIN_ROWS = min_rows(cpuinfo("vendor_id"))
+# rows from which a whole-K panel step prefetches the next panel (read once, as above)
+PREFETCH_FROM = prefetch_from()
 
 
 def padded_rows(rows: int, smallest: int = MIN_ROWS) -> int:
@@ -290,6 +292,7 @@ class PanelLinear(nn.Module):
         self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
         # pairs: steps of more than 12 rows by FMAs (`pair_fma`)
         self.fma = self.pairs and (pair_fma() if fma is None else fma)
+        self.prefetch_from = PREFETCH_FROM
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
         # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
@@ -308,7 +311,7 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.kvserve_layer.linear_panels(
             x.reshape(-1, self.in_features).contiguous(), self.panels, self.bias,
-            self.out_features, self.fma)
+            self.out_features, self.fma, self.prefetch_from)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -110,6 +110,15 @@ def pair_fma(vendor: str | None = None) -> bool:
     return (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"
 
 
+def prefetch_from(vendor: str | None = None) -> int:
+    """The fewest rows of a step whose panel GEMM prefetches the next panel's weights while
+    it multiplies this one's (engine/csrc/linear_panels.h, steps of up to 12 rows: the
+    weights stream from DRAM). 1 on Intel: a Xeon without AMX streamed the 160M model's
+    weights 1.2-1.4x as fast at 1-4 rows with it (session 45). 6 elsewhere: on AMD Zen 4
+    each k step of 1-5 rows was too short to hide it, level or 5-10% slower (session 43)."""
+    return 1 if (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel" else 6
+
+
 def cpu_flag(cflags: list[str]) -> list[str]:
     """For a `-march=native` build, a define naming the CPU's instruction-set flags. Why:
     torch keys its build cache on source and flags, and `-march=native` reads the same on

@@ -21,7 +21,7 @@ from engine.cpu_linear import (
     padded_rows,
 )
 from engine.sampling import SamplingParams
-from kvpool.native import cpuinfo, pair_fma
+from kvpool.native import cpuinfo, pair_fma, prefetch_from
 from scheduler.llm import LLM
 from tests.isa import cpu_has as isa_has
 from tests.isa import expected_path
@@ -114,6 +114,9 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: boo
     x = torch.randn(2, rows, k).to(dtype)  # leading dims, as the models' [T, h]
     with torch.inference_mode():
         out = layer(x)
+        for pf in (1, 6):  # from which rows the next panel is prefetched: no bit moves
+            layer.prefetch_from = pf
+            assert torch.equal(layer(x), out)
     assert out.shape == (2, rows, 72) and out.dtype == dtype
     want = torch.nn.functional.linear(x.float(), linear.weight.float(),
                                       None if linear.bias is None else linear.bias.float())
@@ -296,6 +299,7 @@ def test_panels_where_they_were_measured_faster() -> None:
             assert fp32 == (measured and isa.startswith("avx512"))
             assert bf16 == (measured and isa == "avx512_bf16")
     assert pair_fma("GenuineIntel") and not pair_fma("AuthenticAMD")
+    assert prefetch_from("GenuineIntel") == 1 and prefetch_from("AuthenticAMD") == 6
 
 
 @needs_onednn

@@ -254,9 +254,11 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // [ceil(N/16), K/2, 16, 2], linear_panels.h) + bias [N] or none, all bf16 or all fp32 ->
 // [M, N] of the same dtype. `fma`: a pair layout's steps of more than kWholeK rows are
 // multiplied by fp32 FMAs rather than bf16 dot products, to the same bits (`panels::gemm`'s
-// ByFma; the other layouts' products are FMAs already).
+// ByFma; the other layouts' products are FMAs already). `prefetch_from`: the fewest rows of
+// a whole-K step that prefetches the next panel (linear_panels.h). Both are the CPU
+// vendor's choices, made in one place (kvpool/native.py: `pair_fma`, `prefetch_from`).
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t n, bool fma) {
+                         int64_t n, bool fma, int64_t prefetch_from) {
   const auto dt = x.scalar_type();
   const bool pairs = panels.dim() == 4;
   TORCH_CHECK(x.dim() == 2 && (panels.dim() == 3 || (pairs && panels.size(3) == 2 && dt == at::kBFloat16)) &&
@@ -304,14 +306,15 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
       const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
       const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
       if (fma && m > panels::kWholeK) {
-        panels::gemm<panels::Pair, panels::Pair, decltype(finish), true>(xp, m, k / 2, wp, np, cp, finish);
+        panels::gemm<panels::Pair, panels::Pair, decltype(finish), true>(xp, m, k / 2, wp, np, cp,
+                                                                         prefetch_from, finish);
       } else {
-        panels::gemm(xp, m, k / 2, wp, np, cp, finish);
+        panels::gemm(xp, m, k / 2, wp, np, cp, prefetch_from, finish);
       }
     } else {
       const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp);
-      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, finish);
+      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from);
+      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, finish);
     }
     return y;
   };
@@ -330,7 +333,7 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False) -> Tensor");
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, int prefetch_from=6) -> Tensor");
   m.def("linear_panels_isa() -> str");
 }
 

@@ -80,18 +80,11 @@ constexpr int64_t kMR = 6;    // rows of a register tile: 6 x 2 accumulators
 constexpr int64_t kTallest = kMR;
 constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weights stream once
 #endif
-// Steps of fewer whole-K rows than this prefetch no next panel: on AMD Zen 4 each k step
-// of 1-5 rows was too short to hide it (level or 5-10% slower: docs/benchmarks.md, session
-// 43); an Intel Xeon (no AMX) streamed the weights of 1-4 rows 1.2-1.4x as fast with it
-// (session 45).
-inline int64_t prefetch_rows() {
-#if defined(__x86_64__) || defined(__i386__)
-  static const int64_t rows = __builtin_cpu_is("intel") ? 1 : 6;
-#else
-  static const int64_t rows = 6;
-#endif
-  return rows;
-}
+// A whole-K step (up to kWholeK rows) prefetches the next panel's slice from
+// `prefetch_from` rows on (the op's argument, kvpool/native.py `prefetch_from`: one place
+// decides a CPU vendor's kernel choices): on AMD Zen 4 each k step of 1-5 rows was too
+// short to hide it (level or 5-10% slower: docs/benchmarks.md, session 43); an Intel Xeon
+// (no AMX) streamed the weights of 1-4 rows 1.2-1.4x as fast with it (session 45).
 // K of a longer step's block: 24 KB of an fp32 panel (L1); in pairs (2 x 384 of K) the
 // same bytes (192 pairs made 64-1,024-row bf16 steps ~5% slower, 768 no faster)
 constexpr int64_t kKC = 384;
@@ -428,7 +421,8 @@ struct NoFinish {};
 // are the pair tile's bit for bit (vdpbf16ps flushes denormals, the FMAs keep them). The
 // same panels still serve shorter steps by dot products: one layout, no second copy.
 template <typename A, typename W, typename F = NoFinish, bool ByFma = false>
-void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c, F finish = {}) {
+void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c,
+          int64_t prefetch_from, F finish = {}) {
   constexpr bool kFinishes = !std::is_same_v<F, NoFinish>;
   static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "a pair input needs pair panels");
   static_assert(!ByFma || std::is_same_v<A, Pair>, "FMAs over pairs take a pair input");
@@ -523,7 +517,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               // always blocked: the tiles below
             } else if (!blocked) {
               const A* ar = a + (ic + r) * k + pc;
-              if (first && m >= prefetch_rows()) {
+              if (first && m >= prefetch_from) {
                 some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
               } else {
                 some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
