@@ -208,7 +208,7 @@ def panels_for(dtype: torch.dtype, vendor: str | None = None, amx: bool | None =
     - Intel CPUs with AVX-512 but no AMX (a Xeon, model 207, two threads; session 45), the
       same rule: a pass over the 160M model's fp32 layers 1.4x oneDNN's speed at 1-8
       rows, 1.7x at 16, 1.4x at 24-32, 1.2x at 64, 0.97x at 256-2,048 (the wide tile);
-      bf16 in pairs 1.4x at one row, 1.9x at 8, and from 13 rows on multiplied by FMAs
+      bf16 in pairs 1.4x at one row, 1.9x at 8, and from 6 rows on multiplied by FMAs
       (`pair_fma`) 1.5-1.6x at 16-2,048.
     - Intel CPUs with AMX: not measured (oneDNN's AMX bf16 kernels), oneDNN's."""
     if dtype not in (torch.float32, torch.bfloat16) or not panels_available():
@@ -290,7 +290,7 @@ class PanelLinear(nn.Module):
         if pairs is None:
             pairs = w.dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
         self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
-        # pairs: steps of more than 12 rows by FMAs (`pair_fma`)
+        # pairs: steps of 6 rows and more by FMAs (`pair_fma`; linear_panels.h kFmaWholeFrom)
         self.fma = self.pairs and (pair_fma() if fma is None else fma)
         self.prefetch_from = PREFETCH_FROM
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
@@ -315,7 +315,7 @@ class PanelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        pairs = " pairs" + (", FMAs past 12 rows" if self.fma else "") if self.pairs else ""
+        pairs = " pairs" + (", FMAs from 6 rows" if self.fma else "") if self.pairs else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}{pairs}")
 

@@ -102,9 +102,10 @@ def pair_fma(vendor: str | None = None) -> bool:
     lane) run as fp32 FMAs over widened operands instead, on CPUs that have both: yes on
     Intel, whose cores run two 512-bit FMAs a cycle and `vdpbf16ps` at half that; no on
     AMD Zen 4, whose dot products run at its FMAs' rate, two products each (session 38).
-    Read by a bf16 linear layer in pairs (its steps of more than 12 rows, the same bits:
+    Read by a bf16 linear layer in pairs (its steps of 6 rows and more, the same bits:
     engine/csrc/linear_panels.h, `gemm`'s ByFma; a Xeon without AMX, the 160M model's
-    layers at 2,048 rows: 2.36 s against 3.51 by dot products, session 45) and by a bf16
+    layers at 2,048 rows: 2.36 s against 3.51 by dot products, session 45; at 8-16 rows
+    0.8-0.87x the time, session 46) and by a bf16
     prompt's causal attention (kvpool/csrc/causal_prefill.h: K and V widened, fp32's
     loop; one layer of the 160M model 1.25-1.6x as fast at 128-2,048 tokens, session 46)."""
     return (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"

@@ -92,14 +92,15 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
 # AVX2: 1-72 decoding, whole K in registers (tile tails of 1-5 rows), 73 and up blocked (a
 # 144-row block and a tail). AVX-512: 1-12 whole K (one tile), 13-144 one block packed by
 # each thread, 145 and up blocks packed together. K 400: a 384 block and a 16 tail.
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 11, 12, 13, 72, 73, 144, 145, 150, 300])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 11, 12, 13, 17, 32, 33, 72, 73, 144, 145, 150, 300])
 def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: bool,
                                        bias: bool, rows: int) -> None:
     """The panels give F.linear's result in the weight's own dtype: fp32 to its rounding,
     bf16 as the fp32 sum of the same bf16 products (bias added in fp32) rounded once,
     widened as read or in pairs (bf16 dot products where the CPU has them, the same sums
-    in a plain loop elsewhere; with `fma`, steps of 13 rows and more by FMAs over the
-    pairs widened). K 800 in pairs: a block of 384 pairs and a 16 tail."""
+    in a plain loop elsewhere; with `fma`, steps of 6 rows and more by FMAs over the
+    pairs widened: whole K up to 32, packed blocks past it). K 800 in pairs: a block of
+    384 pairs and a 16 tail."""
     torch.manual_seed(rows)
     k = 800 if pairs else 400
     linear = nn.Linear(k, 72, bias=bias).to(dtype)  # 72 outputs: 4.5 panels
@@ -170,6 +171,26 @@ def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool,
 
 
 @needs_panels
+@pytest.mark.parametrize("rows", [8, 20, 40])
+def test_fmas_over_pairs_with_k_not_in_groups_of_32(rows: int) -> None:
+    """A whole-K step of FMAs over pairs widens the input 16 pairs at a time, so K must be
+    a multiple of 32; a layer whose K is not (784 here) keeps the dot products up to 32
+    rows (the same bits as without `fma`) and takes FMAs past them, F.linear's answer
+    either way."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(784, 40, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 784).to(torch.bfloat16)
+    with torch.inference_mode():
+        by_fma = PanelLinear(linear, pairs=True, fma=True)(x)
+        dots = PanelLinear(linear, pairs=True, fma=False)(x)
+    if rows <= 32:
+        assert torch.equal(by_fma, dots)
+    want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+    for out in (by_fma, dots):
+        assert (out.float() - want.bfloat16().float()).abs().max() <= want.abs().max() * 2 ** -7
+
+
+@needs_panels
 @pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
                                              (torch.bfloat16, True, False),
                                              (torch.bfloat16, True, True)])
@@ -179,10 +200,11 @@ def test_a_row_comes_out_the_same_in_any_batch(dtype: torch.dtype, pairs: bool,
     whatever its height (one tile up to 16 rows, then the rows shared evenly among a
     step's tiles: 17 rows run as 9 + 8, 25 as 9 + 9 + 7), sums its products in k order. Continuous batching relies on it
     (a request's tokens must not change with the batch it lands in); K 1,600 in pairs:
-    several K blocks, whose partial sums go through C. With `fma` (pairs: 1-12 rows by
-    bf16 dot products, 13 and up by FMAs) the FMAs add each pair's products in the dot
-    product's order, each rounded, as Intel defines `vdpbf16ps` (the CPUs `pair_fma`
-    picks) and as the plain loop does without the instruction."""
+    several K blocks, whose partial sums go through C. With `fma` (pairs: 1-5 rows by
+    bf16 dot products, 6-32 by whole-K FMAs over weights widened in registers, 33 and up
+    by FMAs over packed blocks) the FMAs add each pair's products in the dot product's
+    order, each rounded, as Intel defines `vdpbf16ps` (the CPUs `pair_fma` picks) and as
+    the plain loop does without the instruction."""
     if fma and cpu_linear.panels_isa() == "avx512_bf16" and not pair_fma():
         pytest.skip("FMAs over pairs run on Intel only; another vendor's dot product may "
                     "round a pair's two products once")
@@ -193,7 +215,7 @@ def test_a_row_comes_out_the_same_in_any_batch(dtype: torch.dtype, pairs: bool,
     x = torch.randn(300, k).to(dtype)
     with torch.inference_mode():
         alone = torch.cat([layer(x[i:i + 1]) for i in range(0, 300, 23)])
-        for rows in (1, 5, 12, 13, 15, 16, 17, 25, 40, 64, 143, 145, 300):
+        for rows in (1, 5, 6, 8, 12, 13, 15, 16, 17, 25, 32, 33, 40, 64, 143, 145, 300):
             batch = layer(x[:rows])[::23]
             assert torch.equal(batch, alone[:len(batch)]), rows
 

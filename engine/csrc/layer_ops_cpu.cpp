@@ -305,7 +305,14 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
     if (pairs) {  // the bf16 input as it is: K/2 pairs a row (bf16: never in place)
       const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
       const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
-      if (fma && m > panels::kWholeK) {
+#ifdef KVSERVE_KEYDIFF_AVX512
+      // FMAs from kFmaWholeFrom rows (whole-K steps, up to kFmaWholeTo, need K in groups of
+      // 32: every model's but toy ones; otherwise dot products up to there)
+      const bool by_fma = fma && (m > panels::kFmaWholeTo || (m >= panels::kFmaWholeFrom && k % 32 == 0));
+#else
+      const bool by_fma = fma && m > panels::kWholeK;
+#endif
+      if (by_fma) {
         panels::gemm<panels::Pair, panels::Pair, decltype(finish), true>(xp, m, k / 2, wp, np, cp,
                                                                          prefetch_from, finish);
       } else {

@@ -80,6 +80,14 @@ constexpr int64_t kMR = 6;    // rows of a register tile: 6 x 2 accumulators
 constexpr int64_t kTallest = kMR;
 constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weights stream once
 #endif
+// FMAs over pairs (`gemm`'s ByFma, AVX-512): steps of kFmaWholeFrom to kFmaWholeTo rows run
+// whole K (`tile_fma_pairs`: the weights widened in registers as they stream), longer ones
+// in packed blocks; fewer rows keep the dot products, memory-bound there, where the
+// widening's ALU ops would only add work. The blocked path's packing and widening into L1
+// made 13-16 rows slower than 12, and 17-24 rows 3-10% slower than whole K in tiles of
+// 11-12 rows, each widening the slice again from L1 or L2 (an Intel Xeon, session 46).
+constexpr int64_t kFmaWholeFrom = 6;
+constexpr int64_t kFmaWholeTo = 32;
 // A whole-K step (up to kWholeK rows) prefetches the next panel's slice from
 // `prefetch_from` rows on (the op's argument, kvpool/native.py `prefetch_from`: one place
 // decides a CPU vendor's kernel choices): on AMD Zen 4 each k step of 1-5 rows was too
@@ -346,6 +354,58 @@ inline void widen_pair_slice(const Pair* src, int64_t kc, float* dst) {
   }
 }
 
+#ifdef KVSERVE_KEYDIFF_AVX512
+// A whole-K step's tile of FMAs over a pair panel (`gemm`'s ByFma, kFmaWholeFrom-To rows):
+// c[r, 0:16] = sum over the kc / 2 pairs of the input's pair times each column's, each
+// pair's higher k first (the pair tile's bits), the weights widened in registers as they
+// stream (two ALU ops a 16 pairs, shared by the tile's rows) and the input from `aw`, its
+// rows widened once a call (lda floats apart, `widen_pair_slice`'s layout: per 16 pairs
+// their 16 higher then 16 lower values). Why: `vdpbf16ps` runs at half the FMAs' rate on
+// Intel's cores, and at 6-12 rows a decode step's dot products were bound by it.
+template <int MR, bool PF>
+inline void tile_fma_pairs(const float* aw, int64_t lda, const Pair* b, int64_t kc, float* c,
+                           int64_t ldc, const Pair* next) {
+  [[maybe_unused]] __m512 c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15;
+#define KVSERVE_FP_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) \
+  X(12) X(13) X(14) X(15)
+#define KVSERVE_FP_INIT(r) if constexpr (r < MR) c##r = _mm512_setzero_ps();
+#define KVSERVE_FP_HI(r) if constexpr (r < MR) c##r = _mm512_fmadd_ps(_mm512_set1_ps(ag[r * lda + j]), hi, c##r);
+#define KVSERVE_FP_LO(r) \
+  if constexpr (r < MR) c##r = _mm512_fmadd_ps(_mm512_set1_ps(ag[r * lda + kNR + j]), lo, c##r);
+#define KVSERVE_FP_STORE(r) if constexpr (r < MR) _mm512_storeu_ps(c + r * ldc, c##r);
+  KVSERVE_FP_ROWS(KVSERVE_FP_INIT)
+  for (int64_t g = 0; g < kc / (2 * kNR); ++g) {  // 16 pairs of the input at a time
+    const float* ag = aw + g * 2 * kNR;
+    for (int64_t j = 0; j < kNR; ++j) {
+      const int64_t kp = g * kNR + j;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(next + kp * kNR), _MM_HINT_T1);
+      const __m512i x = _mm512_loadu_si512(b + kp * kNR);
+      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(-65536)));
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      KVSERVE_FP_ROWS(KVSERVE_FP_HI)
+      KVSERVE_FP_ROWS(KVSERVE_FP_LO)
+    }
+  }
+  KVSERVE_FP_ROWS(KVSERVE_FP_STORE)
+#undef KVSERVE_FP_INIT
+#undef KVSERVE_FP_HI
+#undef KVSERVE_FP_LO
+#undef KVSERVE_FP_STORE
+}
+
+template <bool PF>
+inline void fma_pair_rows(int64_t mr, const float* aw, int64_t lda, const Pair* b, int64_t kc,
+                          float* c, int64_t ldc, const Pair* next) {
+  switch (mr) {
+#define KVSERVE_FP_CASE(r) case r + 1: return tile_fma_pairs<r + 1, PF>(aw, lda, b, kc, c, ldc, next);
+    KVSERVE_FP_ROWS(KVSERVE_FP_CASE)
+#undef KVSERVE_FP_CASE
+    default: TORCH_CHECK(false, "a whole-K tile of FMAs over pairs holds 1 to 16 rows");
+  }
+}
+#undef KVSERVE_FP_ROWS
+#endif
+
 // Rows of each register tile over `rows` rows: one tile up to `kTallest` rows, else as
 // many tiles as `kMR`-row ones would take, the rows shared evenly among them. Why: a
 // remainder tile of a row or two runs that many chains of dependent dot products, bound
@@ -413,13 +473,15 @@ struct NoFinish {};
 // the threads twice per 144 rows, which with passive waits (`kvserve serve`'s) made the
 // demo model's 2,048-row layers 0.8x as fast. Over pairs (A and W `Pair`), k counts pairs.
 //
-// ByFma (pairs, a step of more than `kWholeK` rows): the pairs multiplied by fp32 FMAs, not
-// `vdpbf16ps`, for CPUs that run the FMAs at twice its rate (an Intel Xeon with AVX-512
-// and bf16 dot products but no AMX: a pass over the 160M model's bf16 layers at 256-2,048
-// rows took 0.68-0.69x the time; docs/benchmarks.md, session 45): the input widened as it
-// is packed, each panel's slice into L1, both with each pair's higher k first, so the sums
-// are the pair tile's bit for bit (vdpbf16ps flushes denormals, the FMAs keep them). The
-// same panels still serve shorter steps by dot products: one layout, no second copy.
+// ByFma (pairs, a step of at least `kFmaWholeFrom` rows): the pairs multiplied by fp32
+// FMAs, not `vdpbf16ps`, for CPUs that run the FMAs at twice its rate (an Intel Xeon with
+// AVX-512 and bf16 dot products but no AMX: a pass over the 160M model's bf16 layers at
+// 256-2,048 rows took 0.68-0.69x the time, session 45; at 8-16 rows 0.8-0.87x, session
+// 46): up to kFmaWholeTo rows the weights widened in registers and the input once a call,
+// beyond it the input widened as it is packed and each panel's slice into L1; always
+// each pair's higher k first, so the sums are the pair tile's bit for bit (vdpbf16ps
+// flushes denormals, the FMAs keep them). The same panels still serve shorter steps by
+// dot products: one layout, no second copy.
 template <typename A, typename W, typename F = NoFinish, bool ByFma = false>
 void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c,
           int64_t prefetch_from, F finish = {}) {
@@ -434,10 +496,15 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   const In* in = reinterpret_cast<const In*>(a);
   if constexpr (ByFma) {
     k *= 2;
-    TORCH_CHECK(m > kWholeK, "FMAs over pairs run packed blocks only: more than ", kWholeK, " rows");
+    TORCH_CHECK(m > kFmaWholeTo || k % (2 * kNR) == 0,
+                "FMAs over pairs of a whole-K step take K in whole groups of 32");
   }
   const int64_t ldc = np * kNR;
+#ifdef KVSERVE_KEYDIFF_AVX512
+  const bool blocked = m > (ByFma ? kFmaWholeTo : kWholeK);
+#else
   const bool blocked = m > kWholeK;
+#endif
   const int64_t kc_step = blocked ? kKC : k, mc = blocked ? kMC : std::max<int64_t>(m, 1);
   // A bf16 slice is widened in registers when each of its weights is used once or twice
   // (streamed: half the bytes); a block's is widened into L1 first: widening per tile made
@@ -473,6 +540,12 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   const int64_t packed_size = std::min(m, mc) * k;
   std::unique_ptr<P[]> packed(
       blocked ? new P[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
+  // ByFma, whole K: the input's rows widened once, here, for every thread's tiles
+  std::vector<float> aw(ByFma && !blocked ? m * k : 0);
+  if constexpr (ByFma) {
+    for (int64_t r = 0; r < m && !blocked; ++r)
+      widen_pair_slice(reinterpret_cast<const Pair*>(a) + r * (k / 2), k / kNR, aw.data() + r * k);
+  }
   auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
     float* wide = wide_all.data() + (widen ? tid * 2 * kc_step * kNR : 0);
@@ -513,8 +586,18 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
             const int64_t mr = std::min(h, rows - r);
             float* cp = c + (kFinishes ? r : ic + r) * ldc + p * kNR;
             const bool first = r == 0;  // the first tile pulls the next panels' slices in
+            using S = std::remove_cv_t<std::remove_pointer_t<decltype(slice)>>;
             if constexpr (ByFma) {
-              // always blocked: the tiles below
+#ifdef KVSERVE_KEYDIFF_AVX512
+              if constexpr (std::is_same_v<S, Pair>) {  // whole K: the pairs as they stream
+                const float* ar = aw.data() + (ic + r) * k;
+                if (first && m >= prefetch_from) {
+                  fma_pair_rows<true>(mr, ar, k, slice, kc, cp, ldc, next);
+                } else {
+                  fma_pair_rows<false>(mr, ar, k, slice, kc, cp, ldc, next);
+                }
+              }
+#endif
             } else if (!blocked) {
               const A* ar = a + (ic + r) * k + pc;
               if (first && m >= prefetch_from) {
@@ -523,7 +606,9 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
                 some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
               }
             }
-            if (blocked) {
+            if constexpr (ByFma && std::is_same_v<S, Pair>) {
+              // whole K: done above
+            } else if (blocked) {
               // The next tile's rows of C, asked for now: they are a whole row of C apart,
               // and their misses stalled every tile's start (~10% of a 1,024-row step).
               for (int64_t rr = r + mr; rr < std::min(r + mr + h, rows); ++rr) {
@@ -532,8 +617,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               }
               const P* ap = mine + pc * rows + r * kc;
 #ifdef KVSERVE_KEYDIFF_AVX512
-              if constexpr (std::is_same_v<P, float> &&
-                            std::is_same_v<std::remove_cv_t<std::remove_pointer_t<decltype(slice)>>, float>) {
+              if constexpr (std::is_same_v<P, float> && std::is_same_v<S, float>) {
                 if (n == 2) {
                   if (first) {
                     wide_rows<true>(mr, ap, slice, slice2, kc, cp, ldc, pc > 0, next_k, next2_k);
@@ -562,6 +646,10 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
           }
         };
         if constexpr (ByFma) {
+          if (!blocked) {  // whole K: widened in registers
+            tiles(b, b);
+            return;
+          }
           widen_pair_slice(b, kc, wide);
           if (n == 2) widen_pair_slice(b + stride, kc, wide + kc * kNR);
           tiles(static_cast<const float*>(wide), static_cast<const float*>(wide + kc * kNR));
