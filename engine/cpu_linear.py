@@ -43,6 +43,7 @@ process by 7 GB (glibc kept what oneDNN's per-shape allocations fragmented), and
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ import torch
 from torch import nn
 
 from kvpool.huge_pages import huge_page_empty
-from kvpool.native import cpuinfo, load_ops, pair_fma, prefetch_from
+from kvpool.native import cpuinfo, load_ops, pair_fma, prefetch_from, whole_k_to
 
 log = logging.getLogger("kvserve.engine")
 
@@ -179,6 +180,12 @@ def bf16_path() -> str:
     return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
 
 
+@functools.cache
+def _whole_k_to() -> int:
+    """`whole_k_to` for this CPU and build, read once (the first panel layer loads the ops)."""
+    return whole_k_to(avx512=panels_isa().startswith("avx512"))
+
+
 def panels_isa() -> str:
     """The panel kernel's vector loop in this build: "avx2", "avx512", "avx512_bf16"
     (AVX-512 with bf16 dot products: bf16 layers in pairs, `PanelLinear`), or "scalar" (or
@@ -293,6 +300,7 @@ class PanelLinear(nn.Module):
         # pairs: steps of 6 rows and more by FMAs (`pair_fma`; linear_panels.h kFmaWholeFrom)
         self.fma = self.pairs and (pair_fma() if fma is None else fma)
         self.prefetch_from = PREFETCH_FROM
+        self.whole_k_to = _whole_k_to()
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
         # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
@@ -311,7 +319,7 @@ class PanelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.kvserve_layer.linear_panels(
             x.reshape(-1, self.in_features).contiguous(), self.panels, self.bias,
-            self.out_features, self.fma, self.prefetch_from)
+            self.out_features, self.fma, self.prefetch_from, self.whole_k_to)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

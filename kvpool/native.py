@@ -120,6 +120,15 @@ def prefetch_from(vendor: str | None = None) -> int:
     return 1 if (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel" else 6
 
 
+def whole_k_to(vendor: str | None = None, avx512: bool = True) -> int:
+    """The most rows of a step the panel GEMM runs whole K, its input read in place; longer
+    steps are packed into blocks (engine/csrc/linear_panels.h; 0: the build's own limit,
+    12 with AVX-512, 72 with AVX2). 5 on Intel with AVX-512: fp32 steps of 6-12 rows were
+    4-7% faster packed on a Xeon (session 46); Zen 4 measured packing from 13 (session 36)."""
+    intel = (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"
+    return 5 if intel and avx512 else 0
+
+
 def cpu_flag(cflags: list[str]) -> list[str]:
     """For a `-march=native` build, a define naming the CPU's instruction-set flags. Why:
     torch keys its build cache on source and flags, and `-march=native` reads the same on

@@ -21,7 +21,7 @@ from engine.cpu_linear import (
     padded_rows,
 )
 from engine.sampling import SamplingParams
-from kvpool.native import cpuinfo, pair_fma, prefetch_from
+from kvpool.native import cpuinfo, pair_fma, prefetch_from, whole_k_to
 from scheduler.llm import LLM
 from tests.isa import cpu_has as isa_has
 from tests.isa import expected_path
@@ -117,6 +117,9 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: boo
         out = layer(x)
         for pf in (1, 6):  # from which rows the next panel is prefetched: no bit moves
             layer.prefetch_from = pf
+            assert torch.equal(layer(x), out)
+        for whole in (0, 5):  # up to which rows a step runs whole K (then packed): none
+            layer.whole_k_to = whole
             assert torch.equal(layer(x), out)
     assert out.shape == (2, rows, 72) and out.dtype == dtype
     want = torch.nn.functional.linear(x.float(), linear.weight.float(),
@@ -322,6 +325,8 @@ def test_panels_where_they_were_measured_faster() -> None:
             assert bf16 == (measured and isa == "avx512_bf16")
     assert pair_fma("GenuineIntel") and not pair_fma("AuthenticAMD")
     assert prefetch_from("GenuineIntel") == 1 and prefetch_from("AuthenticAMD") == 6
+    assert whole_k_to("GenuineIntel") == 5 and whole_k_to("GenuineIntel", avx512=False) == 0
+    assert whole_k_to("AuthenticAMD") == 0
 
 
 @needs_onednn

@@ -255,10 +255,12 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // [M, N] of the same dtype. `fma`: a pair layout's steps of more than kWholeK rows are
 // multiplied by fp32 FMAs rather than bf16 dot products, to the same bits (`panels::gemm`'s
 // ByFma; the other layouts' products are FMAs already). `prefetch_from`: the fewest rows of
-// a whole-K step that prefetches the next panel (linear_panels.h). Both are the CPU
-// vendor's choices, made in one place (kvpool/native.py: `pair_fma`, `prefetch_from`).
+// a whole-K step that prefetches the next panel; `whole_k_to`: the most rows a step runs
+// whole K, unpacked (0: the build's kWholeK; linear_panels.h). All three are the CPU
+// vendor's choices, made in one place (kvpool/native.py: `pair_fma`, `prefetch_from`,
+// `whole_k_to`).
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t n, bool fma, int64_t prefetch_from) {
+                         int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
   const auto dt = x.scalar_type();
   const bool pairs = panels.dim() == 4;
   TORCH_CHECK(x.dim() == 2 && (panels.dim() == 3 || (pairs && panels.size(3) == 2 && dt == at::kBFloat16)) &&
@@ -271,6 +273,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
   const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), ldc = np * panels::kNR;
   TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous [N] of x's dtype");
+  const int64_t whole = whole_k_to > 0 ? whole_k_to : panels::kWholeK;
   auto run = [&](auto tag) -> at::Tensor {
     using scalar_t = decltype(tag);
     at::Tensor y = at::empty({m, n}, x.options());
@@ -314,14 +317,14 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
 #endif
       if (by_fma) {
         panels::gemm<panels::Pair, panels::Pair, decltype(finish), true>(xp, m, k / 2, wp, np, cp,
-                                                                         prefetch_from, finish);
+                                                                         prefetch_from, whole, finish);
       } else {
-        panels::gemm(xp, m, k / 2, wp, np, cp, prefetch_from, finish);
+        panels::gemm(xp, m, k / 2, wp, np, cp, prefetch_from, whole, finish);
       }
     } else {
       const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from);
-      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, finish);
+      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole);
+      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole, finish);
     }
     return y;
   };
@@ -340,7 +343,8 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
-  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, int prefetch_from=6) -> Tensor");
+  m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, int prefetch_from=6, "
+        "int whole_k_to=0) -> Tensor");
   m.def("linear_panels_isa() -> str");
 }
 

@@ -88,6 +88,9 @@ constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weight
 // 11-12 rows, each widening the slice again from L1 or L2 (an Intel Xeon, session 46).
 constexpr int64_t kFmaWholeFrom = 6;
 constexpr int64_t kFmaWholeTo = 32;
+// Steps of up to `whole_k_to` rows (the op's argument, kWholeK at most; kvpool/native.py
+// `whole_k_to`) run whole K, unpacked; longer ones in packed blocks. On an Intel Xeon fp32
+// steps of 6-12 rows were 4-7% faster packed (session 46); on Zen 4 packing began at 13.
 // A whole-K step (up to kWholeK rows) prefetches the next panel's slice from
 // `prefetch_from` rows on (the op's argument, kvpool/native.py `prefetch_from`: one place
 // decides a CPU vendor's kernel choices): on AMD Zen 4 each k step of 1-5 rows was too
@@ -484,7 +487,7 @@ struct NoFinish {};
 // dot products: one layout, no second copy.
 template <typename A, typename W, typename F = NoFinish, bool ByFma = false>
 void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c,
-          int64_t prefetch_from, F finish = {}) {
+          int64_t prefetch_from, int64_t whole_k_to = kWholeK, F finish = {}) {
   constexpr bool kFinishes = !std::is_same_v<F, NoFinish>;
   static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "a pair input needs pair panels");
   static_assert(!ByFma || std::is_same_v<A, Pair>, "FMAs over pairs take a pair input");
@@ -500,10 +503,12 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
                 "FMAs over pairs of a whole-K step take K in whole groups of 32");
   }
   const int64_t ldc = np * kNR;
+  // up to `whole_k_to` rows (at most kWholeK) whole K, unpacked; FMAs over pairs their own
+  const int64_t whole = std::clamp<int64_t>(whole_k_to, 1, kWholeK);
 #ifdef KVSERVE_KEYDIFF_AVX512
-  const bool blocked = m > (ByFma ? kFmaWholeTo : kWholeK);
+  const bool blocked = m > (ByFma ? kFmaWholeTo : whole);
 #else
-  const bool blocked = m > kWholeK;
+  const bool blocked = m > whole;
 #endif
   const int64_t kc_step = blocked ? kKC : k, mc = blocked ? kMC : std::max<int64_t>(m, 1);
   // A bf16 slice is widened in registers when each of its weights is used once or twice
