@@ -252,9 +252,10 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // ---- a linear layer over its weight in 16-column panels (linear_panels.h) -------------
 // x [M, K] @ a weight laid out in panels ([ceil(N/16), K, 16], or for bf16 in pairs
 // [ceil(N/16), K/2, 16, 2], linear_panels.h) + bias [N] or none, all bf16 or all fp32 ->
-// [M, N] of the same dtype. `fma`: a pair layout's steps of more than kWholeK rows are
-// multiplied by fp32 FMAs rather than bf16 dot products, to the same bits (`panels::gemm`'s
-// ByFma; the other layouts' products are FMAs already). `prefetch_from`: the fewest rows of
+// [M, N] of the same dtype. `fma`: a pair layout's steps of kFmaWholeFrom rows and more
+// (with AVX-512; else more than kWholeK) are multiplied by fp32 FMAs rather than bf16 dot
+// products, to the same bits (`panels::gemm`'s ByFma; the other layouts' products are FMAs
+// already). `prefetch_from`: the fewest rows of
 // a whole-K step that prefetches the next panel; `whole_k_to`: the most rows a step runs
 // whole K, unpacked (0: the build's kWholeK; linear_panels.h). All three are the CPU
 // vendor's choices, made in one place (kvpool/native.py: `pair_fma`, `prefetch_from`,
@@ -273,7 +274,6 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
   const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), ldc = np * panels::kNR;
   TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous [N] of x's dtype");
-  const int64_t whole = whole_k_to > 0 ? whole_k_to : panels::kWholeK;
   auto run = [&](auto tag) -> at::Tensor {
     using scalar_t = decltype(tag);
     at::Tensor y = at::empty({m, n}, x.options());
@@ -317,14 +317,14 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
 #endif
       if (by_fma) {
         panels::gemm<panels::Pair, panels::Pair, decltype(finish), true>(xp, m, k / 2, wp, np, cp,
-                                                                         prefetch_from, whole, finish);
+                                                                         prefetch_from, whole_k_to, finish);
       } else {
-        panels::gemm(xp, m, k / 2, wp, np, cp, prefetch_from, whole, finish);
+        panels::gemm(xp, m, k / 2, wp, np, cp, prefetch_from, whole_k_to, finish);
       }
     } else {
       const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole);
-      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole, finish);
+      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole_k_to);
+      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole_k_to, finish);
     }
     return y;
   };

@@ -90,7 +90,7 @@ constexpr int64_t kFmaWholeFrom = 6;
 constexpr int64_t kFmaWholeTo = 32;
 // Steps of up to `whole_k_to` rows (the op's argument, kWholeK at most; kvpool/native.py
 // `whole_k_to`) run whole K, unpacked; longer ones in packed blocks. On an Intel Xeon fp32
-// steps of 6-12 rows were 4-7% faster packed (session 46); on Zen 4 packing began at 13.
+// steps of 6-12 rows were 1.05-1.2x as fast packed (session 46); on Zen 4 packing began at 13.
 // A whole-K step (up to kWholeK rows) prefetches the next panel's slice from
 // `prefetch_from` rows on (the op's argument, kvpool/native.py `prefetch_from`: one place
 // decides a CPU vendor's kernel choices): on AMD Zen 4 each k step of 1-5 rows was too
@@ -487,7 +487,7 @@ struct NoFinish {};
 // dot products: one layout, no second copy.
 template <typename A, typename W, typename F = NoFinish, bool ByFma = false>
 void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* c,
-          int64_t prefetch_from, int64_t whole_k_to = kWholeK, F finish = {}) {
+          int64_t prefetch_from, int64_t whole_k_to = 0, F finish = {}) {
   constexpr bool kFinishes = !std::is_same_v<F, NoFinish>;
   static_assert(std::is_same_v<A, float> || std::is_same_v<W, Pair>, "a pair input needs pair panels");
   static_assert(!ByFma || std::is_same_v<A, Pair>, "FMAs over pairs take a pair input");
@@ -503,8 +503,9 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
                 "FMAs over pairs of a whole-K step take K in whole groups of 32");
   }
   const int64_t ldc = np * kNR;
-  // up to `whole_k_to` rows (at most kWholeK) whole K, unpacked; FMAs over pairs their own
-  const int64_t whole = std::clamp<int64_t>(whole_k_to, 1, kWholeK);
+  // up to `whole_k_to` rows (0: kWholeK, and at most it) whole K, unpacked; FMAs over
+  // pairs their own
+  const int64_t whole = whole_k_to > 0 ? std::min(whole_k_to, kWholeK) : kWholeK;
 #ifdef KVSERVE_KEYDIFF_AVX512
   const bool blocked = m > (ByFma ? kFmaWholeTo : whole);
 #else
@@ -545,11 +546,12 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
   const int64_t packed_size = std::min(m, mc) * k;
   std::unique_ptr<P[]> packed(
       blocked ? new P[(own ? std::max(threads, 1) : 1) * packed_size] : nullptr);
-  // ByFma, whole K: the input's rows widened once, here, for every thread's tiles
-  std::vector<float> aw(ByFma && !blocked ? m * k : 0);
+  // ByFma, whole K: the input's rows widened once, here, for every thread's tiles (not
+  // value-initialised: every element is written)
+  std::unique_ptr<float[]> aw(ByFma && !blocked ? new float[m * k] : nullptr);
   if constexpr (ByFma) {
     for (int64_t r = 0; r < m && !blocked; ++r)
-      widen_pair_slice(reinterpret_cast<const Pair*>(a) + r * (k / 2), k / kNR, aw.data() + r * k);
+      widen_pair_slice(reinterpret_cast<const Pair*>(a) + r * (k / 2), k / kNR, aw.get() + r * k);
   }
   auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
@@ -595,7 +597,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
             if constexpr (ByFma) {
 #ifdef KVSERVE_KEYDIFF_AVX512
               if constexpr (std::is_same_v<S, Pair>) {  // whole K: the pairs as they stream
-                const float* ar = aw.data() + (ic + r) * k;
+                const float* ar = aw.get() + (ic + r) * k;
                 if (first && m >= prefetch_from) {
                   fma_pair_rows<true>(mr, ar, k, slice, kc, cp, ldc, next);
                 } else {
