@@ -130,13 +130,17 @@ class AttentionMass:
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # [N, V] float32 on the model's device, a row per wants_logits
+    # [N, V] float32 on the model's device, a row per wants_logits; None where `ids` is
+    logits: torch.Tensor | None
     # seq index -> attention statistics, for the inputs that asked (wants_attention,
     # wants_norms, or wants_key_diversity where fused)
     attention: dict[int, AttentionMass] = field(default_factory=dict)
     # seq index -> its scored rows (SeqInput.score), on the host
     scores: dict[int, TokenScores] = field(default_factory=dict)
     graph: bool = False  # a CUDA graph's replay (engine/cuda_graphs.py) computed it
+    # [N] int64, each row's argmax token, where a greedy step's LM head computed them
+    # without writing its logits (`execute(greedy=True)`, `compute_greedy`)
+    ids: torch.Tensor | None = None
 
 
 # A step's input ids taken on the device: (the ids a step in flight sampled, the row of
@@ -163,10 +167,13 @@ class ModelRunner:
         self._adds: bool | None = None
 
     def execute(self, inputs: list[SeqInput], decode: DecodeBatch | None = None,
-                ids_from: IdsFrom | None = None) -> StepOutput:
+                ids_from: IdsFrom | None = None, greedy: bool = False) -> StepOutput:
         """`decode`: the scheduler's batch append of the inputs whose `slots` is None (in
         order): their slots and rows. `ids_from`: the inputs' ids are on the device
-        (their `token_ids` are placeholders); only a graph step takes them."""
+        (their `token_ids` are placeholders); only a graph step takes them. `greedy`:
+        every row's token is its logits' argmax and nobody reads the logits (no
+        logprobs): where the LM head takes the argmax as it computes them (a CPU panel
+        layer), the step returns the ids (`StepOutput.ids`) and writes no logits."""
         if self.graphs is not None and decode is not None:
             out = self.graphs.run(inputs, decode, ids_from)
             if out is not None:  # the step was a graph's; else it runs eagerly here
@@ -289,7 +296,8 @@ class ModelRunner:
                       if scored else {})
             if last is not None and len(last) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(last, dtype=torch.int64, device=dev)]
-            logits = self.model.compute_logits(hidden)
+            ids = self.model.compute_greedy(hidden) if greedy else None
+            logits = self.model.compute_logits(hidden) if ids is None else None
             attention: dict[int, AttentionMass] = {}
             for j in mass.keys() | kds.keys():  # one stack and one copy per group
                 stacked = torch.stack(mass[j]).cpu() if j in mass else None
@@ -312,7 +320,7 @@ class ModelRunner:
                         attention[i] = a
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
-        return StepOutput(logits=logits.float(), attention=attention, scores=scores)
+        return StepOutput(logits=logits, attention=attention, scores=scores, ids=ids)
 
     def _groups(self, inputs: list[SeqInput], offsets: list[int], fresh: set[int],
                 kernel: bool, pads: bool) -> list[AttentionGroup]:

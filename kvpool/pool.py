@@ -289,9 +289,15 @@ class BlockPool:
             return []
         while len(self._free) < n:  # recycle the least recently used cached prefix
             self.forget(self.hash_of[next(iter(self._cached))])
-        ids = self._free[-n:][::-1]
+        ids = self.peek(n)
         del self._free[-n:]
         return ids
+
+    def peek(self, n: int) -> list[int]:
+        """The ids `take` would hand out next, up to n of them (none of the parked prefix
+        blocks), left free: for a pass that counts what it needs as it links them (the
+        C++ decode append), which then takes the first so many."""
+        return self._free[-n:][::-1] if n > 0 else []
 
     def incref(self, ids: torch.Tensor) -> None:
         self.ref.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))

@@ -391,20 +391,27 @@ class SlotTables:
         caller has checked that the pool holds the blocks this takes (`decode_need`).
 
         On CPU the whole append is one C++ pass over the rows
-        (csrc/tables_cpu.cpp::append_rows): it reads each row's sizes, links a new block
-        where a layer's last one is full, writes the positions and state fills, and bumps
-        the sizes in place; Python only lists the rows. Elsewhere the same as torch ops
-        over the sizes: an allocation, a table write, a position write and a gather."""
+        (csrc/tables_cpu.cpp::append_rows): it reads each row's sizes, counts and links
+        a new block where a layer's last one is full (from the ids the pool would hand
+        out next: `BlockPool.peek`), writes the positions and state fills, and bumps the
+        sizes in place; Python only lists the rows. One call a step, where a count and
+        then the append were two, each paying for cold code and data right after the
+        forward. Where the tables are too narrow, or the free list is short of what it
+        needs (parked prefix blocks to recycle), it changes nothing and says what it
+        needs: the tables widen, the pool takes exactly that, and it runs again.
+        Elsewhere the same as torch ops over the sizes: an allocation, a table write, a
+        position write and a gather."""
         nl, bs = self.num_layers, self.bs
+        if self.table.device.type == "cpu" and load_mark():
+            slots, need, widest = self._append_rows(pool, rows, positions, pool.peek(nl * len(rows)))
+            if slots.numel():
+                pool.take(need)  # the ids it linked: the first `need` of those it was shown
+                return slots, widest
+            self.ensure_width(widest)
+            slots, _, widest = self._append_rows(pool, rows, positions, pool.take(need))
+            return slots, widest
         need, widest = self.decode_need(rows)
         self.ensure_width(widest)
-        if self.table.device.type == "cpu" and load_mark():
-            taken = pool.take(need)  # raises before anything changes
-            states, columns = self.native_states()
-            return torch.ops.kvserve_tables.append_rows(
-                self.table, self.slot_pos, self.sizes, self.peaks, self.ring, states, columns,
-                list(self.fills.values()), pool.ref, rows + positions + taken, len(rows),
-                bs), widest
         row_t = int64_tensor(rows)
         sizes = self.sizes.index_select(0, row_t)  # [B, 3, L]
         ring = self.ring.index_select(0, row_t)  # [B, 3 + L]
@@ -432,6 +439,13 @@ class SlotTables:
         now = torch.stack([sizes[:, NBLOCKS].sum(1), sizes[:, LIVE].sum(1) // nl], dim=1)
         self.peaks.index_copy_(0, row_t, torch.maximum(self.peaks.index_select(0, row_t), now))
         return slots, widest
+
+    def _append_rows(self, pool: BlockPool, rows: list[int], positions: list[int],
+                     ids: list[int]) -> tuple[torch.Tensor, int, int]:
+        states, columns = self.native_states()
+        return torch.ops.kvserve_tables.append_rows(
+            self.table, self.slot_pos, self.sizes, self.peaks, self.ring, states, columns,
+            list(self.fills.values()), pool.ref, rows + positions + ids, len(rows), self.bs)
 
     # ---- what eviction changes -------------------------------------------------------
     def evict_mask(self, pool: BlockPool, caches: list[SeqCache],

@@ -392,16 +392,21 @@ class EngineCore:
         ids_from = None
         if after is not None:  # each row's token: its request's row in the step in flight
             ids_from = (after.ids, [c.request.pending_row for c in plan.chunks])
-        out = self.runner.execute(inputs, plan.decode, ids_from)
+        # every request greedy, none asking for logprobs: the LM head may take the argmax
+        out = self.runner.execute(inputs, plan.decode, ids_from, greedy=not self._sampling)
         t2 = time.perf_counter()
         for i, scores in out.scores.items():
             _add_prompt_logprobs(plan.chunks[i].request, scores)
-        batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
-            if self._sampling else _ALL_GREEDY
-        ids = sample(out.logits, batch)  # on the model's device
         lp = None
-        if batch.max_logprobs is not None:
-            lp = top_logprobs(out.logits, ids, batch.max_logprobs)
+        if out.ids is not None:  # the argmax from the LM head, no logits written
+            ids = out.ids
+        else:
+            assert out.logits is not None
+            batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
+                if self._sampling else _ALL_GREEDY
+            ids = sample(out.logits, batch)  # on the model's device
+            if batch.max_logprobs is not None:
+                lp = top_logprobs(out.logits, ids, batch.max_logprobs)
         launch = Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1)
         if plain and out.graph and not scored and len(done) == len(plan.chunks):
             # left in flight: the ids start for the host now, read by the next call

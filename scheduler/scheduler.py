@@ -153,7 +153,9 @@ class Scheduler:
         while queue and budget > 0:
             req = queue.pop()
             left = req.num_tokens - req.num_computed
-            n = min(left, budget, req.max_chunk)
+            # a decode token (budget and max_chunk are at least 1): min() is a tenth of
+            # this loop's time at 64 decoding
+            n = 1 if left == 1 else min(left, budget, req.max_chunk)
             cache = req.cache
             assert cache is not None
             if cache.ring:

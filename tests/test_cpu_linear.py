@@ -135,6 +135,57 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: boo
                                              (torch.bfloat16, False, False),
                                              (torch.bfloat16, True, False),
                                              (torch.bfloat16, True, True)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_panel_argmax_is_the_outputs_first_maximum(dtype: torch.dtype, pairs: bool, fma: bool,
+                                                   bias: bool, threads: int) -> None:
+    """`PanelLinear.argmax` (the op's running maximum over its tiles as they finish, the
+    output never written) is `forward(x).float().max(dim=-1).indices`: the first of
+    equal maxima, whether they meet in one lane of two panels, in two lanes, or in two
+    threads' shares of the panels; with NaN columns (from the bias) the first NaN, over
+    any larger value; a row of -inf gives 0; every step shape (whole K, one block,
+    blocks and a tail), a last panel cut short (1,000 outputs: 62.5 panels), one to
+    three threads."""
+    torch.manual_seed(threads)
+    torch.set_num_threads(threads)  # restored by conftest's fixture
+    k = 96
+    linear = nn.Linear(k, 1000, bias=bias).to(dtype)
+    with torch.no_grad():
+        w = linear.weight
+        w[700] = w[3] = w[3] * 4  # column 3 the largest of its rows, and 700 equal to it
+        w[517] = w[21] = w[21] * 4  # lanes 5 and 5 of panels 1 and 32
+        w[999] = w[9]  # the short last panel's lane 7
+        if bias:
+            linear.bias[:] = 0
+    layer = PanelLinear(linear, pairs=pairs, fma=fma)
+    x = torch.randn(300, k).to(dtype)
+    x[41] = 0  # a row of zeros: every column equal, the first wins
+
+    def check() -> torch.Tensor:
+        for rows in (1, 5, 12, 13, 64, 150, 300):
+            with torch.inference_mode():
+                want = layer(x[:rows]).float().max(dim=-1).indices
+                got = layer.argmax(x[:rows])
+            assert got.dtype == torch.int64 and torch.equal(got, want), rows
+        return want
+
+    want = check()
+    assert want[41] == 0 and {3, 21} <= set(want.tolist())  # the ties met: the first won
+    if bias:
+        with torch.no_grad():
+            layer.bias[998] = layer.bias[517] = float("nan")  # two NaN columns: the first
+            layer.bias[3] = 1e30  # beside a larger column before them
+        assert set(check().tolist()) == {517}
+        with torch.no_grad():
+            layer.bias[:] = float("-inf")  # rows of -inf: the first column
+        assert set(check().tolist()) == {0}
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
+                                             (torch.bfloat16, False, False),
+                                             (torch.bfloat16, True, False),
+                                             (torch.bfloat16, True, True)])
 @pytest.mark.parametrize("rows", [1, 13, 300])  # whole K; one block; blocks and a tail
 def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool, fma: bool,
                                                 rows: int) -> None:
@@ -385,6 +436,35 @@ def test_engine_on_laid_out_weights_generates_what_dense_weights_do(
     got = [c.token_ids for c in packed.generate(prompts, params)]
     want = [c.token_ids for c in dense.generate(prompts, params)]
     assert got == want
+
+
+@needs_panels
+def test_greedy_bf16_steps_take_the_argmax_from_the_head(tmp_path, monkeypatch) -> None:
+    """A bf16 panel head gives a greedy step's tokens without its logits
+    (`PanelLinear.argmax`, the runner's `greedy`): the same tokens as the logits'
+    argmax, for every step of greedy requests, and not while a sampled request (which
+    needs the logits) shares the batch."""
+    from engine.models import llama
+
+    monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 0)
+    model = make_tiny_model("llama", tmp_path / "llama")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + (3 * i + j) % 200 for j in range(11 + 9 * i)] for i in range(4)]
+    calls = []
+    argmax = PanelLinear.argmax
+    monkeypatch.setattr(PanelLinear, "argmax", lambda self, x: calls.append(len(x)) or argmax(self, x))
+    fused = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype="bfloat16")
+    assert isinstance(fused.engine.model.lm_head, PanelLinear)
+    got = [c.token_ids for c in fused.generate(prompts, greedy)]
+    assert len(calls) >= 12 and max(calls) == 4  # every step, all four rows at once
+    mixed = [greedy] * 3 + [SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)]
+    calls.clear()
+    got_mixed = [c.token_ids for c in fused.generate(prompts, mixed)][:3]
+    assert not calls  # the sampled request ran as long as the others
+    monkeypatch.setattr(llama, "greedy_ids", lambda head, hidden: None)  # logits, then argmax
+    plain = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype="bfloat16")
+    assert [c.token_ids for c in plain.generate(prompts, greedy)] == got
+    assert got_mixed == got[:3]
 
 
 @pytest.mark.parametrize("smallest", [1, 6])

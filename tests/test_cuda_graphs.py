@@ -210,8 +210,8 @@ def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypat
     shapes: list[tuple[int, ...]] = []
     execute = ModelRunner.execute
 
-    def spy(self, inputs, decode=None, ids_from=None):
-        out = execute(self, inputs, decode, ids_from)
+    def spy(self, inputs, decode=None, ids_from=None, greedy=False):
+        out = execute(self, inputs, decode, ids_from, greedy)
         shapes.extend(tuple(a.group.shape) for a in out.attention.values() if a.group is not None)
         return out
 

@@ -162,9 +162,9 @@ def test_steady_decode_steps_take_their_group_from_the_batch_append(llama, monke
         llm = LLM(llama, num_blocks=256, block_size=4, device="cpu", **config)
         execute = llm.engine.runner.execute
 
-        def spy(inputs, decode=None, ids_from=None):
+        def spy(inputs, decode=None, ids_from=None, greedy=False):
             seen.append(inputs)
-            return execute(inputs, decode, ids_from)
+            return execute(inputs, decode, ids_from, greedy)
 
         llm.engine.runner.execute = spy
         g = torch.Generator().manual_seed(1)

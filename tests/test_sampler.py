@@ -82,14 +82,16 @@ def test_top_logprobs():
     assert torch.allclose(vals[:, 0], ref.max(-1).values)
 
 
-def test_greedy_op_equals_torch_max_on_ties_nans_and_odd_vocabularies():
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_greedy_op_equals_torch_max_on_ties_nans_and_odd_vocabularies(threads):
     """The C++ greedy op must give torch.max's index: first of tied maxima, first NaN,
-    index 0 for a row of -inf, any vocabulary size (vector body plus scalar tail), and
-    a non-contiguous input."""
+    index 0 for a row of -inf, any vocabulary size (vector body plus scalar tail), rows
+    on one to three threads, and a non-contiguous input."""
     from engine.sampler import greedy_tokens, load_sampling_ops
 
     if not load_sampling_ops():
         pytest.skip("no C++ compiler")
+    torch.set_num_threads(threads)  # restored by conftest's fixture
     g = torch.Generator().manual_seed(0)
     for vocab in (1, 7, 16, 17, 4096, 32000, 32003):
         x = torch.randn(9, vocab, generator=g)
@@ -100,6 +102,10 @@ def test_greedy_op_equals_torch_max_on_ties_nans_and_odd_vocabularies():
             x[3] = float("-inf")
             x[4, vocab - 1] = 1e9  # the maximum in the scalar tail
             x[5, 0] = float("inf")
+            x[6, 2] = x[6, vocab - 2] = x[6].max() + 1  # a tie far apart: the first wins
+            x[7, 1] = x[7].max() + 1
+            x[7, vocab - 3] = float("nan")  # a NaN after the maximum: it wins
+            x[8, vocab - 20] = x[8].max() + 1  # the maximum near the end
         want = x.max(dim=-1).indices
         got = torch.ops.kvserve_sampling.greedy(x)
         assert torch.equal(got, want), vocab

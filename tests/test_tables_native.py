@@ -229,6 +229,50 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
     assert torch.equal(pa.ref, pb.ref) and pa._free == pb._free
 
 
+def test_native_decode_append_widens_and_recycles_as_torch(monkeypatch):
+    """The C++ decode append counts and links its blocks in one call from the ids the
+    pool would hand out next (`BlockPool.peek`); where the tables are too narrow for a
+    new block, or the free list holds fewer ids than it needs beside parked prefix
+    blocks, it changes nothing and is called again after the tables widen and the pool
+    recycles the least recently used prefix. Both cases end as the torch form does: the
+    same slots, tables, sizes, reference counts, free list and prefix cache."""
+    from kvpool.pool import BlockPool
+    from kvpool.seq_cache import SeqCache
+
+    if not tables_mod.load_mark():
+        pytest.skip("no C++ compiler")
+    calls = []
+    op = torch.ops.kvserve_tables.append_rows
+    runs = []
+    for native in (True, False):
+        monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        pool = BlockPool(80, 4, 1, 4)
+        t = SlotTables(3, 4, 4, 4)
+        caches = [SeqCache(pool, 3, tables=t) for _ in range(4)]
+        for c in caches:
+            c.append(torch.arange(16))  # four full blocks a layer: the next token takes a fifth
+        assert t.width == 4  # as wide as the rows' blocks: the append must widen the tables
+        # all but 5 free blocks parked as published prefixes, in groups of 3 (LRU first)
+        parked = pool.take(len(pool._free) - 5)
+        for h in range(len(parked) // 3):
+            pool.register(h, torch.tensor(parked[3 * h : 3 * h + 3]))
+        pool.ref[torch.tensor(parked)] = 1
+        pool.release(torch.tensor(parked))
+        assert len(pool._free) < 3 * len(caches) <= pool.num_free
+        rows = [c.row for c in caches]
+        monkeypatch.setattr(torch.ops.kvserve_tables, "append_rows",
+                            lambda *a: calls.append(a[-2]) or op(*a), raising=False)
+        slots, width = t.append_decode(pool, rows, [16] * len(rows))
+        assert width == 5 and t.width >= 5
+        runs.append((slots, t.table[:, :4, :5].clone(), t.slot_pos[:, :4, :20].clone(),
+                     t.sizes[:4].clone(), pool.ref.clone(), list(pool._free),
+                     dict(pool.groups), list(pool._cached)))
+    assert len(calls) == 2, "the C++ append is called again once the tables widen"
+    for a, b in zip(*runs):
+        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+    assert min(runs[0][6]) == 3, "the three least recently used prefixes went, no more"
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_native_release_matches_torch(seed, monkeypatch):
     """BlockPool.release's C++ reference counting (csrc/tables_cpu.cpp::release_refs):

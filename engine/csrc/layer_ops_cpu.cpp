@@ -260,8 +260,8 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // whole K, unpacked (0: the build's kWholeK; linear_panels.h). All three are the CPU
 // vendor's choices, made in one place (kvpool/native.py: `pair_fma`, `prefetch_from`,
 // `whole_k_to`).
-at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
-                         int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
+void check_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
   const auto dt = x.scalar_type();
   const bool pairs = panels.dim() == 4;
   TORCH_CHECK(x.dim() == 2 && (panels.dim() == 3 || (pairs && panels.size(3) == 2 && dt == at::kBFloat16)) &&
@@ -271,22 +271,70 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
                   n <= panels.size(0) * panels::kNR && n > (panels.size(0) - 1) * panels::kNR,
               "linear_panels takes contiguous x [M, K] and panels [ceil(N/16), K, 16], both bf16 or fp32, "
               "or bf16 pairs [ceil(N/16), K/2, 16, 2]");
-  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0), ldc = np * panels::kNR;
   TORCH_CHECK(!bias || (bias->scalar_type() == dt && bias->is_contiguous() && bias->numel() == n),
               "bias must be a contiguous [N] of x's dtype");
+}
+
+// x times the panels in the layout's own way (bf16 pairs by dot products or by FMAs, else
+// an fp32 input), each tile's sums handed to `finish` (`panels::gemm`; c: its scratch,
+// [block_rows(M), ldc] fp32).
+template <typename F>
+void panels_gemm(const at::Tensor& x, const at::Tensor& panels, bool fma, int64_t prefetch_from,
+                 int64_t whole_k_to, float* c, F finish) {
+  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0);
+  if (panels.dim() == 4) {  // the bf16 input as it is: K/2 pairs a row
+    const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
+    const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
+#ifdef KVSERVE_KEYDIFF_AVX512
+    // FMAs from kFmaWholeFrom rows (whole-K steps, up to kFmaWholeTo, need K in groups of
+    // 32: every model's but toy ones; otherwise dot products up to there)
+    const bool by_fma = fma && (m > panels::kFmaWholeTo || (m >= panels::kFmaWholeFrom && k % 32 == 0));
+#else
+    const bool by_fma = fma && m > panels::kWholeK;
+#endif
+    if (by_fma) {
+      panels::gemm<panels::Pair, panels::Pair, F, true>(xp, m, k / 2, wp, np, c, prefetch_from, whole_k_to,
+                                                        finish);
+    } else {
+      panels::gemm(xp, m, k / 2, wp, np, c, prefetch_from, whole_k_to, finish);
+    }
+    return;
+  }
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, c, prefetch_from, whole_k_to, finish);
+  };
+  if (panels.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
+}
+
+// The bias of a panel's columns (zeros past n, or without a bias), as fp32.
+template <typename scalar_t>
+void panel_bias(const scalar_t* bp, int64_t j0, int64_t cols, float* b) {
+  for (int64_t j = 0; j < panels::kNR; ++j) b[j] = bp && j < cols ? f32(bp[j0 + j]) : 0.0f;
+}
+
+at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                         int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
+  check_panels(x, panels, bias, n);
+  const int64_t m = x.size(0), np = panels.size(0), ldc = np * panels::kNR;
   auto run = [&](auto tag) -> at::Tensor {
     using scalar_t = decltype(tag);
     at::Tensor y = at::empty({m, n}, x.options());
-    // fp32 without a bias over whole panels: the sums are the output, made in place
-    const bool in_place = std::is_same_v<scalar_t, float> && n == ldc && !bias;
-    at::Tensor c = in_place ? y : at::empty({panels::block_rows(m), ldc}, x.options().dtype(at::kFloat));
+    if (std::is_same_v<scalar_t, float> && n == ldc && !bias) {
+      // fp32 without a bias over whole panels: the sums are the output, made in place
+      panels::gemm(x.data_ptr<float>(), m, x.size(1), panels.data_ptr<float>(), np, y.data_ptr<float>(),
+                   prefetch_from, whole_k_to);
+      return y;
+    }
+    at::Tensor c = at::empty({panels::block_rows(m), ldc}, x.options().dtype(at::kFloat));
     // A tile's sums (+ bias, rounded to the layer's dtype) into y, as soon as they are whole
     scalar_t* yp = y.data_ptr<scalar_t>();
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    auto finish = [yp, bp, n](int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
+    auto finish = [yp, bp, n](int, int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
       const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
-      float b[panels::kNR] = {};
-      for (int64_t j = 0; j < cols && bp; ++j) b[j] = f32(bp[j0 + j]);
+      float b[panels::kNR];
+      panel_bias(bp, j0, cols, b);
       for (int64_t r = 0; r < rows; ++r) {
         const float* s = sums + r * ldc;
         scalar_t* out = yp + (row + r) * n + j0;
@@ -304,31 +352,112 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
         for (int64_t j = 0; j < cols; ++j) out[j] = to<scalar_t>(s[j] + b[j]);
       }
     };
-    float* cp = c.data_ptr<float>();
-    if (pairs) {  // the bf16 input as it is: K/2 pairs a row (bf16: never in place)
-      const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
-      const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
-#ifdef KVSERVE_KEYDIFF_AVX512
-      // FMAs from kFmaWholeFrom rows (whole-K steps, up to kFmaWholeTo, need K in groups of
-      // 32: every model's but toy ones; otherwise dot products up to there)
-      const bool by_fma = fma && (m > panels::kFmaWholeTo || (m >= panels::kFmaWholeFrom && k % 32 == 0));
-#else
-      const bool by_fma = fma && m > panels::kWholeK;
-#endif
-      if (by_fma) {
-        panels::gemm<panels::Pair, panels::Pair, decltype(finish), true>(xp, m, k / 2, wp, np, cp,
-                                                                         prefetch_from, whole_k_to, finish);
-      } else {
-        panels::gemm(xp, m, k / 2, wp, np, cp, prefetch_from, whole_k_to, finish);
-      }
-    } else {
-      const at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-      if (in_place) panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole_k_to);
-      else panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, cp, prefetch_from, whole_k_to, finish);
-    }
+    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, c.data_ptr<float>(), finish);
     return y;
   };
-  return dt == at::kFloat ? run(float{}) : run(at::BFloat16{});
+  return x.scalar_type() == at::kFloat ? run(float{}) : run(at::BFloat16{});
+}
+
+// `linear_panels(...).float().max(dim=-1).indices` without the output: the first column of
+// each row's largest value, rounded to the layer's dtype as the output holds it (torch's
+// rule: the first of equal maxima, and a NaN counts as the largest, the first one wins).
+// Each tile's sums, while in L1, update its share's running maximum per row and lane (lane
+// j: column j of every panel; a panel replaces a lane's value only when it is larger, so
+// the first panel of equal ones stays, and a lane's first NaN stays), and the shares'
+// lanes are reduced at the end. Why: a greedy step of a bf16 model wrote bf16 logits,
+// copied them to fp32 and read those back to sample, all out of cache by then (the head's
+// weights stream through L2 meanwhile): the 160M model's head and argmax at 64 rows take
+// ~0.9x the time this way, its decode step 1.02x (engine/cpu_linear.py's `greedy_ids`
+// uses it for 16-bit heads only: an fp32 head writes its sums in place, and a running
+// maximum through the finishing step cost as much as reading them back or more).
+at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
+                                int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
+  check_panels(x, panels, bias, n);
+  const int64_t m = x.size(0), np = panels.size(0), ldc = np * panels::kNR, lanes = panels::kNR;
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  if (m == 0) return out;
+  // a share's lanes for every row: the largest value, its panel (-1: none larger than
+  // -inf yet) and which lanes met a NaN (a bit each); `gemm` runs at most
+  // get_num_threads() shares. Each row's lanes are one cache line, aligned (ATen's
+  // allocator): a row's next panel reads what its last one stored, often right after
+  // (two panels a tile), and a store forwards to a load only within one line.
+  const int64_t shares = std::max(1, at::get_num_threads());
+  at::Tensor best_t = at::full({shares * m, lanes}, -INFINITY, x.options().dtype(at::kFloat));
+  at::Tensor at_t = at::full({shares * m, lanes}, -1, x.options().dtype(at::kInt));
+  at::Tensor nan_t = at::zeros({shares * m}, x.options().dtype(at::kShort));
+  float* best = best_t.data_ptr<float>();
+  int32_t* at_panel = at_t.data_ptr<int32_t>();
+  uint16_t* nan = reinterpret_cast<uint16_t*>(nan_t.data_ptr<int16_t>());
+  at::Tensor c = at::empty({panels::block_rows(m), ldc}, x.options().dtype(at::kFloat));
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    auto finish = [&](int share, int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
+      const int64_t j0 = panel * lanes, cols = std::min(lanes, n - j0);
+      float b[panels::kNR];
+      panel_bias(bp, j0, cols, b);
+      const int32_t p = static_cast<int32_t>(panel);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = sums + r * ldc;
+        const int64_t o = share * m + row + r;
+        float* bv = best + o * lanes;
+        int32_t* ap = at_panel + o * lanes;
+#ifdef KVSERVE_KEYDIFF_AVX512
+        if (cols == panels::kNR) {
+          __m512 v = _mm512_loadu_ps(s);
+          if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(b));
+          if constexpr (!std::is_same_v<scalar_t, float>) {  // rounded as the output holds it
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+          }
+          const __mmask16 open = static_cast<__mmask16>(~nan[o]);
+          const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __m512 cur = _mm512_load_ps(bv);
+          const __mmask16 larger = _mm512_mask_cmp_ps_mask(open, v, cur, _CMP_GT_OQ);
+          _mm512_store_ps(bv, _mm512_mask_mov_ps(cur, larger, v));
+          const __m512i at = _mm512_load_si512(ap);
+          _mm512_store_si512(ap, _mm512_mask_mov_epi32(at, larger | (is_nan & open), _mm512_set1_epi32(p)));
+          nan[o] |= is_nan;
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < cols; ++j) {
+          const float v = std::is_same_v<scalar_t, float> ? s[j] + b[j] : f32(to<scalar_t>(s[j] + b[j]));
+          if (nan[o] >> j & 1) continue;
+          if (v != v) {
+            nan[o] |= static_cast<uint16_t>(1u << j);
+            ap[j] = p;
+          } else if (v > bv[j]) {
+            bv[j] = v;
+            ap[j] = p;
+          }
+        }
+      }
+    };
+    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, c.data_ptr<float>(), finish);
+  };
+  if (x.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < m; ++row) {
+    // columns rise with the share and, within one, with the panel: the smallest column
+    // among the NaN lanes, else among the lanes holding the largest value
+    int64_t first_nan = -1, first = -1;
+    float top = -INFINITY;
+    for (int64_t sh = 0; sh < shares; ++sh) {
+      const int64_t o = (sh * m + row) * lanes;
+      for (int64_t j = 0; j < lanes; ++j) {
+        if (at_panel[o + j] < 0) continue;
+        const int64_t col = at_panel[o + j] * lanes + j;
+        if (nan[sh * m + row] >> j & 1) {
+          if (first_nan < 0 || col < first_nan) first_nan = col;
+        } else if (best[o + j] > top || (best[o + j] == top && col < first)) {
+          top = best[o + j];
+          first = col;
+        }
+      }
+    }
+    op[row] = first_nan >= 0 ? first_nan : std::max<int64_t>(first, 0);  // a row of -inf: 0
+  }
+  return out;
 }
 
 // panels::isa(): "avx2" / "avx512" / "avx512_bf16" where the panels' tiles have their
@@ -345,6 +474,8 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, int prefetch_from=6, "
         "int whole_k_to=0) -> Tensor");
+  m.def("linear_panels_argmax(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, "
+        "int prefetch_from=6, int whole_k_to=0) -> Tensor");
   m.def("linear_panels_isa() -> str");
 }
 
@@ -354,6 +485,7 @@ TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
   m.impl("linear_panels", &linear_panels);
+  m.impl("linear_panels_argmax", &linear_panels_argmax);
 }
 
 // No tensor argument to dispatch on: registered as a catch-all.

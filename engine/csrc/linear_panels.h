@@ -459,8 +459,11 @@ inline int64_t block_rows(int64_t m) { return m > kWholeK ? std::min(m, kMC) : m
 
 // No finishing (`NoFinish`): the sums are the output, c [m, np * 16]. With a `finish`
 // callable, c is scratch for one block of rows ([block_rows(m), np * 16]), and each tile's
-// sums, once its last K block is in, go to finish(row, rows, panel, sums, ldc) while they
-// are in L1: the caller adds its bias and rounds into its own output. Why: a bf16 layer's
+// sums, once its last K block is in, go to finish(share, row, rows, panel, sums, ldc) while
+// they are in L1: the caller adds its bias and rounds into its own output. `share`: the
+// thread's share of the panels, a contiguous run, shares in order (share_of), so a row's
+// panels reach a share's finish in increasing order (what an argmax over them relies on:
+// layer_ops_cpu.cpp's `linear_panels_argmax`). Why: a bf16 layer's
 // whole fp32 C, written and read back by a second pass, was a 50 MB detour at 2,048 x
 // 6,144 (the gate/up GEMM ran at ~295 GFLOP/s against ~415 for the other layers of that
 // step; with the finishing ~410: docs/benchmarks.md, session 41).
@@ -633,8 +636,8 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
                   }
                   if constexpr (kFinishes) {
                     if (pc + kc == k) {
-                      finish(ic + r, mr, p, static_cast<const float*>(cp), ldc);
-                      finish(ic + r, mr, p + 1, static_cast<const float*>(cp + kNR), ldc);
+                      finish(tid, ic + r, mr, p, static_cast<const float*>(cp), ldc);
+                      finish(tid, ic + r, mr, p + 1, static_cast<const float*>(cp + kNR), ldc);
                     }
                   }
                   continue;
@@ -648,7 +651,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               }
             }
             if constexpr (kFinishes) {
-              if (pc + kc == k) finish(ic + r, mr, p, static_cast<const float*>(cp), ldc);
+              if (pc + kc == k) finish(tid, ic + r, mr, p, static_cast<const float*>(cp), ldc);
             }
           }
         };

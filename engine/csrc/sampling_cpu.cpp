@@ -8,7 +8,8 @@
 // decode step, ~4% at a 32k vocabulary. Here a vector pass finds the maximum and a
 // second one (the row is now in L1) finds where it first occurs, 16 lanes at a time
 // (8 with AVX2 only): ~5x torch on a warm [64, 4096], ~2x in a decode step (the logits
-// arrive cold).
+// arrive cold). A bf16 LM head takes a greedy step's argmax itself (layer_ops_cpu.cpp's
+// `linear_panels_argmax`), so this serves fp32 heads and the other devices' fallbacks.
 //
 // race: the sampled rows' exponential race, argmax_i p_i / E_i with E_i = -log(u_i) and
 // u_i engine/sampler.py's `uniform_noise` (a counter hash of seed, step and token id).
@@ -35,27 +36,53 @@
 
 namespace {
 
+// Where x[0, n)'s first maximum is, by torch.max's rule (the first NaN when there is one).
+// Four running maxima, not one: vmaxps's latency (4 cycles) paced a single one at a
+// quarter of the loads' rate (a warm [64, 4096]: 32 us on one thread, now 22.5; 19 and 15
+// on two; in a decode step, where the logits come from memory, the same).
 int64_t first_max(const float* x, int64_t n) {
   int64_t i = 0;
   bool nan = false;
   float best = -INFINITY;
 #if defined(__AVX512F__)
-  __m512 m = _mm512_set1_ps(-INFINITY);
+  __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
   __mmask16 unordered = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
+    const __m512 v2 = _mm512_loadu_ps(x + i + 32), v3 = _mm512_loadu_ps(x + i + 48);
+    // a lane is unordered when either operand is a NaN: one compare for two vectors
+    unordered |= _mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v2, v3, _CMP_UNORD_Q);
+    m0 = _mm512_max_ps(m0, v0);
+    m1 = _mm512_max_ps(m1, v1);
+    m2 = _mm512_max_ps(m2, v2);
+    m3 = _mm512_max_ps(m3, v3);
+  }
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, v);
+    m0 = _mm512_max_ps(m0, v);
   }
-  best = _mm512_reduce_max_ps(m);
+  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
   nan = unordered != 0;
 #elif defined(__AVX2__)  // the same, 8 lanes at a time
-  __m256 m = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+  __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0, m2 = m0, m3 = m0;
+  __m256 unordered = _mm256_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+    unordered = _mm256_or_ps(unordered, _mm256_or_ps(_mm256_cmp_ps(v0, v1, _CMP_UNORD_Q),
+                                                     _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q)));
+    m0 = _mm256_max_ps(m0, v0);
+    m1 = _mm256_max_ps(m1, v1);
+    m2 = _mm256_max_ps(m2, v2);
+    m3 = _mm256_max_ps(m3, v3);
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    m = _mm256_max_ps(m, v);
+    m0 = _mm256_max_ps(m0, v);
   }
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   best = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
@@ -65,6 +92,7 @@ int64_t first_max(const float* x, int64_t n) {
     nan |= std::isnan(x[i]);
     best = x[i] > best ? x[i] : best;
   }
+  // where it first occurs (the row is in L1 now)
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 b = _mm512_set1_ps(best);

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from engine.cpu_linear import greedy_ids
 from engine.model_config import ModelConfig
 from engine.models.llama import AttnFn, CosSin
 from engine.rope import RotaryEmbedding, apply_rotary
@@ -103,3 +104,8 @@ class GPTNeoXForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         return self.embed_out(hidden).float()
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N] each row's argmax token, without the logits, where the
+        head can (`greedy_ids`); else None."""
+        return greedy_ids(self.embed_out, hidden)

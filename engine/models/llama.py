@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from engine.cpu_linear import greedy_ids
 from engine.layer_ops import add_rms_norm, rms_norm, rotary_, silu_and_mul
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
@@ -190,3 +191,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N] each row's argmax token, without the logits, where the
+        head can (`greedy_ids`); else None."""
+        return greedy_ids(self.lm_head, hidden)

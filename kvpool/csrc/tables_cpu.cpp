@@ -439,20 +439,27 @@ std::tuple<bool, at::Tensor, at::Tensor, at::Tensor, at::Tensor> compact_rows(
 // bumped here, so the host lists only the rows: a per-request Python pass over the sizes
 // was ~1.5 us a request, a tenth of a 3M model's 64-request step outside the forward. The
 // torch form is about ten dispatches. `plan` is one host list of ints:
-//   rows [b] | positions [b] | new block ids [k]
+//   rows [b] | positions [b] | free block ids it may take [k]
 // A layer whose last block is full takes the next id (rows in order, layers within a row,
 // the order the torch form uses), with reference count 1 in `ref`; each appended slot gets
-// its position and every state its fill (states as `state_runs` takes them). Everything is
-// checked before anything is written (the caller widened the tables and took the ids
-// `decode_need` counts). Returns the physical slots [L, b] to write this step's K/V to.
+// its position and every state its fill (states as `state_runs` takes them). Returns the
+// physical slots [L, b] to write this step's K/V to, the ids it took (the first `need`)
+// and the most blocks a row then holds in a layer (`widest`, the width the step's
+// attention reads). It counts its blocks itself, so a step makes one call where it made
+// two (`decode_need`, then this), each paying for cold code and data right after the
+// forward. Everything is checked before anything is written; where the tables are too
+// narrow (`widest` over their width) or the ids too few (`need` over k) it writes nothing
+// and returns no slots (an empty tensor) with the two counts, for the caller to widen the
+// tables or take more ids and call again.
 // `peaks` [Rt, 2] int64 keeps each row's most blocks
 // (all layers) and live tokens (summed over layers // layers) right after an append.
 // A layer that `ring_writes` takes no slot: its token goes over the ring's next slot, in
 // a block only this row holds (checked), the cursor moves on within [sink, cap) and the
 // row's overwritten count grows; its sizes stay.
-at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, at::Tensor peaks,
-                       at::Tensor ring, std::vector<at::Tensor> states, const at::Tensor& columns,
-                       std::vector<double> fills, at::Tensor ref, c10::IntArrayRef plan, int64_t b, int64_t bs) {
+std::tuple<at::Tensor, int64_t, int64_t> append_rows(
+    at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, at::Tensor peaks, at::Tensor ring,
+    std::vector<at::Tensor> states, const at::Tensor& columns, std::vector<double> fills, at::Tensor ref,
+    c10::IntArrayRef plan, int64_t b, int64_t bs) {
   const std::array<int64_t, 4> dims = check_tables(table, slot_pos, bs);
   const int64_t nl = dims[0], rt = dims[1], wt = dims[2], s = dims[3];
   check_sizes(sizes, rt, nl);
@@ -487,7 +494,7 @@ at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, 
       __builtin_prefetch(sp + lr * s + nxt, 1);
     }
   }
-  int64_t need = 0;
+  int64_t need = 0, widest = 0;
   for (int64_t i = 0; i < b; ++i) {
     const int64_t* z = zp + rows[i] * 3 * nl;
     const int64_t* g = gp + rows[i] * (3 + nl);
@@ -500,16 +507,18 @@ at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, 
         TORCH_CHECK(at >= g[0] && at < g[1], "ring cursor out of range");
         const int64_t id = tp[lr * wt + at / bs];
         TORCH_CHECK(id >= 0 && id < ref.size(0) && refp[id] == 1, "a ring slot in a block not only this row's");
+        widest = std::max(widest, nb);
       } else if (nxt == nb * bs) {
-        TORCH_CHECK(nb < wt, "the tables are too narrow for a new block");
         ++need;
+        widest = std::max(widest, nb + 1);
       } else {
         TORCH_CHECK(tp[lr * wt + nxt / bs] >= 0, "appending into a column with no block");
+        widest = std::max(widest, nb);
       }
     }
   }
-  TORCH_CHECK(need == k, "the plan's new blocks do not match the rows' sizes");
-  for (int64_t j = 0; j < k; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < ref.size(0), "new block out of range");
+  if (need > k || widest > wt) return {at::empty({0}, table.options()), need, widest};
+  for (int64_t j = 0; j < need; ++j) TORCH_CHECK(ids[j] >= 0 && ids[j] < ref.size(0), "new block out of range");
   at::Tensor out = at::empty({nl, b}, table.options());
   int64_t* op = out.data_ptr<int64_t>();
   int64_t* pk = peaks.data_ptr<int64_t>();
@@ -552,7 +561,7 @@ at::Tensor append_rows(at::Tensor table, at::Tensor slot_pos, at::Tensor sizes, 
     q[0] = std::max(q[0], blocks);
     q[1] = std::max(q[1], live / nl);
   }
-  return out;
+  return {out, need, widest};
 }
 
 // The rows' sizes ([Rt, 3, L] int64), checked, and every row's blocks and appended
@@ -745,7 +754,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(g!) ring, Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, "
         "int b, int bs) "
-        "-> Tensor");
+        "-> (Tensor, int, int)");
   m.def("compact_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, "
         "Tensor columns, Tensor(e!)[] flats, Tensor rows, Tensor only, Tensor ref, int bs) "
         "-> (bool, Tensor, Tensor, Tensor, Tensor)");
