@@ -345,12 +345,14 @@ class EngineCore:
         steps: list[int] = []
         n_dec = n_pre = 0
         plain = self.config.async_scheduling  # every request may leave its tokens in flight
-        for c in plan.chunks:  # one pass: at 64 decoding every per-request pass shows
-            r = c.request
-            if c.num_tokens == 1:
+        sampling = self._sampling
+        # One pass, its fields read once: at 64 decoding every per-request pass shows
+        for c in plan.chunks:
+            r, n, start = c.request, c.num_tokens, c.start
+            if n == 1:
                 n_dec += 1
             else:
-                n_pre += c.num_tokens
+                n_pre += n
             if r.first_scheduled_time is None:
                 r.first_scheduled_time = now
             cache = r.cache  # its peak sizes are kept as its slots are taken (SeqCache.peak)
@@ -359,7 +361,7 @@ class EngineCore:
             sampled = completes and p.max_tokens > 0
             if sampled:
                 done.append(c)
-                if self._sampling:
+                if sampling:
                     params.append(p)
                     seeds.append(r.seed)
                     steps.append(len(r.output_ids) + r.pending_tokens)
@@ -367,10 +369,9 @@ class EngineCore:
                 scored.append(r)
             # a token still in flight stands as a placeholder: the graph reads its id
             # from the device (`after`)
-            tokens = _PLACEHOLDER if after is not None else r.token_slice(
-                c.start, c.start + c.num_tokens)
+            tokens = _PLACEHOLDER if after is not None else r.token_slice(start, start + n)
             if r.policy is None and r.prompt_logprobs is None:  # asks for nothing more
-                inputs.append(SeqInput(tokens, c.start - r.pos_offset, c.slots, cache, sampled))
+                inputs.append(SeqInput(tokens, start - r.pos_offset, c.slots, cache, sampled))
                 plain = plain and p.logprobs is None
             else:
                 needs = r.policy.needs if r.policy is not None else _NO_NEEDS
@@ -379,15 +380,15 @@ class EngineCore:
                 plain = (plain and needs == _NO_NEEDS and r.prompt_logprobs is None
                          and p.logprobs is None)
                 inputs.append(SeqInput(
-                    tokens, c.start - r.pos_offset, c.slots, cache, sampled, needs.attention,
+                    tokens, start - r.pos_offset, c.slots, cache, sampled, needs.attention,
                     _prompt_scoring(r, c) if r.prompt_logprobs is not None else None,
                     needs.key_diversity and self.policies.acts(r, c), needs.attention_heads,
                     needs.new_key_norm or needs.new_value_norm, needs.accumulate,
                     # a decode token (the window holds every query after the prompt)
-                    None if needs.ring is None or not r.prefill_done else (*needs.ring, c.start)))
+                    None if needs.ring is None or not r.prefill_done else (*needs.ring, start)))
             # Counted as computed now (nothing before the advance reads it): a step that
             # fails fails every request in it, so no later step sees the count early.
-            r.num_computed += c.num_tokens
+            r.num_computed += n
         t1 = time.perf_counter()
         ids_from = None
         if after is not None:  # each row's token: its request's row in the step in flight
@@ -453,11 +454,11 @@ class EngineCore:
                  ) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
+        finished = Status.FINISHED
         for row, (c, tok) in enumerate(zip(done, tokens)):
             r = c.request
-            if r.status is Status.FINISHED:  # stopped, or aborted, while this step ran
+            if r.status is finished:  # stopped, or aborted, while this step ran
                 continue
-            self._generation_tokens += 1
             if r.pending_tokens:
                 r.pending_tokens -= 1
             if r.first_token_time is None:
@@ -479,6 +480,7 @@ class EngineCore:
                 self.scheduler.remove(r)
                 self._forget(r)
             outputs.append(self._output(r, [tok], text, logprobs))
+        self._generation_tokens += len(outputs)  # a token each
         return outputs
 
     def _finish_scored(self, reqs: list[Request]) -> list[RequestOutput]:

@@ -150,6 +150,7 @@ class Scheduler:
         # In _key order (`_resume` keeps `running` so): no sort per step. Reversed, so the
         # next request pops off the end and a victim is removed from what is left.
         queue = self.running[::-1]
+        running = Status.RUNNING
         while queue and budget > 0:
             req = queue.pop()
             left = req.num_tokens - req.num_computed
@@ -176,7 +177,7 @@ class Scheduler:
                     if victim is req:
                         break
                 free = self.pool.num_free
-            if req.status is Status.RUNNING:
+            if req.status is running:  # not preempted just above
                 if n == 1:
                     rows.append(cache.row)
                     positions.append(req.num_computed - req.pos_offset)

@@ -32,6 +32,12 @@ needs_onednn = pytest.mark.skipif(not packing_available(torch.float32),
 needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
                                   reason="no vector panel kernel here (no AVX2)")
 
+# The panels' layouts: fp32; bf16 widened as read; bf16 pairs by dot products; by FMAs.
+LAYOUTS = pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
+                                                      (torch.bfloat16, False, False),
+                                                      (torch.bfloat16, True, False),
+                                                      (torch.bfloat16, True, True)])
+
 
 @pytest.fixture
 def onednn_only(monkeypatch) -> None:
@@ -84,10 +90,7 @@ def test_bf16_is_widened_without_bf16_dot_products(rows: int, native: bool) -> N
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
-                                             (torch.bfloat16, False, False),
-                                             (torch.bfloat16, True, False),
-                                             (torch.bfloat16, True, True)])
+@LAYOUTS
 @pytest.mark.parametrize("bias", [False, True])
 # AVX2: 1-72 decoding, whole K in registers (tile tails of 1-5 rows), 73 and up blocked (a
 # 144-row block and a tail). AVX-512: 1-12 whole K (one tile), 13-144 one block packed by
@@ -131,10 +134,7 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: boo
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
-                                             (torch.bfloat16, False, False),
-                                             (torch.bfloat16, True, False),
-                                             (torch.bfloat16, True, True)])
+@LAYOUTS
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_panel_argmax_is_the_outputs_first_maximum(dtype: torch.dtype, pairs: bool, fma: bool,
@@ -182,10 +182,7 @@ def test_panel_argmax_is_the_outputs_first_maximum(dtype: torch.dtype, pairs: bo
 
 
 @needs_panels
-@pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
-                                             (torch.bfloat16, False, False),
-                                             (torch.bfloat16, True, False),
-                                             (torch.bfloat16, True, True)])
+@LAYOUTS
 @pytest.mark.parametrize("rows", [1, 13, 300])  # whole K; one block; blocks and a tail
 def test_panels_round_each_output_as_torch_does(dtype: torch.dtype, pairs: bool, fma: bool,
                                                 rows: int) -> None:
