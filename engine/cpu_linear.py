@@ -100,8 +100,9 @@ def min_rows(vendor: str) -> int:
 
 
 MIN_ROWS = min_rows(cpuinfo("vendor_id"))
-# rows from which a whole-K panel step prefetches the next panel (read once, as above)
-PREFETCH_FROM = prefetch_from()
+# A pair layer's steps go to FMAs from this many rows, whole K up to the second
+# (linear_panels.h kFmaWholeFrom, kFmaWholeTo); whole-K steps need K in groups of 32.
+FMA_WHOLE_FROM, FMA_WHOLE_TO = 6, 32
 
 
 def padded_rows(rows: int, smallest: int = MIN_ROWS) -> int:
@@ -181,9 +182,12 @@ def bf16_path() -> str:
 
 
 @functools.cache
-def _whole_k_to() -> int:
-    """`whole_k_to` for this CPU and build, read once (the first panel layer loads the ops)."""
-    return whole_k_to(avx512=panels_isa().startswith("avx512"))
+def _kernel_choices() -> tuple[bool, int, int]:
+    """This CPU's choices for the panel kernel, made in kvpool/native.py and read once,
+    by the first panel layer (the last needs the built op's ISA): whether a pair layer's
+    steps run on FMAs (`pair_fma`), from which rows a whole-K step prefetches the next
+    panel (`prefetch_from`), and up to which rows a step runs whole K (`whole_k_to`)."""
+    return pair_fma(), prefetch_from(), whole_k_to(avx512=panels_isa().startswith("avx512"))
 
 
 def panels_isa() -> str:
@@ -297,10 +301,9 @@ class PanelLinear(nn.Module):
         if pairs is None:
             pairs = w.dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
         self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
-        # pairs: steps of 6 rows and more by FMAs (`pair_fma`; linear_panels.h kFmaWholeFrom)
-        self.fma = self.pairs and (pair_fma() if fma is None else fma)
-        self.prefetch_from = PREFETCH_FROM
-        self.whole_k_to = _whole_k_to()
+        # pairs: steps of FMA_WHOLE_FROM rows and more by FMAs (`pair_fma`)
+        by_fma, self.prefetch_from, self.whole_k_to = _kernel_choices()
+        self.fma = self.pairs and (by_fma if fma is None else fma)
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
         # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
@@ -332,7 +335,9 @@ class PanelLinear(nn.Module):
         return ids.view(x.shape[:-1])
 
     def extra_repr(self) -> str:
-        pairs = " pairs" + (", FMAs from 6 rows" if self.fma else "") if self.pairs else ""
+        # a K not in groups of 32 (toy models) keeps dot products through the whole-K steps
+        fma_from = FMA_WHOLE_FROM if self.in_features % 32 == 0 else FMA_WHOLE_TO + 1
+        pairs = " pairs" + (f", FMAs from {fma_from} rows" if self.fma else "") if self.pairs else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}{pairs}")
 
