@@ -100,9 +100,6 @@ def min_rows(vendor: str) -> int:
 
 
 MIN_ROWS = min_rows(cpuinfo("vendor_id"))
-# A pair layer's steps go to FMAs from this many rows, whole K up to the second
-# (linear_panels.h kFmaWholeFrom, kFmaWholeTo); whole-K steps need K in groups of 32.
-FMA_WHOLE_FROM, FMA_WHOLE_TO = 6, 32
 
 
 def padded_rows(rows: int, smallest: int = MIN_ROWS) -> int:
@@ -301,7 +298,7 @@ class PanelLinear(nn.Module):
         if pairs is None:
             pairs = w.dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
         self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
-        # pairs: steps of FMA_WHOLE_FROM rows and more by FMAs (`pair_fma`)
+        # pairs: longer steps by FMAs (`pair_fma`; from which rows: linear_panels.h)
         by_fma, self.prefetch_from, self.whole_k_to = _kernel_choices()
         self.fma = self.pairs and (by_fma if fma is None else fma)
         # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
@@ -335,9 +332,8 @@ class PanelLinear(nn.Module):
         return ids.view(x.shape[:-1])
 
     def extra_repr(self) -> str:
-        # a K not in groups of 32 (toy models) keeps dot products through the whole-K steps
-        fma_from = FMA_WHOLE_FROM if self.in_features % 32 == 0 else FMA_WHOLE_TO + 1
-        pairs = " pairs" + (f", FMAs from {fma_from} rows" if self.fma else "") if self.pairs else ""
+        # which steps take the FMAs is the kernel's rule (linear_panels.h kFmaWholeFrom)
+        pairs = " pairs" + (", longer steps by FMAs" if self.fma else "") if self.pairs else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"{PANEL}-column panels, {str(self.dtype).removeprefix('torch.')}{pairs}")
 

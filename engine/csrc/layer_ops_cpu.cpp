@@ -308,10 +308,11 @@ void panels_gemm(const at::Tensor& x, const at::Tensor& panels, bool fma, int64_
   if (panels.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
 }
 
-// The bias of a panel's columns (zeros past n, or without a bias), as fp32.
+// The bias of a panel's columns as fp32, zeros past n (b: zeroed by the caller; nothing
+// more to do without a bias, every layer of a Llama: this runs once a tile).
 template <typename scalar_t>
 void panel_bias(const scalar_t* bp, int64_t j0, int64_t cols, float* b) {
-  for (int64_t j = 0; j < panels::kNR; ++j) b[j] = bp && j < cols ? f32(bp[j0 + j]) : 0.0f;
+  for (int64_t j = 0; j < cols && bp; ++j) b[j] = f32(bp[j0 + j]);
 }
 
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
@@ -333,7 +334,7 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
     auto finish = [yp, bp, n](int, int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
       const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
-      float b[panels::kNR];
+      float b[panels::kNR] = {};
       panel_bias(bp, j0, cols, b);
       for (int64_t r = 0; r < rows; ++r) {
         const float* s = sums + r * ldc;
@@ -394,7 +395,7 @@ at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, c
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
     auto finish = [&](int share, int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
       const int64_t j0 = panel * lanes, cols = std::min(lanes, n - j0);
-      float b[panels::kNR];
+      float b[panels::kNR] = {};
       panel_bias(bp, j0, cols, b);
       const int32_t p = static_cast<int32_t>(panel);
       for (int64_t r = 0; r < rows; ++r) {
