@@ -339,14 +339,15 @@ class PanelLinear(nn.Module):
 
 
 def greedy_ids(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-    """Each row's argmax token through the LM head `head` where taking it as the logits
-    are made is faster than making them (None elsewhere: the caller computes the logits
-    and takes the argmax of those): a bf16 `PanelLinear`, whose tiles' sums pass through
-    a rounding step anyway. There the op keeps a running maximum instead of writing bf16
-    logits, which a copy to fp32 and the sampler then read back (the 160M head at 64 rows:
-    ~0.9x the time). An fp32 head writes its sums in place, and the running maximum cost
-    what reading them back did (the 3M model) or more (160M: 1.03x)."""
-    return head.argmax(hidden) if isinstance(head, PanelLinear) and head.dtype != torch.float32 else None
+    """Each row's argmax token through the LM head `head`, taken as the logits are made,
+    where the head is a `PanelLinear` (None elsewhere: the caller computes the logits
+    and takes the argmax of those). The op keeps a running maximum per row as each pair
+    of panels finishes, in L1, and writes no logits: a bf16 head wrote bf16 logits that a
+    copy to fp32 and the sampler then read back (the 160M head at 64 rows: ~0.9x the time),
+    and an fp32 head's logits were read back from out of cache (the 3M model's argmax at
+    64 rows was ~50 us of the host's ~300; paired steps in one engine: the step the same
+    (3M) or 0.66 ms shorter of 159 (160M fp32), docs/benchmarks.md session 48)."""
+    return head.argmax(hidden) if isinstance(head, PanelLinear) else None
 
 
 def faster_linear(linear: nn.Linear) -> nn.Module | None:

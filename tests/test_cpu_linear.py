@@ -137,22 +137,25 @@ def test_panel_linear_matches_f_linear(dtype: torch.dtype, pairs: bool, fma: boo
 @LAYOUTS
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("k", [96, 800])  # one K block a panel; several (fp32: C-wide scratch)
 def test_panel_argmax_is_the_outputs_first_maximum(dtype: torch.dtype, pairs: bool, fma: bool,
-                                                   bias: bool, threads: int) -> None:
+                                                   bias: bool, threads: int, k: int) -> None:
     """`PanelLinear.argmax` (the op's running maximum over its tiles as they finish, the
     output never written) is `forward(x).float().max(dim=-1).indices`: the first of
-    equal maxima, whether they meet in one lane of two panels, in two lanes, or in two
-    threads' shares of the panels; with NaN columns (from the bias) the first NaN, over
-    any larger value; a row of -inf gives 0; every step shape (whole K, one block,
-    blocks and a tail), a last panel cut short (1,000 outputs: 62.5 panels), one to
+    equal maxima, whether they meet in one lane of two panels (side by side in a wide
+    tile, compared there first, or apart), in two lanes, or in two threads' shares of the
+    panels; with NaN columns (from the bias) the first NaN, over any larger value; a row
+    of -inf gives 0; every step shape (whole K, one block, blocks and a tail) at one K
+    block a panel and at several (the finishing scratch a pair of panels wide, or as
+    wide as the output), a last panel cut short (1,000 outputs: 62.5 panels), one to
     three threads."""
     torch.manual_seed(threads)
     torch.set_num_threads(threads)  # restored by conftest's fixture
-    k = 96
     linear = nn.Linear(k, 1000, bias=bias).to(dtype)
     with torch.no_grad():
         w = linear.weight
         w[700] = w[3] = w[3] * 4  # column 3 the largest of its rows, and 700 equal to it
+        w[19] = w[3]  # and 19: lane 3 of the next panel, compared in the same wide tile
         w[517] = w[21] = w[21] * 4  # lanes 5 and 5 of panels 1 and 32
         w[999] = w[9]  # the short last panel's lane 7
         if bias:
@@ -448,13 +451,16 @@ def test_engine_on_laid_out_weights_generates_what_dense_weights_do(
 
 
 @needs_panels
-def test_greedy_bf16_steps_take_the_argmax_from_the_head(tmp_path, monkeypatch) -> None:
-    """A bf16 panel head gives a greedy step's tokens without its logits
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_steps_take_the_argmax_from_a_panel_head(tmp_path, monkeypatch, dtype: str) -> None:
+    """A panel head (bf16 or fp32) gives a greedy step's tokens without its logits
     (`PanelLinear.argmax`, the runner's `greedy`): the same tokens as the logits'
     argmax, for every step of greedy requests, and not while a sampled request (which
     needs the logits) shares the batch."""
     from engine.models import llama
 
+    if not cpu_linear.panels_for(getattr(torch, dtype)):
+        pytest.skip(f"{dtype} layers stay on oneDNN on this CPU")
     monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 0)
     model = make_tiny_model("llama", tmp_path / "llama")
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -462,7 +468,7 @@ def test_greedy_bf16_steps_take_the_argmax_from_the_head(tmp_path, monkeypatch) 
     calls = []
     argmax = PanelLinear.argmax
     monkeypatch.setattr(PanelLinear, "argmax", lambda self, x: calls.append(len(x)) or argmax(self, x))
-    fused = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype="bfloat16")
+    fused = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype)
     assert isinstance(fused.engine.model.lm_head, PanelLinear)
     got = [c.token_ids for c in fused.generate(prompts, greedy)]
     assert len(calls) >= 12 and max(calls) == 4  # every step, all four rows at once
@@ -471,7 +477,7 @@ def test_greedy_bf16_steps_take_the_argmax_from_the_head(tmp_path, monkeypatch) 
     got_mixed = [c.token_ids for c in fused.generate(prompts, mixed)][:3]
     assert not calls  # the sampled request ran as long as the others
     monkeypatch.setattr(llama, "greedy_ids", lambda head, hidden: None)  # logits, then argmax
-    plain = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype="bfloat16")
+    plain = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype)
     assert [c.token_ids for c in plain.generate(prompts, greedy)] == got
     assert got_mixed == got[:3]
 

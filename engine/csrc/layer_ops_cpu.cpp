@@ -276,11 +276,11 @@ void check_panels(const at::Tensor& x, const at::Tensor& panels, const std::opti
 }
 
 // x times the panels in the layout's own way (bf16 pairs by dot products or by FMAs, else
-// an fp32 input), each tile's sums handed to `finish` (`panels::gemm`; c: its scratch,
-// [block_rows(M), ldc] fp32).
+// an fp32 input), each tile's sums handed to `finish` (`panels::gemm`).
 template <typename F>
 void panels_gemm(const at::Tensor& x, const at::Tensor& panels, bool fma, int64_t prefetch_from,
-                 int64_t whole_k_to, float* c, F finish) {
+                 int64_t whole_k_to, F finish) {
+  float* const c = nullptr;  // a finishing gemm keeps its own scratch
   const int64_t m = x.size(0), k = x.size(1), np = panels.size(0);
   if (panels.dim() == 4) {  // the bf16 input as it is: K/2 pairs a row
     const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
@@ -328,32 +328,34 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
                    prefetch_from, whole_k_to);
       return y;
     }
-    at::Tensor c = at::empty({panels::block_rows(m), ldc}, x.options().dtype(at::kFloat));
     // A tile's sums (+ bias, rounded to the layer's dtype) into y, as soon as they are whole
     scalar_t* yp = y.data_ptr<scalar_t>();
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    auto finish = [yp, bp, n](int, int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
-      const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
-      float b[panels::kNR] = {};
-      panel_bias(bp, j0, cols, b);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* s = sums + r * ldc;
-        scalar_t* out = yp + (row + r) * n + j0;
+    auto finish = [yp, bp, n](int, int64_t row, int64_t rows, int64_t first, int64_t count,
+                              const float* sums, int64_t ldc) {
+      for (int64_t panel = first; panel < first + count; ++panel, sums += panels::kNR) {
+        const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
+        float b[panels::kNR] = {};
+        panel_bias(bp, j0, cols, b);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* s = sums + r * ldc;
+          scalar_t* out = yp + (row + r) * n + j0;
 #ifdef KVSERVE_KEYDIFF_AVX512
-        if (cols == panels::kNR) {
-          const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(b));
-          if constexpr (std::is_same_v<scalar_t, float>) {
-            _mm512_storeu_ps(out, v);
-          } else {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(v));
+          if (cols == panels::kNR) {
+            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(b));
+            if constexpr (std::is_same_v<scalar_t, float>) {
+              _mm512_storeu_ps(out, v);
+            } else {
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(v));
+            }
+            continue;
           }
-          continue;
-        }
 #endif
-        for (int64_t j = 0; j < cols; ++j) out[j] = to<scalar_t>(s[j] + b[j]);
+          for (int64_t j = 0; j < cols; ++j) out[j] = to<scalar_t>(s[j] + b[j]);
+        }
       }
     };
-    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, c.data_ptr<float>(), finish);
+    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, finish);
     return y;
   };
   return x.scalar_type() == at::kFloat ? run(float{}) : run(at::BFloat16{});
@@ -365,23 +367,23 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
 // Each tile's sums, while in L1, update its share's running maximum per row and lane (lane
 // j: column j of every panel; a panel replaces a lane's value only when it is larger, so
 // the first panel of equal ones stays, and a lane's first NaN stays), and the shares'
-// lanes are reduced at the end. Why: a greedy step of a bf16 model wrote bf16 logits,
-// copied them to fp32 and read those back to sample, all out of cache by then (the head's
-// weights stream through L2 meanwhile): the 160M model's head and argmax at 64 rows take
-// ~0.9x the time this way, its decode step 1.02x (engine/cpu_linear.py's `greedy_ids`
-// uses it for 16-bit heads only: an fp32 head writes its sums in place, and a running
-// maximum through the finishing step cost as much as reading them back or more).
+// lanes are reduced at the end. A wide tile's two panels are compared in registers first
+// and update the row's lanes once (the 3M model's head at 64 rows: what the maximum adds to
+// the head, 95 -> ~40 us, against ~45 for reading the logits back). Why: a greedy step wrote logits that the sampler then read back
+// from out of cache (the head's weights stream through L2 meanwhile); a bf16 head also
+// copied them to fp32 first: the 160M model's bf16 head and argmax at 64 rows take ~0.9x
+// the time this way, its decode step 1.02x (engine/cpu_linear.py's `greedy_ids`).
 at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                                 int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
   check_panels(x, panels, bias, n);
-  const int64_t m = x.size(0), np = panels.size(0), ldc = np * panels::kNR, lanes = panels::kNR;
+  const int64_t m = x.size(0), lanes = panels::kNR;
   at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
   if (m == 0) return out;
   // a share's lanes for every row: the largest value, its panel (-1: none larger than
   // -inf yet) and which lanes met a NaN (a bit each); `gemm` runs at most
   // get_num_threads() shares. Each row's lanes are one cache line, aligned (ATen's
-  // allocator): a row's next panel reads what its last one stored, often right after
-  // (two panels a tile), and a store forwards to a load only within one line.
+  // allocator): a row's next panel may read what its last one stored right after, and a
+  // store forwards to a load only within one line.
   const int64_t shares = std::max(1, at::get_num_threads());
   at::Tensor best_t = at::full({shares * m, lanes}, -INFINITY, x.options().dtype(at::kFloat));
   at::Tensor at_t = at::full({shares * m, lanes}, -1, x.options().dtype(at::kInt));
@@ -389,52 +391,97 @@ at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, c
   float* best = best_t.data_ptr<float>();
   int32_t* at_panel = at_t.data_ptr<int32_t>();
   uint16_t* nan = reinterpret_cast<uint16_t*>(nan_t.data_ptr<int16_t>());
-  at::Tensor c = at::empty({panels::block_rows(m), ldc}, x.options().dtype(at::kFloat));
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    auto finish = [&](int share, int64_t row, int64_t rows, int64_t panel, const float* sums, int64_t ldc) {
-      const int64_t j0 = panel * lanes, cols = std::min(lanes, n - j0);
-      float b[panels::kNR] = {};
-      panel_bias(bp, j0, cols, b);
+    // One panel's values of a row (bias added, rounded as the output holds them) into
+    // its share's lanes o: the general rule, NaN included.
+    auto one = [&](int64_t o, int64_t panel, const float* s, const float* b, int64_t cols) {
+      float* bv = best + o * lanes;
+      int32_t* ap = at_panel + o * lanes;
       const int32_t p = static_cast<int32_t>(panel);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* s = sums + r * ldc;
-        const int64_t o = share * m + row + r;
-        float* bv = best + o * lanes;
-        int32_t* ap = at_panel + o * lanes;
-#ifdef KVSERVE_KEYDIFF_AVX512
-        if (cols == panels::kNR) {
-          __m512 v = _mm512_loadu_ps(s);
-          if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(b));
-          if constexpr (!std::is_same_v<scalar_t, float>) {  // rounded as the output holds it
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
-          }
-          const __mmask16 open = static_cast<__mmask16>(~nan[o]);
-          const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-          const __m512 cur = _mm512_load_ps(bv);
-          const __mmask16 larger = _mm512_mask_cmp_ps_mask(open, v, cur, _CMP_GT_OQ);
-          _mm512_store_ps(bv, _mm512_mask_mov_ps(cur, larger, v));
-          const __m512i at = _mm512_load_si512(ap);
-          _mm512_store_si512(ap, _mm512_mask_mov_epi32(at, larger | (is_nan & open), _mm512_set1_epi32(p)));
-          nan[o] |= is_nan;
-          continue;
-        }
-#endif
-        for (int64_t j = 0; j < cols; ++j) {
-          const float v = std::is_same_v<scalar_t, float> ? s[j] + b[j] : f32(to<scalar_t>(s[j] + b[j]));
-          if (nan[o] >> j & 1) continue;
-          if (v != v) {
-            nan[o] |= static_cast<uint16_t>(1u << j);
-            ap[j] = p;
-          } else if (v > bv[j]) {
-            bv[j] = v;
-            ap[j] = p;
-          }
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = std::is_same_v<scalar_t, float> ? s[j] + b[j] : f32(to<scalar_t>(s[j] + b[j]));
+        if (nan[o] >> j & 1) continue;
+        if (v != v) {
+          nan[o] |= static_cast<uint16_t>(1u << j);
+          ap[j] = p;
+        } else if (v > bv[j]) {
+          bv[j] = v;
+          ap[j] = p;
         }
       }
     };
-    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, c.data_ptr<float>(), finish);
+    auto finish = [&](int share, int64_t row, int64_t rows, int64_t first, int64_t count,
+                      const float* sums, int64_t ldc) {
+      const int64_t j0 = first * lanes, cols = std::min(count * lanes, n - j0);
+      float b[2 * panels::kNR] = {};
+      panel_bias(bp, j0, cols, b);
+#ifdef KVSERVE_KEYDIFF_AVX512
+      if (cols == 2 * lanes) {  // two whole panels: their maximum per lane first, in registers
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + lanes);
+        const __m512i p0 = _mm512_set1_epi32(static_cast<int32_t>(first));
+        const __m512i p1 = _mm512_set1_epi32(static_cast<int32_t>(first + 1));
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* s = sums + r * ldc;
+          const int64_t o = share * m + row + r;
+          __m512 v0 = _mm512_loadu_ps(s), v1 = _mm512_loadu_ps(s + lanes);
+          if (bp) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+          if constexpr (!std::is_same_v<scalar_t, float>) {  // rounded as the output holds it
+            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v0)), 16));
+            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v1)), 16));
+          }
+          if ((_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | nan[o]) != 0) {  // a NaN: one by one
+            one(o, first, s, b, lanes);
+            one(o, first + 1, s + lanes, b + lanes, lanes);
+            continue;
+          }
+          // the later panel only where strictly larger: the first of equal values stays
+          const __mmask16 later = _mm512_cmp_ps_mask(v1, v0, _CMP_GT_OQ);
+          const __m512 v = _mm512_mask_mov_ps(v0, later, v1);
+          float* bv = best + o * lanes;
+          int32_t* ap = at_panel + o * lanes;
+          const __m512 cur = _mm512_load_ps(bv);
+          const __mmask16 larger = _mm512_cmp_ps_mask(v, cur, _CMP_GT_OQ);
+          _mm512_store_ps(bv, _mm512_mask_mov_ps(cur, larger, v));
+          const __m512i at = _mm512_load_si512(ap);
+          _mm512_store_si512(ap, _mm512_mask_mov_epi32(at, larger, _mm512_mask_mov_epi32(p0, later, p1)));
+        }
+        return;
+      }
+      if (cols == lanes) {  // one whole panel
+        const __m512 b0 = _mm512_loadu_ps(b);
+        const __m512i p0 = _mm512_set1_epi32(static_cast<int32_t>(first));
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* s = sums + r * ldc;
+          const int64_t o = share * m + row + r;
+          __m512 v = _mm512_loadu_ps(s);
+          if (bp) v = _mm512_add_ps(v, b0);
+          if constexpr (!std::is_same_v<scalar_t, float>) {
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+          }
+          if ((_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | nan[o]) != 0) {
+            one(o, first, s, b, lanes);
+            continue;
+          }
+          float* bv = best + o * lanes;
+          int32_t* ap = at_panel + o * lanes;
+          const __m512 cur = _mm512_load_ps(bv);
+          const __mmask16 larger = _mm512_cmp_ps_mask(v, cur, _CMP_GT_OQ);
+          _mm512_store_ps(bv, _mm512_mask_mov_ps(cur, larger, v));
+          const __m512i at = _mm512_load_si512(ap);
+          _mm512_store_si512(ap, _mm512_mask_mov_epi32(at, larger, p0));
+        }
+        return;
+      }
+#endif
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = sums + r * ldc;
+        for (int64_t q = 0; q < count && q * lanes < cols; ++q)
+          one(share * m + row + r, first + q, s + q * lanes, b + q * lanes, std::min(lanes, cols - q * lanes));
+      }
+    };
+    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, finish);
   };
   if (x.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
   int64_t* op = out.data_ptr<int64_t>();

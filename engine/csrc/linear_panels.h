@@ -454,19 +454,22 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
   return {lo, std::min(n, lo + share)};
 }
 
-// Rows of C a step works on at once: the scratch a finishing `gemm` needs ([rows, np * 16]).
-inline int64_t block_rows(int64_t m) { return m > kWholeK ? std::min(m, kMC) : m; }
-
 // No finishing (`NoFinish`): the sums are the output, c [m, np * 16]. With a `finish`
-// callable, c is scratch for one block of rows ([block_rows(m), np * 16]), and each tile's
-// sums, once its last K block is in, go to finish(share, row, rows, panel, sums, ldc) while
-// they are in L1: the caller adds its bias and rounds into its own output. `share`: the
-// thread's share of the panels, a contiguous run, shares in order (share_of), so a row's
-// panels reach a share's finish in increasing order (what an argmax over them relies on:
-// layer_ops_cpu.cpp's `linear_panels_argmax`). Why: a bf16 layer's
-// whole fp32 C, written and read back by a second pass, was a 50 MB detour at 2,048 x
-// 6,144 (the gate/up GEMM ran at ~295 GFLOP/s against ~415 for the other layers of that
-// step; with the finishing ~410: docs/benchmarks.md, session 41).
+// callable, c is unused: each tile's sums, once its last K block is in, go to
+// finish(share, row, rows, panel, count, sums, ld) while they are in L1 (`count`
+// panels from `panel` on, side by side: 2 for a wide tile's pair), from scratch `gemm`
+// keeps, and the caller adds its bias and rounds into its own output (or keeps only a
+// running maximum: an argmax). `share`: the thread's share of the panels, a contiguous
+// run, shares in order (share_of), so a row's panels reach a share's finish in increasing
+// order (what an argmax over them relies on: layer_ops_cpu.cpp's `linear_panels_argmax`).
+// Why: a bf16 layer's whole fp32 C, written and read back by a second pass, was a 50 MB
+// detour at 2,048 x 6,144 (the gate/up GEMM ran at ~295 GFLOP/s against ~415 for the other
+// layers of that step; with the finishing ~410: docs/benchmarks.md, session 41). Where a
+// panel's K blocks run one after another (whole K, one K block, or the panels outer), a
+// pair of panels is finished before the next pair starts, so a share's scratch is its
+// block's rows of two panels ([rows, 32], in L1); a scratch as wide as C, as every finishing
+// step had until session 48, wrote a decode step's head (64 x 4,096 fp32) to memory for
+// nothing, and the argmax over it cost what writing the logits and reading them back did.
 struct NoFinish {};
 
 // c = a [m, k] @ the np panels [np, k, 16]. Blocks of `kMC` rows one after
@@ -505,7 +508,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
     TORCH_CHECK(m > kFmaWholeTo || k % (2 * kNR) == 0,
                 "FMAs over pairs of a whole-K step take K in whole groups of 32");
   }
-  const int64_t ldc = np * kNR;
+  const int64_t ldc = np * kNR;  // the output's row stride
   // up to `whole_k_to` rows (0: kWholeK, and at most it) whole K, unpacked; FMAs over
   // pairs their own
   const int64_t whole = whole_k_to > 0 ? std::min(whole_k_to, kWholeK) : kWholeK;
@@ -556,10 +559,18 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
     for (int64_t r = 0; r < m && !blocked; ++r)
       widen_pair_slice(reinterpret_cast<const Pair*>(a) + r * (k / 2), k / kNR, aw.get() + r * k);
   }
+  // A finishing step's scratch (see above): a share's [rows, 2 x 16] where a pair of
+  // panels finishes before the next starts, else a block's rows of every panel, shared
+  const int64_t block = std::min(m, mc);
+  const bool by_pair = kFinishes && (!blocked || kc_step >= k || panels_outer);
+  const int64_t cld = kFinishes && by_pair ? 2 * kNR : ldc;  // a tile's row stride
+  std::unique_ptr<float[]> scratch(
+      kFinishes ? new float[by_pair ? std::max(threads, 1) * block * cld : block * ldc] : nullptr);
   auto body = [&](int tid, int team) {
     const auto [p0, p1] = share_of(np, grain, tid, team);
     float* wide = wide_all.data() + (widen ? tid * 2 * kc_step * kNR : 0);
     P* const mine = packed.get() + (own ? tid * packed_size : 0);
+    float* const sums = kFinishes ? scratch.get() + (by_pair ? tid * block * cld : 0) : c;
     for (int64_t ic = 0; ic < m; ic += mc) {
       const int64_t rows = std::min(mc, m - ic), h = tile_height(rows);
       if (own) {
@@ -594,7 +605,7 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
         auto tiles = [&](const auto* slice, const auto* slice2) {
           for (int64_t r = 0; r < rows; r += h) {
             const int64_t mr = std::min(h, rows - r);
-            float* cp = c + (kFinishes ? r : ic + r) * ldc + p * kNR;
+            float* cp = kFinishes ? sums + r * cld + (by_pair ? 0 : p * kNR) : c + (ic + r) * ldc + p * kNR;
             const bool first = r == 0;  // the first tile pulls the next panels' slices in
             using S = std::remove_cv_t<std::remove_pointer_t<decltype(slice)>>;
             if constexpr (ByFma) {
@@ -602,18 +613,18 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               if constexpr (std::is_same_v<S, Pair>) {  // whole K: the pairs as they stream
                 const float* ar = aw.get() + (ic + r) * k;
                 if (first && m >= prefetch_from) {
-                  fma_pair_rows<true>(mr, ar, k, slice, kc, cp, ldc, next);
+                  fma_pair_rows<true>(mr, ar, k, slice, kc, cp, cld, next);
                 } else {
-                  fma_pair_rows<false>(mr, ar, k, slice, kc, cp, ldc, next);
+                  fma_pair_rows<false>(mr, ar, k, slice, kc, cp, cld, next);
                 }
               }
 #endif
             } else if (!blocked) {
               const A* ar = a + (ic + r) * k + pc;
               if (first && m >= prefetch_from) {
-                some_rows<false, true>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
+                some_rows<false, true>(mr, ar, k, slice, kc, cp, cld, pc > 0, next_k);
               } else {
-                some_rows<false, false>(mr, ar, k, slice, kc, cp, ldc, pc > 0, next_k);
+                some_rows<false, false>(mr, ar, k, slice, kc, cp, cld, pc > 0, next_k);
               }
             }
             if constexpr (ByFma && std::is_same_v<S, Pair>) {
@@ -622,22 +633,21 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               // The next tile's rows of C, asked for now: they are a whole row of C apart,
               // and their misses stalled every tile's start (~10% of a 1,024-row step).
               for (int64_t rr = r + mr; rr < std::min(r + mr + h, rows); ++rr) {
-                __builtin_prefetch(cp + (rr - r) * ldc, 1);
-                __builtin_prefetch(cp + (rr - r) * ldc + n * kNR - 1, 1);
+                __builtin_prefetch(cp + (rr - r) * cld, 1);
+                __builtin_prefetch(cp + (rr - r) * cld + n * kNR - 1, 1);
               }
               const P* ap = mine + pc * rows + r * kc;
 #ifdef KVSERVE_KEYDIFF_AVX512
               if constexpr (std::is_same_v<P, float> && std::is_same_v<S, float>) {
                 if (n == 2) {
                   if (first) {
-                    wide_rows<true>(mr, ap, slice, slice2, kc, cp, ldc, pc > 0, next_k, next2_k);
+                    wide_rows<true>(mr, ap, slice, slice2, kc, cp, cld, pc > 0, next_k, next2_k);
                   } else {
-                    wide_rows<false>(mr, ap, slice, slice2, kc, cp, ldc, pc > 0, next_k, next2_k);
+                    wide_rows<false>(mr, ap, slice, slice2, kc, cp, cld, pc > 0, next_k, next2_k);
                   }
                   if constexpr (kFinishes) {
                     if (pc + kc == k) {
-                      finish(tid, ic + r, mr, p, static_cast<const float*>(cp), ldc);
-                      finish(tid, ic + r, mr, p + 1, static_cast<const float*>(cp + kNR), ldc);
+                      finish(tid, ic + r, mr, p, 2, static_cast<const float*>(cp), cld);
                     }
                   }
                   continue;
@@ -645,13 +655,13 @@ void gemm(const A* a, int64_t m, int64_t k, const W* panels, int64_t np, float* 
               }
 #endif
               if (first) {
-                some_rows<true, true>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
+                some_rows<true, true>(mr, ap, 0, slice, kc, cp, cld, pc > 0, next_k);
               } else {
-                some_rows<true, false>(mr, ap, 0, slice, kc, cp, ldc, pc > 0, next_k);
+                some_rows<true, false>(mr, ap, 0, slice, kc, cp, cld, pc > 0, next_k);
               }
             }
             if constexpr (kFinishes) {
-              if (pc + kc == k) finish(tid, ic + r, mr, p, static_cast<const float*>(cp), ldc);
+              if (pc + kc == k) finish(tid, ic + r, mr, p, 1, static_cast<const float*>(cp), cld);
             }
           }
         };

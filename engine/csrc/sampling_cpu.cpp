@@ -8,8 +8,9 @@
 // decode step, ~4% at a 32k vocabulary. Here a vector pass finds the maximum and a
 // second one (the row is now in L1) finds where it first occurs, 16 lanes at a time
 // (8 with AVX2 only): ~5x torch on a warm [64, 4096], ~2x in a decode step (the logits
-// arrive cold). A bf16 LM head takes a greedy step's argmax itself (layer_ops_cpu.cpp's
-// `linear_panels_argmax`), so this serves fp32 heads and the other devices' fallbacks.
+// arrive cold). A panel LM head takes an all-greedy step's argmax itself (layer_ops_cpu.cpp's
+// `linear_panels_argmax`), so this serves steps that read the logits (logprobs, sampled
+// rows beside greedy ones) and heads that are not panel layers.
 //
 // race: the sampled rows' exponential race, argmax_i p_i / E_i with E_i = -log(u_i) and
 // u_i engine/sampler.py's `uniform_noise` (a counter hash of seed, step and token id).
