@@ -418,27 +418,30 @@ at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, c
       float b[2 * panels::kNR] = {};
       panel_bias(bp, j0, cols, b);
 #ifdef KVSERVE_KEYDIFF_AVX512
-      if (cols == 2 * lanes) {  // two whole panels: their maximum per lane first, in registers
-        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + lanes);
+      // A whole panel's values of a row as the output holds them (bias added, rounded).
+      auto held = [&](const float* s, const float* bq) {
+        __m512 v = _mm512_loadu_ps(s);
+        if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bq));
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+        }
+        return v;
+      };
+      if (cols == count * lanes) {  // whole panels, one or a wide tile's two
         const __m512i p0 = _mm512_set1_epi32(static_cast<int32_t>(first));
         const __m512i p1 = _mm512_set1_epi32(static_cast<int32_t>(first + 1));
         for (int64_t r = 0; r < rows; ++r) {
           const float* s = sums + r * ldc;
           const int64_t o = share * m + row + r;
-          __m512 v0 = _mm512_loadu_ps(s), v1 = _mm512_loadu_ps(s + lanes);
-          if (bp) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
-          if constexpr (!std::is_same_v<scalar_t, float>) {  // rounded as the output holds it
-            v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v0)), 16));
-            v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v1)), 16));
-          }
-          if ((_mm512_cmp_ps_mask(v0, v1, _CMP_UNORD_Q) | nan[o]) != 0) {  // a NaN: one by one
-            one(o, first, s, b, lanes);
-            one(o, first + 1, s + lanes, b + lanes, lanes);
+          __m512 v = held(s, b), v1 = count == 2 ? held(s + lanes, b + lanes) : v;
+          if ((_mm512_cmp_ps_mask(v, v1, _CMP_UNORD_Q) | nan[o]) != 0) {  // a NaN: one by one
+            for (int64_t q = 0; q < count; ++q) one(o, first + q, s + q * lanes, b + q * lanes, lanes);
             continue;
           }
-          // the later panel only where strictly larger: the first of equal values stays
-          const __mmask16 later = _mm512_cmp_ps_mask(v1, v0, _CMP_GT_OQ);
-          const __m512 v = _mm512_mask_mov_ps(v0, later, v1);
+          // two panels' maximum per lane first, in registers: the later panel only where
+          // strictly larger, so the first of equal values stays
+          const __mmask16 later = count == 2 ? _mm512_cmp_ps_mask(v1, v, _CMP_GT_OQ) : 0;
+          v = _mm512_mask_mov_ps(v, later, v1);
           float* bv = best + o * lanes;
           int32_t* ap = at_panel + o * lanes;
           const __m512 cur = _mm512_load_ps(bv);
@@ -446,31 +449,6 @@ at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, c
           _mm512_store_ps(bv, _mm512_mask_mov_ps(cur, larger, v));
           const __m512i at = _mm512_load_si512(ap);
           _mm512_store_si512(ap, _mm512_mask_mov_epi32(at, larger, _mm512_mask_mov_epi32(p0, later, p1)));
-        }
-        return;
-      }
-      if (cols == lanes) {  // one whole panel
-        const __m512 b0 = _mm512_loadu_ps(b);
-        const __m512i p0 = _mm512_set1_epi32(static_cast<int32_t>(first));
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* s = sums + r * ldc;
-          const int64_t o = share * m + row + r;
-          __m512 v = _mm512_loadu_ps(s);
-          if (bp) v = _mm512_add_ps(v, b0);
-          if constexpr (!std::is_same_v<scalar_t, float>) {
-            v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
-          }
-          if ((_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | nan[o]) != 0) {
-            one(o, first, s, b, lanes);
-            continue;
-          }
-          float* bv = best + o * lanes;
-          int32_t* ap = at_panel + o * lanes;
-          const __m512 cur = _mm512_load_ps(bv);
-          const __mmask16 larger = _mm512_cmp_ps_mask(v, cur, _CMP_GT_OQ);
-          _mm512_store_ps(bv, _mm512_mask_mov_ps(cur, larger, v));
-          const __m512i at = _mm512_load_si512(ap);
-          _mm512_store_si512(ap, _mm512_mask_mov_epi32(at, larger, p0));
         }
         return;
       }
