@@ -48,6 +48,9 @@ class CoreInfo:
     warmup: Warmup | None
     config: Any  # the core's EngineConfig (None for a core without one)
     num_layers: int
+    # Objects moved out of the garbage collector's sight once loaded (the engine
+    # process's `freeze_heap`; 0 in the thread layout, whose process is the caller's).
+    frozen_objects: int = 0
 
 
 # emit's events, each with the core's stats after it last: ("accepted", token,

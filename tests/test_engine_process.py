@@ -120,6 +120,29 @@ def test_the_same_tokens_as_the_thread_layout(served: tuple[ServerThread, AsyncE
     assert _metric(server.url, "kvserve_engine_process_cpu_seconds_total") > 0
 
 
+def test_the_engine_process_freezes_its_loaded_heap(served: tuple[ServerThread, AsyncEngine],
+                                                     model_dir: str) -> None:
+    """Once loaded and warmed up, the engine process moves its heap (torch, transformers,
+    the model) out of the garbage collector's sight, so a full collection never walks
+    it while streams wait; the thread layout leaves its caller's process alone."""
+    import gc
+
+    _, engine = served
+    assert engine.info is not None and engine.info.frozen_objects > 100_000
+    before = gc.get_freeze_count()
+
+    async def thread_layout() -> int:
+        e = AsyncEngine.from_config(EngineConfig(model=model_dir, num_blocks=1024))
+        await e.start()
+        try:
+            assert e.info is not None
+            return e.info.frozen_objects
+        finally:
+            await e.shutdown()
+
+    assert asyncio.run(thread_layout()) == 0 and gc.get_freeze_count() == before
+
+
 def test_rejections_cross_the_pipe(served: tuple[ServerThread, AsyncEngine]) -> None:
     """What the core refuses in the engine process reaches the submitter as the same
     exception, with its field, and nothing stays behind."""
