@@ -48,8 +48,8 @@ class CoreInfo:
     warmup: Warmup | None
     config: Any  # the core's EngineConfig (None for a core without one)
     num_layers: int
-    # Objects moved out of the garbage collector's sight once loaded (the engine
-    # process's `freeze_heap`; 0 in the thread layout, whose process is the caller's).
+    # Objects the engine process moved out of the garbage collector's sight once loaded
+    # (`freeze_heap`; 0 in the thread layout, where the server's app freezes its process).
     frozen_objects: int = 0
 
 

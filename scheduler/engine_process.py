@@ -48,17 +48,17 @@ def portable(e: BaseException) -> BaseException:
 
 
 def freeze_heap() -> int:
-    """Take every object the process holds once loaded and warmed up out of the cyclic
-    garbage collector's sight (`gc.freeze`, after a collection so that no garbage is
-    kept); returns how many. Why: a full collection walks every tracked object, and a
-    loaded engine holds ~400k (torch, transformers, the tokenizer, the model's modules):
-    one took ~200 ms in a process holding a loaded 3M engine (docs/benchmarks.md,
-    session 48), a stall of every stream whenever Python starts one. Frozen, a
-    collection walks only what was made since (~0.01 ms). vLLM freezes its heap the
-    same way after its warm-up (`freeze_gc_heap`); SGLang has a `freeze_gc` call for
-    it. Only the engine process does: a frozen heap is never collected, right for a
-    process that keeps its model until it exits, wrong for a caller's own process (the
-    thread layout, the offline `LLM`)."""
+    """Take every object the process holds out of the cyclic garbage collector's sight
+    (`gc.freeze`, after a collection so that no garbage is kept); returns how many.
+    Why: a full collection walks every tracked object, and a process with torch,
+    transformers and a model loaded holds ~400k: one took ~200 ms beside a loaded 3M
+    engine (docs/benchmarks.md, session 48), a stall of every stream whenever Python
+    starts one; frozen, a collection walks only what was made since (~0.01 ms). vLLM
+    freezes its heap the same way after its warm-up (`freeze_gc_heap`). Called where a
+    process keeps its model until it exits: the engine process once loaded and warmed up
+    (`core_main`), and the server's API process once the engine has started
+    (server/app.py; in the thread layout the engine lives there). Not by the offline
+    `LLM`: a frozen heap is never collected, wrong for a caller's own process."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

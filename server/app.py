@@ -8,7 +8,6 @@ in memory (what an orchestrator's readiness probe needs).
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import time
@@ -25,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from policies.catalog import describe_policies
 from policies.config import parse_kv_policy
 from scheduler.async_engine import AsyncEngine, EngineUnavailable, QueueFull
+from scheduler.engine_process import freeze_heap
 from scheduler.outputs import RequestRejected
 from server.errors import (
     APIError,
@@ -112,10 +112,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 settings.on_fatal(e)
             return
         # torch + transformers leave ~400k long-lived objects; a full collection over them
-        # stalls every thread for ~0.25 s. Freezing them keeps GC pauses to what requests
-        # allocate, so the event loop stays responsive under load.
-        gc.collect()
-        gc.freeze()
+        # stalls every thread for ~0.2 s. Freezing them keeps GC pauses to what requests
+        # allocate, so the event loop stays responsive under load (the engine process
+        # freezes its own heap the same way).
+        freeze_heap()
         logger.info("model loaded", extra={"fields": {
             "model": settings.model_path, "load_s": round(time.perf_counter() - t0, 2),
             "max_model_len": engine.max_model_len, "kv_blocks": engine.stats.blocks_total,

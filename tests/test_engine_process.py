@@ -124,12 +124,10 @@ def test_the_engine_process_freezes_its_loaded_heap(served: tuple[ServerThread, 
                                                      model_dir: str) -> None:
     """Once loaded and warmed up, the engine process moves its heap (torch, transformers,
     the model) out of the garbage collector's sight, so a full collection never walks
-    it while streams wait; the thread layout leaves its caller's process alone."""
-    import gc
-
+    it while streams wait; a core on a thread freezes nothing itself (the server's app
+    freezes the process it shares, server/app.py)."""
     _, engine = served
     assert engine.info is not None and engine.info.frozen_objects > 100_000
-    before = gc.get_freeze_count()
 
     async def thread_layout() -> int:
         e = AsyncEngine.from_config(EngineConfig(model=model_dir, num_blocks=1024))
@@ -140,7 +138,7 @@ def test_the_engine_process_freezes_its_loaded_heap(served: tuple[ServerThread, 
         finally:
             await e.shutdown()
 
-    assert asyncio.run(thread_layout()) == 0 and gc.get_freeze_count() == before
+    assert asyncio.run(thread_layout()) == 0
 
 
 def test_rejections_cross_the_pipe(served: tuple[ServerThread, AsyncEngine]) -> None:
