@@ -172,8 +172,8 @@ class ModelRunner:
         order): their slots and rows. `ids_from`: the inputs' ids are on the device
         (their `token_ids` are placeholders); only a graph step takes them. `greedy`:
         every row's token is its logits' argmax and nobody reads the logits (no
-        logprobs): where the LM head takes the argmax as it computes them (a bf16 CPU
-        panel layer), the step returns the ids (`StepOutput.ids`) and writes no logits."""
+        logprobs): where the LM head takes the argmax as it computes them (a CPU panel
+        layer, `compute_greedy`), the step returns the ids (`StepOutput.ids`) and writes no logits."""
         if self.graphs is not None and decode is not None:
             out = self.graphs.run(inputs, decode, ids_from)
             if out is not None:  # the step was a graph's; else it runs eagerly here

@@ -409,6 +409,7 @@ class SlotTables:
                 return slots, widest
             self.ensure_width(widest)
             slots, _, widest = self._append_rows(pool, rows, positions, pool.take(need))
+            assert slots.numel(), "the decode append refused wide enough tables and its ids"
             return slots, widest
         need, widest = self.decode_need(rows)
         self.ensure_width(widest)

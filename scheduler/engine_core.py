@@ -394,7 +394,7 @@ class EngineCore:
         if after is not None:  # each row's token: its request's row in the step in flight
             ids_from = (after.ids, [c.request.pending_row for c in plan.chunks])
         # every request greedy, none asking for logprobs: the LM head may take the argmax
-        out = self.runner.execute(inputs, plan.decode, ids_from, greedy=not self._sampling)
+        out = self.runner.execute(inputs, plan.decode, ids_from, greedy=not sampling)
         t2 = time.perf_counter()
         for i, scores in out.scores.items():
             _add_prompt_logprobs(plan.chunks[i].request, scores)
@@ -404,7 +404,7 @@ class EngineCore:
         else:
             assert out.logits is not None
             batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
-                if self._sampling else _ALL_GREEDY
+                if sampling else _ALL_GREEDY
             ids = sample(out.logits, batch)  # on the model's device
             if batch.max_logprobs is not None:
                 lp = top_logprobs(out.logits, ids, batch.max_logprobs)

@@ -368,11 +368,12 @@ at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const st
 // j: column j of every panel; a panel replaces a lane's value only when it is larger, so
 // the first panel of equal ones stays, and a lane's first NaN stays), and the shares'
 // lanes are reduced at the end. A wide tile's two panels are compared in registers first
-// and update the row's lanes once (the 3M model's head at 64 rows: what the maximum adds to
-// the head, 95 -> ~40 us, against ~45 for reading the logits back). Why: a greedy step wrote logits that the sampler then read back
-// from out of cache (the head's weights stream through L2 meanwhile); a bf16 head also
-// copied them to fp32 first: the 160M model's bf16 head and argmax at 64 rows take ~0.9x
-// the time this way, its decode step 1.02x (engine/cpu_linear.py's `greedy_ids`).
+// and update the row's lanes once (the 3M model's head at 64 rows: what the maximum adds
+// to the head, 95 -> ~40 us, against ~45 for reading the logits back). Why: a greedy step
+// wrote logits that the sampler then read back from out of cache (the head's weights
+// stream through L2 meanwhile); a bf16 head also copied them to fp32 first: the 160M
+// model's bf16 head and argmax at 64 rows take ~0.9x the time this way, its decode step
+// 1.02x (engine/cpu_linear.py's `greedy_ids`).
 at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                                 int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
   check_panels(x, panels, bias, n);
