@@ -298,7 +298,7 @@ class DecodeGraphs:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(ws[layer], k, v)
             if stats and self.norms:
-                norms.append(new_norms(k, v, pool.k_cache.dtype))
+                norms.append(new_norms(k, v, pool.storage_dtype))
             o, probs = pool.attend(paged_attention_triton, q[:, None], tables[layer],
                                    slot_pos[layer], q_pos, scale, windows[layer], stats,
                                    slot_count=count, **kw)

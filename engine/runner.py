@@ -246,14 +246,14 @@ class ModelRunner:
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(write_slots[layer], k, v)
             if norms is not None:
-                norms.append(new_norms(k, v, pool.k_cache.dtype))
+                norms.append(new_norms(k, v, pool.storage_dtype))
             whole = bool(groups) and groups[0].whole
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
                 causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale, out=out[a : a + n])
             for j, g in enumerate(groups):
-                if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], pool.k_cache.dtype,
+                if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], pool.storage_dtype,
                                                          pool.quant is not None):
                     for b, i in enumerate(g.members):
                         a, n = offsets[i], len(inputs[i].token_ids)

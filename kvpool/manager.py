@@ -6,7 +6,7 @@ costs in blocks and carries it out. It owns the `BlockPool` (device blocks, free
 prefix groups), the `SlotTables` every request's cache is a row of, the host
 `SwapSpace`, and the arithmetic of reservations. Nothing outside kvpool reads the
 pool's tensors: the runner writes and attends through `BlockPool.write`/`attend`, the
-policies' bridge reads statistics through `BlockPool.gather_stats`.
+policies' bridge reads statistics through `BlockPool.gather_stats` (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -124,11 +124,35 @@ class KVCacheManager:
             return max_chunk
         return min(max_chunk, max(self.min_prefill_chunk, during))
 
+    def fits(self, blocks: int, watermark: bool = True) -> bool:
+        """Whether `blocks` more can be taken now, keeping the watermark free (growth
+        nobody accounted for) unless `watermark` is False (every holder's growth is
+        reserved: then there is none for it to absorb)."""
+        return self.pool.num_free - blocks >= (self.watermark_blocks if watermark else 0)
+
     # ---- caches --------------------------------------------------------------------
     def new_cache(self, tokens: int) -> SeqCache:
         """An empty cache (a row of the shared tables) with room for `tokens`."""
         return SeqCache(self.pool, self.num_layers, -(-tokens // self.block_size) + 1,
                         tables=self.tables)
+
+    def admit(self, hashes: list[int], tokens: int) -> tuple[SeqCache, int]:
+        """A new cache for a request of `tokens` tokens, holding the longest cached
+        prefix of its prompt blocks' `hashes` (referenced, shared); returns it and the
+        tokens it already holds. `release` undoes it (the hits' references included)."""
+        hits = self.lookup(hashes)
+        cache = self.new_cache(tokens)
+        cache.adopt(hits)
+        return cache, len(hits) * self.block_size
+
+    def blocks_needed(self, cache: SeqCache, n: int) -> int:
+        """Blocks (all layers) that `n` more tokens of `cache` would take."""
+        return cache.blocks_needed(n)
+
+    def allocate(self, cache: SeqCache, first: int, n: int) -> torch.Tensor:
+        """Slots [L, n] for `n` tokens of `cache` at positions first.. (blocks taken as
+        needed; PoolExhausted, the cache unchanged, if the pool has too few)."""
+        return cache.append(torch.arange(first, first + n))
 
     def decode_need(self, rows: list[int]) -> int:
         """Blocks a decode append of these cache rows would take."""
@@ -169,10 +193,6 @@ class KVCacheManager:
                 break
             hits.append(ids)
         return hits
-
-    def drop(self, hits: list[torch.Tensor]) -> None:
-        for ids in hits:
-            self.pool.release(ids)
 
     def publish(self, cache: SeqCache, hashes: list[int], start: int, end: int) -> None:
         """Register prompt blocks start..end-1 of a cache whose every layer still holds

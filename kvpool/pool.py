@@ -132,6 +132,12 @@ class BlockPool:
         return self.kv[1]
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype a slot's K/V are stored in (a quantized format's codes'), for the
+        runner's kernel choices: it reads the pool's tensors only through `write`/`attend`."""
+        return self.kv.dtype
+
+    @property
     def block_bytes(self) -> int:
         """Bytes of one block (K and V, one layer; scales included)."""
         return self.nbytes // self.num_blocks

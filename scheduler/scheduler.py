@@ -166,7 +166,7 @@ class Scheduler:
             else:
                 if roomy:
                     roomy, pending = False, self.kv.decode_need(rows)
-                need = cache.blocks_needed(n)
+                need = self.kv.blocks_needed(cache, n)
             if need + pending > free:
                 while need + pending > self.pool.num_free:
                     victim = self._victim(queue[::-1]) or req  # in planning order
@@ -196,9 +196,9 @@ class Scheduler:
             req = self.swapped[0]
             assert req.cache is not None
             n = min(req.num_tokens - req.num_computed, budget, req.max_chunk)
-            need = req.cache.num_blocks + req.cache.blocks_needed(n)
+            need = req.cache.num_blocks + self.kv.blocks_needed(req.cache, n)
             growth = max(0, req.reserve_blocks - need) + reserved if self.running else 0
-            if need + growth > self.pool.num_free:
+            if not self.kv.fits(need + growth, watermark=False):
                 break
             self.swapped.pop(0)
             self._resume(req, swap_in=True)
@@ -259,27 +259,23 @@ class Scheduler:
         # still publishes it) instead of taking hits.
         scores_prompt = (req.policy is not None and req.policy.needs.attention) or req.scoring_prompt
         hashes = req.block_hashes if self.kv.prefix_caching and not scores_prompt else []
-        hits = self.kv.lookup(hashes)
-        if len(hits) < len(hashes) and hashes[len(hits)] in self.pending:
+        cache, computed = self.kv.admit(hashes, req.num_tokens)
+        hits = computed // self.pool.block_size
+        if hits < len(hashes) and hashes[hits] in self.pending:
             # Another request (e.g. a sibling sample of n > 1) is computing this very
             # prefix right now: wait one prefill and share it instead of duplicating.
-            self.kv.drop(hits)
+            self.kv.release(cache)
             return 0
-        cache = self.kv.new_cache(req.num_tokens)
-        cache.adopt(hits)
-        computed = len(hits) * self.pool.block_size
         n = min(req.num_tokens - computed, budget, req.max_chunk)
-        need = cache.blocks_needed(n)
+        need = self.kv.blocks_needed(cache, n)
         ahead = max(0, req.reserve_blocks - cache.num_blocks - need) if req.reserve_blocks else 0
         if not self.running:
             ahead = reserved = 0
         # The watermark is headroom for growth nobody accounted for; when this request
         # and every running one have their growth reserved, there is none (a pool of
         # exactly k reserved requests then runs k, not k - 1).
-        floor = self.kv.watermark_blocks
-        if req.reserve_blocks and all(r.reserve_blocks for r in self.running):
-            floor = 0
-        if self.pool.num_free - need - ahead - reserved < floor:
+        unaccounted = not (req.reserve_blocks and all(r.reserve_blocks for r in self.running))
+        if not self.kv.fits(need + ahead + reserved, watermark=unaccounted):
             self.kv.release(cache)
             return 0
         if not self._quota_ok(req, need + cache.num_blocks):
@@ -287,12 +283,12 @@ class Scheduler:
             return OVER_QUOTA
         req.cache = cache
         req.num_computed = computed
-        req.registered = len(hits)
+        req.registered = hits
         if req.num_preemptions == 0:
             self.prefix_queries += len(req.prompt_ids)
             self.prefix_hits += computed
             req.kv.prefix_hit_tokens = computed
-        for h in hashes[len(hits):]:
+        for h in hashes[hits:]:
             self.pending[h] = self.pending.get(h, 0) + 1
         self._resume(req, swap_in=False)
         return n
@@ -364,7 +360,8 @@ class Scheduler:
         self.add(req)
 
     def _release(self, req: Request) -> None:
-        """Give a request's cache back, its peak sizes kept in the request's usage."""
+        """Give a request's cache back (finished, or preempted for a recompute), its
+        peak sizes kept in the request's usage."""
         assert req.cache is not None
         if req.cache.ring:
             self._count_ring(req)
@@ -396,8 +393,7 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> Chunk:
         assert req.cache is not None
         start = req.num_computed
-        first = start - req.pos_offset
-        return Chunk(req, start, n, req.cache.append(torch.arange(first, first + n)),
+        return Chunk(req, start, n, self.kv.allocate(req.cache, start - req.pos_offset, n),
                      start + n == req.num_tokens)
 
     # ---- after the forward ---------------------------------------------------------

@@ -56,3 +56,16 @@ def test_the_installed_packages_are_the_runtime_and_loadtest() -> None:
     installed = set(re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools]", 1)[1]))
     assert installed == {*ALLOWED, "loadtest"}
     assert sorted(p.name for p in (ROOT / "engine" / "demo").glob("*.py")) == ["__init__.py"]
+
+
+POOL_TENSORS = re.compile(r"\.(k_cache|v_cache|_flat|_flat_scales)\b|\bpool\.(kv|scales)\b")
+
+
+def test_only_kvpool_reads_the_pools_tensors() -> None:
+    """The runner writes and attends through `BlockPool.write`/`attend` and the policies'
+    bridge reads statistics through `gather_stats` (issue 18): no runtime module outside
+    kvpool/ names the pool's K/V or scale tensors, so their layout can change in one place."""
+    bad = [f"{f.relative_to(ROOT)}:{i}" for package in ALLOWED if package != "kvpool"
+           for f in sorted((ROOT / package).rglob("*.py"))
+           for i, line in enumerate(f.read_text().splitlines(), 1) if POOL_TENSORS.search(line)]
+    assert not bad, bad
