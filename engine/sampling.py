@@ -23,6 +23,13 @@ class SamplingParams:
     # and the top-N at its position. The prompt is then computed, never taken from the
     # prefix cache (a hit's positions have no logits).
     prompt_logprobs: int | None = None
+    # Penalties and bias (engine/penalties.py): OpenAI's presence and frequency penalties
+    # (on the output's tokens), vLLM's repetition penalty (on the prompt's and the
+    # output's; 1 = off), and a bias added to given token ids' logits.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     # False skips incremental detokenization (offline throughput runs that only want ids;
     # stop strings then cannot match).
     detokenize: bool = True
@@ -40,6 +47,19 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1]")
         if self.top_k < -1:
             raise ValueError("top_k must be -1, 0 (off) or positive")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not self.repetition_penalty > 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.logit_bias and any(t < 0 for t in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits are changed before sampling (`engine.penalties`)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

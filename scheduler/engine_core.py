@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from engine.cpu_linear import pack_linears
 from engine.cpu_memory import keep_freed_memory
 from engine.loader import load_model
+from engine.penalties import Penalties, TokenHistory, apply_penalties
 from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
@@ -182,6 +183,7 @@ class EngineCore:
         # Requests here whose rows need sampling parameters (a temperature, logprobs):
         # while there are none, a step builds no parameter lists at all.
         self._sampling = 0
+        self._penalized = 0  # of them, requests with a logit bias or a penalty
         self._default_policy = parse_kv_policy(config.default_kv_policy)
         self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies,
                                      spare=self.scheduler.spare_blocks)
@@ -202,6 +204,8 @@ class EngineCore:
             raise RequestRejected("the prompt is empty", "prompt")
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise RequestRejected("logit_bias token id out of the vocabulary range", "logit_bias")
         config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
         config = config.for_context(self.max_model_len)  # defaults that fit this model
         policy = build_policy(config) if config.name != "full" else None
@@ -240,10 +244,13 @@ class EngineCore:
                           () if params.ignore_eos else self._eos))
         if params.detokenize:
             req.detok = Detokenizer(self.tokenizer, params.stop)
+        if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
+            req.history = TokenHistory.of(req.prompt_ids)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
         self.requests[request_id] = req
         self._sampling += _needs_params(params)
+        self._penalized += params.penalized
         self.scheduler.add(req)
         self.policies.admitted(config.name)
 
@@ -256,6 +263,7 @@ class EngineCore:
     def _forget(self, r: Request) -> None:
         del self.requests[r.request_id]
         self._sampling -= _needs_params(r.params)
+        self._penalized -= r.params.penalized
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -323,7 +331,7 @@ class EngineCore:
             return False
         top = 0
         for r in running:
-            if (r.pending_tokens != 1 or r.params.logprobs is not None
+            if (r.pending_tokens != 1 or r.params.logprobs is not None or r.params.penalized
                     or len(r.output_ids) + 1 >= r.params.max_tokens
                     or (r.policy is not None and r.policy.needs != _NO_NEEDS)):  # type: ignore[attr-defined]
                 return False
@@ -365,6 +373,7 @@ class EngineCore:
                     params.append(p)
                     seeds.append(r.seed)
                     steps.append(len(r.output_ids) + r.pending_tokens)
+                    plain = plain and not p.penalized  # its output so far must be known
             elif completes:
                 scored.append(r)
             # a token still in flight stands as a placeholder: the graph reads its id
@@ -405,7 +414,12 @@ class EngineCore:
             assert out.logits is not None
             batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
                 if sampling else _ALL_GREEDY
-            ids = sample(out.logits, batch)  # on the model's device
+            logits = out.logits
+            pen = Penalties.build(params, _histories(done), logits.device) \
+                if self._penalized else None
+            if pen is not None:  # the raw logits stay for the logprobs (vLLM's default)
+                logits = apply_penalties(logits, pen, in_place=batch.max_logprobs is None)
+            ids = sample(logits, batch)  # on the model's device
             if batch.max_logprobs is not None:
                 lp = top_logprobs(out.logits, ids, batch.max_logprobs)
         launch = Launch(plan, done, scored, ids, lp, out, n_pre, n_dec, t1 - t0, t2 - t1)
@@ -578,9 +592,21 @@ class EngineCore:
                                  [r.cache for r in sched.swapped if r.cache is not None])
 
 
+def _histories(done: list[Chunk]) -> list[TokenHistory | None]:
+    """The sampled rows' token histories, brought up to date (their new tokens only)."""
+    out = []
+    for c in done:
+        h = c.request.history
+        if h is not None:
+            h.take(c.request.output_ids)
+        out.append(h)
+    return out
+
+
 def _needs_params(p: SamplingParams) -> bool:
-    """Whether a request's sampled rows need a `SamplingBatch` built from parameters."""
-    return p.temperature != 0.0 or p.logprobs is not None
+    """Whether a request's sampled rows need a `SamplingBatch` built from parameters (or
+    their logits changed first: a greedy step's LM head then may not take the argmax)."""
+    return p.temperature != 0.0 or p.logprobs is not None or p.penalized
 
 
 def _prompt_scoring(r: Request, c: Chunk) -> PromptScoring | None:

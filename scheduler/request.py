@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.penalties import TokenHistory
 from engine.sampling import SamplingParams
 from kvpool.seq_cache import SeqCache
 from scheduler.detokenizer import Detokenizer
@@ -83,6 +84,8 @@ class Request:
     status: Status = Status.WAITING
     cache: SeqCache | None = None
     detok: Detokenizer | None = None
+    # Its tokens as a repetition / frequency / presence penalty reads them (None: none)
+    history: TokenHistory | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -105,7 +105,6 @@ class Preprocessor:
     # ---- per endpoint ----------------------------------------------------------------
     async def completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
-        _check_neutral(req)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.suffix:
@@ -135,7 +134,6 @@ class Preprocessor:
 
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
-        _check_neutral(req)
         if req.tools:
             raise bad_request("tools are not supported", "tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -186,6 +184,7 @@ class Preprocessor:
         if any(t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
         top_k = req.top_k if req.top_k < vocab else 0
+        bias = _logit_bias(req, vocab)
         plan.num_prompt_tokens += len(ids)
         for j in range(req.n):
             index = p_idx * req.n + j
@@ -195,6 +194,10 @@ class Preprocessor:
                     max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                     top_k=top_k, min_p=req.min_p, seed=seed, stop=req.stop_list,
                     stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None
+                    else req.repetition_penalty, logit_bias=bias,
                     logprobs=None if n_lp is None else min(n_lp, vocab),
                     prompt_logprobs=None if prompt_lp is None else min(prompt_lp, vocab))
             except ValueError as e:
@@ -279,9 +282,21 @@ def _tenancy(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant | No
             "cache_salt": effective_salt(tenant, req.cache_salt)}
 
 
-def _check_neutral(req: CompletionRequest | ChatCompletionRequest) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported (only 0)", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
+def _logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab: int
+                ) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` ({"token id": bias}) as ids, each bias clamped to [-100,
+    100] (vLLM's rule; OpenAI's range)."""
+    if not req.logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in req.logit_bias.items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+        if not 0 <= tok < vocab:
+            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary "
+                              f"(0..{vocab - 1})", "logit_bias")
+        bias[tok] = min(100.0, max(-100.0, float(value)))
+    return bias

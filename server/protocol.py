@@ -32,6 +32,7 @@ from pydantic import (
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias (OpenAI's limit is 300)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]]
 Number = Annotated[float, Strict()]  # a JSON integer or float, never a string or a bool
@@ -76,10 +77,13 @@ class _SamplingFields(_Base):
     # Salts this request's prefix-cache keys (vLLM's name): only requests with the same
     # salt (and, with API keys, the same key) share cached prefixes.
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
-    # Accepted for compatibility, but only their neutral values (checked in preprocess).
+    # engine/penalties.py: OpenAI's two, vLLM's repetition penalty (1 = off), and a bias
+    # per token id (keys are ids as strings, as OpenAI's; values clamped to [-100, 100]
+    # as vLLM does; checked against the vocabulary in preprocess)
     presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Number] | None = None
+    repetition_penalty: Number | None = Field(None, gt=0.0, le=1e6)
+    logit_bias: dict[str, Number] | None = Field(None, max_length=MAX_LOGIT_BIAS)
 
     @field_validator("stop")
     @classmethod

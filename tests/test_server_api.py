@@ -262,3 +262,25 @@ def test_sse_framing(server: ServerThread) -> None:
             if ch["finish_reason"] is not None:
                 finished[ch["index"]] = ch["finish_reason"]
     assert finished == {0: "length", 1: "length"}
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, offline: LLM) -> None:
+    """The OpenAI fields (and vLLM's repetition_penalty) give what the offline engine
+    gives with the same SamplingParams, on both endpoints; a bias of 100 forces its token."""
+    kw = dict(presence_penalty=0.5, frequency_penalty=1.0, logit_bias={"7": 3.5, "9": -100})
+    r = client.completions.create(model=MODEL, prompt="hello world", max_tokens=10,
+                                  temperature=0, extra_body={**NOEOS, "repetition_penalty": 1.3},
+                                  **kw)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=1.0, repetition_penalty=1.3,
+                            logit_bias={7: 3.5, 9: -100.0})
+    ref = offline.generate(["hello world"], params)[0]
+    plain = offline.generate(["hello world"], SamplingParams(max_tokens=10, temperature=0,
+                                                             ignore_eos=True))[0]
+    assert r.choices[0].text == ref.text != plain.text
+    assert 9 not in ref.token_ids
+    forced = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        logit_bias={"5": 100}, extra_body=NOEOS)
+    one = offline.engine.tokenizer.decode([5] * 4)
+    assert forced.choices[0].message.content == one

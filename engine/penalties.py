@@ -1,0 +1,149 @@
+"""Logit bias and repetition, frequency and presence penalties, for a step's rows at once.
+
+The OpenAI fields (`logit_bias`, `presence_penalty`, `frequency_penalty`) and vLLM's
+`repetition_penalty`, applied in vLLM's order and with its meaning, so that a client
+moved from vLLM gets the same distribution:
+1. `logit_bias`: added to the token's logit;
+2. `repetition_penalty` r (CTRL, Keskar et al. 2019; HF's `RepetitionPenaltyLogitsProcessor`):
+   every token of the prompt or the output so far has its logit divided by r where
+   positive, multiplied by r where not;
+3. `frequency_penalty` f and `presence_penalty` p (OpenAI): the logit of a token the
+   output holds c > 0 times goes down by c·f, then by p. The prompt does not count here.
+
+Why sparse: only the (row, token) pairs a request has seen change, so the work is a
+gather, a few element-wise ops and a scatter over those pairs, a fixed number of ops for
+any number of rows. At 64 rows of 512 prompt and 1,000 output tokens (random ids of a
+32k vocabulary) with a repetition and a frequency penalty, dense [rows, vocab] counts
+and masks (vLLM's form) cost 70 ms a step on this CPU; these pairs ~4.7 ms (build and
+apply), and a logit bias alone ~0.2 ms. They come from each request's `TokenHistory`,
+which takes in only its new tokens each step.
+
+The logprobs a request asks for stay those of the raw distribution (vLLM's default
+`raw_logprobs`): the engine samples from the changed logits and reports from the model's.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class TokenHistory:
+    """A request's tokens as its penalties read them, kept as the arrays a step copies
+    (joining arrays, not converting dicts, took the build at 64 rows of 1.5k tokens
+    from 14 ms to 2.4): every token of the prompt or the output in first-seen order,
+    and each distinct output token with its count."""
+
+    seen: set[int] = field(default_factory=set)
+    seen_ids: array = field(default_factory=lambda: array("q"))
+    where: dict[int, int] = field(default_factory=dict)  # output token -> its index below
+    output_ids: array = field(default_factory=lambda: array("q"))
+    counts: array = field(default_factory=lambda: array("f"))  # exact below 2**24
+    upto: int = 0  # output tokens taken in so far
+
+    @staticmethod
+    def of(prompt_ids: list[int]) -> TokenHistory:
+        ids = list(dict.fromkeys(prompt_ids))
+        return TokenHistory(set(ids), array("q", ids))
+
+    def take(self, output_ids: list[int]) -> None:
+        """Take in the output tokens added since the last call (a request's output only
+        grows, and survives a preemption)."""
+        for t in output_ids[self.upto:]:
+            if t not in self.seen:
+                self.seen.add(t)
+                self.seen_ids.append(t)
+            i = self.where.get(t)
+            if i is None:
+                self.where[t] = len(self.output_ids)
+                self.output_ids.append(t)
+                self.counts.append(1.0)
+            else:
+                self.counts[i] += 1.0
+        self.upto = len(output_ids)
+
+
+@dataclass
+class Penalties:
+    """What a step's penalized rows change, as (row, token) pairs on the logits' device."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, ids, values
+    # rows, ids, and each pair's penalty: the pairs a repetition penalty divides
+    repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # rows, ids, each pair's count × frequency penalty and presence penalty
+    output: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+
+    @staticmethod
+    def build(params: list[SamplingParams], histories: list[TokenHistory | None],
+              device: torch.device | str = "cpu") -> Penalties | None:
+        """From the step's sampled rows (row i: params[i], and its request's history, up
+        to date; None for a row that asks for nothing); None when no row asks."""
+        rows = [i for i, p in enumerate(params) if p.penalized]
+        if not rows:
+            return None
+        ps = [params[i] for i in rows]
+        hs = [histories[i] or _EMPTY for i in rows]
+        bias = [p.logit_bias or {} for p in ps]
+        seen = [h.seen_ids if p.repetition_penalty != 1.0 else _NONE for p, h in zip(ps, hs)]
+        outs = [(h.output_ids, h.counts) if p.frequency_penalty or p.presence_penalty
+                else (_NONE, _NO_COUNTS) for p, h in zip(ps, hs)]
+        n = len(rows)
+        # one host tensor of ints and one of floats, one copy each: [rows | pairs per
+        # row: bias, repetition, output | their ids], and [per row: repetition,
+        # frequency, presence | bias values | output counts]
+        ints = array("q", rows)
+        ints.extend([*map(len, bias), *map(len, seen), *(len(o) for o, _ in outs)])
+        for d in bias:
+            ints.extend(d.keys())
+        for a in (*seen, *(o for o, _ in outs)):
+            ints += a
+        floats = array("f", [p.repetition_penalty for p in ps])
+        floats.extend(p.frequency_penalty for p in ps)
+        floats.extend(p.presence_penalty for p in ps)
+        for d in bias:
+            floats.extend(d.values())
+        for _, c in outs:
+            floats += c
+        nb, nr, no = (sum(map(len, bias)), sum(map(len, seen)), sum(len(o) for o, _ in outs))
+        it = torch.frombuffer(ints, dtype=torch.int64).to(device)
+        ft = torch.frombuffer(floats, dtype=torch.float32).to(device)
+        row, lens = it[:n], it[n : 4 * n].view(3, n)
+        b_ids, r_ids, o_ids = it[4 * n :].split([nb, nr, no])
+        per, (b_vals, o_counts) = ft[: 3 * n].view(3, n), ft[3 * n :].split([nb, no])
+        member = torch.arange(n, device=row.device)
+        rep_at, out_at = member.repeat_interleave(lens[1]), member.repeat_interleave(lens[2])
+        return Penalties(
+            (row.repeat_interleave(lens[0]), b_ids, b_vals) if nb else None,
+            (row[rep_at], r_ids, per[0][rep_at]) if nr else None,
+            (row[out_at], o_ids, o_counts * per[1][out_at], per[2][out_at]) if no else None)
+
+
+_EMPTY = TokenHistory()
+_NONE = array("q")
+_NO_COUNTS = array("f")
+
+
+@torch.inference_mode()  # the runner's logits are inference tensors: changed in place here
+def apply_penalties(logits: torch.Tensor, pen: Penalties, in_place: bool) -> torch.Tensor:
+    """`logits` [B, V] float32 with the penalized rows changed; in place, or a copy when
+    the caller still needs the raw logits (a row asked for logprobs)."""
+    x = logits if in_place else logits.clone()
+    flat, width = x.view(-1), x.shape[1]  # pairs as flat indices: 1-D gathers and copies
+    if pen.bias is not None:
+        rows, ids, values = pen.bias
+        flat.index_add_(0, rows * width + ids, values)
+    if pen.repetition is not None:  # each pair once (a history's tokens are distinct)
+        rows, ids, r = pen.repetition
+        at = rows * width + ids
+        v = flat.index_select(0, at)
+        flat.index_copy_(0, at, torch.where(v < 0, v * r, v / r))
+    if pen.output is not None:  # two subtractions, as vLLM rounds them
+        rows, ids, by_count, presence = pen.output
+        at = rows * width + ids
+        flat.index_copy_(0, at, flat.index_select(0, at) - by_count - presence)
+    return x
