@@ -3,7 +3,8 @@
 The OpenAI fields (`logit_bias`, `presence_penalty`, `frequency_penalty`) and vLLM's
 `repetition_penalty`, applied in vLLM's order and with its meaning, so that a client
 moved from vLLM gets the same distribution:
-1. `logit_bias`: added to the token's logit;
+1. `logit_bias`: added to the token's logit; `min_tokens`: the EOS and stop token ids
+   -inf while the output is shorter;
 2. `repetition_penalty` r (CTRL, Keskar et al. 2019; HF's `RepetitionPenaltyLogitsProcessor`):
    every token of the prompt or the output so far has its logit divided by r where
    positive, multiplied by r where not;
@@ -24,6 +25,7 @@ The logprobs a request asks for stay those of the raw distribution (vLLM's defau
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass, field
 
@@ -80,15 +82,20 @@ class Penalties:
 
     @staticmethod
     def build(params: list[SamplingParams], histories: list[TokenHistory | None],
+              banned: list[frozenset[int] | None] | None = None,
               device: torch.device | str = "cpu") -> Penalties | None:
-        """From the step's sampled rows (row i: params[i], and its request's history, up
-        to date; None for a row that asks for nothing); None when no row asks."""
+        """From the step's sampled rows (row i: params[i], its request's history, up to
+        date, or None; the ids it may not draw this step, or None); None when no row
+        asks for anything."""
         rows = [i for i, p in enumerate(params) if p.penalized]
         if not rows:
             return None
         ps = [params[i] for i in rows]
         hs = [histories[i] or _EMPTY for i in rows]
-        bias = [p.logit_bias or {} for p in ps]
+        bias: list[dict[int, float]] = [p.logit_bias or {} for p in ps]
+        for j, i in enumerate(rows):  # a banned id: a bias of -inf (min_tokens)
+            if banned is not None and banned[i]:
+                bias[j] = {**bias[j], **dict.fromkeys(banned[i], -math.inf)}
         seen = [h.seen_ids if p.repetition_penalty != 1.0 else _NONE for p, h in zip(ps, hs)]
         outs = [(h.output_ids, h.counts) if p.frequency_penalty or p.presence_penalty
                 else (_NONE, _NO_COUNTS) for p, h in zip(ps, hs)]

@@ -30,6 +30,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's: no EOS or stop token id before this many output tokens (their logits are
+    # -inf until then), and stop strings are looked for only from then on.
+    min_tokens: int = 0
     # False skips incremental detokenization (offline throughput runs that only want ids;
     # stop strings then cannot match).
     detokenize: bool = True
@@ -52,6 +55,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2]")
         if not self.repetition_penalty > 0:
             raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            raise ValueError("min_tokens must be >= 0 and <= max_tokens")
         if self.logit_bias and any(t < 0 for t in self.logit_bias):
             raise ValueError("logit_bias token ids must be >= 0")
 
@@ -59,7 +64,7 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether its logits are changed before sampling (`engine.penalties`)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias)
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

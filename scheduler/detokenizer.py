@@ -36,12 +36,16 @@ class Detokenizer:
         self.read_offset = 0
         self.text = ""  # all text decoded so far
         self.emitted = 0  # characters of `text` already returned
+        # A stop string must end past this many characters: the text of tokens fed
+        # with `stops=False` (before `min_tokens`) never stops the request (vLLM's rule).
+        self.floor = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self._raw(ids, skip_special_tokens=True)
 
-    def add(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Feed new tokens; return (text delta safe to emit, whether a stop string matched)."""
+    def add(self, token_ids: list[int], stops: bool = True) -> tuple[str, bool]:
+        """Feed new tokens; return (text delta safe to emit, whether a stop string matched).
+        `stops` False: no stop string may match yet (nothing is held back for one)."""
         if self._stream is not None:
             pieces = [p for t in token_ids if (p := self._stream.step(self._backend, t))]
             if not self.stop:  # nothing is held back: the pieces are the delta
@@ -49,9 +53,12 @@ class Detokenizer:
             self.text += "".join(pieces)
         else:
             self._window(token_ids)
-        if self.stop:
+        if self.stop and not stops:
+            self.floor = len(self.text)
+        elif self.stop:
             start = max(0, self.emitted - max(len(s) for s in self.stop))
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (self.text.find(s, max(start, self.floor - len(s) + 1))
+                                for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 return self._take(len(self.text)), True

@@ -415,7 +415,7 @@ class EngineCore:
             batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
                 if sampling else _ALL_GREEDY
             logits = out.logits
-            pen = Penalties.build(params, _histories(done), logits.device) \
+            pen = Penalties.build(params, _histories(done), _banned(done), logits.device) \
                 if self._penalized else None
             if pen is not None:  # the raw logits stay for the logprobs (vLLM's default)
                 logits = apply_penalties(logits, pen, in_place=batch.max_logprobs is None)
@@ -514,11 +514,12 @@ class EngineCore:
             return self.model.rotary.rotate(keys, delta, scaled=False)
 
     def _check_stop(self, r: Request, tok: int) -> tuple[str, str | None]:
-        if tok in r.stop_ids:
+        n, least = len(r.output_ids), r.params.min_tokens
+        if tok in r.stop_ids and n > least:  # banned before (engine/penalties.py)
             return "", "stop"
         text = ""
         if r.detok is not None:
-            text, hit = r.detok.add([tok])
+            text, hit = r.detok.add([tok], stops=n >= least)  # vLLM's count for strings
             if hit:
                 return text, "stop"
         # max_tokens is within the context unless the request shifts RoPE positions
@@ -600,6 +601,17 @@ def _histories(done: list[Chunk]) -> list[TokenHistory | None]:
         if h is not None:
             h.take(c.request.output_ids)
         out.append(h)
+    return out
+
+
+def _banned(done: list[Chunk]) -> list[frozenset[int] | None]:
+    """Per sampled row, the token ids it may not draw yet: its EOS and stop token ids
+    while it has fewer than `min_tokens` output tokens (vLLM's `min_tokens`)."""
+    out: list[frozenset[int] | None] = []
+    for c in done:
+        r = c.request
+        least = r.params.min_tokens
+        out.append(r.stop_ids if least and len(r.output_ids) < least else None)
     return out
 
 

@@ -197,7 +197,7 @@ class Preprocessor:
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None
-                    else req.repetition_penalty, logit_bias=bias,
+                    else req.repetition_penalty, logit_bias=bias, min_tokens=req.min_tokens,
                     logprobs=None if n_lp is None else min(n_lp, vocab),
                     prompt_logprobs=None if prompt_lp is None else min(prompt_lp, vocab))
             except ValueError as e:

@@ -84,6 +84,8 @@ class _SamplingFields(_Base):
     frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Number | None = Field(None, gt=0.0, le=1e6)
     logit_bias: dict[str, Number] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: no EOS, stop token id or stop string before this many tokens
+    min_tokens: StrictInt = Field(0, ge=0, le=INT64_MAX)
 
     @field_validator("stop")
     @classmethod

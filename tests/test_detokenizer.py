@@ -69,3 +69,17 @@ def test_native_stream_and_window_give_the_same_deltas():
             if a[1]:
                 break
         assert stream.flush() == window.flush()
+
+
+def test_no_stop_string_matches_before_it_may():
+    """min_tokens (vLLM's rule): text fed with stops=False is emitted whole and never
+    stops the request; a stop string must end after it."""
+    d = Detokenizer(TOK, ["ab"])
+    early = "".join(d.add([t], stops=False)[0] for t in _ids("x ab a"))
+    assert early == "x ab a"  # streamed whole: nothing held back for a stop string
+    out, hit = _feed(d, _ids("b c ab"))  # "a" + "b" completes one across the floor
+    assert hit and out == ""
+    d = Detokenizer(TOK, ["ab"])
+    early = "".join(d.add([t], stops=False)[0] for t in _ids("x ab"))
+    out, hit = _feed(d, _ids(" c ab d"))
+    assert hit and out == " c "

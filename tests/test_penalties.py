@@ -179,3 +179,25 @@ def test_a_bias_outside_the_vocabulary_is_refused(tiny):
         llm.engine.add_request("x", prompts[0], SamplingParams(logit_bias={vocab: 1.0}))
     assert e.value.param == "logit_bias"
     assert not llm.engine.has_unfinished()
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(tiny):
+    """A bias of 50 makes EOS (and a stop token id) the greedy choice from the first
+    token; `min_tokens` keeps them out until then, and the request stops right after."""
+    _, llm, prompts = tiny
+    eos = llm.engine.tokenizer.eos_token_id
+    for stop_ids, banned in (([], eos), ([11], 11)):
+        kw = dict(max_tokens=MAX_NEW, temperature=0, detokenize=False, stop_token_ids=stop_ids,
+                  logit_bias={banned: 50.0})
+        eager = llm.generate([prompts[1]], SamplingParams(**kw))[0]
+        assert eager.token_ids == [banned] and eager.finish_reason == "stop"
+        held = llm.generate([prompts[1]], SamplingParams(**kw, min_tokens=5))[0]
+        assert len(held.token_ids) == 6 and held.token_ids[-1] == banned
+        assert banned not in held.token_ids[:5] and held.finish_reason == "stop"
+    # min_tokens = max_tokens: never stopped early
+    full = llm.generate([prompts[1]], SamplingParams(max_tokens=4, min_tokens=4, temperature=0,
+                                                     logit_bias={eos: 50.0}))[0]
+    assert len(full.token_ids) == 4 and eos not in full.token_ids
+    assert full.finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)

@@ -81,6 +81,8 @@ COMPLETION_400 = [
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
@@ -169,7 +171,7 @@ def test_scalar_fields_are_strict(http: httpx.Client, kind: type) -> None:
                 assert name in err["message"], err
                 checked += 1
     expected_ints = {"max_tokens", "top_k", "n", "seed", "priority", "logprobs", "best_of",
-                     "max_completion_tokens", "top_logprobs", "prompt_logprobs"}
+                     "max_completion_tokens", "top_logprobs", "prompt_logprobs", "min_tokens"}
     if kind is int:
         found = set(_scalar_fields(CompletionRequest, int)) | set(
             _scalar_fields(ChatCompletionRequest, int))
