@@ -3,6 +3,7 @@
 The OpenAI fields (`logit_bias`, `presence_penalty`, `frequency_penalty`) and vLLM's
 `repetition_penalty`, applied in vLLM's order and with its meaning, so that a client
 moved from vLLM gets the same distribution:
+0. `allowed_token_ids` (vLLM's): every other id -inf;
 1. `logit_bias`: added to the token's logit; `min_tokens`: the EOS and stop token ids
    -inf while the output is shorter;
 2. `repetition_penalty` r (CTRL, Keskar et al. 2019; HF's `RepetitionPenaltyLogitsProcessor`):
@@ -74,6 +75,8 @@ class TokenHistory:
 class Penalties:
     """What a step's penalized rows change, as (row, token) pairs on the logits' device."""
 
+    # rows that may draw only some ids (each once), and those (row, id) pairs
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, ids, values
     # rows, ids, and each pair's penalty: the pairs a repetition penalty divides
     repetition: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -96,38 +99,45 @@ class Penalties:
         for j, i in enumerate(rows):  # a banned id: a bias of -inf (min_tokens)
             if banned is not None and banned[i]:
                 bias[j] = {**bias[j], **dict.fromkeys(banned[i], -math.inf)}
+        allowed = [array("q", dict.fromkeys(p.allowed_token_ids)) if p.allowed_token_ids
+                   else _NONE for p in ps]
         seen = [h.seen_ids if p.repetition_penalty != 1.0 else _NONE for p, h in zip(ps, hs)]
-        outs = [(h.output_ids, h.counts) if p.frequency_penalty or p.presence_penalty
-                else (_NONE, _NO_COUNTS) for p, h in zip(ps, hs)]
+        penalized = [bool(p.frequency_penalty or p.presence_penalty) for p in ps]
+        outs = [h.output_ids if on else _NONE for on, h in zip(penalized, hs)]
+        counts = [h.counts if on else _NO_COUNTS for on, h in zip(penalized, hs)]
         n = len(rows)
         # one host tensor of ints and one of floats, one copy each: [rows | pairs per
-        # row: bias, repetition, output | their ids], and [per row: repetition,
+        # row: bias, allowed, repetition, output | their ids], and [per row: repetition,
         # frequency, presence | bias values | output counts]
         ints = array("q", rows)
-        ints.extend([*map(len, bias), *map(len, seen), *(len(o) for o, _ in outs)])
+        groups = (bias, allowed, seen, outs)
+        for g in groups:
+            ints.extend(map(len, g))
         for d in bias:
             ints.extend(d.keys())
-        for a in (*seen, *(o for o, _ in outs)):
+        for a in (*allowed, *seen, *outs):
             ints += a
         floats = array("f", [p.repetition_penalty for p in ps])
         floats.extend(p.frequency_penalty for p in ps)
         floats.extend(p.presence_penalty for p in ps)
         for d in bias:
             floats.extend(d.values())
-        for _, c in outs:
+        for c in counts:
             floats += c
-        nb, nr, no = (sum(map(len, bias)), sum(map(len, seen)), sum(len(o) for o, _ in outs))
+        sizes = [sum(map(len, g)) for g in groups]
         it = torch.frombuffer(ints, dtype=torch.int64).to(device)
         ft = torch.frombuffer(floats, dtype=torch.float32).to(device)
-        row, lens = it[:n], it[n : 4 * n].view(3, n)
-        b_ids, r_ids, o_ids = it[4 * n :].split([nb, nr, no])
-        per, (b_vals, o_counts) = ft[: 3 * n].view(3, n), ft[3 * n :].split([nb, no])
+        row, lens = it[:n], it[n : 5 * n].view(4, n)
+        b_ids, a_ids, r_ids, o_ids = it[5 * n :].split(sizes)
+        per, (b_vals, o_counts) = ft[: 3 * n].view(3, n), ft[3 * n :].split([sizes[0], sizes[3]])
         member = torch.arange(n, device=row.device)
-        rep_at, out_at = member.repeat_interleave(lens[1]), member.repeat_interleave(lens[2])
+        at = [member.repeat_interleave(lens[k]) for k in range(4)]  # each pair's member
+        nb, na, nr, no = sizes
         return Penalties(
-            (row.repeat_interleave(lens[0]), b_ids, b_vals) if nb else None,
-            (row[rep_at], r_ids, per[0][rep_at]) if nr else None,
-            (row[out_at], o_ids, o_counts * per[1][out_at], per[2][out_at]) if no else None)
+            (row[lens[1] > 0], row[at[1]], a_ids) if na else None,
+            (row[at[0]], b_ids, b_vals) if nb else None,
+            (row[at[2]], r_ids, per[0][at[2]]) if nr else None,
+            (row[at[3]], o_ids, o_counts * per[1][at[3]], per[2][at[3]]) if no else None)
 
 
 _EMPTY = TokenHistory()
@@ -141,6 +151,12 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, in_place: bool) -> tor
     the caller still needs the raw logits (a row asked for logprobs)."""
     x = logits if in_place else logits.clone()
     flat, width = x.view(-1), x.shape[1]  # pairs as flat indices: 1-D gathers and copies
+    if pen.allowed is not None:  # every other id of those rows to -inf
+        masked, rows, ids = pen.allowed
+        at = rows * width + ids
+        keep = flat.index_select(0, at)
+        x.index_fill_(0, masked, -math.inf)
+        flat.index_copy_(0, at, keep)
     if pen.bias is not None:
         rows, ids, values = pen.bias
         flat.index_add_(0, rows * width + ids, values)

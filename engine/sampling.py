@@ -33,6 +33,11 @@ class SamplingParams:
     # vLLM's: no EOS or stop token id before this many output tokens (their logits are
     # -inf until then), and stop strings are looked for only from then on.
     min_tokens: int = 0
+    # vLLM's: only these token ids may be drawn (None: any)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: the stop string (or a stop token id's text) stays at the end of the text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output text
     # False skips incremental detokenization (offline throughput runs that only want ids;
     # stop strings then cannot match).
     detokenize: bool = True
@@ -57,6 +62,9 @@ class SamplingParams:
             raise ValueError("repetition_penalty must be > 0")
         if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
             raise ValueError("min_tokens must be >= 0 and <= max_tokens")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError("allowed_token_ids must be a non-empty list of ids >= 0")
         if self.logit_bias and any(t < 0 for t in self.logit_bias):
             raise ValueError("logit_bias token ids must be >= 0")
 
@@ -64,7 +72,8 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether its logits are changed before sampling (`engine.penalties`)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:

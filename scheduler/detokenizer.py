@@ -18,8 +18,13 @@ except ImportError:  # pragma: no cover - an older tokenizers
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
+        """`include_stop`: a matched stop string stays at the end of the text (vLLM's
+        `include_stop_str_in_output`)."""
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.include_stop = include_stop
         # The Rust tokenizer's own decode is ~10x cheaper than the transformers wrapper;
         # it is the same function unless the wrapper post-processes (space clean-up).
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -28,7 +33,8 @@ class Detokenizer:
         # Where the Rust decode serves, its DecodeStream keeps the window itself: one call
         # per token instead of two decodes of the window (~0.5 against ~2 us a token, the
         # engine step's largest per-request cost once requests detokenize).
-        self._stream = DecodeStream(skip_special_tokens=True) if raw and DecodeStream else None
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if raw and DecodeStream else None)
         self._backend = backend
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
@@ -41,7 +47,7 @@ class Detokenizer:
         self.floor = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._raw(ids, skip_special_tokens=True)
+        return self._raw(ids, skip_special_tokens=self.skip)
 
     def add(self, token_ids: list[int], stops: bool = True) -> tuple[str, bool]:
         """Feed new tokens; return (text delta safe to emit, whether a stop string matched).
@@ -57,10 +63,11 @@ class Detokenizer:
             self.floor = len(self.text)
         elif self.stop:
             start = max(0, self.emitted - max(len(s) for s in self.stop))
-            hits = [i for i in (self.text.find(s, max(start, self.floor - len(s) + 1))
-                                for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for s in self.stop
+                    if (i := self.text.find(s, max(start, self.floor - len(s) + 1))) >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, length = min(hits)  # the earliest (of those, the shortest: it matched first)
+                self.text = self.text[: at + length if self.include_stop else at]
                 return self._take(len(self.text)), True
             hold = max(len(s) for s in self.stop) - 1
             return self._take(max(self.emitted, len(self.text) - hold)), False

@@ -204,8 +204,12 @@ class EngineCore:
             raise RequestRejected("the prompt is empty", "prompt")
         if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_ids):
             raise RequestRejected("prompt token id out of the vocabulary range", "prompt")
-        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
             raise RequestRejected("logit_bias token id out of the vocabulary range", "logit_bias")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise RequestRejected("allowed_token_ids out of the vocabulary range",
+                                  "allowed_token_ids")
         config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
         config = config.for_context(self.max_model_len)  # defaults that fit this model
         policy = build_policy(config) if config.name != "full" else None
@@ -243,7 +247,8 @@ class EngineCore:
                       stop_ids=frozenset(params.stop_token_ids).union(
                           () if params.ignore_eos else self._eos))
         if params.detokenize:
-            req.detok = Detokenizer(self.tokenizer, params.stop)
+            req.detok = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                    params.include_stop_str_in_output)
         if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
             req.history = TokenHistory.of(req.prompt_ids)
         if params.prompt_logprobs is not None:
@@ -516,7 +521,9 @@ class EngineCore:
     def _check_stop(self, r: Request, tok: int) -> tuple[str, str | None]:
         n, least = len(r.output_ids), r.params.min_tokens
         if tok in r.stop_ids and n > least:  # banned before (engine/penalties.py)
-            return "", "stop"
+            # its text only if asked (an EOS, a special token, has none unless asked too)
+            kept = r.detok is not None and r.params.include_stop_str_in_output
+            return (r.detok.add([tok], stops=False)[0] if kept else ""), "stop"  # type: ignore[union-attr]
         text = ""
         if r.detok is not None:
             text, hit = r.detok.add([tok], stops=n >= least)  # vLLM's count for strings

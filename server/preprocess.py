@@ -12,6 +12,8 @@ concurrently.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +36,15 @@ from server.protocol import (
 )
 from server.settings import ServerSettings
 from server.tenants import Tenant, effective_salt
+
+# vLLM request fields that change what is generated and that kvserve does not implement:
+# a 400 rather than ignored, so that no client takes unconstrained output for the
+# constrained (structured) output it asked for. Other unknown fields are logged, as vLLM
+# logs them, and ignored.
+UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+               "structured_outputs", "bad_words", "logits_processors", "prompt_embeds",
+               "use_beam_search", "functions", "function_call", "echo")
+logger = logging.getLogger("kvserve.server")
 
 # Used only when the tokenizer ships no chat template (ChatML, the most common one).
 FALLBACK_CHAT_TEMPLATE = (
@@ -105,6 +116,7 @@ class Preprocessor:
     # ---- per endpoint ----------------------------------------------------------------
     async def completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
+        _check_extras(req)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.suffix:
@@ -126,6 +138,9 @@ class Preprocessor:
                  if n is not None]
         prompt_lp = max(asked) if asked else None
         for p_idx, (ids, text) in enumerate(prompts):
+            if (cut := self._truncate(ids, req.truncate_prompt_tokens)) is not ids:
+                ids, text = cut, (await self._run(self.engine.tokenizer.decode, cut)
+                                  if req.echo else text)
             self._check_prompt(ids, "prompt")
             max_tokens = self._max_tokens(ids, req.max_tokens, policy, "prompt", "max_tokens",
                                           DEFAULT_MAX_TOKENS)
@@ -134,6 +149,7 @@ class Preprocessor:
 
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
+        _check_extras(req)
         if req.tools:
             raise bad_request("tools are not supported", "tools")
         if req.response_format and req.response_format.get("type", "text") != "text":
@@ -143,7 +159,7 @@ class Preprocessor:
             raise bad_request("max_tokens 0 is only allowed for completions with echo",
                               "max_tokens")
         policy = self._policy(req.kv_policy)
-        ids = await self._run(self._render_chat, req)
+        ids = self._truncate(await self._run(self._render_chat, req), req.truncate_prompt_tokens)
         self._check_prompt(ids, "messages")
         max_tokens = self._max_tokens(
             ids, req.max_completion_tokens or req.max_tokens, policy, "messages",
@@ -158,6 +174,20 @@ class Preprocessor:
         return plan
 
     # ---- helpers -----------------------------------------------------------------------
+    def _truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many
+        as the context holds); `ids` itself when nothing is cut."""
+        if keep is None:
+            return ids
+        context = self.engine.max_model_len
+        if keep == 0:
+            raise bad_request("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
+        if keep > context:
+            raise bad_request(f"truncate_prompt_tokens ({keep}) is more than the context "
+                              f"({context})", "truncate_prompt_tokens")
+        keep = context if keep == -1 else keep
+        return ids[-keep:] if 0 < keep < len(ids) else ids
+
     def _policy(self, value: Any) -> KVPolicyConfig:
         """The request's policy, or the server's default (`--default-kv-policy`), parsed
         here so that usage and logs name it; KVPolicyError -> 400."""
@@ -185,6 +215,10 @@ class Preprocessor:
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
         top_k = req.top_k if req.top_k < vocab else 0
         bias = _logit_bias(req, vocab)
+        allowed = req.allowed_token_ids
+        if allowed is not None and max(allowed) >= vocab:
+            raise bad_request(f"allowed_token_ids must be < vocab size {vocab}",
+                              "allowed_token_ids")
         plan.num_prompt_tokens += len(ids)
         for j in range(req.n):
             index = p_idx * req.n + j
@@ -198,6 +232,8 @@ class Preprocessor:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None
                     else req.repetition_penalty, logit_bias=bias, min_tokens=req.min_tokens,
+                    allowed_token_ids=allowed, skip_special_tokens=req.skip_special_tokens,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
                     logprobs=None if n_lp is None else min(n_lp, vocab),
                     prompt_logprobs=None if prompt_lp is None else min(prompt_lp, vocab))
             except ValueError as e:
@@ -226,19 +262,31 @@ class Preprocessor:
                 for p in prompt]
 
     def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        return self._render_messages(req.messages, req.add_generation_prompt)
+        return self._render_messages(req.messages, req.add_generation_prompt,
+                                     req.continue_final_message,
+                                     template_kwargs=req.chat_template_kwargs)
 
     def _render_messages(self, messages: list[ChatMessage], add_generation_prompt: bool,
                          continue_final_message: bool = False,
-                         add_special_tokens: bool = False) -> list[int]:
+                         add_special_tokens: bool = False,
+                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        if continue_final_message and add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot "
+                              "both be true", "continue_final_message")
         tok = self.engine.tokenizer
+        own = set(inspect.signature(tok.apply_chat_template).parameters) - {"kwargs"}
+        if clash := sorted(own & set(template_kwargs or {})):
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)} (the "
+                              "request's own fields do)", "chat_template_kwargs")
         msgs = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
                 for m in messages]
         template = None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
-        extra = {"continue_final_message": True} if continue_final_message else {}
+        # the caller's variables first: ours are the ones the template must see
+        extra = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
             text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
                                            **extra)
         except Exception as e:  # template errors (role order, ...) are the caller's input
             raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
@@ -251,9 +299,6 @@ class Preprocessor:
         count tokens against `max_model_len` before they send."""
         self.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            if req.continue_final_message and req.add_generation_prompt:
-                raise bad_request("continue_final_message and add_generation_prompt cannot "
-                                  "both be true", "continue_final_message")
             ids = await self._run(self._render_messages, req.messages,
                                   req.add_generation_prompt, req.continue_final_message,
                                   req.add_special_tokens)
@@ -280,6 +325,17 @@ def _tenancy(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant | No
              ) -> dict[str, Any]:
     return {"tenant": tenant.name if tenant else None,
             "cache_salt": effective_salt(tenant, req.cache_salt)}
+
+
+def _check_extras(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Refuse the vLLM fields we do not implement (`UNSUPPORTED`), log the other unknown
+    ones (ignored)."""
+    extra = req.model_extra or {}
+    for name in UNSUPPORTED:
+        if extra.get(name) not in (None, False, "", [], {}):
+            raise bad_request(f"{name} is not supported by this server", name)
+    if ignored := sorted(extra.keys() - set(UNSUPPORTED)):
+        logger.warning("request fields ignored: %s", ", ".join(ignored)[:500])
 
 
 def _logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab: int

@@ -55,7 +55,11 @@ class StreamOptions(_Base):
 
 
 class _SamplingFields(_Base):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. Unknown fields are kept (`model_extra`) so that
+    preprocess can refuse the ones vLLM honours and we do not (`UNSUPPORTED`), and log
+    the rest as ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     stream: StrictBool = False
@@ -86,6 +90,14 @@ class _SamplingFields(_Base):
     logit_bias: dict[str, Number] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # vLLM's: no EOS, stop token id or stop string before this many tokens
     min_tokens: StrictInt = Field(0, ge=0, le=INT64_MAX)
+    # vLLM's: only these token ids may be drawn
+    allowed_token_ids: Annotated[TokenIds, Field(min_length=1)] | None = None
+    # vLLM's: the matched stop string (or stop token's text) stays in the output text
+    include_stop_str_in_output: StrictBool = False
+    # vLLM's: False puts special tokens' text (e.g. "</s>") in the output text
+    skip_special_tokens: StrictBool = True
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=INT64_MAX)
 
     @field_validator("stop")
     @classmethod
@@ -163,6 +175,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the last (assistant) message is left open and continued
+    continue_final_message: StrictBool = False
+    # vLLM's: extra variables for the chat template (e.g. Qwen3's enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

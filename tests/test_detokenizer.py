@@ -83,3 +83,19 @@ def test_no_stop_string_matches_before_it_may():
     early = "".join(d.add([t], stops=False)[0] for t in _ids("x ab"))
     out, hit = _feed(d, _ids(" c ab d"))
     assert hit and out == " c "
+
+
+def test_include_stop_keeps_the_matched_stop_string():
+    d = Detokenizer(TOK, ["world", "lo w"], include_stop=True)
+    out, hit = _feed(d, _ids("hello world"))
+    assert hit and out == "hello w"  # the earliest match, kept whole
+
+
+def test_special_tokens_text_when_not_skipped():
+    ids = _ids("a") + TOK.convert_tokens_to_ids(["<|im_end|>"]) + _ids("b")
+    for native in (True, False):
+        kept, skipped = Detokenizer(TOK, [], skip_special_tokens=False), Detokenizer(TOK, [])
+        if not native:
+            kept._stream = skipped._stream = None
+        assert _feed(kept, ids) == ("a<|im_end|>b", False)
+        assert _feed(skipped, ids) == ("ab", False)

@@ -110,13 +110,17 @@ def test_penalties_combined_match_a_per_row_reference():
     params = [SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, logit_bias={0: 1.0}),
               SamplingParams(),
               SamplingParams(presence_penalty=-0.7, logit_bias={8: -2.0, 49: 3.0}),
-              SamplingParams(repetition_penalty=0.5)]
+              SamplingParams(repetition_penalty=0.5, allowed_token_ids=[10, 3, 11, 3])]
     pen = Penalties.build(params, [_history(p, o) for p, o in zip(prompts, outputs)])
     assert pen is not None
     got = apply_penalties(logits, pen, in_place=False)
     want = logits.clone()
     for i, p in enumerate(params):
         row = want[i : i + 1]
+        if p.allowed_token_ids:
+            others = torch.ones(vocab, dtype=torch.bool)
+            others[p.allowed_token_ids] = False
+            row[0, others] = float("-inf")
         for t, b in (p.logit_bias or {}).items():
             row[0, t] += b
         if p.repetition_penalty != 1.0:
@@ -201,3 +205,29 @@ def test_min_tokens_holds_back_eos_and_stop_ids(tiny):
     assert full.finish_reason == "length"
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+def test_allowed_token_ids_confine_the_draws(tiny):
+    _, llm, prompts = tiny
+    plain = _ours(llm, prompts)
+    allowed = sorted({t for row in plain for t in row})  # the argmax is always allowed
+    assert _ours(llm, prompts, allowed_token_ids=allowed) == plain
+    few = [5, 6, 7]
+    sampled = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=1.5, seed=3,
+                                                   ignore_eos=True, allowed_token_ids=few))
+    assert all(t in few for o in sampled for t in o.token_ids)
+    with pytest.raises(RequestRejected):
+        llm.engine.add_request("y", prompts[0], SamplingParams(allowed_token_ids=[10**6]))
+
+
+def test_include_stop_str_keeps_a_stop_tokens_text(tiny):
+    """A stop token id that has text ("a", a byte token) ends the request; its text is
+    in the output only with include_stop_str_in_output (vLLM's)."""
+    _, llm, prompts = tiny
+    a = llm.tokenizer.encode("a", add_special_tokens=False)[0]
+    kw = dict(max_tokens=8, temperature=0, stop_token_ids=[a], min_tokens=2,
+              logit_bias={a: 50.0})
+    cut = llm.generate([prompts[0]], SamplingParams(**kw))[0]
+    kept = llm.generate([prompts[0]], SamplingParams(**kw, include_stop_str_in_output=True))[0]
+    assert cut.token_ids == kept.token_ids and cut.token_ids[-1] == a
+    assert kept.text == cut.text + "a"

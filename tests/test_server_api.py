@@ -284,3 +284,31 @@ def test_penalties_and_logit_bias_reach_the_sampler(client: openai.OpenAI, offli
         logit_bias={"5": 100}, extra_body=NOEOS)
     one = offline.engine.tokenizer.decode([5] * 4)
     assert forced.choices[0].message.content == one
+
+
+def test_vllm_request_extras(client: openai.OpenAI, server: ServerThread, offline: LLM,
+                             caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's extra request fields that kvserve implements behave as vLLM's; an unknown
+    field is ignored and logged; one that would constrain the output is refused (the
+    400s are in tests/test_server_errors.py)."""
+    ids = list(range(5, 16))
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                  extra_body={**NOEOS, "truncate_prompt_tokens": 4,
+                                              "use_beam_search": False, "foo_bar": 1})
+    ref = offline.generate([ids[-4:]], SamplingParams(max_tokens=6, temperature=0,
+                                                      ignore_eos=True))[0]
+    assert r.usage.prompt_tokens == 4 and r.choices[0].text == ref.text
+    assert any("request fields ignored: foo_bar" in m for m in caplog.messages)
+    base = client.completions.create(model=MODEL, prompt="ab", max_tokens=12, temperature=0,
+                                     extra_body=NOEOS).choices[0].text
+    stop = next(ch for ch in base[2:] if ch.isprintable() and ch != "\ufffd")
+    kept = client.completions.create(model=MODEL, prompt="ab", max_tokens=12, temperature=0,
+                                     stop=[stop], extra_body={**NOEOS, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == base[: base.index(stop) + 1]
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello th"}]
+    body = {"add_generation_prompt": False, "continue_final_message": True}
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        count = c.post("/tokenize", json={"messages": msgs, **body}).json()["count"]
+    cont = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3,
+                                          extra_body={**body, "chat_template_kwargs": {"x": 1}})
+    assert cont.usage.prompt_tokens == count

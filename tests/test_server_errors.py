@@ -83,6 +83,15 @@ COMPLETION_400 = [
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": "x", "guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "allowed_token_ids": [99999]}, "allowed_token_ids"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
@@ -116,6 +125,11 @@ CHAT_400 = [
     ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MSG, "logit_bias": {"1.5": 1}}, "logit_bias"),
+    ({"messages": MSG, "echo": True}, "echo"),
+    ({"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": MSG, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": MSG, "chat_template_kwargs": 5}, "chat_template_kwargs"),
     ({"messages": MSG, "max_completion_tokens": 10**9}, "max_completion_tokens"),
     ({"messages": MSG, "max_tokens": 10**9}, "max_tokens"),
     ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
@@ -171,7 +185,8 @@ def test_scalar_fields_are_strict(http: httpx.Client, kind: type) -> None:
                 assert name in err["message"], err
                 checked += 1
     expected_ints = {"max_tokens", "top_k", "n", "seed", "priority", "logprobs", "best_of",
-                     "max_completion_tokens", "top_logprobs", "prompt_logprobs", "min_tokens"}
+                     "max_completion_tokens", "top_logprobs", "prompt_logprobs", "min_tokens",
+                     "truncate_prompt_tokens"}
     if kind is int:
         found = set(_scalar_fields(CompletionRequest, int)) | set(
             _scalar_fields(ChatCompletionRequest, int))
