@@ -146,10 +146,9 @@ _NO_COUNTS = array("f")
 
 
 @torch.inference_mode()  # the runner's logits are inference tensors: changed in place here
-def apply_penalties(logits: torch.Tensor, pen: Penalties, in_place: bool) -> torch.Tensor:
-    """`logits` [B, V] float32 with the penalized rows changed; in place, or a copy when
-    the caller still needs the raw logits (a row asked for logprobs)."""
-    x = logits if in_place else logits.clone()
+def apply_penalties(x: torch.Tensor, pen: Penalties) -> None:
+    """Change the penalized rows of `x` [B, V] float32 in place (the caller copies first
+    where it still needs the raw logits: a row asked for logprobs)."""
     flat, width = x.view(-1), x.shape[1]  # pairs as flat indices: 1-D gathers and copies
     if pen.allowed is not None:  # every other id of those rows to -inf
         masked, rows, ids = pen.allowed
@@ -169,4 +168,3 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, in_place: bool) -> tor
         rows, ids, by_count, presence = pen.output
         at = rows * width + ids
         flat.index_copy_(0, at, flat.index_select(0, at) - by_count - presence)
-    return x

@@ -5,6 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output constrained to a grammar (engine/structured.py). `kind`: "json" (`spec`, a
+    JSON schema as text), "json_object" (any JSON object or array), "regex", "choice"
+    (`spec`: a JSON list of the strings) or "grammar" (EBNF, xgrammar's / GBNF).
+    `param`: the request field it came from, which a refusal names."""
+
+    kind: str
+    spec: str = ""
+    param: str = "structured_outputs"
+
+
 @dataclass
 class SamplingParams:
     # 0: score the prompt only (with prompt_logprobs): the request finishes after its
@@ -38,6 +50,7 @@ class SamplingParams:
     # vLLM's: the stop string (or a stop token id's text) stays at the end of the text
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # False: special tokens' text is in the output text
+    structured: StructuredOutput | None = None  # a grammar the output must follow
     # False skips incremental detokenization (offline throughput runs that only want ids;
     # stop strings then cannot match).
     detokenize: bool = True
@@ -67,6 +80,12 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must be a non-empty list of ids >= 0")
         if self.logit_bias and any(t < 0 for t in self.logit_bias):
             raise ValueError("logit_bias token ids must be >= 0")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether its logits are changed before sampling (penalties or a grammar): its
+        rows then never take the LM head's argmax, nor leave a step in flight."""
+        return self.penalized or self.structured is not None
 
     @property
     def penalized(self) -> bool:

@@ -21,6 +21,7 @@ from engine.penalties import Penalties, TokenHistory, apply_penalties
 from engine.runner import ModelRunner, PromptScoring, SeqInput
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
+from engine.structured import Grammars
 from kvpool.attention_select import select_attention
 from kvpool.manager import MIN_PREFILL_CHUNK, KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
@@ -183,7 +184,8 @@ class EngineCore:
         # Requests here whose rows need sampling parameters (a temperature, logprobs):
         # while there are none, a step builds no parameter lists at all.
         self._sampling = 0
-        self._penalized = 0  # of them, requests with a logit bias or a penalty
+        self._shaped = 0  # of them, requests with a logit bias, a penalty or a grammar
+        self._grammars: Grammars | None = None  # made on the first structured request
         self._default_policy = parse_kv_policy(config.default_kv_policy)
         self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies,
                                      spare=self.scheduler.spare_blocks)
@@ -251,11 +253,18 @@ class EngineCore:
                                     params.include_stop_str_in_output)
         if params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty:
             req.history = TokenHistory.of(req.prompt_ids)
+        if params.structured is not None:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, vocab)
+            try:
+                req.matcher = self._grammars.matcher(params.structured)
+            except ValueError as e:
+                raise RequestRejected(str(e), params.structured.param) from None
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]  # the first prompt token: nothing predicts it
         self.requests[request_id] = req
         self._sampling += _needs_params(params)
-        self._penalized += params.penalized
+        self._shaped += params.shapes_logits
         self.scheduler.add(req)
         self.policies.admitted(config.name)
 
@@ -268,7 +277,7 @@ class EngineCore:
     def _forget(self, r: Request) -> None:
         del self.requests[r.request_id]
         self._sampling -= _needs_params(r.params)
-        self._penalized -= r.params.penalized
+        self._shaped -= r.params.shapes_logits
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -336,7 +345,7 @@ class EngineCore:
             return False
         top = 0
         for r in running:
-            if (r.pending_tokens != 1 or r.params.logprobs is not None or r.params.penalized
+            if (r.pending_tokens != 1 or r.params.logprobs is not None or r.params.shapes_logits
                     or len(r.output_ids) + 1 >= r.params.max_tokens
                     or (r.policy is not None and r.policy.needs != _NO_NEEDS)):  # type: ignore[attr-defined]
                 return False
@@ -378,7 +387,7 @@ class EngineCore:
                     params.append(p)
                     seeds.append(r.seed)
                     steps.append(len(r.output_ids) + r.pending_tokens)
-                    plain = plain and not p.penalized  # its output so far must be known
+                    plain = plain and not p.shapes_logits  # its output so far must be known
             elif completes:
                 scored.append(r)
             # a token still in flight stands as a placeholder: the graph reads its id
@@ -420,10 +429,8 @@ class EngineCore:
             batch = SamplingBatch.build(params, seeds, steps, out.logits.device) \
                 if sampling else _ALL_GREEDY
             logits = out.logits
-            pen = Penalties.build(params, _histories(done), _banned(done), logits.device) \
-                if self._penalized else None
-            if pen is not None:  # the raw logits stay for the logprobs (vLLM's default)
-                logits = apply_penalties(logits, pen, in_place=batch.max_logprobs is None)
+            if self._shaped:  # the raw logits stay for the logprobs (vLLM's default)
+                logits = self._shape(logits, params, done, copy=batch.max_logprobs is not None)
             ids = sample(logits, batch)  # on the model's device
             if batch.max_logprobs is not None:
                 lp = top_logprobs(out.logits, ids, batch.max_logprobs)
@@ -436,6 +443,23 @@ class EngineCore:
                 c.request.pending_row = row
         launch.sample_s = time.perf_counter() - t2
         return launch
+
+    def _shape(self, logits: torch.Tensor, params: list[SamplingParams], done: list[Chunk],
+               copy: bool) -> torch.Tensor:
+        """The sampled rows' logits after their penalties and bias (engine/penalties.py)
+        and their grammars' masks (engine/structured.py); a copy if `copy`."""
+        pen = Penalties.build(params, _histories(done), _banned(done), logits.device)
+        rows = [i for i, c in enumerate(done) if c.request.matcher is not None]
+        if pen is None and not rows:
+            return logits
+        if copy:
+            logits = logits.clone()
+        if pen is not None:
+            apply_penalties(logits, pen)
+        if rows:
+            assert self._grammars is not None
+            self._grammars.mask(logits, rows, [done[i].request.matcher for i in rows])
+        return logits
 
     def _complete(self, launch: Launch, t: float) -> list[RequestOutput]:
         """Wait for a launched step's tokens and advance its requests: stop conditions,
@@ -484,6 +508,8 @@ class EngineCore:
                 r.first_token_time = now
                 self._prompt_tokens += len(r.prompt_ids)
             r.output_ids.append(tok)
+            if r.matcher is not None:  # its grammar follows every token it drew
+                r.matcher.accept_token(tok)  # type: ignore[attr-defined]
             logprobs = None
             if (k := r.params.logprobs) is not None:
                 logprobs = []
@@ -529,6 +555,8 @@ class EngineCore:
             text, hit = r.detok.add([tok], stops=n >= least)  # vLLM's count for strings
             if hit:
                 return text, "stop"
+        if r.matcher is not None and r.matcher.is_terminated():  # type: ignore[attr-defined]
+            return text, "stop"  # its grammar took its end (EOS, even with ignore_eos)
         # max_tokens is within the context unless the request shifts RoPE positions
         # (add_request: `fit_max_tokens`, the one context rule), so it is the one bound.
         if len(r.output_ids) >= r.params.max_tokens:
@@ -625,7 +653,7 @@ def _banned(done: list[Chunk]) -> list[frozenset[int] | None]:
 def _needs_params(p: SamplingParams) -> bool:
     """Whether a request's sampled rows need a `SamplingBatch` built from parameters (or
     their logits changed first: a greedy step's LM head then may not take the argmax)."""
-    return p.temperature != 0.0 or p.logprobs is not None or p.penalized
+    return p.temperature != 0.0 or p.logprobs is not None or p.shapes_logits
 
 
 def _prompt_scoring(r: Request, c: Chunk) -> PromptScoring | None:

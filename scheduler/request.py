@@ -86,6 +86,8 @@ class Request:
     detok: Detokenizer | None = None
     # Its tokens as a repetition / frequency / presence penalty reads them (None: none)
     history: TokenHistory | None = None
+    # Its grammar's matcher (engine/structured.py; None: unconstrained)
+    matcher: object | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import time
 import uuid
@@ -20,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, StructuredOutput
 from policies.config import KVPolicyConfig, parse_kv_policy
 from scheduler.async_engine import AsyncEngine, GenerationRequest
 from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
@@ -41,9 +42,8 @@ from server.tenants import Tenant, effective_salt
 # a 400 rather than ignored, so that no client takes unconstrained output for the
 # constrained (structured) output it asked for. Other unknown fields are logged, as vLLM
 # logs them, and ignored.
-UNSUPPORTED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-               "structured_outputs", "bad_words", "logits_processors", "prompt_embeds",
-               "use_beam_search", "functions", "function_call", "echo")
+UNSUPPORTED = ("bad_words", "logits_processors", "prompt_embeds", "use_beam_search",
+               "functions", "function_call", "echo")
 logger = logging.getLogger("kvserve.server")
 
 # Used only when the tokenizer ships no chat template (ChatML, the most common one).
@@ -152,9 +152,6 @@ class Preprocessor:
         _check_extras(req)
         if req.tools:
             raise bad_request("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format type 'text' is supported",
-                              "response_format")
         if req.max_tokens == 0:
             raise bad_request("max_tokens 0 is only allowed for completions with echo",
                               "max_tokens")
@@ -215,6 +212,7 @@ class Preprocessor:
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
         top_k = req.top_k if req.top_k < vocab else 0
         bias = _logit_bias(req, vocab)
+        structured = _structured(req)
         allowed = req.allowed_token_ids
         if allowed is not None and max(allowed) >= vocab:
             raise bad_request(f"allowed_token_ids must be < vocab size {vocab}",
@@ -234,6 +232,7 @@ class Preprocessor:
                     else req.repetition_penalty, logit_bias=bias, min_tokens=req.min_tokens,
                     allowed_token_ids=allowed, skip_special_tokens=req.skip_special_tokens,
                     include_stop_str_in_output=req.include_stop_str_in_output,
+                    structured=structured,
                     logprobs=None if n_lp is None else min(n_lp, vocab),
                     prompt_logprobs=None if prompt_lp is None else min(prompt_lp, vocab))
             except ValueError as e:
@@ -336,6 +335,55 @@ def _check_extras(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise bad_request(f"{name} is not supported by this server", name)
     if ignored := sorted(extra.keys() - set(UNSUPPORTED)):
         logger.warning("request fields ignored: %s", ", ".join(ignored)[:500])
+
+
+def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+    """The one grammar a request asks for, from whichever field it used: OpenAI's
+    `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs`
+    (`json`, `json_object`, `regex`, `choice`, `grammar`) or its `guided_*` fields.
+    The spec is compiled (and refused if invalid) by the engine, which names the field."""
+    asked: list[StructuredOutput] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            asked.append(StructuredOutput("json_object", "", "response_format"))
+        elif kind == "json_schema":
+            schema = (rf.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, "
+                                  "an object", "response_format")
+            asked.append(StructuredOutput("json", json.dumps(schema), "response_format"))
+        elif kind != "text":
+            raise bad_request(f"response_format type {kind!r} is not one of text, "
+                              "json_object, json_schema", "response_format")
+    so = req.structured_outputs or {}
+    given = {k: v for k, v in so.items() if v not in (None, False)}
+    if other := sorted(given.keys() - {"json", "json_object", "regex", "choice", "grammar"}):
+        raise bad_request(f"structured_outputs.{other[0]} is not supported", "structured_outputs")
+    fields = [(req.guided_json, "json", "guided_json"), (req.guided_regex, "regex", "guided_regex"),
+              (req.guided_choice, "choice", "guided_choice"),
+              (req.guided_grammar, "grammar", "guided_grammar"),
+              *((given.get(k), k, "structured_outputs") for k in ("json", "regex", "choice",
+                                                                   "grammar"))]
+    for value, kind, param in fields:
+        if value is None:
+            continue
+        if kind == "json":
+            value = value if isinstance(value, str) else json.dumps(value)
+        elif kind == "choice":
+            if not (isinstance(value, list) and value and all(isinstance(x, str) for x in value)):
+                raise bad_request("choice must be a non-empty list of strings", param)
+            value = json.dumps(value)
+        elif not isinstance(value, str):
+            raise bad_request(f"{kind} must be a string", param)
+        asked.append(StructuredOutput(kind, value, param))
+    if given.get("json_object"):
+        asked.append(StructuredOutput("json_object", "", "structured_outputs"))
+    if len(asked) > 1:
+        raise bad_request("at most one structured output may be asked for (response_format, "
+                          "structured_outputs or a guided_* field)", asked[1].param)
+    return asked[0] if asked else None
 
 
 def _logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab: int

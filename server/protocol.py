@@ -98,6 +98,14 @@ class _SamplingFields(_Base):
     skip_special_tokens: StrictBool = True
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: StrictInt | None = Field(None, ge=-1, le=INT64_MAX)
+    # Structured outputs (engine/structured.py): OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields; at most one of them
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    guided_grammar: StrictStr | None = None
 
     @field_validator("stop")
     @classmethod
@@ -173,7 +181,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     # vLLM's: the last (assistant) message is left open and continued
     continue_final_message: StrictBool = False

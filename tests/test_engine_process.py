@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -258,3 +259,18 @@ def test_soak_counts_the_engine_process_memory(served: tuple[ServerThread, Async
     assert engine > 0 and api > 0
     assert rss is not None and rss > api + engine / 2  # the engine's is counted
     assert abs(rss - (engine + api)) < 0.05 * (engine + api)  # two scrapes apart
+
+
+def test_structured_outputs_and_their_refusals_cross_the_pipe(
+        served: tuple[ServerThread, AsyncEngine]) -> None:
+    """The grammar is compiled and matched in the engine process; a bad spec is a 400
+    naming its field, as in the thread layout."""
+    pytest.importorskip("xgrammar")
+    server, _ = served
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        ok = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 10, "seed": 4,
+                                               "guided_regex": "[a-c]{3}"})
+        assert ok.status_code == 200, ok.text
+        assert re.fullmatch("[a-c]{3}", ok.json()["choices"][0]["text"])
+        bad = c.post("/v1/completions", json={"prompt": "x", "guided_regex": "[a-c"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "guided_regex"
