@@ -1,0 +1,170 @@
+"""What the per-request sampling features cost a decode step: penalties, a logit bias,
+a grammar (structured outputs), temperature sampling, each against greedy.
+
+    python -m loadtest.bench_sampling --requests 16,64
+
+Why: greedy rows take their argmax from the LM head's own op (no logits written); any of
+these features makes a step write the logits and change them on the host side
+(engine/penalties.py: the rows' seen (row, token) pairs; engine/structured.py: a matcher
+per row and a bitmask). One engine per batch size runs every variant in turn, in reverse
+order every other round (`--rounds`), the same prompts and lengths; a variant's figure
+is the median over rounds of its mean decode step (steps with every request decoding).
+Writes JSON with the environment fingerprint, a table into docs/benchmarks.md and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+from engine.sampling import SamplingParams, StructuredOutput
+from loadtest import bench_common as bc
+from scheduler.engine_core import EngineConfig, EngineCore
+
+NAME = "bench_sampling"
+FIRST = bc.FIRST_TOKEN_ID
+DOC_HEADING = "## Sampling features: the step they cost"
+# name -> (what it is, SamplingParams fields beside max_tokens / ignore_eos)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "greedy": ("greedy", {"temperature": 0.0}),
+    "sampled": ("temperature 0.8, top-p 0.95", {"temperature": 0.8, "top_p": 0.95}),
+    "logit_bias": ("greedy, a bias on 2 ids", {"temperature": 0.0,
+                                               "logit_bias": {FIRST: -2.0, FIRST + 1: 1.0}}),
+    "penalties": ("greedy, repetition 1.1, frequency 0.3, presence 0.2",
+                  {"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.3,
+                   "presence_penalty": 0.2}),
+    "grammar": ("greedy, regex [a-z]+ (xgrammar)",
+                {"temperature": 0.0, "structured": StructuredOutput("regex", "[a-z]+")}),
+}
+
+
+def _has_xgrammar() -> bool:
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run(eng: EngineCore, fields: dict, n: int, args: argparse.Namespace, vocab: int,
+         tag: str) -> dict:
+    rng = random.Random(args.seed)
+    for i in range(n):
+        prompt = [rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(args.prompt)]
+        eng.add_request(f"{tag}-{i}", prompt, SamplingParams(
+            max_tokens=args.gen, ignore_eos=True, detokenize=False, seed=i, **fields))
+    d = bc.drive(eng, tag, progress=not args.no_progress)
+    sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
+    total = sum(s.total_s for s in sel)
+    return {"steps": len(sel), "mean_step_s": total / max(1, len(sel)),
+            "sample_s": sum(s.sample_s for s in sel) / max(1, len(sel)),
+            "tok_per_s": d.output_tokens / d.wall_s}
+
+
+def measure(path: str, args: argparse.Namespace, vocab: int) -> list[dict]:
+    names = args.variants
+    rows = []
+    for n in args.requests:
+        blocks = n * int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"]) * (
+            -(-(args.prompt + args.gen) // 16) + 2)
+        eng = EngineCore(EngineConfig(model=path, num_blocks=blocks, max_num_seqs=n,
+                                      enable_prefix_caching=False))
+        runs: dict[str, list[dict]] = {}
+        for k in range(args.rounds):
+            for name in names[::-1] if k % 2 else names:
+                runs.setdefault(name, []).append(
+                    _run(eng, VARIANTS[name][1], n, args, vocab, f"{name} n={n} r{k}"))
+        base = statistics.median(r["mean_step_s"] for r in runs["greedy"])
+        for name in names:
+            rs = runs[name]
+            step = statistics.median(r["mean_step_s"] for r in rs)
+            rows.append({"variant": name, "what": VARIANTS[name][0], "requests": n,
+                         "mean_step_s": step,
+                         "vs_greedy": step / base,
+                         "sample_s": statistics.median(r["sample_s"] for r in rs),
+                         "tok_per_s": statistics.median(r["tok_per_s"] for r in rs),
+                         "steps": rs[0]["steps"], "by_round": [r["mean_step_s"] for r in rs]})
+    return rows
+
+
+def render(report: dict) -> str:
+    s = report["settings"]
+    lines = [bc.environment_line(report, bc.links(report, NAME)[0]), "",
+             f"Command: `{report['command']}`", "",
+             f"Model {s['model']}, prompts of {s['prompt']} tokens, {s['gen']} generated "
+             f"each; median of {s['rounds']} rounds of each variant's mean decode step.", "",
+             "| variant | what | requests | step (ms) | × greedy | sampling part (ms) | tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['variant']} | {r['what']} | {r['requests']} | {1e3 * r['mean_step_s']:.2f} | "
+                     f"{r['vs_greedy']:.2f}× | {1e3 * r['sample_s']:.2f} | {r['tok_per_s']:.0f} |")
+    if report.get("skipped"):
+        lines += ["", report["skipped"]]
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    plt = bc.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    sizes = sorted({r["requests"] for r in report["rows"]})
+    names = list(dict.fromkeys(r["variant"] for r in report["rows"]))
+    width = 0.8 / max(1, len(sizes))
+    for i, n in enumerate(sizes):
+        by = {r["variant"]: r["vs_greedy"] for r in report["rows"] if r["requests"] == n}
+        ax.bar([j + i * width for j in range(len(names))], [by.get(v, 0) for v in names],
+               width=width, label=f"{n} requests")
+    ax.set_xticks([j + width * (len(sizes) - 1) / 2 for j in range(len(names))],
+                  names, fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("decode step × greedy")
+    ax.legend()
+    bc.save_figure(fig, path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="3m")
+    p.add_argument("--requests", default="16,64")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="a comma-separated subset of: " + ", ".join(VARIANTS))
+    bc.add_run_args(p)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.model, a.requests, a.prompt, a.gen, a.rounds = "tiny", "2,4", 8, 8, 1
+    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.requests = [int(x) for x in a.requests.split(",")]
+    a.variants = ["greedy", *(v for v in a.variants.split(",") if v != "greedy")]
+    if unknown := [v for v in a.variants if v not in VARIANTS]:
+        p.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    bc.default_paths(a, NAME)
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
+    report = bc.new_report(NAME, args, ("model", "requests", "prompt", "gen", "rounds",
+                                        "variants", "seed", "threads"))
+    if not _has_xgrammar():
+        args.variants = [v for v in args.variants if "structured" not in VARIANTS[v][1]]
+        report["skipped"] = "The grammar variant needs xgrammar (pip install 'kvserve[structured]')."
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-sampling-") as tmp:
+        path = os.path.join(tmp, args.model)
+        report["params"] = bc.build_model(args.model, path)
+        report["rows"] = measure(path, args, int(bc.MODEL_CONFIGS[args.model]["vocab_size"]))
+    report["bench_wall_s"] = time.perf_counter() - t0
+    bc.publish(report, args, NAME, DOC_HEADING, render, plot)
+    return report
+
+
+if __name__ == "__main__":
+    main()
