@@ -123,6 +123,24 @@ def exponential_race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor
     return (probs / expo).argmax(dim=-1)
 
 
+def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs` with each row's tail zeroed: in stable descending order (ties: the lower
+    id first), a token is dropped from rank top_k on (top_k > 0) and from the first one
+    whose mass before it reaches top_p on (top_p < 1; the first token always stays). On CPU a C++ op orders
+    only the kept prefix (engine/csrc/sampling_cpu.cpp: the whole-row sort was 17.7 ms of
+    a 26 ms step at 64 rows of a 4k vocabulary); elsewhere a sort, the same tokens."""
+    if _native(probs):
+        return torch.ops.kvserve_sampling.truncate(probs, top_k, top_p)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    # from the first token with top_p before it on (float rounding of a near-flat tail
+    # could otherwise let a later one back in)
+    cut = ((sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop |= cut.to(torch.uint8).cummax(dim=-1).values.bool()
+    return probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Next token per row. logits: [B, V] float32 (raw model output)."""
     greedy = greedy_tokens(logits)
@@ -131,13 +149,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     if b.needs_sort:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
-        drop = (b.top_k[:, None] > 0) & (rank >= b.top_k[:, None])
-        # top-p: drop a token when the mass before it already reaches top_p (the first
-        # token is therefore always kept).
-        drop |= (sorted_p.cumsum(dim=-1) - sorted_p) >= b.top_p[:, None]
-        probs = probs.scatter(1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = truncate(probs, b.top_k, b.top_p)
     if b.needs_min_p:
         floor = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)

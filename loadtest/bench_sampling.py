@@ -9,7 +9,8 @@ these features makes a step write the logits and change them on the host side
 per row and a bitmask). One engine per batch size runs every variant in turn, in reverse
 order every other round (`--rounds`), the same prompts and lengths; a variant's figure
 is the median over rounds of its mean decode step (steps with every request decoding).
-Writes JSON with the environment fingerprint, a table into docs/benchmarks.md and a plot.
+Then the top-k / top-p step alone, its C++ op against the torch form's sort. Writes JSON
+with the environment fingerprint, tables into docs/benchmarks.md and a plot.
 """
 
 from __future__ import annotations
@@ -92,6 +93,40 @@ def measure(path: str, args: argparse.Namespace, vocab: int) -> list[dict]:
     return rows
 
 
+def measure_truncate(args: argparse.Namespace) -> list[dict]:
+    """The top-k / top-p step alone (engine/sampler.py `truncate`): its C++ op against
+    the torch form's whole-row sort, on the same [rows, vocab] probabilities, alternated
+    call by call; flat rows (a random-weight model's: the nucleus is most of the
+    vocabulary) and peaked ones (a trained model's: a few dozen tokens)."""
+    import torch
+
+    from engine import sampler
+
+    if not sampler.load_sampling_ops():
+        return []
+    g = torch.Generator().manual_seed(args.seed)
+    out = []
+    for vocab in args.truncate_vocabs:
+        for shape, scale in (("flat", 0.01), ("peaked", 20.0)):
+            probs = torch.softmax(torch.randn(args.truncate_rows, vocab, generator=g) * scale, -1)
+            top_k = torch.zeros(args.truncate_rows, dtype=torch.int64)
+            top_p = torch.full((args.truncate_rows,), 0.95)
+            native = sampler._native
+            times: dict[str, list[float]] = {"op": [], "torch": []}
+            for _ in range(args.truncate_calls):
+                for form in ("op", "torch"):
+                    if form == "torch":
+                        sampler._native = lambda x: False
+                    t0 = time.perf_counter()
+                    sampler.truncate(probs, top_k, top_p)
+                    times[form].append(time.perf_counter() - t0)
+                    sampler._native = native
+            op, ref = statistics.median(times["op"]), statistics.median(times["torch"])
+            out.append({"vocab": vocab, "rows": args.truncate_rows, "shape": shape,
+                        "op_s": op, "torch_s": ref, "speedup": ref / op})
+    return out
+
+
 def render(report: dict) -> str:
     s = report["settings"]
     lines = [bc.environment_line(report, bc.links(report, NAME)[0]), "",
@@ -103,6 +138,14 @@ def render(report: dict) -> str:
     for r in report["rows"]:
         lines.append(f"| {r['variant']} | {r['what']} | {r['requests']} | {1e3 * r['mean_step_s']:.2f} | "
                      f"{r['vs_greedy']:.2f}× | {1e3 * r['sample_s']:.2f} | {r['tok_per_s']:.0f} |")
+    if report.get("truncate"):
+        lines += ["", "**Top-p alone** (top_p 0.95; the C++ op against the torch form's sort, "
+                  "alternated call by call; median):", "",
+                  "| vocabulary | rows | distribution | op (ms) | torch sort (ms) | speed-up |",
+                  "|---|---|---|---|---|---|"]
+        for r in report["truncate"]:
+            lines.append(f"| {r['vocab']} | {r['rows']} | {r['shape']} | {1e3 * r['op_s']:.2f} | "
+                         f"{1e3 * r['torch_s']:.2f} | {r['speedup']:.1f}× |")
     if report.get("skipped"):
         lines += ["", report["skipped"]]
     return "\n".join(lines)
@@ -135,10 +178,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="a comma-separated subset of: " + ", ".join(VARIANTS))
+    p.add_argument("--truncate-vocabs", default="4096,32000")
+    p.add_argument("--truncate-rows", type=int, default=64)
+    p.add_argument("--truncate-calls", type=int, default=5)
     bc.add_run_args(p)
     a = p.parse_args(argv)
     if a.quick:
         a.model, a.requests, a.prompt, a.gen, a.rounds = "tiny", "2,4", 8, 8, 1
+        a.truncate_vocabs, a.truncate_rows, a.truncate_calls = "300", 4, 1
+    a.truncate_vocabs = [int(x) for x in a.truncate_vocabs.split(",")]
     a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.requests = [int(x) for x in a.requests.split(",")]
     a.variants = ["greedy", *(v for v in a.variants.split(",") if v != "greedy")]
@@ -152,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, ("model", "requests", "prompt", "gen", "rounds",
-                                        "variants", "seed", "threads"))
+                                        "variants", "truncate_vocabs", "truncate_rows",
+                                        "truncate_calls", "seed", "threads"))
     if not _has_xgrammar():
         args.variants = [v for v in args.variants if "structured" not in VARIANTS[v][1]]
         report["skipped"] = "The grammar variant needs xgrammar (pip install 'kvserve[structured]')."
@@ -161,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         path = os.path.join(tmp, args.model)
         report["params"] = bc.build_model(args.model, path)
         report["rows"] = measure(path, args, int(bc.MODEL_CONFIGS[args.model]["vocab_size"]))
+    report["truncate"] = measure_truncate(args)
     report["bench_wall_s"] = time.perf_counter() - t0
     bc.publish(report, args, NAME, DOC_HEADING, render, plot)
     return report

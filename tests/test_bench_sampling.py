@@ -27,6 +27,10 @@ def test_every_variant_at_every_size(tmp_path) -> None:
         assert r["steps"] > 0 and r["tok_per_s"] > 0
         if r["variant"] == "greedy":
             assert r["vs_greedy"] == 1.0
+    if report["truncate"]:  # without a compiler there is no op to compare
+        assert [(r["vocab"], r["shape"]) for r in report["truncate"]] == [
+            (300, "flat"), (300, "peaked")]
+        assert all(r["op_s"] > 0 and r["torch_s"] > 0 for r in report["truncate"])
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert DOC_HEADING in doc and "| penalties |" in doc

@@ -227,3 +227,49 @@ def test_engine_builds_sampling_parameters_only_while_a_request_needs_them(tmp_p
     assert [tokens["s"], tokens["g"]] == alone
     after = llm.generate([[9, 9]], greedy)[0].token_ids
     assert after == tokens["g"]
+
+
+def _truncate_torch(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """engine/sampler.py's torch form of `truncate` (what it runs without the C++ op)."""
+    import engine.sampler as s
+
+    native = s._native
+    s._native = lambda x: False
+    try:
+        return s.truncate(probs, top_k, top_p)
+    finally:
+        s._native = native
+
+
+def test_truncate_op_keeps_the_torch_forms_tokens():
+    """The C++ top-k / top-p op orders only the kept prefix (and sums the ranks clearly
+    before the cut in any order, exact in double): the same probabilities kept as the
+    torch form's whole-row sort and cumsum, over flat, peaked and tied rows, top_p next
+    to 1, top-k alone and together, and vocabularies from 7 to 32k."""
+    from engine.sampler import load_sampling_ops
+
+    if not load_sampling_ops():
+        pytest.skip("no C++ compiler")
+    g = torch.Generator().manual_seed(5)
+    for vocab in (7, 300, 4096, 32000):
+        for scale in (0.0, 0.01, 3.0, 20.0):
+            rows = 16
+            probs = torch.softmax(torch.randn(rows, vocab, generator=g) * scale, dim=-1)
+            probs[0, :5] = probs[0, 5]  # ties: the lower id first
+            top_k = torch.randint(0, 3000, (rows,), generator=g)
+            top_k[::3] = 0
+            top_p = torch.rand(rows, generator=g).clamp(0.05, 1.0)
+            top_p[::4] = 1.0
+            top_p[1], top_p[2] = 0.999999, 0.9999999
+            want = _truncate_torch(probs, top_k, top_p)
+            got = torch.ops.kvserve_sampling.truncate(probs, top_k, top_p)
+            assert torch.equal(got, want), (vocab, scale)
+            kept = (got > 0).sum(dim=1)
+            assert (kept >= 1).all() and (kept[top_k > 0] <= top_k[top_k > 0]).all()
+            off = (top_p == 1.0) & (top_k == 0)  # nothing to cut: the row as it was
+            assert torch.equal(got[off], probs[off])
+    nan = torch.softmax(torch.randn(2, 50, generator=g), dim=-1)
+    nan[0, 7] = float("nan")
+    got = torch.ops.kvserve_sampling.truncate(nan, torch.tensor([3, 3]), torch.tensor([0.5, 0.5]))
+    assert torch.equal(got[0].nan_to_num(-1), nan[0].nan_to_num(-1))  # a NaN row stays whole
+    assert (got[1] > 0).sum() <= 3

@@ -1,4 +1,4 @@
-// Sampling on CPU, two ops of torch.ops.kvserve_sampling (engine/sampler.py builds them on
+// Sampling on CPU, three ops of torch.ops.kvserve_sampling (engine/sampler.py builds them on
 // first use). Built without -ffast-math: the NaN tests stay.
 //
 // greedy: the first index of each row's maximum, as torch.max(dim) returns it (a NaN
@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -276,14 +278,163 @@ at::Tensor race(const at::Tensor& probs, const at::Tensor& seed, const at::Tenso
   return out;
 }
 
+// One row's top-k / top-p truncation (see `truncate_probs`): zero every token of out[0, n)
+// (a copy of p) past the kept prefix of the stable descending order.
+//
+// The mass before rank j is torch's cumsum (a double sum in rank order, rounded to float
+// per element) minus p_j, in float. A double sum of float32 values of at least 2^-29 (and
+// a total below 2) rounds nowhere, so its value does not depend on the order: ranks whose
+// mass is clearly below top_p (by kMargin) are summed in any order after a selection, and
+// only the window where the cut can fall is sorted and walked as torch walks it, from the
+// same exact sum. A row whose summed values go below 2^-29 is ordered wholly (exact by
+// construction).
+constexpr double kExact = 1.0 / (1 << 29);
+constexpr double kMargin = 1.0 / (1 << 20);  // far above float's rounding of a sum < 2
+constexpr int64_t kWindow = 256;
+
+inline float prob(const float* p, uint64_t key) { return p[static_cast<uint32_t>(key)]; }
+
+// Walk ranks [lo, hi) of keys (sorted here) on from `sum` (the exact mass of ranks < lo);
+// the first rank whose mass before it reaches top_p, or -1 if none does.
+int64_t walk(const float* p, std::vector<uint64_t>& keys, int64_t lo, int64_t hi, double& sum,
+             float top_p) {
+  std::sort(keys.begin() + lo, keys.begin() + hi);
+  for (int64_t j = lo; j < hi; ++j) {
+    const float pj = prob(p, keys[j]);
+    sum += pj;
+    if (static_cast<float>(sum) - pj >= top_p) return j;
+  }
+  return -1;
+}
+
+// Ranks [0, k) of the row: the rank where top_p cuts it (k if it does not).
+int64_t nucleus(const float* p, std::vector<uint64_t>& keys, int64_t k, float top_p) {
+  // A trained model's nucleus is usually within its first few dozen tokens.
+  double sum = 0.0;
+  const int64_t head = std::min<int64_t>(64, k);
+  std::nth_element(keys.begin(), keys.begin() + head - 1, keys.begin() + k);
+  int64_t cut = walk(p, keys, 0, head, sum, top_p);
+  if (cut >= 0 || head == k) return cut >= 0 ? cut : k;
+  int64_t lo = head, hi = k;
+  if (prob(p, keys[head - 1]) < kExact) return (cut = walk(p, keys, lo, hi, sum, top_p)) >= 0 ? cut : k;
+  // Halve [lo, hi) by rank until the cut's window is small: the upper half's mass (exact,
+  // any order) says on which side the cut falls, unless it is within kMargin of top_p.
+  while (hi - lo > kWindow) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    std::nth_element(keys.begin() + lo, keys.begin() + mid, keys.begin() + hi);
+    double mass = 0.0;
+    float least = 1.0f;
+    for (int64_t j = lo; j < mid; ++j) {
+      const float pj = prob(p, keys[j]);
+      mass += pj;
+      least = std::min(least, pj);
+    }
+    if (sum + mass >= top_p + kMargin) {  // rank mid has at least top_p before it (an
+      hi = mid + 1;                        // inexact mass is off by far less than kMargin)
+    } else if (sum + mass <= top_p - kMargin && least >= kExact) {  // every rank up to mid
+      sum += mass;                                                 // has less before it
+      lo = mid;
+    } else {
+      break;  // the cut is near mid, or the sum would no longer be exact: walk the rest
+    }
+  }
+  cut = walk(p, keys, lo, hi, sum, top_p);
+  return cut >= 0 ? cut : k;
+}
+
+// p >= 0, so its bits order as its value: ~bits ascending is p descending, and the low
+// half (the id) breaks ties toward the lower id, as a stable sort does.
+inline uint64_t key(const float* p, int64_t i) {
+  uint32_t bits;
+  std::memcpy(&bits, &p[i], 4);
+  return (static_cast<uint64_t>(~bits) << 32) | static_cast<uint32_t>(i);
+}
+
+void keep_prefix(const float* p, float* out, int64_t n, const std::vector<uint64_t>& keys,
+                 int64_t keep) {
+  std::memset(out, 0, n * sizeof(float));
+  for (int64_t j = 0; j < keep; ++j) {
+    const uint32_t i = static_cast<uint32_t>(keys[j]);
+    out[i] = p[i];
+  }
+}
+
+void truncate_row(const float* p, float* out, int64_t n, int64_t top_k, float top_p,
+                  std::vector<uint64_t>& keys) {
+  const int64_t k = top_k > 0 ? std::min(top_k, n) : n;
+  const bool nucleus_on = top_p < 1.0f;
+  if (k == n && !nucleus_on) return;
+  float most = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(p[i])) return;  // a NaN row stays whole: the race takes its first NaN
+    most = std::max(most, p[i]);
+  }
+  // A peaked row (a trained model's): its first ranks are the few tokens within 2^-12 of
+  // the most likely one, and when the cut falls among them (their mass, but for the
+  // last, reaches top_p by kMargin; or top_k ends there) only they are ordered: one pass
+  // over the row instead of keys for all of it (32k-token rows 20x faster).
+  const float floor = most * (1.0f / 4096.0f);
+  keys.clear();
+  double mass = 0.0;
+  float least = most;
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] >= floor) {
+      keys.push_back(key(p, i));
+      mass += p[i];
+      least = std::min(least, p[i]);
+    }
+  const int64_t found = static_cast<int64_t>(keys.size());
+  if (found < n && (k <= found || (nucleus_on && mass - least >= top_p + kMargin))) {
+    const int64_t kk = std::min(k, found);  // ranks [0, found) are these keys
+    if (kk < found) std::nth_element(keys.begin(), keys.begin() + kk - 1, keys.end());
+    keep_prefix(p, out, n, keys, nucleus_on ? nucleus(p, keys, kk, top_p) : kk);
+    return;
+  }
+  if (found < n) {  // every token
+    keys.resize(n);
+    for (int64_t i = 0; i < n; ++i) keys[i] = key(p, i);
+  }
+  if (k < n) std::nth_element(keys.begin(), keys.begin() + k - 1, keys.end());
+  keep_prefix(p, out, n, keys, nucleus_on ? nucleus(p, keys, k, top_p) : k);
+}
+
+// truncate: engine/sampler.py's top-k / top-p step on CPU. Each row's tokens in stable
+// descending order of probability (ties: the lower id first); a token is dropped from rank
+// top_k on (top_k > 0), and once the mass before it reaches top_p (top_p < 1). The kept
+// set is a prefix of that order, so only the prefix is ordered. Why: the torch form sorts
+// every whole row, 17.7 ms of a 26 ms 3m decode step at 64 rows of a 4k vocabulary
+// sampled with top-p; a trained model's nucleus is a few dozen tokens.
+at::Tensor truncate_probs(const at::Tensor& probs, const at::Tensor& top_k, const at::Tensor& top_p) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat,
+              "probs must be [B, V] float32, got ", probs.sizes(), " ", probs.scalar_type());
+  const int64_t rows = probs.size(0), vocab = probs.size(1);
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t{1} << 32), "probs must have a vocabulary");
+  TORCH_CHECK(top_k.numel() == rows && top_k.scalar_type() == at::kLong && top_p.numel() == rows
+              && top_p.scalar_type() == at::kFloat, "top_k must be [B] int64, top_p [B] float32");
+  const at::Tensor pr = probs.contiguous(), tk = top_k.contiguous(), tp = top_p.contiguous();
+  at::Tensor out = pr.clone();
+  const float* p = pr.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t* ks = tk.data_ptr<int64_t>();
+  const float* ps = tp.data_ptr<float>();
+  team::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint64_t> keys;
+    for (int64_t r = b; r < e; ++r)
+      truncate_row(p + r * vocab, o + r * vocab, vocab, ks[r], ps[r], keys);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_sampling, m) {
   m.def("greedy(Tensor logits) -> Tensor");
   m.def("race(Tensor probs, Tensor seed, Tensor step) -> Tensor");
+  m.def("truncate(Tensor probs, Tensor top_k, Tensor top_p) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_sampling, CPU, m) {
   m.impl("greedy", &greedy);
   m.impl("race", &race);
+  m.impl("truncate", &truncate_probs);
 }
