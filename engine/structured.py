@@ -14,6 +14,7 @@ without it a structured request is refused, naming the field it came in.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from typing import Any
@@ -21,6 +22,11 @@ from typing import Any
 import torch
 
 from engine.sampling import StructuredOutput
+
+
+def available() -> bool:
+    """Whether xgrammar is installed (without importing it)."""
+    return importlib.util.find_spec("xgrammar") is not None
 
 
 class Grammars:

@@ -16,7 +16,9 @@ oneDNN-packed weight once at every row bucket a step can have (`step_buckets`, w
 PRIMITIVE_BUDGET_S: a demo-model prefill step of 2,048 tokens took 215 ms on first use
 against 187 afterwards), then runs two tiny requests through the ordinary
 `add_request`/`step` path (one prefill and one decode step: the paged decode kernel;
-one greedy and one top-k/top-p row with logprobs: every sampling branch). Both have
+one greedy and one top-k/top-p row with logprobs, penalties and a bias: every sampling
+branch; with xgrammar installed, a third under a grammar, so the compiler's tokenizer
+tables are built before the first structured request). They have
 fixed seeds, so the core's seed generator draws nothing and a client's unseeded request
 gets the same seed with or without a warm-up. The counters those requests move are
 taken off by the caller (`EngineStats.since`), and the step listener is detached
@@ -32,9 +34,10 @@ from typing import Any
 
 import torch
 
+from engine import structured
 from engine.cpu_linear import row_buckets, warm_buckets
 from engine.sampler import load_sampling_ops
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, StructuredOutput
 from kvpool.cpu_attention import kernel_available, vector_path
 from kvpool.key_stats import load_key_stats
 from kvpool.tables import load_mark
@@ -96,7 +99,12 @@ def warm_up(core: Any) -> Warmup:
     prompt = [t % vocab for t in (1, 2, 3)]
     params = [SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True),
               SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, top_k=8, min_p=0.01,
-                             seed=0, ignore_eos=True, logprobs=1)]
+                             seed=0, ignore_eos=True, logprobs=1, repetition_penalty=1.1,
+                             logit_bias={prompt[0]: 1.0})]
+    if structured.available():  # the grammar compiler's tokenizer tables (~0.2 s for a
+        # 4k vocabulary, seconds for 128k) are built here, not in a client's request
+        params.append(SamplingParams(max_tokens=2, temperature=0.0, seed=0, ignore_eos=True,
+                                     structured=StructuredOutput("json_object")))
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(params))]
     on_step = getattr(core, "on_step", None)
     core.on_step = None  # step histograms are for clients' steps

@@ -154,3 +154,17 @@ def test_warm_buckets_has_nothing_to_do_without_packed_layers() -> None:
     later = time.perf_counter() + 60
     assert warm_buckets(model, [(1, True), (40, False)], vocab=50, deadline=later) == (0, 0)
     assert calls == []
+
+
+def test_warm_up_builds_the_grammar_compiler(model_dir: str) -> None:
+    """With xgrammar installed, the warm-up's third request runs under a grammar: the
+    compiler's tokenizer tables exist before the first client asks for a schema."""
+    pytest.importorskip("xgrammar")
+    from scheduler.engine_core import EngineCore
+    from scheduler.warmup import warm_up
+
+    core = EngineCore(EngineConfig(model=model_dir, num_blocks=96))
+    assert core._grammars is None
+    warm_up(core)
+    assert core._grammars is not None and core._grammars.xgr is not None
+    assert not core.has_unfinished() and core.pool.num_used == 0
