@@ -160,7 +160,11 @@ class Bench:
 
     def run_cfg(self, url: str, system: str) -> RunConfig:
         backend = "transformers" if system.startswith("transformers") else "openai"
-        return RunConfig(base_url=url, client=ClientConfig(backend=backend, temperature=0.0),
+        # --top-p goes as OpenAI's field (`transformers serve`'s client backend sends none)
+        extra = {"top_p": self.a.top_p} if self.a.top_p < 1 and backend == "openai" else {}
+        return RunConfig(base_url=url, client=ClientConfig(backend=backend,
+                                                           temperature=self.a.temperature,
+                                                           extra_body=extra),
                          mode="closed", request_timeout=self.a.request_timeout,
                          duration_limit=self.a.duration_limit, progress=not self.a.no_progress,
                          percentiles=(50, 90, 99),
@@ -374,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--cpu-wait of the offline reference; default: kvserve generate's "
                    "(spin, which beside another busy process is several times slower)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus of every sampled request")
     p.add_argument("--request-timeout", type=float, default=900.0)
     p.add_argument("--duration-limit", type=float, default=900.0, help="per level, seconds")
     p.add_argument("--start-timeout", type=float, default=300.0)

@@ -144,6 +144,13 @@ def _rel(path: str, doc: str) -> str:
     return os.path.relpath(path, os.path.dirname(os.path.abspath(doc)) or ".")
 
 
+def _sampling(st: dict[str, Any]) -> str:
+    """How the requests sampled ('greedy', or the temperature and top-p sent)."""
+    t, p = st.get("temperature", 0.0), st.get("top_p", 1.0)
+    return "greedy" if not t else f"sampled (temperature {t:g}" + (
+        f", top-p {p:g})" if p < 1 else ")")
+
+
 def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> str:
     models = report["models"]
     st, env = report["settings"], report["environment"]
@@ -186,7 +193,8 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
         out.append(f"Throughput workload: synthetic chat-shaped prompts, log-normal lengths "
                    f"(prompt median {w['prompt']['median']:g} tokens, σ {w['prompt']['sigma']}, "
                    f"≤ {w['prompt']['hi']}; output median {w['output']['median']:g}, σ "
-                   f"{w['output']['sigma']}, ≤ {w['output']['hi']}), EOS ignored, greedy; per "
+                   f"{w['output']['sigma']}, ≤ {w['output']['hi']}), EOS ignored, "
+                   f"{_sampling(st)}; per "
                    f"level max({st['num_prompts']}, {st['waves']:g} × concurrency) requests, "
                    f"fresh prompts per level (seed {st['seed']}).")
         ref = next((r for r in first["throughput"].get("offline_ref", []) if "error" not in r),

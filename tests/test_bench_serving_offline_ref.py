@@ -125,3 +125,19 @@ def test_a_failed_child_is_a_result_not_a_crash(tmp_path: Any) -> None:
                 ["--cpu-threads", "1"], {}, str(tmp_path / "ref"), 60)
     assert "CalledProcessError" in r["error"] and str(tmp_path / "ref-log.txt") in r["error"]
     assert "kvserve: error: --model" in (tmp_path / "ref-log.txt").read_text()
+
+
+def test_sampled_runs_send_temperature_and_top_p(tmp_path: Any) -> None:
+    """`--temperature` / `--top-p` reach every OpenAI-backend request (top-p as OpenAI's
+    field; `transformers serve`'s backend sends none) and the report says how it sampled."""
+    from loadtest.bench_serving import Bench, parse_args
+    from loadtest.bench_serving_report import _sampling
+
+    a = parse_args(["--systems", "kvserve", "--temperature", "0.8", "--top-p", "0.95",
+                    "--out", str(tmp_path)])
+    bench = Bench(a)
+    cfg = bench.run_cfg("http://x", "vllm").client
+    assert (cfg.temperature, cfg.extra_body) == (0.8, {"top_p": 0.95})
+    assert bench.run_cfg("http://x", "transformers").client.extra_body == {}
+    assert _sampling(vars(a)) == "sampled (temperature 0.8, top-p 0.95)"
+    assert _sampling({}) == "greedy"
