@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
-import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from engine.sampling import SamplingParams, StructuredOutput
+from engine.sampling import SamplingParams
 from policies.config import KVPolicyConfig, parse_kv_policy
 from scheduler.async_engine import AsyncEngine, GenerationRequest
 from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
@@ -35,16 +33,9 @@ from server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from server.sampling_fields import check_extras, logit_bias, structured_output
 from server.settings import ServerSettings
 from server.tenants import Tenant, effective_salt
-
-# vLLM request fields that change what is generated and that kvserve does not implement:
-# a 400 rather than ignored, so that no client takes unconstrained output for the
-# constrained (structured) output it asked for. Other unknown fields are logged, as vLLM
-# logs them, and ignored.
-UNSUPPORTED = ("bad_words", "logits_processors", "prompt_embeds", "use_beam_search",
-               "functions", "function_call", "echo")
-logger = logging.getLogger("kvserve.server")
 
 # Used only when the tokenizer ships no chat template (ChatML, the most common one).
 FALLBACK_CHAT_TEMPLATE = (
@@ -116,7 +107,7 @@ class Preprocessor:
     # ---- per endpoint ----------------------------------------------------------------
     async def completion(self, req: CompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
-        _check_extras(req)
+        check_extras(req)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of other than n is not supported", "best_of")
         if req.suffix:
@@ -149,7 +140,7 @@ class Preprocessor:
 
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
-        _check_extras(req)
+        check_extras(req)
         if req.tools:
             raise bad_request("tools are not supported", "tools")
         if req.max_tokens == 0:
@@ -211,8 +202,8 @@ class Preprocessor:
         if any(t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
         top_k = req.top_k if req.top_k < vocab else 0
-        bias = _logit_bias(req, vocab)
-        structured = _structured(req)
+        bias = logit_bias(req, vocab)
+        structured = structured_output(req)
         allowed = req.allowed_token_ids
         if allowed is not None and max(allowed) >= vocab:
             raise bad_request(f"allowed_token_ids must be < vocab size {vocab}",
@@ -324,83 +315,3 @@ def _tenancy(req: CompletionRequest | ChatCompletionRequest, tenant: Tenant | No
              ) -> dict[str, Any]:
     return {"tenant": tenant.name if tenant else None,
             "cache_salt": effective_salt(tenant, req.cache_salt)}
-
-
-def _check_extras(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """Refuse the vLLM fields we do not implement (`UNSUPPORTED`), log the other unknown
-    ones (ignored)."""
-    extra = req.model_extra or {}
-    for name in UNSUPPORTED:
-        if extra.get(name) not in (None, False, "", [], {}):
-            raise bad_request(f"{name} is not supported by this server", name)
-    if ignored := sorted(extra.keys() - set(UNSUPPORTED)):
-        logger.warning("request fields ignored: %s", ", ".join(ignored)[:500])
-
-
-def _structured(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
-    """The one grammar a request asks for, from whichever field it used: OpenAI's
-    `response_format` (`json_object`, `json_schema`), vLLM's `structured_outputs`
-    (`json`, `json_object`, `regex`, `choice`, `grammar`) or its `guided_*` fields.
-    The spec is compiled (and refused if invalid) by the engine, which names the field."""
-    asked: list[StructuredOutput] = []
-    rf = req.response_format
-    if rf is not None:
-        kind = rf.get("type", "text")
-        if kind == "json_object":
-            asked.append(StructuredOutput("json_object", "", "response_format"))
-        elif kind == "json_schema":
-            schema = (rf.get("json_schema") or {}).get("schema")
-            if not isinstance(schema, dict):
-                raise bad_request("response_format json_schema needs json_schema.schema, "
-                                  "an object", "response_format")
-            asked.append(StructuredOutput("json", json.dumps(schema), "response_format"))
-        elif kind != "text":
-            raise bad_request(f"response_format type {kind!r} is not one of text, "
-                              "json_object, json_schema", "response_format")
-    so = req.structured_outputs or {}
-    given = {k: v for k, v in so.items() if v not in (None, False)}
-    if other := sorted(given.keys() - {"json", "json_object", "regex", "choice", "grammar"}):
-        raise bad_request(f"structured_outputs.{other[0]} is not supported", "structured_outputs")
-    fields = [(req.guided_json, "json", "guided_json"), (req.guided_regex, "regex", "guided_regex"),
-              (req.guided_choice, "choice", "guided_choice"),
-              (req.guided_grammar, "grammar", "guided_grammar"),
-              *((given.get(k), k, "structured_outputs") for k in ("json", "regex", "choice",
-                                                                   "grammar"))]
-    for value, kind, param in fields:
-        if value is None:
-            continue
-        if kind == "json":
-            value = value if isinstance(value, str) else json.dumps(value)
-        elif kind == "choice":
-            if not (isinstance(value, list) and value and all(isinstance(x, str) for x in value)):
-                raise bad_request("choice must be a non-empty list of strings", param)
-            value = json.dumps(value)
-        elif not isinstance(value, str):
-            raise bad_request(f"{kind} must be a string", param)
-        asked.append(StructuredOutput(kind, value, param))
-    if given.get("json_object"):
-        asked.append(StructuredOutput("json_object", "", "structured_outputs"))
-    if len(asked) > 1:
-        raise bad_request("at most one structured output may be asked for (response_format, "
-                          "structured_outputs or a guided_* field)", asked[1].param)
-    return asked[0] if asked else None
-
-
-def _logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab: int
-                ) -> dict[int, float] | None:
-    """OpenAI's `logit_bias` ({"token id": bias}) as ids, each bias clamped to [-100,
-    100] (vLLM's rule; OpenAI's range)."""
-    if not req.logit_bias:
-        return None
-    bias: dict[int, float] = {}
-    for key, value in req.logit_bias.items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                              "logit_bias") from None
-        if not 0 <= tok < vocab:
-            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary "
-                              f"(0..{vocab - 1})", "logit_bias")
-        bias[tok] = min(100.0, max(-100.0, float(value)))
-    return bias

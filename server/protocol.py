@@ -56,8 +56,8 @@ class StreamOptions(_Base):
 
 class _SamplingFields(_Base):
     """Fields shared by both endpoints. Unknown fields are kept (`model_extra`) so that
-    preprocess can refuse the ones vLLM honours and we do not (`UNSUPPORTED`), and log
-    the rest as ignored, as vLLM does."""
+    server/sampling_fields.py can refuse the ones vLLM honours and we do not
+    (`UNSUPPORTED`), and log the rest as ignored, as vLLM does."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
