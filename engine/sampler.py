@@ -126,9 +126,10 @@ def exponential_race(probs: torch.Tensor, seed: torch.Tensor, step: torch.Tensor
 def truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """`probs` with each row's tail zeroed: in stable descending order (ties: the lower
     id first), a token is dropped from rank top_k on (top_k > 0) and from the first one
-    whose mass before it reaches top_p on (top_p < 1; the first token always stays). On CPU a C++ op orders
-    only the kept prefix (engine/csrc/sampling_cpu.cpp: the whole-row sort was 17.7 ms of
-    a 26 ms step at 64 rows of a 4k vocabulary); elsewhere a sort, the same tokens."""
+    whose mass before it reaches top_p on (top_p < 1; the first token always stays). On
+    CPU a C++ op orders only what the cut needs (engine/csrc/sampling_cpu.cpp: the
+    whole-row sort was 17.7 ms of a 26 ms step at 64 rows of a 4k vocabulary); elsewhere
+    a sort, the same tokens."""
     if _native(probs):
         return torch.ops.kvserve_sampling.truncate(probs, top_k, top_p)
     sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)

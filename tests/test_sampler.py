@@ -242,10 +242,11 @@ def _truncate_torch(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
 
 
 def test_truncate_op_keeps_the_torch_forms_tokens():
-    """The C++ top-k / top-p op orders only the kept prefix (and sums the ranks clearly
-    before the cut in any order, exact in double): the same probabilities kept as the
-    torch form's whole-row sort and cumsum, over flat, peaked and tied rows, top_p next
-    to 1, top-k alone and together, and vocabularies from 7 to 32k."""
+    """The C++ top-k / top-p op orders only what the cut needs (the near-peak tokens, or
+    a histogram's window, or halvings by rank; the ranks clearly before the cut summed in
+    any order, exact in double): the same probabilities kept as the torch form's
+    whole-row sort and cumsum, over flat, peaked, equal and tied rows, tails below 2^-29,
+    top_p next to 1, top-k alone and together, and vocabularies from 7 to 32k."""
     from engine.sampler import load_sampling_ops
 
     if not load_sampling_ops():
@@ -268,6 +269,13 @@ def test_truncate_op_keeps_the_torch_forms_tokens():
             assert (kept >= 1).all() and (kept[top_k > 0] <= top_k[top_k > 0]).all()
             off = (top_p == 1.0) & (top_k == 0)  # nothing to cut: the row as it was
             assert torch.equal(got[off], probs[off])
+    # a flat head over a tail below 2^-29 (the any-order sums stop before it), cut near 1
+    tail = torch.softmax(torch.cat([torch.randn(8, 3000, generator=g) * 0.01,
+                                    torch.full((8, 1096), -30.0)], dim=1), dim=-1)
+    top_p = torch.tensor([0.5, 0.9, 0.99, 0.999, 0.9999, 0.99999, 0.999999, 0.9999999])
+    zeros = torch.zeros(8, dtype=torch.int64)
+    assert torch.equal(torch.ops.kvserve_sampling.truncate(tail, zeros, top_p),
+                       _truncate_torch(tail, zeros, top_p))
     nan = torch.softmax(torch.randn(2, 50, generator=g), dim=-1)
     nan[0, 7] = float("nan")
     got = torch.ops.kvserve_sampling.truncate(nan, torch.tensor([3, 3]), torch.tensor([0.5, 0.5]))
