@@ -89,7 +89,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether its logits are changed before sampling (`engine.penalties`)."""
+        """Whether `engine.penalties` changes its logits (penalties, a bias, min_tokens,
+        allowed ids)."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
                     or self.allowed_token_ids)

@@ -75,17 +75,12 @@ class Grammars:
         """Set to -inf, in place, every logit of `rows` that its matcher does not allow."""
         xgr = self.xgr
         assert xgr is not None
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
+        for row, m in zip(rows, matchers):
+            m.fill_next_token_bitmask(bitmask, row)
         with torch.inference_mode():  # the runner's logits are inference tensors
-            if len(rows) == logits.shape[0]:
-                xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size)
-            else:
-                full = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-                full[rows] = bitmask
-                xgr.apply_token_bitmask_inplace(logits, full, vocab_size=self.vocab_size,
-                                                indices=rows)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                            indices=None if len(rows) == logits.shape[0] else rows)
 
 
 def _why(message: str) -> str:

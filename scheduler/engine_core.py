@@ -339,13 +339,13 @@ class EngineCore:
         with no admission, preemption or finish on length among them."""
         s, graphs = self.scheduler, self.runner.graphs
         running = s.running
-        if (s.waiting or s.swapped or not running or graphs is None
+        if (s.waiting or s.swapped or not running or graphs is None or self._shaped
                 or self.pool.num_free < self.model_config.num_layers * len(running)
                 or graphs.bucket(len(running)) is None):
             return False
         top = 0
         for r in running:
-            if (r.pending_tokens != 1 or r.params.logprobs is not None or r.params.shapes_logits
+            if (r.pending_tokens != 1 or r.params.logprobs is not None
                     or len(r.output_ids) + 1 >= r.params.max_tokens
                     or (r.policy is not None and r.policy.needs != _NO_NEEDS)):  # type: ignore[attr-defined]
                 return False
@@ -366,7 +366,9 @@ class EngineCore:
         seeds: list[int] = []
         steps: list[int] = []
         n_dec = n_pre = 0
-        plain = self.config.async_scheduling  # every request may leave its tokens in flight
+        # every request may leave its tokens in flight (none shapes its logits from its
+        # output so far, which must then be known)
+        plain = self.config.async_scheduling and not self._shaped
         sampling = self._sampling
         # One pass, its fields read once: at 64 decoding every per-request pass shows
         for c in plan.chunks:
@@ -387,7 +389,6 @@ class EngineCore:
                     params.append(p)
                     seeds.append(r.seed)
                     steps.append(len(r.output_ids) + r.pending_tokens)
-                    plain = plain and not p.shapes_logits  # its output so far must be known
             elif completes:
                 scored.append(r)
             # a token still in flight stands as a placeholder: the graph reads its id
@@ -448,8 +449,19 @@ class EngineCore:
                copy: bool) -> torch.Tensor:
         """The sampled rows' logits after their penalties and bias (engine/penalties.py)
         and their grammars' masks (engine/structured.py); a copy if `copy`."""
-        pen = Penalties.build(params, _histories(done), _banned(done), logits.device)
-        rows = [i for i, c in enumerate(done) if c.request.matcher is not None]
+        histories: list[TokenHistory | None] = []
+        banned: list[frozenset[int] | None] = []  # EOS and stop ids before min_tokens
+        rows = []  # those under a grammar
+        for i, c in enumerate(done):  # one pass over the sampled rows' requests
+            r = c.request
+            if r.history is not None:
+                r.history.take(r.output_ids)  # its new tokens only
+            histories.append(r.history)
+            least = r.params.min_tokens
+            banned.append(r.stop_ids if least and len(r.output_ids) < least else None)
+            if r.matcher is not None:
+                rows.append(i)
+        pen = Penalties.build(params, histories, banned, logits.device)
         if pen is None and not rows:
             return logits
         if copy:
@@ -626,28 +638,6 @@ class EngineCore:
         sched = self.scheduler
         self.kv.check_invariants([r.cache for r in sched.running if r.cache is not None],
                                  [r.cache for r in sched.swapped if r.cache is not None])
-
-
-def _histories(done: list[Chunk]) -> list[TokenHistory | None]:
-    """The sampled rows' token histories, brought up to date (their new tokens only)."""
-    out = []
-    for c in done:
-        h = c.request.history
-        if h is not None:
-            h.take(c.request.output_ids)
-        out.append(h)
-    return out
-
-
-def _banned(done: list[Chunk]) -> list[frozenset[int] | None]:
-    """Per sampled row, the token ids it may not draw yet: its EOS and stop token ids
-    while it has fewer than `min_tokens` output tokens (vLLM's `min_tokens`)."""
-    out: list[frozenset[int] | None] = []
-    for c in done:
-        r = c.request
-        least = r.params.min_tokens
-        out.append(r.stop_ids if least and len(r.output_ids) < least else None)
-    return out
 
 
 def _needs_params(p: SamplingParams) -> bool:
