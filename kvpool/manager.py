@@ -136,11 +136,10 @@ class KVCacheManager:
         return SeqCache(self.pool, self.num_layers, -(-tokens // self.block_size) + 1,
                         tables=self.tables)
 
-    def admit(self, hashes: list[int], tokens: int) -> tuple[SeqCache, int]:
-        """A new cache for a request of `tokens` tokens, holding the longest cached
-        prefix of its prompt blocks' `hashes` (referenced, shared); returns it and the
-        tokens it already holds. `release` undoes it (the hits' references included)."""
-        hits = self.lookup(hashes)
+    def admit(self, hits: list[torch.Tensor], tokens: int) -> tuple[SeqCache, int]:
+        """A new cache for a request of `tokens` tokens, holding the prefix-cache `hits`
+        `lookup` took for it; returns it and the tokens it already holds. `release`
+        undoes it (the hits' references included)."""
         cache = self.new_cache(tokens)
         cache.adopt(hits)
         return cache, len(hits) * self.block_size
@@ -199,6 +198,11 @@ class KVCacheManager:
         every token (an evicted block is no one's prefix)."""
         for i in range(start, end):
             self.pool.register(hashes[i], cache.table[:, i])
+
+    def drop(self, hits: list[torch.Tensor]) -> None:
+        """Give back the references `lookup` took (the request does not start now)."""
+        for ids in hits:
+            self.pool.release(ids)
 
     # ---- accounting ----------------------------------------------------------------
     def check_invariants(self, running: Iterable[SeqCache],

@@ -259,13 +259,14 @@ class Scheduler:
         # still publishes it) instead of taking hits.
         scores_prompt = (req.policy is not None and req.policy.needs.attention) or req.scoring_prompt
         hashes = req.block_hashes if self.kv.prefix_caching and not scores_prompt else []
-        cache, computed = self.kv.admit(hashes, req.num_tokens)
-        hits = computed // self.pool.block_size
+        found = self.kv.lookup(hashes)
+        hits = len(found)
         if hits < len(hashes) and hashes[hits] in self.pending:
             # Another request (e.g. a sibling sample of n > 1) is computing this very
             # prefix right now: wait one prefill and share it instead of duplicating.
-            self.kv.release(cache)
+            self.kv.drop(found)
             return 0
+        cache, computed = self.kv.admit(found, req.num_tokens)
         n = min(req.num_tokens - computed, budget, req.max_chunk)
         need = self.kv.blocks_needed(cache, n)
         ahead = max(0, req.reserve_blocks - cache.num_blocks - need) if req.reserve_blocks else 0
