@@ -111,16 +111,12 @@ def measure_truncate(args: argparse.Namespace) -> list[dict]:
             probs = torch.softmax(torch.randn(args.truncate_rows, vocab, generator=g) * scale, -1)
             top_k = torch.zeros(args.truncate_rows, dtype=torch.int64)
             top_p = torch.full((args.truncate_rows,), 0.95)
-            native = sampler._native
             times: dict[str, list[float]] = {"op": [], "torch": []}
             for _ in range(args.truncate_calls):
                 for form in ("op", "torch"):
-                    if form == "torch":
-                        sampler._native = lambda x: False
                     t0 = time.perf_counter()
-                    sampler.truncate(probs, top_k, top_p)
+                    sampler.truncate(probs, top_k, top_p, native=form == "op")
                     times[form].append(time.perf_counter() - t0)
-                    sampler._native = native
             op, ref = statistics.median(times["op"]), statistics.median(times["torch"])
             out.append({"vocab": vocab, "rows": args.truncate_rows, "shape": shape,
                         "op_s": op, "torch_s": ref, "speedup": ref / op})

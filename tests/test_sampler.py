@@ -231,14 +231,9 @@ def test_engine_builds_sampling_parameters_only_while_a_request_needs_them(tmp_p
 
 def _truncate_torch(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """engine/sampler.py's torch form of `truncate` (what it runs without the C++ op)."""
-    import engine.sampler as s
+    from engine.sampler import truncate
 
-    native = s._native
-    s._native = lambda x: False
-    try:
-        return s.truncate(probs, top_k, top_p)
-    finally:
-        s._native = native
+    return truncate(probs, top_k, top_p, native=False)
 
 
 def test_truncate_op_keeps_the_torch_forms_tokens():
