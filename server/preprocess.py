@@ -202,12 +202,8 @@ class Preprocessor:
         if any(t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
         top_k = req.top_k if req.top_k < vocab else 0
-        bias = logit_bias(req, vocab)
+        bias = logit_bias(req)
         structured = structured_output(req)
-        allowed = req.allowed_token_ids
-        if allowed is not None and max(allowed) >= vocab:
-            raise bad_request(f"allowed_token_ids must be < vocab size {vocab}",
-                              "allowed_token_ids")
         plan.num_prompt_tokens += len(ids)
         for j in range(req.n):
             index = p_idx * req.n + j
@@ -221,7 +217,7 @@ class Preprocessor:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None
                     else req.repetition_penalty, logit_bias=bias, min_tokens=req.min_tokens,
-                    allowed_token_ids=allowed, skip_special_tokens=req.skip_special_tokens,
+                    allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     structured=structured,
                     logprobs=None if n_lp is None else min(n_lp, vocab),

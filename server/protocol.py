@@ -83,7 +83,7 @@ class _SamplingFields(_Base):
     cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=256)] | None = None
     # engine/penalties.py: OpenAI's two, vLLM's repetition penalty (1 = off), and a bias
     # per token id (keys are ids as strings, as OpenAI's; values clamped to [-100, 100]
-    # as vLLM does; checked against the vocabulary in preprocess)
+    # as vLLM does; ids checked against the vocabulary by the engine)
     presence_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Number | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: Number | None = Field(None, gt=0.0, le=1e6)

@@ -80,10 +80,10 @@ def structured_output(req: CompletionRequest | ChatCompletionRequest) -> Structu
     return asked[0] if asked else None
 
 
-def logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab: int
-                ) -> dict[int, float] | None:
+def logit_bias(req: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
     """OpenAI's `logit_bias` ({"token id": bias}) as ids, each bias clamped to [-100,
-    100] (vLLM's rule; OpenAI's range)."""
+    100] (vLLM's rule; OpenAI's range). Ids outside the vocabulary are the engine's to
+    refuse (`EngineCore.add_request`, a 400 naming the field), as for offline callers."""
     if not req.logit_bias:
         return None
     bias: dict[int, float] = {}
@@ -93,8 +93,5 @@ def logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab: int
         except ValueError:
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
                               "logit_bias") from None
-        if not 0 <= tok < vocab:
-            raise bad_request(f"logit_bias token id {tok} is outside the vocabulary "
-                              f"(0..{vocab - 1})", "logit_bias")
         bias[tok] = min(100.0, max(-100.0, float(value)))
     return bias
