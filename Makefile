@@ -2,7 +2,7 @@
 # Both create .venv and install what is missing. The CPU torch wheel is installed
 # first and pinned, so nothing pulls PyPI's multi-GB CUDA build (see README).
 # `make serve` installs the runtime only (no Triton, no test tools); `make test` adds
-# the dev extra on top. The C++ ops (kvpool/native.py) compile in the background from the
+# the dev extra on top. The C++ ops (native/build.py) compile in the background from the
 # moment torch is in, while pip installs the rest: ~2.5 CPU-minutes here that the first
 # server start or the first tests would otherwise wait for.
 VENV      ?= .venv
@@ -26,7 +26,7 @@ $(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m kvpool.native --build --background
+	$(PY) -m native.build --build --background
 	$(PY) -m pip install -q -e . "$(TORCH)"
 	touch $(RUNTIME)
 

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool.attention import PAD_QUERY_POS
-from kvpool.host import bool_tensor, int64_tensor
-from kvpool.tables import rows_slice
+from attention.torch_attention import PAD_QUERY_POS
+from kvpool.rows import rows_slice
+from native.host import bool_tensor, int64_tensor
 
 if TYPE_CHECKING:  # the runner's input type (engine.runner imports this module)
-    from engine.runner import SeqInput
+    from engine.step import SeqInput
     from kvpool.manager import DecodeBatch
 
 

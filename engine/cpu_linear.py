@@ -51,8 +51,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvpool.huge_pages import huge_page_empty
-from kvpool.native import cpuinfo, load_ops, pair_fma, prefetch_from, whole_k_to
+from native.build import load_ops
+from native.cpu import cpuinfo, pair_fma, prefetch_from, whole_k_to
+from native.huge_pages import huge_page_empty
 
 log = logging.getLogger("kvserve.engine")
 
@@ -180,7 +181,7 @@ def bf16_path() -> str:
 
 @functools.cache
 def _kernel_choices() -> tuple[bool, int, int]:
-    """This CPU's choices for the panel kernel, made in kvpool/native.py and read once,
+    """This CPU's choices for the panel kernel, made in native/build.py and read once,
     by the first panel layer (the last needs the built op's ISA): whether a pair layer's
     steps run on FMAs (`pair_fma`), from which rows a whole-K step prefetches the next
     panel (`prefetch_from`), and up to which rows a step runs whole K (`whole_k_to`)."""
@@ -288,7 +289,7 @@ class PanelLinear(nn.Module):
         # its op, also where `pack_linears` would not pick panels (a benchmark of both
         # layouts on a CPU with AVX-512 found it unloaded)
         if not load_ops("kvserve_layer_ops_cpu"):
-            raise RuntimeError("panels need the C++ layer ops (kvpool.native: no compiler?)")
+            raise RuntimeError("panels need the C++ layer ops (native.build: no compiler?)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().contiguous()
         self.dtype = w.dtype
@@ -305,7 +306,7 @@ class PanelLinear(nn.Module):
         # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
         # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
         # every panel, and small pages cost a one-thread stream ~20% of its rate here
-        # (kvpool/huge_pages.py)
+        # (native/huge_pages.py)
         if self.pairs:
             laid = huge_page_empty((panels, self.in_features // 2, PANEL, 2), w.dtype)
             laid.copy_(w.view(panels, PANEL, self.in_features // 2, 2).transpose(1, 2))

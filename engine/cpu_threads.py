@@ -12,7 +12,7 @@ while the partner it waits for has no core at all). Passive waiting (sleep at on
 is safe there but costs a futex wake-up at each of a decode step's ~60 parallel
 regions, which on a VM whose idle vCPUs halt is also a host wake-up: 10-20% of a 160M
 model's decode step. Every kernel of kvserve's own (the linear layers' panels, decode
-attention, the layer ops, sampling) runs on kvserve's own team (kvpool/csrc/team.h),
+attention, the layer ops, sampling) runs on kvserve's own team (native/csrc/team.h),
 whose threads poll for `TEAM_POLL_US` (1 ms) after a job, yielding their core to any
 thread that wants it, then sleep. `poll`, serve's default, is that team with torch's
 own OpenMP threads (oneDNN's GEMMs, prefill attention) sleeping at once; `passive`
@@ -45,7 +45,7 @@ _SYS_CPU = Path("/sys/devices/system/cpu")
 # GNU OpenMP's spin before a waiting thread sleeps, in its unit (one `pause` loop: ~50 ns
 # on the Xeons measured). OpenMP's own default is 300,000.
 SPIN_COUNT = 30_000
-# How long kvserve's own team (kvpool/csrc/team.h) polls for its next job before it sleeps,
+# How long kvserve's own team (native/csrc/team.h) polls for its next job before it sleeps,
 # in microseconds, for `poll` and `spin`: longer than the gaps between a decode step's ops.
 TEAM_POLL_US = 1000
 WAITS = ("poll", "spin", "passive")

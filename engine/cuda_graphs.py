@@ -26,7 +26,7 @@ fused kernels could not give H2O-style eviction (vLLM #3532): the statistic cost
 more pass over the keys inside the same graph, not an eager step.
 
 The batch is padded up to its bucket: padded rows see no slot (query position -1), write
-their K/V to the pool's scratch block (`BlockPool(scratch=True)`: outside its
+their K/V to the pool's scratch block (`KVStorage(scratch=True)`: outside its
 accounting), and their logits are dropped. The tables are padded to a fixed width; the
 kernel walks only the step's width (`slot_count`, read on the device), so stale columns
 of earlier, longer steps are never read.
@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvpool.triton_attention import paged_attention_triton
+from attention.triton_attention import paged_attention_triton
 
 if TYPE_CHECKING:  # the runner imports this module
-    from engine.runner import IdsFrom, ModelRunner, SeqInput, StepOutput
+    from engine.runner import ModelRunner
+    from engine.step import IdsFrom, SeqInput, StepOutput
     from kvpool.manager import DecodeBatch
 
 # Longest table (in tokens) a graph step takes; longer steps run eagerly. The buffers
@@ -80,17 +81,17 @@ class DecodeGraphs:
 
     def __init__(self, runner: ModelRunner, max_batch: int, max_model_len: int,
                  capture: bool = True) -> None:
-        cfg, pool, dev = runner.config, runner.pool, runner.device
+        cfg, store, dev = runner.config, runner.storage, runner.device
         self.runner = runner
         self.capture = capture
         self.buckets = batch_buckets(min(max_batch, MAX_BATCH))
-        bs = pool.block_size
+        bs = store.block_size
         self.max_len = max_model_len
         self.max_blocks = -(-min(max_model_len, MAX_LEN) // bs)
         nl, bmax, nbm = cfg.num_layers, self.buckets[-1], self.max_blocks
-        if pool.scratch_slot is None:
+        if store.scratch_slot is None:
             raise ValueError("CUDA graphs need a pool with a scratch block (scratch=True)")
-        self.scratch_slot = pool.scratch_slot
+        self.scratch_slot = store.scratch_slot
         i64 = dict(dtype=torch.int64, device=dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.ids = torch.zeros(bmax, **i64)
@@ -101,7 +102,7 @@ class DecodeGraphs:
         self.slot_pos = torch.full((nl, bmax, nbm * bs), -1, **i32)
         self.slot_count = torch.zeros(1, **i32)
         self.mass_rows = torch.zeros(bmax, **i32)  # statistics graphs: rows wanting mass
-        self.norms = pool.quant is None  # the step's K/V norms as the pool stores them
+        self.norms = store.quant is None  # the step's K/V norms as the pool stores them
         # One host-to-device copy a step: everything is staged in one int32 buffer
         # (pinned on CUDA, so the copy is asynchronous), then spread on the device.
         n = 4 * bmax + 1 + nl * bmax * (1 + nbm + nbm * bs)
@@ -131,7 +132,7 @@ class DecodeGraphs:
     def fits(self, slots: int) -> bool:
         """Whether a table of `slots` slots, the longest of a step, fits the buffers
         (with a block to spare: where a row's slots start in its last block)."""
-        return -(-slots // self.runner.pool.block_size) < self.max_blocks
+        return -(-slots // self.runner.storage.block_size) < self.max_blocks
 
     def run(self, inputs: list[SeqInput], decode: DecodeBatch,
             ids_from: IdsFrom | None = None) -> StepOutput | None:
@@ -141,7 +142,7 @@ class DecodeGraphs:
         append, whose rows and widest table stand for the inputs' caches. `ids_from`:
         the input ids are rows of a tensor on the device (async scheduling: a step in
         flight sampled them), not the inputs' own."""
-        from engine.runner import StepOutput  # the runner imports this module
+        from engine.step import StepOutput  # the runner imports this module
 
         b = len(inputs)
         if decode.slots.shape[1] != b:  # prefill chunks in the step
@@ -164,7 +165,7 @@ class DecodeGraphs:
         self.replays[key] += 1
         out = StepOutput(logits=self.logits[key][:b], graph=True)
         if stats:
-            self._statistics(inputs, bucket, nb * self.runner.pool.block_size, out)
+            self._statistics(inputs, bucket, nb * self.runner.storage.block_size, out)
         return out
 
     def capture_all(self) -> None:
@@ -206,7 +207,7 @@ class DecodeGraphs:
                     out: StepOutput) -> None:
         """The replay's mass and norms as the eager runner hands them (`AttentionMass`):
         the step's rows and columns, one device-to-host copy per statistic asked."""
-        from engine.runner import AttentionMass
+        from attention.stats import AttentionMass
 
         b = len(inputs)
         mass_all, kn_all, vn_all = self.stats[bucket]
@@ -242,7 +243,7 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy is done (it always is by now)
         b, nl, nb = len(inputs), self.runner.config.num_layers, decode.blocks
-        width = nb * self.runner.pool.block_size
+        width = nb * self.runner.storage.block_size
         pos = [x.start_pos for x in inputs]
         pad = bucket - b
         flags = [int(x.wants_attention) for x in inputs] + [0] * pad if stats else []
@@ -285,10 +286,10 @@ class DecodeGraphs:
         """The decode forward over the first `bucket` rows of the static buffers; with
         `stats`, also the mass of the flagged rows and every row's K/V norms (kept in
         `self.stats[bucket]`)."""
-        from engine.runner import new_norms  # the runner imports this module
+        from engine.step import new_norms  # the runner imports this module
 
         r = self.runner
-        pool, windows, scale = r.pool, r.config.sliding_windows, r.scale
+        store, windows, scale = r.storage, r.config.sliding_windows, r.scale
         ws, q_pos = self.write_slots[:, :bucket], self.q_pos[:bucket]
         tables, slot_pos, count = self.tables[:, :bucket], self.slot_pos[:, :bucket], self.slot_count
         kw = {"sum_heads": True, "mass_rows": self.mass_rows[:bucket]} if stats else {}
@@ -296,10 +297,10 @@ class DecodeGraphs:
         norms: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            pool.write(ws[layer], k, v)
+            store.write(ws[layer], k, v)
             if stats and self.norms:
-                norms.append(new_norms(k, v, pool.storage_dtype))
-            o, probs = pool.attend(paged_attention_triton, q[:, None], tables[layer],
+                norms.append(new_norms(k, v, store.storage_dtype))
+            o, probs = store.attend(paged_attention_triton, q[:, None], tables[layer],
                                    slot_pos[layer], q_pos, scale, windows[layer], stats,
                                    slot_count=count, **kw)
             if probs is not None:

@@ -10,7 +10,7 @@ pass, rounding where transformers rounds in bf16/fp16, so outputs keep matching 
 
 The torch functions here are the reference semantics and the path on other devices, for
 shapes the fused ops do not take (rows that are not contiguous), without a compiler or
-with KVSERVE_CPU_KERNEL=0 (kvpool/native.py builds the op on first use), and on CUDA
+with KVSERVE_CPU_KERNEL=0 (native/build.py builds the op on first use), and on CUDA
 without Triton or with KVSERVE_TRITON_LAYER_OPS=0.
 """
 
@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 
 from engine.rope import apply_rotary
-from kvpool.native import load_ops
+from native.build import load_ops
 
 
 def native(x: torch.Tensor) -> bool:

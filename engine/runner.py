@@ -11,12 +11,23 @@ chunk with nothing cached before it needs no pool read at all: plain causal SDPA
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from attention.cpu_attention import (
+    accumulates,
+    causal_prefill_cpu,
+    fuses_key_diversity,
+    paged_attention_cpu,
+    paged_decode_key_diversity,
+    prefix_prefill_cpu,
+    prefix_prefill_runs,
+)
+from attention.select import sums_any_heads
+from attention.stats import AttentionMass
+from attention.storage import KVStorage
+from attention.torch_attention import causal_self_attention, paged_attention
 from engine.attention_groups import (
     AttentionGroup,
     build_group,
@@ -28,132 +39,23 @@ from engine.attention_groups import (
 )
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
-from kvpool.attention import causal_self_attention, paged_attention
-from kvpool.attention_select import sums_any_heads
-from kvpool.cpu_attention import (
-    accumulates,
-    causal_prefill_cpu,
-    fuses_key_diversity,
-    paged_attention_cpu,
-    paged_decode_key_diversity,
-    prefix_prefill_cpu,
-    prefix_prefill_runs,
-)
-from kvpool.host import int64_tensor
-from kvpool.pool import BlockPool
-from kvpool.seq_cache import SeqCache
+from engine.step import AttentionFn, DecodeReplay, IdsFrom, SeqInput, StepOutput, new_norms
+from native.host import int64_tensor
 
-if TYPE_CHECKING:  # imported by the engine on CUDA only (it imports Triton)
-    from engine.cuda_graphs import DecodeGraphs
+if TYPE_CHECKING:
     from kvpool.manager import DecodeBatch
 
-AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 # Scored rows' logits are computed this many [rows x vocab] elements at a time (64 MiB of
 # fp32), so a long prompt chunk never holds a [chunk, vocab] tensor.
 _SCORE_ELEMS = 1 << 24
 
 
-@dataclass
-class PromptScoring:
-    """Score the chunk's own next tokens (prompt logprobs): rows `offset ..
-    offset + len(targets) - 1` of the chunk, row j's target being the token after it."""
-
-    offset: int  # first row of the chunk to score
-    targets: list[int]  # the token each scored row predicts (the prompt's next tokens)
-    top_n: int  # alternatives per row
-
-
-@dataclass(slots=True)
-class SeqInput:
-    """One request's share of a step."""
-
-    token_ids: list[int]  # the tokens computed this step (a prefill chunk or one token)
-    start_pos: int  # original position of token_ids[0]
-    # Pool slots to write K/V to: [L, n] from SeqCache.append; None for a decode token
-    # whose slots are a column of the step's `DecodeBatch.slots` (in input order).
-    slots: torch.Tensor | None
-    cache: SeqCache
-    wants_logits: bool  # the chunk reaches the end of the known tokens
-    wants_attention: bool = False  # return per-slot attention mass (eviction policies)
-    score: PromptScoring | None = None  # prompt logprobs of this chunk's rows
-    # Return KeyDiff's per-slot score from the decode kernel (`Needs.key_diversity`),
-    # where the runner's attention fuses it (`fuses_key_diversity`); else nothing, and
-    # the policy bridge asks the pool's op.
-    wants_key_diversity: bool = False
-    attention_heads: bool = False  # the mass per kv head (`Needs.attention_heads`)
-    # Return the K and V norms of this step's tokens (`Needs.new_key_norm` /
-    # `new_value_norm`), taken as the runner writes them (`new_norms`).
-    wants_norms: bool = False
-    # With wants_attention: the name of the per-slot state of the cache's tables the
-    # step's mass goes into (`Needs.accumulate`). A decode token on the kernel, once the
-    # state exists, has its row added there during attention and gets no mass back
-    # (`AttentionMass.accumulated`); anywhere else the mass is returned as usual.
-    accumulate: str | None = None
-    # With wants_attention: the window ring this decode token's mass is written into
-    # (`Needs.ring`: ring state, its total's state, fixed-point bits) and the token's
-    # index in its sequence (its column is that mod the ring's size); on the kernel, as
-    # `accumulate`, the mass is not returned.
-    ring: tuple[str, str, int, int] | None = None
-
-
-@dataclass(slots=True)
-class AttentionMass:
-    """One input's statistics from the forward (attention mass, KeyDiff's scores, its
-    tokens' K/V norms), kept as its group's whole tensors and a row, so a group of any
-    size costs one stack and one copy, and a batched consumer selects its rows in one op.
-
-    `group`: [L, B, Tq, Hkv, S] float32 on the host (None unless `wants_attention`):
-    for each layer, row and query, the probability of every slot summed over its kv
-    group's query heads (Hkv = 1: over every head, where the decode kernel summed them
-    for a policy that reads no head apart); S indexes the row's slots in table order (slot j =
-    table[j // bs] at offset j % bs). `key_diversity`: [L, B, S] float32, KeyDiff's
-    score of every live slot (0 elsewhere), None unless asked and fused."""
-
-    group: torch.Tensor | None
-    row: int
-    num_tokens: int  # the input's queries (the first Tq of its row)
-    key_diversity: torch.Tensor | None = None
-    # The step's mass went into the input's `accumulate` state or `ring` (`group` is None).
-    accumulated: bool = False
-    # `wants_norms`: the step's tokens' ‖K‖ and ‖V‖ per kv head as stored, [L, T, Hkv]
-    # float32 on the host (every input's, packed token axis), and where this input's
-    # tokens start on it.
-    key_norm: torch.Tensor | None = None
-    value_norm: torch.Tensor | None = None
-    token: int = 0
-
-    def layers(self) -> torch.Tensor:
-        """[L, num_tokens, Hkv, S]: this input's mass, indexable by layer."""
-        assert self.group is not None
-        return self.group[:, self.row, : self.num_tokens]
-
-
-@dataclass
-class StepOutput:
-    # [N, V] float32 on the model's device, a row per wants_logits; None where `ids` is
-    logits: torch.Tensor | None
-    # seq index -> attention statistics, for the inputs that asked (wants_attention,
-    # wants_norms, or wants_key_diversity where fused)
-    attention: dict[int, AttentionMass] = field(default_factory=dict)
-    # seq index -> its scored rows (SeqInput.score), on the host
-    scores: dict[int, TokenScores] = field(default_factory=dict)
-    graph: bool = False  # a CUDA graph's replay (engine/cuda_graphs.py) computed it
-    # [N] int64, each row's argmax token, where a greedy step's LM head computed them
-    # without writing its logits (`execute(greedy=True)`, `compute_greedy`)
-    ids: torch.Tensor | None = None
-
-
-# A step's input ids taken on the device: (the ids a step in flight sampled, the row of
-# them each input takes), for async scheduling (scheduler/engine_core.py).
-IdsFrom = tuple[torch.Tensor, list[int]]
-
-
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, config: ModelConfig, pool: BlockPool,
+    def __init__(self, model: torch.nn.Module, config: ModelConfig, storage: KVStorage,
                  attention_fn: AttentionFn, device: torch.device) -> None:
         self.model = model
         self.config = config
-        self.pool = pool
+        self.storage = storage  # the KV tensors: the runner owns them (kvpool holds ids)
         self.attention_fn = attention_fn
         self.device = device
         self.scale = config.head_dim**-0.5
@@ -161,7 +63,7 @@ class ModelRunner:
         # this pool; decided on the first step that asks (the kernel builds then).
         self._fuse_kd: bool | None = None
         # CUDA graphs for decode steps (engine/cuda_graphs.py), set by the engine on CUDA.
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeReplay | None = None
         # Whether the decode kernel adds mass into a state (`accumulates`); decided on
         # the first step that asks.
         self._adds: bool | None = None
@@ -238,26 +140,26 @@ class ModelRunner:
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
         kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups)
                                               if g.want_kd is not None}
-        pool = self.pool
+        store = self.storage
         norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        if asks and pool.quant is None and any(s.wants_norms for s in inputs):
+        if asks and store.quant is None and any(s.wants_norms for s in inputs):
             norms = []
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            pool.write(write_slots[layer], k, v)
+            store.write(write_slots[layer], k, v)
             if norms is not None:
-                norms.append(new_norms(k, v, pool.storage_dtype))
+                norms.append(new_norms(k, v, store.storage_dtype))
             whole = bool(groups) and groups[0].whole
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
                 causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale, out=out[a : a + n])
             for j, g in enumerate(groups):
-                if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], pool.storage_dtype,
-                                                         pool.quant is not None):
+                if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], store.storage_dtype,
+                                                         store.quant is not None):
                     for b, i in enumerate(g.members):
                         a, n = offsets[i], len(inputs[i].token_ids)
-                        pool.attend(prefix_prefill_cpu, q[a : a + n], k[a : a + n],
+                        store.attend(prefix_prefill_cpu, q[a : a + n], k[a : a + n],
                                     v[a : a + n], g.tables[layer, b], g.slot_pos[layer, b],
                                     inputs[i].start_pos, self.scale, out=out[a : a + n])
                     continue
@@ -272,11 +174,11 @@ class ModelRunner:
                     kw.update(ring=g.ring.values[layer], ring_total=g.ring.total[layer],
                               ring_cols=g.ring.cols, ring_shift=g.ring.shift)
                 if g.want_kd is not None:
-                    o, probs, kd = pool.attend(paged_decode_key_diversity, *args, **kw,
+                    o, probs, kd = store.attend(paged_decode_key_diversity, *args, **kw,
                                                rows=g.want_kd)
                     kds[j].append(kd)
                 else:
-                    o, probs = pool.attend(self.attention_fn, *args, **kw)
+                    o, probs = store.attend(self.attention_fn, *args, **kw)
                 if whole:
                     out = o[:, 0]
                 else:
@@ -356,12 +258,12 @@ class ModelRunner:
 
     def _accumulates(self) -> bool:
         if self._adds is None:
-            self._adds = accumulates(self.pool)
+            self._adds = accumulates(self.storage)
         return self._adds
 
     def _fuses_kd(self) -> bool:
         if self._fuse_kd is None:
-            self._fuse_kd = fuses_key_diversity(self.pool, self.config.sliding_windows)
+            self._fuse_kd = fuses_key_diversity(self.storage, self.config.sliding_windows)
         return self._fuse_kd
 
     def _score(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
@@ -388,19 +290,6 @@ class ModelRunner:
                                  [t[:k] for t in host.top_logprobs[a:b]])
             a = b
         return out
-
-
-def new_norms(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """‖K‖ and ‖V‖ per token and kv head ([T, Hkv] float32) of a layer's K/V [T, Hkv, D]
-    as an unquantized pool of `dtype` stores them: the same values, laid out as the pool
-    hands them back (`BlockPool.gather_stats`: contiguous fp32 rows), so the same norms
-    bit for bit. The policies that keep each token's score from the step that computed
-    it (knorm, paged_eviction) read these instead of gathering the step's slots back out
-    of the pool after the step (an index built per (layer, request) on the host and a
-    gather: most of their step's bridge, issue 18)."""
-    return (torch.linalg.vector_norm(k.to(dtype).contiguous().float(), dim=-1),
-            torch.linalg.vector_norm(v.to(dtype).contiguous().float(), dim=-1))
 
 
 def _score_rows(inputs: list[SeqInput], offsets: list[int], scored: list[int]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling import SamplingParams
-from kvpool.native import load_ops
+from native.build import load_ops
 
 _M32 = 0xFFFFFFFF
 _NO_ROWS = torch.empty(0)  # placeholder parameters of an all-greedy batch

@@ -9,19 +9,15 @@ and copy-on-write for blocks shared through the prefix cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from kvpool.host import int64_tensor
-from kvpool.tables import NEXT, SlotTables, layer_mask, load_mark, over_state
-
-if TYPE_CHECKING:
-    from kvpool.pool import BlockPool
-    from kvpool.seq_cache import SeqCache
+from kvpool.pool import BlockPool
+from kvpool.rows import NEXT, CacheRow, layer_mask, over_state
+from kvpool.tables import SlotTables, load_mark
+from native.host import int64_tensor
 
 
-def compact(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
+def compact(tables: SlotTables, pool: BlockPool, caches: list[CacheRow],
             layers: list[int] | None = None) -> list[int]:
     """Pack every (cache, layer)'s live tokens, in order, into its first blocks and
     free the rest (all layers, or only `layers`); returns blocks freed per cache.
@@ -36,7 +32,7 @@ def compact(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
     (cache, layer) at once. A destination block shared through the prefix cache is
     copied first (copy-on-write), and a published one unpublished; when the pool
     cannot lend the copies, the caches that need them are left as they are."""
-    if (tables.table.device.type == "cpu" and pool.kv.device.type == "cpu" and not pool.hash_of
+    if (tables.table.device.type == "cpu" and pool.storage.device.type == "cpu" and not pool.hash_of
             and load_mark()):  # the C++ pass moves K/V in host memory alone
         done = _compact_native(tables, pool, caches, layers)
         if done is not None:  # None: a destination block is shared (copy-on-write)
@@ -65,7 +61,7 @@ def compact(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
         return [0] * len(caches)
     src = table.gather(2, order // bs) * bs + order % bs
     dst = table.gather(2, dst_col) * bs + ar % bs
-    pool.copy_slots(dst[moved], src[moved])
+    pool.storage.copy_slots(dst[moved], src[moved])
     keep = ar < torch.where(hole, n, nxt)[..., None]
     sp = torch.where(hole[..., None], sp.gather(2, order), sp).masked_fill_(~keep, -1)
     want = torch.where(hole, -(-n // bs), torch.tensor([c.nblocks for c in caches]).t())
@@ -90,7 +86,7 @@ def compact(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
     return freed
 
 
-def _compact_native(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
+def _compact_native(tables: SlotTables, pool: BlockPool, caches: list[CacheRow],
                     layers: list[int] | None) -> list[int] | None:
     """`compact` in one C++ pass (csrc/tables_cpu.cpp::compact_rows: positions, state,
     K/V and the rows' sizes moved slot by slot, no sort, no index tensors), for a
@@ -99,7 +95,7 @@ def _compact_native(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
     rows = int64_tensor([c.row for c in caches])
     states, columns = tables.native_states()
     declined, ids, gone, _, hole = torch.ops.kvserve_tables.compact_rows(
-        tables.table, tables.slot_pos, tables.sizes, states, columns, pool.slot_arrays(), rows,
+        tables.table, tables.slot_pos, tables.sizes, states, columns, pool.storage.slot_arrays(), rows,
         layer_mask(tables.num_layers, layers), pool.ref, tables.bs)
     if declined:
         return None
@@ -111,7 +107,7 @@ def _compact_native(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
     return [sum(g) for g in zip(*gone.tolist())]
 
 
-def _copy_on_write(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
+def _copy_on_write(tables: SlotTables, pool: BlockPool, caches: list[CacheRow],
                    table: torch.Tensor, dest: torch.Tensor, hole: torch.Tensor) -> bool:
     """Make the blocks a compaction writes (`dest` columns of the caches' `table`
     rows, [L, R, W]) writable: a block another request holds gets a private copy, a
@@ -138,7 +134,7 @@ def _copy_on_write(tables: SlotTables, pool: BlockPool, caches: list[SeqCache],
         b = int(table[layer, r, col])
         if int(pool.ref[b]) > 1:  # still shared (an earlier copy may have been ours)
             new = pool.allocate(1)
-            pool.copy_blocks(new, torch.tensor([b]))
+            pool.storage.copy_blocks(new, torch.tensor([b]))
             tables.table[layer, caches[r].row, col] = new[0]
             pool.release(torch.tensor([b]))
         elif b in pool.hash_of:

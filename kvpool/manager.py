@@ -4,9 +4,11 @@ vLLM v1 splits the same way (`kv_cache_manager` over a metadata-only `block_pool
 scheduler decides *who* runs and *how many* tokens; this module decides what that
 costs in blocks and carries it out. It owns the `BlockPool` (device blocks, free list,
 prefix groups), the `SlotTables` every request's cache is a row of, the host
-`SwapSpace`, and the arithmetic of reservations. Nothing outside kvpool reads the
-pool's tensors: the runner writes and attends through `BlockPool.write`/`attend`, the
-policies' bridge reads statistics through `BlockPool.gather_stats` (tests/test_layering.py).
+`SwapSpace`, and the arithmetic of reservations, and it is the one door through which
+the scheduler and the policy mechanism change memory: admission, allocation, a policy's
+drops (`run_policy`), compaction, rings, release and preemption. The KV tensors are the
+model runner's (`attention.storage.KVStorage`); the moves decided here reach them through
+the pool's `storage` (tests/test_layering.py checks both rules).
 """
 
 from __future__ import annotations
@@ -17,16 +19,26 @@ from typing import Any
 
 import torch
 
-from kvpool.pool import BlockPool
+from attention.swap import SwapSpace
+from kvpool import compaction
+from kvpool.policy_rows import Member, load_select, run_group
+from kvpool.pool import BlockPool, load_mark
 from kvpool.seq_cache import SeqCache
-from kvpool.swap import SwapSpace
 from kvpool.tables import SlotTables
+from policies.rows import NATIVE
 
 # Shortest prefill chunk a bounded policy is given: shorter chunks would hold even less
 # memory, but each is a whole engine step (host overhead, a forward of few rows), and
 # below a few hundred tokens prefill throughput falls off while the memory saved is a
 # few hundred tokens per request.
 MIN_PREFILL_CHUNK = 256
+
+
+def load_memory_ops() -> dict[str, bool]:
+    """Build (or load) the host-side C++ ops of memory: the policies' selection and state
+    updates (`kvpool.policy_rows.load_select`) and the tables' passes; op -> loaded."""
+    select = load_select()
+    return {"select_cpu": select, "state_cpu": NATIVE["state"], "tables_cpu": load_mark()}
 
 
 @dataclass
@@ -66,6 +78,17 @@ class KVCacheManager:
     @property
     def num_free(self) -> int:
         return self.pool.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the pool hands out in all."""
+        return self.pool.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (K and V of one layer, scales included)."""
+        assert self.pool.storage is not None
+        return self.pool.storage.block_bytes
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks (all layers) that `tokens` tokens of a full cache hold."""
@@ -181,6 +204,39 @@ class KVCacheManager:
 
     def can_swap_out(self, cache: SeqCache) -> bool:
         return self.swap is not None and cache.num_blocks <= self.swap.num_free
+
+    # ---- what policies and windows change ------------------------------------------
+    def run_policy(self, members: list[Member]) -> list[tuple[int, int]]:
+        """Let a group of requests of one policy select and carry out its drops
+        (`kvpool/policy_rows.py`); per member (evicted slots over all layers, freed blocks)."""
+        return run_group(members)
+
+    def compact(self, caches: list[SeqCache]) -> list[int]:
+        """Pack each cache's live tokens into its first blocks; blocks freed per cache."""
+        return compaction.compact(self.tables, self.pool, caches)
+
+    def held_and_need(self, caches: list[SeqCache]) -> tuple[list[int], list[int]]:
+        """Per cache, the blocks it holds and the blocks its next decode token takes (one
+        read of the rows' sizes: `SlotTables.held_and_need`)."""
+        return self.tables.held_and_need([c.row for c in caches])
+
+    def start_ring(self, cache: SeqCache, sinks: int, cap: int) -> bool:
+        """From the next decode token, `cache` keeps `sinks` + a window of `cap` in a ring
+        (StreamingLLM's fixed-size cache; `SeqCache.start_ring`); whether it started."""
+        return cache.start_ring(sinks, cap)
+
+    def hold(self, cache: SeqCache, blocks: int) -> bool:
+        """Link `blocks` per layer ahead of the cache's tokens (a ring's window);
+        whether the pool had them (`SeqCache.hold`)."""
+        return cache.hold(blocks)
+
+    def take_overwritten(self, cache: SeqCache) -> int:
+        """Tokens a ring overwrote since the last call (its evictions)."""
+        return self.tables.take_overwritten(cache.row)
+
+    def drop_before(self, cache: SeqCache, layer: int, position: int) -> int:
+        """Drop the slots of `layer` before `position` (a sliding window; `SeqCache.drop_before`)."""
+        return cache.drop_before(layer, position)
 
     # ---- prefix cache --------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> list[torch.Tensor]:

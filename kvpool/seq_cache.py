@@ -23,7 +23,8 @@ import torch
 
 from kvpool import compaction
 from kvpool.pool import BlockPool
-from kvpool.tables import LIVE, NBLOCKS, NEXT, SlotTables
+from kvpool.rows import LIVE, NBLOCKS, NEXT
+from kvpool.tables import SlotTables
 
 
 def _blocks_for(nblocks: int, next_slot: int, n: int, bs: int) -> int:
@@ -211,8 +212,8 @@ class SeqCache:
         held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
         dev = self.table[held_mask]
         host = swap.allocate(dev.numel())
-        swap.store(host, self.pool.read_blocks(dev))
-        if self.pool.kv.is_cuda:
+        swap.store(host, self.pool.storage.read_blocks(dev))
+        if self.pool.storage.device.type == "cuda":
             torch.cuda.synchronize()
         self.pool.release(dev)
         self.table[held_mask] = host
@@ -227,7 +228,7 @@ class SeqCache:
         held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
         host = self.table[held_mask]
         dev = self.pool.allocate(host.numel())
-        self.pool.write_blocks(dev, swap.load(host))
+        self.pool.storage.write_blocks(dev, swap.load(host))
         swap.release(host)
         self.table[held_mask] = dev
         self.swapped = False
@@ -345,7 +346,7 @@ class SeqCache:
         self.alike = False  # one layer at a time
         self._make_writable(layer, (idx[moved] // self.bs).unique())
         _, phys = self.live_slots(layer)
-        self.pool.rerotate(phys[moved], rotate, (new - old)[moved])
+        self.pool.storage.rerotate(phys[moved], rotate, (new - old)[moved])
         self.slot_pos[layer, idx] = new
 
     def _make_writable(self, layer: int, cols: torch.Tensor) -> None:
@@ -356,7 +357,7 @@ class SeqCache:
             b = int(self.table[layer, col])
             if int(pool.ref[b]) > 1:
                 new = pool.allocate(1)
-                pool.copy_blocks(new, torch.tensor([b]))
+                pool.storage.copy_blocks(new, torch.tensor([b]))
                 self.table[layer, col] = new[0]
                 pool.release(torch.tensor([b]))
             elif b in pool.hash_of:
@@ -415,7 +416,7 @@ class SeqCache:
             if k > pool.num_free:
                 return False
             old, new = table[shared], pool.allocate(k)
-            pool.copy_blocks(new, old)
+            pool.storage.copy_blocks(new, old)
             table[shared] = new
             pool.release(old)
         if pool.hash_of:

@@ -54,102 +54,24 @@ writes it for a whole batch as [rows, slots] tensors and never re-aligns it by p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from kvpool.host import bool_tensor, int64_tensor
-from kvpool.native import load_ops
+from kvpool.pool import BlockPool, load_mark
+from kvpool.rows import (
+    CAP,
+    LIVE,
+    NBLOCKS,
+    NEXT,
+    OVER,
+    SINK,
+    by_columns,
+    consecutive,
+    rows_slice,
+)
+from kvpool.table_eviction import EvictionPasses
+from native.host import bool_tensor, int64_tensor
 
-if TYPE_CHECKING:
-    from kvpool.pool import BlockPool
-    from kvpool.seq_cache import SeqCache
-
-
-
-
-def load_mark() -> bool:
-    """Build and load the C++ marking (csrc/tables_cpu.cpp) once; False keeps the torch
-    form (no compiler, or KVSERVE_CPU_KERNEL=0)."""
-    return load_ops("kvserve_tables_cpu")
-
-
-def consecutive(rows: list[int]) -> bool:
-    """Rows a, a+1, ...: then dim 1 is read with `narrow` (a view), not a gather. Use
-    narrow, not [a:b]: indexing skips a whole-range slice and narrow never does, which
-    keeps a step's op count fixed (test_step_ops)."""
-    return rows == list(range(rows[0], rows[0] + len(rows)))
-
-
-def take_rows(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
-    """t[:, rows, :width] ([L, R, width, ...]) as a contiguous tensor. Rows are handed
-    out in order, so a batch's rows are usually consecutive: then it is a slice copy,
-    about 3x cheaper than a gather, which is the fallback (`_gather`).
-    When that slice is contiguous already (every row of t, its whole width) it is t's
-    own memory, not a copy: a caller that writes into the result writes into t."""
-    if consecutive(rows):
-        return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width).contiguous()
-    return _gather(t, rows, width).contiguous()
-
-
-def rows_slice(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
-    """t[:, rows, :width] as a view of t when the rows are consecutive (updates made
-    through it land in t: no copy either way), else as a copy in t's own layout
-    (`_gather`), which the caller puts back with `put_rows`. For state a step updates in
-    a few places per slot (pyramid's window ring: one value of 32), where copying every
-    value out and back costs more than the update."""
-    if consecutive(rows):
-        return t.narrow(1, rows[0], len(rows)).narrow(2, 0, width)
-    return _gather(t, rows, width)
-
-
-def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
-    """t[:, rows, :W] = value ([L, R, W, ...]): `take_rows`' way back."""
-    w = value.shape[2]
-    if consecutive(rows):
-        t.narrow(1, rows[0], len(rows)).narrow(2, 0, w).copy_(value)
-    elif by_columns(t):  # run by run, in storage order (see `_gather`)
-        at = 0
-        for first, n in _runs(rows):
-            t.narrow(1, first, n).narrow(2, 0, w).copy_(value.narrow(1, at, n))
-            at += n
-    else:
-        t.narrow(2, 0, w).index_copy_(1, int64_tensor(rows), value)
-
-
-def _gather(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
-    """t[:, rows, :width] for rows that are not consecutive, a copy in t's layout.
-
-    The rows are selected from t's whole memory and then narrowed: `index_select` over a
-    tensor narrowed first took a slow strided path (0.30 against 0.02 ms for two rows of
-    the positions at 64 table rows). A state stored by columns (`by_columns`, pyramid's
-    ring) is copied run of consecutive rows by run, in its storage order: any gather over
-    its transposed layout copied through a slow path (46 ms for two rows of a 32-column
-    ring at 64 table rows, every decode step of a pyramid request whose rows were not
-    consecutive), the runs 0.08 ms."""
-    if by_columns(t):
-        s = t.transpose(2, 3)  # [L, R, k, S]: its memory, contiguous
-        return torch.cat([s.narrow(1, first, n).narrow(3, 0, width) for first, n in _runs(rows)],
-                         dim=1).transpose(2, 3)
-    return t.index_select(1, int64_tensor(rows)).narrow(2, 0, width)
-
-
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    """(first row, count) of each run of consecutive rows, in order."""
-    runs: list[tuple[int, int]] = []
-    for r in rows:
-        if runs and runs[-1][0] + runs[-1][1] == r:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((r, 1))
-    return runs
-
-
-def over_state(idx: torch.Tensor, extra: tuple[int, ...], expand: bool = True) -> torch.Tensor:
-    """An index (or mask) over slots, extended to a state's trailing dims."""
-    for _ in extra:
-        idx = idx[..., None]
-    return idx.expand(*idx.shape[: idx.dim() - len(extra)], *extra) if expand and extra else idx
+__all__ = ["SlotTables", "load_mark"]
 
 
 def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.Tensor:
@@ -164,8 +86,6 @@ def _new_state(slots: torch.Size, k: int, fill: float, columns: bool) -> torch.T
     return torch.full((*slots, k), fill, dtype=torch.float32)
 
 
-NBLOCKS, NEXT, LIVE = 0, 1, 2  # sizes[row, field, layer]
-SINK, CAP, OVER = 0, 1, 2  # ring[row, field]; the layers' cursors follow
 
 
 def _int_view(t: torch.Tensor) -> memoryview:
@@ -175,25 +95,7 @@ def _int_view(t: torch.Tensor) -> memoryview:
 
 
 _NO_COLUMNS = torch.zeros(0, dtype=torch.bool)  # read only: no states to pass a C++ pass
-_ALL_LAYERS: dict[int, torch.Tensor] = {}  # read only: made once per layer count
-
-
-def layer_mask(num_layers: int, layers: list[int] | None) -> torch.Tensor:
-    """[L] bool: the layers a pass works on (None: all, one shared tensor)."""
-    if layers is None:
-        if num_layers not in _ALL_LAYERS:
-            _ALL_LAYERS[num_layers] = torch.ones(num_layers, dtype=torch.bool)
-        return _ALL_LAYERS[num_layers]
-    chosen = set(layers)
-    return bool_tensor([layer in chosen for layer in range(num_layers)])  # one op, not three
-
-
-def by_columns(t: torch.Tensor) -> bool:
-    """A state stored by columns (`_new_state`)."""
-    return t.dim() == 4 and t.shape[3] > 1 and t.stride(2) == 1
-
-
-class SlotTables:
+class SlotTables(EvictionPasses):
     def __init__(self, num_layers: int, block_size: int, rows: int = 4,
                  width_blocks: int = 4) -> None:
         self.num_layers = num_layers
@@ -449,139 +351,6 @@ class SlotTables:
             list(self.fills.values()), pool.ref, rows + positions + ids, len(rows), self.bs)
 
     # ---- what eviction changes -------------------------------------------------------
-    def evict_mask(self, pool: BlockPool, caches: list[SeqCache],
-                   dead: torch.Tensor) -> list[tuple[int, int, list[int]]]:
-        """Mark the slots where `dead` [L, R, W] is True dead (W a multiple of the block
-        size, at least every cache's held width) and free the blocks that leaves without
-        a live slot; per cache (slots evicted over all layers, blocks freed, slots
-        evicted in each layer: the layers a compaction or re-rotation revisits). The one
-        way a policy's plan reaches the pool: a fixed number of ops for any batch.
-        The C++ form (csrc/tables_cpu.cpp::evict_rows) marks and frees in one call, the
-        torch form is `_mark_dead` then `free_dead_blocks`; both take the dead slots off
-        the rows' live counts (`sizes`)."""
-        rows = int64_tensor([c.row for c in caches])
-        alike = bool_tensor([c.alike for c in caches])
-        if dead.device.type == "cpu" and load_mark():  # marking and freeing, one pass
-            states, columns = self.native_states()
-            info, ids = torch.ops.kvserve_tables.evict_rows(
-                self.table, self.slot_pos, self.sizes, states, columns, rows, dead, alike,
-                self.bs)
-            pool.release(ids)
-            per_cache = info.tolist()
-        else:
-            per_cache = self._evict_torch(pool, caches, rows, dead, alike)
-        done = []
-        for c, (died, freed, same, *by_layer) in zip(caches, per_cache):
-            if died:
-                c.alike = c.alike and bool(same)
-                c.uniform = False
-            done.append((died, freed, by_layer))
-        return done
-
-    def _evict_torch(self, pool: BlockPool, caches: list[SeqCache], rows: torch.Tensor,
-                     dead: torch.Tensor, alike: torch.Tensor) -> list[list[int]]:
-        """`evict_rows`' torch form: per cache [slots that died over all layers, blocks
-        freed, whether every layer lost the same slots, then the slots that died in each
-        layer]."""
-        counts, emptied, same = self._mark_dead(rows, dead, alike)
-        if not any(map(any, counts)):
-            return [[0, 0, True, *k] for k in counts]
-        hit = [i for i, e in enumerate(emptied.tolist()) if e]
-        freed = dict(zip(hit, self.free_dead_blocks(pool, [caches[i] for i in hit]))) if hit else {}
-        return [[sum(k), freed.get(i, 0), s, *k] for i, (k, s) in enumerate(zip(counts, same))]
-
-    def _mark_dead(self, rows: torch.Tensor, dead: torch.Tensor, alike: torch.Tensor
-                   ) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
-        """`evict_mask`'s marking as torch ops (csrc/tables_cpu.cpp's contract): per cache
-        the slots that died per layer, whether a block lost its last live slot, and
-        (alike caches) whether every layer lost the same slots."""
-        nl, r, w = dead.shape
-        sp = self.slot_pos[:, :, :w].index_select(1, rows)  # [L, R, W]
-        d = dead & (sp >= 0)
-        died = d.sum(dim=2).t()  # [R, L]
-        counts = died.tolist()
-        if not any(map(any, counts)):
-            return counts, torch.zeros(r, dtype=torch.bool), [True] * r
-        self.sizes[:, LIVE].index_add_(0, rows, -died)
-        sp.masked_fill_(d, -1)
-        self.slot_pos[:, :, :w].index_copy_(1, rows, sp)
-        same = [True] * r
-        which = alike.nonzero().flatten().tolist()
-        if which:  # only an alike cache needs to know: every layer lost the same slots
-            sub = d[:, which]
-            for i, s in zip(which, (sub == sub[:1]).all(dim=2).all(dim=0).tolist()):
-                same[i] = s
-        shape = (nl, r, w // self.bs, self.bs)
-        emptied = (d.view(shape).any(dim=3) & ~(sp.view(shape) >= 0).any(dim=3)).any(dim=2).any(dim=0)
-        return counts, emptied, same
-
-    def free_dead_blocks(self, pool: BlockPool, caches: list[SeqCache],
-                         layers: list[int] | None = None) -> list[int]:
-        """Return every block of `caches` (only `layers`, if given) with no live slot to
-        the pool and close the gaps in their tables, keeping the order of the rest;
-        returns the blocks freed per cache. A tail block with room for appends stays."""
-        # Only the blocks these caches hold: the tables' width may be twice that.
-        nl, bs = self.num_layers, self.bs
-        rows = [c.row for c in caches]
-        row_t = int64_tensor(rows)
-        if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
-            states, columns = self.native_states()  # it shortens the rows' sizes too
-            ids, ndead = torch.ops.kvserve_tables.free_dead(
-                self.table, self.slot_pos, self.sizes, states, columns, row_t,
-                layer_mask(nl, layers), bs)
-            pool.release(ids)
-            return ndead.sum(dim=0).tolist()
-        sizes = self.sizes.index_select(0, row_t)
-        nb, nxt = sizes[:, NBLOCKS].t(), sizes[:, NEXT].t()  # [L, R] each
-        w = int(nb.max())
-        table = take_rows(self.table, rows, w)  # [L, R, w]
-        pos = take_rows(self.slot_pos, rows, w * bs).view(nl, len(caches), w, bs)
-        cols = torch.arange(w)
-        held = cols < nb[..., None]
-        alive = (pos >= 0).any(dim=3)
-        # The tail block still takes appends while it has room.
-        alive |= (cols == (nb - 1).clamp(min=0)[..., None]) & (nxt < nb * bs)[..., None]
-        dead = held & ~alive
-        if layers is not None:
-            dead &= layer_mask(nl, layers)[:, None, None]
-        counts = dead.sum(dim=2).t().tolist()  # [R][L]
-        if not any(map(any, counts)):
-            return [0] * len(caches)
-        freed_ids = table[dead]
-        # Kept columns first, in order; the freed ones and the spare ones after them.
-        kept = held & ~dead
-        order = torch.where(kept, cols, w + cols).argsort(dim=2)
-        k = kept.sum(dim=2, keepdim=True)
-        beyond = cols >= k
-        table = table.gather(2, order).masked_fill_(beyond, -1)
-        pos = pos.gather(2, order[..., None].expand(-1, -1, -1, bs))
-        pos.masked_fill_(beyond[..., None], -1)
-        put_rows(self.table, rows, table)
-        put_rows(self.slot_pos, rows, pos.view(nl, len(caches), w * bs))
-        for t in self.state.values():  # each token's state moves with it
-            extra = t.shape[3:]
-            st = take_rows(t, rows, w * bs).view(nl, len(caches), w, bs, *extra)
-            st = st.gather(2, over_state(order[..., None].expand(-1, -1, -1, bs), extra))
-            put_rows(t, rows, st.view(nl, len(caches), w * bs, *extra))
-        return self._freed(pool, caches, freed_ids, counts)
-
-    def _freed(self, pool: BlockPool, caches: list[SeqCache], ids: torch.Tensor,
-               counts: list[list[int]]) -> list[int]:
-        """The torch form of `free_dead_blocks`' bookkeeping (the C++ pass does it in
-        place): release `ids` and shorten each cache by its dead blocks per layer
-        (`counts` [R][L]); returns the blocks freed per cache."""
-        if not any(map(any, counts)):
-            return [0] * len(caches)
-        pool.release(ids)
-        bs, nl, sz = self.bs, self.num_layers, self.sz
-        for c, per_layer in zip(caches, counts):
-            if any(per_layer):
-                o = c.row * 3 * nl
-                for layer, x in enumerate(per_layer):
-                    sz[o + NBLOCKS * nl + layer] -= x
-                    sz[o + NEXT * nl + layer] -= x * bs
-        return [sum(x) for x in counts]
-
     def native_states(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The states as the C++ ops take them (storage order) and which are by columns;
         made once per set of tensors (every plan and decode append asks: ~5 us a call)."""

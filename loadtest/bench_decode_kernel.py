@@ -4,7 +4,7 @@
     python -m loadtest.bench_decode_kernel --base /tmp/base-checkout --rounds 2
     python -m loadtest.bench_decode_kernel --model 3m --key-diversity --shapes 16x1025
 
-Why a benchmark of its own: a change to `kvpool/csrc/paged_decode_cpu.cpp` moves a
+Why a benchmark of its own: a change to `attention/csrc/paged_decode_cpu.cpp` moves a
 decode step by a few percent, under the noise of an engine run on this 2-core machine,
 and the kernel's speed depends on whether a layer's K/V come from cache or DRAM. So the
 calls here cycle over `--layers` pools, as a model's layers do (the same pool called
@@ -13,7 +13,7 @@ checkout's build (its own TORCH_EXTENSIONS_DIR: the op has one name) in a subpro
 interleaved with this one round by round, so the machine's drift hits both alike.
 `--key-diversity` also times, in the same rounds, the kernel returning KeyDiff's scores
 (`paged_decode_key_diversity`) and the pool's separate op over the same rows
-(`kvserve_keys.key_diversity`), the two ways a KeyDiff step gets them. Writes JSON with the environment fingerprint; prints a markdown table of medians.
+(`kvserve_storage.key_diversity`), the two ways a KeyDiff step gets them. Writes JSON with the environment fingerprint; prints a markdown table of medians.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
                 seed: int, bs: int = 16, q_dtype: torch.dtype = torch.float32) -> dict:
     """`b` sequences of `n` cached tokens each decoding one, their blocks shuffled over
     the pool as a served pool's are, on 2 MiB pages as a served pool is
-    (kvpool/huge_pages.py); the kwargs of `paged_attention_cpu`. `q_dtype`: the
+    (native/huge_pages.py); the kwargs of `paged_attention_cpu`. `q_dtype`: the
     model's (a bf16 model's queries over its bf16 pool take the kernel's bf16 dot
     products; an fp32 model's over a bf16 pool, `--kv-cache-dtype bfloat16`, do not)."""
-    from kvpool.huge_pages import huge_page_empty
+    from native.huge_pages import huge_page_empty
 
     g = torch.Generator().manual_seed(seed)
     per = -(-n // bs)
@@ -61,7 +61,7 @@ def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: 
     """Median and min ms per layer call for each (sequences, tokens) shape; with
     `key_diversity` also the medians of the kernel returning KeyDiff's scores and of
     the pool's op computing them alone."""
-    from kvpool.cpu_attention import kernel_available, paged_attention_cpu
+    from attention.cpu_attention import kernel_available, paged_attention_cpu
 
     if not kernel_available():
         raise SystemExit("the C++ decode kernel did not build")
@@ -76,11 +76,11 @@ def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: 
             paged_attention_cpu(**case)
         ways = {"": paged_attention_cpu}
         if key_diversity:
-            from kvpool.cpu_attention import paged_decode_key_diversity
-            from kvpool.key_stats import key_diversity as pool_op
-            from kvpool.key_stats import load_key_stats
+            from attention.cpu_attention import paged_decode_key_diversity
+            from attention.key_stats import key_diversity as pool_op
+            from attention.key_stats import load_storage_ops
 
-            load_key_stats()
+            load_storage_ops()
             ways["kd_"] = paged_decode_key_diversity
             ways["op_"] = lambda **c: pool_op(c["k_cache"], c["table"], c["slot_pos"])
         times: dict[str, list[float]] = {w: [] for w in ways}

@@ -187,9 +187,9 @@ def torch_layer_ops(run: Any) -> dict:
 
 def general_attention(run: Any) -> dict:
     """`run()` with decode steps on the general Triton kernel (`_attn_kernel`) instead of
-    `_decode_kernel` (kvpool.triton_attention.DECODE_KERNEL): what the decode kernel
+    `_decode_kernel` (attention.triton_attention.DECODE_KERNEL): what the decode kernel
     buys end to end, in the same run."""
-    from kvpool import triton_attention
+    from attention import triton_attention
 
     triton_attention.DECODE_KERNEL = False
     try:

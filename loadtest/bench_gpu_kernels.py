@@ -79,7 +79,7 @@ def _time(fn: Any, reps: int = 20) -> float:
 def decode_attention(b: int, ctx: int, hq: int, hkv: int, d: int) -> list[dict]:
     """One layer's decode attention at (b sequences × ctx slots): the kernels, their
     tiles and splits, the mass pass, and SDPA over dense K/V."""
-    from kvpool.triton_attention import paged_attention_triton
+    from attention.triton_attention import paged_attention_triton
 
     case = {k: (v.cuda() if isinstance(v, torch.Tensor) else v)
             for k, v in decode_case(b, ctx, hq, hkv, d, torch.bfloat16, 0).items()}

@@ -35,8 +35,8 @@ import time
 
 import torch
 
+from attention.storage import KVStorage
 from engine.sampling import SamplingParams
-from kvpool.pool import BlockPool
 from loadtest import bench_common as bc
 from loadtest.policy_eval import policy_config
 from scheduler.engine_core import EngineConfig, EngineCore
@@ -60,7 +60,7 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
     layers, hkv = int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"])
     d = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     per_req_blocks = layers * -(-(args.prompt + args.gen) // args.block_size)
-    pool_bytes = args.fit * per_req_blocks * BlockPool.bytes_per_block(
+    pool_bytes = args.fit * per_req_blocks * KVStorage.bytes_per_block(
         args.block_size, hkv, d, torch.bfloat16)
     budget = round(args.budget * (args.prompt + args.gen))
     prompts = _prompts(args.seed, args.prompt, vocab, args.requests)
@@ -77,8 +77,8 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
             peak = max(int(r["peak_blocks"]) for r in run.requests.values())
             rows.append({
                 "policy": policy, "kv_policy": kv_policy, "dtype": dt,
-                "num_blocks": eng.pool.num_blocks, "block_bytes": eng.pool.block_bytes,
-                "pool_bytes": eng.pool.nbytes, "request_peak_blocks": peak,
+                "num_blocks": eng.pool.num_blocks, "block_bytes": eng.pool.storage.block_bytes,
+                "pool_bytes": eng.pool.storage.nbytes, "request_peak_blocks": peak,
                 "capacity": eng.pool.num_blocks // peak, "max_running": run.max_running,
                 "mean_running": run.mean_running,
                 "preemptions": sum(int(r["preemptions"]) for r in run.requests.values()),

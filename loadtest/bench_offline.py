@@ -501,8 +501,8 @@ _PROFILE_POINTS = (
     ("  build block-table groups", "engine/attention_groups.py", "build_group"),
     ("  model forward (decoder layers)", "engine/models/llama.py", "forward"),
     ("    attention callback (KV write + paged attention)", "engine/runner.py", "attn"),
-    ("      paged_attention (gather + sdpa)", "kvpool/attention.py", "paged_attention"),
-    ("      paged_attention_cpu (decode kernel)", "kvpool/cpu_attention.py", "paged_attention_cpu"),
+    ("      paged_attention (gather + sdpa)", "attention/torch_attention.py", "paged_attention"),
+    ("      paged_attention_cpu (decode kernel)", "attention/cpu_attention.py", "paged_attention_cpu"),
     ("sample", "engine/sampler.py", "sample"),
     ("advance (append tokens, stop checks, outputs)", "scheduler/engine_core.py", "_advance"),
 )

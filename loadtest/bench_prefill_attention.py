@@ -5,7 +5,7 @@
 
 Why: a prompt with nothing cached attends over its own keys once per layer, and torch's
 CPU SDPA (`is_causal`) ran it at ~44 GFLOP/s in bf16 and ~90 in fp32 on torch's OpenMP
-threads, which sleep in a server. `kvpool/csrc/causal_prefill.h` runs it on kvserve's
+threads, which sleep in a server. `attention/csrc/causal_prefill.h` runs it on kvserve's
 thread team. This times one layer's call for each prompt length, the two alternating
 call by call so that drift falls on both, with the threads waiting as `kvserve serve`'s
 do (`--cpu-wait poll`, re-executing itself to set them), and reports medians, GFLOP/s
@@ -50,8 +50,8 @@ def calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> dic
     """Each way's call on one layer's chunk: over its own keys, or after `prefix` tokens
     cached in a pool's scattered blocks (the chunk's own K/V written there after them, as
     the runner writes a layer's before attending)."""
-    from kvpool.attention import causal_self_attention, paged_attention
-    from kvpool.cpu_attention import causal_prefill_cpu, prefix_prefill_cpu
+    from attention.cpu_attention import causal_prefill_cpu, prefix_prefill_cpu
+    from attention.torch_attention import causal_self_attention, paged_attention
 
     t, hkv, d = k.shape
     scale = d ** -0.5
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = f"{NAME}_prefix" if a.prefix else NAME
     bc.default_paths(a, name)
     threads = bc.pin_threads(f"loadtest.{NAME}", a.threads, argv)
+    from attention.cpu_attention import vector_path
     from engine.cpu_memory import keep_freed_memory
-    from kvpool.cpu_attention import vector_path
     from loadtest.fingerprint import fingerprint
 
     if vector_path() != "avx512":

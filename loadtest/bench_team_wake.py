@@ -4,7 +4,7 @@
 
 Why: with sleeping intra-op threads (`--cpu-wait passive`, engine/cpu_threads.py) every
 parallel region wakes the team, ~20-40 us here, and a demo-model decode step opened ~21
-of them for ops of 40-150 us. kvpool/csrc/team.h (`sleeps()`) keeps small linear layers and
+of them for ops of 40-150 us. native/csrc/team.h (`sleeps()`) keeps small linear layers and
 paged-decode calls on the calling thread; this measures each op of the demo (3m) and
 160M shapes at decode sizes with one thread and with `--threads`, in this checkout and
 (`--base`) in another, interleaved round by round. Operands cycle through 64 MB
@@ -50,8 +50,8 @@ def _time(calls: list, rounds: int = 4) -> float:
 def measure(threads: int, cycle_mb: int) -> dict[str, dict[str, float]]:
     import torch
 
+    from attention import cpu_attention
     from engine.cpu_linear import PanelLinear, panels_available
-    from kvpool import cpu_attention
 
     got: dict[str, dict[str, float]] = {}
     cycle = cycle_mb << 20

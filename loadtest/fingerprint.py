@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from engine.cpu_threads import allowed_cpus, physical_cores
-from kvpool.native import cpuinfo
+from native.cpu import cpuinfo
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

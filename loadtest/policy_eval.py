@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from engine.runner import SeqInput
 from engine.sampling import SamplingParams
+from engine.step import SeqInput
 from kvpool.manager import MIN_PREFILL_CHUNK
 from loadtest.bench_common import drive
 from policies.catalog import CATALOG, build_policy
@@ -253,7 +253,7 @@ def evaluate_quality(args, progress: bool = True) -> dict:
     ref = TransformersBackend(args.demo_model)
     ref_lp = [ref.score(w)[prompt_len - 1:] for w in windows]
     out: dict = {"model": args.demo_model, "windows": len(windows), "window": args.ppl_window,
-                 "kv_cache_dtype": eng.pool.dtype_name,
+                 "kv_cache_dtype": eng.pool.storage.dtype_name,
                  "min_prefill_chunk": eng.config.min_prefill_chunk,
                  "prompt": prompt_len, "scored_tokens": sum(map(len, ref_lp)),
                  "needle_prompts": len(prompts), "needle": needle_kw,

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 # Set by the engine once the C++ selection (policies/csrc/select_cpu.cpp) and state
-# updates (state_cpu.cpp) are loaded (scheduler/policy_rows.py::load_select).
+# updates (state_cpu.cpp) are loaded (kvpool/policy_rows.py::load_select).
 NATIVE: dict[str, bool] = {"select": False, "state": False}
 
 
@@ -36,7 +36,7 @@ class Needs:
     value_norm: bool = False  # ‖V‖₂ per live token and kv head
     keys: bool = False  # the key vectors themselves (as stored: rotated)
     # KeyDiff's score per live slot, -cos(k, the row's mean unit key) averaged over the
-    # kv heads: computed by the pool over its keys in place (kvpool/key_stats.py), so a
+    # kv heads: computed by the pool over its keys in place (attention/key_stats.py), so a
     # step reads every key once per pass instead of copying them all into the view.
     key_diversity: bool = False
     # ‖K‖₂ of this step's new tokens only: for a policy that keeps each token's score as
@@ -46,14 +46,14 @@ class Needs:
     new_value_norm: bool = False  # ‖V‖₂ of this step's new tokens only (the same reason)
     # With `attention`: the per-slot state (a name of the policy's `state`) the step's
     # mass, summed over heads and queries, is added into. Where the decode kernel can
-    # (kvpool/cpu_attention.py::accumulates) it adds each row as it writes it, and the
+    # (attention/cpu_attention.py::accumulates) it adds each row as it writes it, and the
     # view says so (`RowsView.accumulated`); else the policy adds the view's mass itself.
     accumulate: str | None = None
     # With `attention`: a window ring, (state, its total's state, fixed-point bits), that
     # each decode query's mass, summed over heads, is written into as its column (query
     # index mod α; pyramid's observation window, policies/pyramid.py::_shift_window).
     # Where the decode kernel can, it writes the column and the total as it writes the
-    # mass (policies/csrc/window_ring.h: the same bits), and the view says so.
+    # mass (native/csrc/window_ring.h: the same bits), and the view says so.
     ring: tuple[str, str, int] | None = None
 
     def __hash__(self) -> int:

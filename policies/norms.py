@@ -68,7 +68,7 @@ def keydiff_scores(keys: torch.Tensor, live: torch.Tensor | None = None) -> torc
 
     The engine's policy path takes these scores from the decode kernel, which computes
     them per sequence right after its attention read the keys, or else from the pool
-    (`Needs.key_diversity`, kvpool/key_stats.py: the same maths over the keys in place,
+    (`Needs.key_diversity`, attention/key_stats.py: the same maths over the keys in place,
     ~15x cheaper than a copy of every key); this is their reference
     (tests/test_key_stats.py) and the fallback (a quantized pool, no compiler, another
     device)."""
@@ -185,7 +185,7 @@ class KeyDiffPolicy:
     def select(policies: list[KeyDiffPolicy], view: RowsView) -> torch.Tensor | None:
         """The scores are the engine's (`Needs.key_diversity`: `keydiff_scores`' maths,
         computed by the decode kernel beside attention, or by the pool over its keys in
-        place, kvpool/key_stats.py), since the anchor moves every step and a copy of
+        place, attention/key_stats.py), since the anchor moves every step and a copy of
         every live key into the view cost most of a decode step (issue 18)."""
         c = policies[0].config
         keep = view.budgets(c.budget, from_prompt=True)

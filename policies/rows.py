@@ -221,7 +221,7 @@ def live_from_end(live: torch.Tensor) -> torch.Tensor:
 
 
 def _ints(values: list[int]) -> torch.Tensor:
-    """Host ints as a 1-D int64 tensor through `array` (kvpool/host.py's `int64_tensor`,
+    """Host ints as a 1-D int64 tensor through `array` (native/host.py's `int64_tensor`,
     ~3x cheaper than `torch.tensor(list)`; policies import no other layer)."""
     if not values:
         return torch.empty(0, dtype=torch.int64)

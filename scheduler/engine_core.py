@@ -14,19 +14,21 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+from attention.quant import FORMATS
+from attention.select import select_attention
+from attention.storage import KVStorage
+from attention.swap import SwapSpace
 from engine.cpu_linear import pack_linears
 from engine.cpu_memory import keep_freed_memory
 from engine.loader import load_model
 from engine.penalties import Penalties, TokenHistory, apply_penalties
-from engine.runner import ModelRunner, PromptScoring, SeqInput
+from engine.runner import ModelRunner
 from engine.sampler import SamplingBatch, TokenScores, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
+from engine.step import PromptScoring, SeqInput
 from engine.structured import Grammars
-from kvpool.attention_select import select_attention
 from kvpool.manager import MIN_PREFILL_CHUNK, KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
-from kvpool.quant import FORMATS
-from kvpool.swap import SwapSpace
 from policies.base import Needs
 from policies.catalog import build_policy
 from policies.config import parse_kv_policy
@@ -81,7 +83,7 @@ class EngineConfig:
     swap_space: str | int = "1GiB"  # host memory for swapped-out blocks
     enable_prefix_caching: bool = True
     tenant_quotas: dict[str, float] | None = None  # tenant -> fraction of the pool
-    # A step's requests of equal policies run as one group (scheduler/policy_rows.py);
+    # A step's requests of equal policies run as one group (kvpool/policy_rows.py);
     # False: every request a group of one (the same plans).
     batch_policies: bool = True
     # StreamingLLM at its window writes each decode token over its oldest past the sinks
@@ -124,14 +126,14 @@ class EngineCore:
         # The pool may be narrower than the model (vLLM's --kv-cache-dtype): K/V are
         # rounded once when written and widened to fp32 inside attention, so decode reads
         # half the bytes of an fp32 pool. A quantized format (int8, fp8_e4m3, int4) is
-        # passed by name: codes plus scales, dequantized inside attention (kvpool/quant.py).
+        # passed by name: codes plus scales, dequantized inside attention (attention/quant.py).
         kv_dtype: torch.dtype | str = (
             next(self.model.parameters()).dtype if config.kv_cache_dtype == "auto"
             else _DTYPES.get(config.kv_cache_dtype, config.kv_cache_dtype))
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         else:
-            per_block = BlockPool.bytes_per_block(config.block_size, mc.num_kv_heads,
+            per_block = KVStorage.bytes_per_block(config.block_size, mc.num_kv_heads,
                                                   mc.head_dim, kv_dtype)
             mem = parse_bytes(config.kv_cache_memory or EngineConfig.DEFAULT_KV_MEMORY)
             num_blocks = mem // per_block
@@ -140,9 +142,11 @@ class EngineCore:
         # pool's scratch block.
         graphs = (self.device.type == "cuda" and not config.enforce_eager
                   and self.max_model_len <= self.model.rotary.cos_table.shape[0])
-        self.pool = BlockPool(num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                              dtype=kv_dtype, device=self.device, scratch=graphs)
-        self.runner = ModelRunner(self.model, mc, self.pool, select_attention(self.device),
+        # The runner owns the KV tensors; the pool (metadata) hands out the ids that index them.
+        self.storage = KVStorage(num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                 dtype=kv_dtype, device=self.device, scratch=graphs)
+        self.pool = BlockPool(num_blocks, config.block_size, storage=self.storage)
+        self.runner = ModelRunner(self.model, mc, self.storage, select_attention(self.device),
                                   self.device)
         if graphs:
             from engine.cuda_graphs import DecodeGraphs  # imports Triton: CUDA only
@@ -161,15 +165,15 @@ class EngineCore:
         self.swap = None
         cost = None
         if config.preemption_mode != "recompute":
-            blocks = max(1, parse_bytes(config.swap_space) // self.pool.block_bytes)
-            self.swap = SwapSpace(self.pool, blocks)
-            if config.preemption_mode == "auto":
-                cost = calibrate(self.runner, self.pool, self.swap, mc.num_layers)
-        self.cost_model = cost
+            blocks = max(1, parse_bytes(config.swap_space) // self.storage.block_bytes)
+            self.swap = SwapSpace(self.storage, blocks)
         self.kv = KVCacheManager(self.pool, mc.num_layers, watermark=config.watermark,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  swap=self.swap, rows=min(config.max_num_seqs, 16),
                                  min_prefill_chunk=config.min_prefill_chunk)
+        if config.preemption_mode == "auto":
+            cost = calibrate(self.runner, self.kv)
+        self.cost_model = cost
         memory = MemoryConfig(config.preemption_mode, dict(quotas), config.reserve_preempted)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs,
                                    config.max_num_batched_tokens, memory, cost)
@@ -187,8 +191,8 @@ class EngineCore:
         self._shaped = 0  # of them, requests with a logit bias, a penalty or a grammar
         self._grammars: Grammars | None = None  # made on the first structured request
         self._default_policy = parse_kv_policy(config.default_kv_policy)
-        self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies,
-                                     spare=self.scheduler.spare_blocks)
+        self.policies = PolicyRunner(self.kv, mc.num_layers, self._rotate,
+                                     config.batch_policies, spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)
         self._host_ids = HostIds(config.max_num_seqs)  # its ids' pinned buffers
         self.overlapped_steps = 0  # steps launched while the one before them ran
@@ -221,22 +225,22 @@ class EngineCore:
         # max_tokens 0 (scoring) still holds every prompt token: count it like 1 (the
         # last sampled token is never fed back, so it needs no slot).
         total = len(prompt_ids) + max(params.max_tokens, 1)
-        bs = self.pool.block_size
+        bs = self.kv.block_size
         chunk = self.kv.prefill_chunk(policy, len(prompt_ids), self.config.max_num_batched_tokens)
         if rope_shift and policy is not None:
             chunk = fit_shifted_positions(policy.max_live(total, len(prompt_ids), bs), chunk,
                                           len(prompt_ids), total, self.max_model_len, bs)
         reserve, need = self.kv.reservation(policy, len(prompt_ids), total, chunk)
-        usable = self.pool.num_blocks - self.kv.watermark_blocks
+        usable = self.kv.num_blocks - self.kv.watermark_blocks
         prompt_blocks = self.kv.blocks_for(len(prompt_ids))
         if prompt_blocks > usable and policy is None:
             raise RequestRejected(
                 f"the prompt alone needs {prompt_blocks} KV blocks; "
                 f"only {usable} can ever be admitted (pool minus watermark reserve)", "prompt")
-        if need > self.pool.num_blocks:
+        if need > self.kv.num_blocks:
             raise RequestRejected(
                 f"prompt + max_tokens needs {need} KV blocks but the pool holds only "
-                f"{self.pool.num_blocks}; lower max_tokens or start with more KV memory",
+                f"{self.kv.num_blocks}; lower max_tokens or start with more KV memory",
                 "max_tokens")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         req = Request(request_id, list(prompt_ids), params, seed,
@@ -340,7 +344,7 @@ class EngineCore:
         s, graphs = self.scheduler, self.runner.graphs
         running = s.running
         if (s.waiting or s.swapped or not running or graphs is None or self._shaped
-                or self.pool.num_free < self.model_config.num_layers * len(running)
+                or self.kv.num_free < self.model_config.num_layers * len(running)
                 or graphs.bucket(len(running)) is None):
             return False
         top = 0
@@ -578,11 +582,11 @@ class EngineCore:
     def _trim_windows(self, r: Request) -> None:
         """Free blocks that fell out of every future query's sliding window."""
         min_pos = r.num_computed - self._min_window + 1
-        if r.cache is None or min_pos - r.window_trimmed < self.pool.block_size:
+        if r.cache is None or min_pos - r.window_trimmed < self.kv.block_size:
             return
         for layer, w in enumerate(self.model_config.sliding_windows):
             if w is not None:
-                r.cache.drop_before(layer, r.num_computed - w + 1)
+                self.kv.drop_before(r.cache, layer, r.num_computed - w + 1)
         r.window_trimmed = min_pos
 
     def _output(self, r: Request, ids: list[int], text: str,
@@ -604,7 +608,7 @@ class EngineCore:
             prompt_lps)
 
     def _final_kv(self, r: Request) -> KVUsage:
-        r.kv.peak_bytes = r.kv.peak_blocks * self.pool.block_bytes
+        r.kv.peak_bytes = r.kv.peak_blocks * self.storage.block_bytes
         return r.kv
 
     # ---- introspection -------------------------------------------------------------
@@ -616,7 +620,7 @@ class EngineCore:
             num_running=len(running), num_waiting=len(self.scheduler.waiting),
             blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
             live_slots=live, slot_capacity_used=pool.num_used * pool.block_size,
-            kv_cache_dtype=pool.dtype_name, block_bytes=pool.block_bytes,
+            kv_cache_dtype=self.storage.dtype_name, block_bytes=self.storage.block_bytes,
             prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_swapped=len(self.scheduler.swapped),

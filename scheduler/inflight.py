@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runner import StepOutput
+from engine.step import StepOutput
 from scheduler.request import Request
 from scheduler.scheduler import Chunk, Plan
 

@@ -2,7 +2,7 @@
 
 Why a module of its own: the engine step only needs "let every policy act on the slot
 layout the forward saw"; how requests are grouped for their policies
-(`scheduler/policy_rows.py`: one group per policy class, config and step size, a
+(`kvpool/policy_rows.py`: one group per policy class, config and step size, a
 request alone being a group of one), how a request is kept within its reservation, and the per-policy counters behind
 `EngineStats` and the Prometheus metrics all live here. The offline perplexity
 protocol (`loadtest/policy_eval.py`) calls the same `run`, so it evicts exactly as
@@ -15,16 +15,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.runner import AttentionMass
-from kvpool import compaction
+from attention.stats import AttentionMass
+from kvpool.manager import KVCacheManager
+from kvpool.policy_rows import Member, Rotate, group_key
 from policies.base import StepView
-from scheduler.policy_rows import Member, Rotate, group_key, run_group
 from scheduler.request import Request
 from scheduler.scheduler import Chunk
 
 
 @dataclass
 class PolicyRunner:
+    kv: KVCacheManager  # the one door to memory: drops, compaction, rings
     num_layers: int
     rotate: Rotate  # re-rotates kept keys for `rope: "shift"` (the model's RoPE)
     batch: bool = True  # EngineConfig.batch_policies
@@ -61,7 +62,7 @@ class PolicyRunner:
 
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan,
-        requests of equal policies together (`scheduler/policy_rows.py`).
+        requests of equal policies together (`kvpool/policy_rows.py`).
         `attention` maps a chunk's index to its attention mass (runner output).
 
         This runs for every request on every step, so its Python is kept to what
@@ -84,9 +85,9 @@ class PolicyRunner:
             live = cache.layer_live  # read once: `idle` decides on it, the group's view reads it
             if r.ring is not None and not cache.ring:
                 if min(live) >= r.ring[1]:
-                    cache.start_ring(*r.ring)  # from the next decode token (else: next step)
+                    self.kv.start_ring(cache, *r.ring)  # from the next decode token (else: next step)
                 elif first_full and r.reserve_blocks:  # the window's blocks, reserved: together
-                    cache.hold(-(-r.ring[1] // cache.bs))
+                    self.kv.hold(cache, -(-r.ring[1] // cache.bs))
             if idle is not None and idle(_sizes(r, c, r.num_computed, first_full, live)):
                 self._note_reserve(r, c.num_tokens)
                 name = r.policy_name
@@ -115,7 +116,7 @@ class PolicyRunner:
             t = time.perf_counter()
             if len(members) > 1:
                 members.sort(key=lambda rm: rm[1].cache.row)  # consecutive rows read as slices
-            done = run_group([m for _, m in members])
+            done = self.kv.run_policy([m for _, m in members])
             name = members[0][0].policy_name  # one policy config per group
             evicted_tokens = freed_blocks = 0  # the group's, added to the counters once
             for (r, m), (evicted, freed) in zip(members, done):
@@ -152,10 +153,8 @@ class PolicyRunner:
         todo, self._to_check = self._to_check, []
         if not todo:
             return
-        first = todo[0][0].cache
-        assert first is not None
-        held, need = first.tables.held_and_need([r.cache.row for r, _ in todo])  # type: ignore[union-attr]
-        nl = first.num_layers
+        held, need = self.kv.held_and_need([r.cache for r, _ in todo])  # type: ignore[misc]
+        nl = self.num_layers
         left: int | None = None  # spare blocks not yet lent this step, read on first need
         for (r, num_new), h, n in zip(todo, held, need):
             if h + nl > r.reserve_blocks:  # close: counted exactly
@@ -179,7 +178,7 @@ class PolicyRunner:
 
     def _compact(self) -> None:
         """Scattered survivors pin partly dead blocks: pack them, in place and for every
-        noted request at once (`compaction.compact`), so each one's next token fits in
+        noted request at once (`KVCacheManager.compact`), so each one's next token fits in
         the memory admission reserved for it (instead of preempting someone when every
         block is reserved)."""
         reqs, self._to_compact = self._to_compact, []
@@ -187,7 +186,7 @@ class PolicyRunner:
             return
         t = time.perf_counter()
         caches = [r.cache for r in reqs]
-        freed = compaction.compact(caches[0].tables, caches[0].pool, caches)  # type: ignore[union-attr]
+        freed = self.kv.compact(caches)  # type: ignore[arg-type]
         share = (time.perf_counter() - t) / len(reqs)
         for r, f in zip(reqs, freed):
             name = r.policy_name

@@ -13,12 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
-from engine.runner import ModelRunner, SeqInput
-from kvpool.pool import BlockPool
-from kvpool.seq_cache import SeqCache
-from kvpool.swap import SwapSpace, measure_copy_bandwidth
+from attention.swap import measure_copy_bandwidth
+from engine.runner import ModelRunner
+from engine.step import SeqInput
+from kvpool.manager import KVCacheManager
 
 MODES = ("swap", "recompute", "auto")
 
@@ -65,22 +63,24 @@ class CostModel:
         self.copy_bytes_per_s = (1 - a) * self.copy_bytes_per_s + a * nbytes / seconds
 
 
-def calibrate(runner: ModelRunner, pool: BlockPool, swap: SwapSpace, num_layers: int,
-              tokens: int = 128) -> CostModel:
-    """Measure both rates once at start-up on this machine (an empty pool is assumed)."""
-    bw = measure_copy_bandwidth(pool)
-    tokens = max(1, min(tokens, pool.num_blocks // num_layers * pool.block_size // 2))
-    cache = SeqCache(pool, num_layers)
+def calibrate(runner: ModelRunner, kv: KVCacheManager, tokens: int = 128) -> CostModel:
+    """Measure both rates once at start-up on this machine (an empty pool and a manager
+    with swap space are assumed)."""
+    swap = kv.swap
+    assert swap is not None
+    bw = measure_copy_bandwidth(runner.storage)
+    tokens = max(1, min(tokens, kv.num_blocks // kv.num_layers * kv.block_size // 2))
+    cache = kv.new_cache(tokens)
     ids = [1] * tokens
-    runner.execute([SeqInput(ids, 0, cache.append(torch.arange(tokens)), cache, True)])  # warm-up
-    cache.release()
+    runner.execute([SeqInput(ids, 0, kv.allocate(cache, 0, tokens), cache, True)])  # warm-up
+    kv.release(cache)
     t = time.perf_counter()
-    runner.execute([SeqInput(ids, 0, cache.append(torch.arange(tokens)), cache, True)])
+    runner.execute([SeqInput(ids, 0, kv.allocate(cache, 0, tokens), cache, True)])
     per_token = (time.perf_counter() - t) / tokens
     t = time.perf_counter()
-    cache.swap_out(swap)
-    cache.swap_in(swap)
+    kv.swap_out(cache)
+    kv.swap_in(cache)
     latency = max(0.0, time.perf_counter() - t - 2 * cache.num_blocks * swap.bytes_per_block / bw)
-    cache.release()
+    kv.release(cache)
     swap.bytes_out = swap.bytes_in = 0
     return CostModel(copy_bytes_per_s=bw, prefill_s_per_token=per_token, swap_latency_s=latency)

@@ -88,7 +88,6 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  memory: MemoryConfig | None = None, cost: CostModel | None = None) -> None:
         self.kv = kv
-        self.pool = kv.pool  # read-only here: free and total counts
         self.num_layers = kv.num_layers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -146,7 +145,7 @@ class Scheduler:
         pending = 0
         roomy = True
         nl = self.num_layers
-        free = self.pool.num_free  # changes only where this loop preempts or appends
+        free = self.kv.num_free  # changes only where this loop preempts or appends
         # In _key order (`_resume` keeps `running` so): no sort per step. Reversed, so the
         # next request pops off the end and a victim is removed from what is left.
         queue = self.running[::-1]
@@ -168,7 +167,7 @@ class Scheduler:
                     roomy, pending = False, self.kv.decode_need(rows)
                 need = self.kv.blocks_needed(cache, n)
             if need + pending > free:
-                while need + pending > self.pool.num_free:
+                while need + pending > self.kv.num_free:
                     victim = self._victim(queue[::-1]) or req  # in planning order
                     if victim is not req:
                         queue.remove(victim)
@@ -176,7 +175,7 @@ class Scheduler:
                     preempted.append(victim)
                     if victim is req:
                         break
-                free = self.pool.num_free
+                free = self.kv.num_free
             if req.status is running:  # not preempted just above
                 if n == 1:
                     rows.append(cache.row)
@@ -185,7 +184,7 @@ class Scheduler:
                     chunks.append(Chunk(req, req.num_computed, 1, None, left == 1))
                 else:
                     chunks.append(self._chunk(req, n))
-                    free = self.pool.num_free
+                    free = self.kv.num_free
                 budget -= n
         # Every decode token's slots in one batch: the ops do not grow with their number.
         plan = Plan(chunks, preempted, self.kv.append_decode(rows, positions) if rows else None)
@@ -245,7 +244,7 @@ class Scheduler:
         reservation may borrow these instead of compacting (`PolicyRunner`)."""
         if self.waiting or self.swapped:
             return 0
-        return max(0, self.pool.num_free - self._reserved() - self.kv.watermark_blocks)
+        return max(0, self.kv.num_free - self._reserved() - self.kv.watermark_blocks)
 
     def _admit(self, req: Request, budget: int, reserved: int = 0) -> int:
         """Set up a waiting request's cache (prefix hits included) if it may start now;
@@ -298,7 +297,7 @@ class Scheduler:
         quotas = self.mem.tenant_quotas
         if not quotas or req.tenant is None:
             return True
-        total = self.pool.num_blocks
+        total = self.kv.num_blocks
         used = self.tenant_blocks()
         burst = total * (1 - sum(quotas.values()))
         burst_used = sum(max(0.0, u - quotas.get(t, 0.0) * total) for t, u in used.items())
@@ -376,7 +375,7 @@ class Scheduler:
     def _count_ring(self, req: Request) -> None:
         """Count what its ring overwrote since last asked as its policy's evictions."""
         assert req.cache is not None
-        n = req.cache.tables.take_overwritten(req.cache.row)
+        n = self.kv.take_overwritten(req.cache)
         if n:
             req.ringing = True
             req.kv.evicted_tokens += n
@@ -389,7 +388,7 @@ class Scheduler:
             return "recompute"
         if mode == "swap" or self.cost is None:
             return "swap"
-        return self.cost.choose(req.cache.num_blocks * self.pool.block_bytes, req.num_computed)
+        return self.cost.choose(req.cache.num_blocks * self.kv.block_bytes, req.num_computed)
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         assert req.cache is not None
@@ -411,7 +410,7 @@ class Scheduler:
                 self._unpend(r)
                 r.registered = len(r.block_hashes)
                 continue
-            upto = min(r.num_computed // self.pool.block_size, len(r.block_hashes))
+            upto = min(r.num_computed // self.kv.block_size, len(r.block_hashes))
             self.kv.publish(r.cache, r.block_hashes, r.registered, upto)
             for h in r.block_hashes[r.registered:upto]:
                 self._pending_done(h)

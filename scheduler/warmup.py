@@ -5,7 +5,7 @@ that moment lands on the first client's TTFT. On CPU the lazy part is large: the
 sampling ops (`engine/csrc/sampling_cpu.cpp`: greedy argmax, exponential race), the
 policies' selection and state updates (`policies/csrc/select_cpu.cpp`, `state_cpu.cpp`),
 the tables' marking (`kvpool/csrc/tables_cpu.cpp`) and the pool's key statistics
-(`kvpool/csrc/key_stats_cpu.cpp`) are built on their first call (~10-25 s on a machine
+(`attention/csrc/storage_cpu.cpp`) are built on their first call (~10-25 s on a machine
 that has not cached them; a dlopen otherwise), oneDNN creates its state for each row
 count a packed weight meets, and the first forward pays for allocator growth and the
 tokenizer's first decode. On CUDA the Triton kernels compile on their first launch for
@@ -34,16 +34,14 @@ from typing import Any
 
 import torch
 
+from attention.cpu_attention import kernel_available, vector_path
+from attention.key_stats import load_storage_ops
 from engine import structured
 from engine.cpu_linear import row_buckets, warm_buckets
 from engine.sampler import load_sampling_ops
 from engine.sampling import SamplingParams, StructuredOutput
-from kvpool.cpu_attention import kernel_available, vector_path
-from kvpool.key_stats import load_key_stats
-from kvpool.tables import load_mark
-from policies.rows import NATIVE
+from kvpool.manager import load_memory_ops
 from scheduler.outputs import EngineStats
-from scheduler.policy_rows import load_select
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -69,11 +67,10 @@ def load_native_ops(device: torch.device) -> dict[str, bool]:
     """Build (or load from the on-disk cache) every C++ op this device uses. The
     tables and the policies' selection run on the host whatever the device (on a GPU
     too: a first eviction once built its ops inside a client's request, ~15 s)."""
-    select = load_select()  # and the policies' state updates beside the selection
-    host = {"select_cpu": select, "state_cpu": NATIVE["state"], "tables_cpu": load_mark()}
+    host = load_memory_ops()
     if device.type != "cpu":
         return host
-    return {**host, "paged_decode_cpu": kernel_available(), "key_stats_cpu": load_key_stats(),
+    return {**host, "paged_decode_cpu": kernel_available(), "storage_cpu": load_storage_ops(),
             "sampling_cpu": load_sampling_ops()}
 
 

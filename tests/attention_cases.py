@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.attention import PAD_QUERY_POS
+from attention.torch_attention import PAD_QUERY_POS
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -11,7 +11,7 @@ import torch
 from engine.cpu_threads import ENV_VARS as _THREAD_VARS
 
 # Triton kernels run on CPU through the interpreter; it must be chosen before anything
-# imports triton (kvpool.triton_attention decorates its kernels at import time).
+# imports triton (attention.triton_attention decorates its kernels at import time).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 # files on the AVX2 paths of an AVX-512 CPU (in a subprocess with a build folder of its
 # own). `load_ops` calls `build` through the module, so this holds whoever imports it.
 if os.environ.get("KVSERVE_TEST_CFLAGS"):
-    from kvpool import native
+    from native import build as native
 
     _build, _extra = native.build, os.environ["KVSERVE_TEST_CFLAGS"].split()
     native.build = lambda name, source, cflags, ldflags: _build(

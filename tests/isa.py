@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from kvpool.native import cpuinfo
+from native.cpu import cpuinfo
 
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 

@@ -1,7 +1,7 @@
 """Synthetic `StepView`s and a tiny engine stand-in for the pure policy tests.
 
 `step(policy, view)` runs a policy on one request's per-layer view the way the engine
-does (`scheduler/policy_rows.py`): as a batch of one `RowsView` (layers as rows, their
+does (`kvpool/policy_rows.py`): as a batch of one `RowsView` (layers as rows, their
 live tokens as slots), with the policy's per-slot state kept by position between calls
 as `SlotTables` keeps it by slot, and answers with the plan as positions per layer.
 
@@ -200,9 +200,9 @@ def slot_state(policy, layer: int, name: str) -> tuple[torch.Tensor, torch.Tenso
 
 def evict_positions(cache, plan: Eviction, compact: bool = False, rotate=None) -> tuple[int, int]:
     """Carry out a plan given as positions per layer on a cache, the way the engine
-    carries out a policy's drop mask (`scheduler/policy_rows.py::carry_out`); returns
+    carries out a policy's drop mask (`kvpool/policy_rows.py::carry_out`); returns
     (slots evicted over all layers, blocks freed)."""
-    from scheduler.policy_rows import carry_out
+    from kvpool.policy_rows import carry_out
 
     width = max(cache.nblocks, default=0) * cache.bs
     pos = cache.slot_pos[:, :width]

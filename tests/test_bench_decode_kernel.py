@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from kvpool import cpu_attention
-from kvpool.attention import paged_attention
+from attention import cpu_attention
+from attention.torch_attention import paged_attention
 from loadtest import bench_decode_kernel as bench
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
@@ -87,7 +87,7 @@ def test_prefill_attention_benchmark_times_both_ways(tmp_path, prefix: int) -> N
     """loadtest/bench_prefill_attention.py: the op and the torch path per prompt length,
     over the chunk's own keys or after a cached prefix (its own doc block and files),
     GFLOP/s and the ratio in the table, JSON with the fingerprint, the plot."""
-    from kvpool.cpu_attention import vector_path
+    from attention.cpu_attention import vector_path
     from loadtest import bench_prefill_attention
 
     if vector_path() != "avx512":

@@ -70,7 +70,7 @@ def test_general_attention_row_runs_decode_on_the_general_kernel_and_back() -> N
     result as `decode=False`), and the decode kernel is the default again after it,
     also when the run fails."""
     pytest.importorskip("triton")
-    from kvpool import triton_attention
+    from attention import triton_attention
     from tests.attention_cases import make_case
 
     case = make_case([40, 9], [1, 1], bs=8, hq=2, hkv=2)

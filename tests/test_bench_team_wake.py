@@ -1,12 +1,12 @@
 """loadtest/bench_team_wake.py: small ops on one thread against the team, alone and
-against a base checkout (kvpool/csrc/team.h, issue 22)."""
+against a base checkout (native/csrc/team.h, issue 22)."""
 
 from __future__ import annotations
 
 import json
 
+from attention import cpu_attention
 from engine.cpu_linear import panels_available
-from kvpool import cpu_attention
 from loadtest import bench_team_wake as bench
 
 

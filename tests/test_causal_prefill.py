@@ -1,4 +1,4 @@
-"""A fresh prompt's causal attention on the CPU op (kvpool/csrc/causal_prefill.h) against
+"""A fresh prompt's causal attention on the CPU op (attention/csrc/causal_prefill.h) against
 torch's SDPA in fp32 (`causal_self_attention`), and the fallback where the op does not run.
 
 Shapes cross what the kernel must get right: prompts shorter than, equal to and just past
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention import cpu_attention
+from attention.cpu_attention import causal_prefill_cpu
+from attention.torch_attention import causal_self_attention, paged_attention
 from engine.model_config import load_model_config
-from kvpool import cpu_attention
-from kvpool.attention import causal_self_attention, paged_attention
-from kvpool.cpu_attention import causal_prefill_cpu
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
                                   reason="no C++ compiler for the CPU kernel")

@@ -1,4 +1,4 @@
-"""The CPU decode kernel (kvpool/csrc/paged_decode_cpu.cpp) against the torch path.
+"""The CPU decode kernel (attention/csrc/paged_decode_cpu.cpp) against the torch path.
 
 The kernel is built once per test session (about 20 s; cached on disk afterwards). Cases
 cross what the kernel must get right: ragged lengths in one batch, GQA groups, evicted
@@ -23,9 +23,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool import cpu_attention, native
-from kvpool.attention import causal_self_attention, paged_attention
-from kvpool.cpu_attention import paged_attention_cpu
+from attention import cpu_attention
+from attention.cpu_attention import paged_attention_cpu
+from attention.torch_attention import causal_self_attention, paged_attention
+from native import build as native
 from tests import attention_cases, isa
 
 
@@ -92,7 +93,7 @@ def test_mass_summed_over_kv_heads_is_head_sums_bits(hq: int, hkv: int, d: int, 
     head order exactly as the policy bridge's head_sum adds it (bit for bit: the
     policies' kept sets depend on it), the output unchanged; also for a lone sequence,
     which is then not cut into kv-head slices."""
-    from scheduler.policy_rows import head_sum
+    from kvpool.policy_rows import head_sum
 
     evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
     for prefixes in ([9, 30, 2, 99, 500], [301]):
@@ -339,7 +340,7 @@ def test_fewer_sequences_than_threads_split_by_kv_heads(hq: int, hkv: int, d: in
     """With more threads than sequences each sequence is cut into slices of its kv heads
     (4 threads: 1 row -> up to 4 slices, 3 rows -> 2); the answers, attention mass
     included, are the one-slice answers. The first sequence reads 128K K/V elements
-    inside its window: a smaller call runs on one thread (kvpool/csrc/team.h)."""
+    inside its window: a smaller call runs on one thread (native/csrc/team.h)."""
     first = (128 << 10) // (2 * hkv * d) + 20
     case = make_case([first, 5, 33][:rows], [1] * rows, evict={0: [3, 4, 40]}, hq=hq,
                      hkv=hkv, d=d, bs=bs, dtype=dtype)
@@ -408,7 +409,7 @@ def test_rows_by_index_are_read_in_place(kv_dtype: torch.dtype, monkeypatch) -> 
     kernel as the engine's whole tables and each sequence's row index (`table_rows`;
     `SlotTables.rows_of(whole=True)`), nothing gathered: the same bits as the gathered
     call, KeyDiff's fused scores included, and the torch path (no kernel) gathers them."""
-    from kvpool.cpu_attention import paged_decode_key_diversity
+    from attention.cpu_attention import paged_decode_key_diversity
 
     case = narrow_pool(make_case([37, 5, 64, 20], [1, 1, 1, 1], evict={2: [3, 4, 40]},
                                  hq=4, hkv=2, d=32, bs=8), kv_dtype)

@@ -21,7 +21,7 @@ from engine.cpu_linear import (
     padded_rows,
 )
 from engine.sampling import SamplingParams
-from kvpool.native import cpuinfo, pair_fma, prefetch_from, whole_k_to
+from native.cpu import cpuinfo, pair_fma, prefetch_from, whole_k_to
 from scheduler.llm import LLM
 from tests.isa import cpu_has as isa_has
 from tests.isa import expected_path
@@ -307,8 +307,8 @@ def test_a_panel_layer_made_directly_loads_its_op() -> None:
     """A fresh process that makes a `PanelLinear` itself, as bench_linear_rows does for
     both layouts on any CPU (not through `pack_linears`, which loads the op while
     choosing), gets F.linear's answer: the layer loads its op."""
-    from kvpool.native import load_ops
     from loadtest.spawn import python_path
+    from native.build import load_ops
 
     if not load_ops("kvserve_layer_ops_cpu"):
         pytest.skip("no C++ compiler")
@@ -352,7 +352,7 @@ def test_panels_where_they_were_measured_faster() -> None:
     an AMD CPU with AVX-512 (bf16 there too where the build has the pair tile's bf16 dot
     products), the same on an Intel CPU with AVX-512 but no AMX, nothing where it has AMX
     (not measured)."""
-    from kvpool.native import load_ops
+    from native.build import load_ops
 
     if not load_ops("kvserve_layer_ops_cpu"):
         assert not cpu_linear.panels_available() and not cpu_linear.panels_for(torch.float32)
@@ -382,7 +382,7 @@ def test_panels_where_they_were_measured_faster() -> None:
 
 @needs_panels
 def test_a_panel_layer_takes_this_cpus_kernel_choices() -> None:
-    """Every panel layer runs on the choices kvpool/native.py makes for this CPU (read
+    """Every panel layer runs on the choices native/build.py makes for this CPU (read
     once), and says whether a pair layer's longer steps run on FMAs."""
     avx512 = cpu_linear.panels_isa().startswith("avx512")
     layer = PanelLinear(nn.Linear(64, 32).to(torch.bfloat16), pairs=True, fma=True)

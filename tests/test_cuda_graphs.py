@@ -203,8 +203,8 @@ def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypat
     statistics graphs hand it (the same pass, so the same bits in either step), not
     per head to be summed on the host (1/Hkv of the bytes to copy out). The
     generations equal the C++ kernel's run on the CPU."""
+    from attention.triton_attention import paged_attention_triton
     from engine.runner import ModelRunner
-    from kvpool.triton_attention import paged_attention_triton
 
     ref, _ = _run(tiny, "off", STATS, device="cpu")
     shapes: list[tuple[int, ...]] = []

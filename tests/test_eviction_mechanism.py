@@ -3,36 +3,37 @@
 import torch
 from transformers import LlamaConfig
 
+from attention.stats import AttentionMass
 from engine.rope import RotaryEmbedding
-from engine.runner import AttentionMass
 from kvpool.compaction import compact
+from kvpool.policy_rows import Member, build_view
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
 from policies.base import Needs
-from scheduler.policy_rows import Member, build_view
 from tests.policy_views import evict_positions
+from tests.pools import make_pool
 
 H, D, BS = 2, 8, 4
 
 
 def _filled(num_layers: int = 1, n: int = 12) -> tuple[BlockPool, SeqCache]:
     """A cache whose K and V at position p are all equal to p (easy to follow)."""
-    pool = BlockPool(32, BS, H, D)
+    pool = make_pool(32, BS, H, D)
     c = SeqCache(pool, num_layers)
     slots = c.append(torch.arange(n))
     for layer in range(num_layers):
         val = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, H, D)
-        pool.k_cache.view(-1, H, D)[slots[layer]] = val
-        pool.v_cache.view(-1, H, D)[slots[layer]] = -val
+        pool.storage.k_cache.view(-1, H, D)[slots[layer]] = val
+        pool.storage.v_cache.view(-1, H, D)[slots[layer]] = -val
     return pool, c
 
 
 def _kv_by_position(c: SeqCache, layer: int = 0) -> dict[int, float]:
     _, phys = c.live_slots(layer)
     pos = c.slot_pos[layer][c.slot_pos[layer] >= 0].tolist()
-    k = c.pool.k_cache.view(-1, H, D)[phys][:, 0, 0].tolist()
-    v = c.pool.v_cache.view(-1, H, D)[phys][:, 0, 0].tolist()
+    k = c.pool.storage.k_cache.view(-1, H, D)[phys][:, 0, 0].tolist()
+    v = c.pool.storage.v_cache.view(-1, H, D)[phys][:, 0, 0].tolist()
     assert k == [-x for x in v]
     return dict(zip(pos, k))
 
@@ -83,8 +84,8 @@ def test_compaction_copies_a_shared_block_before_writing_it():
     b.adopt([pool.acquire(123)])
     slots = b.append(torch.arange(4, 12))[0]
     val = torch.arange(4, 12, dtype=torch.float32)[:, None, None].expand(8, H, D)
-    pool.k_cache.view(-1, H, D)[slots] = val
-    pool.v_cache.view(-1, H, D)[slots] = -val
+    pool.storage.k_cache.view(-1, H, D)[slots] = val
+    pool.storage.v_cache.view(-1, H, D)[slots] = -val
     shared = int(a.table[0, 0])
     evict_positions(b, {0: torch.tensor([1, 2, 5, 6, 9])})
     assert b.compact(0) == 1 and int(b.table[0, 0]) != shared
@@ -96,17 +97,17 @@ def test_compaction_copies_a_shared_block_before_writing_it():
 def test_renumber_rerotates_keys_as_if_written_at_the_new_positions():
     cfg = LlamaConfig(hidden_size=32, num_attention_heads=4, head_dim=D)
     rope = RotaryEmbedding(cfg, D, 64)
-    pool = BlockPool(16, BS, H, D)
+    pool = make_pool(16, BS, H, D)
     c = SeqCache(pool, 1)
     raw = torch.randn(10, H, D)
     slots = c.append(torch.arange(10))[0]
-    pool.k_cache.view(-1, H, D)[slots] = rope.rotate(raw, torch.arange(10))
+    pool.storage.k_cache.view(-1, H, D)[slots] = rope.rotate(raw, torch.arange(10))
     evict_positions(c, {0: torch.tensor([2, 3, 4, 5])}, rotate=lambda k, d: rope.rotate(k, d, scaled=False))
     kept = [0, 1, 6, 7, 8, 9]
     assert c.slot_pos[0][c.slot_pos[0] >= 0].tolist() == list(range(6))
     _, phys = c.live_slots(0)
     want = rope.rotate(raw[kept], torch.arange(6))
-    assert torch.allclose(pool.k_cache.view(-1, H, D)[phys], want, atol=1e-5)
+    assert torch.allclose(pool.storage.k_cache.view(-1, H, D)[phys], want, atol=1e-5)
 
 
 class _Asking:
@@ -167,15 +168,15 @@ def test_batched_compaction_packs_every_cache_and_layer_at_once():
     compacting it alone would leave it — survivors in order with their K/V, emptied
     blocks freed — a cache without holes is untouched, and a shared block is copied
     before it is written while its other holder keeps it."""
-    pool = BlockPool(64, BS, H, D)
+    pool = make_pool(64, BS, H, D)
     tables = SlotTables(2, BS)
     caches = [SeqCache(pool, 2, tables=tables) for _ in range(3)]
     for i, c in enumerate(caches):
         slots = c.append(torch.arange(12))
         for layer in range(2):
             val = (100 * i + 10 * layer + torch.arange(12, dtype=torch.float32))
-            pool.k_cache.view(-1, H, D)[slots[layer]] = val[:, None, None].expand(12, H, D)
-            pool.v_cache.view(-1, H, D)[slots[layer]] = -val[:, None, None].expand(12, H, D)
+            pool.storage.k_cache.view(-1, H, D)[slots[layer]] = val[:, None, None].expand(12, H, D)
+            pool.storage.v_cache.view(-1, H, D)[slots[layer]] = -val[:, None, None].expand(12, H, D)
     holder = SeqCache(pool, 2)  # shares cache 1's first block in layer 1
     pool.register(7, caches[1].table[:, 0])
     holder.adopt([pool.acquire(7)])

@@ -1,4 +1,4 @@
-"""kvpool/host.py: host lists as tensors the way a step's plan crosses into torch."""
+"""native/host.py: host lists as tensors the way a step's plan crosses into torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from kvpool.host import bool_tensor, int64_tensor
+from native.host import bool_tensor, int64_tensor
 
 
 def test_int64_tensor_equals_torch_tensor_and_owns_its_values() -> None:

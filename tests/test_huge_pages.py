@@ -1,4 +1,4 @@
-"""CPU tensors on 2 MiB pages (kvpool/huge_pages.py): the KV pool and the linear layers'
+"""CPU tensors on 2 MiB pages (native/huge_pages.py): the KV pool and the linear layers'
 panels ask for them before they touch their memory.
 
 Whether the kernel finds free 2 MiB blocks is the host's state: a host fragmented by
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from engine import cpu_linear
-from kvpool.huge_pages import HUGE_PAGE, advise_huge_pages, huge_page_empty
 from loadtest.spawn import python_path
+from native.huge_pages import HUGE_PAGE, advise_huge_pages, huge_page_empty
 
 
 def _anon_huge_kib(addr: int) -> int:
@@ -66,12 +66,12 @@ def test_pool_memory_is_backed_by_huge_pages() -> None:
     # In a fresh process, as a server allocates its pool at start-up: in this one, earlier
     # tests' allocations may hand the pool memory the allocator already touched (no
     # page fault, no huge page), which failed the suite twice while it passed alone.
-    code = ("from kvpool.huge_pages import advise_huge_pages\n"
-            "from kvpool.pool import BlockPool\n"
+    code = ("from native.huge_pages import advise_huge_pages\n"
+            "from attention.storage import KVStorage\n"
             "from tests.test_huge_pages import _anon_huge_kib\n"
-            "pool = BlockPool(4096, 16, 2, 64)\n"  # 64 MiB of K/V
-            "assert pool.kv.nbytes == 64 << 20 and advise_huge_pages(pool.kv)\n"
-            "print(_anon_huge_kib(pool.kv.data_ptr() + pool.kv.nbytes // 2))")
+            "kv = KVStorage(4096, 16, 2, 64).kv\n"  # 64 MiB of K/V
+            "assert kv.nbytes == 64 << 20 and advise_huge_pages(kv)\n"
+            "print(_anon_huge_kib(kv.data_ptr() + kv.nbytes // 2))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": python_path()})

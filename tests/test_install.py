@@ -127,7 +127,7 @@ print("triton imported:", sorted(m for m in sys.modules if m.split(".")[0] == "t
 
 
 def test_every_cpp_source_is_package_data() -> None:
-    """The C++ ops are built from their sources at run time (kvpool/native.py), so a
+    """The C++ ops are built from their sources at run time (native/build.py), so a
     non-editable install must ship every `<package>/csrc/*.cpp` as package data."""
     data = _pyproject()["tool"]["setuptools"]["package-data"]
     sources = {p.parent.parent.name for p in ROOT.glob("*/csrc/*.cpp")}

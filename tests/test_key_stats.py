@@ -1,4 +1,4 @@
-"""The pool's key statistics (kvpool/key_stats.py, csrc/key_stats_cpu.cpp) against their
+"""The pool's key statistics (attention/key_stats.py, attention/csrc/storage_cpu.cpp) against their
 torch reference: KeyDiff's score read from the keys in place equals
 `policies.norms.keydiff_scores` over the gathered keys, and the bridge falls back to
 that reference where the op does not serve the pool (a quantized pool, no op)."""
@@ -8,15 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpool import key_stats
+from attention import key_stats
+from kvpool.policy_rows import Member, build_view
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from policies.base import Needs
 from policies.norms import keydiff_scores
-from scheduler.policy_rows import Member, build_view
 from tests.policy_views import evict_positions
+from tests.pools import make_pool
 
-pytestmark = pytest.mark.skipif(not key_stats.load_key_stats(), reason="no C++ compiler")
+pytestmark = pytest.mark.skipif(not key_stats.load_storage_ops(), reason="no C++ compiler")
 
 
 def _rows(pool: BlockPool, lengths: list[int], gen: torch.Generator,
@@ -43,7 +44,7 @@ def _reference(pool: BlockPool, table: torch.Tensor, pos: torch.Tensor) -> torch
     """What the bridge's torch form computes: the gathered keys' keydiff_scores."""
     bs = pool.block_size
     phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
-    keys = pool.gather_stats(phys, keys=True)["keys"]
+    keys = pool.storage.gather_stats(phys, keys=True)["keys"]
     return keydiff_scores(keys.view(*pos.shape, *keys.shape[1:]), pos >= 0)
 
 
@@ -52,13 +53,13 @@ def _reference(pool: BlockPool, table: torch.Tensor, pos: torch.Tensor) -> torch
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 8, 24])
 def test_key_diversity_equals_keydiff_scores(dtype: torch.dtype, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(head_dim)
-    pool = BlockPool(96, 16, 2, head_dim, dtype=dtype)  # GQA: 2 kv heads
-    keys = torch.randn(pool.k_cache.shape, generator=gen) * (
-        1 + 3 * torch.rand(*pool.k_cache.shape[:-1], 1, generator=gen))
+    pool = make_pool(96, 16, 2, head_dim, dtype=dtype)  # GQA: 2 kv heads
+    keys = torch.randn(pool.storage.k_cache.shape, generator=gen) * (
+        1 + 3 * torch.rand(*pool.storage.k_cache.shape[:-1], 1, generator=gen))
     keys[..., 0] += 1.5  # a shared direction, so the anchor is not ~0
-    pool.k_cache.copy_(keys)
+    pool.storage.k_cache.copy_(keys)
     table, pos = _rows(pool, [200, 37, 1, 16, 95, 0], gen)
-    got = pool.key_diversity(table, pos)
+    got = pool.storage.key_diversity(table, pos)
     assert got is not None and got.dtype == torch.float32 and got.shape == pos.shape
     live = pos >= 0
     torch.testing.assert_close(got[live], _reference(pool, table, pos)[live], atol=1e-5, rtol=0)
@@ -68,20 +69,20 @@ def test_key_diversity_equals_keydiff_scores(dtype: torch.dtype, head_dim: int) 
 def test_key_diversity_of_zero_keys_and_rows_without_live_slots() -> None:
     """F.normalize's eps: a zero key is a zero unit key; a row of zero keys or of dead
     slots only has a zero anchor (its norm clamped), and every score is 0."""
-    pool = BlockPool(8, 4, 2, 16)
-    pool.k_cache[1].normal_()
+    pool = make_pool(8, 4, 2, 16)
+    pool.storage.k_cache[1].normal_()
     table = torch.tensor([[0, 1], [0, -1], [2, -1]])
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, -1, 3, -1, -1, -1, -1],
                         [-1] * 8])
-    got = pool.key_diversity(table, pos)
+    got = pool.storage.key_diversity(table, pos)
     torch.testing.assert_close(got[pos >= 0], _reference(pool, table, pos)[pos >= 0],
                                atol=1e-6, rtol=0)
     assert bool((got[1:] == 0).all()) and bool((got[0, :4] == 0).all())
 
 
 def test_quantized_pool_is_not_served() -> None:
-    pool = BlockPool(8, 4, 2, 32, dtype="int8")
-    assert pool.key_diversity(torch.zeros(1, 1, dtype=torch.int64),
+    pool = make_pool(8, 4, 2, 32, dtype="int8")
+    assert pool.storage.key_diversity(torch.zeros(1, 1, dtype=torch.int64),
                               torch.zeros(1, 4, dtype=torch.int64)) is None
 
 
@@ -94,8 +95,8 @@ def test_build_view_falls_back_to_keydiff_scores(dtype, monkeypatch) -> None:
     """The view's scores are the op's where it serves the pool, else keydiff_scores of
     the keys the pool holds (dequantized): the same numbers either way, and no keys in
     the view (they were not asked for)."""
-    pool = BlockPool(64, 4, 2, 32, dtype=dtype)
-    pool.write(torch.arange(pool.num_blocks * 4),
+    pool = make_pool(64, 4, 2, 32, dtype=dtype)
+    pool.storage.write(torch.arange(pool.num_blocks * 4),
                torch.randn(pool.num_blocks * 4, 2, 32, generator=torch.Generator().manual_seed(1)),
                torch.zeros(pool.num_blocks * 4, 2, 32))
     c = SeqCache(pool, 3)
@@ -115,11 +116,11 @@ def test_build_view_falls_back_to_keydiff_scores(dtype, monkeypatch) -> None:
 def _decode_case(dtype: torch.dtype, head_dim: int, lengths: list[int], seed: int):
     """A pool with keys that share a direction, rows over it (`_rows`), GQA queries."""
     gen = torch.Generator().manual_seed(seed)
-    pool = BlockPool(96, 16, 2, head_dim, dtype=dtype)
-    keys = torch.randn(pool.k_cache.shape, generator=gen)
+    pool = make_pool(96, 16, 2, head_dim, dtype=dtype)
+    keys = torch.randn(pool.storage.k_cache.shape, generator=gen)
     keys[..., 0] += 1.5
-    pool.k_cache.copy_(keys)
-    pool.v_cache.copy_(torch.randn(pool.v_cache.shape, generator=gen))
+    pool.storage.k_cache.copy_(keys)
+    pool.storage.v_cache.copy_(torch.randn(pool.storage.v_cache.shape, generator=gen))
     table, pos = _rows(pool, lengths, gen)
     q = torch.randn(len(lengths), 1, 4, head_dim, generator=gen).to(dtype)
     q_pos = pos.max(dim=1).values.clamp(min=0)
@@ -134,7 +135,7 @@ def test_decode_kernel_returns_the_ops_key_diversity(dtype, head_dim, lengths) -
     attention) are the pool op's bit for bit (one code path, key_diversity.h, built
     without -ffast-math in both), also when one sequence is cut into kv-head slices
     across threads; the attention output is the plain kernel's."""
-    from kvpool.cpu_attention import (
+    from attention.cpu_attention import (
         kernel_available,
         paged_attention_cpu,
         paged_decode_key_diversity,
@@ -146,17 +147,17 @@ def test_decode_kernel_returns_the_ops_key_diversity(dtype, head_dim, lengths) -
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # a lone sequence is then cut into one slice per kv head
     try:
-        out, mass, kd = paged_decode_key_diversity(q, pool.k_cache, pool.v_cache, table,
+        out, mass, kd = paged_decode_key_diversity(q, pool.storage.k_cache, pool.storage.v_cache, table,
                                                    pos, q_pos, 0.125, None, True)
-        plain, plain_mass = paged_attention_cpu(q, pool.k_cache, pool.v_cache, table, pos,
+        plain, plain_mass = paged_attention_cpu(q, pool.storage.k_cache, pool.storage.v_cache, table, pos,
                                                 q_pos, 0.125, None, True)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(kd, pool.key_diversity(table, pos))
+    assert torch.equal(kd, pool.storage.key_diversity(table, pos))
     assert torch.equal(out, plain) and torch.equal(mass, plain_mass)
     # only the flagged rows are scored (the rest of a decode group: zeros)
     rows = torch.arange(len(lengths)) % 2 == 0
-    out_some, _, some = paged_decode_key_diversity(q, pool.k_cache, pool.v_cache, table, pos,
+    out_some, _, some = paged_decode_key_diversity(q, pool.storage.k_cache, pool.storage.v_cache, table, pos,
                                                    q_pos, 0.125, None, False, rows=rows)
     assert torch.equal(some[rows], kd[rows]) and not some[~rows].any()
     assert torch.equal(out_some, plain)
@@ -175,13 +176,13 @@ def test_keydiff_engine_takes_its_scores_from_decode(tmp_path) -> None:
     llms[1].engine.runner._fuse_kd = False
     calls = [0, 0]
     for i, llm in enumerate(llms):
-        op = llm.engine.pool.key_diversity
+        op = llm.engine.pool.storage.key_diversity
 
         def counted(table, positions, op=op, i=i):
             calls[i] += 1
             return op(table, positions)
 
-        llm.engine.pool.key_diversity = counted  # type: ignore[method-assign]
+        llm.engine.pool.storage.key_diversity = counted  # type: ignore[method-assign]
     configs = [{"name": "keydiff", "budget": 24}] * 3 + [{"name": "keydiff", "budget": 0.5},
                                                          {"name": "keydiff", "budget": 20,
                                                           "compact": True}]
@@ -211,12 +212,13 @@ def test_runner_norms_are_the_pools_bits(dtype: torch.dtype, k: int) -> None:
     read from the step's packed token axis) are the ones read back out of the pool's
     slots after the step, bit for bit, with the same new-slot index: knorm and
     paged_eviction keep the same scores either way."""
-    from engine.runner import AttentionMass, new_norms
+    from attention.stats import AttentionMass
+    from engine.step import new_norms
 
     gen = torch.Generator().manual_seed(k)
     from kvpool.tables import SlotTables
 
-    pool = BlockPool(64, 4, 2, 32, dtype=dtype)
+    pool = make_pool(64, 4, 2, 32, dtype=dtype)
     tables = SlotTables(3, 4)  # one step's requests share the engine's tables
     caches, members, ks, vs = [], [], [], []
     for n in [13, 7 + k, 22]:
@@ -224,14 +226,14 @@ def test_runner_norms_are_the_pools_bits(dtype: torch.dtype, k: int) -> None:
         slots = c.append(torch.arange(n))  # [L, n]: the last k are "this step's"
         kv = torch.randn(2, 3, n, 2, 32, generator=gen) * 3  # fp32, like an fp32 model's
         for layer in range(3):
-            pool.write(slots[layer], kv[0, layer], kv[1, layer])
+            pool.storage.write(slots[layer], kv[0, layer], kv[1, layer])
         evict_positions(c, {1: torch.tensor([0, 2])})
         caches.append(c)
         ks.append(kv[0, :, n - k:])
         vs.append(kv[1, :, n - k:])
     # the step's packed token axis: the three inputs' k tokens each, in order
     step = [new_norms(torch.cat([x[layer] for x in ks]), torch.cat([x[layer] for x in vs]),
-                      pool.k_cache.dtype) for layer in range(3)]
+                      pool.storage.k_cache.dtype) for layer in range(3)]
     kn, vn = (torch.stack([s[j] for s in step]) for j in (0, 1))
     for i, c in enumerate(caches):
         a = AttentionMass(None, 0, k, key_norm=kn, value_norm=vn, token=i * k)
@@ -263,8 +265,8 @@ def test_norm_policies_read_no_slot_back_in_decode(tmp_path) -> None:
         for o in eng.step():                       # budget (bounded prefill), then decode
             out[o.request_id] = out.get(o.request_id, 0) + len(o.new_token_ids)
     calls = []
-    gather = eng.pool.gather_stats
-    eng.pool.gather_stats = lambda *a, **kw: calls.append(1) or gather(*a, **kw)  # type: ignore[method-assign]
+    gather = eng.pool.storage.gather_stats
+    eng.pool.storage.gather_stats = lambda *a, **kw: calls.append(1) or gather(*a, **kw)  # type: ignore[method-assign]
     while eng.has_unfinished():
         eng.step()
     assert not calls

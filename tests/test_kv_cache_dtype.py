@@ -19,7 +19,7 @@ from tests.tiny_models import make_tiny_model
 
 BS = 4
 LOGPROB_TOL = 2e-2
-QUANT = ["int8", "fp8_e4m3", "int4"]  # kvpool/quant.py; their own tests: test_kv_quant.py
+QUANT = ["int8", "fp8_e4m3", "int4"]  # attention/quant.py; their own tests: test_kv_quant.py
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def _greedy(n: int, **kw) -> SamplingParams:
 def test_pool_takes_the_narrow_dtype_and_twice_the_blocks(model):
     wide = LLM(model, kv_cache_memory="1MiB")
     narrow = LLM(model, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16")
-    assert wide.engine.pool.kv.dtype == torch.float32
-    assert narrow.engine.pool.kv.dtype == torch.bfloat16
+    assert wide.engine.pool.storage.kv.dtype == torch.float32
+    assert narrow.engine.pool.storage.kv.dtype == torch.bfloat16
     assert next(narrow.engine.model.parameters()).dtype == torch.float32  # model untouched
     assert narrow.engine.pool.num_blocks == 2 * wide.engine.pool.num_blocks
 

@@ -1,4 +1,4 @@
-"""Quantized KV pools (`--kv-cache-dtype int8 | fp8_e4m3 | int4`, kvpool/quant.py).
+"""Quantized KV pools (`--kv-cache-dtype int8 | fp8_e4m3 | int4`, attention/quant.py).
 
 Error bounds of the codes, bytes counted with their scales, the three attention paths
 (torch, the C++ decode kernel, Triton through the interpreter) agreeing on the same
@@ -13,13 +13,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from attention.cpu_attention import kernel_available, paged_attention_cpu
+from attention.quant import FORMATS, dequantize, quantize
+from attention.storage import KVStorage
+from attention.torch_attention import paged_attention
 from engine.sampling import SamplingParams
-from kvpool.attention import paged_attention
-from kvpool.cpu_attention import kernel_available, paged_attention_cpu
 from kvpool.pool import BlockPool
-from kvpool.quant import FORMATS, dequantize, quantize
 from kvpool.seq_cache import SeqCache
 from scheduler.llm import LLM
+from tests.pools import make_pool
 from tests.tiny_models import make_tiny_model
 
 QUANT = ["int8", "fp8_e4m3", "int4"]
@@ -68,16 +70,16 @@ def test_bytes_per_block_count_the_scales(model) -> None:
     """Codes plus fp16 scales, per (token, kv head) or per 32-channel group for int4; a
     pool sized in bytes holds as many more blocks as the bytes allow."""
     bs, h, d = 16, 2, 64
-    bf16 = BlockPool.bytes_per_block(bs, h, d, torch.bfloat16)
-    assert BlockPool.bytes_per_block(bs, h, d, "int8") == 2 * bs * h * (d + 2)
-    assert BlockPool.bytes_per_block(bs, h, d, "fp8_e4m3") == 2 * bs * h * (d + 2)
-    assert BlockPool.bytes_per_block(bs, h, d, "int4") == 2 * bs * h * (d // 2 + 2 * 2)
-    assert bf16 / BlockPool.bytes_per_block(bs, h, d, "int4") > 3.5
-    pool = BlockPool(10, bs, h, d, dtype="int4")
-    assert pool.nbytes == 10 * pool.block_bytes == 10 * BlockPool.bytes_per_block(bs, h, d, "int4")
-    wide = LLM(model, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16").engine.pool
+    bf16 = KVStorage.bytes_per_block(bs, h, d, torch.bfloat16)
+    assert KVStorage.bytes_per_block(bs, h, d, "int8") == 2 * bs * h * (d + 2)
+    assert KVStorage.bytes_per_block(bs, h, d, "fp8_e4m3") == 2 * bs * h * (d + 2)
+    assert KVStorage.bytes_per_block(bs, h, d, "int4") == 2 * bs * h * (d // 2 + 2 * 2)
+    assert bf16 / KVStorage.bytes_per_block(bs, h, d, "int4") > 3.5
+    pool = make_pool(10, bs, h, d, dtype="int4")
+    assert pool.storage.nbytes == 10 * pool.storage.block_bytes == 10 * KVStorage.bytes_per_block(bs, h, d, "int4")
+    wide = LLM(model, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16").engine.storage
     for name in QUANT:
-        narrow = LLM(model, kv_cache_memory="1MiB", kv_cache_dtype=name).engine.pool
+        narrow = LLM(model, kv_cache_memory="1MiB", kv_cache_dtype=name).engine.storage
         assert narrow.dtype_name == name and narrow.nbytes <= 1 << 20
         assert narrow.num_blocks == (1 << 20) // narrow.block_bytes
         assert narrow.num_blocks > 1.5 * wide.num_blocks
@@ -85,21 +87,21 @@ def test_bytes_per_block_count_the_scales(model) -> None:
 
 def test_int4_needs_an_even_head_dim() -> None:
     with pytest.raises(ValueError, match="int4"):
-        BlockPool(4, 4, 1, 15, dtype="int4")
+        make_pool(4, 4, 1, 15, dtype="int4")
     with pytest.raises(ValueError, match="quantized KV format"):
-        BlockPool(4, 4, 1, 16, dtype="int3")
+        make_pool(4, 4, 1, 16, dtype="int3")
 
 
 def _filled(name: str, d: int = 32, hkv: int = 2, blocks: int = 40) -> tuple[BlockPool, torch.Tensor]:
     """A pool with every slot written; returns it and the values written [slots, H, D]."""
-    pool = BlockPool(blocks, BS, hkv, d, dtype=name)
+    pool = make_pool(blocks, BS, hkv, d, dtype=name)
     x = torch.stack([_x(blocks * BS, hkv, d, seed=1), _x(blocks * BS, hkv, d, seed=2)])
-    pool.write(torch.arange(blocks * BS), x[0], x[1])
+    pool.storage.write(torch.arange(blocks * BS), x[0], x[1])
     return pool, x
 
 
 def _stored(pool: BlockPool, slots: torch.Tensor) -> torch.Tensor:
-    return torch.stack([pool.read_slots(slots, 0), pool.read_slots(slots, 1)])
+    return torch.stack([pool.storage.read_slots(slots, 0), pool.storage.read_slots(slots, 1)])
 
 
 @pytest.mark.parametrize("name", QUANT)
@@ -110,7 +112,7 @@ def test_statistics_read_the_dequantized_values(name: str) -> None:
     fmt = FORMATS[name]
     keys = dequantize(*quantize(x[0][phys], fmt), fmt)
     vals = dequantize(*quantize(x[1][phys], fmt), fmt)
-    st = pool.gather_stats(phys, key_norm=True, keys=True, value_norm=True)
+    st = pool.storage.gather_stats(phys, key_norm=True, keys=True, value_norm=True)
     torch.testing.assert_close(st["keys"], keys)
     torch.testing.assert_close(st["key_norm"], keys.norm(dim=-1))
     torch.testing.assert_close(st["value_norm"], vals.norm(dim=-1))
@@ -127,14 +129,14 @@ def _case(pool: BlockPool, tq: int = 1, hq: int = 8) -> dict:
     sp[1, 28:] = -1
     last = torch.tensor([39, 20, 30])
     q_pos = last[:, None] - torch.arange(tq - 1, -1, -1)
-    q = torch.randn(3, tq, hq, pool.head_dim, generator=g)
-    return dict(q=q, table=table, slot_pos=sp, q_pos=q_pos, scale=pool.head_dim ** -0.5)
+    q = torch.randn(3, tq, hq, pool.storage.head_dim, generator=g)
+    return dict(q=q, table=table, slot_pos=sp, q_pos=q_pos, scale=pool.storage.head_dim ** -0.5)
 
 
 def _reference(pool: BlockPool, case: dict, probs: bool):
     """The same attention over a float copy of the dequantized pool (test only)."""
     n = pool.num_blocks * BS
-    kv = _stored(pool, torch.arange(n)).view(2, pool.num_blocks, BS, *pool.kv.shape[3:4], -1)
+    kv = _stored(pool, torch.arange(n)).view(2, pool.num_blocks, BS, *pool.storage.kv.shape[3:4], -1)
     c = dict(case)
     return paged_attention(c.pop("q"), kv[0], kv[1], *c.values(), None, probs)
 
@@ -150,7 +152,7 @@ def test_torch_and_cpu_kernel_agree_on_quantized_pools(name: str, probs: bool, f
     ref, ref_mass = _reference(pool, case, probs)
     c = dict(case)
     q = c.pop("q")
-    out, mass = pool.attend(fn, q, *c.values(), None, probs)
+    out, mass = pool.storage.attend(fn, q, *c.values(), None, probs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     if probs:
         torch.testing.assert_close(mass, ref_mass, atol=1e-5, rtol=1e-5)
@@ -175,7 +177,7 @@ def test_cpu_kernel_on_quantized_pools_every_head_shape(name: str, d: int, hkv: 
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out, mass = pool.attend(paged_attention_cpu, q, *c.values(), None, True)
+        out, mass = pool.storage.attend(paged_attention_cpu, q, *c.values(), None, True)
     finally:
         torch.set_num_threads(before)
     # Scaling the dot product instead of each code reorders fp32 roundings (values ~8).
@@ -189,15 +191,15 @@ def test_cpu_kernel_reads_every_fp8_code_exactly() -> None:
     j sees only slot j, so its output is V row j: codes 16j..16j+15 at scale 1."""
     if not kernel_available():
         pytest.skip("no C++ compiler for the CPU kernel")
-    pool = BlockPool(1, 16, 1, 16, dtype="fp8_e4m3")
+    pool = make_pool(1, 16, 1, 16, dtype="fp8_e4m3")
     codes = torch.arange(256, dtype=torch.uint8)
     codes[codes == 0x7F], codes[codes == 0xFF] = 0, 0  # e4m3fn's NaNs never occur
-    pool.kv.view(torch.uint8)[1, 0, :, 0] = codes.view(16, 16)
-    pool.scales.fill_(1.0)
+    pool.storage.kv.view(torch.uint8)[1, 0, :, 0] = codes.view(16, 16)
+    pool.storage.scales.fill_(1.0)
     slot_pos = torch.full((16, 16), -1, dtype=torch.long)
     slot_pos[torch.arange(16), torch.arange(16)] = 0
     q = torch.randn(16, 1, 1, 16)
-    out, _ = pool.attend(paged_attention_cpu, q, torch.zeros(16, 1, dtype=torch.long), slot_pos,
+    out, _ = pool.storage.attend(paged_attention_cpu, q, torch.zeros(16, 1, dtype=torch.long), slot_pos,
                          torch.zeros(16, 1, dtype=torch.long), 0.25, None, False)
     want = codes.view(torch.float8_e4m3fn).float().view(16, 16)
     torch.testing.assert_close(out[:, 0, 0], want, atol=0, rtol=0)
@@ -208,13 +210,13 @@ def test_triton_agrees_on_quantized_pools(name: str) -> None:
     """Interpreted on CPU (TRITON_INTERPRET=1, fp32 maths): decode and a 3-query chunk,
     with the attention-mass pass."""
     pytest.importorskip("triton")
-    from kvpool.triton_attention import paged_attention_triton
+    from attention.triton_attention import paged_attention_triton
     from tests.attention_cases import DEV  # Triton compiles for CUDA where there is one
 
     pool, _ = _filled(name, d=16)
-    on_dev = BlockPool(pool.num_blocks, BS, pool.kv.shape[3], 16, dtype=name, device=DEV)
-    on_dev.kv.copy_(pool.kv)
-    on_dev.scales.copy_(pool.scales)
+    on_dev = make_pool(pool.num_blocks, BS, pool.storage.kv.shape[3], 16, dtype=name, device=DEV)
+    on_dev.kv.copy_(pool.storage.kv)
+    on_dev.scales.copy_(pool.storage.scales)
     for tq in (1, 3):
         case = _case(pool, tq)
         ref, ref_mass = _reference(pool, case, True)
@@ -232,27 +234,27 @@ def test_block_moves_carry_the_scales(name: str) -> None:
     pool, _ = _filled(name)
     slots_of = lambda b: torch.arange(b * BS, (b + 1) * BS)  # noqa: E731
     before = _stored(pool, slots_of(3))
-    pool.copy_blocks(torch.tensor([7]), torch.tensor([3]))
+    pool.storage.copy_blocks(torch.tensor([7]), torch.tensor([3]))
     assert torch.equal(_stored(pool, slots_of(7)), before)
     src, dst = torch.tensor([40, 45, 50]), torch.tensor([0, 1, 2])
     moved = _stored(pool, src)
-    pool.copy_slots(dst, src)
+    pool.storage.copy_slots(dst, src)
     assert torch.equal(_stored(pool, dst), moved)
-    data = pool.read_blocks(torch.tensor([5, 6]))
+    data = pool.storage.read_blocks(torch.tensor([5, 6]))
     assert len(data) == 2  # codes and scales
     ref = _stored(pool, torch.arange(5 * BS, 7 * BS))
-    pool.write_blocks(torch.tensor([9, 8]), data)
+    pool.storage.write_blocks(torch.tensor([9, 8]), data)
     assert torch.equal(_stored(pool, torch.cat([slots_of(9), slots_of(8)])), ref)
 
 
 @pytest.mark.parametrize("name", QUANT)
 def test_compaction_keeps_each_token_with_its_scale(name: str) -> None:
-    pool = BlockPool(32, BS, 2, 32, dtype=name)
+    pool = make_pool(32, BS, 2, 32, dtype=name)
     cache = SeqCache(pool, num_layers=2)
     slots = cache.append(torch.arange(30))  # [L, 30]
     x = _x(2, 30, 2, 32, seed=5)
     for layer in range(2):
-        pool.write(slots[layer], x[layer], -x[layer])
+        pool.storage.write(slots[layer], x[layer], -x[layer])
     want = {layer: _stored(pool, slots[layer]) for layer in range(2)}
     cache.evict(0, torch.tensor([1, 2, 5, 6, 9, 13, 14, 17]))
     cache.evict(1, torch.tensor([0, 4, 8, 12, 16]))
@@ -268,17 +270,17 @@ def test_rerotation_dequantizes_rotates_and_requantizes(name: str) -> None:
     pool, _ = _filled(name)
     phys = torch.tensor([4, 5, 6, 30])
     delta = torch.tensor([-3, -3, -1, -7])
-    old = pool.read_slots(phys, 0)
-    values = pool.read_slots(phys, 1)
+    old = pool.storage.read_slots(phys, 0)
+    values = pool.storage.read_slots(phys, 1)
 
     def rotate(k: torch.Tensor, d: torch.Tensor) -> torch.Tensor:  # a stand-in rotation
         return torch.roll(k, 1, dims=-1) * (1 + 0.1 * d.float())[:, None, None]
 
-    pool.rerotate(phys, rotate, delta)
+    pool.storage.rerotate(phys, rotate, delta)
     fmt = FORMATS[name]
     want = dequantize(*quantize(rotate(old, delta), fmt), fmt)
-    torch.testing.assert_close(pool.read_slots(phys, 0), want)
-    assert torch.equal(pool.read_slots(phys, 1), values)  # V untouched
+    torch.testing.assert_close(pool.storage.read_slots(phys, 0), want)
+    assert torch.equal(pool.storage.read_slots(phys, 1), values)  # V untouched
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -311,7 +313,7 @@ def test_greedy_logprobs_within_tolerance_of_transformers_fp32(model, name: str)
     again = llm.generate(prompts[1:], params)
     assert all(o.kv.prefix_hit_tokens > 0 for o in again)
     assert _worst_logprob_error(model, prompts[1:], again) < LOGPROB_TOL[name]
-    assert all(o.kv.peak_bytes == o.kv.peak_blocks * llm.engine.pool.block_bytes for o in outs)
+    assert all(o.kv.peak_bytes == o.kv.peak_blocks * llm.engine.pool.storage.block_bytes for o in outs)
     llm.engine.check_invariants()
     assert llm.engine.pool.num_used == 0
 
@@ -331,7 +333,7 @@ def test_swapped_request_continues_as_one_never_swapped(model, name: str) -> Non
     outs = small.generate(prompts, params)
     assert small.engine.scheduler.preemptions["swap"] > 0
     assert [o.token_ids for o in outs] == ref
-    assert [t.dtype for t in small.engine.swap.tensors] == [small.engine.pool.kv.dtype,
+    assert [t.dtype for t in small.engine.swap.tensors] == [small.engine.pool.storage.kv.dtype,
                                                             torch.float16]
     assert small.engine.pool.num_used == 0 and small.engine.swap.num_used == 0
 
@@ -352,7 +354,7 @@ def test_server_reports_the_dtype_and_bytes(model) -> None:
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for fam in text_string_to_metric_families(c.get("/metrics").text)
                    for s in fam.samples}
-    block = BlockPool.bytes_per_block(BS, 2, 16, "int4")  # the tiny llama: 2 kv heads of 16
+    block = KVStorage.bytes_per_block(BS, 2, 16, "int4")  # the tiny llama: 2 kv heads of 16
     assert samples["kvserve_kv_block_bytes", ()] == block
     assert samples["kvserve_kv_cache_dtype_info", (("dtype", "int4"),)] == 1
     assert kv["peak_blocks"] > 0 and kv["peak_bytes"] == kv["peak_blocks"] * block

@@ -6,16 +6,16 @@ import random
 import pytest
 import torch
 
+from attention.swap import SwapSpace
 from engine.sampling import SamplingParams
 from kvpool.manager import KVCacheManager
-from kvpool.pool import BlockPool
-from kvpool.swap import SwapSpace
 from scheduler.llm import LLM
 from scheduler.outputs import RequestRejected
 from scheduler.preemption import CostModel
 from scheduler.prefix import block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import MemoryConfig, Scheduler
+from tests.pools import make_pool
 from tests.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, detokenize=False)
@@ -43,7 +43,7 @@ def test_randomized_stress_keeps_invariants(mode):
     running one. Invariants are checked after every step."""
     rng = random.Random(1)
     layers, bs = 3, 4
-    pool = BlockPool(150, bs, 1, 2)
+    pool = make_pool(150, bs, 1, 2)
     swap = SwapSpace(pool, 90) if mode == "swap" else None
     kv = KVCacheManager(pool, layers, watermark=0.02, swap=swap)
     sched = Scheduler(kv, max_num_seqs=10, max_num_batched_tokens=40,
@@ -313,7 +313,7 @@ def test_victim_is_unreserved_before_newer_reserved():
     """A request whose growth was reserved (bounded policy, or preempted before) is kept
     over an unreserved one of the same priority, even a newer one; priority still
     comes first."""
-    sched = Scheduler(KVCacheManager(BlockPool(40, 4, 1, 2), 1), 8, 64)
+    sched = Scheduler(KVCacheManager(make_pool(40, 4, 1, 2), 1), 8, 64)
     old_full = Request("old_full", [1] * 4, GREEDY, 0, arrival_time=1.0)
     new_bounded = Request("new_bounded", [1] * 4, GREEDY, 0, arrival_time=2.0, reserve_blocks=3)
     assert sched._victim([old_full, new_bounded]) is old_full
@@ -361,7 +361,7 @@ def test_cost_model_choice_and_crossover():
 
 
 def test_thrash_protection_and_starvation_order():
-    sched = Scheduler(KVCacheManager(BlockPool(40, 4, 1, 2), 1), 8, 64)
+    sched = Scheduler(KVCacheManager(make_pool(40, 4, 1, 2), 1), 8, 64)
     fresh = Request("fresh", [1] * 4, GREEDY, 0, arrival_time=2.0)
     resumed = Request("resumed", [1] * 4, GREEDY, 0, arrival_time=3.0, num_preemptions=1)
     resumed.resume_mark = 0  # resumed, no token since
@@ -380,7 +380,7 @@ def test_decode_blocks_are_counted_exactly_when_the_pool_is_tight(spare, preempt
     nothing (the C++ append counts as it goes); once it may not, it counts exactly. A
     pool short of that worst case (6 blocks) but not of the real need (2: one request
     at a block boundary, two layers) preempts nobody; one block less preempts one."""
-    kv = KVCacheManager(BlockPool(64, 4, 1, 2), 2, watermark=0)
+    kv = KVCacheManager(make_pool(64, 4, 1, 2), 2, watermark=0)
     sched = Scheduler(kv, 8, 64)
     for i, n in enumerate((4, 3, 3)):  # r0 fills its block; r1, r2 have room left
         sched.add(Request(f"r{i}", [1] * n, GREEDY, 0, arrival_time=float(i)))

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from engine.loader import load_model
 from engine.model_config import SUPPORTED_ARCHITECTURES, load_model_config
 from engine.rope import RotaryEmbedding
-from kvpool.native import load_ops
+from native.build import load_ops
 
 CASES = {f: (f, {}) for f in TINY_FAMILIES} | {
     "gpt_neox_serial": ("gpt_neox", {"use_parallel_residual": False, "rotary_pct": 0.25}),

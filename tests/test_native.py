@@ -1,4 +1,4 @@
-"""Building the C++ ops (kvpool/native.py): a lock left by a killed build is cleared,
+"""Building the C++ ops (native/build.py): a lock left by a killed build is cleared,
 loaders in several processes take turns, and an edited header or another CPU rebuilds."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpool import native
-from kvpool.native import STALE_LOCK_S, _builder_lock, clear_stale_lock, cpu_flag, headers_flag
+from native import build as native
+from native.build import STALE_LOCK_S, _builder_lock, clear_stale_lock, cpu_flag, headers_flag
 
 
 def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_loaders_take_turns_on_the_flock(tmp_path: Path) -> None:
     """While one process holds the builder lock, another's waits (a build in progress
     is never mistaken for a killed one), and gets it once the first lets go."""
 
-    code = ("import sys, time; from pathlib import Path; from kvpool.native import _builder_lock\n"
+    code = ("import sys, time; from pathlib import Path; from native.build import _builder_lock\n"
             "t = time.monotonic()\n"
             f"with _builder_lock(Path({str(tmp_path)!r})) as held:\n"
             "    print(held, round(time.monotonic() - t, 2))\n")
@@ -120,9 +120,9 @@ def test_a_build_in_another_checkout_has_the_same_flags(tmp_path: Path) -> None:
         (copy / rel).mkdir(parents=True)
         for f in (root / rel).iterdir():
             (copy / rel / f.name).write_bytes(f.read_bytes())
-    name = "kvpool/csrc/paged_decode_cpu.cpp"
+    name = "attention/csrc/paged_decode_cpu.cpp"
     assert headers_flag(copy / name) == headers_flag(root / name)
-    ring = copy / "policies/csrc/window_ring.h"  # reached by a relative include: counted
+    ring = copy / "native/csrc/window_ring.h"  # reached by a relative include: counted
     ring.write_text(ring.read_text() + "// edited\n")
     assert headers_flag(copy / name) != headers_flag(root / name)
 
@@ -161,23 +161,23 @@ def test_every_cpp_source_is_a_library_and_ships() -> None:
 
 
 def test_build_command_builds_and_refuses_unknown_names(tmp_path: Path) -> None:
-    """`python -m kvpool.native --build` (the Makefile's, ahead of first use): the named
+    """`python -m native --build` (the Makefile's, ahead of first use): the named
     libraries load (found in the shared build cache, or built), in processes of their
     own; an unknown name is a usage error. `--background` returns at once and logs."""
     root = Path(native.__file__).parent.parent
     names = ["kvserve_sampling_cpu", "kvserve_tables_cpu"]
-    run = subprocess.run([sys.executable, "-m", "kvpool.native", "--build", *names,
+    run = subprocess.run([sys.executable, "-m", "native", "--build", *names,
                           "--jobs", "2"], cwd=root, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert all(f"{n}: built" in run.stdout for n in names), run.stdout
-    bad = subprocess.run([sys.executable, "-m", "kvpool.native", "--build", "kvserve_nope"],
+    bad = subprocess.run([sys.executable, "-m", "native", "--build", "kvserve_nope"],
                          cwd=root, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown libraries ['kvserve_nope']" in bad.stderr
     # the background form: read what this run appends to the shared log
     log = native.build_log()
     before = log.read_text() if log.exists() else ""
     t0 = time.perf_counter()
-    bg = subprocess.run([sys.executable, "-m", "kvpool.native", "--build", names[0],
+    bg = subprocess.run([sys.executable, "-m", "native", "--build", names[0],
                          "--background"], cwd=root, capture_output=True, text=True, timeout=60)
     assert bg.returncode == 0 and "in the background" in bg.stdout, bg.stdout + bg.stderr
     assert time.perf_counter() - t0 < 30  # did not wait for the build

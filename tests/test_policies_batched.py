@@ -1,4 +1,4 @@
-"""Policies run on groups of requests (scheduler/policy_rows.py) against groups of one
+"""Policies run on groups of requests (kvpool/policy_rows.py) against groups of one
 (`batch_policies=False`): the same kept positions in every layer of every request after
 every step, the same tokens, the same accounting — on a real model forward, with
 requests of several policies, configs and budgets in one continuous batch."""
@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
+from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
 from scheduler import policy_runner
 from scheduler.llm import LLM
+from tests.pools import make_pool
 from tests.tiny_models import make_tiny_model
 
 BS = 4
@@ -113,7 +115,7 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed, native, monkeypatc
     if native and not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
     g = torch.Generator().manual_seed(seed)
-    pools = [BlockPool(200, BS, 2, 8) for _ in range(2)]
+    pools = [make_pool(200, BS, 2, 8) for _ in range(2)]
     tables = [SlotTables(3, BS) for _ in range(2)]
     group = [_cache(tables[0], pools[0], 20 + 5 * i) for i in range(3)]
     alone = [_cache(tables[1], pools[1], 20 + 5 * i) for i in range(3)]
@@ -123,8 +125,10 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed, native, monkeypatc
         if seed % 2:  # the same slots in every layer: the caches stay alike
             dead = dead[:1].expand(3, -1, -1).contiguous()
         monkeypatch.setattr(tables_mod, "load_mark", lambda: native)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda: native)
         got = tables[0].evict_mask(pools[0], group, dead)
         monkeypatch.setattr(tables_mod, "load_mark", lambda: False)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda: False)
         want = []
         for c, d in zip(alone, dead.unbind(1)):
             before = list(c.layer_live)
@@ -141,7 +145,7 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed, native, monkeypatc
 
 
 def test_evict_mask_frees_a_block_emptied_by_the_drop():
-    c = _cache(SlotTables(2, BS), BlockPool(64, BS, 2, 8), n=12)
+    c = _cache(SlotTables(2, BS), make_pool(64, BS, 2, 8), n=12)
     before = c.pool.num_free
     dead = torch.zeros(2, 12, dtype=torch.bool)
     dead[:, 0] = True  # slot 0 of each layer: no block empties
@@ -205,7 +209,7 @@ def test_batch_members_from_attention_groups_of_different_widths(model):
     padded to its own width; a policy batch may take members from several (here: tova
     requests with 40- and 400-token prompts, at one budget). Their mass is gathered per
     group before joining (it used to fail in torch.cat on the widths)."""
-    from kvpool.attention import paged_attention
+    from attention.torch_attention import paged_attention
 
     llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=4096,
                 batch_policies=batched) for batched in (True, False)]

@@ -200,7 +200,7 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
                 idx = (sp[layer] >= 0).nonzero().squeeze(1)
                 pos = sp[layer, idx].tolist()
                 phys = r.cache.table[layer, idx // BS] * BS + idx % BS
-                k = eng.pool.gather_stats(phys, key_norm=True)["key_norm"].mean(dim=-1).tolist()
+                k = eng.pool.storage.gather_stats(phys, key_norm=True)["key_norm"].mean(dim=-1).tolist()
                 norm.update({(r.request_id, layer, p): x for p, x in zip(pos, k)})
                 before = seen.get((r.request_id, layer), set())
                 seen[(r.request_id, layer)] = set(pos)

@@ -8,14 +8,14 @@ Neither may change a kept set.
 import pytest
 import torch
 
-from engine.runner import AttentionMass
-from kvpool.pool import BlockPool
+from attention.stats import AttentionMass
+from kvpool.policy_rows import Member, build_view, carry_out
 from kvpool.seq_cache import SeqCache
 from policies.base import Needs
 from policies.catalog import build_policy
 from policies.norms import keydiff_scores
-from scheduler.policy_rows import Member, build_view, carry_out
 from tests.policy_views import LayerView, Sim, evict_positions
+from tests.pools import make_pool
 
 IDLE_POLICIES = [
     {"name": "streaming", "sink": 2, "window": 20},
@@ -41,8 +41,8 @@ def test_idle_skips_only_steps_that_plan_nothing(cfg):
 
 
 def _cache(plans: list[dict[int, list[int]]], layers: int = 3, n: int = 40) -> SeqCache:
-    pool = BlockPool(64, 4, 2, 8)
-    pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(0)))
+    pool = make_pool(64, 4, 2, 8)
+    pool.storage.kv.copy_(torch.randn(pool.storage.kv.shape, generator=torch.Generator().manual_seed(0)))
     c = SeqCache(pool, layers)
     c.append(torch.arange(n))
     for plan in plans:
@@ -52,8 +52,8 @@ def _cache(plans: list[dict[int, list[int]]], layers: int = 3, n: int = 40) -> S
 
 def _slow_view(c: SeqCache, attention: torch.Tensor) -> list[LayerView]:
     """The per-layer reference: one nonzero and one gather per layer."""
-    k_flat = c.pool.k_cache.view(-1, 2, 8)
-    v_flat = c.pool.v_cache.view(-1, 2, 8)
+    k_flat = c.pool.storage.k_cache.view(-1, 2, 8)
+    v_flat = c.pool.storage.v_cache.view(-1, 2, 8)
     out = []
     for layer in range(c.num_layers):
         idx = (c.slot_pos[layer] >= 0).nonzero().squeeze(1)

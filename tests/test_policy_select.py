@@ -6,8 +6,8 @@ ties, NaNs, sinks and recent windows, for small (decode) and large (prompt) drop
 import pytest
 import torch
 
+from kvpool.policy_rows import load_select
 from policies import rows
-from scheduler.policy_rows import load_select
 
 
 def _reference(positions, scores, drop, first, last):

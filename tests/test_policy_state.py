@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
+from kvpool.policy_rows import load_select
 from policies import pyramid, rows
 from policies.base import head_parts
 from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy, _track
 from policies.pyramid import PyramidConfig, PyramidPolicy
 from policies.rows import RowsView
-from scheduler.policy_rows import load_select
 from tests.policy_views import Sim
 
 
@@ -258,7 +258,7 @@ def test_engine_keeps_the_same_tokens_with_and_without_the_ops(native, tmp_path,
 def test_head_sum_is_torch_sum(hkv):
     """The view's mass summed over kv heads by a chain of adds (policy_rows.head_sum):
     the same bits as torch's sum over that dim, on a strided slice as the runner's."""
-    from scheduler.policy_rows import head_sum
+    from kvpool.policy_rows import head_sum
 
     g = torch.Generator().manual_seed(hkv)
     mass = torch.rand(3, 9, 2, hkv, 70, generator=g) ** 3

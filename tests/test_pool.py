@@ -7,6 +7,7 @@ import torch
 from kvpool.pool import BlockPool, PoolExhausted, parse_bytes
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
+from tests.pools import make_pool
 
 
 def test_parse_bytes():
@@ -19,7 +20,7 @@ def test_parse_bytes():
 
 
 def test_allocate_release_and_exhaustion():
-    pool = BlockPool(8, 4, 1, 2)
+    pool = make_pool(8, 4, 1, 2)
     ids = pool.allocate(5)
     assert pool.num_used == 5 and pool.num_free == 3
     with pytest.raises(PoolExhausted):
@@ -35,7 +36,7 @@ def test_allocate_release_and_exhaustion():
 
 
 def test_invariant_checks_catch_corruption():
-    pool = BlockPool(4, 4, 1, 2)
+    pool = make_pool(4, 4, 1, 2)
     ids = pool.allocate(2)
     with pytest.raises(AssertionError):
         pool.check_invariants([])  # owned blocks not reported -> ref mismatch
@@ -45,7 +46,7 @@ def test_invariant_checks_catch_corruption():
 
 
 def test_append_is_uniform_across_layers_and_exact():
-    pool = BlockPool(64, 4, 1, 2)
+    pool = make_pool(64, 4, 1, 2)
     c = SeqCache(pool, num_layers=3)
     assert c.blocks_needed(9) == 3 * 3
     slots = c.append(torch.arange(9))
@@ -62,7 +63,7 @@ def test_append_is_uniform_across_layers_and_exact():
 
 
 def test_eviction_frees_whole_blocks_and_keeps_positions():
-    pool = BlockPool(64, 4, 1, 2)
+    pool = make_pool(64, 4, 1, 2)
     c = SeqCache(pool, num_layers=2)
     c.append(torch.arange(10))  # 3 blocks per layer, tail has room
     assert c.evict(0, torch.tensor([0, 1, 2])) == 0  # block 0 still has slot 3
@@ -95,7 +96,7 @@ def _decode(pool: BlockPool, caches: list[SeqCache], positions: list[int]) -> to
 def test_append_decode_equals_append_and_sees_table_writes() -> None:
     """The batched decode append gives every cache the slots `append` would, across block
     boundaries, and reads the table as it is now (copy-on-write, compaction)."""
-    pool = BlockPool(400, 4, 2, 8)
+    pool = make_pool(400, 4, 2, 8)
     tables = SlotTables(3, 4, rows=1)  # rows grow on demand
     fast = [SeqCache(pool, 3, tables=tables) for _ in range(2)]
     ref = [SeqCache(pool, 3) for _ in range(2)]
@@ -127,7 +128,7 @@ def test_append_decode_after_alike_eviction_matches_append() -> None:
     """Streaming-style plans drop the same positions in every layer: the layers stay
     aligned (one slot index for all); a layer evicted on its own makes the cache take
     per-layer slots. Both give the slots and positions `append` gives."""
-    pool = BlockPool(400, 4, 2, 8)
+    pool = make_pool(400, 4, 2, 8)
     fast, ref = SeqCache(pool, 3), SeqCache(pool, 3)
     for c in (fast, ref):
         c.append(torch.arange(10))
@@ -155,7 +156,7 @@ def test_append_decode_after_alike_eviction_matches_append() -> None:
 def test_alike_flag_tracks_layers_evicted_the_same() -> None:
     """`alike` (every layer holds the same positions in the same slots) survives only
     evictions identical in every layer, and the blocks they free."""
-    pool = BlockPool(400, 4, 2, 8)
+    pool = make_pool(400, 4, 2, 8)
     c = SeqCache(pool, 3)
     c.append(torch.arange(12))
     dead = torch.isin(c.slot_pos, torch.arange(0, 4)).logical_or_(c.slot_pos == 9)
@@ -171,7 +172,7 @@ def test_alike_flag_tracks_layers_evicted_the_same() -> None:
 def test_append_decode_on_an_exhausted_pool_changes_nothing() -> None:
     """The new tail blocks come from the pool before anything is written, so a pool that
     cannot supply them leaves every cache as it was (the scheduler then preempts)."""
-    pool = BlockPool(12, 4, 2, 8)
+    pool = make_pool(12, 4, 2, 8)
     tables = SlotTables(3, 4)
     a, c = SeqCache(pool, 3, tables=tables), SeqCache(pool, 3, tables=tables)
     a.append(torch.arange(3))  # room in its tail
@@ -191,7 +192,7 @@ def test_peak_is_kept_where_slots_are_taken() -> None:
     """A cache's peak (blocks over all layers, live tokens a layer) is raised by appends,
     prefill and decode alike, and never lowered by eviction; release forgets it (the
     scheduler folds it into the request's usage first)."""
-    pool = BlockPool(100, 4, 2, 8)
+    pool = make_pool(100, 4, 2, 8)
     tables = SlotTables(2, 4)
     c = SeqCache(pool, 2, tables=tables)
     c.append(torch.arange(10))  # 3 blocks a layer, 10 live
@@ -208,15 +209,15 @@ def test_peak_is_kept_where_slots_are_taken() -> None:
 def test_scratch_block_is_outside_the_accounting() -> None:
     """A CUDA graph's padded rows write the scratch block (engine/cuda_graphs.py): it is
     allocated past the blocks handed out, never owned, and an idle pool reads 0 used."""
-    pool = BlockPool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2, scratch=True)
-    assert pool.kv.shape[1] == 5 and pool.scratch_slot == 8
+    pool = make_pool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2, scratch=True)
+    assert pool.storage.kv.shape[1] == 5 and pool.storage.scratch_slot == 8
     assert (pool.num_free, pool.num_used) == (4, 0)
-    plain = BlockPool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2)
-    assert pool.nbytes == plain.nbytes and pool.block_bytes == plain.block_bytes
+    plain = make_pool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2)
+    assert pool.storage.nbytes == plain.nbytes and pool.storage.block_bytes == plain.block_bytes
     ids = pool.allocate(4)
     assert sorted(ids.tolist()) == [0, 1, 2, 3] and pool.num_free == 0
-    pool.write(torch.tensor([pool.scratch_slot]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    pool.storage.write(torch.tensor([pool.storage.scratch_slot]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     pool.check_invariants([ids])
     pool.release(ids)
     pool.check_invariants([])
-    assert BlockPool(4, 2, 1, 2).scratch_slot is None
+    assert make_pool(4, 2, 1, 2).storage.scratch_slot is None

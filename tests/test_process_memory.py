@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
-from kvpool.pool import BlockPool
 from scheduler.llm import LLM
 from server.memwatch import MemoryWatch, malloc_stats, rss_bytes, tree_rss_bytes
+from tests.pools import make_pool
 from tests.tiny_models import make_tiny_model
 
 
@@ -30,7 +30,7 @@ def live_tensors() -> int:
 
 def test_parked_prefix_groups_hold_no_tensors():
     layers, n = 4, 200
-    pool = BlockPool(layers * n, 4, 1, 2)
+    pool = make_pool(layers * n, 4, 1, 2)
     held = [pool.allocate(layers) for _ in range(n)]
     before = live_tensors()
     for h, ids in enumerate(held):

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.runner import SeqInput
 from engine.sampling import SamplingParams
+from engine.step import SeqInput
 from kvpool.seq_cache import SeqCache
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -65,8 +65,8 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
     """A prompt's first chunk with nothing cached takes plain causal SDPA; it must give
     what the paged path gives for the same chunk (which the bystander-free first test
     pins against transformers), and only such chunks may take it."""
+    from attention.torch_attention import causal_self_attention, paged_attention
     from engine.attention_groups import fresh_prompts
-    from kvpool.attention import causal_self_attention, paged_attention
 
     llm = LLM(llama, num_blocks=64, block_size=4, device="cpu")  # CPU tensors below
     eng = llm.engine
@@ -77,10 +77,10 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
     v = torch.randn(11, cfg.num_kv_heads, cfg.head_dim, generator=g)
     cache = SeqCache(eng.pool, cfg.num_layers)
     slots = cache.append(torch.arange(11))[0]
-    eng.pool.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[slots] = k
-    eng.pool.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[slots] = v
+    eng.pool.storage.k_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[slots] = k
+    eng.pool.storage.v_cache.view(-1, cfg.num_kv_heads, cfg.head_dim)[slots] = v
     nb = cache.max_blocks
-    ref, _ = paged_attention(q[None], eng.pool.k_cache, eng.pool.v_cache,
+    ref, _ = paged_attention(q[None], eng.pool.storage.k_cache, eng.pool.storage.v_cache,
                              cache.table[0:1, :nb], cache.slot_pos[0:1, : nb * 4],
                              torch.arange(11)[None], cfg.head_dim**-0.5)
     got = causal_self_attention(q, k, v, cfg.head_dim**-0.5)
@@ -100,8 +100,8 @@ def test_decode_only_steps_agree_across_attention_paths(llama, kv_policy):
     """A decode-only step hands the whole token axis to attention (no gather or scatter);
     the C++ kernel and the torch path must then give the same tokens, and for h2o (every
     request wants attention mass) the same evictions."""
-    from kvpool.attention import paged_attention
-    from kvpool.cpu_attention import kernel_available, paged_attention_cpu
+    from attention.cpu_attention import kernel_available, paged_attention_cpu
+    from attention.torch_attention import paged_attention
 
     if not kernel_available():
         pytest.skip("no C++ compiler for the CPU kernel")
@@ -221,7 +221,7 @@ def _kernel_or_policy(llama, monkeypatch, arg: str, *run: object, **engine_kw) -
     policy: the kernel did take it in the first, never in the second, and the tables
     and tokens are the same."""
     import engine.runner as runner_mod
-    from kvpool import cpu_attention
+    from attention import cpu_attention
 
     if not cpu_attention.kernel_available():
         pytest.skip("no C++ compiler for the CPU kernel")
@@ -274,7 +274,7 @@ def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypa
     every step and the tokens are those of the copying run. Without the C++ op the torch
     form copies the rows on first use (`RowsView.layered`) and the engine puts them back."""
     import engine.runner as runner_mod
-    import scheduler.policy_rows as policy_rows_mod
+    import kvpool.policy_rows as policy_rows_mod
     import scheduler.warmup as warmup_mod
     from policies import rows as rows_mod
 

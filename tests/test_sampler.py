@@ -118,7 +118,7 @@ def test_greedy_op_equals_torch_max_on_ties_nans_and_odd_vocabularies(threads):
 
 def test_greedy_tokens_without_the_op_use_torch(monkeypatch):
     from engine import sampler
-    from kvpool import native
+    from native import build as native
 
     monkeypatch.setattr(native, "_loaded", {"kvserve_sampling_cpu": False})
     x = torch.randn(4, 100)

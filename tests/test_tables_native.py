@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvpool import rows as rows_mod
+from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
 from kvpool.compaction import compact
 from kvpool.tables import SlotTables
@@ -56,6 +58,7 @@ def test_native_free_dead_blocks_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         t, caches = _setup(seed)
         pool = _Pool()
         freed = t.free_dead_blocks(pool, caches, layers)
@@ -99,14 +102,14 @@ def _filled(pool, t: SlotTables, g: torch.Generator, lengths: list[int]) -> list
 def _pool_case(seed: int, shared: bool = False):
     """Three caches of a real pool with scattered drops (their K/V random), as
     compaction finds them; `shared`: one destination block held twice."""
-    from kvpool.pool import BlockPool
+    from tests.pools import make_pool
 
     g = torch.Generator().manual_seed(seed)
-    pool = BlockPool(300, 4, 2, 8, dtype=[torch.float32, torch.bfloat16, "int8"][seed % 3])
-    pool.kv.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv.view(torch.uint8).shape,
+    pool = make_pool(300, 4, 2, 8, dtype=[torch.float32, torch.bfloat16, "int8"][seed % 3])
+    pool.storage.kv.view(torch.uint8).copy_(torch.randint(0, 256, pool.storage.kv.view(torch.uint8).shape,
                                                   generator=g, dtype=torch.uint8))
-    if pool.scales is not None:  # a quantized pool: the scales move with their slots
-        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g).half())
+    if pool.storage.scales is not None:  # a quantized pool: the scales move with their slots
+        pool.storage.scales.copy_(torch.rand(pool.storage.scales.shape, generator=g).half())
     # blocks handed out in no order: a row's neighbouring blocks are apart in the pool,
     # so a move that ran past a block's end would land in the wrong block
     pool._free = [pool._free[i] for i in torch.randperm(len(pool._free), generator=g).tolist()]
@@ -132,6 +135,7 @@ def test_native_compaction_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(seed)
         free_before = pool.num_free
         freed = compact(t, pool, caches, layers)
@@ -156,6 +160,7 @@ def test_native_compaction_declines_a_shared_destination(monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(1, shared=True)
         runs.append((pool, t, compact(t, pool, caches)))
     (pa, a, fa), (pb, b, fb) = runs
@@ -182,6 +187,7 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(seed)
         dead = torch.zeros((3, 1, max(caches[1].nblocks) * 4), dtype=torch.bool)
         dead[1, 0, 12:16] = True  # a whole block of one layer: that layer holds one fewer
@@ -236,8 +242,8 @@ def test_native_decode_append_widens_and_recycles_as_torch(monkeypatch):
     blocks, it changes nothing and is called again after the tables widen and the pool
     recycles the least recently used prefix. Both cases end as the torch form does: the
     same slots, tables, sizes, reference counts, free list and prefix cache."""
-    from kvpool.pool import BlockPool
     from kvpool.seq_cache import SeqCache
+    from tests.pools import make_pool
 
     if not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
@@ -246,7 +252,8 @@ def test_native_decode_append_widens_and_recycles_as_torch(monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        pool = BlockPool(80, 4, 1, 4)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
+        pool = make_pool(80, 4, 1, 4)
         t = SlotTables(3, 4, 4, 4)
         caches = [SeqCache(pool, 3, tables=t) for _ in range(4)]
         for c in caches:
@@ -278,7 +285,7 @@ def test_native_release_matches_torch(seed, monkeypatch):
     """BlockPool.release's C++ reference counting (csrc/tables_cpu.cpp::release_refs):
     the same counts and the same free list as the torch form, ids repeated included."""
     from kvpool import pool as pool_mod
-    from kvpool.pool import BlockPool
+    from tests.pools import make_pool
 
     if not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
@@ -288,7 +295,7 @@ def test_native_release_matches_torch(seed, monkeypatch):
     pools = []
     for native in (True, False):
         monkeypatch.setattr(pool_mod, "load_mark", lambda n=native: n)
-        p = BlockPool(64, 4, 1, 8)
+        p = make_pool(64, 4, 1, 8)
         p.ref.copy_(refs)
         p._free.clear()
         p.release(ids)
@@ -343,14 +350,14 @@ def test_native_marking_matches_torch(seed):
     (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
     (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
 def test_native_kv_write_matches_torch(model_dtype, pool_dtype, monkeypatch):
-    """BlockPool.write's C++ pass (csrc/tables_cpu.cpp::write_kv) against its torch form
+    """KVStorage.write's C++ pass (attention/csrc/storage_cpu.cpp::write_kv) against its torch form
     (two index_puts): K and V as the runner hands them, strided views of one QKV output,
     in any order of slots, rounded to the pool's dtype as `.to()` rounds (values between
     two representable ones, an infinity, a NaN): the pool's bytes are the same, but for
     the NaN's payload (torch's vector conversion keeps its bits, the C++ pass writes the
     canonical NaN)."""
     from kvpool import pool as pool_mod
-    from kvpool.pool import BlockPool
+    from tests.pools import make_pool
 
     if not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
@@ -366,7 +373,7 @@ def test_native_kv_write_matches_torch(model_dtype, pool_dtype, monkeypatch):
     pools = []
     for native in (True, False):
         monkeypatch.setattr(pool_mod, "load_mark", lambda n=native: n)
-        p = BlockPool(64, 8, hkv, d, dtype=pool_dtype)
+        p = make_pool(64, 8, hkv, d, dtype=pool_dtype)
         p.write(slots, k, v)
         pools.append(p)
     a, b = pools[0].kv, pools[1].kv
@@ -385,13 +392,14 @@ def test_native_evict_mask_matches_torch(seed, monkeypatch):
     layer, or empty whole blocks."""
     if not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
-    from kvpool.pool import BlockPool
+    from tests.pools import make_pool
 
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
+        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         g = torch.Generator().manual_seed(seed)
-        pool = BlockPool(200, 4, 2, 8)
+        pool = make_pool(200, 4, 2, 8)
         t = SlotTables(3, 4)
         t.declare_state({"score": 0.5, "cols": (-1.0, 3)}, columns=("cols",))
         caches = _filled(pool, t, g, [21 + 7 * i for i in range(4)])
@@ -429,17 +437,17 @@ def test_rows_of_the_tables_read_and_written_back(rows):
     positions = torch.randint(-1, 50, (3, 8, 40), generator=g)
     by_slots = torch.rand(3, 8, 40, generator=g)
     by_columns = torch.rand(3, 8, 5, 40, generator=g).transpose(2, 3)  # [L, R, S, k]
-    assert tables_mod.by_columns(by_columns)
+    assert rows_mod.by_columns(by_columns)
     for t in (positions, by_slots, by_columns):
         want = t[:, rows, :24]
-        taken = tables_mod.take_rows(t, rows, 24)
+        taken = rows_mod.take_rows(t, rows, 24)
         assert taken.is_contiguous() and torch.equal(taken, want)
-        sliced = tables_mod.rows_slice(t, rows, 24)
+        sliced = rows_mod.rows_slice(t, rows, 24)
         assert torch.equal(sliced, want)
-        assert tables_mod.by_columns(sliced) == tables_mod.by_columns(t)
+        assert rows_mod.by_columns(sliced) == rows_mod.by_columns(t)
         before = t.clone()
         new = torch.full_like(sliced, 7) if t.dtype == torch.int64 else sliced * 0 + 0.5
-        tables_mod.put_rows(t, rows, new)
+        rows_mod.put_rows(t, rows, new)
         assert torch.equal(t[:, rows, :24], new)
         others = [r for r in range(8) if r not in rows]
         assert torch.equal(t[:, others], before[:, others]) and torch.equal(t[:, :, 24:], before[:, :, 24:])
@@ -453,6 +461,7 @@ def test_rows_into_writes_what_rows_of_reads(native, monkeypatch):
     if native and not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
     monkeypatch.setattr(tables_mod, "load_mark", lambda: native)
+    monkeypatch.setattr(eviction_mod, "load_mark", lambda: native)
     _, t, caches = _pool_case(1)
     t.ensure_width(3 * max(max(c.nblocks) for c in caches))  # wider than any row needs
     nb = max(max(c.nblocks) for c in caches)

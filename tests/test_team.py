@@ -1,4 +1,4 @@
-"""kvserve's own intra-op thread team (kvpool/csrc/team.h, issue 22): every index once,
+"""kvserve's own intra-op thread team (native/csrc/team.h, issue 22): every index once,
 exceptions back to the caller, nested jobs inline, one team a process across libraries, a
 forked child that still works, an idle worker that goes to sleep, and a caller that takes
 the share of a worker that has not turned up.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool import native
+from native import build as native
 
 PROBE = Path(__file__).parent / "data" / "team_probe.cpp"
 

@@ -12,12 +12,12 @@ import sys
 import pytest
 import torch
 
-from kvpool.attention import PAD_QUERY_POS, paged_attention
-from kvpool.pool import BlockPool
+from attention.torch_attention import PAD_QUERY_POS, paged_attention
 from kvpool.seq_cache import SeqCache
 from tests.attention_cases import DEV, make_case
+from tests.pools import make_pool
 
-triton_attention = pytest.importorskip("kvpool.triton_attention")
+triton_attention = pytest.importorskip("attention.triton_attention")
 pytest.importorskip("triton")
 paged_attention_triton = triton_attention.paged_attention_triton
 
@@ -229,18 +229,18 @@ def test_row_with_no_visible_slot_is_zero() -> None:
 def test_with_pool_and_seq_cache() -> None:
     """End to end with the real pool layout: k_cache = kv[0] view, per-layer tables."""
     bs, hkv, d, hq = 4, 2, 8, 4
-    pool = BlockPool(num_blocks=12, block_size=bs, num_kv_heads=hkv, head_dim=d)
+    pool = make_pool(num_blocks=12, block_size=bs, num_kv_heads=hkv, head_dim=d)
     torch.manual_seed(0)
     seqs = [SeqCache(pool, num_layers=2), SeqCache(pool, num_layers=2)]
     for sc, n in zip(seqs, (10, 7)):
         slots = sc.append(torch.arange(n))  # [L, n] physical slot ids
-        pool.kv.view(2, -1, hkv, d)[:, slots.reshape(-1)] = torch.randn(2, 2 * n, hkv, d)
+        pool.storage.kv.view(2, -1, hkv, d)[:, slots.reshape(-1)] = torch.randn(2, 2 * n, hkv, d)
     seqs[0].evict(1, torch.tensor([0, 1, 2, 3, 5]))  # frees a whole block in layer 1
     layer = 1
     nb = max(sc.max_blocks for sc in seqs)
     table = torch.stack([sc.table[layer, :nb] for sc in seqs])
     slot_pos = torch.stack([sc.slot_pos[layer, : nb * bs] for sc in seqs])
-    case = {"q": torch.randn(2, 1, hq, d), "k_cache": pool.k_cache, "v_cache": pool.v_cache,
+    case = {"q": torch.randn(2, 1, hq, d), "k_cache": pool.storage.k_cache, "v_cache": pool.storage.v_cache,
             "table": table, "slot_pos": slot_pos, "q_pos": torch.tensor([[9], [6]]),
             "scale": d**-0.5}
     check({k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in case.items()},

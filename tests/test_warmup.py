@@ -58,7 +58,7 @@ def test_engine_warms_up_before_loaded(model_dir: str) -> None:
             assert (done, total) == (0, 0)
         host = {"select_cpu", "state_cpu", "tables_cpu"}  # on any device
         assert set(w.native_ops) in (host, host | {
-            "paged_decode_cpu", "sampling_cpu", "key_stats_cpu"})
+            "paged_decode_cpu", "sampling_cpu", "storage_cpu"})
         s = engine.stats
         assert (s.blocks_used, s.num_running, s.num_waiting) == (0, 0, 0)
         assert s.blocks_total == 96

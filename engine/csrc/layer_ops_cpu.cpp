@@ -258,7 +258,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tens
 // already). `prefetch_from`: the fewest rows of
 // a whole-K step that prefetches the next panel; `whole_k_to`: the most rows a step runs
 // whole K, unpacked (0: the build's kWholeK; linear_panels.h). All three are the CPU
-// vendor's choices, made in one place (kvpool/native.py: `pair_fma`, `prefetch_from`,
+// vendor's choices, made in one place (native/build.py: `pair_fma`, `prefetch_from`,
 // `whole_k_to`).
 void check_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                   int64_t n) {

@@ -44,8 +44,8 @@
 #include <utility>
 #include <vector>
 
-#include "../../kvpool/csrc/key_diversity.h"  // load8 / load16: fp32 or widened bf16 lanes
-#include "../../kvpool/csrc/team.h"
+#include "../../native/csrc/key_diversity.h"  // load8 / load16: fp32 or widened bf16 lanes
+#include "../../native/csrc/team.h"
 
 namespace panels {
 
@@ -88,11 +88,11 @@ constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weight
 // 11-12 rows, each widening the slice again from L1 or L2 (an Intel Xeon, session 46).
 constexpr int64_t kFmaWholeFrom = 6;
 constexpr int64_t kFmaWholeTo = 32;
-// Steps of up to `whole_k_to` rows (the op's argument, kWholeK at most; kvpool/native.py
+// Steps of up to `whole_k_to` rows (the op's argument, kWholeK at most; native/build.py
 // `whole_k_to`) run whole K, unpacked; longer ones in packed blocks. On an Intel Xeon fp32
 // steps of 6-12 rows were 1.05-1.2x as fast packed (session 46); on Zen 4 packing began at 13.
 // A whole-K step (up to kWholeK rows) prefetches the next panel's slice from
-// `prefetch_from` rows on (the op's argument, kvpool/native.py `prefetch_from`: one place
+// `prefetch_from` rows on (the op's argument, native/build.py `prefetch_from`: one place
 // decides a CPU vendor's kernel choices): on AMD Zen 4 each k step of 1-5 rows was too
 // short to hide it (level or 5-10% slower: docs/benchmarks.md, session 43); an Intel Xeon
 // (no AMX) streamed the weights of 1-4 rows 1.2-1.4x as fast with it (session 45).

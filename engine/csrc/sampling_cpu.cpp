@@ -36,7 +36,7 @@
 #include <immintrin.h>
 #endif
 
-#include "../../kvpool/csrc/team.h"
+#include "../../native/csrc/team.h"
 
 namespace {
 

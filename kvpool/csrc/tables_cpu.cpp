@@ -1,8 +1,7 @@
 // The host-side passes of the shared slot tables and the pool on CPU, each one op where
 // the torch form is several dispatches a step: carrying out a plan's drops (mark_dead,
 // free_dead, compact_rows), the decode append (append_rows), reference counts
-// (release_refs) and a step's K/V writes (write_kv). kvpool/tables.py and kvpool/pool.py
-// call them and keep their torch forms as the fallback (no compiler, another device).
+// (release_refs). kvpool/tables.py and kvpool/pool.py call them and keep their torch forms as the fallback (no compiler, another device).
 //
 // mark_dead, why a kernel: the torch form is about ten memory-bound sweeps over [layers, rows, slots]
 // (read the rows' positions, mask the live drops, count them, write -1, write the rows
@@ -21,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "team.h"
+#include "../../native/csrc/team.h"
 
 namespace {
 
@@ -667,52 +666,6 @@ void take_rows_into(const at::Tensor& src, c10::IntArrayRef rows, at::Tensor out
   });
 }
 
-// A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
-// their pool slots [T], in the pool's dtype: BlockPool.write, whose torch form is two
-// index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
-// decode step for 8 writes). Converted as torch's .to() converts (round to nearest even; a
-// NaN is written as the canonical NaN, where torch's vector conversion may keep its bits).
-template <typename TS, typename TD>
-void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots) {
-  const int64_t n = src.size(0), hkv = src.size(1), d = src.size(2);
-  const int64_t s0 = src.stride(0), s1 = src.stride(1);
-  const TS* sp = src.data_ptr<TS>();
-  TD* dp = dst.data_ptr<TD>();
-  team::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < hkv; ++h) {
-        const TS* x = sp + t * s0 + h * s1;
-        TD* y = dp + (slots[t] * hkv + h) * d;
-        if constexpr (std::is_same_v<TS, TD>) {
-          std::memcpy(y, x, d * sizeof(TD));
-        } else {
-          for (int64_t i = 0; i < d; ++i) y[i] = static_cast<TD>(static_cast<float>(x[i]));
-        }
-      }
-  });
-}
-
-void write_kv(at::Tensor k_flat, at::Tensor v_flat, const at::Tensor& slots, const at::Tensor& k,
-              const at::Tensor& v) {
-  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots must be [T] int64");
-  const at::Tensor sl = slots.contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t t = 0; t < sl.size(0); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_flat.size(0), "slot out of range");
-  for (auto [dst, src] : {std::pair<at::Tensor*, const at::Tensor*>{&k_flat, &k}, {&v_flat, &v}}) {
-    TORCH_CHECK(dst->dim() == 3 && dst->is_contiguous(), "the pool planes must be contiguous [slots, Hkv, D]");
-    TORCH_CHECK(src->dim() == 3 && src->stride(2) == 1 && src->size(0) == sl.size(0) &&
-                    src->size(1) == dst->size(1) && src->size(2) == dst->size(2),
-                "k and v must be [T, Hkv, D] with unit last stride");
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src->scalar_type(), "write_kv", [&] {
-      using TS = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst->scalar_type(), "write_kv", [&] {
-        put_rows<TS, scalar_t>(*src, *dst, sp);
-      });
-    });
-  }
-}
-
 // BlockPool.release's reference counting (its torch form: an index_add, a gather, a
 // compare, a mask and a unique, each a dispatch that costs more than the work on the
 // few ids a plan frees): drop one reference per id in `ids` (int64) from `ref` (int32),
@@ -747,7 +700,6 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("evict_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!)[] states, "
         "Tensor columns, Tensor rows, Tensor dead, Tensor alike, int bs) -> (Tensor, Tensor)");
   m.def("release_refs(Tensor(a!) ref, Tensor ids) -> Tensor");
-  m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("decode_need(Tensor sizes, Tensor ring, int[] rows, int bs) -> (int, int)");
   m.def("held_and_need(Tensor sizes, Tensor ring, int[] rows, int bs) -> int[]");
   m.def("take_rows_into(Tensor src, int[] rows, Tensor(a!) out) -> ()");
@@ -766,7 +718,6 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("evict_rows", evict_rows);
   m.impl("compact_rows", compact_rows);
   m.impl("release_refs", release_refs);
-  m.impl("write_kv", write_kv);
   m.impl("append_rows", append_rows);
   m.impl("decode_need", decode_need);
   m.impl("held_and_need", held_and_need);

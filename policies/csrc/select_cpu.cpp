@@ -2,7 +2,7 @@
 // candidates, a candidate being a live slot (position >= 0) outside the row's first
 // `first` and last `last` live slots (attention sinks, the recent window).
 //
-// Registered as torch.ops.kvserve_policies.select_drop; scheduler/policy_rows.py builds
+// Registered as torch.ops.kvserve_policies.select_drop; kvpool/policy_rows.py builds
 // it on first use and policies/rows.py::drop_lowest falls back to torch ops without it.
 // Why a kernel: the torch form is a dozen passes over [rows, slots] (mask, top-k,
 // threshold, tie count from the end, recent-window cumsum), each a memory-bound sweep;
@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "live_slots.h"
-#include "../../kvpool/csrc/team.h"
+#include "../../native/csrc/team.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // Per-slot state updates of the decode-time policies, in place, one pass per row.
 //
-// Registered as torch.ops.kvserve_policy_state.*; scheduler/policy_rows.py builds it on
+// Registered as torch.ops.kvserve_policy_state.*; kvpool/policy_rows.py builds it on
 // first use beside the selection (select_cpu.cpp) and the policies keep a torch form
 // without it. Why kernels: a decode step updates every live slot's state from one
 // query, a dozen element-wise torch sweeps over [rows, slots] each (lazy_eviction), or
@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "live_slots.h"
-#include "window_ring.h"
-#include "../../kvpool/csrc/team.h"
+#include "../../native/csrc/window_ring.h"
+#include "../../native/csrc/team.h"
 
 #if defined(KVSERVE_LIVE16) && defined(__AVX512DQ__)  // live16: live_slots.h
 #define KVSERVE_AVX512 1

@@ -1,4 +1,4 @@
-// Probes of kvpool/csrc/team.h for tests/test_team.py, called through ctypes: the team
+// Probes of native/csrc/team.h for tests/test_team.py, called through ctypes: the team
 // itself, compiled into a library of their own (twice, to see that a process has one).
 #include <algorithm>
 #include <atomic>
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "../../kvpool/csrc/team.h"
+#include "../../native/csrc/team.h"
 
 extern "C" {
 

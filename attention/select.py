@@ -1,11 +1,11 @@
 """Which attention implementation a device gets, without importing Triton on CPU.
 
-Why a module of its own: `kvpool/triton_attention.py` decorates its kernels with
+Why a module of its own: `attention/triton_attention.py` decorates its kernels with
 `triton.jit` when it is imported, so importing it imports Triton, and Triton's
 nanobind extension then prints ~30 lines of "nanobind: leaked ..." when a CPU process
 exits (and costs ~0.5 s of import). The engine asks this module instead; it imports
 the Triton module only for a CUDA device. The Triton tests import
-`kvpool.triton_attention` themselves (TRITON_INTERPRET=1 on CPU), unaffected.
+`attention.triton_attention` themselves (TRITON_INTERPRET=1 on CPU), unaffected.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from collections.abc import Callable
 
 import torch
 
-from kvpool.attention import paged_attention
-from kvpool.cpu_attention import kernel_available, paged_attention_cpu
+from attention.cpu_attention import kernel_available, paged_attention_cpu
+from attention.torch_attention import paged_attention
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def select_attention(device: torch.device) -> AttentionFn:
     """Triton on CUDA (when it is installed); on CPU the C++ decode kernel when it
-    builds (kvpool/cpu_attention.py), else the torch path."""
+    builds (attention/cpu_attention.py), else the torch path."""
     if device.type == "cuda":
-        from kvpool.triton_attention import select_attention as select_with_triton
+        from attention.triton_attention import select_attention as select_with_triton
 
         return select_with_triton(device)
     if device.type == "cpu" and kernel_available():
@@ -38,4 +38,4 @@ def sums_any_heads(fn: AttentionFn) -> bool:
     statistics graphs' pass does (engine/cuda_graphs.py), so a request's mass is the
     same bits in a graph step and an eager one. (The C++ kernel does it from 2 to 4 kv
     heads, the order `head_sum` adds them in.)"""
-    return getattr(fn, "__module__", "") == "kvpool.triton_attention"
+    return getattr(fn, "__module__", "") == "attention.triton_attention"

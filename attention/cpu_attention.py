@@ -22,7 +22,7 @@ is what bounds it (~2x faster for 30 sequences of ~1k slots at the 3m model's sh
 Each 16-bit value is widened exactly as it is loaded and the maths stays fp32, so the
 only loss is the rounding when the pool was written; out is in q's dtype.
 
-A quantized pool (int8, fp8 e4m3, int4; kvpool/quant.py) goes to a second op,
+A quantized pool (int8, fp8 e4m3, int4; attention/quant.py) goes to a second op,
 `paged_decode_quant`; the pool is never widened whole. int8 and fp8 keep one scale per
 (slot, kv head), which factors out of a dot product, so they run the AVX-512 path over
 the raw codes: each K tile's scores are multiplied by the slots' K scales and each
@@ -56,11 +56,12 @@ import logging
 
 import torch
 
-from kvpool.attention import causal_self_attention, paged_attention
-from kvpool.key_stats import native_key_diversity
-from kvpool.native import load_ops, pair_fma
-from kvpool.pool import BlockPool
-from kvpool.quant import QuantCache
+from attention.key_stats import native_key_diversity
+from attention.quant import QuantCache
+from attention.storage import KVStorage
+from attention.torch_attention import causal_self_attention, paged_attention
+from native.build import load_ops
+from native.cpu import pair_fma
 
 log = logging.getLogger(__name__)
 _stale_warned = False
@@ -111,7 +112,7 @@ def _rows_whole(x: torch.Tensor) -> bool:
 
 def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """`kvpool.attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
+    """`attention.torch_attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
     -> [T, Hq, D], into `out` when given) on the `causal_prefill` op where it runs
     (`causal_prefill_runs`, each row's heads and channels contiguous; the op writes a
     contiguous `out` itself); SDPA elsewhere."""
@@ -128,7 +129,7 @@ def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        slot_pos: torch.Tensor, start: int, scale: float,
                        out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
     """A prompt chunk after a cached prefix (a prefix-cache hit, a long prompt's later
-    chunk), `BlockPool.attend`'s contract: q [T, Hq, D] causal over its own k/v
+    chunk), `KVStorage.attend`'s contract: q [T, Hq, D] causal over its own k/v
     [T, Hkv, D] (positions start..start+T-1) and over every visible slot of its sequence
     before `start`, read from the pool's blocks in place (this layer's table [NB] and
     slot_pos [NB*bs]), on the `causal_prefill` op, into `out` when given (contiguous). Only
@@ -169,7 +170,7 @@ def paged_attention_cpu(
     ring_cols: torch.Tensor | None = None,
     ring_shift: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as `kvpool.attention.paged_attention`; decode rows use the kernel.
+    """Same contract as `attention.torch_attention.paged_attention`; decode rows use the kernel.
 
     `sum_heads`: the kernel may return the mass summed over the kv heads, [B, 1, 1, S]
     (the heads added in order, as the policy bridge's `head_sum` adds them: the same
@@ -183,7 +184,7 @@ def paged_attention_cpu(
     `ring_total` [R, 3, >= NB*bs] float32 (a state stored by columns, rows as `table`'s)
     and `ring_cols` [B] int64: the kernel writes each decode row's mass, summed over
     every head, as column ring_cols[b] of its ring and keeps the ring's exact total
-    (pyramid's observation window, `Needs.ring`; policies/csrc/window_ring.h), and
+    (pyramid's observation window, `Needs.ring`; native/csrc/window_ring.h), and
     returns no mass. Both on the kernel only, a float pool and the mass summed over
     the heads (`accumulates`)."""
     if accumulate is not None or ring is not None:
@@ -212,7 +213,7 @@ def paged_attention_cpu(
     return out[:, None], (mass[:, None] if return_probs else None)
 
 
-def accumulates(pool: BlockPool) -> bool:
+def accumulates(pool: KVStorage) -> bool:
     """Whether decode rows' mass can go into a per-slot state inside the kernel
     (`paged_attention_cpu(accumulate=, ring=)`, which also need the mass summed over the
     kv heads there): the kernel built, with the arguments, and a float pool."""
@@ -221,7 +222,7 @@ def accumulates(pool: BlockPool) -> bool:
             and any(a.name == "ring" for a in torch.ops.kvserve.paged_decode.default._schema.arguments))
 
 
-def fuses_key_diversity(pool: BlockPool, windows: list[int | None]) -> bool:
+def fuses_key_diversity(pool: KVStorage, windows: list[int | None]) -> bool:
     """Whether `paged_decode_key_diversity` serves this pool: the kernel built, a float
     pool on the CPU (the op's dtypes) and no sliding window (decode then sees exactly the
     live slots KeyDiff scores)."""
@@ -237,7 +238,7 @@ def paged_decode_key_diversity(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
     score of every visible slot, [B, S] float32 (0 where none), of the rows flagged in
-    `rows` ([B] bool; all by default, the others stay 0): `kvpool.key_stats`'
+    `rows` ([B] bool; all by default, the others stay 0): `attention.key_stats`'
     `key_diversity`, the same bits (one C++ code path, key_diversity.h), computed per
     sequence right after its attention read its keys. They are then in cache, where the
     separate op read every live key from DRAM again after the step: at 16 requests of

@@ -1,7 +1,7 @@
 // Pyramid's window ring and its exact total (policies/pyramid.py::_shift_window): the
 // fixed-point arithmetic of one slot, shared by the policy's op (state_cpu.cpp, which
 // updates a step's rows after the forward) and the CPU decode kernel
-// (kvpool/csrc/paged_decode_cpu.cpp, which updates each row as it writes its mass), so
+// (attention/csrc/paged_decode_cpu.cpp, which updates each row as it writes its mass), so
 // both leave the same bits.
 //
 // A query's mass m (>= 0) counts as round(m · 2^shift), an integer; a slot's total is

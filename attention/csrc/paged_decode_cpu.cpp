@@ -1,8 +1,8 @@
 // Paged decode attention for CPU: one query per sequence, keys and values read from
 // the pool's blocks where they lie (no gather into a padded copy).
 //
-// Registered as torch.ops.kvserve.paged_decode; kvpool/cpu_attention.py builds it on
-// first use and documents the contract. Same visibility rule as kvpool/attention.py:
+// Registered as torch.ops.kvserve.paged_decode; attention/cpu_attention.py builds it on
+// first use and documents the contract. Same visibility rule as attention/torch_attention.py:
 // a slot is seen when its position is >= 0, <= the query's and inside the window.
 //
 // One job per sequence. Its visible slots are first listed (branch-free), so evicted
@@ -41,11 +41,11 @@
 #include <vector>
 
 // Compiled as the pool's op is (no -ffast-math), so the scores are the same bits.
-#include "key_diversity.h"  // the pool op's scoring: the same bits
-#include "team.h"
+#include "../../native/csrc/key_diversity.h"  // the pool op's scoring: the same bits
+#include "../../native/csrc/team.h"
 // pyramid's window ring: the same bits. Relative, not -I: a build's flags then do not
 // name its checkout's path, so checkouts of the same source share one cached build.
-#include "../../policies/csrc/window_ring.h"
+#include "../../native/csrc/window_ring.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define KVSERVE_AVX512 1
@@ -203,7 +203,7 @@ inline void add_to(float* dst, float x) {
 // Attention mass, only when asked for: probability per slot summed over each kv group's
 // heads, head hq's probabilities being p[hq * stride + i] * (norm ? norm[hq] : 1).
 // `mass_sum`: one row per sequence, the kv groups' sums added in head order, which is
-// how the policy bridge's head_sum adds them (scheduler/policy_rows.py): the same bits,
+// how the policy bridge's head_sum adds them (kvpool/policy_rows.py): the same bits,
 // in a row Hkv times smaller (tests/test_cpu_attention.py checks both).
 template <typename TKV>
 void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t n,
@@ -683,7 +683,7 @@ void decode_seq_portable(const Batch<TKV>& a, int64_t b, Scratch& w) {
 }
 
 // KeyDiff's score of sequence b's visible slots (key_diversity.h, the maths of the
-// pool's op kvserve_keys::key_diversity), run right after the sequence's attention read
+// pool's op kvserve_storage::key_diversity), run right after the sequence's attention read
 // its K rows: they are still in L2, where the separate op read every key from DRAM
 // after the step. Decode without a window sees exactly the live slots the policy scores.
 template <typename TKV>
@@ -940,7 +940,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
 }
 
 
-// ---- Quantized pools (kvpool/quant.py) ---------------------------------------------
+// ---- Quantized pools (attention/quant.py) ---------------------------------------------
 // Codes (int8, fp8 e4m3 or two int4 per byte) with fp16 scales per (slot, kv head,
 // group). Each visible row is dequantized into a scratch row of fp32 as it is read, and
 // the maths is the portable path's: only what the call reads is widened, never the pool.

@@ -1,6 +1,7 @@
-// KeyDiff's key diversity per live slot, read from the pool's keys where they lie.
+// The K/V storage's own passes on CPU: a step's K/V writes (write_kv: KVStorage.write)
+// and KeyDiff's key diversity per live slot, read from the pool's keys where they lie.
 //
-// Registered as torch.ops.kvserve_keys.key_diversity; kvpool/key_stats.py builds it on
+// Registered as torch.ops.kvserve_storage.key_diversity; attention/key_stats.py builds it on
 // first use and documents the contract, and policies/norms.py::keydiff_scores is the
 // reference (and the fallback: no compiler, a quantized pool, another device).
 // Why a kernel: the anchor (the mean unit key of a row's live slots) moves every step,
@@ -19,9 +20,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
 
-#include "key_diversity.h"
-#include "team.h"
+#include "../../native/csrc/key_diversity.h"
+#include "../../native/csrc/team.h"
 
 namespace {
 
@@ -85,10 +89,60 @@ at::Tensor key_diversity(const at::Tensor& k_cache, const at::Tensor& table,
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(kvserve_keys, m) {
-  m.def("key_diversity(Tensor k_cache, Tensor table, Tensor positions) -> Tensor");
+// A step's new K and V rows [T, Hkv, D] (the strided views of the QKV GEMM's output) into
+// their pool slots [T], in the pool's dtype: KVStorage.write, whose torch form is two
+// index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
+// decode step for 8 writes). Converted as torch's .to() converts (round to nearest even; a
+// NaN is written as the canonical NaN, where torch's vector conversion may keep its bits).
+template <typename TS, typename TD>
+void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots) {
+  const int64_t n = src.size(0), hkv = src.size(1), d = src.size(2);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  const TS* sp = src.data_ptr<TS>();
+  TD* dp = dst.data_ptr<TD>();
+  team::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < hkv; ++h) {
+        const TS* x = sp + t * s0 + h * s1;
+        TD* y = dp + (slots[t] * hkv + h) * d;
+        if constexpr (std::is_same_v<TS, TD>) {
+          std::memcpy(y, x, d * sizeof(TD));
+        } else {
+          for (int64_t i = 0; i < d; ++i) y[i] = static_cast<TD>(static_cast<float>(x[i]));
+        }
+      }
+  });
 }
 
-TORCH_LIBRARY_IMPL(kvserve_keys, CPU, m) { m.impl("key_diversity", key_diversity); }
+void write_kv(at::Tensor k_flat, at::Tensor v_flat, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong, "slots must be [T] int64");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t t = 0; t < sl.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < k_flat.size(0), "slot out of range");
+  for (auto [dst, src] : {std::pair<at::Tensor*, const at::Tensor*>{&k_flat, &k}, {&v_flat, &v}}) {
+    TORCH_CHECK(dst->dim() == 3 && dst->is_contiguous(), "the pool planes must be contiguous [slots, Hkv, D]");
+    TORCH_CHECK(src->dim() == 3 && src->stride(2) == 1 && src->size(0) == sl.size(0) &&
+                    src->size(1) == dst->size(1) && src->size(2) == dst->size(2),
+                "k and v must be [T, Hkv, D] with unit last stride");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src->scalar_type(), "write_kv", [&] {
+      using TS = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst->scalar_type(), "write_kv", [&] {
+        put_rows<TS, scalar_t>(*src, *dst, sp);
+      });
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_storage, m) {
+  m.def("key_diversity(Tensor k_cache, Tensor table, Tensor positions) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_flat, Tensor(b!) v_flat, Tensor slots, Tensor k, Tensor v) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_storage, CPU, m) {
+  m.impl("key_diversity", key_diversity);
+  m.impl("write_kv", write_kv);
+}

@@ -36,7 +36,7 @@
 // half the instructions of the fp32 FMAs over widened V. torch's CPU flash attention
 // rounds its probabilities to bf16 for the same product (FlashAttentionKernel.cpp,
 // `qk_reduced_data`); the softmax's denominator sums them unrounded, as it does. Not on
-// Intel (the op's `fma`, kvpool/native.py `pair_fma`): its cores run `vdpbf16ps` at half
+// Intel (the op's `fma`, native/build.py `pair_fma`): its cores run `vdpbf16ps` at half
 // the rate of their two FMA units, and bf16 widened to fp32's loop was 1.25-1.6x as fast
 // (a Xeon, one layer of the 160M model, 128-2,048 tokens; session 46).
 #pragma once

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from native.cpu import cpuinfo
+
 log = logging.getLogger(__name__)
 # A build takes 25-60 s here. torch's lock file outlives a build that was killed (Ctrl-C,
 # a test timeout), and every later load then waits for it forever, even one with nothing
@@ -45,13 +47,13 @@ _ROOT = Path(__file__).resolve().parent.parent
 # OpenMP's, so no OpenMP runtime is linked.
 _SIMD = ("-fopenmp-simd",)
 # Every library kvserve builds, by name: here (not in the modules that use them) so that
-# `python -m kvpool.native --build` needs nothing but torch and can run while pip installs
+# `python -m native --build` needs nothing but torch and can run while pip installs
 # the rest (the Makefile does).
 LIBRARIES: dict[str, Library] = {
-    "kvserve_paged_decode_cpu": Library(_ROOT / "kvpool/csrc/paged_decode_cpu.cpp",
+    "kvserve_paged_decode_cpu": Library(_ROOT / "attention/csrc/paged_decode_cpu.cpp",
                                         ("-O3", "-march=native", "-ffast-math", *_SIMD)),
-    "kvserve_key_stats_cpu": Library(_ROOT / "kvpool/csrc/key_stats_cpu.cpp",
-                                     ("-O3", "-march=native", *_SIMD)),
+    "kvserve_storage_cpu": Library(_ROOT / "attention/csrc/storage_cpu.cpp",
+                                   ("-O3", "-march=native", *_SIMD)),
     "kvserve_tables_cpu": Library(_ROOT / "kvpool/csrc/tables_cpu.cpp", ("-O3", "-march=native")),
     # No -ffast-math (NaNs must propagate); no FMA contraction (torch rounds mul and add apart).
     # -fno-trapping-math: without it GCC keeps a float compare that could trap as a branch,
@@ -84,54 +86,6 @@ def load_ops(name: str) -> bool:
         return _loaded[name]
 
 
-def cpuinfo(field: str) -> str:
-    """The value of /proc/cpuinfo's first `field` line (`vendor_id`, `model name`,
-    `flags`), '' where there is none (another OS, a restricted container)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(field):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def _intel(vendor: str | None) -> bool:
-    """Whether `vendor` (this CPU's when None) is Intel: the vendor choices below."""
-    return (cpuinfo("vendor_id") if vendor is None else vendor) == "GenuineIntel"
-
-
-def pair_fma(vendor: str | None = None) -> bool:
-    """Whether bf16 products meant for `vdpbf16ps` (pairs of channels, two products a
-    lane) run as fp32 FMAs over widened operands instead, on CPUs that have both: yes on
-    Intel, whose cores run two 512-bit FMAs a cycle and `vdpbf16ps` at half that; no on
-    AMD Zen 4, whose dot products run at its FMAs' rate, two products each (session 38).
-    Read by a bf16 linear layer in pairs (its steps of 6 rows and more, the same bits:
-    engine/csrc/linear_panels.h, `gemm`'s ByFma; a Xeon without AMX, the 160M model's
-    layers at 2,048 rows: 2.36 s against 3.51 by dot products, session 45; at 8-16 rows
-    0.8-0.87x the time, session 46) and by a bf16 prompt's causal attention (kvpool/csrc/causal_prefill.h: K and V widened, fp32's
-    loop; one layer of the 160M model 1.25-1.6x as fast at 128-2,048 tokens, session 46)."""
-    return _intel(vendor)
-
-
-def prefetch_from(vendor: str | None = None) -> int:
-    """The fewest rows of a step whose panel GEMM prefetches the next panel's weights while
-    it multiplies this one's (engine/csrc/linear_panels.h, steps of up to 12 rows: the
-    weights stream from DRAM). 1 on Intel: a Xeon without AMX streamed the 160M model's
-    weights 1.2-1.4x as fast at 1-4 rows with it (session 45). 6 elsewhere: on AMD Zen 4
-    each k step of 1-5 rows was too short to hide it, level or 5-10% slower (session 43)."""
-    return 1 if _intel(vendor) else 6
-
-
-def whole_k_to(vendor: str | None = None, avx512: bool = True) -> int:
-    """The most rows of a step the panel GEMM runs whole K, its input read in place; longer
-    steps are packed into blocks (engine/csrc/linear_panels.h; 0: the build's own limit,
-    12 with AVX-512, 72 with AVX2). 5 on Intel with AVX-512: fp32 steps of 6-12 rows were
-    1.05-1.2x as fast packed on a Xeon (session 46); Zen 4 measured packing from 13 (session 36)."""
-    return 5 if _intel(vendor) and avx512 else 0
-
-
 def cpu_flag(cflags: list[str]) -> list[str]:
     """For a `-march=native` build, a define naming the CPU's instruction-set flags. Why:
     torch keys its build cache on source and flags, and `-march=native` reads the same on
@@ -148,7 +102,7 @@ def headers_flag(source: Path) -> str:
     """A define naming the contents of the headers the source includes (`#include "..."`
     beside the including file, followed into the headers they include). Why: torch
     rebuilds a cached library when its source or its flags change, and hashes no header,
-    so an edited header (one shared by two libraries, such as policies/csrc/window_ring.h)
+    so an edited header (one shared by two libraries, such as native/csrc/window_ring.h)
     would leave a stale build in use. Sources include other folders' headers by relative
     paths, not `-I`: flags naming a checkout's path made every checkout rebuild."""
     digest = hashlib.sha256()
@@ -244,7 +198,7 @@ def build_all(names: list[str], jobs: int) -> dict[str, bool]:
         while todo and len(running) < jobs:
             name = todo.pop(0)
             running[name] = (time.perf_counter(), subprocess.Popen(
-                [sys.executable, "-c", "import sys; from kvpool.native import load_ops; "
+                [sys.executable, "-c", "import sys; from native.build import load_ops; "
                  f"sys.exit(0 if load_ops({name!r}) else 1)"], cwd=_ROOT))
         time.sleep(0.2)
         for name, (t0, proc) in list(running.items()):
@@ -265,7 +219,7 @@ def build_log() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvpool.native --build [NAME ...] [--jobs N] [--background]`: build
+    """`python -m native --build [NAME ...] [--jobs N] [--background]`: build
     kvserve's C++ ops now rather than on first use (the names default to all of them).
     `--background` returns at once and leaves the builds running, their output in
     TORCH_EXTENSIONS_DIR's `kvserve-build.log`: the Makefile starts them as soon as torch
@@ -274,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import subprocess
 
-    p = argparse.ArgumentParser(prog="python -m kvpool.native", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m native", description=main.__doc__)
     p.add_argument("--build", nargs="*", metavar="NAME", required=True)
     p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     p.add_argument("--background", action="store_true")
@@ -286,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         log_path = build_log()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a", encoding="utf-8") as out:
-            subprocess.Popen([sys.executable, "-m", "kvpool.native", "--build", *names,
+            subprocess.Popen([sys.executable, "-m", "native", "--build", *names,
                               "--jobs", str(a.jobs)], cwd=_ROOT, stdout=out,
                              stderr=subprocess.STDOUT, start_new_session=True)
         print(f"building {len(names)} C++ libraries in the background (log: {log_path})",
@@ -295,6 +249,3 @@ def main(argv: list[str] | None = None) -> int:
     done = build_all(names, a.jobs)
     return 0 if all(done.values()) else 1
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

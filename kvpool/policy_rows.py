@@ -1,4 +1,6 @@
-"""The bridge between the policies and the pool on the one policy path.
+"""The bridge between the policies and the pool on the one policy path, behind the
+KV-cache manager's door (`KVCacheManager.run_policy`: the scheduler's policy runner
+never reads the tables itself).
 
 A step's requests whose policies are equal (class and config) and computed the same
 number of tokens form a group; the group is read from the shared `SlotTables` as one
@@ -20,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runner import AttentionMass
+from attention.stats import AttentionMass
 from kvpool import compaction
-from kvpool.host import int64_tensor
-from kvpool.native import load_ops
+from kvpool.rows import by_columns, consecutive, put_rows, rows_slice, take_rows
 from kvpool.seq_cache import SeqCache
-from kvpool.tables import by_columns, consecutive, put_rows, rows_slice, take_rows
+from native.build import load_ops
+from native.host import int64_tensor
 from policies import rows as policy_rows
 from policies.base import Needs
 from policies.norms import keydiff_scores
@@ -182,13 +184,13 @@ def build_view(members: list[Member]) -> RowsView:
     pool_diversity = needs.key_diversity and view.key_diversity is None
     if needs.key_norm or needs.keys or needs.value_norm or pool_diversity:
         table = _rows(take_rows(tables.table, rows, nb))  # [N, nb]
-        pool, n = first.pool, table.shape[0]
+        store, n = first.pool.storage, table.shape[0]
         if pool_diversity:
-            view.key_diversity = pool.key_diversity(table, view.positions)
+            view.key_diversity = store.key_diversity(table, view.positions)
         torch_diversity = needs.key_diversity and view.key_diversity is None
         if needs.key_norm or needs.keys or needs.value_norm or torch_diversity:
             phys = (table.clamp(min=0)[:, :, None] * bs + torch.arange(bs)).view(-1)
-            stats = {name: t.view(n, width, *t.shape[1:]) for name, t in pool.gather_stats(
+            stats = {name: t.view(n, width, *t.shape[1:]) for name, t in store.gather_stats(
                 phys, needs.key_norm, needs.keys or torch_diversity, needs.value_norm).items()}
             if torch_diversity:
                 view.key_diversity = keydiff_scores(stats["keys"], view.live)
@@ -235,8 +237,8 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     entry = ((index[0].view(-1) * tables.table.shape[1] + rows.repeat_interleave(k))
              * tables.table.shape[2] + index[2].view(-1) // bs)
     phys = tables.table.view(-1).index_select(0, entry).mul_(bs).add_(index[2].view(-1) % bs)
-    got = first.pool.gather_stats(phys, key_norm=needs.new_key_norm,
-                                  value_norm=needs.new_value_norm)
+    got = first.pool.storage.gather_stats(phys, key_norm=needs.new_key_norm,
+                                          value_norm=needs.new_value_norm)
     for name, t in got.items():
         setattr(view, f"new_{name}", t.view(n, k, -1))
 

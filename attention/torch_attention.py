@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpool.quant import QuantCache, gather_dequant
+from attention.quant import QuantCache, gather_dequant
 
 # Position given to padded query rows. Their output is discarded by the caller; a row
 # that sees no slot (possible for padding under a sliding window) yields zeros.

@@ -11,20 +11,20 @@ import time
 
 import torch
 
-from kvpool.pool import BlockPool, PoolExhausted
+from attention.storage import KVStorage, PoolExhausted
 
 
 class SwapSpace:
-    def __init__(self, pool: BlockPool, num_blocks: int) -> None:
+    def __init__(self, storage: KVStorage, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        pin = pool.kv.is_cuda
+        pin = storage.kv.is_cuda
         # The pool's block tensors (codes, and scales for a quantized pool) in host
         # memory: swapped blocks come back byte for byte.
         self.tensors = [torch.zeros((2, num_blocks, *t.shape[2:]), dtype=t.dtype, pin_memory=pin)
-                        for t in (pool.kv, pool.scales) if t is not None]
+                        for t in (storage.kv, storage.scales) if t is not None]
         self.kv = self.tensors[0]
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.bytes_per_block = pool.block_bytes
+        self.bytes_per_block = storage.block_bytes
         self.bytes_out = 0
         self.bytes_in = 0
 
@@ -47,7 +47,7 @@ class SwapSpace:
         self._free.extend(ids.tolist())
 
     def store(self, ids: torch.Tensor, data: list[torch.Tensor]) -> None:
-        """Host blocks `ids` <- `BlockPool.read_blocks` output. The copy to the host
+        """Host blocks `ids` <- `KVStorage.read_blocks` output. The copy to the host
         blocks: an asynchronous one hands the host scatter a buffer the GPU has not
         filled yet, and the blocks came back as garbage (every swap test failed on an
         H200, session 23)."""
@@ -55,15 +55,15 @@ class SwapSpace:
             t[:, ids] = d.cpu()
 
     def load(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """Host blocks `ids`, for `BlockPool.write_blocks`."""
+        """Host blocks `ids`, for `KVStorage.write_blocks`."""
         return [t[:, ids] for t in self.tensors]
 
 
-def measure_copy_bandwidth(pool: BlockPool, nbytes: int = 8 << 20) -> float:
+def measure_copy_bandwidth(storage: KVStorage, nbytes: int = 8 << 20) -> float:
     """Bytes per second of a device -> host copy of pool-shaped data (for the swap cost
     model). On CPU this is a memcpy; on CUDA a pinned device-to-host transfer."""
-    n = max(1, min(pool.num_blocks, nbytes // max(1, pool.block_bytes)))
-    src = pool.kv[:, :n]
+    n = max(1, min(storage.num_blocks, nbytes // max(1, storage.block_bytes)))
+    src = storage.kv[:, :n]
     dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
     dst.copy_(src)  # warm-up
     best = float("inf")

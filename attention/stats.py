@@ -1,0 +1,42 @@
+"""What a forward's attention hands the eviction policies, per request: the attention
+mass over its slots, KeyDiff's scores and its new tokens' K/V norms, as the kernels
+computed them. Here, below the model runner and the KV-cache manager, because both read
+it: the runner fills it, the manager's policy bridge (kvpool/policy_rows.py) reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMass:
+    """One input's statistics from the forward (attention mass, KeyDiff's scores, its
+    tokens' K/V norms), kept as its group's whole tensors and a row, so a group of any
+    size costs one stack and one copy, and a batched consumer selects its rows in one op.
+
+    `group`: [L, B, Tq, Hkv, S] float32 on the host (None unless `wants_attention`):
+    for each layer, row and query, the probability of every slot summed over its kv
+    group's query heads (Hkv = 1: over every head, where the decode kernel summed them
+    for a policy that reads no head apart); S indexes the row's slots in table order (slot j =
+    table[j // bs] at offset j % bs). `key_diversity`: [L, B, S] float32, KeyDiff's
+    score of every live slot (0 elsewhere), None unless asked and fused."""
+
+    group: torch.Tensor | None
+    row: int
+    num_tokens: int  # the input's queries (the first Tq of its row)
+    key_diversity: torch.Tensor | None = None
+    # The step's mass went into the input's `accumulate` state or `ring` (`group` is None).
+    accumulated: bool = False
+    # `wants_norms`: the step's tokens' ‖K‖ and ‖V‖ per kv head as stored, [L, T, Hkv]
+    # float32 on the host (every input's, packed token axis), and where this input's
+    # tokens start on it.
+    key_norm: torch.Tensor | None = None
+    value_norm: torch.Tensor | None = None
+    token: int = 0
+
+    def layers(self) -> torch.Tensor:
+        """[L, num_tokens, Hkv, S]: this input's mass, indexable by layer."""
+        assert self.group is not None
+        return self.group[:, self.row, : self.num_tokens]

@@ -1,0 +1,3 @@
+"""The native runtime every room may use and that uses no other room: the C++ op builder
+(`build`), CPU feature detection (`cpu`), huge pages, host lists, and the C++ headers
+shared by several rooms' kernels (`csrc/`: the thread team, vector helpers, the window ring)."""
