@@ -26,7 +26,7 @@ $(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m native.build --build --background
+	$(PY) -m native --build --background
 	$(PY) -m pip install -q -e . "$(TORCH)"
 	touch $(RUNTIME)
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from attention.storage import KVStorage
 from engine.sampling import SamplingParams
-from kvpool.pool import BlockPool
 from scheduler import engine_core
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
@@ -55,8 +55,8 @@ def tiny(tmp_path_factory) -> str:
     return make_tiny_model("llama", tmp_path_factory.mktemp("graphs"), num_hidden_layers=2)
 
 
-class ScratchPool(BlockPool):
-    """The pool a CUDA engine with graphs gets (one scratch block), for an engine built
+class ScratchStorage(KVStorage):
+    """The storage a CUDA engine with graphs gets (one scratch block), for an engine built
     without them (on a CPU, or eager) that a test gives uncaptured graphs."""
 
     def __init__(self, *args, **kw) -> None:
@@ -65,7 +65,7 @@ class ScratchPool(BlockPool):
 
 @pytest.fixture
 def scratch_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_core, "BlockPool", ScratchPool)
+    monkeypatch.setattr(engine_core, "KVStorage", ScratchStorage)
 
 
 def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention=None

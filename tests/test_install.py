@@ -131,6 +131,6 @@ def test_every_cpp_source_is_package_data() -> None:
     non-editable install must ship every `<package>/csrc/*.cpp` as package data."""
     data = _pyproject()["tool"]["setuptools"]["package-data"]
     sources = {p.parent.parent.name for p in ROOT.glob("*/csrc/*.cpp")}
-    assert sources == {"kvpool", "engine", "policies"}
+    assert sources == {"attention", "kvpool", "engine", "policies"}
     for package in sources:
         assert "csrc/*.cpp" in data.get(package, []), package

@@ -215,14 +215,14 @@ def test_triton_agrees_on_quantized_pools(name: str) -> None:
 
     pool, _ = _filled(name, d=16)
     on_dev = make_pool(pool.num_blocks, BS, pool.storage.kv.shape[3], 16, dtype=name, device=DEV)
-    on_dev.kv.copy_(pool.storage.kv)
-    on_dev.scales.copy_(pool.storage.scales)
+    on_dev.storage.kv.copy_(pool.storage.kv)
+    on_dev.storage.scales.copy_(pool.storage.scales)
     for tq in (1, 3):
         case = _case(pool, tq)
         ref, ref_mass = _reference(pool, case, True)
         c = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         q = c.pop("q")
-        out, mass = on_dev.attend(paged_attention_triton, q, *c.values(), None, True)
+        out, mass = on_dev.storage.attend(paged_attention_triton, q, *c.values(), None, True)
         torch.testing.assert_close(out.cpu(), ref.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(mass.cpu(), ref_mass.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
 

@@ -44,7 +44,7 @@ def test_randomized_stress_keeps_invariants(mode):
     rng = random.Random(1)
     layers, bs = 3, 4
     pool = make_pool(150, bs, 1, 2)
-    swap = SwapSpace(pool, 90) if mode == "swap" else None
+    swap = SwapSpace(pool.storage, 90) if mode == "swap" else None
     kv = KVCacheManager(pool, layers, watermark=0.02, swap=swap)
     sched = Scheduler(kv, max_num_seqs=10, max_num_batched_tokens=40,
                       memory=MemoryConfig(preemption_mode=mode))

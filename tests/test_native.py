@@ -116,7 +116,7 @@ def test_a_build_in_another_checkout_has_the_same_flags(tmp_path: Path) -> None:
     assert not any(f.startswith("-I") for lib in native.LIBRARIES.values() for f in lib.cflags)
     root = Path(native.__file__).parent.parent
     copy = tmp_path / "copy"
-    for rel in ("kvpool/csrc", "policies/csrc"):
+    for rel in ("native/csrc", "attention/csrc", "kvpool/csrc", "policies/csrc"):
         (copy / rel).mkdir(parents=True)
         for f in (root / rel).iterdir():
             (copy / rel / f.name).write_bytes(f.read_bytes())

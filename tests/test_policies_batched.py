@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from engine.sampling import SamplingParams
+from kvpool import manager as manager_mod
 from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
-from scheduler import policy_runner
 from scheduler.llm import LLM
 from tests.pools import make_pool
 from tests.tiny_models import make_tiny_model
@@ -56,7 +56,7 @@ def _live_positions(llm: LLM) -> dict[str, list[list[int]]]:
 
 def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypatch):
     batched: dict[str, int] = {}  # policy name -> members stepped in a batch
-    real = policy_runner.run_group
+    real = manager_mod.run_group
 
     def counting(members):
         if len(members) > 1:
@@ -64,7 +64,7 @@ def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypat
             batched[name] = batched.get(name, 0) + len(members)
         return real(members)
 
-    monkeypatch.setattr(policy_runner, "run_group", counting)
+    monkeypatch.setattr(manager_mod, "run_group", counting)
     # Without StreamingLLM's ring its decode steps evict through the batched selection
     # too (with it, `streaming` has nothing to select once its cache is at the window:
     # tests/test_streaming_ring.py).
@@ -163,7 +163,7 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
     count, although their clocks differ: lazy_eviction members then decide at different
     steps (some rows select, others only track) and score with their own t."""
     mixed = {"steps": 0}
-    real = policy_runner.run_group
+    real = manager_mod.run_group
 
     def spying(members):
         if members[0].policy.name == "lazy_eviction":
@@ -174,7 +174,7 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
                 mixed["steps"] += 1
         return real(members)
 
-    monkeypatch.setattr(policy_runner, "run_group", spying)
+    monkeypatch.setattr(manager_mod, "run_group", spying)
     llms = [LLM(model, num_blocks=3000, block_size=BS, max_num_batched_tokens=512,
                 batch_policies=batched) for batched in (True, False)]
     gen = torch.Generator().manual_seed(1)

@@ -213,10 +213,12 @@ def test_scratch_block_is_outside_the_accounting() -> None:
     assert pool.storage.kv.shape[1] == 5 and pool.storage.scratch_slot == 8
     assert (pool.num_free, pool.num_used) == (4, 0)
     plain = make_pool(num_blocks=4, block_size=2, num_kv_heads=1, head_dim=2)
-    assert pool.storage.nbytes == plain.nbytes and pool.storage.block_bytes == plain.block_bytes
+    assert pool.storage.nbytes == plain.storage.nbytes
+    assert pool.storage.block_bytes == plain.storage.block_bytes
     ids = pool.allocate(4)
     assert sorted(ids.tolist()) == [0, 1, 2, 3] and pool.num_free == 0
-    pool.storage.write(torch.tensor([pool.storage.scratch_slot]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
+    store = pool.storage
+    store.write(torch.tensor([store.scratch_slot]), torch.ones(1, 1, 2), torch.ones(1, 1, 2))
     pool.check_invariants([ids])
     pool.release(ids)
     pool.check_invariants([])

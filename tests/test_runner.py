@@ -275,13 +275,13 @@ def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypa
     form copies the rows on first use (`RowsView.layered`) and the engine puts them back."""
     import engine.runner as runner_mod
     import kvpool.policy_rows as policy_rows_mod
-    import scheduler.warmup as warmup_mod
+    import kvpool.manager as manager_mod
     from policies import rows as rows_mod
 
     if not native:
         # No window op (the warm-up's load would bring it back) and no kernel write: the
         # torch form updates the rows' copy, which the engine must put back.
-        for mod in (policy_rows_mod, warmup_mod):
+        for mod in (policy_rows_mod, manager_mod):
             monkeypatch.setattr(mod, "load_select", lambda: True)
         monkeypatch.setitem(rows_mod.NATIVE, "state", False)
         monkeypatch.setattr(runner_mod, "accumulates", lambda pool: False)

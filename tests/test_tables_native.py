@@ -12,6 +12,7 @@ import torch
 from kvpool import rows as rows_mod
 from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
+from attention.storage import KVStorage
 from kvpool.compaction import compact
 from kvpool.tables import SlotTables
 
@@ -146,7 +147,7 @@ def test_native_compaction_matches_torch(seed, monkeypatch):
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
     for name in a.state:
         assert torch.equal(a.state[name], b.state[name]), name
-    assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))  # every slot's K/V
+    assert torch.equal(pa.storage.kv.view(torch.uint8), pb.storage.kv.view(torch.uint8))  # every slot's K/V
     if pa.scales is not None:
         assert torch.equal(pa.scales, pb.scales)
     assert torch.equal(pa.ref, pb.ref)
@@ -166,7 +167,7 @@ def test_native_compaction_declines_a_shared_destination(monkeypatch):
     (pa, a, fa), (pb, b, fb) = runs
     assert fa == fb
     assert torch.equal(a.table, b.table) and torch.equal(a.slot_pos, b.slot_pos)
-    assert torch.equal(pa.kv.view(torch.uint8), pb.kv.view(torch.uint8))
+    assert torch.equal(pa.storage.kv.view(torch.uint8), pb.storage.kv.view(torch.uint8))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -374,9 +375,9 @@ def test_native_kv_write_matches_torch(model_dtype, pool_dtype, monkeypatch):
     for native in (True, False):
         monkeypatch.setattr(pool_mod, "load_mark", lambda n=native: n)
         p = make_pool(64, 8, hkv, d, dtype=pool_dtype)
-        p.write(slots, k, v)
+        p.storage.write(slots, k, v)
         pools.append(p)
-    a, b = pools[0].kv, pools[1].kv
+    a, b = pools[0].storage.kv, pools[1].storage.kv
     nan = a.isnan()
     assert torch.equal(nan, b.isnan()) and nan.sum() == 1  # a NaN stays a NaN (its bits may not)
     assert torch.equal(a.masked_fill(nan, 0).view(torch.uint8), b.masked_fill(nan, 0).view(torch.uint8))
