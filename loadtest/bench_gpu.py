@@ -1,7 +1,7 @@
 """kvserve on a GPU against HF transformers on the same GPU, in one run (issue 23).
 
 The workload is shared/gpu/gpu_probe.py's, the first GPU measurement: a random-weight
-model (`bench_common.build_model`), bf16 weights and KV, N requests of P random prompt
+model (`random_models.build_model`), bf16 weights and KV, N requests of P random prompt
 tokens generating G each, greedy, EOS ignored, all submitted at once, `max_num_seqs=N`,
 no prefix caching. Runs, each on a fresh engine after a warm-up:
 
@@ -47,7 +47,7 @@ PROFILE_AT, PROFILE_STEPS = 40, 10  # decode steps into the run, and how many
 
 
 def build(model: str, out_dir: str) -> str:
-    from loadtest.bench_common import build_model
+    from loadtest.random_models import build_model
 
     path = os.path.join(out_dir, model)
     if not os.path.exists(os.path.join(path, "config.json")):
@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(report, f, indent=1)
     print(render(report), flush=True)
     if a.doc:
-        from loadtest.bench_common import markers, update_doc
+        from loadtest.bench_common import markers
+        from loadtest.report import update_doc
 
         update_doc(a.doc, render(report), "## GPU: CUDA graphs (issue 23)", *markers("bench_gpu"))
     print(f"wrote {out_path}", flush=True)

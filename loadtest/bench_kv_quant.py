@@ -39,6 +39,7 @@ from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool
 from loadtest import bench_common as bc
 from loadtest.policy_eval import policy_config
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
 NAME = "bench_kv_quant"
@@ -52,11 +53,11 @@ def _greedy(n: int) -> SamplingParams:
 
 def _prompts(seed: int, length: int, vocab: int, n: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(length)] for _ in range(n)]
+    return [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
-    cfg = bc.MODEL_CONFIGS[args.model]
+    cfg = MODEL_CONFIGS[args.model]
     layers, hkv = int(cfg["num_hidden_layers"]), int(cfg["num_key_value_heads"])
     d = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
     per_req_blocks = layers * -(-(args.prompt + args.gen) // args.block_size)
@@ -98,7 +99,7 @@ def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
     # A pool of the batch's whole cache, not the default 512 MiB: zeroing that, once a
     # dtype, took longer than the quick run's decode steps.
     per_request = -(-(args.decode_prompt + args.decode_steps) // args.block_size) + 1
-    layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
+    layers = int(MODEL_CONFIGS[args.model]["num_hidden_layers"])
     for dt in DTYPES:
         eng = EngineCore(EngineConfig(model=path, kv_cache_dtype=dt, block_size=args.block_size,
                                       num_blocks=layers * args.decode_batch * per_request,
@@ -237,9 +238,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-kv-quant-") as tmp:
         path = os.path.join(tmp, args.model)
         if {"capacity", "decode"} & set(args.parts):
-            report["params"] = bc.build_model(args.model, path, max_positions=max(
+            report["params"] = build_model(args.model, path, max_positions=max(
                 2048, args.prompt + args.gen))
-        vocab = int(bc.MODEL_CONFIGS[args.model]["vocab_size"])
+        vocab = int(MODEL_CONFIGS[args.model]["vocab_size"])
         if "capacity" in args.parts:
             report["capacity"] = part_capacity(path, args, vocab)
         if "decode" in args.parts:

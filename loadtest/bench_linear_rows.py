@@ -25,7 +25,7 @@ import time
 import torch
 
 from loadtest import bench_common as bc
-from loadtest.bench_common import MODEL_CONFIGS
+from loadtest.random_models import MODEL_CONFIGS
 
 NAME = "bench_linear_rows"
 DOC_HEADING = "## CPU linear layouts: oneDNN's packed weight and kvserve's panels (issue 22)"

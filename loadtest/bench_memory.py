@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from engine.sampling import SamplingParams
 from loadtest import bench_common as bc
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.preemption import CostModel
 
@@ -49,7 +50,7 @@ PAPER_SWAP_TABLE = ((128, 0.2, 15), (512, 0.8, 55), (2048, 3.2, 210), (8192, 12.
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(n)]
+    return [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)]
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -57,7 +58,7 @@ def _greedy(n: int) -> SamplingParams:
 
 
 def part_prefix(path: str, args: argparse.Namespace) -> dict:
-    cfg = bc.MODEL_CONFIGS[args.prefix_model]
+    cfg = MODEL_CONFIGS[args.prefix_model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     rng = random.Random(args.seed)
     prefix = _ids(rng, args.prefix_tokens, vocab)
@@ -142,7 +143,7 @@ def _crossover(eng: EngineCore, at_start: dict) -> dict:
 
 
 def part_pressure(path: str, args: argparse.Namespace) -> dict:
-    cfg = bc.MODEL_CONFIGS[args.pressure_model]
+    cfg = MODEL_CONFIGS[args.pressure_model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     work = _workload(args, vocab)
     need = [layers * math.ceil((len(p) + n) / 16) for p, n in work]
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         for m, used in models.items():
             if used:
                 paths[m] = os.path.join(tmp, m)
-                report["params"][m] = bc.build_model(m, paths[m], max_positions=max(
+                report["params"][m] = build_model(m, paths[m], max_positions=max(
                     2048, args.prefix_tokens + args.suffix_tokens))
         if "prefix" in args.parts:
             report["prefix"] = part_prefix(paths[args.prefix_model], args)

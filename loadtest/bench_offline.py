@@ -47,17 +47,10 @@ from tqdm import tqdm
 
 from engine.cpu_threads import allowed_cpus, physical_cores
 from loadtest import vllm_peer
-from loadtest.bench_common import (
-    FIRST_TOKEN_ID,
-    MODEL_CONFIGS,
-    build_model,
-    pin_threads,
-    pyplot,
-    save_figure,
-    settle,
-)
-from loadtest.bench_common import update_doc as _update_doc
+from loadtest.bench_common import pin_threads, pyplot, save_figure, settle
 from loadtest.fingerprint import fingerprint
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
+from loadtest.report import update_doc as _update_doc
 from loadtest.roofline import ModelCost, bound, by_kind, memory_bandwidth, schedule
 
 # kvserve_dense: kvserve with torch's dense F.linear instead of oneDNN-prepacked weights

@@ -63,6 +63,7 @@ from engine.sampling import SamplingParams
 from loadtest import bench_common as bc
 from loadtest import kvpress_compare
 from loadtest.policy_eval import POLICIES, policy_config
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
 NAME = "bench_policies"
@@ -98,13 +99,13 @@ def _submit(eng: EngineCore, prompt: int, gens: list[int], vocab: int, kv: objec
             seed: int, tag: str) -> None:
     rng = random.Random(seed)
     for i, gen in enumerate(gens):
-        eng.add_request(f"{tag}-{i}", [rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(prompt)],
+        eng.add_request(f"{tag}-{i}", [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(prompt)],
                         SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True,
                                        detokenize=False), kv_policy=kv)
 
 
 def run_throughput(path: str, args: argparse.Namespace) -> dict:
-    cfg = bc.MODEL_CONFIGS[args.model]
+    cfg = MODEL_CONFIGS[args.model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     ctx = args.prompt + args.gen
     blocks = args.fit * layers * math.ceil(ctx / 16)
@@ -207,8 +208,8 @@ def _decode_rate(path: str, args: argparse.Namespace, n: int, context: int,
     20), which made the policies' share of the ceiling swing as much. `means` gets the
     rate of the same steps' mean appended: a policy's run is its steps' mean (every slow
     step counts), so the median tilts the comparison against it by their spread."""
-    vocab = int(bc.MODEL_CONFIGS[args.model]["vocab_size"])
-    layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
+    vocab = int(MODEL_CONFIGS[args.model]["vocab_size"])
+    layers = int(MODEL_CONFIGS[args.model]["num_hidden_layers"])
     steps = args.ceiling_steps
     prompt = max(1, context - steps // 2)
     eng = _engine(path, n * layers * (math.ceil((prompt + steps) / 16) + 1), n, args)
@@ -222,7 +223,7 @@ def _decode_rate(path: str, args: argparse.Namespace, n: int, context: int,
 
 def ceiling_requests(args: argparse.Namespace, blocks: int, budget: int) -> int:
     """Requests of exactly `budget` tokens the pool holds at once."""
-    layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
+    layers = int(MODEL_CONFIGS[args.model]["num_hidden_layers"])
     return max(1, blocks // (layers * math.ceil(budget / 16)))
 
 
@@ -252,7 +253,7 @@ def run_ceiling(path: str, args: argparse.Namespace, blocks: int, budget: int,
     and last as `tok_s_first`, `tok_s_last`). `means`: the same measurements' steps'
     mean (`tok_s_mean_step`, a run's own tok/s being its steps' mean).
     """
-    layers = int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"])
+    layers = int(MODEL_CONFIGS[args.model]["num_hidden_layers"])
     n = ceiling_requests(args, blocks, budget)
     at_budget = statistics.mean(rates)
     no_kv = _decode_rate(path, args, n, 1)
@@ -281,7 +282,7 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
     longer than the budget (`--prompt`, or budget + 1 if that is more), so every
     measured step is one at the budget — part 1's steady state, where a scoring policy
     plans on every step — not a warm-up in which it has nothing to evict."""
-    cfg = bc.MODEL_CONFIGS[args.model]
+    cfg = MODEL_CONFIGS[args.model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     n, steps = args.overhead_batch, args.overhead_steps
     budget = round(args.budget * (args.prompt + args.gen))
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:
         if {"throughput", "overhead"} & set(args.parts):
-            report["params"] = bc.build_model(args.model, path, max_positions=max(
+            report["params"] = build_model(args.model, path, max_positions=max(
                 4096, args.prompt + max(gen_lengths(args.requests, args.gen, args.gen_spread,
                                                     args.seed))))
         for part, fn in (("throughput", run_throughput), ("overhead", run_overhead)):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from loadtest import bench_common as bc
-from loadtest.bench_common import MODEL_CONFIGS
+from loadtest.random_models import MODEL_CONFIGS
 
 NAME = "bench_prefill_attention"
 DOC_HEADING = "## Prefill attention on the CPU (issue 22)"

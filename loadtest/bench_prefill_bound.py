@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from loadtest import bench_common as bc
+from loadtest.random_models import FIRST_TOKEN_ID, build_model
 
 NAME = "bench_prefill_bound"
 DOC_HEADING = "## Bounded prefill (issue 20)"
@@ -59,8 +60,8 @@ def run_one(model: str, prompt_len: int, kv_policy: dict[str, Any], args) -> dic
     core = EngineCore(EngineConfig(model=model, kv_cache_memory=args.kv_memory,
                                    max_num_batched_tokens=args.max_batched_tokens,
                                    enable_prefix_caching=False))
-    words = core.model_config.vocab_size - bc.FIRST_TOKEN_ID
-    prompt = [bc.FIRST_TOKEN_ID + (7 * i) % words for i in range(prompt_len)]
+    words = core.model_config.vocab_size - FIRST_TOKEN_ID
+    prompt = [FIRST_TOKEN_ID + (7 * i) % words for i in range(prompt_len)]
     core.add_request("r", prompt, SamplingParams(max_tokens=args.gen, temperature=0.0,
                                                  ignore_eos=True, detokenize=False),
                      kv_policy=kv_policy)
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     report["runs"] = {}
     with tempfile.TemporaryDirectory(prefix="bench-prefill-") as tmp:
         long_ctx, short_ctx = os.path.join(tmp, "long"), os.path.join(tmp, "short")
-        bc.build_model(args.model, long_ctx, max_positions=args.prompt + args.gen + 64)
-        bc.build_model(args.model, short_ctx, max_positions=args.short_context)
+        build_model(args.model, long_ctx, max_positions=args.prompt + args.gen + 64)
+        build_model(args.model, short_ctx, max_positions=args.short_context)
         for name, cfg in policies(args.budget).items():
             model = short_ctx if name.endswith("+shift") else long_ctx
             r = run_one(model, args.prompt, cfg, args)

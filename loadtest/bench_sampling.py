@@ -25,10 +25,11 @@ import time
 
 from engine.sampling import SamplingParams, StructuredOutput
 from loadtest import bench_common as bc
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
 NAME = "bench_sampling"
-FIRST = bc.FIRST_TOKEN_ID
+FIRST = FIRST_TOKEN_ID
 DOC_HEADING = "## Sampling features: the step they cost"
 # name -> (what it is, SamplingParams fields beside max_tokens / ignore_eos)
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -56,7 +57,7 @@ def _run(eng: EngineCore, fields: dict, n: int, args: argparse.Namespace, vocab:
          tag: str) -> dict:
     rng = random.Random(args.seed)
     for i in range(n):
-        prompt = [rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(args.prompt)]
+        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(args.prompt)]
         eng.add_request(f"{tag}-{i}", prompt, SamplingParams(
             max_tokens=args.gen, ignore_eos=True, detokenize=False, seed=i, **fields))
     d = bc.drive(eng, tag, progress=not args.no_progress)
@@ -71,7 +72,7 @@ def measure(path: str, args: argparse.Namespace, vocab: int) -> list[dict]:
     names = args.variants
     rows = []
     for n in args.requests:
-        blocks = n * int(bc.MODEL_CONFIGS[args.model]["num_hidden_layers"]) * (
+        blocks = n * int(MODEL_CONFIGS[args.model]["num_hidden_layers"]) * (
             -(-(args.prompt + args.gen) // 16) + 2)
         eng = EngineCore(EngineConfig(model=path, num_blocks=blocks, max_num_seqs=n,
                                       enable_prefix_caching=False))
@@ -204,8 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-sampling-") as tmp:
         path = os.path.join(tmp, args.model)
-        report["params"] = bc.build_model(args.model, path)
-        report["rows"] = measure(path, args, int(bc.MODEL_CONFIGS[args.model]["vocab_size"]))
+        report["params"] = build_model(args.model, path)
+        report["rows"] = measure(path, args, int(MODEL_CONFIGS[args.model]["vocab_size"]))
     report["truncate"] = measure_truncate(args)
     report["bench_wall_s"] = time.perf_counter() - t0
     bc.publish(report, args, NAME, DOC_HEADING, render, plot)

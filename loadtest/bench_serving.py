@@ -75,7 +75,7 @@ DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window":
 
 
 def prepare_model(name: str, cache: str) -> dict[str, Any]:
-    """`demo` (the bundled trained model) or a bench_common config built (random
+    """`demo` (the bundled trained model) or a `random_models` config built (random
     weights, saved once) under `cache`; returns its path and shape. The tokenizer of a
     cached model is rewritten every time, so one saved by an older build (the byte
     tokenizer, whose random tokens rarely decode to text) is not measured with."""
@@ -84,7 +84,7 @@ def prepare_model(name: str, cache: str) -> dict[str, Any]:
 
         path = str(DEMO_MODEL)
     else:
-        from loadtest.bench_common import MODEL_CONFIGS, build_model, save_tokenizer
+        from loadtest.random_models import MODEL_CONFIGS, build_model, save_tokenizer
 
         if name not in MODEL_CONFIGS:
             raise SystemExit(f"unknown model {name!r}: demo or one of {sorted(MODEL_CONFIGS)}")

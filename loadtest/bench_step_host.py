@@ -43,8 +43,8 @@ def measure(model: str, dtype: str, running: int, steps: int,
             kv_policy: str | None, detokenize: bool = False) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
     from engine.sampling import SamplingParams
-    from loadtest.bench_common import MODEL_CONFIGS, build_model
     from loadtest.bench_offline import Workload
+    from loadtest.random_models import MODEL_CONFIGS, build_model
     from scheduler.llm import LLM
 
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as path:

@@ -27,8 +27,9 @@ from typing import Any
 import httpx
 
 from engine.cpu_threads import ENV_VARS, allowed_cpus, physical_cores
-from loadtest.bench_common import markers, save_json, update_doc
+from loadtest.bench_common import markers, save_json
 from loadtest.fingerprint import fingerprint
+from loadtest.report import update_doc
 from loadtest.spawn import Spawned, free_port, kvserve_cmd
 
 NAME = "bench_threads"

@@ -28,6 +28,7 @@ import torch
 from engine.sampling import SamplingParams
 from loadtest import bench_common as bc
 from loadtest.policy_eval import POLICIES, policy_config
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
 
@@ -47,7 +48,7 @@ def kept_hashes(eng: EngineCore) -> dict[str, list[str]]:
 
 def run_policy(path: str, name: str, args: argparse.Namespace) -> list[dict[str, list[str]]]:
     """The overhead workload for `name`, `args.steps` steps: the hashes after each."""
-    cfg = bc.MODEL_CONFIGS[args.model]
+    cfg = MODEL_CONFIGS[args.model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     budget = round(args.budget * (args.prompt + args.gen))
     prompt = max(args.prompt, budget + 1)
@@ -58,7 +59,7 @@ def run_policy(path: str, name: str, args: argparse.Namespace) -> list[dict[str,
     rng = random.Random(args.seed)
     kv = policy_config(name, budget)
     for i in range(args.batch):
-        eng.add_request(f"{name}-{i}", [rng.randrange(bc.FIRST_TOKEN_ID, vocab)
+        eng.add_request(f"{name}-{i}", [rng.randrange(FIRST_TOKEN_ID, vocab)
                                         for _ in range(prompt)],
                         SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True,
                                        detokenize=False), kv_policy=kv)
@@ -110,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--steps", type=int, default=200, help="engine steps per policy")
-    p.add_argument("--model", default="3m", choices=sorted(bc.MODEL_CONFIGS))
+    p.add_argument("--model", default="3m", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--batch", type=int, default=16, help="requests (bench_policies' "
                    "--overhead-batch)")
     p.add_argument("--prompt", type=int, default=512)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "compare"},
                     "policies": {}}
     with tempfile.TemporaryDirectory(prefix="kept-sets-") as path:
-        bc.build_model(args.model, path, max_positions=4096)
+        build_model(args.model, path, max_positions=4096)
         for name in args.policies:
             report["policies"][name] = run_policy(path, name, args)
             last = report["policies"][name][-1] if report["policies"][name] else {}

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import torch
 
+from loadtest.random_models import MODEL_CONFIGS
+
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -181,7 +183,6 @@ def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int 
     """Each throughput run's bound and each system's share of it. The report keeps a run's
     requests sorted by prompt length, not in their order: the bound is the least over that
     order, its reverse and `orders` shuffles."""
-    from loadtest.bench_common import MODEL_CONFIGS
     from loadtest.bench_offline import TARGETS  # issue 22's 1.3x over vLLM-CPU
 
     st, rows = report["settings"], []
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         for path in a.reports:
             print(offline_table(json.loads(Path(path).read_text())), flush=True)
         return []
-    from loadtest.bench_common import MODEL_CONFIGS, pin_threads
+    from loadtest.bench_common import pin_threads
     from loadtest.bench_offline import gemm_peak_gflops
 
     pin_threads("loadtest.roofline", a.threads, argv)

@@ -1,4 +1,4 @@
-"""The word tokenizer of the random-weight benchmark models (`loadtest/bench_common.py`).
+"""The word tokenizer of the random-weight benchmark models (`loadtest/random_models.py`).
 
 A random-weight model samples ids from its whole vocabulary; the serving benchmark takes
 TTFT at the first streamed chunk with text, so every such id must decode to text on its
@@ -14,7 +14,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from loadtest.bench_common import (
+from loadtest.random_models import (
     FIRST_TOKEN_ID,
     MODEL_CONFIGS,
     build_model,

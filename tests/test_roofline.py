@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_common import MODEL_CONFIGS
+from loadtest.random_models import MODEL_CONFIGS
 from loadtest.roofline import ModelCost, Step, bound, by_kind, schedule, serving_rows
 
 
