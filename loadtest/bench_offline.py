@@ -51,7 +51,15 @@ from loadtest.bench_common import pin_threads, pyplot, save_figure, settle
 from loadtest.fingerprint import fingerprint
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from loadtest.report import update_doc as _update_doc
-from loadtest.roofline import ModelCost, bound, by_kind, memory_bandwidth, schedule
+from loadtest.roofline import (
+    VLLM_TARGET,
+    ModelCost,
+    bound,
+    by_kind,
+    gemm_peak_gflops,
+    memory_bandwidth,
+    schedule,
+)
 
 # kvserve_dense: kvserve with torch's dense F.linear instead of oneDNN-prepacked weights
 # (engine/cpu_linear.py), to measure what prepacking gives; opt-in, not in the default.
@@ -449,39 +457,9 @@ def workload_bound(cfg: dict[str, object], dtype: str, w: Workload, gemm_flops: 
                       for s in kvserve_steps], gemm_flops, bandwidth, max_seqs)
     walls = {k: sum(r["wall_s"]) / len(r["wall_s"]) for k, r in results.items() if r["wall_s"]}
     out["of_bound"] = {k: out["sequential_s"] / t for k, t in walls.items()}
-    out["vllm_x1.3_needs"] = (TARGETS["vllm"] * out["sequential_s"] / walls["vllm"]
+    out["vllm_x1.3_needs"] = (VLLM_TARGET * out["sequential_s"] / walls["vllm"]
                               if "vllm" in walls else None)
     return out
-
-
-def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> float:
-    """This machine's matmul rate at the model's MLP shape (2048 tokens, on the threads
-    the systems run): the ceiling any of them can reach on the linears. The faster of
-    torch's dense GEMM, the oneDNN-prepacked weight vLLM-CPU multiplies against and the
-    layout kvserve runs here (engine/cpu_linear.py: oneDNN's or its own panels): in bf16
-    on a CPU with native bf16 dot products the packed one is ~2x the dense one, and a
-    dense-only ceiling once had kvserve at "89% of the machine" when it ran at ~43%."""
-    from engine.cpu_linear import PackedLinear, faster_linear, packing_available
-
-    dt = getattr(torch, dtype)
-    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
-    x = torch.randn(2048, h, dtype=dt)
-    linear = torch.nn.Linear(h, inter, bias=False, dtype=dt)
-    fns = [lambda: torch.mm(x, linear.weight.t())]
-    ours = faster_linear(linear)
-    layers = [ours] if ours is not None else []
-    if packing_available(dt) and not isinstance(ours, PackedLinear):  # vLLM-CPU's layout
-        layers.append(PackedLinear(linear))
-    fns += [lambda layer=layer: layer(x) for layer in layers]
-    best = float("inf")
-    with torch.inference_mode():
-        for fn in fns:
-            fn()  # oneDNN's first call sets up
-            for _ in range(repeats):
-                t = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t)
-    return 2 * 2048 * h * inter / best / 1e9
 
 
 # ---- where kvserve's decode step goes ------------------------------------------------
@@ -569,7 +547,7 @@ def profile_decode(kv: KVServe, w: Workload, max_seqs: int, steps: int = 16,
 
 DOC_HEADING = "## Offline throughput (issue 2)"
 BEGIN, END = "<!-- bench_offline:begin (generated) -->", "<!-- bench_offline:end -->"
-TARGETS: dict[str, float | None] = {"hf_static": 3.0, "hf_cb": 2.5, "vllm": 1.3,
+TARGETS: dict[str, float | None] = {"hf_static": 3.0, "hf_cb": 2.5, "vllm": VLLM_TARGET,
                                     "kvserve_dense": None}
 OVERHEAD_TARGET = 0.10
 LABELS = {"kvserve": "kvserve", "hf_static": "HF generate, static batches of 16",

@@ -13,7 +13,7 @@ file both sides read and write, and kvserve's side never imports kvpress:
   passed), or `{"skipped": why}` when the venv is missing, as the vLLM rows are.
 - `rows`: its output as quality rows in our format — perplexity from the summed
   log-likelihoods, needle accuracy scored by replaying the answers through
-  `demo_model.evaluate.needle` (`policy_eval.NeedleReplay`), so both sides are scored
+  `demo_model.evaluate.needle` (`needle_replay.NeedleReplay`), so both sides are scored
   by the same rule.
 """
 
@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.policy_eval import NeedleReplay, needle_summary
+from loadtest.needle_replay import NeedleReplay, needle_summary
 
 DEFAULT_PYTHON = ".venv-kvpress/bin/python"
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvpress_quality.py")

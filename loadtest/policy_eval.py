@@ -37,6 +37,7 @@ from engine.runner import SeqInput
 from engine.sampling import SamplingParams
 from kvpool.manager import MIN_PREFILL_CHUNK
 from loadtest.bench_common import drive
+from loadtest.needle_replay import NeedleReplay, needle_summary
 from policies.catalog import CATALOG, build_policy
 from policies.config import parse_kv_policy
 from scheduler.request import Request
@@ -82,26 +83,6 @@ def ppl_windows(data, n: int, length: int) -> list[list[int]]:
         out += [s[k * length:(k + 1) * length] for s in seqs if len(s) >= (k + 1) * length]
         k += 1
     return out[:n]
-
-
-class NeedleReplay:
-    """Runs `demo_model.evaluate.needle` unchanged but batched: a first pass records
-    its prompts (answering nothing), the caller generates them all at once, a second
-    pass replays the answers in order and scores them with the harness's own rule."""
-
-    def __init__(self, max_context: int) -> None:
-        self.max_context = max_context
-        self.prompts: list[list[int]] = []
-        self.answers: list[list[int]] | None = None
-
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-        if self.answers is None:
-            self.prompts.append(list(prompt_ids))
-            return []
-        return self.answers.pop(0)
-
-    def score(self, ids: Sequence[int]) -> list[float]:
-        raise NotImplementedError("needle only")
 
 
 def policy_config(name: str, budget: int) -> dict[str, Any] | str:
@@ -213,17 +194,6 @@ class KVServeBackend:
             for r in reqs:
                 r.cache.release()
         return logps
-
-
-def needle_summary(acc: dict) -> tuple[dict[str, float], float]:
-    """{task: {length: {depth: acc}}} -> (mean accuracy per depth, overall mean)."""
-    by_depth: dict[str, list[float]] = {}
-    for by_len in acc.values():
-        for row in by_len.values():
-            for depth, v in row.items():
-                by_depth.setdefault(depth, []).append(v)
-    means = {d: sum(v) / len(v) for d, v in by_depth.items()}
-    return means, sum(means.values()) / len(means)
 
 
 def evaluate_quality(args, progress: bool = True) -> dict:

