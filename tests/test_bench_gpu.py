@@ -1,4 +1,4 @@
-"""loadtest/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
+"""benchmarks/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
 renders from real runs' JSON (sessions 23 and 26 on an H200, docs/results/)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadtest import bench_gpu
+from benchmarks import bench_gpu
 
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_gpu_160m_s23.json"
 S26 = RESULTS.with_name("bench_gpu_160m_s26.json")

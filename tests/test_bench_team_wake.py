@@ -1,13 +1,13 @@
-"""loadtest/bench_team_wake.py: small ops on one thread against the team, alone and
+"""benchmarks/bench_team_wake.py: small ops on one thread against the team, alone and
 against a base checkout (kvpool/csrc/team.h, issue 22)."""
 
 from __future__ import annotations
 
 import json
 
+from benchmarks import bench_team_wake as bench
 from engine.cpu_linear import panels_available
 from kvpool import cpu_attention
-from loadtest import bench_team_wake as bench
 
 
 def test_run_writes_json_and_a_table(tmp_path, capsys) -> None:

@@ -92,7 +92,7 @@ def test_prepare_model_replaces_an_older_byte_tokenizer(tmp_path) -> None:
 
 
 def test_gpu_benchmark_shape_is_llama_3_2_1b() -> None:
-    """`--model 1b` (loadtest/bench_gpu.py): Llama-3.2-1B's shape, GQA 4:1, 1.24B
+    """`--model 1b` (benchmarks/bench_gpu.py): Llama-3.2-1B's shape, GQA 4:1, 1.24B
     parameters with tied embeddings (counted on the meta device: nothing allocated)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,6 +1,6 @@
 """Imports point one way (docs/architecture.md): server -> scheduler -> engine -> kvpool,
-with policies beside kvpool; loadtest is a client on top that nothing below imports, and
-the demo model's training and evaluation code (demo_model/, not installed) is no part of
+with policies beside kvpool; loadtest is a client on top that nothing below imports,
+benchmarks sits on top of loadtest (which never imports it), and the demo model's training and evaluation code (demo_model/, not installed) is no part of
 the runtime either. Read from the sources with `ast`, so a lazy import inside a function
 counts as much as one at the top of a module."""
 
@@ -21,7 +21,7 @@ ALLOWED = {
     "scheduler": {"engine", "kvpool", "policies"},
     "server": {"scheduler", "engine", "kvpool", "policies"},
 }
-FIRST_PARTY = {*ALLOWED, "loadtest", "demo_model", "tests"}
+FIRST_PARTY = {*ALLOWED, "loadtest", "benchmarks", "demo_model", "tests"}
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -41,20 +41,29 @@ def test_runtime_packages_import_only_layers_below(package: str) -> None:
     assert not {f: p for f, p in bad.items() if p}, "imports against the layering"
 
 
+def test_loadtest_never_imports_benchmarks() -> None:
+    """The load tests users run (loadtest/) stand alone; the engine benchmarks
+    (benchmarks/) may use them, not the other way round."""
+    bad = {str(f.relative_to(ROOT)) for f in sorted((ROOT / "loadtest").rglob("*.py"))
+           if "benchmarks" in imported_packages(f)}
+    assert not bad, bad
+
+
 def test_kvserve_has_no_bench_subcommand() -> None:
-    """Benchmarks are `python -m loadtest`: the server's CLI never reaches into loadtest."""
+    """Benchmarks are `python -m loadtest` and `python -m benchmarks.<name>`: the server's
+    CLI never reaches into either."""
     from server.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "serve"])
 
 
-def test_the_installed_packages_are_the_runtime_and_loadtest() -> None:
-    """pyproject installs the runtime packages and loadtest (a client shipped with it);
+def test_the_installed_packages_are_the_runtime_loadtest_and_benchmarks() -> None:
+    """pyproject installs the runtime packages, loadtest and benchmarks (shipped with it);
     demo_model/ needs a checkout, and only the checkpoint stays under engine/demo/."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     installed = set(re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools]", 1)[1]))
-    assert installed == {*ALLOWED, "loadtest"}
+    assert installed == {*ALLOWED, "loadtest", "benchmarks"}
     assert sorted(p.name for p in (ROOT / "engine" / "demo").glob("*.py")) == ["__init__.py"]
 
 

@@ -454,7 +454,7 @@ def test_publish_writes_the_doc_unless_told_not_to(tmp_path, monkeypatch, doc: s
     machine, not a result to publish)."""
     import argparse
 
-    from loadtest import bench_common as bc
+    from benchmarks import bench_common as bc
 
     monkeypatch.chdir(tmp_path)
     args = argparse.Namespace(doc=doc, results=None, plot=None, out="runs", quick=False)

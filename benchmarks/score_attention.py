@@ -12,7 +12,7 @@ and we measure the attention the last `queries` prompt queries give to the kept 
 ("recall": 1 = the kept set holds all of it), beside streaming's set (sink 4 + the most
 recent) and the first token's share (is there an attention sink to protect?).
 
-    python -m loadtest.score_attention --out docs/results/score_attention_demo.json
+    python -m benchmarks.score_attention --out docs/results/score_attention_demo.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from loadtest.policy_eval import SINK, load_data, ppl_windows
+from benchmarks.policy_eval import SINK, load_data, ppl_windows
 
 
 def kept_sets(keys: torch.Tensor, values: torch.Tensor, budget: int) -> dict[str, torch.Tensor]:
@@ -82,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from loadtest.fingerprint import fingerprint
 
-    res = {"command": "python -m loadtest.score_attention " + " ".join(sys.argv[1:]),
+    res = {"command": "python -m benchmarks.score_attention " + " ".join(sys.argv[1:]),
            "fingerprint": fingerprint(),
            **measure(args.demo_model, args.windows, args.prompt,
                      [float(x) for x in args.fractions.split(",")], args.queries)}

@@ -1,4 +1,4 @@
-"""The docs/benchmarks.md block and the figure of `loadtest.bench_policies`.
+"""The docs/benchmarks.md block and the figure of `benchmarks.bench_policies`.
 
 Kept apart from the driver so the driver reads as the experiment; everything here is
 a pure function of the report dict (the JSON in docs/results/bench_policies.json).
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import statistics
 
-from loadtest import bench_common as bc
-from loadtest import kvpress_report
+from benchmarks import bench_common as bc
+from benchmarks import kvpress_report
 
 TARGET = 3.0  # issue 5: the best policies serve ≥ 3× full's output tokens/s
 

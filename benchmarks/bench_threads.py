@@ -8,7 +8,7 @@ but the variant's own), warmed up, then timed: one request alone and four at onc
 beside a `python -c "while True: pass"` child. The best is what the server can do, the
 rest is whatever else ran on the machine.
 
-    python -m loadtest.bench_threads --repeats 7 --out runs/
+    python -m benchmarks.bench_threads --repeats 7 --out runs/
 
 Writes runs/bench_threads-<timestamp>.json, docs/results/bench_threads.json and the
 "## CPU threads (issue 22)" section of docs/benchmarks.md.
@@ -26,8 +26,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.bench_common import markers, save_json
 from engine.cpu_threads import ENV_VARS, allowed_cpus, physical_cores
-from loadtest.bench_common import markers, save_json
 from loadtest.fingerprint import fingerprint
 from loadtest.report import update_doc
 from loadtest.spawn import Spawned, free_port, kvserve_cmd
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         os.environ.pop(k, None)
     os.makedirs(a.out, exist_ok=True)
     report: dict[str, Any] = {
-        "benchmark": NAME, "command": "python -m loadtest.bench_threads " + " ".join(
+        "benchmark": NAME, "command": "python -m benchmarks.bench_threads " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
         "settings": {"model": a.model, "max_tokens": a.max_tokens, "repeats": a.repeats,

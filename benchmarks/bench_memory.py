@@ -19,7 +19,7 @@ This measures the same trade-offs on this machine, through the offline EngineCor
 Latency is per request, end to end: RequestOutput.arrival_time (time.monotonic at
 submission) to the moment the final output is seen; TTFT from first_token_time.
 
-    python -m loadtest.bench_memory --out runs/
+    python -m benchmarks.bench_memory --out runs/
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 
 from tqdm import tqdm
 
+from benchmarks import bench_common as bc
 from engine.sampling import SamplingParams
-from loadtest import bench_common as bc
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.preemption import CostModel
@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.prefix_model = a.pressure_model = "tiny"
         a.prefix_tokens, a.prefix_requests, a.requests = 256, 2, 8
         a.prompt_range, a.output_range = "8,32", "16,64"
-    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m benchmarks.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.prompt_range = tuple(int(x) for x in a.prompt_range.split(","))
     a.output_range = tuple(int(x) for x in a.output_range.split(","))
@@ -202,7 +202,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
+    bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
                         "parts", "prefix_model", "prefix_tokens", "suffix_tokens",
                         "prefix_requests", "pressure_model", "requests", "prompt_range",
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
         if {"preemption", "watermark"} & set(args.parts):
             report["pressure"] = part_pressure(paths[args.pressure_model], args)
     report["bench_wall_s"] = time.perf_counter() - t0
-    from loadtest.bench_memory_report import plot, render
+    from benchmarks.bench_memory_report import plot, render
 
     bc.publish(report, args, NAME, DOC_HEADING, render, plot)
     return report

@@ -4,12 +4,12 @@ Why: a policy that is far worse than full cache on the demo model is either a we
 method on this model or a bug in ours; the same method's kvpress press, run on the same
 windows and needle prompts with the same budgets, tells which. kvpress 0.5.5 pins an
 older transformers, so this script runs in its own venv (`make kvpress-venv`) and
-imports nothing of kvserve: `loadtest/kvpress_compare.py` writes the exchange file
+imports nothing of kvserve: `benchmarks/kvpress_compare.py` writes the exchange file
 (windows, needle prompts, budgets), this script writes back per-window log-likelihoods
 and the greedy needle answers, and the kvserve side scores the answers with
 `demo_model.evaluate.needle`'s own rule.
 
-Protocol, as `loadtest/policy_eval.py` runs ours (000_8900623ad98b28fb.txt §4.1):
+Protocol, as `benchmarks/policy_eval.py` runs ours (000_8900623ad98b28fb.txt §4.1):
 
 - perplexity: the prompt (first `prompt_len` tokens of a window) is prefilled in one
   forward with the press compressing it to the budget (compression ratio 1 − B/n); the
@@ -32,7 +32,7 @@ decoding press compresses again at every token, and StreamingLLMPress then drops
 token of the topk shuffle's choosing instead of the oldest. `ordered_topk` keeps the
 kept indices sorted, so the cache stays in time order.
 
-    .venv-kvpress/bin/python -m loadtest.kvpress_quality --exchange in.json --out out.json
+    .venv-kvpress/bin/python -m benchmarks.kvpress_quality --exchange in.json --out out.json
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def run(ex: dict[str, Any], methods: list[str], progress: bool = True) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--exchange", required=True, help="JSON from loadtest/kvpress_compare.py")
+    ap.add_argument("--exchange", required=True, help="JSON from benchmarks/kvpress_compare.py")
     ap.add_argument("--out", required=True, help="JSON to write")
     ap.add_argument("--methods", default=",".join(PRESSES))
     ap.add_argument("--threads", type=int, default=1)

@@ -8,11 +8,11 @@ alike. The number compared is *useful* output tokens per second: the sum of the 
 each request asked for, over wall time. Static batching generates up to the longest
 request of its batch; those extra tokens are waste and are not counted.
 
-    python -m loadtest.bench_offline --models 3m,160m --threads 1 --repeats 3m=3,160m=1 \
+    python -m benchmarks.bench_offline --models 3m,160m --threads 1 --repeats 3m=3,160m=1 \
         --requests 3m=64,160m=32 --profile --out runs/
 
 vLLM runs from its own venv (`make vllm-venv`; `--vllm-python`), in a child process that
-loads the model once and takes its turn in every repeat (loadtest/vllm_offline.py), with
+loads the model once and takes its turn in every repeat (benchmarks/vllm_offline.py), with
 its OpenMP threads bound to as many CPUs as `--threads` (loadtest/vllm_peer.py); without
 the venv its rows are skipped with a note. `--systems` picks the systems.
 
@@ -45,13 +45,8 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
-from engine.cpu_threads import allowed_cpus, physical_cores
-from loadtest import vllm_peer
-from loadtest.bench_common import pin_threads, pyplot, save_figure, settle
-from loadtest.fingerprint import fingerprint
-from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
-from loadtest.report import update_doc as _update_doc
-from loadtest.roofline import (
+from benchmarks.bench_common import pin_threads, pyplot, save_figure, settle
+from benchmarks.roofline import (
     VLLM_TARGET,
     ModelCost,
     bound,
@@ -60,9 +55,16 @@ from loadtest.roofline import (
     memory_bandwidth,
     schedule,
 )
+from engine.cpu_threads import allowed_cpus, physical_cores
+from loadtest import vllm_peer
+from loadtest.fingerprint import fingerprint
+from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
+from loadtest.report import update_doc as _update_doc
 
 # kvserve_dense: kvserve with torch's dense F.linear instead of oneDNN-prepacked weights
 # (engine/cpu_linear.py), to measure what prepacking gives; opt-in, not in the default.
+# vLLM's side, under its own venv's python (VLLMOffline)
+VLLM_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_offline.py")
 SYSTEMS = ("kvserve", "hf_static", "hf_cb", "vllm", "kvserve_dense")
 PEERS = SYSTEMS[1:]
 
@@ -238,7 +240,7 @@ class HFContinuous:
 
 class VLLMOffline:
     """vLLM's `LLM.generate` in a child of its own venv: one line of workload in, one
-    line of result out (loadtest/vllm_offline.py), the model loaded once."""
+    line of result out (benchmarks/vllm_offline.py), the model loaded once."""
 
     def __init__(self, python: str, path: str, dtype: str, max_seqs: int, max_batched: int,
                  threads: int, kv_memory: str, seed: int, log_path: str) -> None:
@@ -251,7 +253,7 @@ class VLLMOffline:
         self.settings = vllm_peer.settings(threads, kv_memory)
         self.log = open(log_path, "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [python, vllm_peer.OFFLINE_SCRIPT, "--model", path, "--dtype", dtype,
+            [python, VLLM_SCRIPT, "--model", path, "--dtype", dtype,
              "--max-model-len", str(max_len), "--max-num-seqs", str(max_seqs),
              "--max-num-batched-tokens", str(max_batched), "--seed", str(seed)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -260,7 +262,7 @@ class VLLMOffline:
         self._answer()  # the model is loaded
 
     def _answer(self) -> dict:
-        from loadtest.vllm_offline import MARK
+        from benchmarks.vllm_offline import MARK
 
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
@@ -446,7 +448,7 @@ def workload_gflop(cfg: dict[str, object], w: Workload) -> float:
 def workload_bound(cfg: dict[str, object], dtype: str, w: Workload, gemm_flops: float,
                    bandwidth: float, max_seqs: int, max_tokens: int,
                    results: dict[str, dict], kvserve_steps: list) -> dict[str, object]:
-    """The least wall time any engine could take here (loadtest/roofline.py), each
+    """The least wall time any engine could take here (benchmarks/roofline.py), each
     system's mean wall time as a share of it, the share 1.3x vLLM's throughput would
     take (issue 22's target), and kvserve's timed steps by kind beside their bound."""
     cost = ModelCost.of(cfg, torch.empty((), dtype=getattr(torch, dtype)).element_size())
@@ -658,7 +660,7 @@ def render_table(report: dict) -> str:
         lines += [
             "",
             "The least wall time any engine could take on this workload here "
-            "(loadtest/roofline.py: the steps continuous batching runs it in; each step's "
+            "(benchmarks/roofline.py: the steps continuous batching runs it in; each step's "
             "linears, then its attention, at this machine's GEMM rate or its memory read "
             "rate, whichever is slower; *overlapped*: the whole step at the slower of the "
             "two), and each system's share of it (sequential bound / wall time). The bound "
@@ -837,7 +839,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.models, a.repeats, a.requests = "tiny", "1", "8"
         a.prompt_range, a.output_range, a.max_seqs, a.static_batch = "4,24", "2,12", 8, 4
         a.kv_memory = "16MiB"
-    a.command = "python -m loadtest.bench_offline " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = "python -m benchmarks.bench_offline " + " ".join(sys.argv[1:] if argv is None else argv)
     a.models = a.models.split(",")
     a.systems = [s for s in a.systems.split(",") if s]
     if "kvserve" not in a.systems or set(a.systems) - set(SYSTEMS):
@@ -868,7 +870,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         plot(report, args.plot)
         return report
     # kvserve runs here as `kvserve generate` runs it: an offline job, spinning waits
-    in_process = pin_threads("loadtest.bench_offline", args.threads, argv, default_wait="spin")
+    in_process = pin_threads("benchmarks.bench_offline", args.threads, argv, default_wait="spin")
     if args.vllm_missing:
         print(args.vllm_missing, flush=True)
     vllm_on = "vllm" in args.systems and not args.vllm_missing

@@ -1,6 +1,6 @@
 """vLLM's offline `LLM.generate` as bench_offline's peer; runs under vLLM's own python.
 
-Not imported by kvserve: `loadtest/bench_offline.py` starts it with the vLLM venv's
+Not imported by kvserve: `benchmarks/bench_offline.py` starts it with the vLLM venv's
 python (loadtest/vllm_peer.py) and keeps it alive for the whole model entry, so the
 model loads once and vLLM takes its turn inside every repeat like the other systems.
 Each stdin line is a workload (`{"prompts": [[ids]], "output_lens": [n]}`); each answer

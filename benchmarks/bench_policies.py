@@ -2,7 +2,7 @@
 
 Why: an eviction policy is worth its complexity only if the memory it saves turns into
 more concurrent requests and output tokens/s, at a per-step cost and a quality loss that
-are both small. Three parts, each policy at one budget (`loadtest/policy_eval.py`):
+are both small. Three parts, each policy at one budget (`benchmarks/policy_eval.py`):
 
 1. throughput: a pool that holds `--fit` 8 full-cache requests of prompt + gen tokens
    (the issue: 8 × layers × ceil(4096/16) blocks), 64 requests of `--prompt` tokens
@@ -19,7 +19,7 @@ are both small. Three parts, each policy at one budget (`loadtest/policy_eval.py
    held-out perplexity (000_8900623ad98b28fb.txt §4.1) and needle-in-a-haystack accuracy by
    depth (002_f8cea1b3e0b25e86.txt Table 1) at 25% and 50% budgets, full cache as reference;
    beside each method kvpress also ships, its press on the same windows, prompts and
-   budgets (`loadtest/kvpress_compare.py`, run from `--kvpress-python`'s venv, skipped
+   budgets (`benchmarks/kvpress_compare.py`, run from `--kvpress-python`'s venv, skipped
    with a note without it), so a weak row reads as the method's or as ours.
 
 The issue's full size (prompt 512 + gen 3584, 64 requests, 12 configurations) takes
@@ -43,7 +43,7 @@ buys, on the same machine in the same run), `--policies streaming,streaming:nori
 (StreamingLLM also run without its ring, `streaming_ring=False`: appending, then
 evicting after the step).
 
-    python -m loadtest.bench_policies --out runs/
+    python -m benchmarks.bench_policies --out runs/
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks import bench_common as bc
+from benchmarks import kvpress_compare
+from benchmarks.policy_eval import POLICIES, policy_config
 from engine.sampling import SamplingParams
-from loadtest import bench_common as bc
-from loadtest import kvpress_compare
-from loadtest.policy_eval import POLICIES, policy_config
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -339,7 +339,7 @@ def run_quality(args: argparse.Namespace) -> dict:
     if msg is not None:
         print(f"[quality] {msg}", flush=True)
         return {"skipped": msg}
-    from loadtest.policy_eval import evaluate_quality
+    from benchmarks.policy_eval import evaluate_quality
 
     return evaluate_quality(argparse.Namespace(**{**vars(args), "policies": _plain(args.policies)}),
                             progress=not args.no_progress)
@@ -393,7 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.model, a.requests, a.fit, a.prompt, a.gen = "tiny", 10, 3, 32, 64
         a.overhead_batch, a.overhead_steps, a.ceiling_steps, a.ppl_windows = 4, 8, 8, 2
-    a.command = f"python -m loadtest.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m benchmarks.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
     bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES
@@ -416,7 +416,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
+    bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
                         "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
                         "policies", "seed",
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["quality"] = run_quality(args)
         report["quality"]["bench_wall_s"] = time.perf_counter() - t
     report["bench_wall_s"] = time.perf_counter() - t0
-    from loadtest.bench_policies_report import plot, render
+    from benchmarks.bench_policies_report import plot, render
 
     bc.publish(report, args, NAME, DOC_HEADING, render, plot)
     return report

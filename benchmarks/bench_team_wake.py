@@ -1,6 +1,6 @@
 """Small ops on one thread against the whole team, as a decode step streams them.
 
-    python -m loadtest.bench_team_wake --cpu-wait passive --base /tmp/base-checkout
+    python -m benchmarks.bench_team_wake --cpu-wait passive --base /tmp/base-checkout
 
 Why: with sleeping intra-op threads (`--cpu-wait passive`, engine/cpu_threads.py) every
 parallel region wakes the team, ~20-40 us here, and a demo-model decode step opened ~21
@@ -107,7 +107,7 @@ def table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog=f"python -m loadtest.{NAME}", description=__doc__,
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-wait", choices=WAITS, default="passive",
                    help="how idle intra-op threads wait: passive (`kvserve serve`'s default) "
@@ -120,11 +120,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="runs/")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # measure once, JSON to this path
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    from benchmarks.bench_common import ab_rounds, pin_threads
     from engine import cpu_threads
-    from loadtest.bench_common import ab_rounds, pin_threads
 
     threads = a.threads or cpu_threads.plan(None, None).threads
-    choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait=a.cpu_wait)
+    choice = pin_threads(f"benchmarks.{NAME}", threads, argv, default_wait=a.cpu_wait)
     if a.worker:
         import json
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     from loadtest.fingerprint import fingerprint
 
     shown = sys.argv[1:] if argv is None else argv
-    report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(shown),
+    report: dict = {"benchmark": NAME, "command": f"python -m benchmarks.{NAME} " + shlex.join(shown),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "threads": choice, "settings": vars(a), "rounds": []}
     same = ["--threads", str(threads), "--cpu-wait", a.cpu_wait, "--cycle-mb", str(a.cycle_mb)]

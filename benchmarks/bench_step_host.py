@@ -1,7 +1,7 @@
 """The engine step's host work at N decoding requests, and against another checkout.
 
-    python -m loadtest.bench_step_host --model 3m --running 64 --rounds 3
-    python -m loadtest.bench_step_host --base /tmp/base-checkout --rounds 3
+    python -m benchmarks.bench_step_host --model 3m --running 64 --rounds 3
+    python -m benchmarks.bench_step_host --base /tmp/base-checkout --rounds 3
 
 Issue 18's figure: the share of a decode step spent outside the model forward
 (scheduling, the decode append, sampling, advancing requests, policies) with `--running`
@@ -42,8 +42,8 @@ PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sampl
 def measure(model: str, dtype: str, running: int, steps: int,
             kv_policy: str | None, detokenize: bool = False) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
+    from benchmarks.bench_offline import Workload
     from engine.sampling import SamplingParams
-    from loadtest.bench_offline import Workload
     from loadtest.random_models import MODEL_CONFIGS, build_model
     from scheduler.llm import LLM
 
@@ -125,9 +125,9 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m loadtest.{NAME}", description=__doc__,
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="3m", help="a loadtest model config (3m, 160m, tiny)")
+    p.add_argument("--model", default="3m", help="a random_models config (3m, 160m, tiny)")
     p.add_argument("--dtype", default="float32", help="the model's dtype (and the pool's)")
     p.add_argument("--running", type=int, default=64, help="requests decoding")
     p.add_argument("--steps", type=int, default=200, help="steps timed per round")
@@ -147,21 +147,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    from benchmarks.bench_common import pin_threads
     from engine import cpu_threads
-    from loadtest.bench_common import pin_threads
 
     threads = a.threads or cpu_threads.plan(None, None).threads
-    choice = pin_threads(f"loadtest.{NAME}", threads, argv, default_wait=a.cpu_wait)
+    choice = pin_threads(f"benchmarks.{NAME}", threads, argv, default_wait=a.cpu_wait)
     args = (a.model, a.dtype, a.running, a.steps, a.kv_policy, a.detokenize)
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)
         return {}
-    from loadtest.bench_common import ab_rounds
+    from benchmarks.bench_common import ab_rounds
     from loadtest.fingerprint import fingerprint
 
     shown = sys.argv[1:] if argv is None else argv
-    report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(shown),
+    report: dict = {"benchmark": NAME, "command": f"python -m benchmarks.{NAME} " + shlex.join(shown),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "threads": choice, "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--dtype", a.dtype, "--running", str(a.running), "--steps", str(a.steps),

@@ -1,7 +1,7 @@
 """What the per-request sampling features cost a decode step: penalties, a logit bias,
 a grammar (structured outputs), temperature sampling, each against greedy.
 
-    python -m loadtest.bench_sampling --requests 16,64
+    python -m benchmarks.bench_sampling --requests 16,64
 
 Why: greedy rows take their argmax from the LM head's own op (no logits written); any of
 these features makes a step write the logits and change them on the host side
@@ -23,8 +23,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import bench_common as bc
 from engine.sampling import SamplingParams, StructuredOutput
-from loadtest import bench_common as bc
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.model, a.requests, a.prompt, a.gen, a.rounds = "tiny", "2,4", 8, 8, 1
         a.truncate_vocabs, a.truncate_rows, a.truncate_calls = "300", 4, 1
     a.truncate_vocabs = [int(x) for x in a.truncate_vocabs.split(",")]
-    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m benchmarks.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.requests = [int(x) for x in a.requests.split(",")]
     a.variants = ["greedy", *(v for v in a.variants.split(",") if v != "greedy")]
     if unknown := [v for v in a.variants if v not in VARIANTS]:
@@ -195,7 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
+    bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, ("model", "requests", "prompt", "gen", "rounds",
                                         "variants", "truncate_vocabs", "truncate_rows",
                                         "truncate_calls", "seed", "threads"))

@@ -14,7 +14,7 @@ no prefix caching. Runs, each on a fresh engine after a warm-up:
   the statistics graphs' Triton pass computes; knorm, whose key norms they keep), and
   h2o eagerly beside them: the step and its policy share;
 - HF `generate` (dynamic cache; static cache) on the same prompts as one batch;
-- kernels (loadtest/bench_gpu_kernels.py): an eager decode step's CUDA kernels, and the
+- kernels (benchmarks/bench_gpu_kernels.py): an eager decode step's CUDA kernels, and the
   Triton decode attention at a few tile sizes against SDPA on the same shape;
 - pressure: a pool that fits `--pressure-fit` full requests, N requests of P + 2G
   tokens, `full` against streaming and h2o.
@@ -25,9 +25,9 @@ forward, schedule, sample, policy), the GPU's busy share over 10 such steps
 planned while the one before ran (async scheduling) and the prompts' prefill rate. Writes JSON with the
 environment fingerprint (GPU included) and a markdown table to docs/benchmarks.md.
 
-    python -m loadtest.bench_gpu --model 160m          # the issue's run (about 3 min)
-    python -m loadtest.bench_gpu --model 1b            # Llama-3.2-1B's shape, GQA 4:1
-    python -m loadtest.bench_gpu --model 160m --parts kvserve,hf --quick
+    python -m benchmarks.bench_gpu --model 160m          # the issue's run (about 3 min)
+    python -m benchmarks.bench_gpu --model 1b            # Llama-3.2-1B's shape, GQA 4:1
+    python -m benchmarks.bench_gpu --model 160m --parts kvserve,hf --quick
 """
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ def table(report: dict) -> str:
 
 
 def kernels_part(path: str, prompts: list[list[int]]) -> dict:
+    from benchmarks import bench_gpu_kernels
     from engine.model_config import load_model_config
-    from loadtest import bench_gpu_kernels
 
     cfg = load_model_config(path)
     return bench_gpu_kernels.run(path, prompts, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
@@ -296,7 +296,7 @@ def render(report: dict) -> str:
     text = head + ".\n\n" + table(report)
     k = report.get("kernels")
     if k and "error" not in k:
-        from loadtest.bench_gpu_kernels import table as kernel_table
+        from benchmarks.bench_gpu_kernels import table as kernel_table
 
         text += "\n\n" + kernel_table(k)
     return text
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[rng.randrange(6, 32000) for _ in range(a.prompt)] for _ in range(a.requests)]
     parts = a.parts.split(",")
     report: dict[str, Any] = {
-        "benchmark": "bench_gpu", "command": "python -m loadtest.bench_gpu " + " ".join(argv or sys.argv[1:]),
+        "benchmark": "bench_gpu", "command": "python -m benchmarks.bench_gpu " + " ".join(argv or sys.argv[1:]),
         "fingerprint": {**fingerprint(), "gpu": torch.cuda.get_device_name()},
         "settings": vars(a), "runs": {}}
     plan: list[tuple[str, Any]] = []
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
             json.dump(report, f, indent=1)
     print(render(report), flush=True)
     if a.doc:
-        from loadtest.bench_common import markers
+        from benchmarks.bench_common import markers
         from loadtest.report import update_doc
 
         update_doc(a.doc, render(report), "## GPU: CUDA graphs (issue 23)", *markers("bench_gpu"))

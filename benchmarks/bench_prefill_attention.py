@@ -1,7 +1,7 @@
 """A prompt chunk's causal attention on the CPU: kvserve's op against torch's SDPA.
 
-    python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024,2048
-    python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512 --prefix 1000
+    python -m benchmarks.bench_prefill_attention --model 160m --lengths 128,512,1024,2048
+    python -m benchmarks.bench_prefill_attention --model 160m --lengths 128,512 --prefix 1000
 
 Why: a prompt with nothing cached attends over its own keys once per layer, and torch's
 CPU SDPA (`is_causal`) ran it at ~44 GFLOP/s in bf16 and ~90 in fp32 on torch's OpenMP
@@ -29,12 +29,12 @@ from collections.abc import Callable
 
 import torch
 
-from loadtest import bench_common as bc
+from benchmarks import bench_common as bc
 from loadtest.random_models import MODEL_CONFIGS
 
 NAME = "bench_prefill_attention"
 DOC_HEADING = "## Prefill attention on the CPU (issue 22)"
-COMMAND = "python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024,2048"
+COMMAND = "python -m benchmarks.bench_prefill_attention --model 160m --lengths 128,512,1024,2048"
 PREFIX_HEADING = "## Prefill attention after a cached prefix on the CPU (issue 22)"
 WAYS = ("kvserve", "sdpa")
 BLOCK = 16  # the pool's block size in --prefix runs (the engine's default)
@@ -141,14 +141,14 @@ def plot(report: dict, path: str) -> None:
 def render(report: dict) -> str:
     prefix = report["settings"].get("prefix", 0)
     results, img = bc.links(report, f"{NAME}_prefix" if prefix else NAME)
-    command = (f"python -m loadtest.bench_prefill_attention --model 160m --lengths 128,512,1024 "
+    command = (f"python -m benchmarks.bench_prefill_attention --model 160m --lengths 128,512,1024 "
                f"--prefix {prefix}") if prefix else COMMAND
     return "\n".join([bc.environment_line(report, results), "", table(report), "```bash",
                       command, "```", "", f"![prefill attention]({img})"])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_prefill_attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_prefill_attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="160m", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
         a.model, a.lengths, a.reps = "tiny", "17,40", 1
     name = f"{NAME}_prefix" if a.prefix else NAME
     bc.default_paths(a, name)
-    threads = bc.pin_threads(f"loadtest.{NAME}", a.threads, argv)
+    threads = bc.pin_threads(f"benchmarks.{NAME}", a.threads, argv)
     from engine.cpu_memory import keep_freed_memory
     from kvpool.cpu_attention import vector_path
     from loadtest.fingerprint import fingerprint

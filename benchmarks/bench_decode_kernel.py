@@ -1,8 +1,8 @@
 """The CPU decode-attention kernel alone, and against another checkout's build of it.
 
-    python -m loadtest.bench_decode_kernel --shapes 8x400,32x200,64x400 --threads 1
-    python -m loadtest.bench_decode_kernel --base /tmp/base-checkout --rounds 2
-    python -m loadtest.bench_decode_kernel --model 3m --key-diversity --shapes 16x1025
+    python -m benchmarks.bench_decode_kernel --shapes 8x400,32x200,64x400 --threads 1
+    python -m benchmarks.bench_decode_kernel --base /tmp/base-checkout --rounds 2
+    python -m benchmarks.bench_decode_kernel --model 3m --key-diversity --shapes 16x1025
 
 Why a benchmark of its own: a change to `kvpool/csrc/paged_decode_cpu.cpp` moves a
 decode step by a few percent, under the noise of an engine run on this 2-core machine,
@@ -138,7 +138,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m loadtest.{NAME}", description=__doc__,
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(HEADS), default="160m",
                    help="attention shape (heads, kv heads, head dim)")
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     from loadtest.fingerprint import fingerprint
 
     torch.set_num_threads(a.threads)
-    report: dict = {"benchmark": NAME, "command": f"python -m loadtest.{NAME} " + shlex.join(argv),
+    report: dict = {"benchmark": NAME, "command": f"python -m benchmarks.{NAME} " + shlex.join(argv),
                     "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
                     "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--shapes", a.shapes, "--layers", str(a.layers),
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
             "--threads", str(a.threads),
             *(["--key-diversity"] if a.key_diversity else [])]
     # imported here, not in the worker: a base checkout may lack it
-    from loadtest.bench_common import ab_rounds
+    from benchmarks.bench_common import ab_rounds
 
     return ab_rounds(NAME, report, a.out, a.rounds, a.base, __file__, same,
                      lambda: measure(*args), table)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """A model's linear layers at the row counts a server runs, in each CPU layout side by side.
 
-    python -m loadtest.bench_linear_rows --threads 2 --dtypes float32,bfloat16
+    python -m benchmarks.bench_linear_rows --threads 2 --dtypes float32,bfloat16
 
 Why: engine/cpu_linear.py picks a layout per CPU. oneDNN's prepacked weight
 (`PackedLinear`; fewer than `MIN_ROWS` rows padded up to it, because oneDNN's kernels for
@@ -24,12 +24,12 @@ import time
 
 import torch
 
-from loadtest import bench_common as bc
+from benchmarks import bench_common as bc
 from loadtest.random_models import MODEL_CONFIGS
 
 NAME = "bench_linear_rows"
 DOC_HEADING = "## CPU linear layouts: oneDNN's packed weight and kvserve's panels (issue 22)"
-COMMAND = "python -m loadtest.bench_linear_rows --model 160m --dtypes float32,bfloat16 --threads 2"
+COMMAND = "python -m benchmarks.bench_linear_rows --model 160m --dtypes float32,bfloat16 --threads 2"
 
 
 def shapes(model: str) -> list[tuple[int, int, int]]:
@@ -129,7 +129,7 @@ def render(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_linear_rows", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_linear_rows", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="160m", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--dtypes", default="float32,bfloat16")
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     # the threads wait as `kvserve serve`'s do (torch's OpenMP sleeps, kvserve's team polls):
     # with OpenMP's own default spin, a oneDNN pass left its threads spinning against the
     # panels' next pass (a 768 x 2,304 bf16 layer at 1-24 rows ran on one core's worth)
-    threads = bc.pin_threads(f"loadtest.{NAME}", a.threads, argv)
+    threads = bc.pin_threads(f"benchmarks.{NAME}", a.threads, argv)
     rows = [int(x) for x in a.rows.split(",")]
     layouts = a.layouts.split(",") if a.layouts else available_layouts()
     report: dict = {"benchmark": NAME, "settings": vars(a), "threads": threads,

@@ -1,6 +1,6 @@
 """Where a GPU decode step's time goes, kernel by kernel, and the Triton decode attention
 against torch's SDPA (flash) on the same shape (issue 23, item 4). Part `kernels` of
-`loadtest.bench_gpu`, in the same run:
+`benchmarks.bench_gpu`, in the same run:
 
 - `step_kernels`: torch.profiler over eager decode steps at N running (eager, because a
   profiler does not see every kernel of a replayed graph): each kernel's CUDA ms per
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from loadtest.bench_decode_kernel import decode_case
+from benchmarks.bench_decode_kernel import decode_case
 
 # the decode kernel's sweep: (BLOCK_N, num_warps, num_stages)
 TILES = [(64, 4, 2), (128, 4, 3), (128, 8, 2), (256, 8, 2)]

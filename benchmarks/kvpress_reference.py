@@ -9,7 +9,7 @@ and kept sets. The output is a small torch file committed as tests/data/, so the
 compares against the real reference without installing it.
 
     make kvpress-venv
-    .venv-kvpress/bin/python -m loadtest.kvpress_reference --model engine/demo/model \\
+    .venv-kvpress/bin/python -m benchmarks.kvpress_reference --model engine/demo/model \\
         --prompt-file tests/data/kvpress_demo_prompt.json --out tests/data/kvpress_demo.pt
 """
 

@@ -9,7 +9,7 @@ and the time. The rope-shift rows run on a model whose `max_position_embeddings`
 below the prompt: the prompt itself is longer than the context. Peaks are counts, not
 timings: they do not depend on machine noise.
 
-    python -m loadtest.bench_prefill_bound --prompt 16384 --budget 1024
+    python -m benchmarks.bench_prefill_bound --prompt 16384 --budget 1024
 
 Writes runs/bench_prefill_bound-<stamp>.json, docs/results/bench_prefill_bound.json,
 the "## Bounded prefill (issue 20)" block of docs/benchmarks.md and
@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Any
 
-from loadtest import bench_common as bc
+from benchmarks import bench_common as bc
 from loadtest.random_models import FIRST_TOKEN_ID, build_model
 
 NAME = "bench_prefill_bound"
@@ -128,14 +128,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.quick:
         a.model, a.prompt, a.budget, a.gen, a.short_context = "tiny", 1200, 64, 4, 512
         a.kv_memory = "16MiB"  # ~30x the tiny model's 1,204 tokens; zeroing 512MiB took seconds
-    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m benchmarks.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     bc.default_paths(a, NAME)
     return a
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
+    bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, ("model", "prompt", "budget", "gen", "short_context",
                                         "max_batched_tokens", "kv_memory", "threads"))
     report["model"] = args.model

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_common import drive
+from benchmarks.needle_replay import NeedleReplay, needle_summary
 from engine.runner import SeqInput
 from engine.sampling import SamplingParams
 from kvpool.manager import MIN_PREFILL_CHUNK
-from loadtest.bench_common import drive
-from loadtest.needle_replay import NeedleReplay, needle_summary
 from policies.catalog import CATALOG, build_policy
 from policies.config import parse_kv_policy
 from scheduler.request import Request
@@ -248,7 +248,7 @@ def evaluate_quality(args, progress: bool = True) -> dict:
             "needle": acc, "needle_by_depth": by_depth, "needle_mean": mean,
             "wall_s": time.perf_counter() - t})
     if getattr(args, "kvpress_python", None):  # the same methods' kvpress presses
-        from loadtest import kvpress_compare
+        from benchmarks import kvpress_compare
 
         out["kvpress"] = kvpress_compare.quality(args, data, windows, prompts, needle_kw,
                                                  args.policies)

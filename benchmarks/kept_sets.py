@@ -1,7 +1,7 @@
 """The kept-sets gate: which tokens every policy keeps, step by step, as hashes to compare.
 
 Why: a change that makes a policy's step cheaper must not change what it keeps, and the
-overhead benchmark (`loadtest.bench_policies --parts overhead`) only reports time. This
+overhead benchmark (`benchmarks.bench_policies --parts overhead`) only reports time. This
 tool runs the same workload (16 requests of budget + 1 prompt tokens, greedy, the
 random-weight model, 1 thread) for `--steps` engine steps per policy and, after every
 step, hashes each running request's kept positions per layer (its row of the shared
@@ -9,8 +9,8 @@ slot tables, the positions of the live slots in slot order). Run it on two commi
 (e.g. a `git worktree` of the base) and `--compare` the two JSONs: the first step,
 request and layer whose kept set differs is reported, and the exit status is 1.
 
-    python -m loadtest.kept_sets --policies h2o,tova --steps 200 --out runs/kept_new.json
-    python -m loadtest.kept_sets --compare runs/kept_base.json runs/kept_new.json
+    python -m benchmarks.kept_sets --policies h2o,tova --steps 200 --out runs/kept_new.json
+    python -m benchmarks.kept_sets --compare runs/kept_base.json runs/kept_new.json
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import tempfile
 
 import torch
 
+from benchmarks import bench_common as bc
+from benchmarks.policy_eval import POLICIES, policy_config
 from engine.sampling import SamplingParams
-from loadtest import bench_common as bc
-from loadtest.policy_eval import POLICIES, policy_config
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         return compare(*args.compare)
     if argv is None:  # a command line: threads pinned as the benchmarks pin them
-        bc.pin_threads("loadtest.kept_sets", args.threads, argv)
+        bc.pin_threads("benchmarks.kept_sets", args.threads, argv)
     else:  # in process (tests): torch's interop threads can be set only once
         torch.set_num_threads(args.threads)
     report: dict = {"settings": {k: v for k, v in vars(args).items() if k != "compare"},

@@ -1,4 +1,4 @@
-"""The docs/benchmarks.md block and the figure of `loadtest.bench_memory`.
+"""The docs/benchmarks.md block and the figure of `benchmarks.bench_memory`.
 
 Pure functions of the report dict (docs/results/bench_memory.json), kept apart from the
 driver. The paper's tables (003_12df107fdefa535c.txt) are printed next to ours so the
@@ -7,7 +7,7 @@ comparison needs no second document.
 
 from __future__ import annotations
 
-from loadtest import bench_common as bc
+from benchmarks import bench_common as bc
 
 PREFIX_TARGET = 5.0  # issue 4: ≥ 5× lower TTFT on prefix-cache hits
 # 003 "Watermark Tuning Impact (Llama 3 70B)": usable % -> (max batch, tok/s, preempt/min, p99 ms)

@@ -6,7 +6,7 @@ method's reference implementation can back; "ours is worse than kvpress's" is a 
 report. kvpress lives in its own venv (older transformers), so the exchange is a JSON
 file both sides read and write, and kvserve's side never imports kvpress:
 
-- `exchange`: what `loadtest/kvpress_quality.py` needs — the model directory, the
+- `exchange`: what `benchmarks/kvpress_quality.py` needs — the model directory, the
   perplexity windows and prompt length, the budget fractions, the needle prompts and the
   answer length — exactly the inputs `policy_eval.evaluate_quality` gives our policies.
 - `run`: that script under the venv's python (thread count pinned, our PYTHONPATH not
@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from loadtest.needle_replay import NeedleReplay, needle_summary
+from benchmarks.needle_replay import NeedleReplay, needle_summary
 
 DEFAULT_PYTHON = ".venv-kvpress/bin/python"
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvpress_quality.py")

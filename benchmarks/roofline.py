@@ -27,8 +27,8 @@ the streaming read rate), so a target that needs more than 100% of them is out o
 kvserve's seconds by kind of step). For a `bench_serving` report (its throughput runs:
 closed loops, so `max_num_seqs` is the concurrency), measure this machine now:
 
-    python -m loadtest.roofline docs/results/bench_serving_vllm_zen4_s38.json --threads 2
-    python -m loadtest.roofline --offline docs/results/bench_offline_vllm_xeon_s45.json
+    python -m benchmarks.roofline docs/results/bench_serving_vllm_zen4_s38.json --threads 2
+    python -m benchmarks.roofline --offline docs/results/bench_offline_vllm_xeon_s45.json
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ def offline_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
-    p = argparse.ArgumentParser(prog="python -m loadtest.roofline", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("reports", nargs="+", help="bench_serving JSON reports")
     p.add_argument("--threads", type=int, default=2)
@@ -280,9 +280,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         for path in a.reports:
             print(offline_table(json.loads(Path(path).read_text())), flush=True)
         return []
-    from loadtest.bench_common import pin_threads
+    from benchmarks.bench_common import pin_threads
 
-    pin_threads("loadtest.roofline", a.threads, argv)
+    pin_threads("benchmarks.roofline", a.threads, argv)
     bandwidth, rows = memory_bandwidth(), []
     print(f"memory read rate {bandwidth / 1e9:.1f} GB/s on {a.threads} thread(s)")
     print("| model | dtype | run | steps | GEMM GFLOP/s | bound s, sequential (overlapped) "
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         if report.get("benchmark", "bench_serving") != "bench_serving":
             raise SystemExit(f"{path}: a {report.get('benchmark', 'unknown')} report, not "
                              "bench_serving's (bench_offline reports carry their own bound: "
-                             "`python -m loadtest.roofline --offline REPORT.json`)")
+                             "`python -m benchmarks.roofline --offline REPORT.json`)")
         dtype = report["settings"]["dtype"]
         if dtype not in peaks:  # the model's MLP shape; every model here shares the rate
             peaks[dtype] = gemm_peak_gflops(MODEL_CONFIGS["160m"], dtype)

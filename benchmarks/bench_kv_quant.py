@@ -14,14 +14,14 @@ one run through the engine's own paths:
    `full` is admitted optimistically, so it may exceed the capacity and then preempt),
    preemptions and output tokens/s. Targets: int8 ≥ 1.9× bf16's requests, int4 ≥ 3.5×,
    int8 + policy ≥ 7× `full` bf16.
-2. quality (the demo model, `loadtest/policy_eval.py`'s protocol): perplexity and needle
+2. quality (the demo model, `benchmarks/policy_eval.py`'s protocol): perplexity and needle
    accuracy per dtype for `full` and `--quality-policies` at `--quality-budgets`.
    Targets: int8/fp8 within 1% of bf16's perplexity, int4 within 5%.
 3. decode step time per dtype (`--model`): `--decode-batch` sequences of `--decode-prompt`
    tokens decoding `--decode-steps` tokens; mean time of the decode-only steps, which
    shows what dequantization costs on this CPU.
 
-    python -m loadtest.bench_kv_quant --out runs/
+    python -m benchmarks.bench_kv_quant --out runs/
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import time
 
 import torch
 
+from benchmarks import bench_common as bc
+from benchmarks.policy_eval import policy_config
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool
-from loadtest import bench_common as bc
-from loadtest.policy_eval import policy_config
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
 
@@ -120,7 +120,7 @@ def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
 
 
 def part_quality(args: argparse.Namespace) -> dict:
-    from loadtest.bench_policies import run_quality
+    from benchmarks.bench_policies import run_quality
 
     out: dict = {"by_dtype": {}}
     for dt in DTYPES:
@@ -218,7 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.model, a.fit, a.requests, a.prompt, a.gen, a.block_size = "tiny", 2, 12, 32, 32, 4
         a.decode_batch, a.decode_prompt, a.decode_steps = 4, 32, 8
         a.ppl_windows, a.quality_policies = 1, "snapkv"
-    a.command = f"python -m loadtest.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
+    a.command = f"python -m benchmarks.{NAME} " + " ".join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.quality_policies = a.quality_policies.split(",")
     bc.parse_quality_args(a)
@@ -228,7 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    bc.pin_threads(f"loadtest.{NAME}", args.threads, argv)
+    bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
         "parts", "model", "block_size", "fit", "requests", "prompt", "gen", "policy", "budget",
         "decode_batch", "decode_prompt", "decode_steps", "quality_policies", "quality_budgets", "ppl_windows",

@@ -2,13 +2,13 @@
 comparison and its figure (issue 20).
 
 Why apart from bench_policies_report: those are pure functions of the report dict too,
-but only of its `quality.kvpress` block (`loadtest/kvpress_compare.py`); a report
+but only of its `quality.kvpress` block (`benchmarks/kvpress_compare.py`); a report
 without it (older runs, no kvpress venv) renders exactly as before.
 """
 
 from __future__ import annotations
 
-from loadtest import bench_common as bc
+from benchmarks import bench_common as bc
 
 TOLERANCE = 0.02  # issue 20: each policy within 2 points of the same method's press
 
@@ -63,7 +63,7 @@ def comparison(q: dict) -> list[str]:
     v = kv["versions"]
     lines = [
         "", f"**Ours beside kvpress** (kvpress {v['kvpress']}, transformers "
-        f"{v['transformers']}, its own venv; `loadtest/kvpress_quality.py`): the same "
+        f"{v['transformers']}, its own venv; `benchmarks/kvpress_quality.py`): the same "
         "windows, needle prompts and budgets; each press at compression ratio 1 − B/n. "
         "Protocol *prefill+decode*: the prompt compressed to B, then kvpress's "
         "`DecodingPress` (compression_interval 1, target_size B) keeps the cache at B "

@@ -1,10 +1,11 @@
-"""What every offline benchmark in `loadtest/` shares: threads, the engine loop, outputs.
+"""What every offline benchmark in `benchmarks/` shares: threads, the engine loop, outputs.
 
 Each benchmark (`bench_offline`, `bench_memory`, `bench_policies`) measures something
 different, but a number is only worth keeping if it can be reproduced and compared:
-the same random-weight model shapes (`loadtest/random_models.py`), the same thread pinning, the environment
-fingerprint next to the number (`loadtest/fingerprint.py`), and one generated block per
-benchmark in docs/benchmarks.md that a rerun replaces without touching anything around it.
+the same random-weight model shapes (`loadtest/random_models.py`), the same thread
+pinning, the environment fingerprint next to the number (`loadtest/fingerprint.py`), and
+one generated block per benchmark in docs/benchmarks.md that a rerun replaces without
+touching anything around it.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def drive(engine, desc: str, progress: bool = True, collect: dict[str, list[int]
 
 
 def run_in_checkout(base: str, script: str, argv: list[str], own_build: bool = True) -> object:
-    """`script` (a loadtest module's file) run with `argv + ["--worker", PATH]` inside
+    """`script` (a benchmark module's file) run with `argv + ["--worker", PATH]` inside
     a checkout: its code and (`own_build`, another checkout) its own build of the C++ ops
     (they have one name, so a separate TORCH_EXTENSIONS_DIR); returns the JSON the worker
     wrote to PATH. How a benchmark compares this tree with a base, round by round in one
@@ -297,7 +298,7 @@ def add_run_args(p) -> None:
 
 
 def add_quality_args(p, budgets: str) -> None:
-    """The perplexity and needle protocol's options (`loadtest/policy_eval.py` on the demo
+    """The perplexity and needle protocol's options (`benchmarks/policy_eval.py` on the demo
     model), for every benchmark that measures quality: one set of names and defaults."""
     p.add_argument("--demo-model", default="engine/demo/model")
     p.add_argument("--quality-budgets", default=budgets)
