@@ -42,7 +42,7 @@ PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sampl
 def measure(model: str, dtype: str, running: int, steps: int,
             kv_policy: str | None, detokenize: bool = False) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
-    from benchmarks.bench_offline import Workload
+    from benchmarks.bench_offline_systems import Workload
     from engine.sampling import SamplingParams
     from loadtest.random_models import MODEL_CONFIGS, build_model
     from scheduler.llm import LLM

@@ -103,7 +103,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
 
 
 def test_update_doc_replaces_only_the_generated_block(tmp_path) -> None:
-    from benchmarks.bench_offline import BEGIN, DOC_HEADING, END, update_doc
+    from benchmarks.bench_offline_report import BEGIN, DOC_HEADING, END, update_doc
 
     path = str(tmp_path / "benchmarks.md")
     update_doc(path, "table v1")  # a fresh file gets the heading and the block
@@ -137,7 +137,8 @@ def test_from_json_redraws_without_measuring(quick_run: tuple[str, dict], tmp_pa
 def test_workload_gflop_counts_linears_head_and_attention() -> None:
     """One request, prompt 3 + 2 outputs, on a 1-layer model: 4 tokens through the
     layer, 2 through the head, attention over 1 + 2 + 3 + 4 cached tokens."""
-    from benchmarks.bench_offline import Workload, workload_gflop
+    from benchmarks.bench_offline import workload_gflop
+    from benchmarks.bench_offline_systems import Workload
 
     cfg = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                num_key_value_heads=1, intermediate_size=16, vocab_size=10)
