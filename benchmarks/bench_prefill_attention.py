@@ -30,11 +30,11 @@ from collections.abc import Callable
 import torch
 
 from benchmarks import bench_common as bc
+from benchmarks.bench_prefill_attention_report import plot, render
 from loadtest.random_models import MODEL_CONFIGS
 
 NAME = "bench_prefill_attention"
 DOC_HEADING = "## Prefill attention on the CPU (issue 22)"
-COMMAND = "python -m benchmarks.bench_prefill_attention --model 160m --lengths 128,512,1024,2048"
 PREFIX_HEADING = "## Prefill attention after a cached prefix on the CPU (issue 22)"
 WAYS = ("kvserve", "sdpa")
 BLOCK = 16  # the pool's block size in --prefix runs (the engine's default)
@@ -97,54 +97,6 @@ def measure(model: str, dtype: torch.dtype, lengths: list[int], reps: int,
         for w in WAYS:  # the first call warms both
             out[w][t] = statistics.median(times[w][1:])
     return out
-
-
-def flops(model: str, t: int, prefix: int = 0) -> float:
-    hq, _, d = heads(model)
-    return 2.0 * 2 * hq * d * t * (prefix + (t + 1) / 2)  # QK^T and PV: the prefix, the causal half
-
-
-def table(report: dict) -> str:
-    model, prefix = report["settings"]["model"], report["settings"].get("prefix", 0)
-    after = f", after {prefix} cached tokens" if prefix else ""
-    torch_way = "gather + SDPA" if prefix else "SDPA"
-    lines = []
-    for dtype, by_way in report["seconds_by_length"].items():
-        lines += [f"**{model} {dtype}**, one layer{after} (ms; GFLOP/s)", "",
-                  f"| prompt tokens | kvserve | {torch_way} | kvserve speed-up |", "|---|---|---|---|"]
-        for t, s in by_way["kvserve"].items():
-            sd = by_way["sdpa"][t]
-            g = flops(model, int(t), prefix) / 1e9
-            lines.append(f"| {t} | {s * 1e3:.2f} ({g / s:.0f}) | {sd * 1e3:.2f} ({g / sd:.0f}) "
-                         f"| {sd / s:.2f}x |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: str) -> None:
-    plt = bc.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for dtype, by in report["seconds_by_length"].items():
-        ts = list(by["kvserve"])
-        ax.plot([int(t) for t in ts], [by["sdpa"][t] / by["kvserve"][t] for t in ts],
-                marker="o", label=dtype)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    prefix = report["settings"].get("prefix", 0)
-    ax.set_xlabel("prompt tokens" + (f" after {prefix} cached" if prefix else ""))
-    ax.set_ylabel("speed-up over the torch path")
-    ax.set_title(f"{report['settings']['model']}: causal prefill attention, one layer")
-    ax.legend()
-    bc.save_figure(fig, path)
-
-
-def render(report: dict) -> str:
-    prefix = report["settings"].get("prefix", 0)
-    results, img = bc.links(report, f"{NAME}_prefix" if prefix else NAME)
-    command = (f"python -m benchmarks.bench_prefill_attention --model 160m --lengths 128,512,1024 "
-               f"--prefix {prefix}") if prefix else COMMAND
-    return "\n".join([bc.environment_line(report, results), "", table(report), "```bash",
-                      command, "```", "", f"![prefill attention]({img})"])
 
 
 def main(argv: list[str] | None = None) -> dict:

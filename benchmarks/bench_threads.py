@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from benchmarks.bench_common import markers, save_json
+from benchmarks.bench_threads_report import render
 from engine.cpu_threads import ENV_VARS, allowed_cpus, physical_cores
 from loadtest.fingerprint import fingerprint
 from loadtest.report import update_doc
@@ -92,29 +93,6 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
                       f"{r['four_best_s']:.3f} s  ratio {r['ratio']:.2f}", flush=True)
         out[label] = row
     return out
-
-
-def render(report: dict[str, Any]) -> str:
-    fp, st = report["fingerprint"], report["settings"]
-    lines = ["| variant | one request, quiet (s) | four at once, quiet (s) | four / one "
-             "| one, busy core (s) | four, busy core (s) | four / one (≤ 1.5×) |",
-             "|---|---|---|---|---|---|---|"]
-    for label, r in report["variants"].items():
-        q, b = r["quiet"], r["busy core"]
-        lines.append(f"| {label} | {q['one_best_s']:.3f} | {q['four_best_s']:.3f} "
-                     f"| {q['ratio']:.2f}× | {b['one_best_s']:.3f} | {b['four_best_s']:.3f} "
-                     f"| {b['ratio']:.2f}× |")
-    from server.cli import DEMO_MODEL
-
-    model = "the demo model" if st["model"] == str(DEMO_MODEL) else st["model"]
-    lines += ["", f"{model}, {st['max_tokens']} tokens per request, "
-              f"greedy; best of {st['repeats']} after a warm-up. Default here: "
-              f"{fp['physical_cores']} thread(s), one per physical core, `--cpu-wait poll`. "
-              f"Measured {fp['date_utc']} on {fp['cpu']} ({fp['cpu_count']} CPUs), commit "
-              f"{str(fp['git_commit'])[:10]}{' (dirty)' if fp['git_dirty'] else ''}; load "
-              f"average {fp['loadavg_at_start'][0]:.2f} at start, "
-              f"{fp['loadavg_at_end'][0]:.2f} at end.", "", "```bash", report["command"], "```"]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
