@@ -37,7 +37,7 @@ import torch
 
 from benchmarks import bench_common as bc
 from benchmarks.bench_kv_quant_report import plot, render
-from benchmarks.policy_eval import policy_config
+from benchmarks.policy_eval import policy_config, run_quality
 from engine.sampling import SamplingParams
 from kvpool.pool import BlockPool
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
@@ -121,8 +121,6 @@ def part_decode(path: str, args: argparse.Namespace, vocab: int) -> dict:
 
 
 def part_quality(args: argparse.Namespace) -> dict:
-    from benchmarks.bench_policies import run_quality
-
     out: dict = {"by_dtype": {}}
     for dt in DTYPES:
         # Policies one request at a time (the same plans as grouped), as this quality

@@ -49,9 +49,7 @@ evicting after the step).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import os
 import random
 import shlex
 import statistics
@@ -61,7 +59,7 @@ import time
 
 from benchmarks import bench_common as bc
 from benchmarks import kvpress_compare
-from benchmarks.policy_eval import POLICIES, policy_config
+from benchmarks.policy_eval import POLICIES, policy_config, run_quality
 from engine.sampling import SamplingParams
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
@@ -320,29 +318,6 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
         out["policies"][name]["steps"] = rs[0]["steps"]
         out["policies"][name]["share_by_round"] = [r["policy_share"] for r in rs]
     return out
-
-
-def _plain(names: list[str]) -> list[str]:
-    """Policies without a `:<way>` (ways change how the engine runs a policy, not what it
-    keeps: quality is the plain policy's)."""
-    return [n for n in names if ":" not in n]
-
-
-def run_quality(args: argparse.Namespace) -> dict:
-    msg = None
-    if not os.path.exists(os.path.join(args.demo_model, "model.safetensors")):
-        msg = (f"skipped: no demo model at {args.demo_model} (train it with "
-               "`python -m demo_model.train`)")
-    elif importlib.util.find_spec("demo_model") is None:  # not installed: a checkout's
-        msg = ("skipped: the demo model's evaluation harness (demo_model/) is not "
-               "installed; run from a kvserve checkout")
-    if msg is not None:
-        print(f"[quality] {msg}", flush=True)
-        return {"skipped": msg}
-    from benchmarks.policy_eval import evaluate_quality
-
-    return evaluate_quality(argparse.Namespace(**{**vars(args), "policies": _plain(args.policies)}),
-                            progress=not args.no_progress)
 
 
 # ---- main --------------------------------------------------------------------------

@@ -23,7 +23,9 @@ both must be measured at the *same* budget, through the engine's own code paths.
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib.util
 import json
 import math
 import os
@@ -255,3 +257,27 @@ def evaluate_quality(args, progress: bool = True) -> dict:
     full = out["rows"][0]
     out["full_matches_reference"] = abs(full["ppl"] / out["reference_ppl_transformers"] - 1) < 1e-3
     return out
+
+
+def _plain(names: list[str]) -> list[str]:
+    """Policies without a `:<way>` (ways change how the engine runs a policy, not what it
+    keeps: quality is the plain policy's)."""
+    return [n for n in names if ":" not in n]
+
+
+def run_quality(args: argparse.Namespace) -> dict:
+    """`evaluate_quality` for a benchmark driver (bench_policies, bench_kv_quant) on the
+    plain policies of args.policies, or {"skipped": why} without the demo model or its
+    harness (demo_model/, in a checkout only)."""
+    msg = None
+    if not os.path.exists(os.path.join(args.demo_model, "model.safetensors")):
+        msg = (f"skipped: no demo model at {args.demo_model} (train it with "
+               "`python -m demo_model.train`)")
+    elif importlib.util.find_spec("demo_model") is None:  # not installed: a checkout's
+        msg = ("skipped: the demo model's evaluation harness (demo_model/) is not "
+               "installed; run from a kvserve checkout")
+    if msg is not None:
+        print(f"[quality] {msg}", flush=True)
+        return {"skipped": msg}
+    return evaluate_quality(argparse.Namespace(**{**vars(args), "policies": _plain(args.policies)}),
+                            progress=not args.no_progress)
