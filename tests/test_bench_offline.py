@@ -162,23 +162,3 @@ def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
     assert "vLLM exited with 3" in systems["vllm"]["error"]
     assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
     assert "tiny / vLLM-CPU failed:" in (out / "benchmarks.md").read_text()
-
-
-def test_settle_waits_while_another_process_holds_a_core() -> None:
-    """A system measured right after a peer that still spins (vLLM's OpenMP threads)
-    would start on fewer cores: `settle` waits until the CPUs are idle again."""
-    import subprocess
-    import sys
-    import time
-
-    from benchmarks.bench_common import settle
-
-    busy = subprocess.Popen([sys.executable, "-c",
-                             "import time\nt = time.time() + 1.0\nwhile time.time() < t: pass"])
-    try:
-        time.sleep(0.2)  # started and spinning
-        # One busy core of N: a share of 1/N, above half of it
-        waited = settle(max_s=10.0, window_s=0.1, busy=0.5 / (os.cpu_count() or 1))
-    finally:
-        busy.wait()
-    assert waited >= 0.4
