@@ -208,13 +208,13 @@ def markers(name: str) -> tuple[str, str]:
 
 def default_paths(args, name: str) -> None:
     """--quick keeps the doc, the final JSON and the plot under --out; otherwise
-    docs/benchmarks.md, docs/results/<name>.json and docs/img/<name>.png. `--doc ""`
+    docs/benchmarks.md, results/<name>.json and docs/img/<name>.png. `--doc ""`
     writes no doc (a run to look at, not to publish)."""
     base = args.out if args.quick else None
     if args.doc is None:
         args.doc = os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md"
     args.results = args.results or (os.path.join(base, f"{name}.json") if base
-                                    else f"docs/results/{name}.json")
+                                    else f"results/{name}.json")
     args.plot = args.plot or (os.path.join(base, f"{name}.png") if base else f"docs/img/{name}.png")
 
 
@@ -238,9 +238,9 @@ def save_json(report: dict, out_dir: str, name: str, results: str) -> str:
 
 def links(report: dict, name: str) -> tuple[str, str]:
     """(results JSON, plot) as the doc links them: where `publish` wrote them, relative
-    to the doc, else the default docs/ layout."""
+    to the doc, else the default layout (docs/benchmarks.md, results/, docs/img/)."""
     got = report.get("links", {})
-    return got.get("results", f"results/{name}.json"), got.get("plot", f"img/{name}.png")
+    return got.get("results", f"../results/{name}.json"), got.get("plot", f"img/{name}.png")
 
 
 def environment_line(report: dict, results_link: str) -> str:
@@ -271,7 +271,7 @@ def save_figure(fig, path: str) -> None:
 
 
 def publish(report: dict, args, name: str, heading: str, render, plot) -> None:
-    """The common end of a benchmark run: JSON (runs/ and docs/results/), the doc's
+    """The common end of a benchmark run: JSON (runs/ and results/), the doc's
     generated block, the plot, and one line saying where they went."""
     report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
     here = os.path.dirname(os.path.abspath(args.doc or args.results))

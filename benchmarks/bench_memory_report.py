@@ -1,6 +1,6 @@
 """The docs/benchmarks.md block and the figure of `benchmarks.bench_memory`.
 
-Pure functions of the report dict (docs/results/bench_memory.json), kept apart from the
+Pure functions of the report dict (results/bench_memory.json), kept apart from the
 driver. The paper's tables (003_12df107fdefa535c.txt) are printed next to ours so the
 comparison needs no second document.
 """

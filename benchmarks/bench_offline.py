@@ -24,7 +24,7 @@ The systems and their workload are in `bench_offline_systems`, the step overhead
 `--profile` in `bench_offline_profile`, the doc block and plot in `bench_offline_report`;
 this module measures (repeats, the share of the machine, the roofline bound) and runs.
 
-Writes runs/bench_offline-<timestamp>.json, docs/results/bench_offline.json, the
+Writes runs/bench_offline-<timestamp>.json, results/bench_offline.json, the
 "## Offline throughput (issue 2)" section of docs/benchmarks.md and
 docs/img/bench_offline.png (`--quick` keeps all of them under --out instead).
 """
@@ -265,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 8 short requests; results, doc and plot stay under --out")
     p.add_argument("--doc", help="markdown file to update (default docs/benchmarks.md)")
-    p.add_argument("--results", help="final JSON copy (default docs/results/bench_offline.json)")
+    p.add_argument("--results", help="final JSON copy (default results/bench_offline.json)")
     p.add_argument("--plot", help="bar plot (default docs/img/bench_offline.png)")
     p.add_argument("--from-json", help="measure nothing: redraw the doc block and the plot "
                    "from a saved run (and copy it to --results)")
@@ -288,7 +288,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     base = a.out if a.quick else None
     a.doc = a.doc or (os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md")
     a.results = a.results or (os.path.join(base, "bench_offline.json") if base
-                              else "docs/results/bench_offline.json")
+                              else "results/bench_offline.json")
     a.plot = a.plot or (os.path.join(base, "bench_offline.png") if base
                         else "docs/img/bench_offline.png")
     return a

@@ -186,7 +186,7 @@ def render_table(report: dict) -> str:
         f"transformers {fp['transformers']}, commit {str(fp['git_commit'])[:10]}{dirty}; "
         f"load average {fp['loadavg_at_start'][0]:.2f} at start, "
         f"{fp['loadavg_at_end'][0]:.2f} at end. "
-        "Full results: [results/bench_offline.json](results/bench_offline.json).",
+        "Full results: [../results/bench_offline.json](../results/bench_offline.json).",
         "",
         "```bash",
         report["command"],

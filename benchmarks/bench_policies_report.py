@@ -1,7 +1,7 @@
 """The docs/benchmarks.md block and the figure of `benchmarks.bench_policies`.
 
 Kept apart from the driver so the driver reads as the experiment; everything here is
-a pure function of the report dict (the JSON in docs/results/bench_policies.json).
+a pure function of the report dict (the JSON in results/bench_policies.json).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ timings: they do not depend on machine noise.
 
     python -m benchmarks.bench_prefill_bound --prompt 16384 --budget 1024
 
-Writes runs/bench_prefill_bound-<stamp>.json, docs/results/bench_prefill_bound.json,
+Writes runs/bench_prefill_bound-<stamp>.json, results/bench_prefill_bound.json,
 the "## Bounded prefill (issue 20)" block of docs/benchmarks.md and
 docs/img/bench_prefill_bound.png (`--quick`: a tiny model, everything under --out).
 """

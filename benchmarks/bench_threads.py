@@ -10,7 +10,7 @@ rest is whatever else ran on the machine.
 
     python -m benchmarks.bench_threads --repeats 7 --out runs/
 
-Writes runs/bench_threads-<timestamp>.json, docs/results/bench_threads.json and the
+Writes runs/bench_threads-<timestamp>.json, results/bench_threads.json and the
 "## CPU threads (issue 22)" section of docs/benchmarks.md.
 """
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/")
     p.add_argument("--doc", default="docs/benchmarks.md")
-    p.add_argument("--results", default=f"docs/results/{NAME}.json")
+    p.add_argument("--results", default=f"results/{NAME}.json")
     a = p.parse_args(argv)
     if a.model is None:
         from server.cli import DEMO_MODEL

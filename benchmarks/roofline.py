@@ -27,8 +27,8 @@ the streaming read rate), so a target that needs more than 100% of them is out o
 kvserve's seconds by kind of step). For a `bench_serving` report (its throughput runs:
 closed loops, so `max_num_seqs` is the concurrency), measure this machine now:
 
-    python -m benchmarks.roofline docs/results/bench_serving_vllm_zen4_s38.json --threads 2
-    python -m benchmarks.roofline --offline docs/results/bench_offline_vllm_xeon_s45.json
+    python -m benchmarks.roofline results/bench_serving_vllm_zen4_s38.json --threads 2
+    python -m benchmarks.roofline --offline results/bench_offline_vllm_xeon_s45.json
 """
 
 from __future__ import annotations

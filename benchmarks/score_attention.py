@@ -12,7 +12,7 @@ and we measure the attention the last `queries` prompt queries give to the kept 
 ("recall": 1 = the kept set holds all of it), beside streaming's set (sink 4 + the most
 recent) and the first token's share (is there an attention sink to protect?).
 
-    python -m benchmarks.score_attention --out docs/results/score_attention_demo.json
+    python -m benchmarks.score_attention --out results/score_attention_demo.json
 """
 
 from __future__ import annotations

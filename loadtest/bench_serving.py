@@ -21,7 +21,7 @@ reports HTTP tok/s / offline tok/s (issue 22: ≥ 85%).
     python -m loadtest.bench_serving --models 160m,demo --concurrency 1,8,32,64 \\
         --systems kvserve,transformers,transformers-cb,vllm --out runs/
 
-Writes runs/bench_serving-<timestamp>.json, docs/results/bench_serving.json, the
+Writes runs/bench_serving-<timestamp>.json, results/bench_serving.json, the
 "## Serving benchmarks (issue 8)" section of docs/benchmarks.md and
 docs/img/bench_serving_*.png (`--quick`: a tiny model, everything under --out).
 """
@@ -442,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     base = a.out if a.quick else None
     a.doc = a.doc or (os.path.join(a.out, "benchmarks.md") if base else "docs/benchmarks.md")
     a.results = a.results or (os.path.join(a.out, "bench_serving.json") if base
-                              else "docs/results/bench_serving.json")
+                              else "results/bench_serving.json")
     a.img_dir = a.img_dir or (a.out if base else "docs/img")
     return a
 

@@ -26,7 +26,7 @@ def test_publish_writes_the_doc_unless_told_not_to(tmp_path, monkeypatch, doc: s
     report = {"benchmark": "bench_x", "fingerprint": {}}
     bc.publish(report, args, "bench_x", "## X", lambda r: "the table",
                lambda r, path: drawn.append(path))
-    assert (tmp_path / "docs/results/bench_x.json").is_file()
+    assert (tmp_path / "results/bench_x.json").is_file()
     assert drawn == ["docs/img/bench_x.png"]
     written = tmp_path / "docs/benchmarks.md"
     if doc is None:

@@ -1,5 +1,5 @@
 """benchmarks/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
-renders from real runs' JSON (sessions 23 and 26 on an H200, docs/results/)."""
+renders from real runs' JSON (sessions 23 and 26 on an H200, results/)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import bench_gpu, bench_gpu_report
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_gpu_160m_s23.json"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "bench_gpu_160m_s23.json"
 S26 = RESULTS.with_name("bench_gpu_160m_s26.json")
 
 

@@ -251,7 +251,7 @@ def test_a_throughput_only_plot_shows_where_the_time_went(monkeypatch: pytest.Mo
     figures = []
     monkeypatch.setattr(bc, "save_figure", lambda fig, path: figures.append(fig))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(here, "docs", "results", "bench_policies_issue18_throughput_s25.json"),
+    with open(os.path.join(here, "results", "bench_policies_issue18_throughput_s25.json"),
               encoding="utf-8") as f:
         report = json.load(f)
     bench_policies_report.plot(report, str(tmp_path / "p.png"))
