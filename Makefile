@@ -63,7 +63,7 @@ $(VLLM_OK):
 vllm-venv: $(VLLM_OK)
 
 # kvpress (the eviction methods' reference implementations) pins an older transformers:
-# its own venv, for loadtest/kvpress_reference.py (docs/policies.md, "Agreement with kvpress").
+# its own venv, for benchmarks/kvpress_reference.py (docs/policies.md, "Agreement with kvpress").
 KVPRESS_VENV ?= .venv-kvpress
 kvpress-venv:
 	test -x $(KVPRESS_VENV)/bin/python || python3 -m venv $(KVPRESS_VENV)

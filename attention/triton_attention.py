@@ -120,7 +120,7 @@ def paged_attention_triton(
     token a row runs `_decode_kernel` (None: whenever Tq == 1, unless `DECODE_KERNEL`
     is off; False forces the general kernel, the benchmark's comparison). `tiles`:
     (BLOCK_N, num_warps, num_stages) of the attention pass instead of the defaults (the
-    GPU benchmark's sweep, loadtest/bench_gpu_kernels.py). Every tensor is addressed
+    GPU benchmark's sweep, benchmarks/bench_gpu_kernels.py). Every tensor is addressed
     through its strides, so views need no copy (q sliced out of a fused qkv
     projection, k_cache = kv[0]).
     """

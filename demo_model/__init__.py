@@ -9,5 +9,5 @@ Modules:
 - ``tokenizer``: byte-level BPE (~4k vocab) saved in Hugging Face format.
 - ``train``: builds and trains the model, exports it to ``engine/demo/model``.
 - ``evaluate``: held-out bits per byte and needle-in-a-haystack, with a pluggable backend
-  (``loadtest/policy_eval.py`` plugs kvserve in, under each ``kv_policy``).
+  (``benchmarks/policy_eval.py`` plugs kvserve in, under each ``kv_policy``).
 """

@@ -86,7 +86,7 @@ PACK_MIN_ELEMENTS = pack_min_elements(cpuinfo("vendor_id"), torch.backends.mkl.i
 # Fewer rows than this are padded to it: oneDNN's kernels for 1-3 rows are slower than
 # its 6-row one on an AMD EPYC (AVX-512, avx512_bf16), which streams each weight once
 # for 6 rows as fast as for one. The 160M model's linear layers over all 12 layers and
-# the output head, median ms, rows 1 / 2 / 4 / 6 (loadtest/bench_linear_rows.py;
+# the output head, median ms, rows 1 / 2 / 4 / 6 (benchmarks/bench_linear_rows.py;
 # docs/benchmarks.md, session 17):
 # fp32 two threads 24.7 / 26.7 / 21.7 / 19.9, one thread 38.0 / 44.5 / 32.9 / 31.2;
 # bf16 two threads 12.7 / 13.4 / 12.0 / 10.7, one thread 20.6 / 22.9 / 18.6 / 18.6.

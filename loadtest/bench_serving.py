@@ -21,7 +21,7 @@ reports HTTP tok/s / offline tok/s (issue 22: ≥ 85%).
     python -m loadtest.bench_serving --models 160m,demo --concurrency 1,8,32,64 \\
         --systems kvserve,transformers,transformers-cb,vllm --out runs/
 
-Writes runs/bench_serving-<timestamp>.json, docs/results/bench_serving.json, the
+Writes runs/bench_serving-<timestamp>.json, results/bench_serving.json, the
 "## Serving benchmarks (issue 8)" section of docs/benchmarks.md and
 docs/img/bench_serving_*.png (`--quick`: a tiny model, everything under --out).
 """
@@ -75,7 +75,7 @@ DEFAULT_MIX = ('[[0.4, "full"], [0.3, {"name": "streaming", "sink": 4, "window":
 
 
 def prepare_model(name: str, cache: str) -> dict[str, Any]:
-    """`demo` (the bundled trained model) or a bench_common config built (random
+    """`demo` (the bundled trained model) or a `random_models` config built (random
     weights, saved once) under `cache`; returns its path and shape. The tokenizer of a
     cached model is rewritten every time, so one saved by an older build (the byte
     tokenizer, whose random tokens rarely decode to text) is not measured with."""
@@ -84,7 +84,7 @@ def prepare_model(name: str, cache: str) -> dict[str, Any]:
 
         path = str(DEMO_MODEL)
     else:
-        from loadtest.bench_common import MODEL_CONFIGS, build_model, save_tokenizer
+        from loadtest.random_models import MODEL_CONFIGS, build_model, save_tokenizer
 
         if name not in MODEL_CONFIGS:
             raise SystemExit(f"unknown model {name!r}: demo or one of {sorted(MODEL_CONFIGS)}")
@@ -442,7 +442,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     base = a.out if a.quick else None
     a.doc = a.doc or (os.path.join(a.out, "benchmarks.md") if base else "docs/benchmarks.md")
     a.results = a.results or (os.path.join(a.out, "bench_serving.json") if base
-                              else "docs/results/bench_serving.json")
+                              else "results/bench_serving.json")
     a.img_dir = a.img_dir or (a.out if base else "docs/img")
     return a
 

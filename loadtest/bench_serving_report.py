@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from loadtest import bench_common
 from loadtest.report import _plt, _save, plot_cdfs, plot_sweep
+from loadtest.report import update_doc as _update_doc
 
 DOC_HEADING = "## Serving benchmarks (issue 8)"
 BEGIN = "<!-- bench_serving:begin (generated) -->"
@@ -240,7 +240,7 @@ def render(report: dict[str, Any], results: str, plots: list[str], doc: str) -> 
 
 def update_doc(path: str, block: str, begin: str = BEGIN, end: str = END) -> None:
     """Replace a generated block of this section, keeping everything else in the file."""
-    bench_common.update_doc(path, block, DOC_HEADING, begin, end)
+    _update_doc(path, block, DOC_HEADING, begin, end)
 
 
 def write_plots(report: dict[str, Any], img_dir: str) -> list[str]:

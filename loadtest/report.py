@@ -1,4 +1,5 @@
-"""Result files and plots (matplotlib, Agg backend: no display needed)."""
+"""Result files, a markdown file's generated blocks, and plots (matplotlib, Agg backend:
+no display needed)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,26 @@ def write_json(obj: dict[str, Any], path: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1, default=str)
     return path
+
+
+def update_doc(path: str, block: str, heading: str, begin: str, end: str) -> None:
+    """Replace one benchmark's generated block in a markdown file, keeping hand-written
+    notes around it; a missing block goes under its heading, a missing heading at the end."""
+    text = "# Benchmarks\n"
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    gen = f"{begin}\n{block}\n{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + gen + text[text.index(end) + len(end):]
+    elif heading in text:
+        at = text.index(heading) + len(heading)
+        text = text[:at] + "\n\n" + gen + "\n" + text[at:]
+    else:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n{gen}\n"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
 
 
 def _plt():

@@ -2,7 +2,7 @@
 
 vLLM lives in its own venv (`make vllm-venv` → `.venv-vllm`): it pins its own torch and
 transformers, so it never shares a process with kvserve. `bench_serving` starts its
-OpenAI server as a child; `bench_offline` runs `loadtest/vllm_offline.py` under that
+OpenAI server as a child; `bench_offline` runs `benchmarks/vllm_offline.py` under that
 venv's python. Both configure it as vLLM's CPU docs say: the OpenMP threads bound to
 CPUs (`VLLM_CPU_OMP_THREADS_BIND`, the same number of threads kvserve gets) and the KV
 cache size (`VLLM_CPU_KVCACHE_SPACE`, GiB, the same memory as kvserve's pool). Without
@@ -20,7 +20,6 @@ from engine.cpu_threads import ENV_VARS, allowed_cpus, format_cpu_list
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 SERVE_MODULE = "vllm.entrypoints.openai.api_server"  # `vllm serve` fails to find its
 # own distribution in this build (PackageNotFoundError: vllm)
-OFFLINE_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_offline.py")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
                "DO_NOT_TRACK": "1"}

@@ -5,7 +5,7 @@ layout the forward saw"; how requests are grouped for their policies
 (`kvpool/policy_rows.py`: one group per policy class, config and step size, a
 request alone being a group of one), how a request is kept within its reservation, and the per-policy counters behind
 `EngineStats` and the Prometheus metrics all live here. The offline perplexity
-protocol (`loadtest/policy_eval.py`) calls the same `run`, so it evicts exactly as
+protocol (`benchmarks/policy_eval.py`) calls the same `run`, so it evicts exactly as
 serving does.
 """
 

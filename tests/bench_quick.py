@@ -19,14 +19,16 @@ from engine import cpu_threads
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_quick(name: str, out: str, *extra: str, wait: str | None = "passive") -> dict:
-    """`python -m loadtest.<name> --quick --out OUT ...`; returns the one run JSON.
+def run_quick(module: str, out: str, *extra: str, wait: str | None = "passive") -> dict:
+    """`python -m <module> --quick --out OUT ...` (`benchmarks.bench_offline`,
+    `loadtest.bench_serving`); returns the one run JSON.
     `wait`: the driver's default wait (`pin_threads`' default_wait; spin for the offline
     drivers), None for one that pins nothing (its children start as a user's would)."""
     env = dict(os.environ)
     if wait is not None:
         env.update(cpu_threads.environment(cpu_threads.plan(1, None, default_wait=wait)))
-    proc = subprocess.run([sys.executable, "-m", f"loadtest.{name}", "--quick", *extra,
+    name = module.rpartition(".")[2]
+    proc = subprocess.run([sys.executable, "-m", module, "--quick", *extra,
                            "--out", out], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = glob.glob(os.path.join(out, f"{name}-*.json"))

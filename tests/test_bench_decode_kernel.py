@@ -1,4 +1,4 @@
-"""loadtest/bench_decode_kernel.py: the kernel's A/B benchmark measures and reports."""
+"""benchmarks/bench_decode_kernel.py: the kernel's A/B benchmark measures and reports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from attention import cpu_attention
 from attention.torch_attention import paged_attention
-from loadtest import bench_decode_kernel as bench
+from benchmarks import bench_decode_kernel as bench
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.kernel_available(),
                                   reason="no C++ compiler for the decode kernel")
@@ -60,10 +60,10 @@ def test_table_reports_base_over_this() -> None:
 
 
 def test_linear_rows_benchmark_measures_every_row_count(tmp_path) -> None:
-    """loadtest/bench_linear_rows.py (the measurement behind cpu_linear's layouts and
+    """benchmarks/bench_linear_rows.py (the measurement behind cpu_linear's layouts and
     MIN_ROWS): one pass over the model's weights per row count and layout, JSON with the
     fingerprint, a markdown table with the ratio where both layouts ran."""
-    from loadtest import bench_linear_rows
+    from benchmarks import bench_linear_rows
 
     layouts = bench_linear_rows.available_layouts()
     if not layouts:
@@ -84,11 +84,11 @@ def test_linear_rows_benchmark_measures_every_row_count(tmp_path) -> None:
 
 @pytest.mark.parametrize("prefix", [0, 37])
 def test_prefill_attention_benchmark_times_both_ways(tmp_path, prefix: int) -> None:
-    """loadtest/bench_prefill_attention.py: the op and the torch path per prompt length,
+    """benchmarks/bench_prefill_attention.py: the op and the torch path per prompt length,
     over the chunk's own keys or after a cached prefix (its own doc block and files),
     GFLOP/s and the ratio in the table, JSON with the fingerprint, the plot."""
     from attention.cpu_attention import vector_path
-    from loadtest import bench_prefill_attention
+    from benchmarks import bench_prefill_attention
 
     if vector_path() != "avx512":
         pytest.skip("the causal_prefill op runs on AVX-512 builds only")
@@ -109,8 +109,8 @@ def test_prefill_attention_benchmark_times_both_ways(tmp_path, prefix: int) -> N
 def test_linear_rows_lays_bf16_out_widened_or_in_pairs() -> None:
     """bench_linear_rows' layouts: "widened-panels" keeps bf16 panels widened as read
     where "panels" holds pairs (on a CPU with bf16 dot products)."""
+    from benchmarks import bench_linear_rows
     from engine import cpu_linear
-    from loadtest import bench_linear_rows
 
     if not cpu_linear.panels_available():
         pytest.skip("no vector panel kernel here")

@@ -1,5 +1,5 @@
-"""loadtest/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
-renders from real runs' JSON (sessions 23 and 26 on an H200, docs/results/)."""
+"""benchmarks/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
+renders from real runs' JSON (sessions 23 and 26 on an H200, results/)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadtest import bench_gpu
+from benchmarks import bench_gpu, bench_gpu_report
 
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "bench_gpu_160m_s23.json"
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "bench_gpu_160m_s23.json"
 S26 = RESULTS.with_name("bench_gpu_160m_s26.json")
 
 
@@ -24,7 +24,7 @@ def test_refuses_without_cuda() -> None:
 
 def test_renders_the_doc_block_from_a_run() -> None:
     report = json.loads(RESULTS.read_text())
-    text = bench_gpu.render(report)
+    text = bench_gpu_report.render(report)
     assert "NVIDIA H200" in text and report["command"] in text
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
             if line.startswith("| kvserve") or line.startswith("| pressure")}
@@ -34,14 +34,14 @@ def test_renders_the_doc_block_from_a_run() -> None:
     assert rows["kvserve full graphs"].endswith("| – |")  # before async scheduling
     report["runs"]["kvserve full graphs"].update(overlapped_steps=225, steps=250,
                                                  prefill_tok_s=81234.5, prefill_share=0.41)
-    text = bench_gpu.render(report)
+    text = bench_gpu_report.render(report)
     assert text.count("| 90% | 81,234 (41%) |") == 1  # overlapped share; prompts' rate
 
 
 def test_renders_the_kernels_part_and_a_failed_run() -> None:
     """Session 26's run: the kernels part's two tables follow the runs' table, and a run
     that failed keeps its row with the error (the other rows measured alike)."""
-    text = bench_gpu.render(json.loads(S26.read_text()))
+    text = bench_gpu_report.render(json.loads(S26.read_text()))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()
             if line.startswith("| ")}
     assert "| 12.0× |" in rows["kvserve full graphs, torch layer ops"]
@@ -52,7 +52,7 @@ def test_renders_the_kernels_part_and_a_failed_run() -> None:
     assert text.index("| run |") < text.index("| kernel |") < text.index("| decode attention")
     report = json.loads(S26.read_text())  # a run that timed the replay call's host side
     report["runs"]["kvserve full graphs"]["replay_host_ms"] = 0.042
-    assert "| 0.96 (host 0.04) |" in bench_gpu.render(report)
+    assert "| 0.96 (host 0.04) |" in bench_gpu_report.render(report)
 
 
 def test_torch_layer_ops_row_switches_the_kernels_off_and_back(monkeypatch) -> None:

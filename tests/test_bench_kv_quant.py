@@ -1,6 +1,6 @@
 """The quantized-KV benchmark end to end in --quick mode: it runs, and what it writes adds
 up. Speed and quality numbers are never asserted here; they come from
-`python -m loadtest.bench_kv_quant` and live in docs/benchmarks.md. Two runs (capacity
+`python -m benchmarks.bench_kv_quant` and live in docs/benchmarks.md. Two runs (capacity
 and decode; quality), each within the quick runner's subprocess time limit."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ DTYPES = ["bfloat16", "int8", "fp8_e4m3", "int4"]
 @pytest.mark.timeout(300)
 def test_capacity_and_decode_cover_every_dtype(tmp_path) -> None:
     out = str(tmp_path)
-    report = run_quick("bench_kv_quant", out, "--no-progress", "--parts", "capacity,decode")
+    report = run_quick("benchmarks.bench_kv_quant", out, "--no-progress", "--parts", "capacity,decode")
     with open(os.path.join(out, "bench_kv_quant.json"), encoding="utf-8") as f:
         assert json.load(f) == report
     assert "git_commit" in report["fingerprint"] and "loadavg_at_end" in report["fingerprint"]
@@ -42,7 +42,7 @@ def test_capacity_and_decode_cover_every_dtype(tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_quality_covers_every_dtype(tmp_path) -> None:
-    report = run_quick("bench_kv_quant", str(tmp_path), "--no-progress", "--parts", "quality")
+    report = run_quick("benchmarks.bench_kv_quant", str(tmp_path), "--no-progress", "--parts", "quality")
     qual = report["quality"]
     if "skipped" in qual:
         pytest.skip(qual["skipped"])

@@ -1,6 +1,6 @@
 """The memory benchmark end to end in --quick mode: it runs, and what it writes adds up.
 
-Speed is never asserted; the numbers come from `python -m loadtest.bench_memory` and
+Speed is never asserted; the numbers come from `python -m benchmarks.bench_memory` and
 live in docs/benchmarks.md. A subprocess, because the script pins the OpenMP thread
 count in its environment before torch loads.
 """
@@ -18,7 +18,7 @@ from tests.bench_quick import run_quick
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
-    return out, run_quick("bench_memory", out, "--no-progress")
+    return out, run_quick("benchmarks.bench_memory", out, "--no-progress")
 
 
 @pytest.mark.timeout(150)
@@ -69,6 +69,6 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert "## Memory management (issue 4)" in doc and "0.10 (90%)" in doc
-    assert "python -m loadtest.bench_memory --quick" in doc
+    assert "python -m benchmarks.bench_memory --quick" in doc
     with open(os.path.join(out, "bench_memory.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,7 @@
 """The offline benchmark end to end in --quick mode: it runs, and what it writes adds up.
 
 Speed is not asserted (a test cannot know the machine); the real numbers come from
-`python -m loadtest.bench_offline` and live in docs/benchmarks.md. Run as a subprocess
+`python -m benchmarks.bench_offline` and live in docs/benchmarks.md. Run as a subprocess
 because the script sets the OpenMP thread count in its environment before torch loads.
 """
 
@@ -20,7 +20,7 @@ from tests.bench_quick import run_quick
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
     # vLLM's venv named missing: its rows are skipped with a note (what CI sees)
-    return out, run_quick("bench_offline", out, "--profile", "--threads", "1",
+    return out, run_quick("benchmarks.bench_offline", out, "--profile", "--threads", "1",
                           "--vllm-python", os.path.join(out, "no-vllm", "python"), wait="spin")
 
 
@@ -66,7 +66,7 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
     for r in (r for r in sys_.values() if r["wall_s"]):
         mean_wall = sum(r["wall_s"]) / len(r["wall_s"])
         assert r["gflops"] == pytest.approx(m["workload_gflop"] / mean_wall)
-    # ... and against the least wall time any engine could take here (loadtest/roofline.py)
+    # ... and against the least wall time any engine could take here (benchmarks/roofline.py)
     rf = m["roofline"]
     assert m["memory_gbs"] > 0 and 0 < rf["overlapped_s"] <= rf["sequential_s"]
     assert rf["steps"] >= w["output_max"]  # a decode step per output token, at least
@@ -94,7 +94,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert "## Offline throughput (issue 2)" in doc
-    assert "| tiny |" in doc and "python -m loadtest.bench_offline --quick" in doc
+    assert "| tiny |" in doc and "python -m benchmarks.bench_offline --quick" in doc
     assert "tiny / vLLM-CPU: vLLM skipped: no vLLM venv at" in doc
     assert "| model | dtype | memory GB/s | steps | bound s, sequential (overlapped)" in doc
     assert "| tiny | float32 | prompt |" in doc  # the steps by kind beside their bound
@@ -103,7 +103,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
 
 
 def test_update_doc_replaces_only_the_generated_block(tmp_path) -> None:
-    from loadtest.bench_offline import BEGIN, DOC_HEADING, END, update_doc
+    from benchmarks.bench_offline_report import BEGIN, DOC_HEADING, END, update_doc
 
     path = str(tmp_path / "benchmarks.md")
     update_doc(path, "table v1")  # a fresh file gets the heading and the block
@@ -122,7 +122,7 @@ def test_update_doc_replaces_only_the_generated_block(tmp_path) -> None:
 
 
 def test_from_json_redraws_without_measuring(quick_run: tuple[str, dict], tmp_path) -> None:
-    from loadtest.bench_offline import main
+    from benchmarks.bench_offline import main
 
     out, report = quick_run
     src = glob.glob(os.path.join(out, "bench_offline-*.json"))[0]
@@ -137,7 +137,8 @@ def test_from_json_redraws_without_measuring(quick_run: tuple[str, dict], tmp_pa
 def test_workload_gflop_counts_linears_head_and_attention() -> None:
     """One request, prompt 3 + 2 outputs, on a 1-layer model: 4 tokens through the
     layer, 2 through the head, attention over 1 + 2 + 3 + 4 cached tokens."""
-    from loadtest.bench_offline import Workload, workload_gflop
+    from benchmarks.bench_offline import workload_gflop
+    from benchmarks.bench_offline_systems import Workload
 
     cfg = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                num_key_value_heads=1, intermediate_size=16, vocab_size=10)
@@ -155,29 +156,9 @@ def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
     fake.chmod(0o755)
     out = tmp_path / "new"
-    report = run_quick("bench_offline", str(out), "--threads", "1", "--systems",
+    report = run_quick("benchmarks.bench_offline", str(out), "--threads", "1", "--systems",
                        "kvserve,vllm", "--vllm-python", str(fake), wait="spin")
     systems = report["models"]["tiny"]["systems"]
     assert "vLLM exited with 3" in systems["vllm"]["error"]
     assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
     assert "tiny / vLLM-CPU failed:" in (out / "benchmarks.md").read_text()
-
-
-def test_settle_waits_while_another_process_holds_a_core() -> None:
-    """A system measured right after a peer that still spins (vLLM's OpenMP threads)
-    would start on fewer cores: `settle` waits until the CPUs are idle again."""
-    import subprocess
-    import sys
-    import time
-
-    from loadtest.bench_common import settle
-
-    busy = subprocess.Popen([sys.executable, "-c",
-                             "import time\nt = time.time() + 1.0\nwhile time.time() < t: pass"])
-    try:
-        time.sleep(0.2)  # started and spinning
-        # One busy core of N: a share of 1/N, above half of it
-        waited = settle(max_s=10.0, window_s=0.1, busy=0.5 / (os.cpu_count() or 1))
-    finally:
-        busy.wait()
-    assert waited >= 0.4

@@ -1,7 +1,7 @@
 """The policies benchmark end to end in --quick mode: it runs, and what it writes adds up.
 
 Speed is never asserted (a test cannot know the machine); the real numbers come from
-`python -m loadtest.bench_policies` and live in docs/benchmarks.md. A subprocess, because
+`python -m benchmarks.bench_policies` and live in docs/benchmarks.md. A subprocess, because
 the script pins the OpenMP thread count in its environment before torch loads.
 """
 
@@ -20,7 +20,7 @@ from tests.bench_quick import run_quick
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
-    return out, run_quick("bench_policies", out, "--no-progress")
+    return out, run_quick("benchmarks.bench_policies", out, "--no-progress")
 
 
 @pytest.mark.timeout(150)
@@ -131,7 +131,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
     with open(os.path.join(out, "benchmarks.md"), encoding="utf-8") as f:
         doc = f.read()
     assert "## KV eviction policies under memory pressure (issue 5)" in doc
-    assert "| streaming |" in doc and "python -m loadtest.bench_policies --quick" in doc
+    assert "| streaming |" in doc and "python -m benchmarks.bench_policies --quick" in doc
     assert "**Ceiling on this machine.**" in doc
     assert "**In the waves this pool allows a policy that evicts after" in doc
     assert "Where each run's time went" in doc
@@ -140,7 +140,7 @@ def test_quick_writes_doc_and_plot_under_out(quick_run: tuple[str, dict]) -> Non
 
 
 def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
-    from loadtest.bench_policies import gen_lengths
+    from benchmarks.bench_policies import gen_lengths
 
     assert gen_lengths(5, 100, 0.0, 0) == [100] * 5  # the issue's lockstep workload
     a = gen_lengths(200, 1000, 0.5, 3)
@@ -153,9 +153,9 @@ def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
 def test_spread_lengths_and_no_baselines(tmp_path) -> None:
     """`--gen-spread` gives every request its own seeded length, all generated exactly;
     `--baselines ''` runs `full` the default way only; `--dtype` sets the weights'."""
-    from loadtest.bench_policies import gen_lengths
+    from benchmarks.bench_policies import gen_lengths
 
-    report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts", "throughput",
+    report = run_quick("benchmarks.bench_policies", str(tmp_path), "--no-progress", "--parts", "throughput",
                        "--policies", "streaming", "--baselines", "", "--gen-spread", "0.3",
                        "--dtype", "bfloat16")
     st, t = report["settings"], report["throughput"]
@@ -173,7 +173,7 @@ def test_unbatched_variant_runs_beside_the_batched_policy(tmp_path) -> None:
     """`<policy>:unbatched` runs the same policy with every request stepped alone
     (`batch_policies=False`) in the same run; the batched step keeps the same tokens,
     so both rows generate the same output and hold the same live tokens."""
-    report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts",
+    report = run_quick("benchmarks.bench_policies", str(tmp_path), "--no-progress", "--parts",
                        "throughput", "--baselines", "", "--policies", "h2o,h2o:unbatched")
     rows = report["throughput"]["policies"]
     assert list(rows) == ["full", "h2o", "h2o:unbatched"]
@@ -191,7 +191,7 @@ def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
     (`streaming_ring=False`) beside its ring in the same run, both to their lengths, the
     ring at least as many at once (a block less a layer each); the overhead part runs it
     that way too (its own row: the evictions the ring does in place are policy steps)."""
-    report = run_quick("bench_policies", str(tmp_path), "--no-progress", "--parts",
+    report = run_quick("benchmarks.bench_policies", str(tmp_path), "--no-progress", "--parts",
                        "throughput,overhead", "--baselines", "", "--policies",
                        "streaming,streaming:noring", "--rounds", "2")
     over = report["overhead"]["policies"]
@@ -217,7 +217,7 @@ def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
 
 
 def test_unknown_policy_variant_is_refused() -> None:
-    from loadtest.bench_policies import parse_args
+    from benchmarks.bench_policies import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--policies", "h2o:fast"])
@@ -229,8 +229,8 @@ def test_unknown_policy_variant_is_refused() -> None:
 def test_quality_variant_sets_parameters_per_budget() -> None:
     """'<policy>/<key>=<value>': a value with '.' is a fraction of the budget, so one
     variant means the same at 25% and 50%."""
-    from loadtest.bench_policies import parse_args
-    from loadtest.policy_eval import policy_config
+    from benchmarks.bench_policies import parse_args
+    from benchmarks.policy_eval import policy_config
 
     assert policy_config("paged_eviction/window=0.5", 192) == {
         "name": "paged_eviction", "budget": 192, "window": 96}
@@ -245,13 +245,13 @@ def test_a_throughput_only_plot_shows_where_the_time_went(monkeypatch: pytest.Mo
                                                          tmp_path) -> None:
     """Without the overhead part the second panel stacks each run's seconds by kind of
     step (`step_anatomy`) instead of staying empty: one bar segment per run and kind."""
-    from loadtest import bench_common as bc
-    from loadtest import bench_policies_report
+    from benchmarks import bench_common as bc
+    from benchmarks import bench_policies_report
 
     figures = []
     monkeypatch.setattr(bc, "save_figure", lambda fig, path: figures.append(fig))
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(here, "docs", "results", "bench_policies_issue18_throughput_s25.json"),
+    with open(os.path.join(here, "results", "bench_policies_issue18_throughput_s25.json"),
               encoding="utf-8") as f:
         report = json.load(f)
     bench_policies_report.plot(report, str(tmp_path / "p.png"))

@@ -1,4 +1,4 @@
-"""loadtest/bench_prefill_bound.py --quick: the numbers it publishes hold together."""
+"""benchmarks/bench_prefill_bound.py --quick: the numbers it publishes hold together."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.bench_quick import run_quick
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_quick("bench_prefill_bound", str(tmp_path_factory.mktemp("pb")), "--no-progress")
+    return run_quick("benchmarks.bench_prefill_bound", str(tmp_path_factory.mktemp("pb")), "--no-progress")
 
 
 def test_bounded_policies_hold_bound_plus_one_chunk(report: dict) -> None:

@@ -1,6 +1,6 @@
 """The sampling-features benchmark end to end in --quick mode: it runs every variant at
 every batch size and what it writes adds up. Its timings are never asserted here; they
-come from `python -m loadtest.bench_sampling` and live in docs/benchmarks.md."""
+come from `python -m benchmarks.bench_sampling` and live in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import os
 
 import pytest
 
-from loadtest.bench_sampling import DOC_HEADING, VARIANTS
+from benchmarks.bench_sampling import DOC_HEADING, VARIANTS
 from tests.bench_quick import run_quick
 
 
 @pytest.mark.timeout(300)
 def test_every_variant_at_every_size(tmp_path) -> None:
     out = str(tmp_path)
-    report = run_quick("bench_sampling", out, "--no-progress")
+    report = run_quick("benchmarks.bench_sampling", out, "--no-progress")
     with open(os.path.join(out, "bench_sampling.json"), encoding="utf-8") as f:
         assert json.load(f) == report
     assert "git_commit" in report["fingerprint"]

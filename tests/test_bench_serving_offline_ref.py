@@ -22,7 +22,7 @@ from tests.bench_quick import run_quick
 @pytest.mark.timeout(150)
 def test_offline_reference_replays_the_http_level(tmp_path: Any) -> None:
     out = str(tmp_path)
-    report = run_quick("bench_serving", out, "--no-progress", "--systems", "kvserve",
+    report = run_quick("loadtest.bench_serving", out, "--no-progress", "--systems", "kvserve",
                        "--parts", "throughput", "--offline-ref", "4",
                        "--offline-batch", "server,level", wait=None)
     part = report["models"]["tiny"]["throughput"]

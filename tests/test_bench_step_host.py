@@ -1,4 +1,4 @@
-"""loadtest/bench_step_host.py: the decode step's host share, alone and against a base
+"""benchmarks/bench_step_host.py: the decode step's host share, alone and against a base
 checkout (issue 18's "outside the forward" figure)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from loadtest import bench_step_host as bench
-from loadtest.bench_common import run_in_checkout
+from benchmarks import bench_step_host as bench
+from benchmarks.bench_common import run_in_checkout
 
 TINY = ["--model", "tiny", "--running", "4", "--steps", "5", "--threads", "1"]
 

@@ -1,4 +1,4 @@
-"""loadtest/bench_team_wake.py: small ops on one thread against the team, alone and
+"""benchmarks/bench_team_wake.py: small ops on one thread against the team, alone and
 against a base checkout (native/csrc/team.h, issue 22)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from attention import cpu_attention
+from benchmarks import bench_team_wake as bench
 from engine.cpu_linear import panels_available
-from loadtest import bench_team_wake as bench
 
 
 def test_run_writes_json_and_a_table(tmp_path, capsys) -> None:

@@ -1,4 +1,4 @@
-"""The word tokenizer of the random-weight benchmark models (`loadtest/bench_common.py`).
+"""The word tokenizer of the random-weight benchmark models (`loadtest/random_models.py`).
 
 A random-weight model samples ids from its whole vocabulary; the serving benchmark takes
 TTFT at the first streamed chunk with text, so every such id must decode to text on its
@@ -14,7 +14,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from loadtest.bench_common import (
+from loadtest.random_models import (
     FIRST_TOKEN_ID,
     MODEL_CONFIGS,
     build_model,
@@ -92,7 +92,7 @@ def test_prepare_model_replaces_an_older_byte_tokenizer(tmp_path) -> None:
 
 
 def test_gpu_benchmark_shape_is_llama_3_2_1b() -> None:
-    """`--model 1b` (loadtest/bench_gpu.py): Llama-3.2-1B's shape, GQA 4:1, 1.24B
+    """`--model 1b` (benchmarks/bench_gpu.py): Llama-3.2-1B's shape, GQA 4:1, 1.24B
     parameters with tied embeddings (counted on the meta device: nothing allocated)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

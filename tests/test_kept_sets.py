@@ -1,4 +1,4 @@
-"""The kept-sets gate (`loadtest/kept_sets.py`) on a tiny config: a run records one hash
+"""The kept-sets gate (`benchmarks/kept_sets.py`) on a tiny config: a run records one hash
 per request and layer after every step, two runs of the same code agree, and a changed
 kept set is found (step, request, layer) and fails the comparison."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import kept_sets
+from benchmarks import kept_sets
 
 ARGS = ["--model", "tiny", "--batch", "3", "--prompt", "32", "--gen", "64", "--steps", "12",
         "--policies", "streaming,h2o", "--kv-cache-dtype", "auto"]

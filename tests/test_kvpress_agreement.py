@@ -1,7 +1,7 @@
 """Our policies against NVIDIA kvpress, the reference implementations (issue 20).
 
 tests/data/kvpress_demo.pt holds the scores kvpress 0.5.5 computed on the demo model
-for one 192-token prompt (`loadtest/kvpress_reference.py`, run in kvpress's own venv:
+for one 192-token prompt (`benchmarks/kvpress_reference.py`, run in kvpress's own venv:
 it pins an older transformers). Here the same prompt runs through our engine, each
 policy configured as the press at compression ratio 0.5, and we compare what the policy
 saw and chose at the end of the prompt:

@@ -1,6 +1,6 @@
 """The kvpress rows of bench_policies' quality part (issue 20), without kvpress installed.
 
-kvpress runs in its own venv (`loadtest/kvpress_quality.py`); what kvserve's side does
+kvpress runs in its own venv (`benchmarks/kvpress_quality.py`); what kvserve's side does
 with it — the exchange file, the skip note, turning its output into rows scored by the
 needle harness's rule, the table and the figure — is checked here on small dicts. The
 one test that runs kvpress itself is skipped where .venv-kvpress is missing.
@@ -16,8 +16,8 @@ from argparse import Namespace
 
 import pytest
 
-from loadtest import bench_policies_report, kvpress_compare, kvpress_report
-from loadtest.kvpress_quality import PRESSES, ratio_for
+from benchmarks import bench_policies_report, kvpress_compare, kvpress_report
+from benchmarks.kvpress_quality import PRESSES, ratio_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(REPO, kvpress_compare.DEFAULT_PYTHON)
@@ -145,11 +145,11 @@ def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
 
 
 def test_score_attention_keeps_what_each_policy_keeps() -> None:
-    """loadtest/score_attention.py's kept sets: the policies' prompt plans (head mean),
+    """benchmarks/score_attention.py's kept sets: the policies' prompt plans (head mean),
     `budget` tokens each, streaming = sink + the most recent."""
     import torch
 
-    from loadtest.score_attention import kept_sets
+    from benchmarks.score_attention import kept_sets
 
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 2, 40, 8, generator=g), torch.randn(2, 2, 40, 8, generator=g)

@@ -1,8 +1,8 @@
 """The load generator (`python -m loadtest`, `python -m loadtest serve`) against a real kvserve
 on 127.0.0.1: every arrival mode for a few seconds, with the numbers checked against
 each other (usage vs streamed tokens vs the server's own counters, ordered percentiles,
-goodput <= throughput), failures counted by status, a short soak with disconnects and
-malformed requests, and the Locust file."""
+goodput <= throughput), failures counted by status, and the Locust file. The soak is in
+test_loadtest_soak.py, the serving benchmark's report in test_bench_serving.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 
-from loadtest import prom
 from loadtest.client import ClientConfig, sse_lines
 from loadtest.metrics import format_summary, parse_goodput, summarize
 from loadtest.runner import RunConfig, arrival_times, run_level, run_specs
@@ -245,53 +244,6 @@ def test_cli_sweep_policy_mix_json_and_plots(server: ServerThread, model_dir: st
         assert (tmp_path / name).stat().st_size > 1000
 
 
-def test_soak_with_disconnects_and_malformed(server: ServerThread, model_dir: str,
-                                             tmp_path: Any) -> None:
-    from loadtest.soak import main as soak_main
-
-    out = tmp_path / "soak.json"
-    # bounded by a count, not a time: the same requests (seeded) on a fast or slow engine
-    rc = soak_main(["--base-url", server.url, "--minutes", "2", "--max-requests", "40",
-                    "--concurrency", "4",
-                    "--tokenizer", model_dir, "--max-model-len", str(CONTEXT),
-                    "--prompt-len", "24", "--output-len", "16", "--disconnect-fraction", "0.3",
-                    "--malformed-fraction", "0.15", "--rss-every", "1",
-                    "--max-rss-growth", "50", "--result-json", str(out)])
-    r = json.loads(out.read_text())
-    assert rc == 0, r["problems"]
-    assert r["leaked_blocks"] == 0 and r["idle_after"]["idle"]
-    assert not r["server_errors"] and not r["malformed_accepted"]
-    counts = r["counts"]
-    assert counts.get("disconnect:disconnected", 0) >= 3, counts
-    assert sum(v for k, v in counts.items() if k.startswith("malformed:4")) >= 3, counts
-    assert counts.get("normal:200", 0) >= 10, counts
-    samples = prom.scrape(server.url)
-    assert prom.value(samples, "kvserve_kv_blocks", state="used") == 0
-
-
-def test_soak_spawned_server(model_dir: str, tmp_path: Any) -> None:
-    """`--spawn`: kvserve as a child process, RSS from /proc, a clean drain at the end,
-    and the result written into a markdown file between the soak markers."""
-    from loadtest.soak import SOAK_BEGIN, SOAK_END
-    from loadtest.soak import main as soak_main
-
-    doc = tmp_path / "bench.md"
-    doc.write_text(f"# B\n\n## Serving benchmarks (issue 8)\n\n{SOAK_BEGIN}\nold\n{SOAK_END}\n\n"
-                   "## Later section\n")
-    out = tmp_path / "soak.json"
-    rc = soak_main(["--spawn", "--model", model_dir, "--minutes", str(5 / 60),
-                    "--concurrency", "3", "--max-model-len", str(CONTEXT), "--prompt-len", "16",
-                    "--output-len", "8", "--rss-every", "1", "--max-rss-growth", "50",
-                    "--result-json", str(out), "--doc", str(doc)])
-    r = json.loads(out.read_text())
-    assert rc == 0, r["problems"]
-    assert r["rss_base_bytes"] > 10 * 2**20 and len(r["rss_trace"]) >= 2
-    assert r["leaked_blocks"] == 0 and r["server_exit_code"] == 0
-    assert not os.path.exists(f"/proc/{r['server_pid']}")  # stopped, and only once started
-    text = doc.read_text()
-    assert "old" not in text and "**Soak: " in text and text.endswith("## Later section\n")
-
-
 def test_locustfile(server: ServerThread, tmp_path: Any) -> None:
     if importlib.util.find_spec("locust") is None:  # never import it here: gevent patches
         pytest.skip("locust is not installed (pip install -e .[dev])")  # the whole process
@@ -310,120 +262,6 @@ def test_locustfile(server: ServerThread, tmp_path: Any) -> None:
         assert name in stats
     rows = [line.split(",") for line in stats.splitlines()[1:]]
     assert all(row[3] == "0" for row in rows)  # failure count column
-
-
-def _fake_level(c: int, tok_s: float, ttft_s: float) -> dict[str, Any]:
-    from loadtest.client import RequestResult
-
-    rs = []
-    for i in range(c):
-        r = RequestResult("200", "synthetic", "-", 10, 20, start=i * 0.001, ttft=ttft_s,
-                          e2el=ttft_s + 0.1, itl=[0.01] * 9, chunks=10, prompt_tokens=20,
-                          usage_output_tokens=10)
-        rs.append(r)
-    s = summarize(rs, 10 * c / tok_s, percentiles=(50, 90, 99), max_concurrency=c)
-    return {**s, "ttft_list_ms": [ttft_s * 1000] * c, "e2el_list_ms": [ttft_s * 1000 + 100] * c}
-
-
-def test_bench_serving_report(tmp_path: Any) -> None:
-    from loadtest.bench_serving_report import BEGIN, END, render, update_doc, write_plots
-
-    systems = {"kvserve": [_fake_level(8, 300, 0.05), _fake_level(32, 900, 0.2)],
-               "transformers": [_fake_level(8, 100, 0.5), _fake_level(32, 200, 2.0)],
-               "transformers-cb": [_fake_level(8, 200, 0.1), _fake_level(32, 400, 0.1)]}
-    wl = {"prompt": {"median": 100, "sigma": 1.0, "hi": 512},
-          "output": {"median": 64, "sigma": 0.6, "hi": 192}}
-    env = {"date_utc": "now", "cpu": "cpu", "cpu_count": 2, "torch": "t", "transformers": "x",
-           "git_commit": "abc", "loadavg_at_start": [1.0], "loadavg_at_end": [1.0]}
-    report = {"command": "python -m loadtest.bench_serving", "environment": env,
-              "settings": {"num_prompts": 32, "waves": 2, "seed": 0, "threads": 1},
-              "models": {"m": {"throughput": {"workload": wl, "systems": systems}}}}
-    plots = write_plots(report, str(tmp_path / "img"))
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text(f"# B\n\n## Other (issue 2)\n\nkeep me\n\n## Serving benchmarks (issue 8)\n\n"
-                   f"notes\n\n{BEGIN}\nold\n{END}\n\n## Later\n")
-    block = render(report, str(tmp_path / "r.json"), plots, str(doc))
-    assert "| m | transformers | 32 | 4.50× | 200 vs 2,000 | met |" in block
-    assert "| m | transformers-cb | 32 | 2.25× | 200 vs 100 | MISSED |" in block
-    assert "| m | transformers | 8 | 3.00× | 50.0 vs 500 |  |" in block
-    assert "](img/bench_serving_m.png)" in block
-    # A level where some streams never carried text: its TTFT percentile says so.
-    systems["transformers"][1]["ttft_list_ms"] = [2000.0] * 3
-    flagged = render(report, str(tmp_path / "r.json"), plots, str(doc))
-    assert "| m | transformers | 32 | 4.50× | 200 vs 2,000 (of 3/32) | met |" in flagged
-    systems["transformers"][1]["ttft_list_ms"] = [2000.0] * 32
-    update_doc(str(doc), block)
-    text = doc.read_text()
-    assert "keep me" in text and "notes" in text and "old" not in text
-    assert text.index("## Later") > text.index(END) > text.index("| m | transformers | 32")
-
-
-def test_bench_serving_report_against_vllm(tmp_path: Any) -> None:
-    """vLLM's target (issue 22) is 1.3× at concurrency 1 and 32 with a lower p50 *and*
-    p99 TTFT; the run's thread settings and skipped peers are printed."""
-    from loadtest.bench_serving_report import render
-
-    systems = {"kvserve": [_fake_level(1, 40, 0.05), _fake_level(8, 300, 0.05),
-                           _fake_level(32, 900, 0.2)],
-               "kvserve-spin": [_fake_level(1, 45, 0.05)],
-               "vllm": [_fake_level(1, 20, 0.5), _fake_level(8, 200, 0.5),
-                        _fake_level(32, 800, 0.1)]}
-    wl = {"prompt": {"median": 100, "sigma": 1.0, "hi": 512},
-          "output": {"median": 64, "sigma": 0.6, "hi": 192}}
-    env = {"date_utc": "now", "cpu": "cpu", "cpu_count": 2, "torch": "t", "transformers": "x",
-           "git_commit": "abc", "loadavg_at_start": [1.0], "loadavg_at_end": [1.0]}
-    settings = {"num_prompts": 32, "waves": 2, "seed": 0, "threads": 2,
-                "skipped": {"transformers": "not installed"}, "vllm_version": "0.32.0",
-                "thread_settings": {"kvserve": "--cpu-threads 2",
-                                    "vllm": "VLLM_CPU_OMP_THREADS_BIND=0-1"}}
-    report = {"command": "python -m loadtest.bench_serving", "environment": env,
-              "settings": settings,
-              "models": {"m": {"throughput": {"workload": wl, "systems": systems}}}}
-    block = render(report, str(tmp_path / "r.json"), [], str(tmp_path / "b.md"))
-    assert "| m | vllm | 1 | 2.00× | 50.0 vs 500 | met |" in block
-    assert "| m | vllm | 8 | 1.50× | 50.0 vs 500 |  |" in block  # no target at 8
-    assert "| m | vllm | 32 | 1.12× | 200 vs 100 | MISSED |" in block
-    assert "| m | kvserve-spin | 1 | 1/0 | 45.0 |" in block  # a row of its own, not a peer
-    assert "| m | kvserve-spin | 1 | 0.89×" not in block
-    assert "transformers: not installed" in block
-    assert ("Threads: kvserve `--cpu-threads 2`; vllm `VLLM_CPU_OMP_THREADS_BIND=0-1` "
-            "(vLLM 0.32.0).") in block
-
-
-def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
-    """No thread variables for kvserve and, without --threads, no --cpu-threads either:
-    it picks its own, as for a user; vLLM without its
-    venv is skipped with a note, its documented settings otherwise."""
-    from engine.cpu_threads import allowed_cpus, physical_cores
-    from loadtest import vllm_peer
-    from loadtest.bench_serving import Bench, parse_args
-
-    a = parse_args(["--systems", "kvserve,vllm", "--vllm-python", str(tmp_path / "none"),
-                    "--out", str(tmp_path)])
-    assert a.systems == ["kvserve"] and "make vllm-venv" in a.skipped["vllm"]
-    assert a.thread_settings["kvserve"].startswith("its own choice")
-    assert a.threads == physical_cores(allowed_cpus())  # the peers' count
-    assert "--cpu-threads" not in Bench(a).engine_opts()
-    a = parse_args(["--threads", "1", "--systems", "kvserve,transformers", "--out", str(tmp_path)])
-    assert a.thread_settings == {"kvserve": "--cpu-threads 1",
-                                 "transformers": "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1"}
-    a = parse_args(["--systems", "kvserve,kvserve-spin", "--out", str(tmp_path)])
-    assert a.thread_settings["kvserve-spin"].endswith(" --cpu-wait spin")
-    model = {"path": "m", "name": "m"}
-    spin, env, _ = Bench(a).command("kvserve-spin", model, 1234)
-    plain, _, _ = Bench(a).command("kvserve", model, 1234)
-    assert spin == [*plain, "--cpu-wait", "spin"] and env is None
-    thread, _, _ = Bench(a).command("kvserve-thread", model, 1234)
-    assert thread == [*plain, "--engine-layout", "thread"]
-    a = parse_args(["--systems", "kvserve,kvserve-1t,kvserve-2t", "--out", str(tmp_path)])
-    one, _, _ = Bench(a).command("kvserve-1t", model, 1234)
-    assert one[-2:] == ["--cpu-threads", "1"] and one.count("--cpu-threads") == 1
-    assert a.thread_settings["kvserve-2t"] == "--cpu-threads 2"
-    vllm = vllm_peer.settings(1, "1536MiB")
-    assert vllm == {"VLLM_CPU_OMP_THREADS_BIND": str(allowed_cpus()[0]),
-                    "VLLM_CPU_KVCACHE_SPACE": "2"}
-    env = vllm_peer.env(1, "1GiB")
-    assert "OMP_NUM_THREADS" not in env and "PYTHONPATH" not in env
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 100])
@@ -445,28 +283,3 @@ def test_sse_lines_split_only_at_cr_lf(cut: int) -> None:
     lines = asyncio.run(collect())
     assert lines == ['data: {"t": "a\u2028b\u2029c\x85d"}', "", "data: [DONE]", "la\x1cst", "x"]
     assert json.loads(lines[0][5:])["t"] == "a\u2028b\u2029c\x85d"
-
-
-@pytest.mark.parametrize("doc", [None, ""])
-def test_publish_writes_the_doc_unless_told_not_to(tmp_path, monkeypatch, doc: str | None) -> None:
-    """A benchmark driver's outputs: without `--doc` the generated block goes into
-    docs/benchmarks.md; `--doc ""` writes the JSON and the plot but no doc (a look at a
-    machine, not a result to publish)."""
-    import argparse
-
-    from loadtest import bench_common as bc
-
-    monkeypatch.chdir(tmp_path)
-    args = argparse.Namespace(doc=doc, results=None, plot=None, out="runs", quick=False)
-    bc.default_paths(args, "bench_x")
-    drawn: list[str] = []
-    report = {"benchmark": "bench_x", "fingerprint": {}}
-    bc.publish(report, args, "bench_x", "## X", lambda r: "the table",
-               lambda r, path: drawn.append(path))
-    assert (tmp_path / "docs/results/bench_x.json").is_file()
-    assert drawn == ["docs/img/bench_x.png"]
-    written = tmp_path / "docs/benchmarks.md"
-    if doc is None:
-        assert "the table" in written.read_text(encoding="utf-8")
-    else:
-        assert not written.exists()

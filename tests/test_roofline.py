@@ -1,4 +1,4 @@
-"""loadtest/roofline.py: the schedule it bounds, the bounds' arithmetic, and its command
+"""benchmarks/roofline.py: the schedule it bounds, the bounds' arithmetic, and its command
 on a bench_serving report."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_common import MODEL_CONFIGS
-from loadtest.roofline import ModelCost, Step, bound, by_kind, schedule, serving_rows
+from benchmarks.roofline import ModelCost, Step, bound, by_kind, schedule, serving_rows
+from loadtest.random_models import MODEL_CONFIGS
 
 
 def test_schedule_by_hand() -> None:
@@ -109,7 +109,7 @@ def test_serving_rows(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_command(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "loadtest.roofline",
+    out = subprocess.run([sys.executable, "-m", "benchmarks.roofline",
                           str(_serving_report(tmp_path)), "--threads", "1"],
                          capture_output=True, text=True, timeout=110, check=True).stdout
     assert "memory read rate" in out
@@ -122,12 +122,12 @@ def test_an_offline_report_prints_its_own_bound(tmp_path: Path) -> None:
     """A bench_offline report (the Xeon's, session 45) with `--offline`: its run's bound and
     kvserve's seconds by kind of step, nothing measured; without it, a clear refusal
     rather than a KeyError on a bench_serving field."""
-    path = Path(__file__).parents[1] / "docs/results/bench_offline_vllm_xeon_s45.json"
-    out = subprocess.run([sys.executable, "-m", "loadtest.roofline", "--offline", str(path)],
+    path = Path(__file__).parents[1] / "results/bench_offline_vllm_xeon_s45.json"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--offline", str(path)],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "**160m float32**: bound 26.7 s sequential (23.8 overlapped), 259 steps" in out
     assert "1.3x vLLM needs 86%" in out
     assert "| decode 17-32 | 58 | 4.37 | 1.26 | 1.41 | 61% |" in out
-    bad = subprocess.run([sys.executable, "-m", "loadtest.roofline", str(path)],
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.roofline", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "not bench_serving's" in bad.stderr

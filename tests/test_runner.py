@@ -274,8 +274,8 @@ def test_pyramid_rows_apart_are_read_in_place_with_the_same_bits(llama, monkeypa
     every step and the tokens are those of the copying run. Without the C++ op the torch
     form copies the rows on first use (`RowsView.layered`) and the engine puts them back."""
     import engine.runner as runner_mod
-    import kvpool.policy_rows as policy_rows_mod
     import kvpool.manager as manager_mod
+    import kvpool.policy_rows as policy_rows_mod
     from policies import rows as rows_mod
 
     if not native:

@@ -12,7 +12,6 @@ import torch
 from kvpool import rows as rows_mod
 from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
-from attention.storage import KVStorage
 from kvpool.compaction import compact
 from kvpool.tables import SlotTables
 

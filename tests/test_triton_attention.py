@@ -265,11 +265,11 @@ def test_module_imports_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_tile_choices_give_the_same_attention() -> None:
-    """The GPU benchmark's tile sweep (loadtest/bench_gpu_kernels.py) must only move the
+    """The GPU benchmark's tile sweep (benchmarks/bench_gpu_kernels.py) must only move the
     speed: every (BLOCK_N, warps, stages) it tries answers as the default, over
     slot tiles that cross blocks and a split, MHA for its MHA tiles, G = 4 for the GQA
     ones."""
-    from loadtest.bench_gpu_kernels import GQA_TILES, TILES
+    from benchmarks.bench_gpu_kernels import GQA_TILES, TILES
 
     for tiles_tried, hq in ((TILES, 2), (GQA_TILES, 8)):
         case = make_case([149, 36], [1, 1], bs=8, hq=hq, hkv=2)

@@ -16,7 +16,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from loadtest.bench_common import CHAT_TEMPLATE, SPECIAL_TOKENS
+from loadtest.random_models import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 # Token ids 0..4 are specials, 5..260 the 256 bytes: vocab_size = 261 for every family.
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)

@@ -1,0 +1,189 @@
+"""The CPU decode-attention kernel alone, and against another checkout's build of it.
+
+    python -m benchmarks.bench_decode_kernel --shapes 8x400,32x200,64x400 --threads 1
+    python -m benchmarks.bench_decode_kernel --base /tmp/base-checkout --rounds 2
+    python -m benchmarks.bench_decode_kernel --model 3m --key-diversity --shapes 16x1025
+
+Why a benchmark of its own: a change to `attention/csrc/paged_decode_cpu.cpp` moves a
+decode step by a few percent, under the noise of an engine run on this 2-core machine,
+and the kernel's speed depends on whether a layer's K/V come from cache or DRAM. So the
+calls here cycle over `--layers` pools, as a model's layers do (the same pool called
+back to back would stay in L3 and flatter any prefetching), and `--base` runs another
+checkout's build (its own TORCH_EXTENSIONS_DIR: the op has one name) in a subprocess,
+interleaved with this one round by round, so the machine's drift hits both alike.
+`--key-diversity` also times, in the same rounds, the kernel returning KeyDiff's scores
+(`paged_decode_key_diversity`) and the pool's separate op over the same rows
+(`kvserve_storage.key_diversity`), the two ways a KeyDiff step gets them. Writes JSON with the environment fingerprint; prints a markdown table of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+NAME = "bench_decode_kernel"
+# The 160M model's attention (MHA, 12 heads of 64) and the 3m model's (GQA 8:2, d 32).
+HEADS = {"160m": (12, 12, 64), "3m": (8, 2, 32)}
+
+
+def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,
+                seed: int, bs: int = 16, q_dtype: torch.dtype = torch.float32) -> dict:
+    """`b` sequences of `n` cached tokens each decoding one, their blocks shuffled over
+    the pool as a served pool's are, on 2 MiB pages as a served pool is
+    (native/huge_pages.py); the kwargs of `paged_attention_cpu`. `q_dtype`: the
+    model's (a bf16 model's queries over its bf16 pool take the kernel's bf16 dot
+    products; an fp32 model's over a bf16 pool, `--kv-cache-dtype bfloat16`, do not)."""
+    from native.huge_pages import huge_page_empty
+
+    g = torch.Generator().manual_seed(seed)
+    per = -(-n // bs)
+    ids = torch.randperm(b * per, generator=g)
+    slot_pos = torch.full((b, per * bs), -1, dtype=torch.int64)
+    slot_pos[:, :n] = torch.arange(n)
+    kv = huge_page_empty((2, b * per, bs, hkv, d), dtype)
+    kv.copy_(torch.randn(2, b * per, bs, hkv, d, generator=g))
+    return {"q": torch.randn(b, 1, hq, d, generator=g).to(q_dtype), "k_cache": kv[0], "v_cache": kv[1],
+            "table": ids.view(b, per), "slot_pos": slot_pos,
+            "q_pos": torch.full((b, 1), n - 1, dtype=torch.int64), "scale": d**-0.5}
+
+
+def measure(shapes: list[tuple[int, int]], heads: tuple[int, int, int], layers: int,
+            dtype: torch.dtype, calls: int, threads: int,
+            key_diversity: bool = False, q_dtype: torch.dtype = torch.float32
+            ) -> list[dict[str, float]]:
+    """Median and min ms per layer call for each (sequences, tokens) shape; with
+    `key_diversity` also the medians of the kernel returning KeyDiff's scores and of
+    the pool's op computing them alone."""
+    from attention.cpu_attention import kernel_available, paged_attention_cpu
+
+    if not kernel_available():
+        raise SystemExit("the C++ decode kernel did not build")
+    torch.set_num_threads(threads)
+    hq, hkv, d = heads
+    rows = []
+    for b, n in shapes:
+        pools = []
+        for layer in range(layers):
+            pools.append(decode_case(b, n, hq, hkv, d, dtype, seed=layer, q_dtype=q_dtype))
+        for case in pools:  # warm: first-touch page faults, the op's first call
+            paged_attention_cpu(**case)
+        ways = {"": paged_attention_cpu}
+        if key_diversity:
+            from attention.cpu_attention import paged_decode_key_diversity
+            from attention.key_stats import key_diversity as pool_op
+            from attention.key_stats import load_storage_ops
+
+            load_storage_ops()
+            ways["kd_"] = paged_decode_key_diversity
+            ways["op_"] = lambda **c: pool_op(c["k_cache"], c["table"], c["slot_pos"])
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        for _ in range(calls):
+            for case in pools:
+                for w, fn in ways.items():  # interleaved: the same cache state for each
+                    t = time.perf_counter()
+                    fn(**case)
+                    times[w].append(time.perf_counter() - t)
+        mib = 2 * b * n * hkv * d * pools[0]["k_cache"].element_size() / 2**20
+        row = {"seqs": b, "tokens": n, "mib_per_layer": round(mib, 1),
+               "median_ms": statistics.median(times[""]) * 1e3, "min_ms": min(times[""]) * 1e3}
+        for w in ways:
+            if w:
+                row[f"{w}median_ms"] = statistics.median(times[w]) * 1e3
+        rows.append(row)
+        del pools
+    return rows
+
+
+def table(report: dict) -> str:
+    rounds = report["rounds"]
+    has_base = "base" in rounds[0]
+    head = "| sequences × tokens | MiB a layer | ms a call, this checkout |"
+    sep = "|---|---|---|"
+    if has_base:
+        head += " ms a call, base | base / this |"
+        sep += "---|---|"
+    kd = "kd_median_ms" in rounds[0]["this"][0]
+    if kd:
+        head += " with KeyDiff's scores | + KeyDiff | KeyDiff op alone |"
+        sep += "---|---|---|"
+        if has_base:
+            head += " with KeyDiff's scores, base | KeyDiff op alone, base |"
+            sep += "---|---|"
+    lines = [head, sep]
+    for i, row in enumerate(rounds[0]["this"]):
+        new = [r["this"][i]["median_ms"] for r in rounds]
+        line = (f"| {row['seqs']} × {row['tokens']} | {row['mib_per_layer']} | "
+                f"{' / '.join(f'{x:.3f}' for x in new)} |")
+        if has_base:
+            old = [r["base"][i]["median_ms"] for r in rounds]
+            line += (f" {' / '.join(f'{x:.3f}' for x in old)} | "
+                     f"{statistics.median(old) / statistics.median(new):.2f}× |")
+        if kd:
+            fused = statistics.median([r["this"][i]["kd_median_ms"] for r in rounds])
+            op = statistics.median([r["this"][i]["op_median_ms"] for r in rounds])
+            line += (f" {fused:.3f} | {fused - statistics.median(new):+.3f} | {op:.3f} |")
+            if has_base:
+                line += "".join(
+                    f" {statistics.median([r['base'][i][k] for r in rounds]):.3f} |"
+                    for k in ("kd_median_ms", "op_median_ms"))
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(HEADS), default="160m",
+                   help="attention shape (heads, kv heads, head dim)")
+    p.add_argument("--shapes", default="4x400,8x400,16x300,32x200,64x400",
+                   help="SEQUENCESxTOKENS, comma-separated")
+    p.add_argument("--layers", type=int, default=12, help="pools cycled, one per layer")
+    p.add_argument("--dtype", default="bfloat16", help="the pool's dtype")
+    p.add_argument("--q-dtype", default=None,
+                   help="the queries' dtype (the model's); default: the pool's")
+    p.add_argument("--calls", type=int, default=8, help="calls per layer per shape")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--key-diversity", action="store_true",
+                   help="also time the kernel with KeyDiff's scores, and the pool's op alone")
+    p.add_argument("--base", help="another checkout to build and run the same way, interleaved")
+    p.add_argument("--rounds", type=int, default=2, help="rounds (each: this, then base)")
+    p.add_argument("--out", default="runs/")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # measure once, JSON to this path
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    a = parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    args = (shapes, HEADS[a.model], a.layers, getattr(torch, a.dtype), a.calls, a.threads,
+            a.key_diversity, getattr(torch, a.q_dtype or a.dtype))
+    if a.worker:
+        with open(a.worker, "w", encoding="utf-8") as f:
+            json.dump(measure(*args), f)  # type: ignore[arg-type]
+        return {}
+    from loadtest.fingerprint import fingerprint
+
+    torch.set_num_threads(a.threads)
+    report: dict = {"benchmark": NAME, "command": f"python -m benchmarks.{NAME} " + shlex.join(argv),
+                    "fingerprint": {**fingerprint(), "loadavg_at_start": os.getloadavg()},
+                    "settings": vars(a), "rounds": []}
+    same = ["--model", a.model, "--shapes", a.shapes, "--layers", str(a.layers),
+            "--dtype", a.dtype, "--q-dtype", a.q_dtype or a.dtype, "--calls", str(a.calls),
+            "--threads", str(a.threads),
+            *(["--key-diversity"] if a.key_diversity else [])]
+    # imported here, not in the worker: a base checkout may lack it
+    from benchmarks.bench_common import ab_rounds
+
+    return ab_rounds(NAME, report, a.out, a.rounds, a.base, __file__, same,
+                     lambda: measure(*args), table)  # type: ignore[arg-type]
+
+if __name__ == "__main__":
+    main()

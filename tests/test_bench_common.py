@@ -1,0 +1,49 @@
+"""What every engine benchmark shares (`benchmarks/bench_common.py`): where a run's
+outputs go, and waiting for a quiet machine between the systems measured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import bench_common as bc
+
+
+@pytest.mark.parametrize("doc", [None, ""])
+def test_publish_writes_the_doc_unless_told_not_to(tmp_path, monkeypatch, doc: str | None) -> None:
+    """A benchmark driver's outputs: without `--doc` the generated block goes into
+    docs/benchmarks.md; `--doc ""` writes the JSON and the plot but no doc (a look at a
+    machine, not a result to publish)."""
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(doc=doc, results=None, plot=None, out="runs", quick=False)
+    bc.default_paths(args, "bench_x")
+    drawn: list[str] = []
+    report = {"benchmark": "bench_x", "fingerprint": {}}
+    bc.publish(report, args, "bench_x", "## X", lambda r: "the table",
+               lambda r, path: drawn.append(path))
+    assert (tmp_path / "results/bench_x.json").is_file()
+    assert drawn == ["docs/img/bench_x.png"]
+    written = tmp_path / "docs/benchmarks.md"
+    if doc is None:
+        assert "the table" in written.read_text(encoding="utf-8")
+    else:
+        assert not written.exists()
+
+
+def test_settle_waits_while_another_process_holds_a_core() -> None:
+    """A system measured right after a peer that still spins (vLLM's OpenMP threads)
+    would start on fewer cores: `settle` waits until the CPUs are idle again."""
+    busy = subprocess.Popen([sys.executable, "-c",
+                             "import time\nt = time.time() + 1.0\nwhile time.time() < t: pass"])
+    try:
+        time.sleep(0.2)  # started and spinning
+        # One busy core of N: a share of 1/N, above half of it
+        waited = bc.settle(max_s=10.0, window_s=0.1, busy=0.5 / (os.cpu_count() or 1))
+    finally:
+        busy.wait()
+    assert waited >= 0.4
