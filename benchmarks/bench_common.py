@@ -208,11 +208,12 @@ def markers(name: str) -> tuple[str, str]:
 
 def default_paths(args, name: str) -> None:
     """--quick keeps the doc, the final JSON and the plot under --out; otherwise
-    docs/benchmarks.md, results/<name>.json and docs/img/<name>.png. `--doc ""`
-    writes no doc (a run to look at, not to publish)."""
+    results/<name>.json and docs/img/<name>.png, and a generated table only into the doc
+    `--doc` names (docs/benchmarks.md is a page of current figures written by hand from
+    these runs, not a log they append to)."""
     base = args.out if args.quick else None
     if args.doc is None:
-        args.doc = os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md"
+        args.doc = os.path.join(base, "benchmarks.md") if base else ""
     args.results = args.results or (os.path.join(base, f"{name}.json") if base
                                     else f"results/{name}.json")
     args.plot = args.plot or (os.path.join(base, f"{name}.png") if base else f"docs/img/{name}.png")

@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pressure-fit", type=int, default=8)
     p.add_argument("--models-dir", default=None, help="where the random models are built")
     p.add_argument("--out", default="runs/")
-    p.add_argument("--doc", default="docs/benchmarks.md", help="'' to leave the docs alone")
+    p.add_argument("--doc", default="", help="a markdown file to write the generated table into")
     p.add_argument("--quick", action="store_true", help="8 requests of 32/32")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -222,9 +222,10 @@ def workload_bound(cfg: dict[str, object], dtype: str, w: Workload, gemm_flops: 
 
 def write_outputs(report: dict, args: argparse.Namespace) -> None:
     run_path = save_json(report, args.out, "bench_offline", args.results)
-    update_doc(args.doc, render_table(report))
+    if args.doc:
+        update_doc(args.doc, render_table(report))
     plot(report, args.plot)
-    print(f"wrote {run_path}, {args.results}, {args.doc}, {args.plot}", flush=True)
+    print(f"wrote {run_path}, {args.results}, {args.doc or '(no doc)'}, {args.plot}", flush=True)
     print(render_table(report).split("\n\n")[0], flush=True)
 
 
@@ -264,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/")
     p.add_argument("--quick", action="store_true",
                    help="tiny model, 8 short requests; results, doc and plot stay under --out")
-    p.add_argument("--doc", help="markdown file to update (default docs/benchmarks.md)")
+    p.add_argument("--doc", help="a markdown file to write the generated table into")
     p.add_argument("--results", help="final JSON copy (default results/bench_offline.json)")
     p.add_argument("--plot", help="bar plot (default docs/img/bench_offline.png)")
     p.add_argument("--from-json", help="measure nothing: redraw the doc block and the plot "
@@ -286,7 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.repeats = _per_model(a.repeats, a.models, 1)
     a.requests = _per_model(a.requests, a.models, 64)
     base = a.out if a.quick else None
-    a.doc = a.doc or (os.path.join(base, "benchmarks.md") if base else "docs/benchmarks.md")
+    if a.doc is None:  # a generated table only where asked (or under --out with --quick)
+        a.doc = os.path.join(base, "benchmarks.md") if base else ""
     a.results = a.results or (os.path.join(base, "bench_offline.json") if base
                               else "results/bench_offline.json")
     a.plot = a.plot or (os.path.join(base, "bench_offline.png") if base
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
             report = json.load(f)
         if os.path.abspath(args.from_json) != os.path.abspath(args.results):
             shutil.copyfile(args.from_json, args.results)
-        update_doc(args.doc, render_table(report))
+        if args.doc:
+            update_doc(args.doc, render_table(report))
         plot(report, args.plot)
         return report
     # kvserve runs here as `kvserve generate` runs it: an offline job, spinning waits

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default="runs/")
-    p.add_argument("--doc", default="docs/benchmarks.md")
+    p.add_argument("--doc", default="", help="a markdown file to write the generated table into")
     p.add_argument("--results", default=f"results/{NAME}.json")
     a = p.parse_args(argv)
     if a.model is None:
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["variants"] = measure(a)
     report["fingerprint"]["loadavg_at_end"] = os.getloadavg()
     run_path = save_json(report, a.out, NAME, a.results)
-    update_doc(a.doc, render(report), HEADING, *markers(NAME))
+    if a.doc:
+        update_doc(a.doc, render(report), HEADING, *markers(NAME))
     print(render(report), flush=True)
     print(f"wrote {run_path}, {a.results}, {a.doc}", flush=True)
     return report

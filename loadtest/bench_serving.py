@@ -440,7 +440,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--offline-ref needs the throughput part, a kvserve system and "
                          "concurrencies from --concurrency")
     base = a.out if a.quick else None
-    a.doc = a.doc or (os.path.join(a.out, "benchmarks.md") if base else "docs/benchmarks.md")
+    if a.doc is None:  # a generated block only where asked (or under --out with --quick)
+        a.doc = os.path.join(a.out, "benchmarks.md") if base else ""
     a.results = a.results or (os.path.join(a.out, "bench_serving.json") if base
                               else "results/bench_serving.json")
     a.img_dir = a.img_dir or (a.out if base else "docs/img")
@@ -459,8 +460,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if os.path.abspath(run_path) != os.path.abspath(a.results):
         shutil.copyfile(run_path, a.results)
     plots = write_plots(report, a.img_dir)
-    block = render(report, a.results, plots, a.doc)
-    update_doc(a.doc, block)
+    block = render(report, a.results, plots, a.doc or "docs/benchmarks.md")
+    if a.doc:
+        update_doc(a.doc, block)
     print(block.split("\n<!--")[0] if "<!--" in block else block)
     print(f"wrote {run_path}, {a.results}, {a.doc}, " + ", ".join(plots), flush=True)
     return report
