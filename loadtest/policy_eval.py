@@ -37,8 +37,7 @@ from engine.runner import SeqInput
 from engine.sampling import SamplingParams
 from kvpool.manager import MIN_PREFILL_CHUNK
 from loadtest.bench_common import drive
-from policies.catalog import CATALOG, build_policy
-from policies.config import parse_kv_policy
+from policies.catalog import CATALOG, build_policy, parse_kv_policy
 from scheduler.request import Request
 
 POLICIES: tuple[str, ...] = tuple(n for n in CATALOG if n != "full")

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.sampling import SamplingParams
-from policies.config import parse_kv_policy
+from policies.catalog import parse_kv_policy
 from scheduler.async_stream import (
     Admission,
     EngineError,

@@ -28,8 +28,7 @@ from kvpool.pool import BlockPool, parse_bytes
 from kvpool.quant import FORMATS
 from kvpool.swap import SwapSpace
 from policies.base import Needs
-from policies.catalog import build_policy
-from policies.config import parse_kv_policy
+from policies.catalog import build_policy, parse_kv_policy
 from scheduler.detokenizer import Detokenizer
 from scheduler.inflight import HostIds, Launch
 from scheduler.limits import fit_max_tokens, fit_shifted_positions, shifts_rope

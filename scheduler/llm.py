@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from engine.sampling import SamplingParams
-from policies.config import parse_kv_policy
+from policies.catalog import parse_kv_policy
 from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
 from scheduler.outputs import KVUsage, TokenLogprob

@@ -21,8 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
-from policies.catalog import describe_policies
-from policies.config import parse_kv_policy
+from policies.catalog import describe_policies, parse_kv_policy
 from scheduler.async_engine import AsyncEngine, EngineUnavailable, QueueFull
 from scheduler.engine_process import freeze_heap
 from scheduler.outputs import RequestRejected

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.sampling import SamplingParams
-from policies.config import KVPolicyConfig, parse_kv_policy
+from policies.catalog import parse_kv_policy
+from policies.config import KVPolicyConfig
 from scheduler.async_engine import AsyncEngine, GenerationRequest
 from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
 from scheduler.outputs import RequestRejected

@@ -7,8 +7,8 @@ import pytest
 
 from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
-from policies.catalog import CATALOG, describe_policies
-from policies.config import REFERENCE_CONTEXT, parse_kv_policy
+from policies.catalog import CATALOG, describe_policies, parse_kv_policy
+from policies.config import REFERENCE_CONTEXT
 from scheduler.engine_core import EngineConfig, EngineCore
 
 
