@@ -64,6 +64,7 @@ from loadtest import bench_common as bc
 from loadtest import kvpress_compare
 from loadtest.policy_eval import POLICIES, policy_config
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.resolve import resolve_request
 
 NAME = "bench_policies"
 DOC_HEADING = "## KV eviction policies under memory pressure (issue 5)"
@@ -97,6 +98,7 @@ def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
 def _submit(eng: EngineCore, prompt: int, gens: list[int], vocab: int, kv: object,
             seed: int, tag: str) -> None:
     rng = random.Random(seed)
+    kv = resolve_request(eng.limits, kv).kv_policy
     for i, gen in enumerate(gens):
         eng.add_request(f"{tag}-{i}", [rng.randrange(bc.FIRST_TOKEN_ID, vocab) for _ in range(prompt)],
                         SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True,

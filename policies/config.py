@@ -73,6 +73,12 @@ class KVPolicyConfig(BaseModel):
                   if name not in self.model_fields_set}
         return self.model_copy(update=update) if update else self
 
+    @property
+    def context_resolved(self) -> bool:
+        """Whether every context-relative parameter has a value (`for_context` ran, or
+        the client gave them all): what the engine requires of a request's config."""
+        return self.CONTEXT_DEFAULTS.keys() <= self.model_fields_set
+
 
 class FullPolicyConfig(KVPolicyConfig):
     """Keep every token (the default)."""

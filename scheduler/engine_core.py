@@ -28,10 +28,11 @@ from kvpool.pool import BlockPool, parse_bytes
 from kvpool.quant import FORMATS
 from kvpool.swap import SwapSpace
 from policies.base import Needs
-from policies.catalog import build_policy, parse_kv_policy
+from policies.catalog import build_policy
+from policies.config import KVPolicyConfig
 from scheduler.detokenizer import Detokenizer
 from scheduler.inflight import HostIds, Launch
-from scheduler.limits import fit_max_tokens, fit_shifted_positions, shifts_rope
+from scheduler.limits import fit_shifted_positions, shifts_rope
 from scheduler.outputs import (
     EngineStats,
     KVUsage,
@@ -44,6 +45,7 @@ from scheduler.policy_runner import PolicyRunner
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
 from scheduler.request import Request, Status
+from scheduler.resolve import ModelLimits
 from scheduler.scheduler import Chunk, MemoryConfig, Plan, Scheduler
 
 _NO_NEEDS = Needs()  # a request without a policy asks the runner for nothing
@@ -185,7 +187,13 @@ class EngineCore:
         self._sampling = 0
         self._shaped = 0  # of them, requests with a logit bias, a penalty or a grammar
         self._grammars: Grammars | None = None  # made on the first structured request
-        self._default_policy = parse_kv_policy(config.default_kv_policy)
+        # What resolving a request needs of this model (scheduler/resolve.py): the
+        # default policy parsed and resolved here, once; the longest default max_tokens.
+        pool_tokens = self.pool.num_blocks // mc.num_layers * config.block_size
+        self.limits = ModelLimits.of(
+            self.max_model_len,
+            min(self.max_model_len, pool_tokens) if self.pool.num_blocks else self.max_model_len,
+            config.default_kv_policy)
         self.policies = PolicyRunner(mc.num_layers, self._rotate, config.batch_policies,
                                      spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)
@@ -196,9 +204,14 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                    priority: int = 0, kv_policy: object | None = None,
+                    priority: int = 0, kv_policy: KVPolicyConfig | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     tenant: str | None = None) -> None:
+        """Queue a request as `scheduler/resolve.py` resolved it: `kv_policy` the config
+        `resolve_request` made for this model (None: the engine's default) and
+        `params.max_tokens` fitted to the context; neither is parsed or fitted again.
+        Raises RequestRejected for what only the engine knows (the vocabulary, the KV
+        pool, a grammar), TypeError for a policy that is not a resolved config."""
         if request_id in self.requests:
             raise RequestRejected(f"duplicate request id {request_id!r}", "request_id")
         if not prompt_ids:
@@ -211,12 +224,12 @@ class EngineCore:
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise RequestRejected("allowed_token_ids out of the vocabulary range",
                                   "allowed_token_ids")
-        config = parse_kv_policy(kv_policy) if kv_policy is not None else self._default_policy
-        config = config.for_context(self.max_model_len)  # defaults that fit this model
+        config = self.limits.default_kv_policy if kv_policy is None else kv_policy
+        if not isinstance(config, KVPolicyConfig) or not config.context_resolved:
+            raise TypeError(f"kv_policy must be a config resolved for the model by "
+                            f"scheduler.resolve.resolve_request, not {kv_policy!r}")
         policy = build_policy(config) if config.name != "full" else None
         rope_shift = shifts_rope(config)
-        fit_max_tokens(len(prompt_ids), params.max_tokens, self.max_model_len,
-                       rope_shift=rope_shift)  # scheduler/limits.py: the one context rule
         # max_tokens 0 (scoring) still holds every prompt token: count it like 1 (the
         # last sampled token is never fed back, so it needs no slot).
         total = len(prompt_ids) + max(params.max_tokens, 1)
@@ -569,7 +582,7 @@ class EngineCore:
         if r.matcher is not None and r.matcher.is_terminated():  # type: ignore[attr-defined]
             return text, "stop"  # its grammar took its end (EOS, even with ignore_eos)
         # max_tokens is within the context unless the request shifts RoPE positions
-        # (add_request: `fit_max_tokens`, the one context rule), so it is the one bound.
+        # (`scheduler/resolve.py` fitted it: the one context rule), so it is the one bound.
         if len(r.output_ids) >= r.params.max_tokens:
             return text, "length"
         return text, None

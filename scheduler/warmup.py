@@ -41,6 +41,7 @@ from engine.sampling import SamplingParams, StructuredOutput
 from kvpool.cpu_attention import kernel_available, vector_path
 from kvpool.key_stats import load_key_stats
 from kvpool.tables import load_mark
+from policies.config import FullPolicyConfig
 from policies.rows import NATIVE
 from scheduler.outputs import EngineStats
 from scheduler.policy_rows import load_select
@@ -111,7 +112,7 @@ def warm_up(core: Any) -> Warmup:
     steps = 0
     try:
         for rid, p in zip(ids, params):
-            core.add_request(rid, prompt, p, kv_policy="full")
+            core.add_request(rid, prompt, p, kv_policy=FullPolicyConfig())
         while core.has_unfinished() and steps < MAX_STEPS:
             core.step()
             steps += 1
