@@ -25,7 +25,7 @@ FILES = ["tests/test_cpu_attention.py",  # the decode kernel (paged_decode_avx2.
          "tests/test_policy_select.py",  # the selection's live8 loops
          "tests/test_key_stats.py",  # KeyDiff's 8-lane tiles (key_diversity.h)
          "tests/test_policy_state.py",  # window_ring.h's AVX2 form, lazy_track
-         "tests/test_cpu_linear.py",  # the panels' 6-row AVX2 tile (linear_panels.h)
+         "tests/test_cpu_linear_panels.py",  # the panels' 6-row AVX2 tile (linear_panels.h)
          "tests/test_causal_prefill.py"]  # SDPA where the prefill op has no AVX-512
 SELECT = ("test_cpu_attention or greedy_op or race_op "
           "or native or live_mask or layered or divisor "
