@@ -99,6 +99,7 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
                 profile: bool = True, overlap: bool = True) -> dict:
     from engine.sampling import SamplingParams
     from scheduler.engine_core import EngineConfig, EngineCore
+    from scheduler.resolve import resolve_request
     from scheduler.warmup import warm_up
 
     n = len(prompts)
@@ -113,6 +114,7 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
     t0 = time.perf_counter()
     warm_up(eng)  # as the server does: native ops, every graph bucket captured
     warmup_s = time.perf_counter() - t0
+    policy = resolve_request(eng.limits, policy).kv_policy
 
     def params(g: int) -> SamplingParams:
         return SamplingParams(max_tokens=g, temperature=0, ignore_eos=True, detokenize=False)

@@ -42,6 +42,7 @@ from benchmarks.policy_eval import policy_config, run_quality
 from engine.sampling import SamplingParams
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.resolve import resolve_request
 
 NAME = "bench_kv_quant"
 DOC_HEADING = "## Quantized KV cache (issue 21)"
@@ -73,8 +74,9 @@ def part_capacity(path: str, args: argparse.Namespace, vocab: int) -> dict:
             eng = EngineCore(EngineConfig(model=path, kv_cache_dtype=dt, kv_cache_memory=pool_bytes,
                                           block_size=args.block_size, max_num_seqs=args.requests,
                                           enable_prefix_caching=False))
+            config = resolve_request(eng.limits, kv_policy).kv_policy
             for i, p in enumerate(prompts):
-                eng.add_request(f"r{i}", p, _greedy(args.gen), kv_policy=kv_policy)
+                eng.add_request(f"r{i}", p, _greedy(args.gen), kv_policy=config)
             run = bc.drive(eng, f"capacity {policy} {dt}", progress=not args.no_progress)
             peak = max(int(r["peak_blocks"]) for r in run.requests.values())
             rows.append({

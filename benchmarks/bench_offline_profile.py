@@ -45,7 +45,7 @@ _PROFILE_POINTS = (
     ("      paged_attention (gather + sdpa)", "attention/torch_attention.py", "paged_attention"),
     ("      paged_attention_cpu (decode kernel)", "attention/cpu_attention.py", "paged_attention_cpu"),
     ("sample", "engine/sampler.py", "sample"),
-    ("advance (append tokens, stop checks, outputs)", "scheduler/engine_core.py", "_advance"),
+    ("advance (append tokens, stop checks, outputs)", "scheduler/step_complete.py", "_advance"),
 )
 
 

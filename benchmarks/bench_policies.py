@@ -63,6 +63,7 @@ from benchmarks.policy_eval import POLICIES, policy_config, run_quality
 from engine.sampling import SamplingParams
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.resolve import resolve_request
 
 NAME = "bench_policies"
 DOC_HEADING = "## KV eviction policies under memory pressure (issue 5)"
@@ -96,6 +97,7 @@ def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
 def _submit(eng: EngineCore, prompt: int, gens: list[int], vocab: int, kv: object,
             seed: int, tag: str) -> None:
     rng = random.Random(seed)
+    kv = resolve_request(eng.limits, kv).kv_policy
     for i, gen in enumerate(gens):
         eng.add_request(f"{tag}-{i}", [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(prompt)],
                         SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True,

@@ -57,6 +57,7 @@ def policies(budget: int) -> dict[str, dict[str, Any]]:
 def run_one(model: str, prompt_len: int, kv_policy: dict[str, Any], args) -> dict[str, Any]:
     from engine.sampling import SamplingParams
     from scheduler.engine_core import EngineConfig, EngineCore
+    from scheduler.resolve import resolve_request
 
     core = EngineCore(EngineConfig(model=model, kv_cache_memory=args.kv_memory,
                                    max_num_batched_tokens=args.max_batched_tokens,
@@ -65,7 +66,7 @@ def run_one(model: str, prompt_len: int, kv_policy: dict[str, Any], args) -> dic
     prompt = [FIRST_TOKEN_ID + (7 * i) % words for i in range(prompt_len)]
     core.add_request("r", prompt, SamplingParams(max_tokens=args.gen, temperature=0.0,
                                                  ignore_eos=True, detokenize=False),
-                     kv_policy=kv_policy)
+                     kv_policy=resolve_request(core.limits, kv_policy).kv_policy)
     chunk = core.requests["r"].max_chunk
     t0 = time.perf_counter()
     steps, kv = 0, None

@@ -46,6 +46,7 @@ def measure(model: str, dtype: str, running: int, steps: int,
     from engine.sampling import SamplingParams
     from loadtest.random_models import MODEL_CONFIGS, build_model
     from scheduler.llm import LLM
+    from scheduler.resolve import resolve_request
 
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as path:
         build_model(model, path)
@@ -56,7 +57,8 @@ def measure(model: str, dtype: str, running: int, steps: int,
                   max_num_batched_tokens=2048, enable_prefix_caching=False, device="cpu")
         eng, seen = llm.engine, []
         eng.on_step = seen.append
-        policy = json.loads(kv_policy) if kv_policy else None
+        policy = resolve_request(eng.limits, json.loads(kv_policy) if kv_policy else None
+                                 ).kv_policy
         for i, p in enumerate(w.prompts):
             eng.add_request(f"r{i}", p, SamplingParams(max_tokens=steps + 200, temperature=0,
                                                        ignore_eos=True, detokenize=detokenize),

@@ -30,6 +30,7 @@ from benchmarks.policy_eval import POLICIES, policy_config
 from engine.sampling import SamplingParams
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.resolve import resolve_request
 
 
 def kept_hashes(eng: EngineCore) -> dict[str, list[str]]:
@@ -57,7 +58,7 @@ def run_policy(path: str, name: str, args: argparse.Namespace) -> list[dict[str,
                                   max_num_batched_tokens=2048, enable_prefix_caching=False,
                                   kv_cache_dtype=args.kv_cache_dtype))
     rng = random.Random(args.seed)
-    kv = policy_config(name, budget)
+    kv = resolve_request(eng.limits, policy_config(name, budget)).kv_policy
     for i in range(args.batch):
         eng.add_request(f"{name}-{i}", [rng.randrange(FIRST_TOKEN_ID, vocab)
                                         for _ in range(prompt)],

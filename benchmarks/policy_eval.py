@@ -41,8 +41,8 @@ from engine.sampling import SamplingParams
 from engine.step import SeqInput
 from kvpool.manager import MIN_PREFILL_CHUNK
 from policies.catalog import CATALOG, build_policy
-from policies.config import parse_kv_policy
 from scheduler.request import Request
+from scheduler.resolve import resolve_request
 
 POLICIES: tuple[str, ...] = tuple(n for n in CATALOG if n != "full")
 SINK = 4
@@ -140,7 +140,8 @@ class KVServeBackend:
             ids.append(rid)
             eng.add_request(rid, list(p), SamplingParams(
                 max_tokens=max_new_tokens, temperature=0, ignore_eos=True, detokenize=False),
-                kv_policy=policies[i] if policies is not None else self.kv_policy)
+                kv_policy=resolve_request(eng.limits, policies[i] if policies is not None
+                                          else self.kv_policy).kv_policy)
         outs: dict[str, list[int]] = {rid: [] for rid in ids}
         drive(eng, "generate", progress=progress, collect=outs)
         return [outs[rid] for rid in ids]
@@ -166,7 +167,7 @@ class KVServeBackend:
         eng, sched = self.engine, self.engine.scheduler
         reqs = []
         for i, w in enumerate(windows):
-            cfg = parse_kv_policy(self.kv_policy).for_context(eng.max_model_len)
+            cfg = resolve_request(eng.limits, self.kv_policy).kv_policy
             r = Request(f"score-{i}", list(w[:prompt_len]), SamplingParams(max_tokens=len(w)),
                         seed=0, arrival_time=0.0, kv_policy=cfg, policy_name=cfg.name,
                         policy=build_policy(cfg) if cfg.name != "full" else None,

@@ -29,7 +29,8 @@ fp32 and its layer computes in fp32, rounding its output to bf16 (`bf16_path`): 
 dense bf16 GEMM is far slower there, and bf16 GEMMs accumulate in fp32 anyway, so the
 results differ from `F.linear`'s only by the summation order, as fp32's do. The dense weight is dropped once laid out (a
 weight tied to the input embedding lives on as the embedding), so neither layout doubles
-memory. Results match `F.linear` to fp32 rounding: tests/test_cpu_linear.py.
+memory. Results match `F.linear` to fp32 rounding: tests/test_cpu_linear.py (oneDNN) and
+tests/test_cpu_linear_panels.py (the panels).
 
 oneDNN's row counts are rounded up to a bucket (`padded_rows`: exact up to 32, then eight
 buckets an octave, at most 12.5% padding; on an AMD CPU fewer than 6 rows pad to 6,

@@ -1,7 +1,9 @@
-"""The one list of every `kv_policy`: name -> (config class, policy class).
+"""The one list of every `kv_policy`: name -> (config class, policy class), and the
+parser that accepts them all.
 
-Importing this module registers every config with `policies.config`, so
-`parse_kv_policy` accepts them all (config.py imports this lazily to avoid a cycle).
+`parse_kv_policy` is here, not in `policies/config.py`, because it must know every
+family's config class: the families import config.py for their base classes, so a parser
+there would import them back (an import cycle).
 """
 
 from __future__ import annotations
@@ -9,15 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from policies.attention_scores import H2OConfig, H2OPolicy, TOVAConfig, TOVAPolicy
 from policies.base import Policy
-from policies.config import (
-    FullPolicyConfig,
-    KVPolicyConfig,
-    KVPolicyError,
-    parse_kv_policy,
-    register_policy_config,
-)
+from policies.config import FullPolicyConfig, KVPolicyConfig, KVPolicyError
 from policies.full import FullPolicy
 from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy
 from policies.norms import KeyDiffConfig, KeyDiffPolicy, KnormConfig, KnormPolicy
@@ -66,8 +64,47 @@ SUMMARIES: dict[str, str] = {
                      "tokens whose attention recurs, down to `budget`.",
 }
 
-for _name, (_config_cls, _) in CATALOG.items():
-    register_policy_config(_name, _config_cls)
+
+
+def known_policies() -> list[str]:
+    return sorted(CATALOG)
+
+
+def _unknown(name: object, param: str) -> KVPolicyError:
+    return KVPolicyError(
+        f"unknown kv_policy {name!r}; known policies: {', '.join(known_policies())}", param)
+
+
+def parse_kv_policy(value: str | Mapping[str, Any] | KVPolicyConfig | None) -> KVPolicyConfig:
+    """`None`, a policy name, or `{"name": ..., params...}` -> a validated config.
+
+    Raises KVPolicyError whose `param` names the offending field (e.g.
+    `kv_policy.window`), so the server can answer 400 with OpenAI's `param`.
+    """
+    if value is None:
+        return FullPolicyConfig()
+    if isinstance(value, KVPolicyConfig):
+        return value
+    if isinstance(value, str):
+        entry = CATALOG.get(value)
+        if entry is None:
+            raise _unknown(value, "kv_policy")
+        return entry[0](name=value)
+    if not isinstance(value, Mapping):
+        raise KVPolicyError("kv_policy must be a policy name or an object with a 'name'")
+    name = value.get("name")
+    if not isinstance(name, str):
+        raise KVPolicyError("kv_policy object needs a string 'name'", "kv_policy.name")
+    entry = CATALOG.get(name)
+    if entry is None:
+        raise _unknown(name, "kv_policy.name")
+    try:
+        return entry[0].model_validate(dict(value))
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise KVPolicyError(f"kv_policy ({name}): {loc}: {err['msg']}",
+                            f"kv_policy.{loc}" if loc else "kv_policy") from None
 
 
 def describe_policies(max_model_len: int | None = None) -> list[dict[str, Any]]:

@@ -1,13 +1,15 @@
-"""Pydantic configs for a request's `kv_policy`, and the one parser the server calls.
+"""Pydantic configs for a request's `kv_policy`: the base classes every policy family's
+config derives from, the budget type, context-share defaults and the error a bad value
+raises.
 
 Kept free of HTTP and tensors so both the server (validation, 400s naming the field) and
-the engine (building the policy object) depend on it. A policy family registers its
-config class here; `parse_kv_policy` then accepts it by name or as an object.
+the engine (building the policy object) depend on it. It imports no other policy module:
+the families import it, and the parser that knows them all, `parse_kv_policy`, lives with
+the one list of them in `policies/catalog.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -16,7 +18,6 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
-    ValidationError,
     WithJsonSchema,
 )
 
@@ -72,6 +73,12 @@ class KVPolicyConfig(BaseModel):
                   if name not in self.model_fields_set}
         return self.model_copy(update=update) if update else self
 
+    @property
+    def context_resolved(self) -> bool:
+        """Whether every context-relative parameter has a value (`for_context` ran, or
+        the client gave them all): what the engine requires of a request's config."""
+        return self.CONTEXT_DEFAULTS.keys() <= self.model_fields_set
+
 
 class FullPolicyConfig(KVPolicyConfig):
     """Keep every token (the default)."""
@@ -113,59 +120,3 @@ class EvictingPolicyConfig(KVPolicyConfig):
     compact: bool = Field(False, description=(
         "Pack each layer's live tokens into as few blocks as they need after every "
         "plan, so scattered evictions return whole blocks to the pool."))
-
-
-POLICY_CONFIGS: dict[str, type[KVPolicyConfig]] = {"full": FullPolicyConfig}
-
-
-def register_policy_config(name: str, cls: type[KVPolicyConfig]) -> None:
-    POLICY_CONFIGS[name] = cls
-
-
-def _load_catalog() -> None:
-    """Every policy family registers its config in `policies.catalog`; imported here
-    lazily (the catalog imports this module) so `parse_kv_policy` knows them all."""
-    import policies.catalog  # noqa: F401
-
-
-def known_policies() -> list[str]:
-    _load_catalog()
-    return sorted(POLICY_CONFIGS)
-
-
-def _unknown(name: object, param: str) -> KVPolicyError:
-    return KVPolicyError(
-        f"unknown kv_policy {name!r}; known policies: {', '.join(known_policies())}", param)
-
-
-def parse_kv_policy(value: str | Mapping[str, Any] | KVPolicyConfig | None) -> KVPolicyConfig:
-    """`None`, a policy name, or `{"name": ..., params...}` -> a validated config.
-
-    Raises KVPolicyError whose `param` names the offending field (e.g.
-    `kv_policy.window`), so the server can answer 400 with OpenAI's `param`.
-    """
-    if value is None:
-        return FullPolicyConfig()
-    if isinstance(value, KVPolicyConfig):
-        return value
-    _load_catalog()
-    if isinstance(value, str):
-        cls = POLICY_CONFIGS.get(value)
-        if cls is None:
-            raise _unknown(value, "kv_policy")
-        return cls(name=value)
-    if not isinstance(value, Mapping):
-        raise KVPolicyError("kv_policy must be a policy name or an object with a 'name'")
-    name = value.get("name")
-    if not isinstance(name, str):
-        raise KVPolicyError("kv_policy object needs a string 'name'", "kv_policy.name")
-    cls = POLICY_CONFIGS.get(name)
-    if cls is None:
-        raise _unknown(name, "kv_policy.name")
-    try:
-        return cls.model_validate(dict(value))
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise KVPolicyError(f"kv_policy ({name}): {loc}: {err['msg']}",
-                            f"kv_policy.{loc}" if loc else "kv_policy") from None

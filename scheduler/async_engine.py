@@ -26,10 +26,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling import SamplingParams
-from policies.config import parse_kv_policy
+from policies.config import KVPolicyConfig
 from scheduler.async_stream import (
     Admission,
     EngineError,
@@ -44,8 +44,10 @@ from scheduler.async_stream import (
 )
 from scheduler.core_loop import CoreInfo, CoreLoop, Work
 from scheduler.engine_process import EngineProcess
-from scheduler.limits import fit_max_tokens, shifts_rope
 from scheduler.outputs import EngineStats, RequestOutput, RequestRejected
+
+if TYPE_CHECKING:
+    from scheduler.resolve import ModelLimits
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -75,9 +77,9 @@ class AsyncEngine:
         self.tokenizer: Any = None  # a private copy for the event loop side
         self.max_model_len = 0
         self.vocab_size = 0
-        self.max_request_tokens = 0  # min(context, whole pool) in tokens
-        # the core's policy for requests naming none: a name, an object or a parsed config
-        self.default_kv_policy: Any = "full"
+        # the core's, for scheduler/resolve.py (the default policy, the longest default
+        # max_tokens); None until loaded
+        self.limits: ModelLimits | None = None
         self.tenant_quotas: dict[str, float] = {}  # the core's, tenant -> pool fraction
         self.stats = EngineStats()  # the core's, as of its latest event
         self.load_error: BaseException | None = None  # also set when the core dies
@@ -174,8 +176,7 @@ class AsyncEngine:
             raise
         self.tokenizer = info.tokenizer
         self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
-        self.max_request_tokens = info.max_request_tokens
-        self.default_kv_policy = getattr(info.config, "default_kv_policy", None) or "full"
+        self.limits = info.limits
         self.tenant_quotas = dict(getattr(info.config, "tenant_quotas", None) or {})
         self.stats, self.info = info.stats, info
         if self._process is None:
@@ -225,9 +226,12 @@ class AsyncEngine:
     # ---- submission ----------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        request_id: str | None = None, *, priority: int = 0,
-                       kv_policy: object | None = None, cache_salt: str | None = None,
+                       kv_policy: KVPolicyConfig | None = None, cache_salt: str | None = None,
                        tenant: str | None = None) -> AsyncIterator[RequestOutput]:
-        """One request's outputs; raises QueueFull/RequestRejected before the first yield."""
+        """One request's outputs; raises QueueFull/RequestRejected before the first yield.
+
+        `kv_policy` and `params.max_tokens` as `scheduler/resolve.py` resolved them (None:
+        the engine's default policy): the engine takes them as they are."""
         req = GenerationRequest(prompt_ids, params, request_id or uuid.uuid4().hex,
                                 priority, kv_policy, cache_salt=cache_salt, tenant=tenant)
         async with await self.submit([req]) as stream:
@@ -249,13 +253,10 @@ class AsyncEngine:
         """Admit a group atomically (all or none) and wait until the core accepted it.
 
         Raises EngineUnavailable, QueueFull or RequestRejected; nothing stays queued then.
+        Each request's kv_policy and max_tokens are as `scheduler/resolve.py` made them
+        (the server and `LLM` call it), not checked again here.
         """
         for r in requests:
-            if self.loaded:  # the core's own rule, checked before anything is queued
-                policy = parse_kv_policy(r.kv_policy if r.kv_policy is not None
-                                         else self.default_kv_policy)
-                fit_max_tokens(len(r.prompt_ids), r.params.max_tokens, self.max_model_len,
-                               rope_shift=shifts_rope(policy))
             if r.request_id in self._live:
                 raise RequestRejected(f"duplicate request id {r.request_id!r}", "request_id")
         self.check_admission(len(requests), sum(len(r.prompt_ids) for r in requests))

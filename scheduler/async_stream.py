@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.sampling import SamplingParams
+from policies.config import KVPolicyConfig
 from scheduler.outputs import RequestOutput, RequestRejected, StepStats
 
 logger = logging.getLogger("kvserve.engine")
@@ -46,7 +47,7 @@ class GenerationRequest:
     params: SamplingParams
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     priority: int = 0
-    kv_policy: object | None = None
+    kv_policy: KVPolicyConfig | None = None  # resolved (scheduler/resolve.py); None: default
     arrival_time: float | None = None
     cache_salt: str | None = None  # enters the prefix-cache keys (tenant isolation)
     tenant: str | None = None  # quota accounting and per-tenant statistics

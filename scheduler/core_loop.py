@@ -21,6 +21,7 @@ from scheduler.async_stream import GenerationRequest
 from scheduler.outputs import EngineStats, RequestOutput, StepStats
 
 if TYPE_CHECKING:
+    from scheduler.resolve import ModelLimits
     from scheduler.warmup import Warmup
 
 logger = logging.getLogger("kvserve.engine")
@@ -43,7 +44,7 @@ class CoreInfo:
     tokenizer: Any  # a copy of the core's, for tokenizing on the API side
     max_model_len: int
     vocab_size: int
-    max_request_tokens: int  # min(context, whole pool) in tokens
+    limits: ModelLimits  # what resolving a request needs (scheduler/resolve.py)
     stats: EngineStats
     warmup: Warmup | None
     config: Any  # the core's EngineConfig (None for a core without one)
@@ -72,17 +73,12 @@ class CoreLoop:
         import copy
 
         core = self.core
-        config = getattr(core, "config", None)
-        stats = self.stats()
-        cap = int(core.max_model_len)
-        block_size = getattr(config, "block_size", None)
-        layers = getattr(core.model_config, "num_layers", None)
-        if block_size and layers and stats.blocks_total:
-            cap = min(cap, stats.blocks_total // layers * block_size)
         tokenizer = copy.deepcopy(core.tokenizer)
         tokenizer.encode("warm up")  # the copy's first call pays its own set-up
+        layers = getattr(core.model_config, "num_layers", None)
         return CoreInfo(tokenizer, int(core.max_model_len), int(core.model_config.vocab_size),
-                        cap, stats, self.warmup, config, int(layers or 0))
+                        core.limits, self.stats(), self.warmup, getattr(core, "config", None),
+                        int(layers or 0))
 
     def stats(self) -> EngineStats:
         """The core's stats, counters since the warm-up (its requests are no client's)."""

@@ -1,8 +1,8 @@
 """Prompt + max_tokens against the context: the one rule, for every way in.
 
-The HTTP layer (`server/preprocess.py`, before anything is queued), `AsyncEngine.submit`,
-`EngineCore.add_request` and the offline `LLM.generate` all call `fit_max_tokens`, so a
-request is never accepted by one of them and refused by another.
+`scheduler/resolve.py` calls `fit_max_tokens`, once for each prompt, for both ways in (the
+HTTP layer and the offline `LLM.generate`, before anything is queued); the engine runs
+the max_tokens it fitted and does not check it again.
 
 The rule:
 - the prompt must leave room for one token in the context (`max_model_len`), unless

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from engine.sampling import SamplingParams
-from policies.config import parse_kv_policy
 from scheduler.engine_core import EngineConfig, EngineCore
-from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
+from scheduler.limits import DEFAULT_MAX_TOKENS
 from scheduler.outputs import KVUsage, TokenLogprob
+from scheduler.resolve import resolve_request
 
 
 @dataclass
@@ -35,29 +35,34 @@ class LLM:
 
     def generate(self, prompts: Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 progress: bool = False) -> list[Completion]:
+                 progress: bool = False, *, kv_policy: object = None) -> list[Completion]:
         """Run every prompt to completion under continuous batching; results in input order.
 
-        With no `params`, each prompt gets the completions default: 16 new tokens, fewer
-        if the context has less room (`scheduler/limits.py`, as over HTTP). A prompt the
-        engine refuses (RequestRejected: prompt + max_tokens past the context, ...)
-        raises before anything runs, and none of the batch stays queued.
+        `kv_policy`: every prompt's (a policy name, an object or a config, as the HTTP
+        field takes; None: the engine's default). It and each prompt's max_tokens are
+        resolved as over HTTP (`scheduler/resolve.py`): with no `params`, each prompt gets
+        the completions default, 16 new tokens, fewer if the context (or the KV pool) has
+        less room. A bad policy (KVPolicyError) or a prompt the engine refuses
+        (RequestRejected: prompt + max_tokens past the context, ...) raises before
+        anything runs, and none of the batch stays queued.
         """
         ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        if params is None:
-            rope_shift = shifts_rope(parse_kv_policy(self.engine.config.default_kv_policy))
-            params = [SamplingParams(max_tokens=fit_max_tokens(
-                len(p), None, self.engine.max_model_len, rope_shift=rope_shift,
-                default=DEFAULT_MAX_TOKENS)) for p in ids]
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
+        plist = None if params is None else (
+            list(params) if isinstance(params, Sequence) else [params] * len(prompts))
+        if plist is not None and len(plist) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or a single one for all")
+        asked = [None] * len(ids) if plist is None else [sp.max_tokens for sp in plist]
+        resolved = resolve_request(self.engine.limits, kv_policy,
+                                   [(len(p), n) for p, n in zip(ids, asked)],
+                                   default_max_tokens=DEFAULT_MAX_TOKENS)
+        if plist is None:
+            plist = [SamplingParams(max_tokens=n) for n in resolved.max_tokens]
         order: dict[str, int] = {}
         try:
             for i, (p, sp) in enumerate(zip(ids, plist)):
                 rid = f"offline-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(rid, p, sp)  # checks the context (fit_max_tokens)
+                self.engine.add_request(rid, p, sp, kv_policy=resolved.kv_policy)
                 order[rid] = i
         except Exception:
             for rid in order:

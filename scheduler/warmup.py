@@ -41,6 +41,7 @@ from engine.cpu_linear import row_buckets, warm_buckets
 from engine.sampler import load_sampling_ops
 from engine.sampling import SamplingParams, StructuredOutput
 from kvpool.manager import load_memory_ops
+from policies.config import FullPolicyConfig
 from scheduler.outputs import EngineStats
 
 logger = logging.getLogger("kvserve.engine")
@@ -108,7 +109,7 @@ def warm_up(core: Any) -> Warmup:
     steps = 0
     try:
         for rid, p in zip(ids, params):
-            core.add_request(rid, prompt, p, kv_policy="full")
+            core.add_request(rid, prompt, p, kv_policy=FullPolicyConfig())
         while core.has_unfinished() and steps < MAX_STEPS:
             core.step()
             steps += 1

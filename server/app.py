@@ -22,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from policies.catalog import describe_policies
-from policies.config import parse_kv_policy
 from scheduler.async_engine import AsyncEngine, EngineUnavailable, QueueFull
 from scheduler.engine_process import freeze_heap
 from scheduler.outputs import RequestRejected
@@ -200,7 +199,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def kv_policies() -> dict[str, Any]:
         """What each `kv_policy` keeps and the defaults it gets on this model (a default
         budget is a share of max_model_len: policies/config.py `CONTEXT_DEFAULTS`)."""
-        default = parse_kv_policy(engine.default_kv_policy).name
+        default = engine.limits.default_kv_policy.name if engine.limits else "full"
         data = [{"object": "kv_policy", **p, "server_default": p["name"] == default}
                 for p in describe_policies(engine.max_model_len or None)]
         return {"object": "list", "data": data}

@@ -75,7 +75,8 @@ def default_kv_policy(value: str) -> Any:
     """`--default-kv-policy`: a policy name or a JSON `kv_policy` object, checked exactly
     as a request's `kv_policy` is (policies/config.py), so a typo stops the server at
     once instead of failing every request that names no policy."""
-    from policies.config import KVPolicyError, parse_kv_policy
+    from policies.catalog import parse_kv_policy
+    from policies.config import KVPolicyError
 
     text = value.strip()
     parsed: Any = text

@@ -24,7 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from policies.config import known_policies
+from policies.catalog import known_policies
 from scheduler.async_engine import AsyncEngine
 from scheduler.outputs import RequestOutput, StepStats
 

@@ -1,8 +1,8 @@
 """A validated request body -> the engine requests it stands for (a `Plan`).
 
 Everything that could make the engine fail on user input is checked here (token ids
-outside the vocabulary, prompt + max_tokens against the context by the engine's own rule
-in `scheduler/limits.py`, unsupported fields), so a bad
+outside the vocabulary, the `kv_policy` and prompt + max_tokens against the model by
+`scheduler/resolve.py`, which the engine then trusts, unsupported fields), so a bad
 request becomes a 400 naming its field instead of an error inside a shared batch step.
 Tokenization runs on its own single thread: chat templates and long prompts would
 otherwise stall the event loop, and one thread means the tokenizer is never used
@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from engine.sampling import SamplingParams
-from policies.config import KVPolicyConfig, parse_kv_policy
+from policies.config import KVPolicyConfig
 from scheduler.async_engine import AsyncEngine, GenerationRequest
-from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens, shifts_rope
+from scheduler.limits import DEFAULT_MAX_TOKENS
 from scheduler.outputs import RequestRejected
+from scheduler.resolve import Resolved, resolve_request
 from server.errors import APIError, bad_request
 from server.protocol import (
     ChatCompletionRequest,
@@ -61,7 +62,7 @@ class Plan:
     kind: Literal["completion", "chat"]
     model: str
     choices: list[Choice]
-    policy: KVPolicyConfig
+    policy: KVPolicyConfig  # resolved for the model (scheduler/resolve.py)
     priority: int = 0
     stream: bool = False
     include_usage: bool = False
@@ -118,23 +119,25 @@ class Preprocessor:
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs are not available when stream is true (use "
                               "echo with logprobs)", "prompt_logprobs")
-        policy = self._policy(req.kv_policy)
-        prompts = await self._run(self._tokenize_prompts, req.prompt, req.echo)
-        plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], policy, req.priority,
-                    req.stream, req.include_usage, req.echo, req.logprobs, user=req.user,
-                    num_prompt_logprobs=req.prompt_logprobs, **_tenancy(req, tenant))
+        prompts = []
+        for ids, text in await self._run(self._tokenize_prompts, req.prompt, req.echo):
+            if (cut := self._truncate(ids, req.truncate_prompt_tokens)) is not ids:
+                ids, text = cut, (await self._run(self.engine.tokenizer.decode, cut)
+                                  if req.echo else text)
+            self._check_prompt(ids, "prompt")
+            prompts.append((ids, text))
+        resolved = self._resolve(req.kv_policy, [ids for ids, _ in prompts], req.max_tokens,
+                                 "prompt", "max_tokens", DEFAULT_MAX_TOKENS)
+        plan = Plan(f"cmpl-{uuid.uuid4().hex}", "completion", model, [], resolved.kv_policy,
+                    req.priority, req.stream, req.include_usage, req.echo, req.logprobs,
+                    user=req.user, num_prompt_logprobs=req.prompt_logprobs,
+                    **_tenancy(req, tenant))
         # echo with logprobs returns the prompt's logprobs too (top-N as asked for the
         # generated tokens); prompt_logprobs asks for them on its own.
         asked = [n for n in (req.logprobs if req.echo else None, req.prompt_logprobs)
                  if n is not None]
         prompt_lp = max(asked) if asked else None
-        for p_idx, (ids, text) in enumerate(prompts):
-            if (cut := self._truncate(ids, req.truncate_prompt_tokens)) is not ids:
-                ids, text = cut, (await self._run(self.engine.tokenizer.decode, cut)
-                                  if req.echo else text)
-            self._check_prompt(ids, "prompt")
-            max_tokens = self._max_tokens(ids, req.max_tokens, policy, "prompt", "max_tokens",
-                                          DEFAULT_MAX_TOKENS)
+        for p_idx, ((ids, text), max_tokens) in enumerate(zip(prompts, resolved.max_tokens)):
             self._add_choices(plan, req, p_idx, ids, text, max_tokens, req.logprobs, prompt_lp)
         return plan
 
@@ -146,19 +149,18 @@ class Preprocessor:
         if req.max_tokens == 0:
             raise bad_request("max_tokens 0 is only allowed for completions with echo",
                               "max_tokens")
-        policy = self._policy(req.kv_policy)
         ids = self._truncate(await self._run(self._render_chat, req), req.truncate_prompt_tokens)
         self._check_prompt(ids, "messages")
-        max_tokens = self._max_tokens(
-            ids, req.max_completion_tokens or req.max_tokens, policy, "messages",
+        resolved = self._resolve(
+            req.kv_policy, [ids], req.max_completion_tokens or req.max_tokens, "messages",
             "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens")
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
-        plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], policy, req.priority,
-                    req.stream, req.include_usage, False, n_lp, user=req.user,
+        plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], resolved.kv_policy,
+                    req.priority, req.stream, req.include_usage, False, n_lp, user=req.user,
                     **_tenancy(req, tenant))
         if req.max_completion_tokens is not None:
             plan.max_tokens_param = "max_completion_tokens"
-        self._add_choices(plan, req, 0, ids, "", max_tokens, n_lp)
+        self._add_choices(plan, req, 0, ids, "", resolved.max_tokens[0], n_lp)
         return plan
 
     # ---- helpers -----------------------------------------------------------------------
@@ -176,20 +178,18 @@ class Preprocessor:
         keep = context if keep == -1 else keep
         return ids[-keep:] if 0 < keep < len(ids) else ids
 
-    def _policy(self, value: Any) -> KVPolicyConfig:
-        """The request's policy, or the server's default (`--default-kv-policy`), parsed
-        here so that usage and logs name it; KVPolicyError -> 400."""
-        return parse_kv_policy(value if value is not None else self.engine.default_kv_policy)
-
-    def _max_tokens(self, ids: list[int], requested: int | None, policy: KVPolicyConfig,
-                    prompt_param: str, max_tokens_param: str, default: int | None = None
-                    ) -> int:
-        """The engine's context rule (`scheduler/limits.py`): the default when the client
-        gave none, or a 400 naming the field the client used."""
+    def _resolve(self, kv_policy: Any, prompts: list[list[int]], requested: int | None,
+                 prompt_param: str, max_tokens_param: str, default: int | None = None
+                 ) -> Resolved:
+        """The request's policy (or the server's default, `--default-kv-policy`) and each
+        prompt's max_tokens, resolved for the model once (`scheduler/resolve.py`; the
+        engine trusts them). A bad policy raises KVPolicyError (a 400 naming its field);
+        a prompt or max_tokens past the context, a 400 naming the field the client used."""
+        assert self.engine.limits is not None, "preprocessing runs once the engine loaded"
         try:
-            return fit_max_tokens(len(ids), requested, self.engine.max_model_len,
-                                  rope_shift=shifts_rope(policy), default=default,
-                                  capacity=self.engine.max_request_tokens)
+            return resolve_request(self.engine.limits, kv_policy,
+                                   [(len(ids), requested) for ids in prompts],
+                                   default_max_tokens=default)
         except RequestRejected as e:
             param = max_tokens_param if e.param == "max_tokens" else prompt_param
             raise bad_request(str(e), param, "context_length_exceeded") from None
@@ -243,7 +243,7 @@ class Preprocessor:
         if prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         limit, vocab = self.engine.max_model_len, self.engine.vocab_size
-        # decode only for echo, and only prompts that may pass _check_prompt and _max_tokens
+        # decode only for echo, and only prompts that may pass _check_prompt and _resolve
         return [(list(p), tok.decode(p) if echo and len(p) <= limit and max(p) < vocab else "")
                 for p in prompt]
 

@@ -76,10 +76,11 @@ def test_rejections_come_before_the_first_yield(model_dir: str) -> None:
         with pytest.raises(EngineUnavailable):
             await engine.submit([GenerationRequest([5, 6], greedy(2))])  # not loaded yet
         await engine.start()
-        gen = engine.generate([5] * 10, greedy(engine.max_model_len))
+        # more KV blocks than the pool holds: the core's refusal, before the first yield
+        gen = engine.generate([5] * 10, greedy(engine.stats.blocks_total * 16))
         with pytest.raises(RequestRejected) as exc:
             await gen.__anext__()
-        assert exc.value.param == "max_tokens"
+        assert exc.value.param == "max_tokens" and "KV blocks" in str(exc.value)
         # three submitted in the same loop turn: the third is over max_queued_requests
         results = await asyncio.gather(
             *(engine.submit([GenerationRequest([5, 6, 7], greedy(4))]) for _ in range(3)),

@@ -1,8 +1,9 @@
 """One rule for prompt + max_tokens against the context (`scheduler/limits.py`), applied
-alike over HTTP, in `AsyncEngine.submit`, in `EngineCore.add_request` and in the offline
-`LLM`: a `kv_policy` with `rope: "shift"` may generate past the model's positions; any
-other request past the context is refused, naming `max_tokens`; with no max_tokens the
-default never runs past the context."""
+once, by `scheduler/resolve.py`, on both ways in (HTTP and the offline `LLM`); the engine
+(`AsyncEngine.submit`, `EngineCore.add_request`) runs what it resolved: a `kv_policy` with
+`rope: "shift"` may generate past the model's positions; any other request past the
+context is refused, naming `max_tokens`; with no max_tokens the default never runs past
+the context."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.limits import DEFAULT_MAX_TOKENS, fit_max_tokens
 from scheduler.llm import LLM
 from scheduler.outputs import RequestRejected
+from scheduler.resolve import resolve_request
 from server.app import build_app
 from server.settings import ServerSettings
 from server.testing import ServerThread
@@ -168,6 +170,8 @@ def test_http_default_max_tokens_stays_inside_the_context(http: httpx.Client) ->
 
 
 def test_async_engine_submit(server: ServerThread, engine: AsyncEngine) -> None:
+    """The API side's limits resolve as the core's would: a rope-shift request past the
+    context is resolved as asked and streams all of it; any other is refused."""
     async def tokens(policy: Any) -> int:
         req = GenerationRequest(PROMPT, SamplingParams(max_tokens=PAST, ignore_eos=True),
                                 kv_policy=policy)
@@ -177,11 +181,13 @@ def test_async_engine_submit(server: ServerThread, engine: AsyncEngine) -> None:
                 n += len(out.new_token_ids)
         return n
 
-    assert server.call(tokens(SHIFT), timeout=120) == PAST
+    assert engine.limits is not None
+    shift = resolve_request(engine.limits, SHIFT, [(len(PROMPT), PAST)])
+    assert shift.max_tokens == (PAST,)
+    assert server.call(tokens(shift.kv_policy), timeout=120) == PAST
     for policy in (None, ORIGINAL):
-        with pytest.raises(RequestRejected) as e:
-            server.call(tokens(policy))
-        assert e.value.param == "max_tokens"
+        assert rejected(resolve_request, engine.limits, policy,
+                        [(len(PROMPT), PAST)]) == "max_tokens"
     assert engine.num_active == 0
 
 
@@ -189,11 +195,11 @@ def test_engine_add_request(model_dir: str) -> None:
     core = EngineCore(EngineConfig(model=model_dir, num_blocks=128))
     params = SamplingParams(max_tokens=PAST, ignore_eos=True, temperature=0)
     for policy in (None, "full", ORIGINAL):
-        assert rejected(core.add_request, "x", PROMPT, params, kv_policy=policy) == "max_tokens"
-    assert rejected(core.add_request, "x", list(range(5, 5 + CONTEXT)),
-                    SamplingParams(max_tokens=1)) == "prompt"
-    assert not core.requests
-    core.add_request("shift", PROMPT, params, kv_policy=SHIFT)
+        assert rejected(resolve_request, core.limits, policy,
+                        [(len(PROMPT), PAST)]) == "max_tokens"
+    assert rejected(resolve_request, core.limits, None, [(CONTEXT, 1)]) == "prompt"
+    shift = resolve_request(core.limits, SHIFT, [(len(PROMPT), PAST)]).kv_policy
+    core.add_request("shift", PROMPT, params, kv_policy=shift)
     n = 0
     while core.has_unfinished():
         for out in core.step():
@@ -211,9 +217,11 @@ def test_rope_shift_prompt_longer_than_the_context(model_dir: str) -> None:
     core = EngineCore(EngineConfig(model=model_dir, num_blocks=128, block_size=4))
     long = [5 + (7 * i) % 200 for i in range(4 * CONTEXT)]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
-    wide = {**SHIFT, "window": CONTEXT}  # sink + window alone pass the 64 positions
+    # sink + window alone pass the 64 positions: what only the engine can tell (its
+    # chunk), so the engine refuses it, naming the kv_policy
+    wide = resolve_request(core.limits, {**SHIFT, "window": CONTEXT}).kv_policy
     assert rejected(core.add_request, "wide", long, params, kv_policy=wide) == "kv_policy"
-    core.add_request("long", long, params, kv_policy=SHIFT)
+    core.add_request("long", long, params, kv_policy=resolve_request(core.limits, SHIFT).kv_policy)
     seen = 0
     while core.has_unfinished():
         req = core.requests.get("long")

@@ -20,7 +20,7 @@ from attention.storage import KVStorage
 from engine.sampling import SamplingParams
 from scheduler import engine_core
 from scheduler.llm import LLM
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 pytest.importorskip("triton")
 cuda_graphs = pytest.importorskip("engine.cuda_graphs")
@@ -87,7 +87,7 @@ def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention
         prompt = torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist()
         core.add_request(f"r{i}", prompt, SamplingParams(
             max_tokens=6 + 4 * (i % 3), temperature=0, ignore_eos=True, detokenize=False),
-            kv_policy=policies[i % len(policies)])
+            kv_policy=resolved(core, policies[i % len(policies)]))
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished():
         for out in core.step():
@@ -155,7 +155,7 @@ def test_async_scheduling_changes_no_token(tiny: str, scratch_pool, budget: int,
                                   detokenize=False)
         for i in range(5):  # r0 and r4 evict every step (a policy of sizes alone)
             core.add_request(f"r{i}", prompts[i], params(i),
-                             kv_policy=STREAMING if i in (0, 4) else None)
+                             kv_policy=resolved(core, STREAMING if i in (0, 4) else None))
         tokens: dict[str, list[int]] = {}
         calls = 0
         while core.has_unfinished():

@@ -21,11 +21,12 @@ ROOT = Path(__file__).parent.parent
 # The test files of the ops with AVX2 paths, and a -k for the whole run: a keyword
 # matches the module's name too, so "test_cpu_attention" takes that file whole.
 FILES = ["tests/test_cpu_attention.py",  # the decode kernel (paged_decode_avx2.h)
+         "tests/test_cpu_attention_mass.py",  # ... its mass for the policies
          "tests/test_sampler.py",  # greedy and the exponential race
          "tests/test_policy_select.py",  # the selection's live8 loops
          "tests/test_key_stats.py",  # KeyDiff's 8-lane tiles (key_diversity.h)
          "tests/test_policy_state.py",  # window_ring.h's AVX2 form, lazy_track
-         "tests/test_cpu_linear.py",  # the panels' 6-row AVX2 tile (linear_panels.h)
+         "tests/test_cpu_linear_panels.py",  # the panels' 6-row AVX2 tile (linear_panels.h)
          "tests/test_causal_prefill.py"]  # SDPA where the prefill op has no AVX-512
 SELECT = ("test_cpu_attention or greedy_op or race_op "
           "or native or live_mask or layered or divisor "

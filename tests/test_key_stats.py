@@ -251,7 +251,7 @@ def test_norm_policies_read_no_slot_back_in_decode(tmp_path) -> None:
     pool) the pool is never asked for a slot's norms again."""
     from engine.sampling import SamplingParams
     from scheduler.llm import LLM
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_model, resolved
 
     llm = LLM(make_tiny_model("llama", tmp_path, max_position_embeddings=512),
               num_blocks=400, block_size=4, max_num_batched_tokens=256)
@@ -259,7 +259,8 @@ def test_norm_policies_read_no_slot_back_in_decode(tmp_path) -> None:
     for i, cfg in enumerate([{"name": "knorm", "budget": 16},
                              {"name": "paged_eviction", "budget": 16}]):
         eng.add_request(f"r{i}", list(range(5, 45)), SamplingParams(
-            max_tokens=30, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+            max_tokens=30, temperature=0, ignore_eos=True, detokenize=False),
+            kv_policy=resolved(eng, cfg))
     out: dict[str, int] = {}
     while len(out) < 2 or min(out.values()) < 2:  # the prompts, in chunks of about the
         for o in eng.step():                       # budget (bounded prefill), then decode
@@ -280,7 +281,7 @@ def test_keydiff_within_budget_costs_the_decode_kernel_nothing(tmp_path, monkeyp
     from engine import runner as runner_mod
     from engine.sampling import SamplingParams
     from scheduler.llm import LLM
-    from tests.tiny_models import make_tiny_model
+    from tests.tiny_models import make_tiny_model, resolved
 
     calls: list[int] = []
     real = runner_mod.paged_decode_key_diversity
@@ -295,7 +296,7 @@ def test_keydiff_within_budget_costs_the_decode_kernel_nothing(tmp_path, monkeyp
     eng = llm.engine
     eng.add_request("r", list(range(5, 25)), SamplingParams(  # 20 prompt tokens
         max_tokens=20, temperature=0, ignore_eos=True, detokenize=False),
-        kv_policy={"name": "keydiff", "budget": 30})
+        kv_policy=resolved(eng, {"name": "keydiff", "budget": 30}))
     steps = 0
     while eng.has_unfinished():
         eng.step()

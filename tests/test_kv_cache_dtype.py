@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from engine.sampling import SamplingParams
 from scheduler.llm import LLM
 from tests.test_policies_engine import POLICIES
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 BS = 4
 LOGPROB_TOL = 2e-2
@@ -96,7 +96,7 @@ def test_every_policy_runs_on_a_narrow_pool(model, kv_dtype):
               kv_cache_dtype=kv_dtype)
     eng = llm.engine
     for i, cfg in enumerate(POLICIES):
-        eng.add_request(f"p{i}", _prompt(i, 100), _greedy(300), kv_policy=cfg)
+        eng.add_request(f"p{i}", _prompt(i, 100), _greedy(300), kv_policy=resolved(eng, cfg))
     finished = {}
     while eng.has_unfinished():
         for o in eng.step():

@@ -28,6 +28,7 @@ from policies.norms import knorm_scores
 from policies.rows import RowsView
 from policies.snapkv import pool_scores
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.resolve import resolve_request
 from tests.policy_views import LayersView, LayerView
 
 REFERENCE = Path(__file__).parent / "data" / "kvpress_demo.pt"
@@ -64,7 +65,8 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[LayersView, dict[int, torch
     seen: dict[str, tuple[LayersView, dict[int, torch.Tensor]]] = {}
     patched: dict[type, Any] = {}
     for name, cfg in configs.items():
-        core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2), kv_policy=cfg)
+        core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2),
+                         kv_policy=resolve_request(core.limits, cfg).kv_policy)
         cls = type(core.requests[name].policy)
         real = cls.__dict__["select"]
         patched[cls] = real

@@ -229,3 +229,47 @@ def test_only_the_storage_reads_the_pools_tensors() -> None:
            for f in sorted((ROOT / package).rglob("*.py"))
            for i, line in enumerate(f.read_text().splitlines(), 1) if POOL_TENSORS.search(line)]
     assert not bad, bad
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` that `path` imports, at its top or inside a function
+    (`from package import module` names the module)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+    found = set()
+    for name in names:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found - {_module(path)}
+
+
+@pytest.mark.parametrize("package", ["policies", "scheduler", "server"])
+def test_no_import_cycles_between_modules(package: str) -> None:
+    """No module of these packages imports, directly or through others, one that imports
+    it back (a cycle makes every module on it load, and be understood, as one)."""
+    files = {_module(f): f for f in sorted((ROOT / package).rglob("*.py"))}
+    graph = {m: module_imports(f, set(files)) for m, f in files.items()}
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> None:
+        if m in path:
+            raise AssertionError("import cycle: " + " -> ".join([*path[path.index(m):], m]))
+        if m in done:
+            return
+        for n in sorted(graph[m]):
+            visit(n, [*path, m])
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])

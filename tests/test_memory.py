@@ -16,7 +16,7 @@ from scheduler.prefix import block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import MemoryConfig, Scheduler
 from tests.pools import make_pool
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, detokenize=False)
 
@@ -162,18 +162,19 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     layers = _layers(llama)
     bs, n = 4, 12
     probe = LLM(llama, num_blocks=10_000, block_size=bs).engine
-    probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=cfg)
+    probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=resolved(probe, cfg))
     reserve = probe.requests["probe"].reserve_blocks
     assert 0 < reserve < layers * (24 + LONG) // bs  # bounded well below the full cache
     if cfg["name"] == "pyramid":  # the same memory as a uniform budget of 64
-        probe.add_request("tova", _prompt(0, 24), _long(), kv_policy={"name": "tova", "budget": 64})
+        probe.add_request("tova", _prompt(0, 24), _long(),
+                          kv_policy=resolved(probe, {"name": "tova", "budget": 64}))
         assert reserve == probe.requests["tova"].reserve_blocks
     fits = 4
     # Exactly `fits` reservations and no spare block (every request reserved: no
     # watermark either): a request must never need a block beyond its reservation.
     eng = LLM(llama, num_blocks=fits * reserve, block_size=bs).engine
     for i in range(n):
-        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=resolved(eng, cfg))
     most = 0
     while eng.has_unfinished():
         eng.step()
@@ -199,7 +200,7 @@ def test_spare_blocks_are_lent_instead_of_compacting(llama, cfg):
         if not lend:
             eng.policies.spare = None  # compact at every reservation, as before
         for i in range(3):
-            eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+            eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=resolved(eng, cfg))
         tokens: dict[str, list[int]] = {}
         over, compactions = 0, 0
         real = eng.policies._compact
@@ -223,7 +224,7 @@ def test_spare_blocks_are_lent_instead_of_compacting(llama, cfg):
     assert fewer < every
     # Someone waits (one sequence at a time here): the next step gives the borrowed back.
     one = LLM(llama, num_blocks=10_000, block_size=4, max_num_seqs=1).engine
-    one.add_request("a", _prompt(1, 24), _long(), kv_policy=cfg)
+    one.add_request("a", _prompt(1, 24), _long(), kv_policy=resolved(one, cfg))
     a = one.requests["a"]
     while a.cache is None or a.cache.num_blocks <= a.reserve_blocks:
         one.step()
@@ -241,13 +242,13 @@ def test_no_watermark_when_every_request_is_reserved(llama):
     layers = _layers(llama)
     cfg = {"name": "streaming", "sink": 4, "window": 60}
     probe = LLM(llama, num_blocks=10_000, block_size=4).engine
-    probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=cfg)
+    probe.add_request("probe", _prompt(0, 24), _long(), kv_policy=resolved(probe, cfg))
     reserve = probe.requests["probe"].reserve_blocks
     fits = 4
     eng = LLM(llama, num_blocks=fits * reserve + layers, block_size=4, watermark=0.1).engine
     assert eng.kv.watermark_blocks > layers  # the last one would be refused by it
     for i in range(8):
-        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=resolved(eng, cfg))
     most = 0
     while eng.has_unfinished():
         eng.step()
@@ -264,7 +265,7 @@ def test_no_watermark_when_every_request_is_reserved(llama):
                                                            ignore_eos=True, detokenize=False))
     eng.step()
     for i in range(8):
-        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=cfg)
+        eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=resolved(eng, cfg))
     eng.step()
     assert "full" in eng.requests and eng.num_running - 1 == fits - 1
     most = 0

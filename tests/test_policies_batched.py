@@ -15,7 +15,7 @@ from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
 from scheduler.llm import LLM
 from tests.pools import make_pool
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 BS = 4
 
@@ -75,7 +75,8 @@ def test_batched_steps_keep_exactly_what_per_request_steps_keep(model, monkeypat
         prompt = torch.randint(5, 250, (40 + 3 * i,), generator=gen).tolist()
         for llm in llms:
             llm.engine.add_request(f"r{i}", prompt, SamplingParams(
-                max_tokens=90, temperature=0, ignore_eos=True, detokenize=False), kv_policy=cfg)
+                max_tokens=90, temperature=0, ignore_eos=True, detokenize=False),
+                kv_policy=resolved(llm.engine, cfg))
     tokens: list[dict[str, list[int]]] = [{}, {}]
     steps = 0
     while llms[0].engine.has_unfinished():
@@ -195,7 +196,7 @@ def test_staggered_arrivals_batch_members_on_different_clocks(model, monkeypatch
                 for llm in llms:
                     llm.engine.add_request(f"r{i}", prompts[i], SamplingParams(
                         max_tokens=60, temperature=0, ignore_eos=True, detokenize=False),
-                        kv_policy=cfg)
+                        kv_policy=resolved(llm.engine, cfg))
         for llm, got in zip(llms, tokens):
             for o in llm.engine.step():
                 got.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -221,7 +222,7 @@ def test_batch_members_from_attention_groups_of_different_widths(model):
         for llm in llms:
             llm.engine.add_request(f"r{i}", prompt, SamplingParams(
                 max_tokens=12, temperature=0, ignore_eos=True, detokenize=False),
-                kv_policy={"name": "tova", "budget": 32})
+                kv_policy=resolved(llm.engine, {"name": "tova", "budget": 32}))
     steps = 0
     while llms[0].engine.has_unfinished():
         outs = [llm.engine.step() for llm in llms]

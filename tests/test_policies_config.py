@@ -4,8 +4,8 @@ paper defaults, validated ranges, and errors that name the offending field."""
 import pytest
 
 from policies.base import resolve_budget
-from policies.catalog import CATALOG, build_policy
-from policies.config import KVPolicyError, known_policies, parse_kv_policy
+from policies.catalog import CATALOG, build_policy, known_policies, parse_kv_policy
+from policies.config import KVPolicyError
 from policies.full import FullPolicy
 from tests.policy_views import LayerView, arange, run_step, view
 

@@ -9,7 +9,7 @@ from engine.sampling import SamplingParams
 from kvpool.manager import MIN_PREFILL_CHUNK
 from policies.catalog import build_policy
 from scheduler.llm import LLM
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 BS = 4
 # Generated tokens a request: 4x the prompt and 6x the largest fixed budget, so every
@@ -51,7 +51,8 @@ def test_full_policy_equals_no_policy(model):
     prompts = [_prompt(i, 20 + 7 * i) for i in range(4)]
     for i, p in enumerate(prompts):
         llm.engine.add_request(f"none{i}", p, _greedy(30))
-        llm.engine.add_request(f"full{i}", p, _greedy(30), kv_policy={"name": "full"})
+        llm.engine.add_request(f"full{i}", p, _greedy(30),
+                               kv_policy=resolved(llm.engine, {"name": "full"}))
     out: dict[str, list[int]] = {}
     while llm.engine.has_unfinished():
         for o in llm.engine.step():
@@ -70,7 +71,8 @@ def test_mixed_batch_of_every_policy_stays_within_budget(model):
     blocks: dict[str, int] = {}
     prompt_len = 100
     for i, cfg in enumerate(POLICIES):
-        eng.add_request(f"p{i}", _prompt(i, prompt_len), _greedy(LONG), kv_policy=cfg)
+        eng.add_request(f"p{i}", _prompt(i, prompt_len), _greedy(LONG),
+                        kv_policy=resolved(eng, cfg))
     finished = {}
     steps = 0
     while eng.has_unfinished():
@@ -118,7 +120,8 @@ def test_rope_shift_generates_far_past_the_position_limit(tmp_path, name):
     out = None
     eng = llm.engine
     layers = eng.model_config.num_layers
-    eng.add_request("long", _prompt(0, 50), _greedy(gen), kv_policy=cfg)  # 3x the limit
+    eng.add_request("long", _prompt(0, 50), _greedy(gen),  # 3x the limit
+                    kv_policy=resolved(eng, cfg))
     peak_blocks = 0
     n = 0
     while eng.has_unfinished():
@@ -140,8 +143,8 @@ def test_original_rope_refuses_past_the_position_limit(tmp_path):
     path = make_tiny_model("llama", tmp_path, max_position_embeddings=512)
     llm = LLM(path, num_blocks=200, block_size=BS)
     with pytest.raises(RequestRejected):
-        llm.engine.add_request("x", _prompt(0, 50), _greedy(1000),
-                               kv_policy={"name": "streaming", "window": 100})
+        llm.generate([_prompt(0, 50)], _greedy(1000), kv_policy={"name": "streaming",
+                                                                 "window": 100})
 
 
 def test_paged_eviction_scores_kept_from_their_step_equal_scores_read_again(model, monkeypatch):
@@ -159,7 +162,7 @@ def test_paged_eviction_scores_kept_from_their_step_equal_scores_read_again(mode
         eng, kept = llm.engine, []
         for i in range(3):
             eng.add_request(f"p{i}", _prompt(60 + i, (90, 70, 120)[i]), _greedy(50),
-                            kv_policy={"name": "paged_eviction", "budget": 40})
+                            kv_policy=resolved(eng, {"name": "paged_eviction", "budget": 40}))
         while eng.has_unfinished():
             eng.step()
             kept.append({r.request_id: [sp[sp >= 0].tolist() for sp in r.cache.slot_pos]
@@ -186,9 +189,9 @@ def test_knorm_keeps_the_lowest_norms_of_the_pools_keys(model, batched, budget):
     # `new_norms`); a GPU reduces them in other orders, a few ulps apart.
     llm = LLM(model, num_blocks=600, block_size=BS, batch_policies=batched, device="cpu")
     eng, window = llm.engine, 4
+    knorm = resolved(eng, {"name": "knorm", "budget": budget, "window": window})
     for i in range(3):
-        eng.add_request(f"k{i}", _prompt(40 + i, (30, 30, 36)[i]), _greedy(60),
-                        kv_policy={"name": "knorm", "budget": budget, "window": window})
+        eng.add_request(f"k{i}", _prompt(40 + i, (30, 30, 36)[i]), _greedy(60), kv_policy=knorm)
     norm: dict[tuple[str, int, int], float] = {}  # (request, layer, position) -> mean ‖K‖
     seen: dict[tuple[str, int], set[int]] = {}
     checked = 0
@@ -237,7 +240,7 @@ def test_prefill_is_bounded_from_the_first_prompt_token(model, kv_policy):
     llm = LLM(model, num_blocks=2000, block_size=BS, max_num_batched_tokens=2048)
     core = llm.engine
     prompt = _prompt(7, 20 * 64)
-    core.add_request("r", prompt, _greedy(24), kv_policy=kv_policy)
+    core.add_request("r", prompt, _greedy(24), kv_policy=resolved(core, kv_policy))
     req = core.requests["r"]
     bound = build_policy(kv_policy).max_live(len(prompt) - 1, len(prompt), BS)
     assert bound < len(prompt) and req.max_chunk == max(bound, MIN_PREFILL_CHUNK) < 2048
@@ -261,7 +264,8 @@ def test_policies_that_keep_the_prompt_whole_keep_the_step_budget(model):
     llm = LLM(model, num_blocks=400, block_size=BS, max_num_batched_tokens=512)
     for i, kv_policy in enumerate([{"name": "pyramid", "budget": 16},
                                    {"name": "snapkv", "budget": 16}, None]):
-        llm.engine.add_request(f"r{i}", _prompt(i, 300), _greedy(4), kv_policy=kv_policy)
+        llm.engine.add_request(f"r{i}", _prompt(i, 300), _greedy(4),
+                               kv_policy=resolved(llm.engine, kv_policy))
         assert llm.engine.requests[f"r{i}"].max_chunk == 512
 
 
@@ -275,7 +279,8 @@ def test_min_prefill_chunk_trades_memory_for_whole_prompt_scoring(model):
     for floor in (MIN_PREFILL_CHUNK, 1024):
         llm = LLM(model, num_blocks=2000, block_size=BS, max_num_batched_tokens=2048,
                   min_prefill_chunk=floor)
-        llm.engine.add_request("r", prompt, _greedy(2), kv_policy={"name": "h2o", "budget": 64})
+        llm.engine.add_request("r", prompt, _greedy(2),
+                               kv_policy=resolved(llm.engine, {"name": "h2o", "budget": 64}))
         req = llm.engine.requests["r"]
         assert req.max_chunk == floor
         peaks[floor] = req.peak_blocks

@@ -7,9 +7,10 @@ import pytest
 
 from engine.demo import DEMO_MODEL_DIR
 from engine.sampling import SamplingParams
-from policies.catalog import CATALOG, describe_policies
-from policies.config import REFERENCE_CONTEXT, parse_kv_policy
+from policies.catalog import CATALOG, describe_policies, parse_kv_policy
+from policies.config import REFERENCE_CONTEXT
 from scheduler.engine_core import EngineConfig, EngineCore
+from scheduler.resolve import resolve_request
 
 
 @pytest.mark.parametrize("name", sorted(CATALOG))
@@ -53,7 +54,8 @@ def test_every_default_policy_evicts_on_the_demo_model() -> None:
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [5 + (7 * i) % 200 for i in range(900)]
     for name in names:  # all at once: one batched run of every policy
-        core.add_request(name, prompt, params, kv_policy=name)
+        core.add_request(name, prompt, params,
+                         kv_policy=resolve_request(core.limits, name).kv_policy)
     evicted: dict[str, int] = {}
     while core.has_unfinished():
         for out in core.step():

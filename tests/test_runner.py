@@ -8,7 +8,7 @@ from engine.sampling import SamplingParams
 from engine.step import SeqInput
 from kvpool.seq_cache import SeqCache
 from scheduler.llm import LLM
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_decode_only_steps_agree_across_attention_paths(llama, kv_policy):
                   if isinstance(kv_policy, str) else "full")
         llm.engine.runner.attention_fn = fn
         for i, p in enumerate(prompts):
-            llm.engine.add_request(f"r{i}", p, params, kv_policy=kv_policy)
+            llm.engine.add_request(f"r{i}", p, params, kv_policy=resolved(llm.engine, kv_policy))
         tokens: dict[str, list[int]] = {}
         evicted: dict[str, int] = {}
         while llm.engine.has_unfinished():
@@ -193,7 +193,7 @@ def _run_and_snap(llama, kv: dict, prompts: list[tuple[int, int]], seed: int,
     for i, (n, m) in enumerate(prompts):
         eng.add_request(f"r{i}", torch.randint(5, 200, (n,), generator=g).tolist(),
                         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                        kv_policy=kv)
+                        kv_policy=resolved(eng, kv))
     snaps, tokens = [], {}
     while eng.has_unfinished():
         for o in eng.step():

@@ -18,7 +18,7 @@ import pytest
 
 from engine.sampling import SamplingParams
 from loadtest.spawn import python_path
-from policies.config import known_policies
+from policies.catalog import known_policies
 from scheduler.llm import LLM
 from server.cli import main
 from tests.live_server import wait_ready
@@ -88,7 +88,7 @@ def test_bad_default_kv_policy_messages(command: str, value: str, message: str,
 
 
 def test_default_kv_policy_takes_a_name_or_an_object() -> None:
-    from policies.config import parse_kv_policy
+    from policies.catalog import parse_kv_policy
     from server.cli import default_kv_policy
 
     assert default_kv_policy("streaming") == parse_kv_policy("streaming")

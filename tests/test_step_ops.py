@@ -18,7 +18,7 @@ from engine.sampler import SamplingBatch, sample, to_host, top_logprobs
 from engine.sampling import SamplingParams
 from kvpool import compaction
 from scheduler.engine_core import EngineConfig, EngineCore
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 
 class OpCounter(TorchDispatchMode):
@@ -67,7 +67,7 @@ def _ops_per_step(model: str, n: int, policies: list, steps: int = 6,
     for i in range(n):
         prompt = [5 + (j * 7) % 200 for j in range(16)]
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
-                        kv_policy=policies[i % len(policies)])
+                        kv_policy=resolved(eng, policies[i % len(policies)]))
     for _ in range(30):  # prefill, then well into decode (policies past their budget)
         eng.step()
     _COMPACTED[0] = 0

@@ -18,7 +18,7 @@ import torch
 from engine.sampling import SamplingParams
 from scheduler.llm import LLM
 from scheduler.policy_runner import PolicyRunner
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_model, resolved
 
 BS = 4
 SINK, WINDOW = 4, 28
@@ -87,7 +87,7 @@ def test_the_ring_keeps_the_window_in_exactly_its_blocks(model, prompt_len, monk
         llm = LLM(model, num_blocks=400, block_size=BS, streaming_ring=ring)
         for i in range(3):
             llm.engine.add_request(f"r{i}", _prompt(i, prompt_len + 5 * i), _greedy(80),
-                                   kv_policy=cfg)
+                                   kv_policy=resolved(llm.engine, cfg))
         held: list[int] = []
 
         def note(eng, held=held):
@@ -130,7 +130,8 @@ def test_a_pool_of_k_windows_runs_k_requests_at_once(model):
         llm = LLM(model, num_blocks=k * nl * math.ceil(CAP / BS), block_size=BS,
                   streaming_ring=ring, enable_prefix_caching=False)
         for i in range(2 * k):
-            llm.engine.add_request(f"r{i}", _prompt(i, 12), _greedy(60), kv_policy=RING)
+            llm.engine.add_request(f"r{i}", _prompt(i, 12), _greedy(60),
+                                   kv_policy=resolved(llm.engine, RING))
         _, _, m = _drive(llm)
         most.append(m)
         assert llm.engine.stats().preemptions_total == {"swap": 0, "recompute": 0}
@@ -144,12 +145,12 @@ def test_the_ring_copies_a_block_shared_through_the_prefix_cache(model):
     prompt = _prompt(7, 24)
     ref = LLM(model, num_blocks=400, block_size=BS, enable_prefix_caching=False)
     for name, cfg in (("a", RING), ("b", RING), ("c", None)):
-        ref.engine.add_request(name, prompt, _greedy(60), kv_policy=cfg)
+        ref.engine.add_request(name, prompt, _greedy(60), kv_policy=resolved(ref.engine, cfg))
     want, _, _ = _drive(ref)
 
     llm = LLM(model, num_blocks=400, block_size=BS)
     eng = llm.engine
-    eng.add_request("a", prompt, _greedy(60), kv_policy=RING)
+    eng.add_request("a", prompt, _greedy(60), kv_policy=resolved(eng, RING))
     got: dict[str, list[int]] = {}
     usage: dict[str, object] = {}
 
@@ -166,7 +167,7 @@ def test_the_ring_copies_a_block_shared_through_the_prefix_cache(model):
                 assert not any(b in eng.pool.hash_of for b in held.tolist())
 
     step()  # a's prompt, published
-    eng.add_request("b", prompt, _greedy(60), kv_policy=RING)
+    eng.add_request("b", prompt, _greedy(60), kv_policy=resolved(eng, RING))
     rings = 0
     while eng.has_unfinished():
         step()
@@ -186,13 +187,14 @@ def test_a_swapped_ring_resumes_where_it_was(model):
     prompts = [_prompt(20 + i, 10) for i in range(3)]
     ref = LLM(model, num_blocks=400, block_size=BS)
     for i, p in enumerate(prompts):
-        ref.engine.add_request(f"s{i}", p, _greedy(70), kv_policy=RING)
+        ref.engine.add_request(f"s{i}", p, _greedy(70), kv_policy=resolved(ref.engine, RING))
     ref.engine.add_request("full", _prompt(30, 10), _greedy(90))
     want, _, _ = _drive(ref)
 
     llm = LLM(model, num_blocks=80, block_size=BS, preemption_mode="swap")
     for i, p in enumerate(prompts):  # lower priority than the full request: the victims
-        llm.engine.add_request(f"s{i}", p, _greedy(70), kv_policy=RING, priority=1)
+        llm.engine.add_request(f"s{i}", p, _greedy(70), kv_policy=resolved(llm.engine, RING),
+                               priority=1)
     llm.engine.add_request("full", _prompt(30, 10), _greedy(90))
     got, _, _ = _drive(llm, _kept_is_sinks_and_window)
     assert llm.engine.stats().preemptions_total["swap"] > 0
@@ -202,14 +204,16 @@ def test_a_swapped_ring_resumes_where_it_was(model):
 def test_no_ring_where_positions_are_renumbered_or_trimmed(model, tmp_path):
     llm = LLM(model, num_blocks=400, block_size=BS)
     llm.engine.add_request("shift", _prompt(1, 10), _greedy(60),
-                           kv_policy={**RING, "rope": "shift"})
-    llm.engine.add_request("ring", _prompt(2, 10), _greedy(60), kv_policy=RING)
+                           kv_policy=resolved(llm.engine, {**RING, "rope": "shift"}))
+    llm.engine.add_request("ring", _prompt(2, 10), _greedy(60),
+                           kv_policy=resolved(llm.engine, RING))
     assert llm.engine.requests["shift"].ring is None
     assert llm.engine.requests["ring"].ring == (SINK, CAP)
     windowed = make_tiny_model("mistral", tmp_path, sliding_window=48)
     llm = LLM(windowed, num_blocks=400, block_size=BS)
     assert not llm.engine.kv.rings
-    llm.engine.add_request("ring", _prompt(2, 10), _greedy(60), kv_policy=RING)
+    llm.engine.add_request("ring", _prompt(2, 10), _greedy(60),
+                           kv_policy=resolved(llm.engine, RING))
     assert llm.engine.requests["ring"].ring is None
     _drive(llm)  # the window trims the sinks too, as it does without a ring
     assert llm.engine.pool.num_used == 0
@@ -222,9 +226,9 @@ def test_a_ring_request_holds_its_window_together_once_its_prompt_is_in(model):
     reserved) takes only what it fills."""
     llm = LLM(model, num_blocks=400, block_size=BS)
     eng = llm.engine
-    eng.add_request("ring", _prompt(3, 10), _greedy(60), kv_policy=RING)
-    eng.add_request("other", _prompt(4, 10), _greedy(60), kv_policy=RING)
-    eng.add_request("short", _prompt(5, 10), _greedy(8), kv_policy=RING)
+    eng.add_request("ring", _prompt(3, 10), _greedy(60), kv_policy=resolved(eng, RING))
+    eng.add_request("other", _prompt(4, 10), _greedy(60), kv_policy=resolved(eng, RING))
+    eng.add_request("short", _prompt(5, 10), _greedy(8), kv_policy=resolved(eng, RING))
     eng.step()  # the prompts
     blocks = math.ceil(CAP / BS)
     caches = {r.request_id: r.cache for r in eng.scheduler.running}

@@ -168,4 +168,13 @@ def submit_each(llms: list, configs: list[dict], seed: int, max_tokens: int = 60
         for llm in llms:
             llm.engine.add_request(f"r{i}", prompt, SamplingParams(
                 max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False),
-                kv_policy=cfg)
+                kv_policy=resolved(llm.engine, cfg))
+
+
+def resolved(engine, kv_policy):
+    """`kv_policy` (a name, an object) as `EngineCore.add_request` takes it: the config
+    that `scheduler/resolve.py`, the one path the server and `LLM` take, resolves for
+    `engine`'s model. Tests that add requests to an engine directly go through it too."""
+    from scheduler.resolve import resolve_request
+
+    return resolve_request(engine.limits, kv_policy).kv_policy
