@@ -150,8 +150,8 @@ def test_native_compaction_matches_torch(seed, monkeypatch):
     for name in a.state:
         assert torch.equal(a.state[name], b.state[name]), name
     assert torch.equal(pa.storage.kv.view(torch.uint8), pb.storage.kv.view(torch.uint8))  # every slot's K/V
-    if pa.scales is not None:
-        assert torch.equal(pa.scales, pb.scales)
+    if pa.storage.scales is not None:
+        assert torch.equal(pa.storage.scales, pb.storage.scales)
     assert torch.equal(pa.ref, pb.ref)
 
 
