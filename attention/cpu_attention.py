@@ -36,10 +36,10 @@ A fresh prompt (nothing cached before it) attends causally over its own keys in 
 C++ op on AVX-512 CPUs, `causal_prefill` (`csrc/causal_prefill.h`: FlashAttention's online
 softmax with a query a vector lane, on kvserve's thread team): a 500-token prompt of the
 160M model's shape 2.1x torch's fused SDPA in fp32 and 2.3x in bf16 in one process, more
-in a server, whose OpenMP threads sleep (docs/benchmarks.md, session 38); bf16 scores
-from bf16 dot products where the CPU has them, ~1.35x that (session 41), except on Intel
-(`PAIR_FMA`), where fp32 FMAs over widened K and V are 1.25-1.6x the dot products (session
-46). A chunk after a
+in a server, whose OpenMP threads sleep (docs/benchmarks.md, "Prefill attention"); bf16
+scores from bf16 dot products where the CPU has them, ~1.35x that (commit 823928c), except
+on Intel (`PAIR_FMA`), where fp32 FMAs over widened K and V are 1.25-1.6x the dot products
+(commit 57bae56). A chunk after a
 cached prefix takes the same op with the pool (`prefix_prefill_cpu`: the prefix's visible
 slots read from their blocks in place) where the pool holds the model's dtype unquantized
 and no statistics are wanted; other chunks stay on the torch path.
@@ -136,8 +136,9 @@ def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     where `prefix_prefill_runs`.
 
     Why: the torch path gathers every block of the group into a padded copy and runs SDPA
-    under a [T, S] mask (session 39's profile: the gather 14% and SDPA 15% of such a
-    step); the op copies each prefix row once and runs the fresh prompt's tiles over it."""
+    under a [T, S] mask (profiled on AMD Zen 4 before commit cb6f198: the gather 14% and
+    SDPA 15% of such a step); the op copies each prefix row once and runs the fresh
+    prompt's tiles over it."""
     q, k, v = (x if _rows_whole(x) else x.contiguous() for x in (q, k, v))
     out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
                                            slot_pos, int(start), out=out, fma=PAIR_FMA)

@@ -50,7 +50,7 @@ class SwapSpace:
         """Host blocks `ids` <- `KVStorage.read_blocks` output. The copy to the host
         blocks: an asynchronous one hands the host scatter a buffer the GPU has not
         filled yet, and the blocks came back as garbage (every swap test failed on an
-        H200, session 23)."""
+        H200 before commit 2e25e93)."""
         for t, d in zip(self.tensors, data):
             t[:, ids] = d.cpu()
 

@@ -160,7 +160,7 @@ def _decode_kernel(
     block ids are loaded a tile ahead. The group's G rows are padded to GP >= 16 for
     `tl.dot`: on an H200 that beat scores and output as fp32 broadcast products (the
     form SGLang's and LightLLM's MHA decode kernels take) by 1.5x at G = 1 and 5x at
-    G = 4 (session 34's sweep, docs/benchmarks.md); its padding rows cost no memory."""
+    G = 4 (the H200 sweep of commit 65b60e2); its padding rows cost no memory."""
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_bh // Hkv

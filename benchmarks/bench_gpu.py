@@ -76,7 +76,7 @@ def gpu_busy(steps: int, engine: Any) -> float:
 def replay_ms(graph: torch.cuda.CUDAGraph, reps: int = 20) -> tuple[float, float]:
     """(GPU milliseconds of one replay, CUDA events; host milliseconds of one
     `replay()` call, each after a synchronize: what launching costs the step's host
-    thread, ~1 ms under cProfile in session 26). The buffers hold the last step."""
+    thread, ~1 ms under cProfile on an H200, commit 128b3d1). The buffers hold the last step."""
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -120,7 +120,8 @@ def run_kvserve(path: str, prompts: list[list[int]], gen: int, *, policy: Any = 
         return SamplingParams(max_tokens=g, temperature=0, ignore_eos=True, detokenize=False)
 
     # and this run's policy and shapes, every prompt (the timed run's prefill steps: in
-    # session 26 the first run's Triton compiles at 8,192-token steps took ~2.5 s of it)
+    # the H200 run of commit 17f0a9a Triton's first compiles at 8,192-token steps took
+    # ~2.5 s of it)
     for i, p in enumerate(prompts):
         eng.add_request(f"w{i}", p, params(8), kv_policy=policy)
     while eng.has_unfinished():

@@ -56,9 +56,10 @@ def step_kernels(engine: Any, steps: int = 5, top: int = 15) -> list[dict]:
 
 def _time(fn: Any, reps: int = 20) -> float:
     """GPU milliseconds a call: `reps` calls captured in one CUDA graph, replayed and
-    timed with CUDA events. Timing eager calls measured the host instead (session 34's
-    first run: every paged call read ~0.1 ms, the wrapper's and Triton launcher's host
-    time, while SDPA read 0.03), and a decode step replays these kernels from a graph."""
+    timed with CUDA events. Timing eager calls measured the host instead (the first
+    H200 run of commit 65b60e2: every paged call read ~0.1 ms, the wrapper's and Triton
+    launcher's host time, while SDPA read 0.03), and a decode step replays these kernels
+    from a graph."""
     fn()
     fn()  # compiled, and every lazy allocation made, before the capture
     torch.cuda.synchronize()

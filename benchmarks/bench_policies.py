@@ -115,8 +115,8 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
                  "full_requests_fit": blocks // (layers * math.ceil(ctx / 16)), "policies": {}}
     # Every run is read against the ceiling measured just before and just after it: the
     # machine drifts by 10-20% within minutes, and one measurement after all the runs
-    # made the same policy read as 89% of it in one run and 106% in the next (session
-    # 40). `--rounds` runs the policies again, in reverse order every other round.
+    # made the same policy read as 89% of it in one run and 106% in the next (commit
+    # 1a7ad7d). `--rounds` runs the policies again, in reverse order every other round.
     n_ceiling = ceiling_requests(args, blocks, budget)
     means: list[float] = []
     rates = [_decode_rate(path, args, n_ceiling, budget, means)]
@@ -204,10 +204,11 @@ def _decode_rate(path: str, args: argparse.Namespace, n: int, context: int,
     """Output tokens/s of `n` eviction-free requests decoding `--ceiling-steps` tokens
     around `context` tokens each (prompts of context - steps/2, so the steps' mean
     context is `context`), from the median step with all `n` running and no prefill: a
-    short window's mean moved by a third between two runs of the same commit (session
-    20), which made the policies' share of the ceiling swing as much. `means` gets the
-    rate of the same steps' mean appended: a policy's run is its steps' mean (every slow
-    step counts), so the median tilts the comparison against it by their spread."""
+    short window's mean moved by a third between two runs of the same commit (see
+    commit 16dc1a7), which made the policies' share of the ceiling swing as much. `means`
+    gets the rate of the same steps' mean appended: a policy's run is its steps' mean
+    (every slow step counts), so the median tilts the comparison against it by their
+    spread."""
     vocab = int(MODEL_CONFIGS[args.model]["vocab_size"])
     layers = int(MODEL_CONFIGS[args.model]["num_hidden_layers"])
     steps = args.ceiling_steps
@@ -292,7 +293,7 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
                  "prompt": prompt, "rounds": args.rounds, "policies": {}}
     # `--rounds`: every policy again, in reverse order every other round; a policy's
     # figures are the medians of its rounds (its share moved by ±0.5 points between two
-    # runs ten minutes apart, at issue 18's 10% line: session 42).
+    # runs ten minutes apart, at issue 18's 10% line: commit 4616f36).
     runs: dict[str, list[dict]] = {}
     for k in range(args.rounds):
         names = ["full", *args.policies]  # a `:<way>` as part 1 runs it (`_run_one`)

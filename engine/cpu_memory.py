@@ -6,11 +6,11 @@ Why: a prefill step's activations are tens of MB each (the 160M model's gate/up 
 and hands it back with `munmap` when torch frees it. The next step then faults every page
 in again: ~10 ms to first touch 50 MB here against 2 ms to rewrite it, and the GEMM
 that writes it ran at 148-194 GFLOP/s from process to process instead of 188-203 (768 x
-6,144 at 2,048 rows, two threads, a Firecracker VM; docs/benchmarks.md, session 39). vLLM's CPU docs have users
-preload tcmalloc for the same reason; kvserve asks glibc itself: no `mmap` for
-allocations (they come from the heap) and no trimming of the heap's free top, so a freed
-buffer is reused with its pages already mapped. The resident size then stays at the
-peak a workload reached instead of falling between steps.
+6,144 at 2,048 rows, two threads, a Firecracker VM; docs/benchmarks.md at commit 0a7427b).
+vLLM's CPU docs have users preload tcmalloc for the same reason; kvserve asks glibc
+itself: no `mmap` for allocations (they come from the heap) and no trimming of the
+heap's free top, so a freed buffer is reused with its pages already mapped. The resident
+size then stays at the peak a workload reached instead of falling between steps.
 
 It runs after the model and the KV pool are allocated (`EngineCore`), so the weights'
 load-time copies, freed once packed, still go back to the system. It leaves a process

@@ -16,7 +16,7 @@ attention, the layer ops, sampling) runs on kvserve's own team (native/csrc/team
 whose threads poll for `TEAM_POLL_US` (1 ms) after a job, yielding their core to any
 thread that wants it, then sleep. `poll`, serve's default, is that team with torch's
 own OpenMP threads (oneDNN's GEMMs, prefill attention) sleeping at once; `passive`
-makes the team sleep at once too (as every thread did before session 37); `spin` adds
+makes the team sleep at once too (as every thread did before commit 67e5891); `spin` adds
 OpenMP's spin for GOMP_SPINCOUNT `SPIN_COUNT` (~1.5 ms), which helps where torch's
 ops matter (bf16 layers on oneDNN) but beside another CPU-bound process made a request
 3.6x slower than passive waiting. An offline run (`kvserve generate`) has no HTTP side

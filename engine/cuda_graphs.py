@@ -191,7 +191,7 @@ class DecodeGraphs:
         # before it): a cycle holding a pinned host tensor (an eager step's upload, a
         # swap copy) freed there records a CUDA event, which invalidates a capture: the
         # likely cause of a parity test under swap preemption whose capture of bucket 1
-        # was invalidated on an H200 (session 35; not reproduced).
+        # was invalidated on an H200 (docs/benchmarks.md at commit 85b7755; not reproduced).
         enabled = gc.isenabled()
         gc.disable()
         try:

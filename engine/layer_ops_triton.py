@@ -3,7 +3,7 @@ CUDA tensors (engine/layer_ops.py picks them; the C++ ops serve the CPU).
 
 Why: once the decode forward is one CUDA graph (engine/cuda_graphs.py) no launch costs
 host time, but every kernel is still a node of a few microseconds on the GPU. The 160M
-model's graph replayed in 2.11 ms on an H200 (session 23, docs/benchmarks.md) with about
+model's graph replayed in 2.11 ms on an H200 (docs/benchmarks.md at commit ba3a7c9) with about
 490 kernels, some 400 of them the elementwise pieces of these three ops in torch (an
 RMSNorm with its residual add is ~9 kernels, RoPE on q and k ~14). Here each is one.
 
@@ -67,7 +67,7 @@ def _rotate(X, t, st, sh, heads, c, s, BLOCK_H: tl.constexpr, HALF: tl.constexpr
     x2 = tl.load(p1 + HALF, mask=ok, other=0.0)
     # transformers' roundings: cos/sin in the activations' dtype, each product and the
     # sum rounded to it. Written in that dtype, not as fp32 with explicit round trips:
-    # compiled for a GPU, those round trips did not round as torch does (session 34: 21%
+    # compiled for a GPU, those round trips did not round as torch does (commit 65b60e2: 21%
     # of fp16/bf16 outputs off, by up to 25 units in the last place, where Triton's
     # interpreter matched exactly); `rotary_` also turns FMA contraction off.
     dtype = x1.dtype

@@ -369,8 +369,8 @@ class SeqCache:
         runs in order). Why: blocks taken one a step, as decode fills them, interleave
         with every other decoding request's, scattering a row's K/V over the pool, and
         the decode kernel then reads block by block from anywhere (a shuffled pool made
-        the 3m model's decode forward 20-40% slower, docs/benchmarks.md session 40). For
-        a request whose memory is known and reserved anyway (a ring's window). False,
+        the 3m model's decode forward 20-40% slower, docs/benchmarks.md at commit 2ccd1d6).
+        For a request whose memory is known and reserved anyway (a ring's window). False,
         with nothing changed, when the pool has not the blocks free. Blocks past the
         appended slots hold no live slot: an eviction pass would free them."""
         nb = self.nblocks

@@ -59,10 +59,10 @@ from loadtest.workloads import (
 
 SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
 # kvserve's runs -> their extra options. kvserve-passive: every intra-op thread sleeps
-# at once (serve's default before session 37); kvserve-spin: what a server with cores of
+# at once (serve's default before commit 67e5891); kvserve-spin: what a server with cores of
 # its own gets; kvserve-thread: the engine core on a thread of the server's process (and
 # -thread-spin both); kvserve-1t / -2t: one / two intra-op threads (a small model is
-# faster on one: docs/benchmarks.md, session 15). The ratios stay against plain kvserve,
+# faster on one: docs/benchmarks.md at commit 32778c6). The ratios stay against plain kvserve,
 # its default; only when asked for.
 KVSERVE = {"kvserve": (), "kvserve-passive": ("--cpu-wait", "passive"),
            "kvserve-spin": ("--cpu-wait", "spin"),

@@ -124,7 +124,7 @@ class Soak:
                 # set up leaves that connection in the client's pool for good (httpcore
                 # 1.0.9, encode/httpcore#1093), and once the pool's 16 slots were gone
                 # every request waited 120 s for one and failed with PoolTimeout, counted
-                # as server errors (session 45's second soak on a Xeon).
+                # as server errors (the second soak of commit 79d3004, on a Xeon).
                 wait = rng.uniform(0.01, 0.3)
                 try:
                     await client.post(self.url + "/v1/completions", json=body,

@@ -52,7 +52,7 @@ def freeze_heap() -> int:
     (`gc.freeze`, after a collection so that no garbage is kept); returns how many.
     Why: a full collection walks every tracked object, and a process with torch,
     transformers and a model loaded holds ~400k: one took ~200 ms beside a loaded 3M
-    engine (docs/benchmarks.md, session 48), a stall of every stream whenever Python
+    engine (docs/benchmarks.md at commit ba98c4b), a stall of every stream whenever Python
     starts one; frozen, a collection walks only what was made since (~0.01 ms). vLLM
     freezes its heap the same way after its warm-up (`freeze_gc_heap`). Called where a
     process keeps its model until it exits: the engine process once loaded and warmed up

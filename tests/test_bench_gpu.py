@@ -1,5 +1,5 @@
 """benchmarks/bench_gpu.py off the GPU: it refuses to run without CUDA, and its doc block
-renders from real runs' JSON (sessions 23 and 26 on an H200, results/)."""
+renders from real runs' JSON (two H200 runs, results/bench_gpu_160m_s23.json and _s26.json)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_renders_the_doc_block_from_a_run() -> None:
 
 
 def test_renders_the_kernels_part_and_a_failed_run() -> None:
-    """Session 26's run: the kernels part's two tables follow the runs' table, and a run
+    """`S26`'s run: the kernels part's two tables follow the runs' table, and a run
     that failed keeps its row with the error (the other rows measured alike)."""
     text = bench_gpu_report.render(json.loads(S26.read_text()))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()

@@ -119,8 +119,8 @@ def test_command(tmp_path: Path) -> None:
 
 
 def test_an_offline_report_prints_its_own_bound(tmp_path: Path) -> None:
-    """A bench_offline report (the Xeon's, session 45) with `--offline`: its run's bound and
-    kvserve's seconds by kind of step, nothing measured; without it, a clear refusal
+    """A bench_offline report (the Xeon's, commit 4586369) with `--offline`: its run's bound
+    and kvserve's seconds by kind of step, nothing measured; without it, a clear refusal
     rather than a KeyError on a bench_serving field."""
     path = Path(__file__).parents[1] / "results/bench_offline_vllm_xeon_s45.json"
     out = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--offline", str(path)],

@@ -23,8 +23,8 @@
 // of the chunk's, padded at the front to whole chunks of 16 (`pad` empty rows, masked for
 // every query), so that each query block's diagonal chunk stays aligned: query i's own key
 // is row `pre` + i. Why: a chunk after a prefix went through the torch path, which gathers
-// every block into a padded copy and runs SDPA under a mask (session 39: a gather 14% and
-// SDPA 15% of such a step).
+// every block into a padded copy and runs SDPA under a mask (profiled on AMD Zen 4 before
+// commit cb6f198: a gather 14% and SDPA 15% of such a step).
 //
 // bf16 inputs where the CPU has bf16 dot products (AVX512-BF16: Zen 4, Cooper Lake on):
 // the scores come from `vdpbf16ps` over the unscaled bf16 q and K in pairs of channels
@@ -38,7 +38,7 @@
 // `qk_reduced_data`); the softmax's denominator sums them unrounded, as it does. Not on
 // Intel (the op's `fma`, native/build.py `pair_fma`): its cores run `vdpbf16ps` at half
 // the rate of their two FMA units, and bf16 widened to fp32's loop was 1.25-1.6x as fast
-// (a Xeon, one layer of the 160M model, 128-2,048 tokens; session 46).
+// (a Xeon, one layer of the 160M model, 128-2,048 tokens; commit 57bae56).
 #pragma once
 
 #include <type_traits>

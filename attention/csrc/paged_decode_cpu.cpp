@@ -254,7 +254,7 @@ inline void prefetch(const void* p, int64_t bytes) {
 // loads walk each block's rows in order and stay many in flight. The 160M shape in
 // bf16, blocks in random order, 12 layers' pools cycled, one thread: 1.34-1.47x faster
 // a call from 9 MiB a layer up, e.g. 64 sequences of 400 slots 10.8 -> 7.3 ms
-// (benchmarks/bench_decode_kernel.py; docs/benchmarks.md, session 17). In cache it only
+// (benchmarks/bench_decode_kernel.py; commit 970f6f2). In cache it only
 // adds loads (~20% at 8 sequences called back to back), hence `Batch::stream`.
 inline void touch(const void* p, int64_t bytes) {
   const volatile char* c = static_cast<const volatile char*>(p);

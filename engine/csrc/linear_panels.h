@@ -9,9 +9,10 @@
 // it streams, oneDNN's fp32 kernels stream them at ~70% of what this loop does for 1-12
 // rows, and a bf16 weight had to be widened to fp32 for oneDNN (twice the bytes, kept beside
 // the bf16 one: three times the memory). Measured on the 160M model's layers (Zen 3, two
-// threads; docs/benchmarks.md, sessions 31-32): 1.3-2x oneDNN's speed at 1-12 rows (bf16
-// 2-3x); at prefill sizes (128-1,024 rows) level with it (0.94-1.08x; 0.83-0.96x before
-// session 32 packed each block of rows once and prefetched what the next tile needs).
+// threads; docs/benchmarks.md at commit 505ae8c): 1.3-2x oneDNN's speed at 1-12 rows
+// (bf16 2-3x); at prefill sizes (128-1,024 rows) level with it (0.94-1.08x; 0.83-0.96x
+// before commit 656a2bc packed each block of rows once and prefetched what the next
+// tile needs).
 //
 // The layout is the one BLIS-style kernels pack their B operand into: panel p holds columns
 // 16p..16p+15 of W^T, row after row of K ([ceil(N/16), K, 16], zero columns past N;
@@ -69,7 +70,7 @@ constexpr int64_t kMR = 12;
 // two of 7-8, whose second re-reads every weight slice (the medians of three passes over
 // the 160M model's layers at 13, 15 and 16 rows: bf16 0.88-0.94x the time, fp32
 // 0.90-0.94x). Longer steps keep tiles of about kMR rows: tiles of 16 were no faster at
-// 20-144 rows, and fp32 at 64 rows 2-4% slower (docs/benchmarks.md, session 44).
+// 20-144 rows, and fp32 at 64 rows 2-4% slower (docs/benchmarks.md at commit 63a62e5).
 constexpr int64_t kTallest = 16;
 // Rows up to which a step runs whole K unpacked: one tile. Twelve rows of a 3,072-deep
 // input read in place are 144 KB, past L1, so longer steps are packed (their weights
@@ -85,17 +86,18 @@ constexpr int64_t kWholeK = 72;  // rows up to which a step is one block: weight
 // in packed blocks; fewer rows keep the dot products, memory-bound there, where the
 // widening's ALU ops would only add work. The blocked path's packing and widening into L1
 // made 13-16 rows slower than 12, and 17-24 rows 3-10% slower than whole K in tiles of
-// 11-12 rows, each widening the slice again from L1 or L2 (an Intel Xeon, session 46).
+// 11-12 rows, each widening the slice again from L1 or L2 (an Intel Xeon, commit a9d648a).
 constexpr int64_t kFmaWholeFrom = 6;
 constexpr int64_t kFmaWholeTo = 32;
 // Steps of up to `whole_k_to` rows (the op's argument, kWholeK at most; native/build.py
-// `whole_k_to`) run whole K, unpacked; longer ones in packed blocks. On an Intel Xeon fp32
-// steps of 6-12 rows were 1.05-1.2x as fast packed (session 46); on Zen 4 packing began at 13.
+// `whole_k_to`) run whole K, unpacked; longer ones in packed blocks. On an Intel Xeon
+// fp32 steps of 6-12 rows were 1.05-1.2x as fast packed (commit 8f96091); on Zen 4 packing
+// began at 13.
 // A whole-K step (up to kWholeK rows) prefetches the next panel's slice from
 // `prefetch_from` rows on (the op's argument, native/build.py `prefetch_from`: one place
 // decides a CPU vendor's kernel choices): on AMD Zen 4 each k step of 1-5 rows was too
-// short to hide it (level or 5-10% slower: docs/benchmarks.md, session 43); an Intel Xeon
-// (no AMX) streamed the weights of 1-4 rows 1.2-1.4x as fast with it (session 45).
+// short to hide it (level or 5-10% slower: docs/benchmarks.md at commit 3ef4ea8); an Intel
+// Xeon (no AMX) streamed the weights of 1-4 rows 1.2-1.4x as fast with it (commit 24816c8).
 // K of a longer step's block: 24 KB of an fp32 panel (L1); in pairs (2 x 384 of K) the
 // same bytes (192 pairs made 64-1,024-row bf16 steps ~5% slower, 768 no faster)
 constexpr int64_t kKC = 384;
@@ -125,7 +127,7 @@ constexpr int64_t kPanelsOuterK = 2 * kKC;
 // stream stalled the tile's own loads; L2 keeps many more in flight (Zen 4, the 160M
 // model's layers, two threads: bf16 at 8-16 rows 0.67-0.76x the time of a pass, 24-32
 // rows 0.84-0.87x; fp32 12-32 rows 0.72-0.87x; the AVX2 tile's fp32 8-32 rows
-// 0.78-0.87x; prefill sizes level: docs/benchmarks.md, session 43).
+// 0.78-0.87x; prefill sizes level: docs/benchmarks.md at commit 3ef4ea8).
 template <int MR, bool PACKED, bool PF, typename W, typename N>
 inline void tile(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
                  bool accumulate, const N* next) {
@@ -246,7 +248,7 @@ constexpr int64_t kWideRows = 12;
 // second panel's columns 16 after the first's in C. Why: the one-panel tile loads each
 // input once per 16 columns, 13 loads for 12 FMAs, and Intel's cores (two 512-bit FMAs
 // but two 512-bit loads a cycle) ran it at ~85% of their FMA rate; with each broadcast
-// input feeding two panels it is 14 loads for 24 FMAs (docs/benchmarks.md, session 45).
+// input feeding two panels it is 14 loads for 24 FMAs (docs/benchmarks.md at commit 16102ed).
 // The same products summed in the same k order as `tile`: the same bits.
 template <int MR, bool PF, typename N>
 inline void tile2(const float* a, const float* b, const float* b2, int64_t kc, float* c,
@@ -413,7 +415,7 @@ inline void fma_pair_rows(int64_t mr, const float* aw, int64_t lda, const Pair* 
 // many tiles as `kMR`-row ones would take, the rows shared evenly among them. Why: a
 // remainder tile of a row or two runs that many chains of dependent dot products, bound
 // by their latency rather than the weights' bytes: a pass over the 160M model's bf16
-// layers took 17.0 ms at 13 rows as 12 + 1 against 13.0 at 12 (session 43, before 13-16
+// layers took 17.0 ms at 13 rows as 12 + 1 against 13.0 at 12 (commit 333c2e1, before 13-16
 // rows became one tile). Every row is summed in k order in any tile: the same bits.
 inline int64_t tile_height(int64_t rows) {
   const int64_t tiles = (rows + kMR - 1) / kMR;
@@ -464,11 +466,11 @@ inline std::pair<int64_t, int64_t> share_of(int64_t n, int64_t grain, int tid, i
 // order (what an argmax over them relies on: layer_ops_cpu.cpp's `linear_panels_argmax`).
 // Why: a bf16 layer's whole fp32 C, written and read back by a second pass, was a 50 MB
 // detour at 2,048 x 6,144 (the gate/up GEMM ran at ~295 GFLOP/s against ~415 for the other
-// layers of that step; with the finishing ~410: docs/benchmarks.md, session 41). Where a
+// layers of that step; with the finishing ~410: docs/benchmarks.md at commit ada9d3b). Where a
 // panel's K blocks run one after another (whole K, one K block, or the panels outer), a
 // pair of panels is finished before the next pair starts, so a share's scratch is its
 // block's rows of two panels ([rows, 32], in L1); a scratch as wide as C, as every finishing
-// step had until session 48, wrote a decode step's head (64 x 4,096 fp32) to memory for
+// step had until commit 82d3f6a, wrote a decode step's head (64 x 4,096 fp32) to memory for
 // nothing, and the argmax over it cost what writing the logits and reading them back did.
 struct NoFinish {};
 
@@ -485,8 +487,8 @@ struct NoFinish {};
 // ByFma (pairs, a step of at least `kFmaWholeFrom` rows): the pairs multiplied by fp32
 // FMAs, not `vdpbf16ps`, for CPUs that run the FMAs at twice its rate (an Intel Xeon with
 // AVX-512 and bf16 dot products but no AMX: a pass over the 160M model's bf16 layers at
-// 256-2,048 rows took 0.68-0.69x the time, session 45; at 8-16 rows 0.8-0.87x, session
-// 46): up to kFmaWholeTo rows the weights widened in registers and the input once a call,
+// 256-2,048 rows took 0.68-0.69x the time, commit 16102ed; at 8-16 rows 0.8-0.87x, commit
+// a9d648a): up to kFmaWholeTo rows the weights widened in registers and the input once a call,
 // beyond it the input widened as it is packed and each panel's slice into L1; always
 // each pair's higher k first, so the sums are the pair tile's bit for bit (vdpbf16ps
 // flushes denormals, the FMAs keep them). The same panels still serve shorter steps by

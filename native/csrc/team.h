@@ -10,7 +10,7 @@
 // the guest's halt polling is off, guest_halt_poll_ns 0) it is also an IPI and a vCPU
 // wake-up on the host. That was 10-20% of the 160M model's decode step; with the guest's
 // halt polling switched on, sleeping threads were as fast as spinning ones
-// (docs/benchmarks.md, session 37). Here a worker that finished a job polls for the next
+// (docs/benchmarks.md at commit f378cb8). Here a worker that finished a job polls for the next
 // for `spin_ns()` (1 ms unless KVSERVE_TEAM_SPIN_US says otherwise: longer than a step's
 // gaps), then sleeps; while it polls it calls sched_yield, so a thread or process that
 // wants its core gets it (a pure spin holds a core that another thread of the server
@@ -75,7 +75,7 @@ inline int64_t spin_ns() {
 // reschedule, ~20-40 us on a 2-core VM and far more when another process holds the core it
 // wakes on, and the kernels keep small calls on the calling thread. Measured with sleeping
 // threads and the operands cycled through 64 MB, as a step streams them (docs/benchmarks.md,
-// session 33): two threads gain nothing on a linear layer's few rows below ~1 MB of weight
+// "CPU threads"): two threads gain nothing on a linear layer's few rows below ~1 MB of weight
 // (256x384: 53 against 55 us; 256x1376: 150 against 153) and win above (768x768: 199
 // against 279); paged decode loses below ~512 KB of K/V (the demo model, one sequence of 128
 // tokens: 48 against 21 us) and wins above. With polling threads two threads won nearly
