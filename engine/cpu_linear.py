@@ -206,7 +206,7 @@ def panels_available() -> bool:
 
 def panels_for(dtype: torch.dtype, vendor: str | None = None, amx: bool | None = None) -> bool:
     """Whether a linear layer of `dtype` runs on panels here rather than oneDNN: where
-    they were measured faster (docs/benchmarks.md, "CPU linear layouts").
+    they were measured faster (docs/benchmarks.md, "The decode step: host work and CPU kernels").
 
     - AVX2 without AVX-512 (AMD Zen 1-3): fp32 and bf16 (measured on Zen 3, commit 505ae8c).
     - AVX-512 on AMD (Zen 4: the 12-row tile): fp32, 1.3-1.4x oneDNN at 1-4 rows,
