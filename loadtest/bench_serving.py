@@ -120,9 +120,10 @@ class Bench:
                               *extra)
             ready = "/ready"
         elif system == "vllm":
+            limits = (None, None) if self.a.defaults else (self.a.max_seqs,
+                                                            self.a.max_batched_tokens)
             cmd = vllm_peer.serve_cmd(self.a.vllm_python, model["path"], port, self.a.dtype,
-                                      self.a.max_seqs, self.a.max_batched_tokens,
-                                      model["max_model_len"])
+                                      *limits, model["max_model_len"])
             env, ready = vllm_peer.env(self.a.threads, self.a.kv_memory), "/health"
         else:
             env = transformers_env(self.a.threads)
@@ -135,9 +136,12 @@ class Bench:
 
     def engine_opts(self, max_seqs: int | None = None) -> list[str]:
         """kvserve's engine options of every run: the servers' and the offline reference's
-        (`max_seqs`: another batch cap than the servers')."""
-        return ["--max-num-seqs", str(max_seqs or self.a.max_seqs), "--max-num-batched-tokens",
-                str(self.a.max_batched_tokens), "--dtype", self.a.dtype,
+        (`max_seqs`: another batch cap than the servers'; none of the limits with
+        `--defaults`, which runs every server as a new user would)."""
+        limits = [] if self.a.defaults and max_seqs is None else [
+            "--max-num-seqs", str(max_seqs or self.a.max_seqs),
+            "--max-num-batched-tokens", str(self.a.max_batched_tokens)]
+        return [*limits, "--dtype", self.a.dtype,
                 *(("--cpu-threads", str(self.a.kvserve_threads)) if self.a.kvserve_threads
                   else ())]
 
@@ -178,7 +182,7 @@ class Bench:
         wl = self.workload(model, "synthetic", LengthDist(a.prompt_len, 1.0, 8, a.max_prompt_len),
                            LengthDist(a.output_len, 0.6, 8, a.max_output_len), a.num_prompts)
         out = {}
-        kv_extra = ("--kv-cache-memory", a.kv_memory)
+        kv_extra = () if a.defaults else ("--kv-cache-memory", a.kv_memory)
 
         def per_level(c: float) -> int:
             return max(a.num_prompts, int(a.waves * c))

@@ -54,6 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model (and KV) dtype of every server")
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--defaults", action="store_true",
+                   help="every server at its defaults, as a new user starts it: kvserve with "
+                   "no scheduler limits or pool size (its own, sized from memory), vLLM-CPU "
+                   "with its documented thread binding and VLLM_CPU_KVCACHE_SPACE from "
+                   "--kv-memory (its automatic size asks for 92%% of the machine's memory)")
     p.add_argument("--kv-memory", default="2GiB",
                    help="KV cache memory of kvserve and of HF continuous batching")
     p.add_argument("--system-prompts", type=int, default=4)

@@ -52,12 +52,14 @@ def env(threads: int, kv_memory: str) -> dict[str, str]:
     return {**base, **OFFLINE_ENV, **settings(threads, kv_memory)}
 
 
-def serve_cmd(python: str, model: str, port: int, dtype: str, max_seqs: int,
-              max_batched_tokens: int, max_model_len: int) -> list[str]:
-    """vLLM's OpenAI server on loopback with the scheduler limits kvserve gets."""
+def serve_cmd(python: str, model: str, port: int, dtype: str, max_seqs: int | None,
+              max_batched_tokens: int | None, max_model_len: int) -> list[str]:
+    """vLLM's OpenAI server on loopback with the scheduler limits kvserve gets (None: its
+    own defaults)."""
+    limits = ([] if max_seqs is None else ["--max-num-seqs", str(max_seqs)]) + (
+        [] if max_batched_tokens is None else ["--max-num-batched-tokens", str(max_batched_tokens)])
     return [python, "-m", SERVE_MODULE, "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(max_seqs),
-            "--max-num-batched-tokens", str(max_batched_tokens),
+            "--port", str(port), "--dtype", dtype, *limits,
             "--max-model-len", str(max_model_len), "--disable-log-stats"]
 
 

@@ -121,3 +121,23 @@ def test_bench_serving_runs_kvserve_as_a_user_would(tmp_path: Any) -> None:
                     "VLLM_CPU_KVCACHE_SPACE": "2"}
     env = vllm_peer.env(1, "1GiB")
     assert "OMP_NUM_THREADS" not in env and "PYTHONPATH" not in env
+
+
+def test_bench_serving_defaults_start_every_server_as_a_new_user_would(tmp_path: Any) -> None:
+    """`--defaults`: kvserve gets no scheduler limits and no pool size (its own, sized
+    from the machine), vLLM-CPU no scheduler limits (its own) and only its documented
+    settings; without it both get the same limits and memory."""
+    from loadtest import vllm_peer
+    from loadtest.bench_serving import Bench, parse_args
+
+    model = {"path": "m", "name": "m", "max_model_len": 512}
+    a = parse_args(["--systems", "kvserve,vllm", "--defaults", "--out", str(tmp_path)])
+    kvserve, _, _ = Bench(a).command("kvserve", model, 1234)
+    assert not {"--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-memory"} & set(kvserve)
+    vllm = vllm_peer.serve_cmd("py", "m", 1234, "float32", None, None, 512)
+    assert "--max-num-seqs" not in vllm and "--max-num-batched-tokens" not in vllm
+    a = parse_args(["--systems", "kvserve", "--out", str(tmp_path)])
+    kvserve, _, _ = Bench(a).command("kvserve", model, 1234)
+    assert kvserve[kvserve.index("--max-num-seqs") + 1] == str(a.max_seqs)
+    vllm = vllm_peer.serve_cmd("py", "m", 1234, "float32", 64, 2048, 512)
+    assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "2048"
