@@ -11,7 +11,6 @@ copy-on-write, RoPE shift, swap) reach it.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Iterable
 
@@ -20,6 +19,7 @@ import torch
 from attention.storage import KVStorage, PoolExhausted
 from native.build import load_ops
 from native.host import int64_tensor
+from native.memory import parse_bytes  # here too: the pool's sizes are read with it
 
 __all__ = ["BlockPool", "PoolExhausted", "load_mark", "parse_bytes"]
 
@@ -29,19 +29,6 @@ def load_mark() -> bool:
     compaction, the decode append, reference counts) once; False keeps the torch forms
     (no compiler, or KVSERVE_CPU_KERNEL=0)."""
     return load_ops("kvserve_tables_cpu")
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'2GiB', '512MB', '1e9' or an int -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse a byte size from {text!r} (e.g. '2GiB', '512MB')")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 class BlockPool:

@@ -24,7 +24,10 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when available
     block_size: int = 16
     num_blocks: int | None = None  # wins over kv_cache_memory
-    kv_cache_memory: str | int | None = None  # bytes for the pool, e.g. "2GiB"
+    # Bytes for the pool, e.g. "2GiB"; None: sized from the memory left after the weights
+    # (attention/sizing.py: half of what is available on a CPU, vLLM's 0.9 on CUDA, capped
+    # at max_num_seqs sequences of max_model_len tokens).
+    kv_cache_memory: str | int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # Shortest prefill chunk of a prompt whose policy bounds it (kvpool/manager.py
@@ -59,5 +62,3 @@ class EngineConfig:
     # GPU (`EngineCore.step`; vLLM's --async-scheduling); False waits for every step's
     # tokens before planning the next.
     async_scheduling: bool = True
-
-    DEFAULT_KV_MEMORY = "512MiB"

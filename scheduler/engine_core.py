@@ -11,6 +11,7 @@ thread, between steps; the offline `LLM` calls them from the caller's thread.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -19,17 +20,28 @@ import torch
 from transformers import AutoTokenizer
 
 from attention.select import select_attention
+from attention.sizing import (
+    CPU_FRACTION,
+    CUDA_FRACTION,
+    WHERE,
+    KVSizing,
+    activation_reserve,
+    auto_pool_blocks,
+    blocks_for,
+)
 from attention.storage import KVStorage
 from attention.swap import SwapSpace
 from engine.cpu_linear import pack_linears
 from engine.cpu_memory import keep_freed_memory
 from engine.loader import load_model
+from engine.model_config import ModelConfig
 from engine.penalties import TokenHistory
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.structured import Grammars
 from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool, parse_bytes
+from native.memory import available_bytes, device_memory, gib
 from policies.catalog import build_policy
 from policies.config import KVPolicyConfig
 from scheduler.detokenizer import Detokenizer
@@ -50,6 +62,8 @@ from scheduler.resolve import ModelLimits
 from scheduler.scheduler import MemoryConfig, Scheduler
 from scheduler.step_complete import StepComplete
 from scheduler.step_launch import NO_NEEDS, StepLaunch
+
+logger = logging.getLogger("kvserve.engine")
 
 
 class EngineCore(StepLaunch, StepComplete):
@@ -78,13 +92,16 @@ class EngineCore(StepLaunch, StepComplete):
         kv_dtype: torch.dtype | str = (
             next(self.model.parameters()).dtype if config.kv_cache_dtype == "auto"
             else DTYPES.get(config.kv_cache_dtype, config.kv_cache_dtype))
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        else:
-            per_block = KVStorage.bytes_per_block(config.block_size, mc.num_kv_heads,
-                                                  mc.head_dim, kv_dtype)
-            mem = parse_bytes(config.kv_cache_memory or EngineConfig.DEFAULT_KV_MEMORY)
-            num_blocks = mem // per_block
+        # The pool's size: --num-blocks, else --kv-cache-memory, else what the memory
+        # left after the weights allows (attention/sizing.py's rule); logged with why.
+        self.kv_sizing = size_kv_pool(config, mc, self.device, self.max_model_len, kv_dtype,
+                                      next(self.model.parameters()).dtype.itemsize)
+        logger.info(self.kv_sizing.describe(), extra={"fields": {
+            "kv_sizing": self.kv_sizing.source, "kv_cache_bytes": self.kv_sizing.bytes,
+            "kv_blocks": self.kv_sizing.num_blocks, "kv_tokens": self.kv_sizing.tokens,
+            "available_bytes": self.kv_sizing.available,
+            "available_source": self.kv_sizing.available_source}})
+        num_blocks = self.kv_sizing.num_blocks
         # Decode steps replay CUDA graphs (engine/cuda_graphs.py) where every position
         # is in the rotary table (a graph cannot check); their padded rows write the
         # pool's scratch block.
@@ -350,6 +367,58 @@ class EngineCore(StepLaunch, StepComplete):
         sched = self.scheduler
         self.kv.check_invariants([r.cache for r in sched.running if r.cache is not None],
                                  [r.cache for r in sched.swapped if r.cache is not None])
+
+
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
+                 max_model_len: int, kv_dtype: torch.dtype | str, act_itemsize: int
+                 ) -> KVSizing:
+    """The pool's size and why: `num_blocks` if given, else `kv_cache_memory`, else
+    attention/sizing.py's rule over the memory available now (call it once the weights
+    are loaded). Raises KVPoolTooSmall when that does not hold one request of
+    `max_model_len` tokens."""
+    bs, layers = config.block_size, mc.num_layers
+    per_block = KVStorage.bytes_per_block(bs, mc.num_kv_heads, mc.head_dim, kv_dtype)
+
+    def sized(source: str, blocks: int, why: str, seen: int = 0, seen_in: str = ""
+              ) -> KVSizing:
+        return KVSizing(source, blocks, per_block, blocks * bs // layers, why, seen, seen_in)
+
+    if config.num_blocks is not None:
+        return sized("num_blocks", config.num_blocks, "--num-blocks")
+    if config.kv_cache_memory is not None:
+        return sized("kv_cache_memory", parse_bytes(config.kv_cache_memory) // per_block,
+                     f"--kv-cache-memory {config.kv_cache_memory}")
+    hf = mc.hf_config
+    widest = max(mc.hidden_size, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
+                 2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
+    reserve = activation_reserve(config.max_num_batched_tokens, widest, act_itemsize,
+                                 config.max_num_seqs, mc.vocab_size)
+    cap = blocks_for(config.max_num_seqs, max_model_len, bs, layers)
+    one = blocks_for(1, max_model_len, bs, layers)
+    held = "activations"
+    if device.type == "cuda":
+        free, total = device_memory(device)
+        auto = auto_pool_blocks(free, per_block, cap, reserve, CUDA_FRACTION, total=total,
+                                min_blocks=one, where=f"on {device}", context=max_model_len,
+                                reserved_for=held)
+        why = (f"auto: {CUDA_FRACTION:.0%} of {gib(total)} on {device}, "
+               f"{gib(total - free)} in use after the weights")
+        seen, seen_in = free, "cuda"
+    else:
+        if config.preemption_mode != "recompute":  # swap space is host memory too
+            reserve += parse_bytes(config.swap_space)
+            held = "activations and --swap-space"
+        avail = available_bytes()
+        where = f"available after the weights ({WHERE.get(avail.source, avail.source)})"
+        auto = auto_pool_blocks(avail.bytes, per_block, cap, reserve, CPU_FRACTION,
+                                min_blocks=one, where=where, context=max_model_len,
+                                reserved_for=held)
+        why = f"auto: {CPU_FRACTION:.0%} of {gib(avail.bytes)} {where}"
+        seen, seen_in = avail.bytes, avail.source
+    why += f", minus {gib(reserve)} for {held}"
+    if auto.capped:
+        why += f"; capped at {config.max_num_seqs} sequences × {max_model_len} tokens"
+    return sized("auto", auto.num_blocks, why, seen, seen_in)
 
 
 def _needs_params(p: SamplingParams) -> bool:

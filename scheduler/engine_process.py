@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+from attention.sizing import KVPoolTooSmall
 from scheduler.async_stream import EngineError
 from scheduler.core_loop import CoreInfo, CoreLoop, Work
 
@@ -82,7 +83,10 @@ def core_main(config: Any, conn: Connection, warmup: bool,
         info.frozen_objects = frozen
         conn.send(("loaded", info))
     except BaseException as e:
-        logger.exception("the engine process failed to load the model")
+        if isinstance(e, KVPoolTooSmall):  # the user's to fix: the message says how
+            logger.error("the engine process cannot size the KV pool: %s", e)
+        else:
+            logger.exception("the engine process failed to load the model")
         conn.send(("load_failed", portable(e)))
         return
 

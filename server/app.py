@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from attention.sizing import KVPoolTooSmall
 from policies.catalog import describe_policies
 from scheduler.async_engine import AsyncEngine, EngineUnavailable, QueueFull
 from scheduler.engine_process import freeze_heap
@@ -106,7 +107,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         try:
             await engine.start()
         except Exception as e:
-            logger.exception("the model failed to load")
+            if isinstance(e, KVPoolTooSmall):  # the user's to fix: the message says how
+                logger.error("the KV pool cannot be sized: %s", e)
+            else:
+                logger.exception("the model failed to load")
             if settings.on_fatal is not None:
                 settings.on_fatal(e)
             return

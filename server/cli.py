@@ -11,7 +11,9 @@ Exit status: 0 after a drain; 2 for anything wrong on the command line or in the
 environment that can be found before the model loads (a bad option value, a bad
 `--default-kv-policy`, a missing model directory, a port already taken, bad tenant
 quotas), always with one line `kvserve: error: ...` on stderr and before minutes are
-spent loading a model; 1 when the model fails to load.
+spent loading a model; also 2, with the same line, when the KV pool is sized from the
+memory left after the weights (no `--kv-cache-memory`, no `--num-blocks`) and that does
+not hold one request of the model's context; 1 when the model fails to load.
 """
 
 from __future__ import annotations
@@ -47,8 +49,21 @@ USAGE_ERROR = 2  # argparse's status for a bad command line; ours for every star
 def fail(message: str) -> NoReturn:
     """One line on stderr and exit 2: a start-up error the user fixes on the command line
     (or in the environment), found before any model is loaded."""
-    print(f"kvserve: error: {' '.join(message.split())}", file=sys.stderr)
+    error_line(message)
     raise SystemExit(USAGE_ERROR)
+
+
+def error_line(message: str) -> None:
+    """`kvserve: error: ...` on stderr, one line."""
+    print(f"kvserve: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+def usage_error(e: BaseException) -> bool:
+    """Whether a load failure is one the user fixes with an option, not a broken model:
+    a KV pool sized from the memory left after the weights that holds no request."""
+    from attention.sizing import KVPoolTooSmall
+
+    return isinstance(e, KVPoolTooSmall)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -97,6 +112,21 @@ def check_kv_cache_dtype(value: str) -> None:
 
     if value not in KV_CACHE_DTYPES:
         fail(f"--kv-cache-dtype {value!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
+
+
+def check_byte_sizes(a: argparse.Namespace) -> None:
+    """`--kv-cache-memory`, `--swap-space` and env KVSERVE_MEMORY_LIMIT read as byte
+    sizes before the model loads (exit 2 on one that is not)."""
+    from native.memory import ENV_LIMIT, parse_bytes
+
+    for name, value in (("--kv-cache-memory", a.kv_cache_memory),
+                        ("--swap-space", a.swap_space),
+                        (ENV_LIMIT, os.environ.get(ENV_LIMIT, "").strip() or None)):
+        try:
+            if value is not None:
+                parse_bytes(value)
+        except ValueError as e:
+            fail(f"{name}: {e}")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -148,7 +178,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "--block-size tokens); wins over --kv-cache-memory")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size in bytes, e.g. 2GiB; without it (and without "
-                   "--num-blocks) 512MiB")
+                   "--num-blocks) sized from the memory left after the weights: half of "
+                   "what is available on a CPU (MemAvailable, a cgroup's limit or env "
+                   "KVSERVE_MEMORY_LIMIT, the smallest), 90%% of a GPU less what is in use, "
+                   "minus the activations' room, and at most --max-num-seqs sequences of "
+                   "--max-model-len tokens (logged as 'KV pool: ...'; docs/memory.md)")
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most sequences in one running batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -301,6 +335,7 @@ def _serve(a: argparse.Namespace) -> int:
 
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     check_kv_cache_dtype(a.kv_cache_dtype)
+    check_byte_sizes(a)
     model = _resolve_model(a.model)
     check_port_free(a.host, a.port)
     configure_logging(a.log_level, a.log_format)
@@ -318,9 +353,12 @@ def _serve(a: argparse.Namespace) -> int:
     exit_code = 0
     server: DrainingServer | None = None
 
-    def fatal(_: BaseException) -> None:
+    def fatal(e: BaseException) -> None:
         nonlocal exit_code
         exit_code = 1
+        if usage_error(e):  # too little memory for the pool: the option that fixes it
+            error_line(str(e))
+            exit_code = USAGE_ERROR
         if server is not None:
             server.should_exit = True
 
@@ -400,10 +438,16 @@ def offline_llm(a: argparse.Namespace) -> tuple[LLM, cpu_threads.CpuThreads]:
     cpu = threads(a, "spin")  # before torch loads; no HTTP side for threads to spin against
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     check_kv_cache_dtype(a.kv_cache_dtype)
+    check_byte_sizes(a)
     model = _resolve_model(a.model)
     from scheduler.llm import LLM
 
-    return LLM(model, **_engine_kwargs(a)), cpu
+    try:
+        return LLM(model, **_engine_kwargs(a)), cpu
+    except ValueError as e:
+        if usage_error(e):
+            fail(str(e))
+        raise
 
 
 def _generate(a: argparse.Namespace) -> int:

@@ -73,6 +73,20 @@ class EngineStatsCollector(Collector):
                                  "(--kv-cache-dtype, auto resolved).", labels=["dtype"])
         info.add_metric([s.kv_cache_dtype or "unknown"], 1)
         yield info
+        yield gauge("kv_cache_bytes", "Bytes of the KV pool (capacity x bytes per block).",
+                    s.blocks_total * s.block_bytes)
+        sizing = getattr(e.info, "kv_sizing", None)  # set once loaded, then read-only
+        if sizing is not None:
+            how = GaugeMetricFamily(P + "kv_cache_sizing_info", "What sized the KV pool: "
+                                    "auto (the memory left after the weights), "
+                                    "kv_cache_memory or num_blocks; for auto, the limit "
+                                    "that bounded the memory seen.",
+                                    labels=["source", "available_source"])
+            how.add_metric([sizing.source, sizing.available_source], 1)
+            yield how
+            yield gauge("kv_cache_available_bytes", "Memory seen available when the KV pool "
+                        "was sized automatically, after the weights (0 when it was given).",
+                        sizing.available)
         used = GaugeMetricFamily(P + "tenant_kv_blocks", "KV blocks held by each tenant's "
                                  "running requests (a tenant is an API key).",
                                  labels=["tenant"])

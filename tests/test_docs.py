@@ -67,8 +67,16 @@ def test_readme_covers_serving_sizing_and_policies() -> None:
                     "### Picking a policy"):
         assert heading in readme, heading
     assert "2 × layers × kv_heads × head_dim × dtype bytes" in readme
-    assert "512 MiB" in readme  # EngineConfig.DEFAULT_KV_MEMORY
+    # the pool's default: sized from the machine (attention/sizing.py), the rule in
+    # docs/memory.md, the option that overrides it
+    from attention.sizing import CPU_FRACTION, CUDA_FRACTION
     from scheduler.engine_core import EngineConfig
 
-    assert EngineConfig.DEFAULT_KV_MEMORY == "512MiB"
+    assert EngineConfig(model="m").kv_cache_memory is None
+    assert (CPU_FRACTION, CUDA_FRACTION) == (0.5, 0.9)
+    flat = " ".join(readme.split())
+    assert "**sized from the machine**" in flat and "KVSERVE_MEMORY_LIMIT" in flat
+    memory = (ROOT / "docs" / "memory.md").read_text()
+    assert "## How big is the pool" in memory and "0.5 × available − reserve" in memory
+    assert "docs/memory.md#how-big-is-the-pool" in readme
     assert "docs/papers.md" in readme
