@@ -1,4 +1,9 @@
-"""Linear layers with their weights prepacked by oneDNN, for models served on a CPU.
+"""Linear layers with their weights prepacked by oneDNN or laid out in panels, for models
+served on a CPU, and the vendor rules that chose between them before measurement did.
+
+Which layout a layer takes is now measured on the CPU at start (engine/linear_choice.py,
+cached per machine); the rules below (`faster_linear`, `panels_for`) are its fallback,
+and the measurements they record are why they are what they are.
 
 Why: a decode step on the CPU is mostly GEMMs of a few rows against every weight
 matrix, and `F.linear` re-reads each weight in its plain row-major layout, step after
@@ -45,7 +50,6 @@ process by 7 GB (glibc kept what oneDNN's per-shape allocations fragmented), and
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Sequence
 
@@ -55,8 +59,6 @@ from torch import nn
 from native.build import load_ops
 from native.cpu import cpuinfo, pair_fma, prefetch_from, whole_k_to
 from native.huge_pages import huge_page_empty
-
-log = logging.getLogger("kvserve.engine")
 
 PANEL = 16  # output columns a panel holds (`PanelLinear`; linear_panels.h's kNR)
 # Rows the packed layout is tuned for: a decode batch. oneDNN runs any row count on it.
@@ -287,7 +289,7 @@ class PanelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, pairs: bool | None = None,
                  fma: bool | None = None) -> None:
         super().__init__()
-        # its op, also where `pack_linears` would not pick panels (a benchmark of both
+        # its op, also where the vendor rule would not pick panels (a benchmark of both
         # layouts on a CPU with AVX-512 found it unloaded)
         if not load_ops("kvserve_layer_ops_cpu"):
             raise RuntimeError("panels need the C++ layer ops (native.build: no compiler?)")
@@ -352,38 +354,25 @@ def greedy_ids(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
     return head.argmax(hidden) if isinstance(head, PanelLinear) else None
 
 
+def vendor_layout(weight: torch.Tensor) -> str:
+    """The layout the vendor rules give a CPU layer's `weight`: "panels" where panels win
+    for its dtype (`panels_for`), else "onednn" where packing helps (its dtype, at least
+    PACK_MIN_ELEMENTS weights), else "dense" (torch's `F.linear`; also off the CPU)."""
+    if weight.device.type != "cpu":
+        return "dense"
+    if panels_for(weight.dtype):
+        return "panels"
+    if weight.numel() >= PACK_MIN_ELEMENTS and packing_available(weight.dtype):
+        return "onednn"
+    return "dense"
+
+
 def faster_linear(linear: nn.Linear) -> nn.Module | None:
-    """What a CPU `nn.Linear` runs faster as here, if anything: `PanelLinear` where panels
-    win for its dtype (`panels_for`), else `PackedLinear` where packing helps (its dtype,
-    at least PACK_MIN_ELEMENTS weights)."""
-    w = linear.weight
-    if w.device.type != "cpu":
-        return None
-    if panels_for(w.dtype):
+    """What a CPU `nn.Linear` runs faster as here by the vendor rules (`vendor_layout`),
+    if anything: a `PanelLinear` or a `PackedLinear`. The fallback of
+    engine/linear_choice.py, which times the layouts on this CPU: used with `--cpu-kernels
+    vendor`, and for a shape it could not time."""
+    layout = vendor_layout(linear.weight)
+    if layout == "panels":
         return PanelLinear(linear)
-    if w.numel() >= PACK_MIN_ELEMENTS and packing_available(w.dtype):
-        return PackedLinear(linear)
-    return None
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Replace every `nn.Linear` of a CPU model that runs faster laid out
-    (`faster_linear`), in place; returns how many were replaced."""
-    done: dict[str, int] = {}
-    for name, linear in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
-        faster = faster_linear(linear)
-        if faster is None:
-            continue
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, faster)
-        kind = type(faster).__name__
-        if isinstance(faster, PackedLinear) and faster.widened:
-            kind += " (bf16 widened to fp32: no AVX-512 or AVX2 on this CPU)"
-        if isinstance(faster, PanelLinear) and faster.pairs:
-            kind += " (bf16 pairs: bf16 dot products)"
-        done[kind] = done.get(kind, 0) + 1
-    if done:
-        log.info("CPU: linear layers laid out for this CPU: %s",
-                 ", ".join(f"{n} {kind}" for kind, n in done.items()))
-    return sum(done.values())
+    return PackedLinear(linear) if layout == "onednn" else None

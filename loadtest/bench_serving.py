@@ -104,6 +104,9 @@ class Bench:
         os.makedirs(self.logs, exist_ok=True)
 
     def server(self, system: str, model: dict[str, Any], *extra: str) -> Spawned:
+        # A kvserve server's log (kept under bench_serving_logs/) has its "CPU linear:"
+        # lines, each layer shape's kernel and how it was chosen (engine/linear_choice.py);
+        # the JSON report does not: no endpoint reports the engine's choices.
         port = free_port()
         cmd, env, ready = self.command(system, model, port, *extra)
         log = os.path.join(self.logs, f"{model['name']}-{system}-{port}.log")

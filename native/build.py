@@ -86,6 +86,19 @@ def load_ops(name: str) -> bool:
         return _loaded[name]
 
 
+def library_digest(name: str) -> str:
+    """A digest of what a build of the library `name` is made of: its source, the headers
+    it includes and its flags (the CPU define included), as torch's build cache keys it.
+    A record of how fast that build ran (engine/kernel_cache.py) holds only while it is
+    the same."""
+    lib = LIBRARIES[name]
+    cflags = list(lib.cflags)
+    digest = hashlib.sha256(lib.source.read_bytes())
+    for flag in (*cflags, headers_flag(lib.source), *cpu_flag(cflags), *lib.ldflags):
+        digest.update(b"\0" + flag.encode())
+    return digest.hexdigest()[:16]
+
+
 def cpu_flag(cflags: list[str]) -> list[str]:
     """For a `-march=native` build, a define naming the CPU's instruction-set flags. Why:
     torch keys its build cache on source and flags, and `-march=native` reads the same on

@@ -52,6 +52,9 @@ class CoreInfo:
     # Objects the engine process moved out of the garbage collector's sight once loaded
     # (`freeze_heap`; 0 in the thread layout, where the server's app freezes its process).
     frozen_objects: int = 0
+    # Each CPU linear layer shape's layout and how it was chosen (`LinearChoice.as_dict`;
+    # engine/linear_choice.py); [] on a GPU or with cpu_prepack off.
+    linear_choices: list[dict] = field(default_factory=list)
     # How the KV pool was sized (attention/sizing.py's KVSizing; None for a core without
     # one): the server's /metrics exports it.
     kv_sizing: Any = None
@@ -81,7 +84,9 @@ class CoreLoop:
         layers = getattr(core.model_config, "num_layers", None)
         return CoreInfo(tokenizer, int(core.max_model_len), int(core.model_config.vocab_size),
                         core.limits, self.stats(), self.warmup, getattr(core, "config", None),
-                        int(layers or 0), kv_sizing=getattr(core, "kv_sizing", None))
+                        int(layers or 0), linear_choices=[
+                            c.as_dict() for c in getattr(core, "linear_choices", [])],
+                        kv_sizing=getattr(core, "kv_sizing", None))
 
     def stats(self) -> EngineStats:
         """The core's stats, counters since the warm-up (its requests are no client's)."""

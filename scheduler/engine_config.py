@@ -55,6 +55,10 @@ class EngineConfig:
     # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
     # False keeps torch's dense F.linear (for comparison).
     cpu_prepack: bool = True
+    # How each linear layer's layout is chosen: "measure" (timed on this CPU at start,
+    # cached per machine) or "vendor" (the vendor rules); None: env KVSERVE_KERNEL_CHOICE,
+    # else measure (engine/linear_choice.py).
+    cpu_kernels: str | None = None
     # On CUDA, decode steps replay CUDA graphs (engine/cuda_graphs.py); True runs them
     # eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False

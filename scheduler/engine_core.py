@@ -31,8 +31,8 @@ from attention.sizing import (
 )
 from attention.storage import KVStorage
 from attention.swap import SwapSpace
-from engine.cpu_linear import pack_linears
 from engine.cpu_memory import keep_freed_memory
+from engine.linear_choice import LinearChoice, choose_linears
 from engine.loader import load_model
 from engine.model_config import ModelConfig
 from engine.penalties import TokenHistory
@@ -80,8 +80,13 @@ class EngineCore(StepLaunch, StepComplete):
                 raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(known)}")
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
+        # each linear layer shape's layout (panels, oneDNN, dense), timed on this CPU or
+        # cached (engine/linear_choice.py)
+        self.linear_choices: list[LinearChoice] = []
         if self.device.type == "cpu" and config.cpu_prepack:
-            pack_linears(self.model)  # oneDNN's layout for every weight: faster GEMMs
+            self.linear_choices = choose_linears(self.model, config.cpu_kernels,
+                                                 config.max_num_seqs,
+                                                 config.max_num_batched_tokens)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings

@@ -172,6 +172,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="confine the whole process to these CPUs, e.g. 0-3 (taskset's "
                    "format); the thread default then counts their physical cores. Without "
                    "it (or with none), the process keeps the CPUs it was given")
+    g.add_argument("--cpu-kernels", default=None, choices=("measure", "vendor"),
+                   help="how each linear layer's CPU kernel (kvserve's panels, oneDNN's "
+                   "packed weight, torch's dense GEMM) is chosen: measure (time each at "
+                   "start, once per layer shape, within ~5 s; kept per machine under "
+                   "~/.cache/kvserve, or KVSERVE_KERNEL_CACHE, so a restart measures "
+                   "nothing) or vendor (a table of CPU vendors and instruction sets). "
+                   "Without it, env KVSERVE_KERNEL_CHOICE if set, else measure")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool size in blocks (a block holds one layer's K/V for "
@@ -235,7 +242,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               reserve_preempted=not a.no_reserve_preempted,
               enable_prefix_caching=not a.no_prefix_caching,
               batch_policies=not a.no_batch_policies, enforce_eager=a.enforce_eager,
-              async_scheduling=not a.no_async_scheduling)
+              async_scheduling=not a.no_async_scheduling, cpu_kernels=a.cpu_kernels)
     # Given only when set: EngineConfig keeps the default (importing it here would load
     # torch before the arguments are parsed).
     if a.min_prefill_chunk is not None:

@@ -2,7 +2,9 @@
 
 import atexit
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -40,6 +42,17 @@ def _quiet_triton_teardown() -> None:
 
 
 atexit.register(_quiet_triton_teardown)
+
+# The CPU kernel choices' cache (engine/kernel_cache.py) lives in a folder of this run's,
+# never the user's ~/.cache, for this process and every server a test starts (they
+# inherit the environment). And the choices follow the vendor rules unless a test asks
+# for measurement (tests/test_linear_choice.py; or KVSERVE_KERNEL_CHOICE=measure for the
+# whole run): a layout timed on a shared 2-core machine can differ from run to run, and
+# the tests that compare outputs or name layouts want the same one every time.
+_KERNEL_CACHE = tempfile.mkdtemp(prefix="kvserve-test-kernels-")
+atexit.register(shutil.rmtree, _KERNEL_CACHE, True)
+os.environ["KVSERVE_KERNEL_CACHE"] = os.path.join(_KERNEL_CACHE, "cpu_kernels.json")
+os.environ.setdefault("KVSERVE_KERNEL_CHOICE", "vendor")
 
 # Test models are tiny: a second OpenMP thread only adds synchronisation, and on a busy
 # 2-core machine it makes every op wait for a descheduled thread.

@@ -82,6 +82,12 @@ def test_quick_json_is_complete_and_consistent(quick_run: tuple[str, dict]) -> N
     assert sum(k["linears_bound_s"] + k["attention_bound_s"] for k in kinds) == \
         pytest.approx(rf["sequential_s"])
 
+    # the linear layers' kernels as the engine chose them (engine/linear_choice.py), one
+    # entry per layer shape
+    linear = m["kvserve_linear"]
+    assert linear and all(c["layout"] in ("panels", "onednn", "dense") for c in linear)
+    assert {c["source"] for c in linear} <= {"measured", "cached", "vendor", "only"}
+    assert sum(c["layers"] for c in linear) == 2 * 4 + 1  # tiny: 2 layers of 4, and the head
     steps = m["kvserve_step_overhead"]["all_steps"]
     assert steps["steps"] > 0 and 0 <= steps["outside_forward_share"] < 1
     prof = m["kvserve_profile"]

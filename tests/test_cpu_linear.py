@@ -13,11 +13,11 @@ from engine import cpu_linear
 from engine.cpu_linear import (
     PackedLinear,
     PanelLinear,
-    pack_linears,
     pack_min_elements,
     packing_available,
     padded_rows,
 )
+from engine.linear_choice import pack_linears
 from engine.sampling import SamplingParams
 from native.cpu import cpuinfo
 from scheduler.llm import LLM
@@ -31,7 +31,8 @@ needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
 
 @pytest.fixture
 def onednn_only(monkeypatch) -> None:
-    """pack_linears as on a CPU where no layer takes the panels (an Intel AVX-512 one)."""
+    """The vendor rules as on a CPU where no layer takes the panels (an Intel AVX-512 one;
+    the tests that use it choose the vendor rules: engine/linear_choice.py)."""
     monkeypatch.setattr(cpu_linear, "panels_available", lambda: False)
 
 
@@ -86,7 +87,7 @@ def test_only_dtypes_that_gain_are_packed(monkeypatch, onednn_only) -> None:
     assert not packing_available(torch.float16)
     monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 0)  # any size: the dtype decides
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8).half())
-    assert pack_linears(model) == 1
+    assert pack_linears(model, "vendor") == 1
     assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
 
 
@@ -98,7 +99,7 @@ def test_small_weights_stay_dense(monkeypatch, onednn_only) -> None:
     monkeypatch.setattr(cpu_linear, "PACK_MIN_ELEMENTS", 1 << 19)
     big = cpu_linear.PACK_MIN_ELEMENTS // 1024
     model = nn.Sequential(nn.Linear(1024, big - 1), nn.Linear(1024, big))
-    assert pack_linears(model) == 1
+    assert pack_linears(model, "vendor") == 1
     assert type(model[0]) is nn.Linear and isinstance(model[1], PackedLinear)
 
 
@@ -127,7 +128,7 @@ def test_engine_on_laid_out_weights_generates_what_dense_weights_do(
     model = make_tiny_model("llama", tmp_path / "llama")
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[5 + (3 * i + j) % 200 for j in range(11 + 9 * i)] for i in range(4)]
-    packed = LLM(model, num_blocks=128, block_size=4, device="cpu")
+    packed = LLM(model, num_blocks=128, block_size=4, device="cpu", cpu_kernels="vendor")
     dense = LLM(model, num_blocks=128, block_size=4, cpu_prepack=False, device="cpu")
     linears = [m for m in packed.engine.model.modules()
                if isinstance(m, (nn.Linear, PackedLinear, PanelLinear))]

@@ -352,7 +352,8 @@ def test_greedy_steps_take_the_argmax_from_a_panel_head(tmp_path, monkeypatch, d
     calls = []
     argmax = PanelLinear.argmax
     monkeypatch.setattr(PanelLinear, "argmax", lambda self, x: calls.append(len(x)) or argmax(self, x))
-    fused = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype)
+    fused = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype,
+                cpu_kernels="vendor")
     assert isinstance(fused.engine.model.lm_head, PanelLinear)
     got = [c.token_ids for c in fused.generate(prompts, greedy)]
     assert len(calls) >= 12 and max(calls) == 4  # every step, all four rows at once
@@ -361,6 +362,7 @@ def test_greedy_steps_take_the_argmax_from_a_panel_head(tmp_path, monkeypatch, d
     got_mixed = [c.token_ids for c in fused.generate(prompts, mixed)][:3]
     assert not calls  # the sampled request ran as long as the others
     monkeypatch.setattr(llama, "greedy_ids", lambda head, hidden: None)  # logits, then argmax
-    plain = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype)
+    plain = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype,
+                cpu_kernels="vendor")
     assert [c.token_ids for c in plain.generate(prompts, greedy)] == got
     assert got_mixed == got[:3]

@@ -203,12 +203,14 @@ def test_engine_flags_reach_the_engine_config() -> None:
     on = _engine_kwargs(build_parser().parse_args(["serve"]))
     off = _engine_kwargs(build_parser().parse_args(
         ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05",
-         "--enforce-eager", "--no-async-scheduling"]))
+         "--enforce-eager", "--no-async-scheduling", "--cpu-kernels", "vendor"]))
     assert (on["batch_policies"], on["reserve_preempted"], on["enforce_eager"],
             on["async_scheduling"]) == (True, True, False, True)
     assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
     assert off["enforce_eager"] is True  # CUDA graphs off (engine/cuda_graphs.py)
     assert off["async_scheduling"] is False  # each step's tokens before the next plan
+    # the vendor rules for the CPU linear layers; unset, env KVSERVE_KERNEL_CHOICE or measure
+    assert (on["cpu_kernels"], off["cpu_kernels"]) == (None, "vendor")
     # Unset, the engine's own default applies; given, it reaches EngineConfig.
     from kvpool.manager import MIN_PREFILL_CHUNK
     from scheduler.engine_core import EngineConfig
