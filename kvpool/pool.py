@@ -19,9 +19,8 @@ import torch
 from attention.storage import KVStorage, PoolExhausted
 from native.build import load_ops
 from native.host import int64_tensor
-from native.memory import parse_bytes  # here too: the pool's sizes are read with it
 
-__all__ = ["BlockPool", "PoolExhausted", "load_mark", "parse_bytes"]
+__all__ = ["BlockPool", "PoolExhausted", "load_mark"]
 
 
 def load_mark() -> bool:

@@ -90,7 +90,7 @@ def hf_cb_blocks(model: dict[str, Any], kv_memory: str, page: int = 256,
                  dtype: str = "float32") -> int:
     """HF continuous batching cache blocks (whole model, `page` tokens) in the same
     memory as kvserve's pool. Without a size HF takes most of the machine's RAM."""
-    from kvpool.pool import parse_bytes
+    from native.memory import parse_bytes
 
     elem = 4 if dtype == "float32" else 2
     per_block = model["layers"] * 2 * page * model["kv_heads"] * model["head_dim"] * elem

@@ -15,9 +15,12 @@ SYSTEMS = ("kvserve", "transformers", "transformers-cb", "vllm")
 # at once (serve's default before commit 67e5891); kvserve-spin: what a server with cores of
 # its own gets; kvserve-thread: the engine core on a thread of the server's process (and
 # -thread-spin both); kvserve-1t / -2t: one / two intra-op threads (a small model is
-# faster on one: docs/benchmarks.md at commit 32778c6). The ratios stay against plain kvserve,
-# its default; only when asked for.
+# faster on one: docs/benchmarks.md at commit 32778c6); kvserve-b1024 / -b4096: a step's
+# token budget halved / doubled (its default is vLLM-CPU's, 2,048: how TTFT under load
+# moves with it). The ratios stay against plain kvserve, its default; only when asked for.
 KVSERVE = {"kvserve": (), "kvserve-passive": ("--cpu-wait", "passive"),
+           "kvserve-b1024": ("--max-num-batched-tokens", "1024"),
+           "kvserve-b4096": ("--max-num-batched-tokens", "4096"),
            "kvserve-spin": ("--cpu-wait", "spin"),
            "kvserve-1t": ("--cpu-threads", "1"), "kvserve-2t": ("--cpu-threads", "2"),
            "kvserve-thread": ("--engine-layout", "thread"),

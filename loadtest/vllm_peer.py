@@ -37,7 +37,7 @@ def settings(threads: int, kv_memory: str) -> dict[str, str]:
     """vLLM's documented CPU settings for `threads` OpenMP threads and a KV cache of
     `kv_memory` (rounded up to whole GiB, vLLM's unit): the first `threads` CPUs this
     process may use, one thread each."""
-    from kvpool.pool import parse_bytes
+    from native.memory import parse_bytes
 
     cpus = allowed_cpus()[:threads]
     return {"VLLM_CPU_OMP_THREADS_BIND": format_cpu_list(cpus),

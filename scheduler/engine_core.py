@@ -40,8 +40,8 @@ from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.structured import Grammars
 from kvpool.manager import KVCacheManager
-from kvpool.pool import BlockPool, parse_bytes
-from native.memory import available_bytes, device_memory, gib
+from kvpool.pool import BlockPool
+from native.memory import available_bytes, device_memory, gib, parse_bytes
 from policies.catalog import build_policy
 from policies.config import KVPolicyConfig
 from scheduler.detokenizer import Detokenizer

@@ -136,6 +136,8 @@ def test_bench_serving_defaults_start_every_server_as_a_new_user_would(tmp_path:
     assert not {"--max-num-seqs", "--max-num-batched-tokens", "--kv-cache-memory"} & set(kvserve)
     vllm = vllm_peer.serve_cmd("py", "m", 1234, "float32", None, None, 512)
     assert "--max-num-seqs" not in vllm and "--max-num-batched-tokens" not in vllm
+    budget, _, _ = Bench(a).command("kvserve-b4096", model, 1234)  # one budget, the variant's
+    assert budget == [*kvserve, "--max-num-batched-tokens", "4096"]
     a = parse_args(["--systems", "kvserve", "--out", str(tmp_path)])
     kvserve, _, _ = Bench(a).command("kvserve", model, 1234)
     assert kvserve[kvserve.index("--max-num-seqs") + 1] == str(a.max_seqs)

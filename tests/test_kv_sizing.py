@@ -183,10 +183,10 @@ def test_cgroup_v1_and_no_limit(tmp_path: Path) -> None:
     assert (got.bytes, got.source) == (2 * GiB, ENV_LIMIT)
 
 
-def test_parse_bytes_lives_in_native_and_the_pool_reexports_it() -> None:
-    from kvpool.pool import parse_bytes as pool_parse
-
-    assert pool_parse is parse_bytes and parse_bytes("1.5GiB") == 3 * GiB // 2
+def test_parse_bytes_reads_binary_and_decimal_units() -> None:
+    assert parse_bytes("1.5GiB") == 3 * GiB // 2 and parse_bytes("2MB") == 2_000_000
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
 
 
 # ---- engines -------------------------------------------------------------------------

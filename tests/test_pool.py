@@ -4,9 +4,10 @@
 import pytest
 import torch
 
-from kvpool.pool import BlockPool, PoolExhausted, parse_bytes
+from kvpool.pool import BlockPool, PoolExhausted
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
+from native.memory import parse_bytes
 from tests.pools import make_pool
 
 
