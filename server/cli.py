@@ -20,22 +20,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
-import socket
 import sys
 from functools import partial
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from engine import cpu_threads
 from engine.demo import DEMO_MODEL_DIR as DEMO_MODEL
 from engine.demo import DEMO_MODEL_NAME
+from server.startup_checks import (
+    USAGE_ERROR,
+    check_byte_sizes,
+    check_kv_cache_dtype,
+    check_port_free,
+    default_kv_policy,
+    error_line,
+    fail,
+    resolve_model,
+    usage_error,
+)
 
 if TYPE_CHECKING:  # torch loads with it, and must not before cpu_threads.apply
     from scheduler.async_engine import AsyncEngine
@@ -43,29 +52,6 @@ if TYPE_CHECKING:  # torch loads with it, and must not before cpu_threads.apply
     from server.memwatch import MemoryWatch
 
 logger = logging.getLogger("kvserve.cli")
-USAGE_ERROR = 2  # argparse's status for a bad command line; ours for every start-up check
-
-
-def fail(message: str) -> NoReturn:
-    """One line on stderr and exit 2: a start-up error the user fixes on the command line
-    (or in the environment), found before any model is loaded."""
-    error_line(message)
-    raise SystemExit(USAGE_ERROR)
-
-
-def error_line(message: str) -> None:
-    """`kvserve: error: ...` on stderr, one line."""
-    print(f"kvserve: error: {' '.join(message.split())}", file=sys.stderr)
-
-
-def usage_error(e: BaseException) -> bool:
-    """Whether a load failure is one the user fixes with an option, not a broken model:
-    a KV pool sized from the memory left after the weights that holds no request."""
-    from attention.sizing import KVPoolTooSmall
-
-    return isinstance(e, KVPoolTooSmall)
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows every option's default, except where there is none to show (None, False):
     those options' help says what happens without them."""
@@ -74,74 +60,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default in (None, False) or "%(default)" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action) or ""
-
-
-def _resolve_model(arg: str | None) -> str:
-    path = Path(arg) if arg else DEMO_MODEL
-    if not path.is_dir():
-        hint = ("the bundled demo model is not there (it is built separately)"
-                if arg is None else "no such directory")
-        fail(f"--model {str(path)!r}: {hint}; pass --model DIR (a Hugging Face "
-             "checkpoint directory with config.json, weights and tokenizer)")
-    return str(path)
-
-
-def default_kv_policy(value: str) -> Any:
-    """`--default-kv-policy`: a policy name or a JSON `kv_policy` object, checked exactly
-    as a request's `kv_policy` is (policies/config.py), so a typo stops the server at
-    once instead of failing every request that names no policy."""
-    from policies.catalog import parse_kv_policy
-    from policies.config import KVPolicyError
-
-    text = value.strip()
-    parsed: Any = text
-    if text.startswith("{"):
-        try:
-            parsed = json.loads(text)
-        except ValueError as e:
-            fail(f"--default-kv-policy is not valid JSON: {e}")
-    try:
-        return parse_kv_policy(parsed)
-    except KVPolicyError as e:
-        fail(f"--default-kv-policy: {e}")
-
-
-def check_kv_cache_dtype(value: str) -> None:
-    """`--kv-cache-dtype` checked before the model loads (exit 2), after torch may load."""
-    from scheduler.engine_core import KV_CACHE_DTYPES
-
-    if value not in KV_CACHE_DTYPES:
-        fail(f"--kv-cache-dtype {value!r}: choose from {', '.join(KV_CACHE_DTYPES)}")
-
-
-def check_byte_sizes(a: argparse.Namespace) -> None:
-    """`--kv-cache-memory`, `--swap-space` and env KVSERVE_MEMORY_LIMIT read as byte
-    sizes before the model loads (exit 2 on one that is not)."""
-    from native.memory import ENV_LIMIT, parse_bytes
-
-    for name, value in (("--kv-cache-memory", a.kv_cache_memory),
-                        ("--swap-space", a.swap_space),
-                        (ENV_LIMIT, os.environ.get(ENV_LIMIT, "").strip() or None)):
-        try:
-            if value is not None:
-                parse_bytes(value)
-        except ValueError as e:
-            fail(f"{name}: {e}")
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Bind (host, port) as uvicorn will, and let go: a port in use is then a clear
-    one-line error at once. Without it, uvicorn runs the lifespan (which starts loading
-    the model) before it binds, and a failed bind then waits for the whole load before
-    it exits with status 1."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-    except OSError as e:
-        fail(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
-             "or stop what is using it")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -343,7 +261,7 @@ def _serve(a: argparse.Namespace) -> int:
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     check_kv_cache_dtype(a.kv_cache_dtype)
     check_byte_sizes(a)
-    model = _resolve_model(a.model)
+    model = resolve_model(a.model)
     check_port_free(a.host, a.port)
     configure_logging(a.log_level, a.log_format)
     logger.info("cpu threads", extra={"fields": {**cpu.fields(),
@@ -446,7 +364,7 @@ def offline_llm(a: argparse.Namespace) -> tuple[LLM, cpu_threads.CpuThreads]:
     a.default_kv_policy = default_kv_policy(a.default_kv_policy)
     check_kv_cache_dtype(a.kv_cache_dtype)
     check_byte_sizes(a)
-    model = _resolve_model(a.model)
+    model = resolve_model(a.model)
     from scheduler.llm import LLM
 
     try:

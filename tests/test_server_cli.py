@@ -89,7 +89,7 @@ def test_bad_default_kv_policy_messages(command: str, value: str, message: str,
 
 def test_default_kv_policy_takes_a_name_or_an_object() -> None:
     from policies.catalog import parse_kv_policy
-    from server.cli import default_kv_policy
+    from server.startup_checks import default_kv_policy
 
     assert default_kv_policy("streaming") == parse_kv_policy("streaming")
     obj = default_kv_policy(' {"name": "streaming", "sink": 2, "window": 64} ')
