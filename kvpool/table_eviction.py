@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpool.pool import BlockPool, load_mark
+from kvpool.pool import BlockPool
 from kvpool.rows import (
     LIVE,
     NBLOCKS,
@@ -23,7 +23,7 @@ from native.host import bool_tensor, int64_tensor
 
 class EvictionPasses:
     """`SlotTables`' eviction; reads its `table`, `slot_pos`, `sizes`, `sz`, `state`,
-    `bs` and `num_layers`."""
+    `bs` and `num_layers`, and asks its `native()` whether the C++ passes serve."""
 
     def evict_mask(self, pool: BlockPool, caches: list[CacheRow],
                    dead: torch.Tensor) -> list[tuple[int, int, list[int]]]:
@@ -37,7 +37,7 @@ class EvictionPasses:
         the rows' live counts (`sizes`)."""
         rows = int64_tensor([c.row for c in caches])
         alike = bool_tensor([c.alike for c in caches])
-        if dead.device.type == "cpu" and load_mark():  # marking and freeing, one pass
+        if dead.device.type == "cpu" and self.native():  # marking and freeing, one pass
             states, columns = self.native_states()
             info, ids = torch.ops.kvserve_tables.evict_rows(
                 self.table, self.slot_pos, self.sizes, states, columns, rows, dead, alike,
@@ -100,7 +100,7 @@ class EvictionPasses:
         nl, bs = self.num_layers, self.bs
         rows = [c.row for c in caches]
         row_t = int64_tensor(rows)
-        if self.table.device.type == "cpu" and load_mark():  # one pass (csrc/tables_cpu.cpp)
+        if self.table.device.type == "cpu" and self.native():  # one pass (csrc/tables_cpu.cpp)
             states, columns = self.native_states()  # it shortens the rows' sizes too
             ids, ndead = torch.ops.kvserve_tables.free_dead(
                 self.table, self.slot_pos, self.sizes, states, columns, row_t,

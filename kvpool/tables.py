@@ -96,6 +96,12 @@ def _int_view(t: torch.Tensor) -> memoryview:
 
 _NO_COLUMNS = torch.zeros(0, dtype=torch.bool)  # read only: no states to pass a C++ pass
 class SlotTables(EvictionPasses):
+    @staticmethod
+    def native() -> bool:
+        """Whether the tables' C++ passes serve (this module's `load_mark`, the one switch
+        for every pass, the eviction mixin's included)."""
+        return load_mark()
+
     def __init__(self, num_layers: int, block_size: int, rows: int = 4,
                  width_blocks: int = 4) -> None:
         self.num_layers = num_layers

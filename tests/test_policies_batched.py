@@ -8,7 +8,6 @@ import torch
 
 from engine.sampling import SamplingParams
 from kvpool import manager as manager_mod
-from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
 from kvpool.pool import BlockPool
 from kvpool.seq_cache import SeqCache
@@ -126,10 +125,8 @@ def test_evict_mask_of_many_caches_equals_one_at_a_time(seed, native, monkeypatc
         if seed % 2:  # the same slots in every layer: the caches stay alike
             dead = dead[:1].expand(3, -1, -1).contiguous()
         monkeypatch.setattr(tables_mod, "load_mark", lambda: native)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda: native)
         got = tables[0].evict_mask(pools[0], group, dead)
         monkeypatch.setattr(tables_mod, "load_mark", lambda: False)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda: False)
         want = []
         for c, d in zip(alone, dead.unbind(1)):
             before = list(c.layer_live)

@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
 from kvpool.compaction import compact
 from kvpool.tables import SlotTables
@@ -61,7 +60,6 @@ def test_native_free_dead_blocks_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         t, caches = _setup(seed)
         pool = _Pool()
         freed = t.free_dead_blocks(pool, caches, layers)
@@ -138,7 +136,6 @@ def test_native_compaction_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(seed)
         free_before = pool.num_free
         freed = compact(t, pool, caches, layers)
@@ -163,7 +160,6 @@ def test_native_compaction_declines_a_shared_destination(monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(1, shared=True)
         runs.append((pool, t, compact(t, pool, caches)))
     (pa, a, fa), (pb, b, fb) = runs
@@ -252,7 +248,6 @@ def test_native_evict_mask_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         g = torch.Generator().manual_seed(seed)
         pool = make_pool(200, 4, 2, 8)
         t = SlotTables(3, 4)

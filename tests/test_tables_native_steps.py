@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kvpool import rows as rows_mod
-from kvpool import table_eviction as eviction_mod
 from kvpool import tables as tables_mod
 from kvpool.tables import SlotTables
 from tests.test_tables_native import _pool_case
@@ -30,7 +29,6 @@ def test_native_decode_append_matches_torch(seed, monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool, t, caches = _pool_case(seed)
         dead = torch.zeros((3, 1, max(caches[1].nblocks) * 4), dtype=torch.bool)
         dead[1, 0, 12:16] = True  # a whole block of one layer: that layer holds one fewer
@@ -95,7 +93,6 @@ def test_native_decode_append_widens_and_recycles_as_torch(monkeypatch):
     runs = []
     for native in (True, False):
         monkeypatch.setattr(tables_mod, "load_mark", lambda n=native: n)
-        monkeypatch.setattr(eviction_mod, "load_mark", lambda n=native: n)
         pool = make_pool(80, 4, 1, 4)
         t = SlotTables(3, 4, 4, 4)
         caches = [SeqCache(pool, 3, tables=t) for _ in range(4)]
@@ -195,7 +192,6 @@ def test_rows_into_writes_what_rows_of_reads(native, monkeypatch):
     if native and not tables_mod.load_mark():
         pytest.skip("no C++ compiler")
     monkeypatch.setattr(tables_mod, "load_mark", lambda: native)
-    monkeypatch.setattr(eviction_mod, "load_mark", lambda: native)
     _, t, caches = _pool_case(1)
     t.ensure_width(3 * max(max(c.nblocks) for c in caches))  # wider than any row needs
     nb = max(max(c.nblocks) for c in caches)
