@@ -1,7 +1,9 @@
 """The KV storage: the pool's tensors, in the model's dtype or a quantized format.
 
-A block holds `block_size` token slots of K and V for *one* layer and all kv heads; its
-id (handed out by kvpool's `BlockPool`) indexes the tensors' second axis.
+A block (a page) holds `block_size` token slots of K and V for one *lane*: one layer's
+every kv head (`--kv-layout layer`), or one (layer, kv head) (`--kv-layout head`, a
+pool of one head per page); its id (handed out by kvpool's `BlockPool`) indexes the
+tensors' second axis.
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ class KVStorage:
             return 2 * block_size * fmt.bytes_per_slot(num_kv_heads, head_dim)
         assert isinstance(dtype, torch.dtype)
         return 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def heads_per_page(self) -> int:
+        """The kv heads one page holds: the model's count, or 1 in a per-head pool."""
+        return self.kv.shape[3]
 
     @property
     def k_cache(self) -> torch.Tensor:

@@ -201,3 +201,47 @@ def fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]
         and s.cache.live == len(s.token_ids) * s.cache.num_layers
         and (limit is None or len(s.token_ids) <= limit)
     }
+
+
+def by_head(g: AttentionGroup, heads: int, num_layers: int) -> AttentionGroup:
+    """A group over a per-head pool (`--kv-layout head`: the tables' lanes are (layer,
+    kv head), `heads` of them a layer) as the kernels take it: each member's kv head h
+    a sequence of its own with one kv head, row h·B + b of [L, H·B, ...] tables (views
+    of the lanes, which are layer-major), so the same kernels read every head's own
+    pages and length. q goes in as `heads_q` makes it and comes out through `heads_out`.
+    The kernels' in-place targets (a state the mass is added into, the window ring) are
+    not taken over: the mass comes back and the policy adds it (`_groups`)."""
+    assert g.accumulate is None and g.ring is None
+    rows = g.tables.shape[1]
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:  # [L·H, R, X] -> [L, H·R, X]
+        return t.reshape(num_layers, heads * rows, *t.shape[2:])
+
+    table_rows = None
+    if g.table_rows is not None:  # row r of head h is row h·R + r of the lanes' view
+        table_rows = (torch.arange(heads)[:, None] * rows + g.table_rows[None]).reshape(-1)
+    return AttentionGroup(
+        g.members, g.q_index, g.valid, g.q_pos.repeat(heads, 1), lanes(g.tables),
+        lanes(g.slot_pos), g.want_probs,
+        None if g.want_kd is None else g.want_kd.repeat(heads), False, g.whole,
+        table_rows)
+
+
+def heads_q(q: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, Tq, Hq, D] -> [H·B, Tq, Hq/H, D]: each kv head's query group, head-major."""
+    b, tq, hq, d = q.shape
+    return q.view(b, tq, heads, hq // heads, d).permute(2, 0, 1, 3, 4).reshape(
+        heads * b, tq, hq // heads, d)
+
+
+def heads_out(o: torch.Tensor, heads: int) -> torch.Tensor:
+    """`heads_q`'s inverse: [H·B, Tq, G, D] -> [B, Tq, H·G, D]."""
+    hb, tq, g, d = o.shape
+    b = hb // heads
+    return o.view(heads, b, tq, g, d).permute(1, 2, 0, 3, 4).reshape(b, tq, heads * g, d)
+
+
+def lanes_of(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """A statistic stacked over layers in the kernels' per-head rows, [L, H·B, ...],
+    as the policies read it, one lane a (layer, kv head): [L·H, B, ...] (a view)."""
+    return t.reshape(t.shape[0] * heads, t.shape[1] // heads, *t.shape[2:])

@@ -31,9 +31,13 @@ from attention.torch_attention import causal_self_attention, paged_attention
 from engine.attention_groups import (
     AttentionGroup,
     build_group,
+    by_head,
     decode_batch_group,
     fresh_prompts,
+    heads_out,
+    heads_q,
     kd_rows,
+    lanes_of,
     split_by_length,
     step_slots,
 )
@@ -59,6 +63,10 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.device = device
         self.scale = config.head_dim**-0.5
+        # Lanes a layer has in the pool's tables: 1, or its kv heads in a per-head pool
+        # (`--kv-layout head`), where every kv head is attended as a sequence of its own.
+        self.heads = config.num_kv_heads // storage.heads_per_page
+        self.lanes = config.num_layers * self.heads
         # KeyDiff's scores from the decode kernel (`wants_key_diversity`) where it serves
         # this pool; decided on the first step that asks (the kernel builds then).
         self._fuse_kd: bool | None = None
@@ -101,8 +109,11 @@ class ModelRunner:
         # The step's inputs: host lists to tensors, one copy each to the device.
         input_ids = int64_tensor(ids)
         positions = int64_tensor(pos)
-        write_slots = step_slots(inputs, offsets, total, cfg.num_layers,
-                                  decode.slots if decode is not None else None)  # [L, T]
+        heads = self.heads
+        write_slots = step_slots(inputs, offsets, total, self.lanes,
+                                  decode.slots if decode is not None else None)  # [lanes, T]
+        if heads > 1:  # a layer's lanes' slots in a row: [L, H·T], head-major
+            write_slots = write_slots.view(cfg.num_layers, heads * total)
         windows = cfg.sliding_windows
         kernel = self.attention_fn is paged_attention_cpu
         # a fresh prompt's causal attention over its own keys: the C++ op beside the kernel
@@ -119,6 +130,8 @@ class ModelRunner:
             scored = [i for i, s in enumerate(inputs) if s.score is not None]
             fresh = fresh_prompts(inputs, windows)
             groups = self._groups(inputs, offsets, fresh, kernel, pads)
+        if heads > 1:
+            groups = [by_head(g, heads, cfg.num_layers) for g in groups]
         score_rows, score_targets = _score_rows(inputs, offsets, scored)
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
             flat = [input_ids, positions, write_slots, score_rows, score_targets]
@@ -146,7 +159,11 @@ class ModelRunner:
             norms = []
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            store.write(write_slots[layer], k, v)
+            if heads > 1:  # [T, H, D] -> [H·T, 1, D], as the slots
+                store.write(write_slots[layer], k.transpose(0, 1).reshape(-1, 1, k.shape[2]),
+                            v.transpose(0, 1).reshape(-1, 1, v.shape[2]))
+            else:
+                store.write(write_slots[layer], k, v)
             if norms is not None:
                 norms.append(new_norms(k, v, store.storage_dtype))
             whole = bool(groups) and groups[0].whole
@@ -157,13 +174,10 @@ class ModelRunner:
             for j, g in enumerate(groups):
                 if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], store.storage_dtype,
                                                          store.quant is not None):
-                    for b, i in enumerate(g.members):
-                        a, n = offsets[i], len(inputs[i].token_ids)
-                        store.attend(prefix_prefill_cpu, q[a : a + n], k[a : a + n],
-                                    v[a : a + n], g.tables[layer, b], g.slot_pos[layer, b],
-                                    inputs[i].start_pos, self.scale, out=out[a : a + n])
+                    self._prefix_prefill(g, layer, q, k, v, out, inputs, offsets)
                     continue
-                args = (q[:, None] if whole else q[g.q_index], g.tables[layer],
+                qg = q[:, None] if whole else q[g.q_index]
+                args = (qg if heads == 1 else heads_q(qg, heads), g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
                 kw = {"sum_heads": True} if g.sum_heads else {}
                 if g.table_rows is not None:  # the C++ kernel's: rows read in place
@@ -179,6 +193,8 @@ class ModelRunner:
                     kds[j].append(kd)
                 else:
                     o, probs = store.attend(self.attention_fn, *args, **kw)
+                if heads > 1:
+                    o = heads_out(o, heads)
                 if whole:
                     out = o[:, 0]
                 else:
@@ -204,6 +220,9 @@ class ModelRunner:
             for j in mass.keys() | kds.keys():  # one stack and one copy per group
                 stacked = torch.stack(mass[j]).cpu() if j in mass else None
                 kd = torch.stack(kds[j]) if j in kds else None  # on the CPU already
+                if heads > 1:  # [L, H·B, ...] -> one lane a (layer, kv head)
+                    stacked = None if stacked is None else lanes_of(stacked, heads)
+                    kd = None if kd is None else lanes_of(kd, heads)
                 for row, i in enumerate(groups[j].members):
                     if stacked is not None or inputs[i].wants_key_diversity:
                         attention[i] = AttentionMass(stacked, row, len(inputs[i].token_ids),
@@ -215,6 +234,8 @@ class ModelRunner:
             if norms is not None:  # [L, T, Hkv] each, one stack and one copy
                 kn = torch.stack([x[0] for x in norms]).cpu()
                 vn = torch.stack([x[1] for x in norms]).cpu()
+                if heads > 1:  # [L, T, H] -> [L·H, T, 1]: one lane a kv head
+                    kn, vn = (x.transpose(1, 2).reshape(self.lanes, -1, 1) for x in (kn, vn))
                 for i, s in enumerate(inputs):
                     if s.wants_norms:
                         a = attention.get(i) or AttentionMass(None, 0, len(s.token_ids))
@@ -231,7 +252,7 @@ class ModelRunner:
         # The kernel sums the mass over kv heads for policies that read no head apart:
         # the C++ decode kernel in head_sum's order (up to 4 heads; from 8 on torch's sum
         # takes another), Triton at any count (on a GPU, 1/Hkv of the mass to copy out).
-        hkv = self.config.num_kv_heads
+        hkv = self.storage.heads_per_page  # what one kernel call's sequences have
         sums_heads = hkv > 1 and ((kernel and hkv <= 4) or sums_any_heads(self.attention_fn))
         # (decode, returns the mass, summed over kv heads, the state the kernel puts it
         # into: "" none) -> members
@@ -241,8 +262,9 @@ class ModelRunner:
                 decode = len(s.token_ids) == 1
                 summed = s.wants_attention and not s.attention_heads and sums_heads
                 into = ""  # the kernel adds or writes the mass summed over every head
+                # (not over a per-head pool yet: its lanes are not the kernel's rows, `by_head`)
                 if (decode and (s.accumulate or s.ring) and not s.wants_key_diversity and kernel
-                        and (summed or self.config.num_kv_heads == 1) and self._accumulates()):
+                        and self.heads == 1 and (summed or hkv == 1) and self._accumulates()):
                     name = s.accumulate or s.ring[0]  # type: ignore[index]
                     into = name if name in s.cache.tables.state else ""
                 buckets.setdefault((decode, s.wants_attention and not into, summed, into),
@@ -255,6 +277,26 @@ class ModelRunner:
             for (decode, want, summed, into), m in sorted(buckets.items())
             for part in (split_by_length(m, inputs) if pads or not decode else [m])
         ]
+
+    def _prefix_prefill(self, g: AttentionGroup, layer: int, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, out: torch.Tensor, inputs: list[SeqInput],
+                        offsets: list[int]) -> None:
+        """Prompt chunks after a cached prefix, one `prefix_prefill_cpu` call a member
+        (and a kv head over a per-head pool: its row h·B + b of the group's lanes, its
+        query group and its own K/V; the op copies what is not contiguous)."""
+        heads, members = self.heads, len(g.members)
+        kv_heads, group = k.shape[1] // heads, q.shape[1] // heads
+        for b, i in enumerate(g.members):
+            a, n = offsets[i], len(inputs[i].token_ids)
+            for h in range(heads):
+                qs, ks = slice(h * group, (h + 1) * group), slice(h * kv_heads, (h + 1) * kv_heads)
+                into = out[a : a + n] if heads == 1 else None
+                o, _ = self.storage.attend(prefix_prefill_cpu, q[a : a + n, qs], k[a : a + n, ks],
+                                           v[a : a + n, ks], g.tables[layer, h * members + b],
+                                           g.slot_pos[layer, h * members + b],
+                                           inputs[i].start_pos, self.scale, out=into)
+                if into is None:
+                    out[a : a + n, qs] = o
 
     def _accumulates(self) -> bool:
         if self._adds is None:

@@ -59,7 +59,12 @@ class DecodeBatch:
 class KVCacheManager:
     def __init__(self, pool: BlockPool, num_layers: int, *, watermark: float = 0.01,
                  enable_prefix_caching: bool = True, swap: SwapSpace | None = None,
-                 rows: int = 16, min_prefill_chunk: int = MIN_PREFILL_CHUNK) -> None:
+                 rows: int = 16, min_prefill_chunk: int = MIN_PREFILL_CHUNK,
+                 heads: int = 1) -> None:
+        """`num_layers`: a request's lanes (its page lists and lengths): one a layer, or
+        one a (layer, kv head) over a per-head pool, `heads` a layer (lane l·heads + h).
+        Memory counts lanes where this class says layers; only the policies tell them
+        apart (`RowsView.heads`)."""
         self.pool = pool
         self.min_prefill_chunk = min_prefill_chunk
         self.num_layers = num_layers
@@ -72,7 +77,7 @@ class KVCacheManager:
         # trimming evicts by position under the ring.
         self.rings = True
         # Every cache is a row of these (kvpool/tables.py); they grow as needed.
-        self.tables = SlotTables(num_layers, pool.block_size, rows=rows)
+        self.tables = SlotTables(num_layers, pool.block_size, rows=rows, heads=heads)
 
     # ---- sizes ---------------------------------------------------------------------
     @property

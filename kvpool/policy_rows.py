@@ -153,7 +153,7 @@ def build_view(members: list[Member]) -> RowsView:
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
         lengths=[live[layer] for layer in range(nl) for live in lives],
-        slot_pos=rows_slice(tables.slot_pos, rows, width), block_size=bs)
+        slot_pos=rows_slice(tables.slot_pos, rows, width), block_size=bs, heads=tables.heads)
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
     whole = set()
     for name in state:

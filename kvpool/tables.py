@@ -103,8 +103,12 @@ class SlotTables(EvictionPasses):
         return load_mark()
 
     def __init__(self, num_layers: int, block_size: int, rows: int = 4,
-                 width_blocks: int = 4) -> None:
+                 width_blocks: int = 4, heads: int = 1) -> None:
+        """`num_layers`: the lanes a row has, one a layer, or one a (layer, kv head) in a
+        per-head pool: `heads` lanes a layer, lane l·heads + h (what the policies read
+        as `RowsView.heads`; nothing else here tells lanes from layers)."""
         self.num_layers = num_layers
+        self.heads = heads
         self.bs = block_size
         self.table = torch.full((num_layers, max(1, rows), max(1, width_blocks)), -1,
                                 dtype=torch.int64)

@@ -151,14 +151,14 @@ class PyramidPolicy:
     def select(policies: list[PyramidPolicy], view: RowsView) -> torch.Tensor | None:
         p = policies[0]
         c = p.config
-        keep, edges = [], []  # per request, per layer
-        nl = view.num_layers
+        keep, edges = [], []  # per request, per lane
+        nl, heads = view.num_layers, view.heads
         for r, (s, pl, done) in enumerate(zip(view.seq_len, view.prompt_len,
                                              view.prefill_done)):
             if done or s > pl:  # the prompt is complete: every layer to its budget
-                budgets, sinks = _plan(c.budget, c.beta, c.omega, c.obs_window, s, nl)
-                keep.append(budgets)
-                edges.append(sinks)
+                budgets, sinks = _plan(c.budget, c.beta, c.omega, c.obs_window, s, nl // heads)
+                keep.append([b for b in budgets for _ in range(heads)])  # each head its layer's
+                edges.append([e for e in sinks for _ in range(heads)])
             else:
                 keep.append(view.lengths[view.rows_of(r)])
                 edges.append([0] * nl)

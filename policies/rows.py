@@ -37,7 +37,7 @@ class RowsView:
     """A group's step: row l·R + r is layer l of request r, over its W logical slots
     (layer-major, the engine's tables' own order, so the view costs no transpose)."""
 
-    num_layers: int
+    num_layers: int  # lanes: layers, or (layer, kv head) pairs over a per-head pool
     num_new: int  # tokens computed this step per request (queries of `attention`)
     seq_len: list[int]  # per request: tokens processed so far, this step's included
     prompt_len: list[int]
@@ -81,6 +81,11 @@ class RowsView:
     new_index: torch.Tensor | None = None
     new_key_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
     new_value_norm: torch.Tensor | None = None  # [N, num_new, Hkv] float32
+    # Lanes a layer has: 1, or its kv heads over a per-head pool (`--kv-layout head`),
+    # where lane l·heads + h is kv head h of layer l and keeps its own tokens (its
+    # statistics are that head's: Hkv = 1 above). A policy that treats layers apart
+    # (pyramid's budgets) reads layer = lane // heads.
+    heads: int = 1
     _live: torch.Tensor | None = field(default=None, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 

@@ -14,6 +14,7 @@ from kvpool.manager import MIN_PREFILL_CHUNK
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *DTYPES, *FORMATS)  # what --kv-cache-dtype accepts
+KV_LAYOUTS = ("layer", "head")  # what --kv-layout accepts
 
 
 @dataclass
@@ -21,6 +22,10 @@ class EngineConfig:
     model: str
     dtype: str = "auto"  # auto = the checkpoint's dtype
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; narrower halves K/V bytes
+    # What one page of the pool holds: "layer" = one layer's every kv head (one kept set
+    # per layer), "head" = one (layer, kv head), so each head keeps and frees its own
+    # tokens (docs/memory.md, "Pages per head"). `num_blocks` counts pages.
+    kv_layout: str = "layer"
     device: str = "auto"  # auto = cuda when available
     block_size: int = 16
     num_blocks: int | None = None  # wins over kv_cache_memory

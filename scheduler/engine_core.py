@@ -20,15 +20,6 @@ import torch
 from transformers import AutoTokenizer
 
 from attention.select import select_attention
-from attention.sizing import (
-    CPU_FRACTION,
-    CUDA_FRACTION,
-    WHERE,
-    KVSizing,
-    activation_reserve,
-    auto_pool_blocks,
-    blocks_for,
-)
 from attention.storage import KVStorage
 from attention.swap import SwapSpace
 from engine.cpu_memory import keep_freed_memory
@@ -55,6 +46,7 @@ from scheduler.outputs import (
     StepStats,
 )
 from scheduler.policy_runner import PolicyRunner
+from scheduler.pool_shape import heads_per_page, num_lanes, size_kv_pool
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
 from scheduler.request import Request
@@ -110,11 +102,14 @@ class EngineCore(StepLaunch, StepComplete):
         # Decode steps replay CUDA graphs (engine/cuda_graphs.py) where every position
         # is in the rotary table (a graph cannot check); their padded rows write the
         # pool's scratch block.
+        # Not yet over a per-head pool: the graphs' static tables are one row a sequence.
         graphs = (self.device.type == "cuda" and not config.enforce_eager
+                  and config.kv_layout == "layer"
                   and self.max_model_len <= self.model.rotary.cos_table.shape[0])
         # The runner owns the KV tensors; the pool (metadata) hands out the ids that index them.
-        self.storage = KVStorage(num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim,
-                                 dtype=kv_dtype, device=self.device, scratch=graphs)
+        self.storage = KVStorage(num_blocks, config.block_size, heads_per_page(config, mc),
+                                 mc.head_dim, dtype=kv_dtype, device=self.device,
+                                 scratch=graphs)
         self.pool = BlockPool(num_blocks, config.block_size, storage=self.storage)
         self.runner = ModelRunner(self.model, mc, self.storage, select_attention(self.device),
                                   self.device)
@@ -137,10 +132,14 @@ class EngineCore(StepLaunch, StepComplete):
         if config.preemption_mode != "recompute":
             blocks = max(1, parse_bytes(config.swap_space) // self.storage.block_bytes)
             self.swap = SwapSpace(self.storage, blocks)
-        self.kv = KVCacheManager(self.pool, mc.num_layers, watermark=config.watermark,
+        # The tables' lanes: one a layer, or one a (layer, kv head) in a per-head pool;
+        # below the engine core, memory counts lanes where it counted layers.
+        lanes = num_lanes(config, mc)
+        self.kv = KVCacheManager(self.pool, lanes, watermark=config.watermark,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  swap=self.swap, rows=min(config.max_num_seqs, 16),
-                                 min_prefill_chunk=config.min_prefill_chunk)
+                                 min_prefill_chunk=config.min_prefill_chunk,
+                                 heads=lanes // mc.num_layers)
         if config.preemption_mode == "auto":
             cost = calibrate(self.runner, self.kv)
         self.cost_model = cost
@@ -162,12 +161,12 @@ class EngineCore(StepLaunch, StepComplete):
         self._grammars: Grammars | None = None  # made on the first structured request
         # What resolving a request needs of this model (scheduler/resolve.py): the
         # default policy parsed and resolved here, once; the longest default max_tokens.
-        pool_tokens = self.kv.num_blocks // mc.num_layers * config.block_size
+        pool_tokens = self.kv.num_blocks // lanes * config.block_size
         self.limits = ModelLimits.of(
             self.max_model_len,
             min(self.max_model_len, pool_tokens) if self.kv.num_blocks else self.max_model_len,
             config.default_kv_policy)
-        self.policies = PolicyRunner(self.kv, mc.num_layers, self._rotate,
+        self.policies = PolicyRunner(self.kv, lanes, self._rotate,
                                      config.batch_policies, spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)
         self._host_ids = HostIds(config.max_num_seqs)  # its ids' pinned buffers
@@ -325,7 +324,7 @@ class EngineCore(StepLaunch, StepComplete):
         s, graphs = self.scheduler, self.runner.graphs
         running = s.running
         if (s.waiting or s.swapped or not running or graphs is None or self._shaped
-                or self.kv.num_free < self.model_config.num_layers * len(running)
+                or self.kv.num_free < self.kv.num_layers * len(running)
                 or graphs.bucket(len(running)) is None):
             return False
         top = 0
@@ -372,58 +371,6 @@ class EngineCore(StepLaunch, StepComplete):
         sched = self.scheduler
         self.kv.check_invariants([r.cache for r in sched.running if r.cache is not None],
                                  [r.cache for r in sched.swapped if r.cache is not None])
-
-
-def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
-                 max_model_len: int, kv_dtype: torch.dtype | str, act_itemsize: int
-                 ) -> KVSizing:
-    """The pool's size and why: `num_blocks` if given, else `kv_cache_memory`, else
-    attention/sizing.py's rule over the memory available now (call it once the weights
-    are loaded). Raises KVPoolTooSmall when that does not hold one request of
-    `max_model_len` tokens."""
-    bs, layers = config.block_size, mc.num_layers
-    per_block = KVStorage.bytes_per_block(bs, mc.num_kv_heads, mc.head_dim, kv_dtype)
-
-    def sized(source: str, blocks: int, why: str, seen: int = 0, seen_in: str = ""
-              ) -> KVSizing:
-        return KVSizing(source, blocks, per_block, blocks * bs // layers, why, seen, seen_in)
-
-    if config.num_blocks is not None:
-        return sized("num_blocks", config.num_blocks, "--num-blocks")
-    if config.kv_cache_memory is not None:
-        return sized("kv_cache_memory", parse_bytes(config.kv_cache_memory) // per_block,
-                     f"--kv-cache-memory {config.kv_cache_memory}")
-    hf = mc.hf_config
-    widest = max(mc.hidden_size, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
-                 2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
-    reserve = activation_reserve(config.max_num_batched_tokens, widest, act_itemsize,
-                                 config.max_num_seqs, mc.vocab_size)
-    cap = blocks_for(config.max_num_seqs, max_model_len, bs, layers)
-    one = blocks_for(1, max_model_len, bs, layers)
-    held = "activations"
-    if device.type == "cuda":
-        free, total = device_memory(device)
-        auto = auto_pool_blocks(free, per_block, cap, reserve, CUDA_FRACTION, total=total,
-                                min_blocks=one, where=f"on {device}", context=max_model_len,
-                                reserved_for=held)
-        why = (f"auto: {CUDA_FRACTION:.0%} of {gib(total)} on {device}, "
-               f"{gib(total - free)} in use after the weights")
-        seen, seen_in = free, "cuda"
-    else:
-        if config.preemption_mode != "recompute":  # swap space is host memory too
-            reserve += parse_bytes(config.swap_space)
-            held = "activations and --swap-space"
-        avail = available_bytes()
-        where = f"available after the weights ({WHERE.get(avail.source, avail.source)})"
-        auto = auto_pool_blocks(avail.bytes, per_block, cap, reserve, CPU_FRACTION,
-                                min_blocks=one, where=where, context=max_model_len,
-                                reserved_for=held)
-        why = f"auto: {CPU_FRACTION:.0%} of {gib(avail.bytes)} {where}"
-        seen, seen_in = avail.bytes, avail.source
-    why += f", minus {gib(reserve)} for {held}"
-    if auto.capped:
-        why += f"; capped at {config.max_num_seqs} sequences × {max_model_len} tokens"
-    return sized("auto", auto.num_blocks, why, seen, seen_in)
 
 
 def _needs_params(p: SamplingParams) -> bool:

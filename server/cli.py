@@ -74,6 +74,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool: auto (the model's dtype) | float32 | bfloat16 | float16 | "
                    "int8 | fp8_e4m3 | int4 (quantized: codes + fp16 scales, dequantized "
                    "inside attention; docs/memory.md)")
+    g.add_argument("--kv-layout", default="layer", choices=("layer", "head"),
+                   help="what a KV page holds: one layer's every kv head (one kept set a "
+                   "layer) or one (layer, kv head), each head keeping and freeing its own "
+                   "tokens (kv_policy's `heads`; docs/memory.md). --num-blocks counts pages")
     g.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | "
                    "cuda[:N]")
     g.add_argument("--cpu-threads", type=int, default=None, metavar="N",
@@ -151,7 +155,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, device=a.device,
+    kw = dict(dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype, kv_layout=a.kv_layout,
+              device=a.device,
               block_size=a.block_size, num_blocks=a.num_blocks, kv_cache_memory=a.kv_cache_memory,
               max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
               max_model_len=a.max_model_len, seed=a.seed,

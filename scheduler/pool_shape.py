@@ -1,0 +1,85 @@
+"""The KV pool's shape, decided once by the engine core: what a page holds
+(`EngineConfig.kv_layout`), how many lanes a request's tables have, and how many pages
+the pool gets and why (attention/sizing.py's rule, or the user's size)."""
+
+from __future__ import annotations
+
+import torch
+
+from attention.sizing import (
+    CPU_FRACTION,
+    CUDA_FRACTION,
+    WHERE,
+    KVSizing,
+    activation_reserve,
+    auto_pool_blocks,
+    blocks_for,
+)
+from attention.storage import KVStorage
+from engine.model_config import ModelConfig
+from native.memory import available_bytes, device_memory, gib, parse_bytes
+from scheduler.engine_config import KV_LAYOUTS, EngineConfig
+
+
+def heads_per_page(config: EngineConfig, mc: ModelConfig) -> int:
+    """The kv heads one page of the pool holds (`EngineConfig.kv_layout`)."""
+    if config.kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, not {config.kv_layout!r}")
+    return 1 if config.kv_layout == "head" else mc.num_kv_heads
+
+
+def num_lanes(config: EngineConfig, mc: ModelConfig) -> int:
+    """The tables' lanes: a request holds a page list and a length in each."""
+    return mc.num_layers * mc.num_kv_heads // heads_per_page(config, mc)
+
+
+def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
+                 max_model_len: int, kv_dtype: torch.dtype | str, act_itemsize: int
+                 ) -> KVSizing:
+    """The pool's size and why: `num_blocks` if given, else `kv_cache_memory`, else
+    attention/sizing.py's rule over the memory available now (call it once the weights
+    are loaded). Raises KVPoolTooSmall when that does not hold one request of
+    `max_model_len` tokens."""
+    bs, layers = config.block_size, num_lanes(config, mc)
+    per_block = KVStorage.bytes_per_block(bs, heads_per_page(config, mc), mc.head_dim, kv_dtype)
+
+    def sized(source: str, blocks: int, why: str, seen: int = 0, seen_in: str = ""
+              ) -> KVSizing:
+        return KVSizing(source, blocks, per_block, blocks * bs // layers, why, seen, seen_in)
+
+    if config.num_blocks is not None:
+        return sized("num_blocks", config.num_blocks, "--num-blocks")
+    if config.kv_cache_memory is not None:
+        return sized("kv_cache_memory", parse_bytes(config.kv_cache_memory) // per_block,
+                     f"--kv-cache-memory {config.kv_cache_memory}")
+    hf = mc.hf_config
+    widest = max(mc.hidden_size, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
+                 2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
+    reserve = activation_reserve(config.max_num_batched_tokens, widest, act_itemsize,
+                                 config.max_num_seqs, mc.vocab_size)
+    cap = blocks_for(config.max_num_seqs, max_model_len, bs, layers)
+    one = blocks_for(1, max_model_len, bs, layers)
+    held = "activations"
+    if device.type == "cuda":
+        free, total = device_memory(device)
+        auto = auto_pool_blocks(free, per_block, cap, reserve, CUDA_FRACTION, total=total,
+                                min_blocks=one, where=f"on {device}", context=max_model_len,
+                                reserved_for=held)
+        why = (f"auto: {CUDA_FRACTION:.0%} of {gib(total)} on {device}, "
+               f"{gib(total - free)} in use after the weights")
+        seen, seen_in = free, "cuda"
+    else:
+        if config.preemption_mode != "recompute":  # swap space is host memory too
+            reserve += parse_bytes(config.swap_space)
+            held = "activations and --swap-space"
+        avail = available_bytes()
+        where = f"available after the weights ({WHERE.get(avail.source, avail.source)})"
+        auto = auto_pool_blocks(avail.bytes, per_block, cap, reserve, CPU_FRACTION,
+                                min_blocks=one, where=where, context=max_model_len,
+                                reserved_for=held)
+        why = f"auto: {CPU_FRACTION:.0%} of {gib(avail.bytes)} {where}"
+        seen, seen_in = avail.bytes, avail.source
+    why += f", minus {gib(reserve)} for {held}"
+    if auto.capped:
+        why += f"; capped at {config.max_num_seqs} sequences × {max_model_len} tokens"
+    return sized("auto", auto.num_blocks, why, seen, seen_in)
