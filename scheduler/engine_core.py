@@ -25,14 +25,13 @@ from attention.swap import SwapSpace
 from engine.cpu_memory import keep_freed_memory
 from engine.linear_choice import LinearChoice, choose_linears
 from engine.loader import load_model
-from engine.model_config import ModelConfig
 from engine.penalties import TokenHistory
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from engine.structured import Grammars
 from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool
-from native.memory import available_bytes, device_memory, gib, parse_bytes
+from native.memory import parse_bytes
 from policies.catalog import build_policy
 from policies.config import KVPolicyConfig
 from scheduler.detokenizer import Detokenizer
