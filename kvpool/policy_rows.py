@@ -24,6 +24,7 @@ import torch
 
 from attention.stats import AttentionMass
 from kvpool import compaction
+from kvpool.head_stats import head_sum, share_heads
 from kvpool.rows import by_columns, consecutive, put_rows, rows_slice, take_rows
 from kvpool.seq_cache import SeqCache
 from native.build import load_ops
@@ -120,20 +121,6 @@ def _fused_key_diversity(members: list[Member], width: int) -> torch.Tensor | No
     return _from_runner(members, width, lambda a: a.key_diversity)
 
 
-def head_sum(mass: torch.Tensor) -> torch.Tensor:
-    """[L, r, Tq, Hkv, W] -> [L, r, Tq, 1, W] summed over the kv heads. Up to 4 heads as
-    one add per head in head order: the order torch's sum over a non-inner dim takes
-    there (the same bits, tests/test_policy_state.py; from 8 on it accumulates in
-    another order, so it sums), twice as fast on the slice of the runner's mass (a
-    strided reduction over a dim of 2 was 0.15 ms a step at 16 requests of ~1k tokens)."""
-    if not 2 <= mass.shape[3] <= 4:
-        return mass.sum(dim=3, keepdim=True)
-    out = mass.narrow(3, 0, 1) + mass.narrow(3, 1, 1)
-    for h in range(2, mass.shape[3]):
-        out += mass.narrow(3, h, 1)
-    return out
-
-
 def build_view(members: list[Member]) -> RowsView:
     load_select()  # once per process (a dict lookup after the first call)
     first = members[0].cache
@@ -154,6 +141,10 @@ def build_view(members: list[Member]) -> RowsView:
         prefill_done=[m.prefill_done for m in members],
         lengths=[live[layer] for layer in range(nl) for live in lives],
         slot_pos=rows_slice(tables.slot_pos, rows, width), block_size=bs, heads=tables.heads)
+    # How the lanes of a layer keep tokens over a per-head pool (policies/heads.py).
+    mode = getattr(getattr(policy, "config", None), "heads_mode", None)
+    mode = mode(tables.heads > 1) if mode is not None else "shared"
+    view.adaptive = mode == "adaptive" and tables.heads > 1
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
     whole = set()
     for name in state:
@@ -197,6 +188,8 @@ def build_view(members: list[Member]) -> RowsView:
             for name, t in stats.items():
                 if name != "keys" or needs.keys:
                     setattr(view, name, t)
+    if mode == "shared" and tables.heads > 1:  # every lane its layer's statistics
+        share_heads(view, needs.attention_heads)
     return view
 
 

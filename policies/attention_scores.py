@@ -38,6 +38,7 @@ from policies.rows import RowsView, keep_highest
 class H2OConfig(EvictingPolicyConfig):
     """003 `H2OEviction(budget, recent_window=128)`; budget 1024 as in 003's comparison."""
 
+    ADAPTIVE: ClassVar[bool] = True
     name: Literal["h2o"] = "h2o"
     budget: Budget = budget_field(1024)
     window: int = Field(128, ge=0, description=(
@@ -49,6 +50,7 @@ class H2OConfig(EvictingPolicyConfig):
 
 
 class TOVAConfig(EvictingPolicyConfig):
+    ADAPTIVE: ClassVar[bool] = True
     name: Literal["tova"] = "tova"
     budget: Budget = budget_field(1024)
 

@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     PlainValidator,
     WithJsonSchema,
+    field_validator,
 )
 
 # The context the class defaults are written for (003's comparison: budget 1024 of 4096).
@@ -113,10 +114,36 @@ def budget_field(default: int | float, what: str = "Tokens kept per layer") -> A
                  "the sequence (number in (0, 1]).")
 
 
+HeadsMode = Literal["uniform", "adaptive", "shared"]  # policies/heads.py says what each is
+
+
 class EvictingPolicyConfig(KVPolicyConfig):
     """Base of every config that evicts: `compact` asks the engine to pack a layer's
-    live tokens into as few blocks as they need after each plan (read by the engine)."""
+    live tokens into as few blocks as they need after each plan (read by the engine);
+    `heads` how the kv heads of a layer keep tokens (policies/heads.py)."""
+
+    # Whether the family ranks tokens by a score that `"heads": "adaptive"` can share
+    # out among a layer's heads (AdaKV).
+    ADAPTIVE: ClassVar[bool] = False
 
     compact: bool = Field(False, description=(
         "Pack each layer's live tokens into as few blocks as they need after every "
         "plan, so scattered evictions return whole blocks to the pool."))
+    heads: HeadsMode | None = Field(None, description=(
+        "How a layer's kv heads keep tokens: uniform (each head its own top tokens, "
+        "the policy's budget each), adaptive (AdaKV: the layer's budget to the best "
+        "scores of all its heads; scoring policies only), shared (one set a layer). "
+        "uniform and adaptive need a per-head pool (--kv-layout head); default: "
+        "uniform there, shared on a per-layer pool."))
+
+    @field_validator("heads")
+    @classmethod
+    def _scored(cls, value: HeadsMode | None) -> HeadsMode | None:
+        if value == "adaptive" and not cls.ADAPTIVE:
+            raise ValueError("adaptive budgets share a layer's budget by score, and this "
+                             "policy ranks no tokens by score: use uniform or shared")
+        return value
+
+    def heads_mode(self, per_head: bool) -> HeadsMode:
+        """`heads`, or the pool's default (uniform over a per-head pool)."""
+        return self.heads or ("uniform" if per_head else "shared")

@@ -34,6 +34,7 @@ _WINDOW_HELP = "Most recent tokens never evicted (part of the budget)."
 
 
 class KnormConfig(EvictingPolicyConfig):
+    ADAPTIVE: ClassVar[bool] = True
     name: Literal["knorm"] = "knorm"
     budget: Budget = budget_field(1024)  # 001's headline budget at 4096
     window: int = Field(0, ge=0, description=_WINDOW_HELP)
@@ -42,6 +43,7 @@ class KnormConfig(EvictingPolicyConfig):
 
 
 class KeyDiffConfig(EvictingPolicyConfig):
+    ADAPTIVE: ClassVar[bool] = True
     name: Literal["keydiff"] = "keydiff"
     budget: Budget = budget_field(1024)
     window: int = Field(0, ge=0, description=_WINDOW_HELP)

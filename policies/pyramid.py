@@ -21,6 +21,7 @@ from policies.snapkv import OddKernel, pool_scores
 
 
 class PyramidConfig(EvictingPolicyConfig):
+    ADAPTIVE: ClassVar[bool] = True
     name: Literal["pyramid"] = "pyramid"
     budget: Budget = budget_field(1024, "Mean tokens kept per layer C (002 Table 1: 1024)")
     beta: int = Field(20, ge=1, description="Pyramid steepness: the top layer keeps C / beta.")
@@ -164,7 +165,7 @@ class PyramidPolicy:
                 edges.append([0] * nl)
         keep, edges = view.by_layer(keep), view.by_layer(edges)
         within = view.within(keep)
-        if not within and c.kernel_size == 1 and NATIVE["state"] \
+        if not within and c.kernel_size == 1 and NATIVE["state"] and not view.adaptive \
                 and view.slot_pos.device.type == "cpu":  # the window and the plan, one op
             drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
             return PyramidPolicy._shift_window(p, view, drop, edges)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from policies.base import NATIVE, resolve_budget
+from policies.heads import adaptive_drops
 
 # Up to this many drops per row a partial top-k plus a tie count beats a full stable sort
 # (about 10x on a thousand scores); beyond it (a prompt's one big plan) we sort.
@@ -86,6 +87,9 @@ class RowsView:
     # statistics are that head's: Hkv = 1 above). A policy that treats layers apart
     # (pyramid's budgets) reads layer = lane // heads.
     heads: int = 1
+    # `"heads": "adaptive"` (AdaKV, policies/heads.py): the drops `keep_highest` makes are
+    # spread over a layer's heads by score instead of each head dropping to its budget.
+    adaptive: bool = False
     _live: torch.Tensor | None = field(default=None, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
@@ -325,6 +329,10 @@ def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
     """The drop mask that leaves keep[i] live tokens in row i: its first `first` and
     last `last` live ones (together at most keep[i]) and the highest `scores` ([N, W],
     or [L, R, W] as `drop_lowest` takes it; over `divisor` as it says) among the rest.
-    Rows already within keep[i] drop nothing."""
-    return drop_lowest(view.live_or_positions, scores,
-                       [max(0, n - k) for n, k in zip(view.lengths, keep)], first, last, divisor)
+    Rows already within keep[i] drop nothing. `view.adaptive`: a layer's heads keep the
+    sum of keep[i] over them, by score (AdaKV, `adaptive_drops`)."""
+    drop = [max(0, n - k) for n, k in zip(view.lengths, keep)]
+    if view.adaptive:
+        drop = adaptive_drops(scores, view.live, view.lengths, drop, view.heads,
+                              view.num_requests, first, last, divisor)
+    return drop_lowest(view.live_or_positions, scores, drop, first, last, divisor)

@@ -16,6 +16,7 @@ from pydantic import AfterValidator, Field
 
 from policies.base import Needs, StepView, prefill_envelope, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
+from policies.heads import adaptive_drops
 from policies.rows import RowsView, drop_lowest
 
 Pooling = Literal["avg", "max"]
@@ -34,6 +35,7 @@ class SnapKVConfig(EvictingPolicyConfig):
     """Defaults from SnapKV's code (`init_snapkv`): window 32, max_capacity_prompt 2048,
     kernel 5, avgpool (the paper's ablations also use kernel 7 with maxpool)."""
 
+    ADAPTIVE: ClassVar[bool] = True
     name: Literal["snapkv"] = "snapkv"
     budget: Budget = budget_field(2048, "Prompt tokens kept per layer, the observation "
                                   "window included (max_capacity_prompt)")
@@ -206,6 +208,9 @@ def _drop(c: SnapKVConfig, view: RowsView, active: list[bool],
                              c.pooling).mean(dim=1)
         # candidates: live ranks in (sink, body], i.e. all but the first `sink` live
         # slots and the last n - body (the window and anything after it)
-        out |= drop_lowest(view.positions, scores, b_drop, b_sink,
-                           [n - b for n, b in zip(view.lengths, b_body)])
+        after = [n - b for n, b in zip(view.lengths, b_body)]
+        if view.adaptive:  # AdaKV over SnapKV's scores (policies/heads.py)
+            b_drop = adaptive_drops(scores, live, view.lengths, b_drop, view.heads,
+                                    view.num_requests, b_sink, after)
+        out |= drop_lowest(view.positions, scores, b_drop, b_sink, after)
     return out

@@ -164,7 +164,7 @@ class EngineCore(StepLaunch, StepComplete):
         self.limits = ModelLimits.of(
             self.max_model_len,
             min(self.max_model_len, pool_tokens) if self.kv.num_blocks else self.max_model_len,
-            config.default_kv_policy)
+            config.default_kv_policy, per_head=lanes > mc.num_layers)
         self.policies = PolicyRunner(self.kv, lanes, self._rotate,
                                      config.batch_policies, spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)

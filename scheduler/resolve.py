@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from policies.catalog import parse_kv_policy
-from policies.config import KVPolicyConfig
+from policies.config import KVPolicyConfig, KVPolicyError
 from scheduler.limits import fit_max_tokens, shifts_rope
 
 
@@ -32,14 +32,27 @@ class ModelLimits:
     max_model_len: int
     max_request_tokens: int  # min(context, whole pool) in tokens: a default's ceiling
     default_kv_policy: KVPolicyConfig  # for requests that name none, resolved for the model
+    per_head: bool = False  # the pool's pages are per (layer, kv head) (`--kv-layout head`)
 
     @classmethod
     def of(cls, max_model_len: int, max_request_tokens: int,
-           default_kv_policy: object) -> ModelLimits:
+           default_kv_policy: object, per_head: bool = False) -> ModelLimits:
         """`default_kv_policy` (`--default-kv-policy`: a name, an object or a config;
         None: full) parsed and resolved for the model, once for every request."""
         config = parse_kv_policy(default_kv_policy or "full")
-        return cls(max_model_len, max_request_tokens, config.for_context(max_model_len))
+        check_heads(config, per_head)
+        return cls(max_model_len, max_request_tokens, config.for_context(max_model_len),
+                   per_head)
+
+
+def check_heads(config: KVPolicyConfig, per_head: bool) -> None:
+    """A policy's `heads` against the pool: keeping tokens per head needs pages per head."""
+    heads = getattr(config, "heads", None)
+    if heads in ("uniform", "adaptive") and not per_head:
+        raise KVPolicyError(f"kv_policy ({config.name}): heads {heads!r} keeps tokens per kv "
+                            "head, which needs a per-head pool (the server's --kv-layout "
+                            "head); this one keeps one set a layer: use 'shared'",
+                            "kv_policy.heads")
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ def resolve_request(limits: ModelLimits, kv_policy: object = None,
     """
     config = (limits.default_kv_policy if kv_policy is None
               else parse_kv_policy(kv_policy).for_context(limits.max_model_len))
+    check_heads(config, limits.per_head)
     rope_shift = shifts_rope(config)
     return Resolved(config, tuple(
         fit_max_tokens(prompt_len, max_tokens, limits.max_model_len, rope_shift=rope_shift,

@@ -23,7 +23,7 @@ def test_mass_summed_over_kv_heads_is_head_sums_bits(hq: int, hkv: int, d: int, 
     head order exactly as the policy bridge's head_sum adds it (bit for bit: the
     policies' kept sets depend on it), the output unchanged; also for a lone sequence,
     which is then not cut into kv-head slices."""
-    from kvpool.policy_rows import head_sum
+    from kvpool.head_stats import head_sum
 
     evict = {0: [0, 4, 5], 1: [1, 2, 3, 4, 29], 3: [*range(10, 30), 50, 51, 90]}
     for prefixes in ([9, 30, 2, 99, 500], [301]):

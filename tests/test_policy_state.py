@@ -258,7 +258,7 @@ def test_engine_keeps_the_same_tokens_with_and_without_the_ops(native, tmp_path,
 def test_head_sum_is_torch_sum(hkv):
     """The view's mass summed over kv heads by a chain of adds (policy_rows.head_sum):
     the same bits as torch's sum over that dim, on a strided slice as the runner's."""
-    from kvpool.policy_rows import head_sum
+    from kvpool.head_stats import head_sum
 
     g = torch.Generator().manual_seed(hkv)
     mass = torch.rand(3, 9, 2, hkv, 70, generator=g) ** 3

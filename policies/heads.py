@@ -1,0 +1,68 @@
+"""How a request's policy keeps tokens across the kv heads of a layer (`kv_policy`'s
+`heads`), over a per-head pool (`--kv-layout head`), where each (layer, kv head) is a
+row of the policy's view with its own slots and statistics:
+
+- `uniform` (a per-head pool's default): every head ranks its own tokens by its own
+  scores and keeps the policy's budget (kvpress's per-head presses);
+- `adaptive`: AdaKV (arXiv 2407.11550; kvpress `AdaKVPress`): a layer's budget, the
+  sum of its heads', goes to the highest scores among all its heads, so a head whose
+  attention is spread keeps more than one that looks at a few tokens; each head keeps
+  at least `ALPHA` of its own budget (the paper's safeguard, kvpress's alpha_safeguard);
+- `shared` (a per-layer pool's only mode): one set a layer, every head scored by the
+  layer's statistics (kvpool/head_stats.py), as a per-layer pool keeps it.
+
+`adaptive_drops` turns a step's per-row drop counts into AdaKV's: the same total a
+layer, spread by score. The policy then drops each row's lowest as it always does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+HEADS = ("uniform", "adaptive", "shared")
+ALPHA = 0.2  # AdaKV's safeguard: the share of its budget a head always keeps
+
+
+def _candidates(live: torch.Tensor, first: list[int], last: list[int]) -> torch.Tensor:
+    """[N, W] bool: live slots outside each row's first `first` and last `last` live."""
+    n = live.shape[0]
+    rank = live.cumsum(dim=1)
+    from_end = live.flip(1).cumsum(dim=1).flip(1)
+    return (live & (rank > torch.tensor(first).view(n, 1))
+            & (from_end > torch.tensor(last).view(n, 1)))
+
+
+def adaptive_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int],
+                   drop: list[int], heads: int, requests: int,
+                   first: list[int] | int = 0, last: list[int] | int = 0,
+                   divisor: torch.Tensor | None = None) -> list[int]:
+    """AdaKV's drop count for every row (rows (l·H + h)·R + r, [N, W] `scores` and
+    `live`; `lengths`, `drop`: per row): each (layer, request) drops the sum of its
+    heads' `drop`, its lowest scores among all its heads' candidates (live slots past
+    the first `first` and last `last` of their row), less each head's top
+    ALPHA × (its kept count) that stays whatever the others score. `divisor` [N]: rank
+    scores / divisor, as `drop_lowest` does."""
+    n, w = live.shape
+    if not any(drop):
+        return drop
+    f = first if isinstance(first, list) else [first] * n
+    t = last if isinstance(last, list) else [last] * n
+    s = scores.reshape(n, w).float()
+    if divisor is not None:
+        s = s / divisor.view(n, 1)
+    cand = _candidates(live.reshape(n, w), f, t)
+    keep = [m - d for m, d in zip(lengths, drop)]
+    safe = torch.tensor([int(k * ALPHA) for k in keep]).view(n, 1)
+    # each row's top `safe` candidates are kept whatever the others score
+    order = s.masked_fill(~cand, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    top = torch.zeros_like(cand).scatter_(1, order, torch.arange(w).expand(n, w) < safe)
+    pool = cand & ~top
+    # a layer's heads side by side: [L·R groups, H·W], and its total drop
+    lanes = n // requests
+    grouped = s.masked_fill(~pool, float("inf")).view(lanes // heads, heads, requests, w)
+    grouped = grouped.transpose(1, 2).reshape(-1, heads * w)
+    total = torch.tensor(drop).view(lanes // heads, heads, requests).sum(dim=1).view(-1, 1)
+    rank = grouped.argsort(dim=1, stable=True).argsort(dim=1)
+    chosen = (rank < total) & grouped.isfinite()
+    counts = chosen.view(lanes // heads, requests, heads, w).sum(dim=3).transpose(1, 2)
+    return counts.reshape(-1).tolist()
