@@ -40,7 +40,8 @@ def adaptive_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int],
     `live`; `lengths`, `drop`: per row): each (layer, request) drops the sum of its
     heads' `drop`, its lowest scores among all its heads' candidates (live slots past
     the first `first` and last `last` of their row), less each head's top
-    ALPHA × (its kept count) that stays whatever the others score. `divisor` [N]: rank
+    ALPHA × (its kept count), those first and last included, that stays whatever the
+    others score. `divisor` [N]: rank
     scores / divisor, as `drop_lowest` does."""
     n, w = live.shape
     if not any(drop):
@@ -52,7 +53,10 @@ def adaptive_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int],
         s = s / divisor.view(n, 1)
     cand = _candidates(live.reshape(n, w), f, t)
     keep = [m - d for m, d in zip(lengths, drop)]
-    safe = torch.tensor([int(k * ALPHA) for k in keep]).view(n, 1)
+    # AdaKV's safeguard counts the row's sinks and window (kvpress scores them above
+    # every other token, so they are its top): only the rest of it is taken here
+    forced = (live.reshape(n, w).sum(dim=1) - cand.sum(dim=1)).view(n, 1)
+    safe = (torch.tensor([int(k * ALPHA) for k in keep]).view(n, 1) - forced).clamp(min=0)
     # each row's top `safe` candidates are kept whatever the others score
     order = s.masked_fill(~cand, float("-inf")).argsort(dim=1, descending=True, stable=True)
     top = torch.zeros_like(cand).scatter_(1, order, torch.arange(w).expand(n, w) < safe)
