@@ -99,6 +99,14 @@ class KVCacheManager:
         """Blocks (all layers) that `tokens` tokens of a full cache hold."""
         return self.num_layers * -(-tokens // self.block_size)
 
+    def head_spread(self, cache: SeqCache) -> tuple[int, int] | None:
+        """(fewest, most) live tokens among a cache's (layer, kv head) lanes over a
+        per-head pool; None over a per-layer pool."""
+        if self.tables.heads == 1:
+            return None
+        live = cache.layer_live
+        return min(live), max(live)
+
     def ring(self, policy: Any | None) -> tuple[int, int] | None:
         """(sink, cap) of the ring a request under `policy` gets at its window, or None."""
         return getattr(policy, "ring", None) if self.rings else None

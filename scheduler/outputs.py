@@ -34,6 +34,10 @@ class KVUsage:
     evicted_tokens: int = 0  # slots evicted by its kv_policy, summed over layers / num_layers
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     peak_bytes: int = 0  # peak_blocks × the pool's bytes per block (scales included)
+    # Over a per-head pool: live tokens of the (layer, kv head) holding the fewest and
+    # the most when the request let its cache go (how unevenly its heads kept tokens).
+    head_live_min: int = 0
+    head_live_max: int = 0
 
 
 @dataclass(slots=True)

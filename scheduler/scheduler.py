@@ -369,6 +369,9 @@ class Scheduler:
         kv = req.kv
         kv.peak_blocks = max(kv.peak_blocks, blocks)
         kv.peak_live_tokens = max(kv.peak_live_tokens, live)
+        spread = self.kv.head_spread(req.cache)
+        if spread is not None:  # the last release (the finished request's) stays
+            kv.head_live_min, kv.head_live_max = spread
         self.kv.release(req.cache)
         req.cache = None
 

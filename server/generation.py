@@ -136,6 +136,7 @@ class Generation:
                 "peak_bytes": sum(k.peak_bytes for k in kv),
                 "evicted_tokens": sum(k.evicted_tokens for k in kv),
                 "prefix_hit_tokens": sum(k.prefix_hit_tokens for k in kv),
+                **_head_spread(kv),
             },
         }
 
@@ -167,3 +168,14 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _head_spread(kv: list[KVUsage]) -> dict[str, int]:
+    """`usage.kv_cache`'s per-head fields over a per-head pool (`--kv-layout head`): the
+    live tokens of the (layer, kv head) that held the fewest and the most at the end,
+    over the choices; nothing over a per-layer pool."""
+    spread = [k for k in kv if k.head_live_max]
+    if not spread:
+        return {}
+    return {"head_live_tokens_min": min(k.head_live_min for k in spread),
+            "head_live_tokens_max": max(k.head_live_max for k in spread)}

@@ -36,6 +36,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+HEAD_IMBALANCE_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 100.0)
 FINISH_REASONS = ("stop", "length", "abort")
 PREEMPTION_MODES = ("recompute", "swap")
 REJECT_REASONS = ("queue_full", "invalid", "unavailable")
@@ -171,6 +172,10 @@ class ServerMetrics:
                                TOKEN_BUCKETS)
         self.gen_len = hist("request_generation_tokens", "Generated tokens per finished "
                             "request.", TOKEN_BUCKETS)
+        self.head_imbalance = hist(
+            "request_kv_head_imbalance", "Over a per-head pool (--kv-layout head): live "
+            "tokens of a finished request's fullest (layer, kv head) over its emptiest.",
+            HEAD_IMBALANCE_BUCKETS)
         self.success = Counter(P + "request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
@@ -220,6 +225,8 @@ class ServerMetrics:
         if reason == "abort":
             return
         self.e2e.observe(max(0.0, now - out.arrival_time))
+        if out.kv is not None and out.kv.head_live_max:
+            self.head_imbalance.observe(out.kv.head_live_max / max(1, out.kv.head_live_min))
         self.prompt_len.observe(out.num_prompt_tokens)
         self.gen_len.observe(out.num_output_tokens)
         if out.first_token_time is not None and out.num_output_tokens > 1:
