@@ -141,6 +141,10 @@ def drive(engine, desc: str, progress: bool = True, collect: dict[str, list[int]
                     "peak_live_tokens": kv.peak_live_tokens if kv else 0,
                     "peak_blocks": kv.peak_blocks if kv else 0,
                     "evicted_tokens": kv.evicted_tokens if kv else 0,
+                    # over a per-head pool, its (layer, kv head) lanes' fewest and most
+                    # live tokens at the end (0 elsewhere)
+                    "head_live_min": getattr(kv, "head_live_min", 0) if kv else 0,
+                    "head_live_max": getattr(kv, "head_live_max", 0) if kv else 0,
                     "prefix_hit_tokens": kv.prefix_hit_tokens if kv else 0}
                 bar.update(1)
     wall = time.perf_counter() - t0

@@ -43,6 +43,10 @@ buys, on the same machine in the same run), `--policies streaming,streaming:nori
 (StreamingLLM also run without its ring, `streaming_ring=False`: appending, then
 evicting after the step).
 
+Per-head pages (issue 65, benchmarks/policy_heads.py): `<policy>:head`, `:adaptive`,
+`:shared` run a policy on a per-head pool of the same bytes, `--baselines ...,head` adds
+`full:head`, `--heads head,adaptive` those ways of every policy of `--policies`.
+
     python -m benchmarks.bench_policies --out runs/
 """
 
@@ -58,8 +62,8 @@ import tempfile
 import time
 
 from benchmarks import bench_common as bc
-from benchmarks import kvpress_compare
-from benchmarks.policy_eval import POLICIES, policy_config, run_quality
+from benchmarks import kvpress_compare, policy_heads
+from benchmarks.policy_eval import HEAD_WAYS, POLICIES, check_variant, run_quality, variant
 from engine.sampling import SamplingParams
 from loadtest.random_models import FIRST_TOKEN_ID, MODEL_CONFIGS, build_model
 from scheduler.engine_core import EngineConfig, EngineCore
@@ -69,19 +73,25 @@ NAME = "bench_policies"
 DOC_HEADING = "## KV eviction policies under memory pressure (issue 5)"
 
 
-BASELINES = ("vllm", "fit")  # the extra ways to run `full`: names "full:<way>"
+# The extra ways to run `full`: names "full:<way>"; `head` (a per-head pool) is opt-in.
+BASELINES = ("vllm", "fit", "head")
+WAYS = ("unbatched", "noring", *HEAD_WAYS)  # a policy's "<policy>:<way>"
 
 
 def _engine(path: str, num_blocks: int, max_seqs: int, args: argparse.Namespace,
             reserve_preempted: bool = True, batch_policies: bool = True,
-            streaming_ring: bool = True) -> EngineCore:
+            streaming_ring: bool = True, kv_layout: str = "layer") -> EngineCore:
+    """`num_blocks`: a per-layer pool's; a per-head pool gets the same bytes (the kv-head
+    count × as many pages, each one head's)."""
+    if kv_layout == "head":
+        num_blocks *= int(MODEL_CONFIGS[args.model]["num_key_value_heads"])
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
                                    dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                    reserve_preempted=reserve_preempted,
                                    batch_policies=batch_policies,
-                                   streaming_ring=streaming_ring))
+                                   streaming_ring=streaming_ring, kv_layout=kv_layout))
 
 
 def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
@@ -142,6 +152,7 @@ def run_throughput(path: str, args: argparse.Namespace) -> dict:
         for k in ("tok_s", "tok_per_cpu_s", "max_running", "mean_running"):
             r[f"{k}_vs_full"] = r[k] / full[k] if full[k] else None
         r["tok_s_vs_best_full"] = r["tok_s"] / best
+    policy_heads.vs_layer(out["policies"])
     out["ceiling"] = run_ceiling(path, args, blocks, budget, full["tok_s"], best, rates, means)
     return out
 
@@ -150,17 +161,19 @@ def _run_one(path: str, args: argparse.Namespace, name: str, blocks: int, budget
              gens: list[int], vocab: int) -> dict:
     """One throughput run of `name` (a policy, or `full[:way]`, or `<policy>:<way>`)."""
     base, _, way = name.partition(":")
-    kv = policy_config(base, budget)
+    layout, kv = variant(name, budget)
     eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
                   args, reserve_preempted=way != "vllm",
-                  batch_policies=way != "unbatched", streaming_ring=way != "noring")
+                  batch_policies=way != "unbatched", streaming_ring=way != "noring",
+                  kv_layout=layout)
     _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
     bc.drive(eng, "warm-up", progress=False)
     _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
+    st0 = eng.stats()
     c0 = time.process_time()
     d = bc.drive(eng, f"throughput {name}", progress=not args.no_progress)
     cpu = time.process_time() - c0
-    st = eng.stats()
+    st = eng.stats().since(st0)
     steps_total = sum(s.total_s for s in d.steps)
     recs = list(d.requests.values())
     r = {"kv_policy": kv, "wall_s": d.wall_s, "cpu_s": cpu, "output_tokens": d.output_tokens,
@@ -173,7 +186,7 @@ def _run_one(path: str, args: argparse.Namespace, name: str, blocks: int, budget
          "max_peak_live_tokens": max(x["peak_live_tokens"] for x in recs),
          "preemptions": sum(st.preemptions_total.values()),
          "policy_share": sum(s.policy_s for s in d.steps) / steps_total,
-         "anatomy": step_anatomy(d.steps)}
+         "anatomy": step_anatomy(d.steps), **policy_heads.memory(st, recs, base, layout)}
     print(f"[throughput] {name}: {r['tok_s']:.1f} tok/s, max {r['max_running']} / mean "
           f"{r['mean_running']:.1f} running, {r['preemptions']} preemptions, "
           f"{d.wall_s:.1f} s (CPU {cpu:.1f} s)", flush=True)
@@ -299,9 +312,9 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
         names = ["full", *args.policies]  # a `:<way>` as part 1 runs it (`_run_one`)
         for name in names[::-1] if k % 2 else names:
             base, _, way = name.partition(":")
+            layout, kv = variant(name, budget)
             eng = _engine(path, blocks, n, args, batch_policies=way != "unbatched",
-                          streaming_ring=way != "noring")
-            kv = policy_config(base, budget)
+                          streaming_ring=way != "noring", kv_layout=layout)
             _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
             d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
             sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]
@@ -334,10 +347,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fit", type=int, default=8, help="full-cache requests the pool holds")
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--gen", type=int, default=512, help="issue: 3584 (= 4096 - 512)")
-    p.add_argument("--baselines", default=",".join(BASELINES),
+    p.add_argument("--baselines", default="vllm,fit",
                    help="extra ways to run full beside the default: vllm (a preempted "
                         "request comes back on what it needs now), fit (at most --fit "
-                        "running); empty: none")
+                        "running), head (a per-head pool of the same bytes); empty: none")
+    p.add_argument("--heads", default="",
+                   help="also run each policy of --policies on a per-head pool of the same "
+                        "bytes, these ways: head (each kv head its own tokens), adaptive "
+                        "(AdaKV; scoring policies only), shared (one set a layer); head "
+                        "adds full:head too")
     p.add_argument("--gen-spread", type=float, default=0.0,
                    help="draw each request's length from gen × [1 - s, 1 + s] (0: all equal)")
     p.add_argument("--budget", type=float, default=0.25, help="of prompt + gen")
@@ -374,17 +392,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.command = f"python -m benchmarks.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)
     a.parts = a.parts.split(",")
     a.policies = [x for x in a.policies.split(",") if x and x != "full"]
-    bad = [x for x in a.policies if x.partition(":")[0] not in POLICIES
-           or x.partition(":")[2] not in ("", "unbatched", "noring")]
-    if bad:
-        p.error(f"--policies: unknown {', '.join(bad)} (a policy, <policy>:unbatched or "
-                "<policy>:noring)")
+    a.baselines = [x for x in a.baselines.split(",") if x]
+    if (why := policy_heads.expand(a)) is not None:  # --heads, and full:<way> to baselines
+        p.error(why)
+    bad = [f"{x} (<policy>[:{'|'.join(WAYS)}])" if x.partition(":")[2] not in ("", *WAYS)
+           else check_variant(x) for x in a.policies]
+    if any(bad):
+        p.error(f"--policies: {'; '.join(b for b in bad if b)}")
     a.quality_variants = [x for x in a.quality_variants.split(";") if x]
     bad = [x for x in a.quality_variants if x.partition("/")[0] not in POLICIES
            or not all("=" in o for o in x.partition("/")[2].split(","))]
     if bad:
         p.error(f"--quality-variants: cannot read {', '.join(bad)}")
-    a.baselines = [x for x in a.baselines.split(",") if x]
     if set(a.baselines) - set(BASELINES):
         p.error(f"--baselines: choose from {', '.join(BASELINES)}")
     bc.parse_quality_args(a)
@@ -396,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "baselines", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
+                        "model", "requests", "fit", "baselines", "heads", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
                         "policies", "seed",
                         "overhead_batch", "overhead_steps", "ceiling_steps", "rounds", "quality_budgets", "ppl_windows",
                         "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",

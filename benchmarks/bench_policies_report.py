@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 
 from benchmarks import bench_common as bc
-from benchmarks import kvpress_report
+from benchmarks import heads_report, kvpress_report
 
 TARGET = 3.0  # issue 5: the best policies serve ≥ 3× full's output tokens/s
 
@@ -43,6 +43,7 @@ _FULL_WAYS = {
     "full": "default engine: a preempted request comes back once it can finish",
     "full:vllm": "vLLM's rule: a preempted request comes back on what it needs now",
     "full:fit": "at most `fit` running: never preempted",
+    "full:head": "default engine, a per-head pool of the same bytes (`kv_layout=\"head\"`)",
 }
 
 
@@ -82,7 +83,7 @@ def _throughput(t: dict, st: dict) -> list[str]:
             f"| {_f(r['tok_per_cpu_s_vs_full'], '.2f', '×')} | {_f(r['p99_e2e_s'])} "
             f"| {r['mean_peak_live_tokens']:.0f} / {r['max_peak_live_tokens']} "
             f"| {r['preemptions']} | {100 * r['policy_share']:.1f}% |")
-    return lines + _ceiling(t)
+    return lines + heads_report.throughput(t) + _ceiling(t)
 
 
 def _ceiling(t: dict) -> list[str]:
@@ -219,7 +220,7 @@ def _quality(q: dict) -> list[str]:
         f"windows of {q['window']} tokens; the first {q['prompt']} are the prompt (prefilled "
         "as the engine would: one chunk, or for a policy that bounds its prompt chunks of its "
         f"budget, at least {q.get('min_prefill_chunk', 256)} tokens, evicting between them; "
-        "then the policy acts), the other {q['scored_tokens']} in all are teacher-forced "
+        f"then the policy acts), the other {q['scored_tokens']} in all are teacher-forced "
         "one at a time through the bounded cache and scored (000 §4.1). Full-cache kvserve "
         f"{full['ppl']:.3f} vs transformers {q['reference_ppl_transformers']:.3f} on the same "
         f"tokens ({'agree' if q['full_matches_reference'] else 'DISAGREE'}). Needle "
@@ -234,7 +235,7 @@ def _quality(q: dict) -> list[str]:
             f"| {r['policy']} | {r['budget']:.0%} | {r['ppl']:.3f} | {r['ppl'] / base:.3f} "
             f"| {r['needle_mean']:.0%} | "
             + " | ".join(f"{r['needle_by_depth'][d]:.0%}" for d in depths) + " |")
-    return lines + kvpress_report.comparison(q)
+    return lines + heads_report.quality(q) + kvpress_report.comparison(q)
 
 
 def render(report: dict) -> str:
@@ -319,8 +320,9 @@ def plot(report: dict, path: str) -> None:
         _anatomy_bars(ax[1], report["throughput"]["policies"])
     if has_q:
         rows = q["rows"]
-        budgets = sorted({r["budget"] for r in rows if r["policy"] != "full"})
-        names = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+        budgets = sorted({r["budget"] for r in rows if not r["policy"].startswith("full")})
+        names = list(dict.fromkeys(r["policy"] for r in rows
+                                   if not r["policy"].startswith("full")))
         by = {(r["policy"], r["budget"]): r for r in rows}
         w = 0.8 / max(1, len(budgets))
         for k, b in enumerate(budgets):

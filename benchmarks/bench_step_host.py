@@ -40,8 +40,10 @@ PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sampl
 
 
 def measure(model: str, dtype: str, running: int, steps: int,
-            kv_policy: str | None, detokenize: bool = False) -> dict[str, float]:
-    """One engine, `running` requests decoding, `steps` steps timed: per-step means."""
+            kv_policy: str | None, detokenize: bool = False,
+            kv_layout: str = "layer") -> dict[str, float]:
+    """One engine, `running` requests decoding, `steps` steps timed: per-step means.
+    `kv_layout`: the pool's pages (`EngineConfig.kv_layout`), its bytes the same."""
     from benchmarks.bench_offline_systems import Workload
     from engine.sampling import SamplingParams
     from loadtest.random_models import MODEL_CONFIGS, build_model
@@ -54,7 +56,8 @@ def measure(model: str, dtype: str, running: int, steps: int,
         w = Workload.draw(running, (32, 500), (24, 256), vocab, seed=0)
         # the CPU engine's figure (issue 18): on a CUDA machine too (bench_gpu there)
         llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=running,
-                  max_num_batched_tokens=2048, enable_prefix_caching=False, device="cpu")
+                  max_num_batched_tokens=2048, enable_prefix_caching=False, device="cpu",
+                  kv_layout=kv_layout)
         eng, seen = llm.engine, []
         eng.on_step = seen.append
         policy = resolve_request(eng.limits, json.loads(kv_policy) if kv_policy else None
@@ -134,6 +137,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--running", type=int, default=64, help="requests decoding")
     p.add_argument("--steps", type=int, default=200, help="steps timed per round")
     p.add_argument("--kv-policy", help="a kv_policy (JSON) for every request; default full")
+    p.add_argument("--kv-layout", default="layer", choices=("layer", "head"),
+                   help="the pool's pages: one layer's every kv head, or one (layer, kv "
+                        "head) (issue 65; bench_kv_layout sets them side by side)")
     p.add_argument("--detokenize", action="store_true",
                    help="requests detokenize their tokens, as a served request does")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: cores)")
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     threads = a.threads or cpu_threads.plan(None, None).threads
     choice = pin_threads(f"benchmarks.{NAME}", threads, argv, default_wait=a.cpu_wait)
-    args = (a.model, a.dtype, a.running, a.steps, a.kv_policy, a.detokenize)
+    args = (a.model, a.dtype, a.running, a.steps, a.kv_policy, a.detokenize, a.kv_layout)
     if a.worker:
         with open(a.worker, "w", encoding="utf-8") as f:
             json.dump(measure(*args), f)
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "threads": choice, "settings": vars(a), "rounds": []}
     same = ["--model", a.model, "--dtype", a.dtype, "--running", str(a.running), "--steps", str(a.steps),
             "--threads", str(threads), "--cpu-wait", a.cpu_wait, *(["--kv-policy", a.kv_policy] if a.kv_policy else []),
-            *(["--detokenize"] if a.detokenize else [])]
+            *(["--detokenize"] if a.detokenize else []),
+            *(["--kv-layout", a.kv_layout] if a.kv_layout != "layer" else [])]
     def say(got: dict) -> str:
         line = f"outside forward {100 * got['this']['outside_share']:.1f}%"
         return line + (f" (base {100 * got['base']['outside_share']:.1f}%)" if "base" in got else "")

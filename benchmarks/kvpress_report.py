@@ -9,6 +9,7 @@ without it (older runs, no kvpress venv) renders exactly as before.
 from __future__ import annotations
 
 from benchmarks import bench_common as bc
+from benchmarks.kvpress_compare import PER_HEAD
 
 TOLERANCE = 0.02  # issue 20: each policy within 2 points of the same method's press
 
@@ -23,15 +24,25 @@ def _method(row: dict) -> str:
     return row["method"].partition("@")[0]
 
 
+def _beside(row: dict, ours: set[str]) -> str:
+    """Which of our rows a kvpress row goes after: its method's, or where the run has
+    the method per head (`<m>:head`, issue 65) and the press keeps a set per kv head
+    (`kvpress_compare.PER_HEAD`), that one (its head-mean ranking stays with ours)."""
+    m = _method(row)
+    head = f"{m}:head"
+    return head if head in ours and m in PER_HEAD and "@" not in row["method"] else m
+
+
 def interleave(q: dict) -> list[tuple[dict, float]]:
     """(row, its own full-cache PPL) in table order: each of our rows followed by the
     kvpress rows of the same method and budget (the press, then its head-mean
-    ranking); a kvpress row's PPL / full divides by kvpress's own full-cache row
-    (transformers as its venv has it)."""
+    ranking; a per-head press after our per-head row, `_beside`); a kvpress row's PPL /
+    full divides by kvpress's own full-cache row (transformers as its venv has it)."""
     ours, theirs = q["rows"], kv_rows(q)
+    names = {r["policy"] for r in ours}
     by: dict[tuple[str, float], list[dict]] = {}
     for r in theirs:
-        by.setdefault((_method(r), r["budget"]), []).append(r)
+        by.setdefault((_beside(r, names), r["budget"]), []).append(r)
     full = ours[0]["ppl"]
     kv_full = by.get(("full", 1.0), [ours[0]])[0]["ppl"]
     out: list[tuple[dict, float]] = []

@@ -8,6 +8,11 @@ both must be measured at the *same* budget, through the engine's own code paths.
   002 §3.2; pyramid: the mean per layer, 002 eq. 2), sink 4 + window budget − 4 for the
   streaming family (003; 000 Alg. 1 with C = S + W), h2o's recent window at 003's
   ratio (128 of 1024 = 1/8).
+- `variant`: a name "<policy>:<way>" where the way changes what is kept, over a per-head
+  pool (`EngineConfig.kv_layout="head"`, issue 65): `:head` (kv_policy `heads` uniform:
+  each kv head its own top tokens), `:adaptive` (AdaKV: a layer's budget shared among
+  its heads by score; the policies that rank by score, `ADAPTIVE_POLICIES`) and
+  `:shared` (one set a layer, what the per-layer pool keeps, in per-head pages).
 - `KVServeBackend`: the demo harness's `Backend` (`generate`) on an `EngineCore`, every
   request under one policy, so `demo_model.evaluate.needle` runs unchanged; and
   `score_continuations`, the teacher-forced perplexity protocol of
@@ -46,6 +51,11 @@ from scheduler.resolve import resolve_request
 
 POLICIES: tuple[str, ...] = tuple(n for n in CATALOG if n != "full")
 SINK = 4
+# Ways that put a policy on a per-head pool (`--kv-layout head`), by its kv_policy `heads`
+HEAD_WAYS: dict[str, str] = {"head": "uniform", "adaptive": "adaptive", "shared": "shared"}
+# Policies whose `heads` may be "adaptive": those that rank tokens by a score
+ADAPTIVE_POLICIES: tuple[str, ...] = tuple(
+    n for n in POLICIES if getattr(CATALOG[n][0], "ADAPTIVE", False))
 
 
 @functools.lru_cache(maxsize=2)
@@ -109,6 +119,34 @@ def policy_config(name: str, budget: int) -> dict[str, Any] | str:
     if name == "h2o":
         cfg["window"] = max(1, budget // 8)
     return cfg
+
+
+def variant(name: str, budget: int) -> tuple[str, dict[str, Any] | str]:
+    """(kv_layout, kv_policy) of `name`: `policy_config`'s, on a per-layer pool, or for
+    "<name>:<way>" of `HEAD_WAYS` on a per-head pool with kv_policy `heads` set ("full:head":
+    the full cache in per-head pages). Other ways (`:unbatched`, `:noring`) change how
+    the engine runs a policy, not what it keeps: the plain policy's, per layer."""
+    base, _, way = name.partition(":")
+    cfg = policy_config(base, budget)
+    if way not in HEAD_WAYS:
+        return "layer", cfg
+    if isinstance(cfg, dict):
+        cfg["heads"] = HEAD_WAYS[way]
+    return "head", cfg
+
+
+def check_variant(name: str) -> str | None:
+    """Why `name` ("<policy>[/<opts>][:<way>]") is no variant `variant` runs, or None."""
+    base, _, way = name.partition(":")
+    policy = base.partition("/")[0]
+    if policy not in (*POLICIES, "full"):
+        return f"{name}: no policy {policy!r}"
+    if way == "adaptive" and policy not in ADAPTIVE_POLICIES:
+        return (f"{name}: adaptive budgets need a policy that ranks by score "
+                f"({', '.join(ADAPTIVE_POLICIES)})")
+    if policy == "full" and way not in ("", "head"):
+        return f"{name}: full runs per layer or per head (full:head) only here"
+    return None
 
 
 class KVServeBackend:
@@ -217,12 +255,18 @@ def evaluate_quality(args, progress: bool = True) -> dict:
     with open(os.path.join(args.demo_model, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     per_seq = cfg["num_hidden_layers"] * (math.ceil(cfg["max_position_embeddings"] / 16) + 2)
-    eng = EngineCore(EngineConfig(  # room for every window and needle prompt at once
-        model=args.demo_model, max_num_seqs=max(len(prompts), len(windows)),
-        num_blocks=(len(prompts) + len(windows)) * per_seq, enable_prefix_caching=False,
-        kv_cache_dtype=getattr(args, "quality_kv_cache_dtype", "auto"),
-        batch_policies=getattr(args, "quality_batch_policies", True),
-        min_prefill_chunk=getattr(args, "quality_min_prefill_chunk", MIN_PREFILL_CHUNK)))
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+
+    def engine(layout: str) -> EngineCore:  # room for every window and needle prompt at once
+        return EngineCore(EngineConfig(  # a per-head pool: the same bytes in pages of one head
+            model=args.demo_model, max_num_seqs=max(len(prompts), len(windows)),
+            num_blocks=(len(prompts) + len(windows)) * per_seq * (heads if layout == "head" else 1),
+            kv_layout=layout, enable_prefix_caching=False,
+            kv_cache_dtype=getattr(args, "quality_kv_cache_dtype", "auto"),
+            batch_policies=getattr(args, "quality_batch_policies", True),
+            min_prefill_chunk=getattr(args, "quality_min_prefill_chunk", MIN_PREFILL_CHUNK)))
+
+    eng = engine("layer")
     ref = TransformersBackend(args.demo_model)
     ref_lp = [ref.score(w)[prompt_len - 1:] for w in windows]
     out: dict = {"model": args.demo_model, "windows": len(windows), "window": args.ppl_window,
@@ -232,21 +276,27 @@ def evaluate_quality(args, progress: bool = True) -> dict:
                  "needle_prompts": len(prompts), "needle": needle_kw,
                  "reference_ppl_transformers": math.exp(-sum(map(sum, ref_lp)) / sum(map(len, ref_lp))),
                  "rows": []}
-    backend = KVServeBackend(eng)
+    backends = {"layer": KVServeBackend(eng)}  # a per-head pool's once a variant needs it
     names = [*args.policies, *getattr(args, "quality_variants", [])]
     configs = [("full", 1.0)] + [(p, b) for b in args.quality_budgets for p in names]
+    if any(n.partition(":")[2] in HEAD_WAYS for n in names):  # the per-head pool's own full
+        configs.insert(1, ("full:head", 1.0))
     for name, frac in tqdm(configs, desc="quality", unit="config", disable=not progress):
         t = time.perf_counter()
-        backend.kv_policy = policy_config(name, round(frac * args.ppl_window))
+        layout, kv = variant(name, round(frac * args.ppl_window))
+        if layout not in backends:
+            backends[layout] = KVServeBackend(engine(layout))
+        backend = backends[layout]
+        backend.kv_policy = kv
         lps = backend.score_continuations(windows, prompt_len)
         nll = -sum(map(sum, lps)) / sum(map(len, lps))
-        per = [policy_config(name, round(frac * len(p))) for p in prompts]
+        per = [variant(name, round(frac * len(p)))[1] for p in prompts]
         replay = NeedleReplay(eng.max_model_len)
         replay.answers = backend.generate_many(prompts, 8, per)
         acc = needle(replay, data, **needle_kw)
         by_depth, mean = needle_summary(acc)
         out["rows"].append({
-            "policy": name, "budget": frac, "kv_policy": backend.kv_policy,
+            "policy": name, "budget": frac, "kv_policy": backend.kv_policy, "kv_layout": layout,
             "budget_tokens": round(frac * args.ppl_window), "nll": nll, "ppl": math.exp(nll),
             "needle": acc, "needle_by_depth": by_depth, "needle_mean": mean,
             "wall_s": time.perf_counter() - t})
@@ -254,16 +304,17 @@ def evaluate_quality(args, progress: bool = True) -> dict:
         from benchmarks import kvpress_compare
 
         out["kvpress"] = kvpress_compare.quality(args, data, windows, prompts, needle_kw,
-                                                 args.policies)
+                                                 [n.partition(":")[0] for n in args.policies])
     full = out["rows"][0]
     out["full_matches_reference"] = abs(full["ppl"] / out["reference_ppl_transformers"] - 1) < 1e-3
     return out
 
 
 def _plain(names: list[str]) -> list[str]:
-    """Policies without a `:<way>` (ways change how the engine runs a policy, not what it
-    keeps: quality is the plain policy's)."""
-    return [n for n in names if ":" not in n]
+    """Policies without a `:<way>` that changes how the engine runs a policy, not what it
+    keeps (`:unbatched`, `:noring`: quality is the plain policy's); the ways of a per-head
+    pool (`HEAD_WAYS`) keep other tokens, and stay."""
+    return [n for n in names if n.partition(":")[2] in ("", *HEAD_WAYS)]
 
 
 def run_quality(args: argparse.Namespace) -> dict:
