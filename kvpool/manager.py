@@ -60,7 +60,7 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, num_layers: int, *, watermark: float = 0.01,
                  enable_prefix_caching: bool = True, swap: SwapSpace | None = None,
                  rows: int = 16, min_prefill_chunk: int = MIN_PREFILL_CHUNK,
-                 heads: int = 1) -> None:
+                 heads: int = 1, head_roles: torch.Tensor | None = None) -> None:
         """`num_layers`: a request's lanes (its page lists and lengths): one a layer, or
         one a (layer, kv head) over a per-head pool, `heads` a layer (lane l·heads + h).
         Memory counts lanes where this class says layers; only the policies tell them
@@ -78,6 +78,7 @@ class KVCacheManager:
         self.rings = True
         # Every cache is a row of these (kvpool/tables.py); they grow as needed.
         self.tables = SlotTables(num_layers, pool.block_size, rows=rows, heads=heads)
+        self.tables.head_roles = head_roles  # what `duo` streams by (policies/duo_attention.py)
 
     # ---- sizes ---------------------------------------------------------------------
     @property
@@ -159,6 +160,19 @@ class KVCacheManager:
         if during >= prompt_len - 1:
             return max_chunk
         return min(max_chunk, max(self.min_prefill_chunk, during))
+
+    def hit_limit(self, policy: Any | None, prompt_len: int) -> int | None:
+        """Most prefix-cache blocks of tokens a request may take at admission: under a
+        policy that bounds its prompt (`prefill_chunk`'s case), the whole blocks of its
+        bound: with the chunk its first step computes it holds at most the bound plus one
+        chunk, as a chunked prefill would (a streaming request once took a whole cached
+        750-token prompt for a 68-token window, then evicted it); None: no limit."""
+        if policy is None or not hasattr(policy, "max_live") or prompt_len < 2:
+            return None
+        during = policy.max_live(prompt_len - 1, prompt_len, self.block_size)
+        if during >= prompt_len - 1:
+            return None
+        return during // self.block_size
 
     def fits(self, blocks: int, watermark: bool = True) -> bool:
         """Whether `blocks` more can be taken now, keeping the watermark free (growth

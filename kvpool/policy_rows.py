@@ -145,6 +145,7 @@ def build_view(members: list[Member]) -> RowsView:
     mode = getattr(getattr(policy, "config", None), "heads_mode", None)
     mode = mode(tables.heads > 1) if mode is not None else "shared"
     view.adaptive = mode == "adaptive" and tables.heads > 1
+    view.head_roles = tables.head_roles
     view.in_place = frozenset(getattr(policy, "state_in_place", ()))
     whole = set()
     for name in state:

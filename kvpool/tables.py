@@ -109,6 +109,9 @@ class SlotTables(EvictionPasses):
         as `RowsView.heads`; nothing else here tells lanes from layers)."""
         self.num_layers = num_layers
         self.heads = heads
+        # The served model's head roles per lane (`RowsView.head_roles`), set by the
+        # manager over a per-head pool when the model has a roles file.
+        self.head_roles: torch.Tensor | None = None
         self.bs = block_size
         self.table = torch.full((num_layers, max(1, rows), max(1, width_blocks)), -1,
                                 dtype=torch.int64)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from policies.attention_scores import H2OConfig, H2OPolicy, TOVAConfig, TOVAPolicy
 from policies.base import Policy
 from policies.config import FullPolicyConfig, KVPolicyConfig, KVPolicyError
+from policies.duo_attention import DuoConfig, DuoPolicy
 from policies.full import FullPolicy
 from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy
 from policies.norms import KeyDiffConfig, KeyDiffPolicy, KnormConfig, KnormPolicy
@@ -41,6 +42,7 @@ CATALOG: dict[str, tuple[type[KVPolicyConfig], type]] = {
     "snapkv": (SnapKVConfig, SnapKVPolicy),
     "pyramid": (PyramidConfig, PyramidPolicy),
     "lazy_eviction": (LazyEvictionConfig, LazyEvictionPolicy),
+    "duo": (DuoConfig, DuoPolicy),
 }
 
 # What each keeps, in a user's words (GET /v1/kv_policies; docs/policies.md has the rest).
@@ -62,6 +64,9 @@ SUMMARIES: dict[str, str] = {
                "`budget`, by observation-window attention.",
     "lazy_eviction": "Every `window` decode steps, keeps the recent `window` and the "
                      "tokens whose attention recurs, down to `budget`.",
+    "duo": "DuoAttention: retrieval heads keep every token, streaming heads (the "
+           "`streaming_ratio` the model's head roles need least) `sink` + `window`. Needs "
+           "--kv-layout head.",
 }
 
 

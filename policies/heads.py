@@ -33,26 +33,29 @@ def _candidates(live: torch.Tensor, first: list[int], last: list[int]) -> torch.
 
 
 def adaptive_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int],
-                   drop: list[int], heads: int, requests: int,
+                   keep: list[int], heads: int, requests: int,
                    first: list[int] | int = 0, last: list[int] | int = 0,
                    divisor: torch.Tensor | None = None) -> list[int]:
     """AdaKV's drop count for every row (rows (l·H + h)·R + r, [N, W] `scores` and
-    `live`; `lengths`, `drop`: per row): each (layer, request) drops the sum of its
-    heads' `drop`, its lowest scores among all its heads' candidates (live slots past
-    the first `first` and last `last` of their row), less each head's top
-    ALPHA × (its kept count), those first and last included, that stays whatever the
-    others score. `divisor` [N]: rank
-    scores / divisor, as `drop_lowest` does."""
+    `live`; `lengths` and `keep`, its budget, per row): each (layer, request) keeps the
+    sum of its heads' budgets, so it drops what its heads hold beyond it (a head under
+    its budget leaves room for another over it), its lowest scores among all its heads'
+    candidates (live slots past the first `first` and last `last` of their row), less
+    each head's top ALPHA × (its budget), those first and last included, that stays
+    whatever the others score. `divisor` [N]: rank scores / divisor, as `drop_lowest`
+    does."""
     n, w = live.shape
-    if not any(drop):
-        return drop
+    lanes = n // requests
+    over = torch.tensor(lengths) - torch.tensor(keep)
+    total = over.view(lanes // heads, heads, requests).sum(dim=1).clamp(min=0).view(-1, 1)
+    if not bool(total.any()):
+        return [0] * n
     f = first if isinstance(first, list) else [first] * n
     t = last if isinstance(last, list) else [last] * n
     s = scores.reshape(n, w).float()
     if divisor is not None:
         s = s / divisor.view(n, 1)
     cand = _candidates(live.reshape(n, w), f, t)
-    keep = [m - d for m, d in zip(lengths, drop)]
     # AdaKV's safeguard counts the row's sinks and window (kvpress scores them above
     # every other token, so they are its top): only the rest of it is taken here
     forced = (live.reshape(n, w).sum(dim=1) - cand.sum(dim=1)).view(n, 1)
@@ -62,10 +65,8 @@ def adaptive_drops(scores: torch.Tensor, live: torch.Tensor, lengths: list[int],
     top = torch.zeros_like(cand).scatter_(1, order, torch.arange(w).expand(n, w) < safe)
     pool = cand & ~top
     # a layer's heads side by side: [L·R groups, H·W], and its total drop
-    lanes = n // requests
     grouped = s.masked_fill(~pool, float("inf")).view(lanes // heads, heads, requests, w)
     grouped = grouped.transpose(1, 2).reshape(-1, heads * w)
-    total = torch.tensor(drop).view(lanes // heads, heads, requests).sum(dim=1).view(-1, 1)
     rank = grouped.argsort(dim=1, stable=True).argsort(dim=1)
     chosen = (rank < total) & grouped.isfinite()
     counts = chosen.view(lanes // heads, requests, heads, w).sum(dim=3).transpose(1, 2)

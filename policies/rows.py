@@ -90,6 +90,9 @@ class RowsView:
     # `"heads": "adaptive"` (AdaKV, policies/heads.py): the drops `keep_highest` makes are
     # spread over a layer's heads by score instead of each head dropping to its budget.
     adaptive: bool = False
+    # The served model's head roles (`kv_head_roles.json`), [lanes] float32, higher =
+    # more needed for retrieval: what `duo` reads to choose its streaming heads.
+    head_roles: torch.Tensor | None = None
     _live: torch.Tensor | None = field(default=None, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 
@@ -331,8 +334,9 @@ def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
     or [L, R, W] as `drop_lowest` takes it; over `divisor` as it says) among the rest.
     Rows already within keep[i] drop nothing. `view.adaptive`: a layer's heads keep the
     sum of keep[i] over them, by score (AdaKV, `adaptive_drops`)."""
-    drop = [max(0, n - k) for n, k in zip(view.lengths, keep)]
     if view.adaptive:
-        drop = adaptive_drops(scores, view.live, view.lengths, drop, view.heads,
+        drop = adaptive_drops(scores, view.live, view.lengths, keep, view.heads,
                               view.num_requests, first, last, divisor)
+    else:
+        drop = [max(0, n - k) for n, k in zip(view.lengths, keep)]
     return drop_lowest(view.live_or_positions, scores, drop, first, last, divisor)

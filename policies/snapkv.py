@@ -210,7 +210,8 @@ def _drop(c: SnapKVConfig, view: RowsView, active: list[bool],
         # slots and the last n - body (the window and anything after it)
         after = [n - b for n, b in zip(view.lengths, b_body)]
         if view.adaptive:  # AdaKV over SnapKV's scores (policies/heads.py)
-            b_drop = adaptive_drops(scores, live, view.lengths, b_drop, view.heads,
+            keep = [n - d for n, d in zip(view.lengths, b_drop)]
+            b_drop = adaptive_drops(scores, live, view.lengths, keep, view.heads,
                                     view.num_requests, b_sink, after)
         out |= drop_lowest(view.positions, scores, b_drop, b_sink, after)
     return out

@@ -36,6 +36,7 @@ from policies.catalog import build_policy
 from policies.config import KVPolicyConfig
 from scheduler.detokenizer import Detokenizer
 from scheduler.engine_config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from scheduler.head_roles import load_roles, roles_path
 from scheduler.inflight import HostIds, Launch
 from scheduler.limits import fit_shifted_positions, shifts_rope
 from scheduler.outputs import (
@@ -134,11 +135,16 @@ class EngineCore(StepLaunch, StepComplete):
         # The tables' lanes: one a layer, or one a (layer, kv head) in a per-head pool;
         # below the engine core, memory counts lanes where it counted layers.
         lanes = num_lanes(config, mc)
+        # DuoAttention's head roles, saved beside the model by `kvserve head-roles`
+        roles = (load_roles(config.model, mc.num_layers, mc.num_kv_heads)
+                 if lanes > mc.num_layers else None)
+        if roles is not None:
+            logger.info("kv head roles", extra={"fields": {"path": str(roles_path(config.model))}})
         self.kv = KVCacheManager(self.pool, lanes, watermark=config.watermark,
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  swap=self.swap, rows=min(config.max_num_seqs, 16),
                                  min_prefill_chunk=config.min_prefill_chunk,
-                                 heads=lanes // mc.num_layers)
+                                 heads=lanes // mc.num_layers, head_roles=roles)
         if config.preemption_mode == "auto":
             cost = calibrate(self.runner, self.kv)
         self.cost_model = cost
@@ -164,7 +170,8 @@ class EngineCore(StepLaunch, StepComplete):
         self.limits = ModelLimits.of(
             self.max_model_len,
             min(self.max_model_len, pool_tokens) if self.kv.num_blocks else self.max_model_len,
-            config.default_kv_policy, per_head=lanes > mc.num_layers)
+            config.default_kv_policy, per_head=lanes > mc.num_layers, lanes=lanes,
+            head_roles=roles is not None)
         self.policies = PolicyRunner(self.kv, lanes, self._rotate,
                                      config.batch_policies, spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)

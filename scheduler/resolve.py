@@ -17,10 +17,12 @@ either with a 400 naming the field, the offline API lets them through.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.catalog import parse_kv_policy
-from policies.config import KVPolicyConfig, KVPolicyError
+from policies.config import FullPolicyConfig, KVPolicyConfig, KVPolicyError
+from policies.duo_attention import DuoConfig
+from scheduler.head_roles import ROLES_FILE
 from scheduler.limits import fit_max_tokens, shifts_rope
 
 
@@ -33,26 +35,54 @@ class ModelLimits:
     max_request_tokens: int  # min(context, whole pool) in tokens: a default's ceiling
     default_kv_policy: KVPolicyConfig  # for requests that name none, resolved for the model
     per_head: bool = False  # the pool's pages are per (layer, kv head) (`--kv-layout head`)
+    lanes: int = 0  # (layer, kv head) pairs over a per-head pool, layers otherwise
+    head_roles: bool = False  # the model has head roles (`kvserve head-roles`) loaded
 
     @classmethod
-    def of(cls, max_model_len: int, max_request_tokens: int,
-           default_kv_policy: object, per_head: bool = False) -> ModelLimits:
+    def of(cls, max_model_len: int, max_request_tokens: int, default_kv_policy: object,
+           per_head: bool = False, lanes: int = 0, head_roles: bool = False) -> ModelLimits:
         """`default_kv_policy` (`--default-kv-policy`: a name, an object or a config;
         None: full) parsed and resolved for the model, once for every request."""
+        limits = cls(max_model_len, max_request_tokens, FullPolicyConfig(), per_head, lanes,
+                     head_roles)
         config = parse_kv_policy(default_kv_policy or "full")
-        check_heads(config, per_head)
-        return cls(max_model_len, max_request_tokens, config.for_context(max_model_len),
-                   per_head)
+        check_heads(config, limits)
+        return replace(limits, default_kv_policy=config.for_context(max_model_len))
 
 
-def check_heads(config: KVPolicyConfig, per_head: bool) -> None:
-    """A policy's `heads` against the pool: keeping tokens per head needs pages per head."""
+def check_layout(config: KVPolicyConfig, per_head: bool) -> None:
+    """A policy against the pool's layout: keeping tokens per kv head (`heads` uniform or
+    adaptive, `duo`) needs pages per head. Also the start-up check of
+    `--default-kv-policy` against `--kv-layout`, before the model loads."""
     heads = getattr(config, "heads", None)
-    if heads in ("uniform", "adaptive") and not per_head:
+    if per_head:
+        return
+    if heads in ("uniform", "adaptive"):
         raise KVPolicyError(f"kv_policy ({config.name}): heads {heads!r} keeps tokens per kv "
                             "head, which needs a per-head pool (the server's --kv-layout "
                             "head); this one keeps one set a layer: use 'shared'",
                             "kv_policy.heads")
+    if isinstance(config, DuoConfig):
+        raise KVPolicyError("kv_policy (duo): streaming heads keep tokens per kv head, which "
+                            "needs a per-head pool (the server's --kv-layout head)", "kv_policy")
+
+
+def check_heads(config: KVPolicyConfig, limits: ModelLimits) -> None:
+    """`check_layout`, and `duo`'s needs of the model: its head roles, or the lanes it
+    streams named (on this model's lanes)."""
+    check_layout(config, limits.per_head)
+    if not isinstance(config, DuoConfig):
+        return
+    if config.streaming_heads is None and not limits.head_roles:
+        raise KVPolicyError(
+            f"kv_policy (duo): this model has no head roles ({ROLES_FILE} beside it: run "
+            "`kvserve head-roles --model DIR`), so streaming_ratio cannot pick the heads; "
+            "name them in streaming_heads", "kv_policy.streaming_ratio")
+    bad = [x for x in config.streaming_heads or () if not 0 <= x < limits.lanes]
+    if bad:
+        raise KVPolicyError(f"kv_policy (duo): streaming_heads {bad}: a lane is layer × kv "
+                            f"heads + head, 0..{limits.lanes - 1} on this model",
+                            "kv_policy.streaming_heads")
 
 
 @dataclass(frozen=True)
@@ -76,7 +106,7 @@ def resolve_request(limits: ModelLimits, kv_policy: object = None,
     """
     config = (limits.default_kv_policy if kv_policy is None
               else parse_kv_policy(kv_policy).for_context(limits.max_model_len))
-    check_heads(config, limits.per_head)
+    check_heads(config, limits)
     rope_shift = shifts_rope(config)
     return Resolved(config, tuple(
         fit_max_tokens(prompt_len, max_tokens, limits.max_model_len, rope_shift=rope_shift,

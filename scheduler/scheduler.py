@@ -258,6 +258,9 @@ class Scheduler:
         # still publishes it) instead of taking hits.
         scores_prompt = (req.policy is not None and req.policy.needs.attention) or req.scoring_prompt
         hashes = req.block_hashes if self.kv.prefix_caching and not scores_prompt else []
+        limit = self.kv.hit_limit(req.policy, len(req.prompt_ids))
+        if limit is not None:
+            hashes = hashes[:limit]
         found = self.kv.lookup(hashes)
         hits = len(found)
         if hits < len(hashes) and hashes[hits] in self.pending:

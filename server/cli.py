@@ -227,7 +227,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
     g.add_argument("--sample-seed", type=int, default=None,
                    help="sampling seed; without it, one is drawn from --seed")
+    h = sub.add_parser("head-roles", formatter_class=HelpFormatter,
+                       help="measure which kv heads a long context needs, for kv_policy "
+                       "duo (writes kv_head_roles.json beside the model)")
+    _add_engine_args(h)
+    h.add_argument("--prompts", type=int, default=8, help="pass-key prompts")
+    h.add_argument("--length", type=int, default=512, help="tokens a prompt")
+    h.add_argument("--sink", type=int, default=4, help="sinks a streaming head keeps")
+    h.add_argument("--window", type=int, default=64, help="recent tokens it keeps")
+    h.add_argument("--out", default=None, help="where to write (default: beside the model)")
     return parser
+
+
+def _head_roles(a: argparse.Namespace) -> int:
+    threads(a, "spin")
+    model = resolve_model(a.model)
+    from scheduler.head_roles import measure_and_save
+
+    path = measure_and_save(model, _engine_kwargs(a), a.out, prompts=a.prompts,
+                            length=a.length, sink=a.sink, window=a.window)
+    print(path)
+    return 0
 
 
 def tenancy(a: argparse.Namespace) -> tuple[list[str], dict[str, float]]:
@@ -263,7 +283,7 @@ def _serve(a: argparse.Namespace) -> int:
     from server.logs import configure_logging
     from server.settings import ServerSettings
 
-    a.default_kv_policy = default_kv_policy(a.default_kv_policy)
+    a.default_kv_policy = default_kv_policy(a.default_kv_policy, a.kv_layout)
     check_kv_cache_dtype(a.kv_cache_dtype)
     check_byte_sizes(a)
     model = resolve_model(a.model)
@@ -366,7 +386,7 @@ def offline_llm(a: argparse.Namespace) -> tuple[LLM, cpu_threads.CpuThreads]:
     arguments: one place, so a benchmark's offline reference (loadtest/offline_ref.py)
     measures exactly what a user's `kvserve generate` would, defaults included."""
     cpu = threads(a, "spin")  # before torch loads; no HTTP side for threads to spin against
-    a.default_kv_policy = default_kv_policy(a.default_kv_policy)
+    a.default_kv_policy = default_kv_policy(a.default_kv_policy, a.kv_layout)
     check_kv_cache_dtype(a.kv_cache_dtype)
     check_byte_sizes(a)
     model = resolve_model(a.model)
@@ -398,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "head-roles":
+        return _head_roles(args)
     return _generate(args)
 
 

@@ -47,12 +47,14 @@ def resolve_model(arg: str | None) -> str:
     return str(path)
 
 
-def default_kv_policy(value: str) -> Any:
+def default_kv_policy(value: str, kv_layout: str = "layer") -> Any:
     """`--default-kv-policy`: a policy name or a JSON `kv_policy` object, checked exactly
-    as a request's `kv_policy` is (policies/config.py), so a typo stops the server at
-    once instead of failing every request that names no policy."""
+    as a request's `kv_policy` is (policies/config.py), and against `--kv-layout` (a
+    per-head policy on a per-layer pool), so a typo stops the server at once instead of
+    failing every request that names no policy."""
     from policies.catalog import parse_kv_policy
     from policies.config import KVPolicyError
+    from scheduler.resolve import check_layout
 
     text = value.strip()
     parsed: Any = text
@@ -62,9 +64,11 @@ def default_kv_policy(value: str) -> Any:
         except ValueError as e:
             fail(f"--default-kv-policy is not valid JSON: {e}")
     try:
-        return parse_kv_policy(parsed)
+        config = parse_kv_policy(parsed)
+        check_layout(config, kv_layout == "head")
     except KVPolicyError as e:
         fail(f"--default-kv-policy: {e}")
+    return config
 
 
 def check_kv_cache_dtype(value: str) -> None:

@@ -381,10 +381,6 @@ def test_adaptive_spreads_a_layers_budget_over_its_heads(head_llm: LLM) -> None:
     assert [len(x) for x in s["sets"]] == live
 
 
-@pytest.mark.xfail(strict=True, reason="adaptive decode steps drop the per-row overflow "
-                   "sum(max(0, n_h - budget)) a layer, not sum(n_h) - H·budget, so a "
-                   "layer's total sinks below H·budget (policies/heads.py adaptive_drops, "
-                   "policies/rows.py keep_highest)")
 def test_adaptive_keeps_a_layers_total_through_decode(head_llm: LLM) -> None:
     """Through decode, each step's eviction leaves a layer of an adaptive request at
     H × budget tokens, as uniform's lanes stay at the budget each."""
@@ -396,10 +392,6 @@ def test_adaptive_keeps_a_layers_total_through_decode(head_llm: LLM) -> None:
     assert all(t == [H * BUDGET] * LAYERS for t in totals), totals
 
 
-@pytest.mark.xfail(strict=True, reason="adaptive's safeguard keeps ALPHA of a head's current "
-                   "count (int(ALPHA·(n - drop)), policies/heads.py adaptive_drops), not of "
-                   "its budget: in decode a head under its budget loses tokens step after "
-                   "step, down to none")
 def test_adaptive_keeps_every_heads_floor_through_decode(head_llm: LLM) -> None:
     """Through decode no head of an adaptive (keydiff) request falls below ALPHA × budget
     live tokens (AdaKV's safeguard)."""
@@ -492,9 +484,6 @@ def test_bad_kv_layout_exits_2(capsys: pytest.CaptureFixture) -> None:
     assert "--kv-layout" in err and "invalid choice" in err, err
 
 
-@pytest.mark.xfail(strict=True, reason="server/startup_checks.py default_kv_policy parses the "
-                   "policy but never runs scheduler/resolve.py check_heads against "
-                   "--kv-layout: the server loads the model and then exits 1 with a traceback")
 def test_per_head_default_policy_on_a_layer_server_exits_2_before_loading(
         capsys: pytest.CaptureFixture) -> None:
     """`--default-kv-policy` with heads uniform and no `--kv-layout head` is refused as

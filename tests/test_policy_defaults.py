@@ -44,13 +44,17 @@ def test_listing_resolves_defaults_for_the_model() -> None:
     assert describe_policies()[1]["parameters"]["window"]["default"] == 1024  # no model
 
 
-def test_every_default_policy_evicts_on_the_demo_model() -> None:
+@pytest.mark.parametrize("layout", ["layer", "head"])
+def test_every_default_policy_evicts_on_the_demo_model(layout: str) -> None:
     """A 900-token prompt on the demo model (1,024 positions): with the old absolute
     defaults (1,024-2,048 tokens) h2o, tova, knorm, keydiff, snapkv, pyramid, streaming
-    and lazy_streaming kept everything and looked like `full`."""
-    core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=4096))
+    and lazy_streaming kept everything and looked like `full`. Over a per-head pool too,
+    with duo (per head only) streaming by the demo model's shipped head roles."""
+    pages = 4096 if layout == "layer" else 8192  # the same bytes: 2 kv heads
+    core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=pages,
+                                   kv_layout=layout))
     assert core.max_model_len == 1024
-    names = [n for n in sorted(CATALOG) if n != "full"]
+    names = [n for n in sorted(CATALOG) if n != "full" and (layout == "head" or n != "duo")]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     prompt = [5 + (7 * i) % 200 for i in range(900)]
     for name in names:  # all at once: one batched run of every policy
