@@ -49,7 +49,9 @@ from policies.catalog import CATALOG, build_policy
 from scheduler.request import Request
 from scheduler.resolve import resolve_request
 
-POLICIES: tuple[str, ...] = tuple(n for n in CATALOG if n != "full")
+# Every policy a per-layer pool runs (duo streams whole heads: a per-head pool and the
+# model's head roles only, which the random-weight throughput model has none of)
+POLICIES: tuple[str, ...] = tuple(n for n in CATALOG if n not in ("full", "duo"))
 SINK = 4
 # Ways that put a policy on a per-head pool (`--kv-layout head`), by its kv_policy `heads`
 HEAD_WAYS: dict[str, str] = {"head": "uniform", "adaptive": "adaptive", "shared": "shared"}
