@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _head_roles(a: argparse.Namespace) -> int:
     threads(a, "spin")
     model = resolve_model(a.model)
-    from scheduler.head_roles import measure_and_save
+    from scheduler.measure_roles import measure_and_save
 
     path = measure_and_save(model, _engine_kwargs(a), a.out, prompts=a.prompts,
                             length=a.length, sink=a.sink, window=a.window)
