@@ -209,22 +209,27 @@ def by_head(g: AttentionGroup, heads: int, num_layers: int) -> AttentionGroup:
     a sequence of its own with one kv head, row h·B + b of [L, H·B, ...] tables (views
     of the lanes, which are layer-major), so the same kernels read every head's own
     pages and length. q goes in as `heads_q` makes it and comes out through `heads_out`.
-    The kernels' in-place targets (a state the mass is added into, the window ring) are
-    not taken over: the mass comes back and the policy adds it (`_groups`)."""
-    assert g.accumulate is None and g.ring is None
+    A group read in place (every row of the tables, `table_rows`: `SlotTables.rows_of`
+    hands a per-head pool's decode groups so) is viewed without a copy, and so are the
+    lanes' state the kernel adds the mass into and the window ring."""
     rows = g.tables.shape[1]
 
-    def lanes(t: torch.Tensor) -> torch.Tensor:  # [L·H, R, X] -> [L, H·R, X]
-        return t.reshape(num_layers, heads * rows, *t.shape[2:])
+    def lanes(t: torch.Tensor, write: bool = False) -> torch.Tensor:  # [L·H, R, X] -> [L, H·R, X]
+        shape = (num_layers, heads * rows, *t.shape[2:])
+        return t.view(shape) if write else t.reshape(shape)  # a target must stay a view
 
     table_rows = None
     if g.table_rows is not None:  # row r of head h is row h·R + r of the lanes' view
         table_rows = (torch.arange(heads)[:, None] * rows + g.table_rows[None]).reshape(-1)
+    ring = None
+    if g.ring is not None:
+        ring = RingTarget(lanes(g.ring.values, True), lanes(g.ring.total, True),
+                          g.ring.cols.repeat(heads), g.ring.shift)
     return AttentionGroup(
         g.members, g.q_index, g.valid, g.q_pos.repeat(heads, 1), lanes(g.tables),
         lanes(g.slot_pos), g.want_probs,
         None if g.want_kd is None else g.want_kd.repeat(heads), False, g.whole,
-        table_rows)
+        table_rows, None if g.accumulate is None else lanes(g.accumulate, True), ring)
 
 
 def heads_q(q: torch.Tensor, heads: int) -> torch.Tensor:

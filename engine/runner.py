@@ -262,9 +262,8 @@ class ModelRunner:
                 decode = len(s.token_ids) == 1
                 summed = s.wants_attention and not s.attention_heads and sums_heads
                 into = ""  # the kernel adds or writes the mass summed over every head
-                # (not over a per-head pool yet: its lanes are not the kernel's rows, `by_head`)
                 if (decode and (s.accumulate or s.ring) and not s.wants_key_diversity and kernel
-                        and self.heads == 1 and (summed or hkv == 1) and self._accumulates()):
+                        and (summed or hkv == 1) and self._accumulates()):
                     name = s.accumulate or s.ring[0]  # type: ignore[index]
                     into = name if name in s.cache.tables.state else ""
                 buckets.setdefault((decode, s.wants_attention and not into, summed, into),

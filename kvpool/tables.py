@@ -248,7 +248,10 @@ class SlotTables(EvictionPasses):
         runs."""
         self.ensure_width(nb)
         s = nb * self.bs
-        if whole and not consecutive(rows):
+        # Over a per-head pool every row, always: the kernels' per-head view of the lanes
+        # ([L, H·R, ...], engine/attention_groups.by_head) is then a view, not a copy of
+        # the rows' positions each step, and the kernel can add into the lanes' state.
+        if whole and (self.heads > 1 or not consecutive(rows)):
             return (self.table.narrow(2, 0, nb), self.slot_pos.narrow(2, 0, s),
                     int64_tensor(rows))
         return rows_slice(self.table, rows, nb), rows_slice(self.slot_pos, rows, s), None

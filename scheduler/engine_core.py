@@ -15,6 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from transformers import AutoTokenizer
@@ -207,6 +208,12 @@ class EngineCore(StepLaunch, StepComplete):
             raise TypeError(f"kv_policy must be a config resolved for the model by "
                             f"scheduler.resolve.resolve_request, not {kv_policy!r}")
         policy = build_policy(config) if config.name != "full" else None
+        if policy is not None and self.limits.per_head and getattr(
+                config, "heads_mode", lambda _: "")(True) == "shared":
+            # One set a layer over a per-head pool: the bridge sums the lanes' mass into
+            # the layer's (kvpool/head_stats.py), so the kernel must not add a lane's own
+            # into its state (it would give each lane of the layer its own head's).
+            policy.needs = replace(policy.needs, accumulate=None, ring=None)
         rope_shift = shifts_rope(config)
         # max_tokens 0 (scoring) still holds every prompt token: count it like 1 (the
         # last sampled token is never fed back, so it needs no slot).
