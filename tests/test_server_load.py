@@ -151,7 +151,10 @@ def test_disconnect_50_streams_frees_everything(
     while engine.num_active or engine.stats.blocks_used or engine.stats.num_running:
         assert time.monotonic() < deadline, (engine.num_active, engine.stats)
         time.sleep(0.01)
-    assert counter.steps - steps_at_close <= 5  # aborted within a few steps, not 200
+    # Aborted within a few steps, not the 200 each stream asked for. How many steps run
+    # before the server sees 50 hang-ups depends on the machine's load (6 seen in a full
+    # run beside other work): the bound guards the abort, not the machine's speed.
+    assert counter.steps - steps_at_close <= 20
     assert engine.stats.blocks_used == 0 and engine.num_queued == 0
     deadline = time.monotonic() + 5
     while server.call(count_tasks()) > baseline_tasks:
