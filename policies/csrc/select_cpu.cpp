@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "adaptive.h"  // AdaKV's drop counts, registered below
 #include "live_slots.h"
 #include "../../native/csrc/team.h"
 
@@ -304,6 +305,8 @@ TORCH_LIBRARY(kvserve_policies, m) {
   m.def("pack_live(Tensor scores, Tensor positions, Tensor rows, int bs) -> Tensor");
   m.def("block_drops(Tensor means, Tensor positions, Tensor rows, Tensor nfull, Tensor drop, "
         "int bs) -> Tensor");
+  m.def("adaptive_drops(Tensor scores, Tensor live, Tensor counts, int heads, int requests, "
+        "Tensor? divisor=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_policies, CPU, m) {
@@ -311,4 +314,5 @@ TORCH_LIBRARY_IMPL(kvserve_policies, CPU, m) {
   m.impl("drop_earliest", drop_earliest);
   m.impl("pack_live", pack_live);
   m.impl("block_drops", block_drops);
+  m.impl("adaptive_drops", adaptive::adaptive_drops);
 }
