@@ -29,6 +29,7 @@ from policies.rows import RowsView
 from policies.snapkv import pool_scores
 from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.resolve import resolve_request
+from tests.policy_recording import step_recording
 from tests.policy_views import LayersView, LayerView
 
 REFERENCE = Path(__file__).parent / "data" / "kvpress_demo.pt"
@@ -63,28 +64,18 @@ def run_ours(ref: dict[str, Any]) -> dict[str, tuple[LayersView, dict[int, torch
     core = EngineCore(EngineConfig(model=str(DEMO_MODEL_DIR), num_blocks=1024, device="cpu",
                                    enable_prefix_caching=False))
     seen: dict[str, tuple[LayersView, dict[int, torch.Tensor]]] = {}
-    patched: dict[type, Any] = {}
+    names: dict[type, str] = {}  # the request of each policy class (one each)
     for name, cfg in configs.items():
         core.add_request(name, ref["prompt"], SamplingParams(max_tokens=2),
                          kv_policy=resolve_request(core.limits, cfg).kv_policy)
-        cls = type(core.requests[name].policy)
-        real = cls.__dict__["select"]
-        patched[cls] = real
+        names[type(core.requests[name].policy)] = name
+    assert len(names) == len(configs)
 
-        def recording(policies: list, view: RowsView, _real=real.__func__,
-                      _name=name) -> torch.Tensor | None:
-            drop = _real(policies, view)
-            if view.prefill_done[0]:
-                seen[_name] = _as_step(view, drop)
-            return drop
+    def record(cls: type, view: RowsView, drop: torch.Tensor | None) -> None:
+        if view.prefill_done[0]:
+            seen[names[cls]] = _as_step(view, drop)
 
-        cls.select = staticmethod(recording)
-    try:
-        while core.has_unfinished():
-            core.step()
-    finally:
-        for cls, real in patched.items():
-            cls.select = real
+    step_recording(core, record)
     assert set(seen) == set(configs)
     return seen
 

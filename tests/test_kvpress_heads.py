@@ -25,6 +25,7 @@ from policies.heads import ALPHA
 from policies.rows import RowsView
 from scheduler.engine_core import EngineConfig, EngineCore
 from scheduler.resolve import resolve_request
+from tests.policy_recording import step_recording
 
 REFERENCE = Path(__file__).parent / "data" / "kvpress_demo.pt"
 HEADS = 2  # the demo model's kv heads
@@ -41,26 +42,17 @@ def _kept_per_lane(ref: dict[str, Any], cfg: dict[str, Any]) -> list[set[int]]:
                                    kv_layout="head", enable_prefix_caching=False))
     core.add_request("r", ref["prompt"], SamplingParams(max_tokens=2),
                      kv_policy=resolve_request(core.limits, cfg).kv_policy)
-    cls = type(core.requests["r"].policy)
-    real = cls.__dict__["select"]
     kept: list[set[int]] = []
 
-    def recording(policies: list, view: RowsView) -> torch.Tensor | None:
-        drop = real.__func__(policies, view)
+    def record(cls: type, view: RowsView, drop: torch.Tensor | None) -> None:
         if view.prefill_done[0]:
             assert view.num_requests == 1 and view.heads == HEADS
             for lane in range(view.num_layers):
                 pos = view.positions[lane]
                 gone = torch.zeros_like(pos, dtype=torch.bool) if drop is None else drop[lane]
                 kept.append(set(pos[(pos >= 0) & ~gone].tolist()))
-        return drop
 
-    cls.select = staticmethod(recording)
-    try:
-        while core.has_unfinished():
-            core.step()
-    finally:
-        cls.select = real
+    step_recording(core, record)
     assert len(kept) == core.kv.num_layers
     return kept
 
