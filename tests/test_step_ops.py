@@ -3,7 +3,7 @@
 The torch ops of one engine step are counted with a dispatch-mode counter (every op
 that reaches the dispatcher, views included) at 8 and at 64 running requests in the
 same phase (same prompt length, started together, so block boundaries fall on the same
-step): the counts must be equal. And the step's transfers live in one place: the
+step): the counts must be equal, on a per-layer and on a per-head pool. And the step's transfers live in one place: the
 sampled ids (and logprobs) come back in one copy, the inputs go in one.
 """
 
@@ -55,15 +55,17 @@ def _count_compactions(monkeypatch):
 
 def _ops_per_step(model: str, n: int, policies: list, steps: int = 6,
                   compactions: list[int] | None = None,
-                  used: list[int] | None = None) -> list[Counter[str]]:
+                  used: list[int] | None = None, kv_layout: str = "layer") -> list[Counter[str]]:
     """Ops of `steps` consecutive steps in steady decode; `compactions` gets, per step,
     how many layers were compacted (still one request at a time), `used` the pool's
-    used blocks after it."""
+    used blocks after it. `kv_layout` "head": a per-head pool (a page a (layer, kv head),
+    each head its own tokens), as many pages per token as kv heads, so twice the pages."""
     # One prompt for all, no prefix sharing: members of a policy evict the same slots
     # on the same steps whatever their number, so data-dependent branches (a block
     # emptied, a compaction) fall on the same steps at 8 and at 64.
-    eng = EngineCore(EngineConfig(model=model, num_blocks=6000, block_size=4, device="cpu",
-                                  max_num_seqs=128, enable_prefix_caching=False))
+    eng = EngineCore(EngineConfig(model=model, num_blocks=6000 if kv_layout == "layer" else 12000,
+                                  block_size=4, device="cpu", max_num_seqs=128,
+                                  enable_prefix_caching=False, kv_layout=kv_layout))
     for i in range(n):
         prompt = [5 + (j * 7) % 200 for j in range(16)]
         eng.add_request(f"r{i}", prompt, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True),
@@ -86,10 +88,11 @@ def _ops_per_step(model: str, n: int, policies: list, steps: int = 6,
     return counts
 
 
-def test_full_decode_step_ops_do_not_grow_with_the_batch(model):
+@pytest.mark.parametrize("kv_layout", ["layer", "head"])
+def test_full_decode_step_ops_do_not_grow_with_the_batch(model, kv_layout):
     used: list[int] = []
-    small = _ops_per_step(model, 8, ["full"], used=used)
-    large = _ops_per_step(model, 64, ["full"])
+    small = _ops_per_step(model, 8, ["full"], used=used, kv_layout=kv_layout)
+    large = _ops_per_step(model, 64, ["full"], kv_layout=kv_layout)
     for a, b in zip(small, large):
         assert a == b, {k: (a[k], b[k]) for k in a.keys() | b.keys() if a[k] != b[k]}
     assert len(set(used)) == 2  # a block boundary was measured
@@ -103,18 +106,20 @@ MIXES = [
 ]
 
 
+@pytest.mark.parametrize("kv_layout", ["layer", "head"])
 @pytest.mark.parametrize("mix", MIXES, ids=["streaming+tova+keydiff", "h2o+knorm+lazy"])
-def test_policy_mix_decode_step_ops_do_not_grow_with_the_batch(model, mix):
+def test_policy_mix_decode_step_ops_do_not_grow_with_the_batch(model, mix, kv_layout):
     """Three policies at their budget, batched per policy: the view, the selection, the
     drops, the freed blocks and the compactions that keep scattered survivors within
-    their reservations are a fixed number of ops for any number of members."""
+    their reservations are a fixed number of ops for any number of members. On a
+    per-head pool too, where each policy ranks and drops per (layer, kv head) lane."""
     comp_small: list[int] = []
     comp_large: list[int] = []
-    small = _ops_per_step(model, 8, mix, steps=10, compactions=comp_small)
+    small = _ops_per_step(model, 8, mix, steps=12, compactions=comp_small, kv_layout=kv_layout)
     # 8 and 64 rows are GEMM row buckets (engine/cpu_linear.py): a count between buckets
     # adds the same 4 padding ops per linear at any batch size. 8 = 3 + 3 + 2 members and
     # 64 = 22 + 21 + 21: uneven groups count the same too.
-    large = _ops_per_step(model, 64, mix, steps=10, compactions=comp_large)
+    large = _ops_per_step(model, 64, mix, steps=12, compactions=comp_large, kv_layout=kv_layout)
     for a, b in zip(small, large):
         assert a == b, {k: (a[k], b[k]) for k in a.keys() | b.keys() if a[k] != b[k]}
     assert sum(comp_small) and sum(comp_large), "no compaction was measured"
