@@ -3,8 +3,9 @@
 The torch ops of one engine step are counted with a dispatch-mode counter (every op
 that reaches the dispatcher, views included) at 8 and at 64 running requests in the
 same phase (same prompt length, started together, so block boundaries fall on the same
-step): the counts must be equal, on a per-layer and on a per-head pool. And the step's transfers live in one place: the
-sampled ids (and logprobs) come back in one copy, the inputs go in one.
+step): the counts must be equal, on a per-layer and on a per-head pool. And the step's
+transfers live in one place: the sampled ids (and logprobs) come back in one copy, the
+inputs go in one.
 """
 
 from collections import Counter
