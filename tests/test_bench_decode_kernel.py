@@ -118,3 +118,33 @@ def test_linear_rows_lays_bf16_out_widened_or_in_pairs() -> None:
     laid = bench_linear_rows.layers("tiny", torch.bfloat16, "panels")
     assert len(widened) == len(laid) == 9 and not any(m.pairs for m in widened)
     assert all(m.pairs == (cpu_linear.panels_isa() == "avx512_bf16") for m in laid)
+
+
+def test_per_head_case_is_the_same_attention() -> None:
+    """`--per-head`: the same queries over a per-head pool (a page one kv head's tokens,
+    kv head h of sequence b the sequence h·B + b), its pages filled with the per-layer
+    pool's K/V, give the per-layer case's output regrouped as the runner's `heads_out`."""
+    from engine.attention_groups import heads_out
+
+    case = bench.decode_case(3, 37, 4, 2, 16, torch.float32, seed=0)
+    head = bench.per_head_case(case, 2, 8, seed=1)
+    assert head["q"].shape == (6, 1, 2, 16) and head["table"].shape == (6, 5)
+    for kv in ("k_cache", "v_cache"):
+        for row in range(6):
+            h, b = divmod(row, 3)
+            for j in range(37):
+                page, o = head["table"][row, j // 8], j % 8
+                src = case["table"][b, j // 16]
+                head[kv][page, o, 0] = case[kv][src, j % 16, h]
+    want, _ = paged_attention(**case)
+    got, _ = paged_attention(**head)
+    torch.testing.assert_close(heads_out(got, 2), want, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_per_head_columns(tmp_path, capsys) -> None:
+    report = bench.main(["--shapes", "2x40", "--layers", "2", "--calls", "1", "--rounds", "1",
+                         "--model", "3m", "--per-head", "16,32", "--out", str(tmp_path)])
+    (row,) = report["rounds"][0]["this"]
+    assert row["head16_median_ms"] > 0 and row["head32_median_ms"] > 0
+    assert "per head, 32-token pages" in capsys.readouterr().out
