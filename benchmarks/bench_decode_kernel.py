@@ -37,8 +37,9 @@ import time
 import torch
 
 NAME = "bench_decode_kernel"
-# The 160M model's attention (MHA, 12 heads of 64) and the 3m model's (GQA 8:2, d 32).
-HEADS = {"160m": (12, 12, 64), "3m": (8, 2, 32)}
+# The 160M model's attention (MHA, 12 heads of 64), the 3m model's (GQA 8:2, d 32) and
+# Llama-3-8B's (GQA 32:8, d 128).
+HEADS = {"160m": (12, 12, 64), "3m": (8, 2, 32), "8b": (32, 8, 128)}
 
 
 def decode_case(b: int, n: int, hq: int, hkv: int, d: int, dtype: torch.dtype,

@@ -58,11 +58,13 @@ def run(args: argparse.Namespace, report: dict) -> None:
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as path:
         report["params"] = build_model(args.model, path)
         kv = {}
+        pages = {"layer": args.block_size, "head": args.head_block_size or args.block_size}
+        report["block_size"] = pages
         if "offline" in args.parts:
             warm = Workload.draw(4, (8, 24), (4, 8), vocab, args.seed + 1)
             for layout in LAYOUTS:
                 kv[layout] = KVServe(path, args.kv_memory, args.max_seqs, args.max_batched_tokens,
-                                     args.dtype, kv_layout=layout)
+                                     args.dtype, kv_layout=layout, block_size=pages[layout])
                 kv[layout].run(warm, progress=False)  # kernels, allocator
                 st = kv[layout].llm.engine.stats()
                 report["pools"][layout] = {"pages": st.blocks_total, "page_bytes": st.block_bytes,
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace, report: dict) -> None:
                                        "lengths_ok": r.lengths == w.output_lens}
                 if "step" in args.parts:
                     side["step"] = {str(b): measure(args.model, args.dtype, b, args.steps, None,
-                                                    kv_layout=layout) for b in args.running}
+                                                    kv_layout=layout, block_size=pages[layout])
+                                    for b in args.running}
                 got[layout] = side
             report["rounds"].append(got)
             print(f"round {k + 1}/{args.rounds}: " + "; ".join(
@@ -163,7 +166,8 @@ def render(report: dict) -> str:
     results, plot_path = bc.links(report, NAME)
     lines += [
         "", f"Model {st['model']} ({report['params'] / 1e6:.2f}M params, {st['dtype']}), "
-        f"{st['threads']} thread(s) waiting {st['cpu_wait']}. Offline: prompts "
+        f"{st['threads']} thread(s) waiting {st['cpu_wait']}. Pages of "
+        f"{_pages(report)}. Offline: prompts "
         f"{st['prompt_range'][0]}–{st['prompt_range'][1]}, outputs {st['output_range'][0]}–"
         f"{st['output_range'][1]} tokens, max_num_seqs {st['max_seqs']}, pool "
         f"{st['kv_memory']} ({pool or '—'}), {sum(prem)} preemptions in all"
@@ -173,6 +177,13 @@ def render(report: dict) -> str:
         bc.environment_line(report, results), "",
         "```bash", report["command"], "```", "", f"![full per layer vs per head]({plot_path})"]
     return "\n".join(lines)
+
+
+def _pages(report: dict) -> str:
+    """The tokens a page holds in each layout (runs before --head-block-size: 16)."""
+    p = report.get("block_size", {"layer": 16, "head": 16})
+    return (f"{p['layer']} tokens" if p["layer"] == p["head"]
+            else f"{p['layer']} tokens per layer, {p['head']} per head")
 
 
 def plot(report: dict, path: str) -> None:
@@ -209,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-memory", default="2GiB", help="the offline pool's bytes, either layout")
+    p.add_argument("--block-size", type=int, default=16, help="tokens a page holds")
+    p.add_argument("--head-block-size", type=int, default=None,
+                   help="tokens a per-head page holds (default: --block-size)")
     p.add_argument("--running", default="64", help="requests decoding (a comma list)")
     p.add_argument("--steps", type=int, default=200, help="decode steps timed a round")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads (default: "

@@ -41,9 +41,10 @@ PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sampl
 
 def measure(model: str, dtype: str, running: int, steps: int,
             kv_policy: str | None, detokenize: bool = False,
-            kv_layout: str = "layer") -> dict[str, float]:
+            kv_layout: str = "layer", block_size: int = 16) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means.
-    `kv_layout`: the pool's pages (`EngineConfig.kv_layout`), its bytes the same."""
+    `kv_layout`: the pool's pages (`EngineConfig.kv_layout`), its bytes the same;
+    `block_size`: the tokens a page holds."""
     from benchmarks.bench_offline_systems import Workload
     from engine.sampling import SamplingParams
     from loadtest.random_models import MODEL_CONFIGS, build_model
@@ -57,7 +58,7 @@ def measure(model: str, dtype: str, running: int, steps: int,
         # the CPU engine's figure (issue 18): on a CUDA machine too (bench_gpu there)
         llm = LLM(path, dtype=dtype, kv_cache_memory="1GiB", max_num_seqs=running,
                   max_num_batched_tokens=2048, enable_prefix_caching=False, device="cpu",
-                  kv_layout=kv_layout)
+                  kv_layout=kv_layout, block_size=block_size)
         eng, seen = llm.engine, []
         eng.on_step = seen.append
         policy = resolve_request(eng.limits, json.loads(kv_policy) if kv_policy else None
