@@ -1,13 +1,28 @@
 """What a forward's attention hands the eviction policies, per request: the attention
-mass over its slots, KeyDiff's scores and its new tokens' K/V norms, as the kernels
-computed them. Here, below the model runner and the KV-cache manager, because both read
-it: the runner fills it, the manager's policy bridge (kvpool/policy_rows.py) reads it."""
+mass over its slots, KeyDiff's scores, its new tokens' K/V norms and its prompt's
+pre-RoPE query sums, as the forward computed them. Here, below the model runner and the
+KV-cache manager, because both read it: the runner fills it, the manager's policy bridge
+(kvpool/policy_rows.py) reads it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(slots=True)
+class QueryStats:
+    """An input's pre-RoPE query sums over this step's prompt tokens in the range its
+    `SeqInput.query_stats` named, per layer and query head, in float64 (a covariance is
+    their difference: E[qqᵀ] - μμᵀ), and the model's RoPE frequencies, which rotate
+    their mean to the positions still to come (Expected Attention)."""
+
+    total: torch.Tensor  # [L, Hq, D] Σq
+    outer: torch.Tensor | None  # [L, Hq, D, D] Σqqᵀ, if asked
+    count: int  # the tokens summed
+    inv_freq: torch.Tensor  # [rotary_dim // 2] float32
+    scaling: float  # RoPE's attention scaling (yarn), in cos and sin as the model applies them
 
 
 @dataclass(slots=True)
@@ -35,6 +50,7 @@ class AttentionMass:
     key_norm: torch.Tensor | None = None
     value_norm: torch.Tensor | None = None
     token: int = 0
+    queries: QueryStats | None = None  # `SeqInput.query_stats`: its prompt's query sums
 
     def layers(self) -> torch.Tensor:
         """[L, num_tokens, Hkv, S]: this input's mass, indexable by layer."""

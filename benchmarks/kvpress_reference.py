@@ -32,6 +32,8 @@ PRESSES: dict[str, tuple[str, dict[str, Any]]] = {
     "tova": ("TOVAPress", {}),
     "snapkv": ("SnapKVPress", {"window_size": WINDOW, "kernel_size": 5}),
     "observed_attention": ("ObservedAttentionPress", {}),
+    # the paper's defaults: n_future_positions 512, n_sink 4, covariance and ‖v‖ on
+    "expected_attention": ("ExpectedAttentionPress", {}),
 }
 
 

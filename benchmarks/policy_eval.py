@@ -193,7 +193,8 @@ class KVServeBackend:
         out = eng.runner.execute([
             SeqInput(c.request.token_slice(c.start, c.start + c.num_tokens),
                      c.start - c.request.pos_offset, c.slots, c.request.cache, logits,
-                     c.request.policy is not None and c.request.policy.needs.attention)
+                     c.request.policy is not None and c.request.policy.needs.attention,
+                     query_stats=_query_stats(c.request))
             for c in chunks])
         for c in chunks:
             c.request.num_computed += c.num_tokens
@@ -237,6 +238,12 @@ class KVServeBackend:
             for r in reqs:
                 r.cache.release()
         return logps
+
+
+def _query_stats(r: Request) -> tuple[int, int, bool] | None:
+    """`SeqInput.query_stats` of r's step, as the engine's step launch sets it."""
+    q = r.policy.needs.query_stats if r.policy is not None else None
+    return None if q is None else (q[0], len(r.prompt_ids), q[1])
 
 
 def evaluate_quality(args, progress: bool = True) -> dict:

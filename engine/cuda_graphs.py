@@ -72,7 +72,7 @@ def graph_step(s: SeqInput, norms: bool) -> bool:
     where `norms`: an unquantized pool, as the eager runner's `new_norms`)."""
     return (len(s.token_ids) == 1 and s.slots is None and s.wants_logits
             and not (s.wants_key_diversity or s.attention_heads or (s.wants_norms and not norms))
-            and s.score is None)
+            and s.score is None and s.query_stats is None)
 
 
 class DecodeGraphs:

@@ -43,7 +43,15 @@ from engine.attention_groups import (
 )
 from engine.model_config import ModelConfig
 from engine.sampler import TokenScores, score_tokens, scores_to_host
-from engine.step import AttentionFn, DecodeReplay, IdsFrom, SeqInput, StepOutput, new_norms
+from engine.step import (
+    AttentionFn,
+    DecodeReplay,
+    IdsFrom,
+    SeqInput,
+    StepOutput,
+    new_norms,
+    query_sums,
+)
 from native.host import int64_tensor
 
 if TYPE_CHECKING:
@@ -104,7 +112,7 @@ class ModelRunner:
             pos.extend(range(s.start_pos, s.start_pos + n))
             top = max(top, s.start_pos + n - 1)  # the largest position: RoPE needs no sync
             if (s.wants_attention or s.score is not None or s.wants_norms
-                    or s.wants_key_diversity or not s.wants_logits):
+                    or s.wants_key_diversity or not s.wants_logits or s.query_stats is not None):
                 asks = True
         # The step's inputs: host lists to tensors, one copy each to the device.
         input_ids = int64_tensor(ids)
@@ -157,8 +165,11 @@ class ModelRunner:
         norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if asks and store.quant is None and any(s.wants_norms for s in inputs):
             norms = []
+        sums = query_sums(inputs, offsets, self.model.rotary, dev) if asks else None
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if sums is not None:  # before attention, which may write its output over q
+                sums.add(q)
             if heads > 1:  # [T, H, D] -> [H·T, 1, D], as the slots
                 store.write(write_slots[layer], k.transpose(0, 1).reshape(-1, 1, k.shape[2]),
                             v.transpose(0, 1).reshape(-1, 1, v.shape[2]))
@@ -241,6 +252,8 @@ class ModelRunner:
                         a = attention.get(i) or AttentionMass(None, 0, len(s.token_ids))
                         a.key_norm, a.value_norm, a.token = kn, vn, offsets[i]
                         attention[i] = a
+            if sums is not None:
+                sums.attach(attention, inputs)
         # Logits stay on the model's device: sampling runs there and only the ids come
         # back (engine.sampler.to_host).
         return StepOutput(logits=logits, attention=attention, scores=scores, ids=ids)

@@ -1,6 +1,7 @@
 """What a step hands the model runner and gets back: its sequences (`SeqInput`), the
-attention statistics it returns per request (`AttentionMass`), its output
-(`StepOutput`), and the contract of a CUDA graph replay (`DecodeReplay`). Apart from the
+attention statistics it returns per request (`AttentionMass`, and the prompt query sums
+`QuerySums` gathers for it), its output (`StepOutput`), and the contract of a CUDA
+graph replay (`DecodeReplay`). Apart from the
 runner so that the attention groups, the CUDA graphs and the scheduler read these types
 without importing the runner (no import loop)."""
 
@@ -12,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from attention.stats import AttentionMass
+from attention.stats import AttentionMass, QueryStats
+from engine.rope import RotaryEmbedding, apply_rotary
 from engine.sampler import TokenScores
 from kvpool.seq_cache import SeqCache
 
@@ -63,6 +65,10 @@ class SeqInput:
     # index in its sequence (its column is that mod the ring's size); on the kernel, as
     # `accumulate`, the mass is not returned.
     ring: tuple[str, str, int, int] | None = None
+    # (first, end, outer): sum the pre-RoPE queries of this step's tokens at positions in
+    # [first, end) per layer and query head, and their outer products if `outer`
+    # (`Needs.query_stats`; end: the prompt's length), returned as `AttentionMass.queries`.
+    query_stats: tuple[int, int, bool] | None = None
 
 
 @dataclass
@@ -104,3 +110,72 @@ def new_norms(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype
     gather: most of their step's bridge, issue 18)."""
     return (torch.linalg.vector_norm(k.to(dtype).contiguous().float(), dim=-1),
             torch.linalg.vector_norm(v.to(dtype).contiguous().float(), dim=-1))
+
+
+class QuerySums:
+    """The pre-RoPE query sums of the step's inputs that asked (`SeqInput.query_stats`),
+    gathered layer by layer as the forward hands each layer's q to attention.
+
+    The model hands q rotated (in place, by the fused RoPE op), so the asked rows are
+    rotated back: q = R(-θ) q_rot / s, the inverse of RoPE at their positions (a rotation:
+    exact up to rounding). Summed in float64, so that the covariance the policy takes as
+    a difference, E[qqᵀ] - μμᵀ, loses nothing to cancellation."""
+
+    def __init__(self, inputs: list[SeqInput], offsets: list[int], rotary: RotaryEmbedding,
+                 device: torch.device) -> None:
+        # per asking input: (its index, its first and end rows on the packed axis, outer)
+        self.spans: list[tuple[int, int, int, bool]] = []
+        positions: list[int] = []
+        for i, s in enumerate(inputs):
+            if s.query_stats is None:
+                continue
+            first, end, outer = s.query_stats
+            lo = max(first, s.start_pos) - s.start_pos
+            hi = max(lo, min(end, s.start_pos + len(s.token_ids)) - s.start_pos)
+            self.spans.append((i, offsets[i] + lo, offsets[i] + hi, outer))
+            positions.extend(range(s.start_pos + lo, s.start_pos + hi))
+        self.rows = torch.tensor([r for _, a, b, _ in self.spans for r in range(a, b)],
+                                 dtype=torch.int64, device=device)
+        cos, sin = rotary.cos_sin(torch.tensor(positions, dtype=torch.int64, device=device),
+                                  scaled=False)
+        self.cos, self.sin = cos, -sin  # R(-θ)
+        self.inv_freq, self.scaling = rotary.inv_freq.float().cpu(), rotary.attention_scaling
+        self.total: list[torch.Tensor] = []  # per layer [rows of every span, Hq, D] sums
+        self.outer: list[torch.Tensor] = []
+
+    def add(self, q: torch.Tensor) -> None:
+        """A layer's q [T, Hq, D] (rotated): its asked rows' sums, per span."""
+        x = apply_rotary(q.index_select(0, self.rows).double(), self.cos, self.sin)
+        if self.scaling != 1.0:
+            x = x / self.scaling
+        at, total, outer = 0, [], []
+        for _, a, b, want in self.spans:
+            part = x[at : at + b - a]
+            at += b - a
+            total.append(part.sum(dim=0))
+            if want:
+                outer.append(torch.einsum("thd,the->hde", part, part))
+        self.total.append(torch.stack(total))
+        if outer:
+            self.outer.append(torch.stack(outer))
+
+    def attach(self, attention: dict[int, AttentionMass], inputs: list[SeqInput]) -> None:
+        """After the forward: each asking input's sums over every layer, on the host, as
+        its `AttentionMass.queries` (one copy for the step)."""
+        total = torch.stack(self.total, dim=1).cpu()  # [spans, L, Hq, D]
+        outer = torch.stack(self.outer, dim=1).cpu() if self.outer else None
+        o = 0
+        for j, (i, a, b, want) in enumerate(self.spans):
+            mass = attention.get(i) or AttentionMass(None, 0, len(inputs[i].token_ids))
+            mass.queries = QueryStats(total[j], outer[o] if want and outer is not None
+                                      else None, b - a, self.inv_freq, self.scaling)
+            attention[i] = mass
+            o += want
+
+
+def query_sums(inputs: list[SeqInput], offsets: list[int], rotary: RotaryEmbedding,
+               device: torch.device) -> QuerySums | None:
+    """A `QuerySums` for the step if an input asked for its queries' sums, else None."""
+    if not any(s.query_stats is not None for s in inputs):
+        return None
+    return QuerySums(inputs, offsets, rotary, device)

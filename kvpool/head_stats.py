@@ -6,9 +6,10 @@ with its own slots, and the runner hands each lane its own head's statistics (Hk
 A shared request's lanes of a layer hold the same tokens in the same logical slots, so
 its view gives every lane the layer's statistics exactly as a per-layer pool gives them:
 the heads' values side by side where a per-layer view has a head axis (key and value
-norms, keys, the mass a policy reads per head), summed over the heads where it has the
-sum (`head_sum`, the same order), averaged for KeyDiff's score (its mean over heads).
-Every lane then scores, ranks and drops alike, and keeps the set a per-layer pool keeps.
+norms, keys, the mass a policy reads per head, the prompt's query sums), summed over the
+heads where it has the sum (`head_sum`, the same order), averaged for KeyDiff's score
+(its mean over heads). Every lane then scores, ranks and drops alike, and keeps the set
+a per-layer pool keeps.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ def share_heads(view: RowsView, attention_heads: bool) -> None:
         t = getattr(view, name)
         if t is not None:
             setattr(view, name, side_by_side(t, h, r, 2))
+    for name in ("query_sum", "query_outer"):  # [N, 1, G, ...]: the layer's kv heads
+        t = getattr(view, name)
+        if t is not None:
+            setattr(view, name, side_by_side(t, h, r, 1))
     if view.key_diversity is not None:
         kd = view.key_diversity
         lanes = kd.shape[0] // r

@@ -189,9 +189,34 @@ def build_view(members: list[Member]) -> RowsView:
             for name, t in stats.items():
                 if name != "keys" or needs.keys:
                     setattr(view, name, t)
+    if needs.query_stats is not None:
+        _query_sums(view, members, first.pool.storage.heads_per_page)
     if mode == "shared" and tables.heads > 1:  # every lane its layer's statistics
         share_heads(view, needs.attention_heads)
     return view
+
+
+def _query_sums(view: RowsView, members: list[Member], hkv: int) -> None:
+    """`Needs.query_stats`: the members' prompt query sums, the runner's [L, Hq, ...]
+    each, as the view's rows: lane l·H + h of request r gets the query heads of its
+    `hkv` kv heads, [N, hkv, G, ...] (a per-head pool's lane, hkv = 1: its head's group)."""
+    stats = [m.attention.queries if m.attention is not None else None for m in members]
+    if any(q is None for q in stats):
+        raise RuntimeError("a step of a policy that needs query sums computed none "
+                           "(SeqInput.query_stats unset)")
+    heads = view.heads
+
+    def rows(parts: list[torch.Tensor]) -> torch.Tensor:
+        t = torch.stack(parts, dim=1)  # [L, R, Hq, ...]
+        nl, r, hq = t.shape[:3]
+        t = t.view(nl, r, heads, hkv, hq // (heads * hkv), *t.shape[3:]).movedim(2, 1)
+        return t.reshape(nl * heads * r, *t.shape[3:])
+
+    view.query_sum = rows([q.total for q in stats])  # type: ignore[union-attr]
+    outer = [q.outer for q in stats]  # type: ignore[union-attr]
+    view.query_outer = None if any(o is None for o in outer) else rows(outer)  # type: ignore[arg-type]
+    view.query_count = [q.count for q in stats]  # type: ignore[union-attr]
+    view.rope = (stats[0].inv_freq, stats[0].scaling)  # type: ignore[union-attr]
 
 
 def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:

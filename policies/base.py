@@ -55,10 +55,20 @@ class Needs:
     # Where the decode kernel can, it writes the column and the total as it writes the
     # mass (native/csrc/window_ring.h: the same bits), and the view says so.
     ring: tuple[str, str, int] | None = None
+    # (first, outer): the sums of the pre-RoPE queries of this step's prompt tokens at
+    # positions >= first, per layer and query head (Σq, and Σqqᵀ if `outer`): what
+    # Expected Attention models the future queries with (policies/expected_attention.py).
+    query_stats: tuple[int, bool] | None = None
+
+    @property
+    def sees_prompt(self) -> bool:
+        """Whether the statistics come from the prompt's own queries, which a prefix-cache
+        hit would skip: such a request computes its prompt instead."""
+        return self.attention or self.query_stats is not None
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: every running request's group key holds its
-        policy's `Needs`, and the generated hash re-hashed eight fields each step."""
+        policy's `Needs`, and the generated hash re-hashed every field each step."""
         h = self.__dict__.get("_hash")
         if h is None:
             h = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))

@@ -17,6 +17,7 @@ from policies.attention_scores import H2OConfig, H2OPolicy, TOVAConfig, TOVAPoli
 from policies.base import Policy
 from policies.config import FullPolicyConfig, KVPolicyConfig, KVPolicyError
 from policies.duo_attention import DuoConfig, DuoPolicy
+from policies.expected_attention import ExpectedAttentionConfig, ExpectedAttentionPolicy
 from policies.full import FullPolicy
 from policies.lazy_eviction import LazyEvictionConfig, LazyEvictionPolicy
 from policies.norms import KeyDiffConfig, KeyDiffPolicy, KnormConfig, KnormPolicy
@@ -43,6 +44,7 @@ CATALOG: dict[str, tuple[type[KVPolicyConfig], type]] = {
     "pyramid": (PyramidConfig, PyramidPolicy),
     "lazy_eviction": (LazyEvictionConfig, LazyEvictionPolicy),
     "duo": (DuoConfig, DuoPolicy),
+    "expected_attention": (ExpectedAttentionConfig, ExpectedAttentionPolicy),
 }
 
 # What each keeps, in a user's words (GET /v1/kv_policies; docs/policies.md has the rest).
@@ -67,6 +69,9 @@ SUMMARIES: dict[str, str] = {
     "duo": "DuoAttention: retrieval heads keep every token, streaming heads (the "
            "`streaming_ratio` the model's head roles need least) `sink` + `window`. Needs "
            "--kv-layout head.",
+    "expected_attention": "Compresses the prompt once, to `budget` tokens, by the attention "
+                          "the next `n_future_positions` queries are expected to pay each "
+                          "token (from the prompt's query statistics), times ‖V‖.",
 }
 
 

@@ -93,6 +93,14 @@ class RowsView:
     # The served model's head roles (`kv_head_roles.json`), [lanes] float32, higher =
     # more needed for retrieval: what `duo` reads to choose its streaming heads.
     head_roles: torch.Tensor | None = None
+    # `Needs.query_stats`: this step's pre-RoPE query sums of each row's query heads,
+    # [N, Hkv, G, D] float64 (Hkv as `keys` has it, G query heads a kv head), their outer
+    # products [N, Hkv, G, D, D] (None unless asked), the tokens summed per request, and
+    # the model's RoPE: (inv_freq [rotary_dim // 2], the attention scaling).
+    query_sum: torch.Tensor | None = None
+    query_outer: torch.Tensor | None = None
+    query_count: list[int] = field(default_factory=list)
+    rope: tuple[torch.Tensor, float] | None = None
     _live: torch.Tensor | None = field(default=None, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 

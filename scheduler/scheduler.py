@@ -253,10 +253,10 @@ class Scheduler:
         Beside this step's blocks and the watermark, the blocks running bounded requests
         may still grow into (`reserved`) and this request's own growth to its bound stay
         free; with nothing running a request starts whatever its bound."""
-        # A policy that scores the prompt by attention must see the prompt's queries, and
-        # prompt logprobs need its logits, so such a request computes its prompt (and
-        # still publishes it) instead of taking hits.
-        scores_prompt = (req.policy is not None and req.policy.needs.attention) or req.scoring_prompt
+        # A policy that scores the prompt by its queries (attention, their statistics:
+        # `Needs.sees_prompt`) must see them, and prompt logprobs need its logits, so
+        # such a request computes its prompt (and still publishes it) instead of hits.
+        scores_prompt = (req.policy is not None and req.policy.needs.sees_prompt) or req.scoring_prompt
         hashes = req.block_hashes if self.kv.prefix_caching and not scores_prompt else []
         limit = self.kv.hit_limit(req.policy, len(req.prompt_ids))
         if limit is not None:

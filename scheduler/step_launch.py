@@ -101,7 +101,9 @@ class StepLaunch:
                     needs.key_diversity and self.policies.acts(r, c), needs.attention_heads,
                     needs.new_key_norm or needs.new_value_norm, needs.accumulate,
                     # a decode token (the window holds every query after the prompt)
-                    None if needs.ring is None or not r.prefill_done else (*needs.ring, start)))
+                    None if needs.ring is None or not r.prefill_done else (*needs.ring, start),
+                    None if needs.query_stats is None
+                    else (needs.query_stats[0], len(r.prompt_ids), needs.query_stats[1])))
             # Counted as computed now (nothing before the advance reads it): a step that
             # fails fails every request in it, so no later step sees the count early.
             r.num_computed += n

@@ -38,7 +38,7 @@ def test_throughput_and_overhead_add_up(quick_run: tuple[str, dict]) -> None:
     assert t["context"] == ctx and t["budget_tokens"] == round(st["budget"] * ctx)
     assert t["num_blocks"] == st["fit"] * 2 * math.ceil(ctx / 16)  # tiny: 2 layers
     assert list(t["policies"]) == ["full", "full:vllm", "full:fit", *st["policies"]]
-    assert len(st["policies"]) == 10
+    assert len(st["policies"]) == 11
     for name, r in t["policies"].items():
         assert r["all_lengths_ok"], name
         assert r["output_tokens"] == st["requests"] * st["gen"]

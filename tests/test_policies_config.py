@@ -10,7 +10,7 @@ from policies.full import FullPolicy
 from tests.policy_views import LayerView, arange, run_step, view
 
 ALL = ["full", "streaming", "lazy_streaming", "paged_eviction", "knorm", "keydiff", "h2o",
-       "tova", "snapkv", "pyramid", "lazy_eviction", "duo"]
+       "tova", "snapkv", "pyramid", "lazy_eviction", "duo", "expected_attention"]
 
 
 def test_catalog_lists_every_policy_and_parser_knows_them():

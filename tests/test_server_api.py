@@ -194,7 +194,7 @@ def test_kv_policies_listing(server: ServerThread) -> None:
         body = c.get("/v1/kv_policies").json()
     assert body["object"] == "list"
     by_name = {p["name"]: p for p in body["data"]}
-    assert len(by_name) == 12 and all(p["object"] == "kv_policy" for p in body["data"])
+    assert len(by_name) == 13 and all(p["object"] == "kv_policy" for p in body["data"])
     assert [p["name"] for p in body["data"] if p["server_default"]] == ["full"]
     budget = by_name["tova"]["parameters"]["budget"]
     assert budget["default"] == round(0.25 * ctx) and "anyOf" in budget
