@@ -37,11 +37,14 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvpress_quali
 METHODS: dict[str, str] = {
     "streaming": "StreamingLLMPress", "knorm": "KnormPress", "keydiff": "KeyDiffPress",
     "tova": "TOVAPress", "snapkv": "SnapKVPress", "pyramid": "PyramidKVPress",
-    "h2o": "ObservedAttentionPress"}
+    "h2o": "ObservedAttentionPress", "expected_attention": "ExpectedAttentionPress"}
 # ... whose press keeps a set per kv head where we keep one per layer: also run ranked by
 # the head mean of its score ("<m>@layer", kvpress_quality.head_mean), which isolates
 # the cost of that constraint from any other difference
-PER_HEAD = ("knorm", "keydiff", "snapkv", "pyramid", "h2o")
+PER_HEAD = ("knorm", "keydiff", "snapkv", "pyramid", "h2o", "expected_attention")
+# ... whose press kvpress's AdaKVPress can wrap (kvpress_quality.ADAKV): "<m>@adakv" runs
+# beside our "<m>:adaptive" (issue 65) when the run has that row
+ADAKV = ("knorm", "keydiff", "tova", "snapkv", "expected_attention")
 
 
 def missing(python: str) -> str | None:
@@ -110,9 +113,13 @@ def rows(result: dict[str, Any], data, needle_kw: dict[str, Any]) -> list[dict[s
 def quality(args, data, windows: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
             needle_kw: dict[str, Any], policies: Sequence[str]) -> dict[str, Any]:
     """The `kvpress` block of the quality report: the presses of `policies` that have one,
-    at args.quality_budgets, with the full-cache row; or {"skipped": why}."""
+    at args.quality_budgets, with the full-cache row; or {"skipped": why}. AdaKV rows
+    (`ADAKV`) for the policies args.policies runs "<m>:adaptive"."""
     methods = [m for m in METHODS if m in policies]
+    adaptive = {n.partition(":")[0] for n in getattr(args, "policies", ())
+                if n.partition(":")[2] == "adaptive"}
     methods += [f"{m}@layer" for m in methods if m in PER_HEAD]
+    methods += [f"{m}@adakv" for m in METHODS if m in ADAKV and m in adaptive]
     if not methods:
         return {"skipped": "kvpress rows skipped: no policy with a kvpress press"}
     ex = exchange(args.demo_model, windows, args.ppl_prompt, args.quality_budgets, prompts)

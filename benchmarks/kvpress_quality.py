@@ -22,6 +22,18 @@ Protocol, as `benchmarks/policy_eval.py` runs ours (000_8900623ad98b28fb.txt §4
   cache grows during decoding ("prefill"), as our snapkv does (002 §3.2).
 - needle: each prompt compressed to round(fraction × its length), then 8 greedy tokens
   (EOS ignored), decoded under the same decoding press.
+- AdaKV ("<m>@adakv", issue 65): kvpress's `AdaKVPress` around the method's press
+  (alpha_safeguard `ALPHA`, as our `heads: adaptive`): the layer's B × kv heads pairs go
+  to the best scores of all its heads, each head keeping at least ALPHA × B. It masks
+  rather than evicts (the dropped pairs stay in the cache, their keys overwritten with a
+  key no query attends to), so `max_cache_after_step` counts the pairs a kv head
+  attends to (the mean over heads). It decodes where the press does: kvpress's
+  `DecodingPress` takes an `AdaKVPress` and re-masks the whole cache to B a head after
+  every token (the masked pairs, with their fake keys, score lowest and stay masked;
+  KeyDiffPress's anchor, the mean key direction, then counts the fake keys too). Not for
+  ObservedAttentionPress (AdaKVPress refuses eager attention, which that press needs)
+  nor PyramidKVPress (AdaKVPress calls a press's `score` only, and PyramidKV's per-layer
+  budgets live in its `compress`: the result would be SnapKV's, at one budget a layer).
 
 One change to kvpress, which leaves every kept set as it is: `ScorerPress.compress`
 gathers the kept pairs in `topk` order, which on CPU is not position order (ties and
@@ -55,7 +67,12 @@ PRESSES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "snapkv": ("SnapKVPress", {"window_size": 32, "kernel_size": 5}, False),
     "pyramid": ("PyramidKVPress", {"window_size": 32, "kernel_size": 1, "beta": 20}, False),
     "h2o": ("ObservedAttentionPress", {}, True),  # needs eager attention
+    # compresses the prompt once, as our expected_attention (kvpress's defaults are ours)
+    "expected_attention": ("ExpectedAttentionPress", {}, False),
 }
+# ... whose press kvpress's AdaKVPress can wrap (module docstring): "<m>@adakv"
+ADAKV = ("knorm", "keydiff", "tova", "snapkv", "expected_attention")
+ALPHA = 0.2  # AdaKV's safeguard, policies/heads.py ALPHA (kvpress's default too)
 
 
 def ratio_for(n: int, budget: int) -> float:
@@ -100,19 +117,34 @@ def head_mean(press):
     return press
 
 
+def press_name(method: str) -> str:
+    """How a row names its press: "KnormPress", "KnormPress, head mean" (`head_mean`),
+    "AdaKVPress(KnormPress)"; "none" for the full cache."""
+    if method == "full":
+        return "none"
+    base, _, level = method.partition("@")
+    cls = PRESSES[base][0]
+    return {"layer": f"{cls}, head mean", "adakv": f"AdaKVPress({cls})"}.get(level, cls)
+
+
 def make_press(method: str, n: int, budget: int):
-    """The press for `method` ("<m>" or "<m>@layer", see `head_mean`) keeping `budget` of
-    an `n`-token prompt, with a decoding press keeping the cache at `budget` where the
-    press can decode (module docstring)."""
+    """The press for `method` ("<m>", "<m>@layer" (`head_mean`) or "<m>@adakv" (AdaKV,
+    module docstring)) keeping `budget` of an `n`-token prompt (a head's, AdaKV's mean),
+    with a decoding press keeping the cache at `budget` where the press can decode."""
+    base, _, level = method.partition("@")
+    if base not in PRESSES or level not in ("", "layer", "adakv") or (
+            level == "adakv" and base not in ADAKV):
+        raise ValueError(f"no kvpress press for {method!r}")
     import kvpress
 
-    base, _, level = method.partition("@")
     cls, kwargs, decodes = PRESSES[base]
     if "window_size" in kwargs:  # SnapKV asserts more queries than its window
         kwargs = {**kwargs, "window_size": min(kwargs["window_size"], n - 1)}
 
     def build(**extra):
         press = getattr(kvpress, cls)(**kwargs, **extra)
+        if level == "adakv":
+            return kvpress.AdaKVPress(press, alpha_safeguard=ALPHA)
         return head_mean(press) if level == "layer" else press
 
     prefill = build(compression_ratio=ratio_for(n, budget))
@@ -142,8 +174,20 @@ def continue_forced(model, ids: torch.Tensor, prompt_len: int, press) -> tuple[l
             pos = torch.full((ids.shape[0], 1), t)
             logits = model(input_ids=ids[:, t:t + 1], past_key_values=cache,
                            position_ids=pos).logits[:, -1]
-            most = max(most, cache.get_seq_length(0))
+            most = max(most, attended(model, cache))
     return total.tolist(), most
+
+
+def attended(model, cache) -> int:
+    """Layer 0's cache length, less what AdaKVPress masks there (its
+    `masked_key_indices`: the pairs it dropped, still in the cache), as the mean over
+    rows and kv heads, rounded up: what a kv head attends to."""
+    n = cache.get_seq_length(0)
+    masked = getattr(model.model.layers[0].self_attn, "masked_key_indices", None)
+    if masked is None:
+        return n
+    rows_heads = cache.layers[0].keys.shape[0] * cache.layers[0].keys.shape[1]
+    return n - len(masked[0]) // rows_heads
 
 
 @torch.no_grad()
@@ -193,9 +237,7 @@ def run(ex: dict[str, Any], methods: list[str], progress: bool = True) -> dict[s
             pr = None if method == "full" else make_press(method, len(p), b)[0]
             answers.append(greedy(model, p, ex["max_new_tokens"], pr))
         scored = windows.shape[0] * (windows.shape[1] - p_len)
-        press_name = "none" if method == "full" else PRESSES[method.partition("@")[0]][0] + (
-            ", head mean" if method.endswith("@layer") else "")
-        row = {"method": method, "press": press_name,
+        row = {"method": method, "press": press_name(method),
                "budget": frac, "budget_tokens": budget, "protocol": protocol,
                "window_loglik": ll, "scored_tokens": scored,
                "nll": -sum(ll) / scored, "ppl": math.exp(-sum(ll) / scored),

@@ -27,8 +27,11 @@ def _method(row: dict) -> str:
 def _beside(row: dict, ours: set[str]) -> str:
     """Which of our rows a kvpress row goes after: its method's, or where the run has
     the method per head (`<m>:head`, issue 65) and the press keeps a set per kv head
-    (`kvpress_compare.PER_HEAD`), that one (its head-mean ranking stays with ours)."""
+    (`kvpress_compare.PER_HEAD`), that one (its head-mean ranking stays with ours); an
+    AdaKVPress row ("<m>@adakv") after our `<m>:adaptive`."""
     m = _method(row)
+    if row["method"].endswith("@adakv"):
+        return f"{m}:adaptive" if f"{m}:adaptive" in ours else m
     head = f"{m}:head"
     return head if head in ours and m in PER_HEAD and "@" not in row["method"] else m
 

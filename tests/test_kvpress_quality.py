@@ -16,7 +16,7 @@ from argparse import Namespace
 
 import pytest
 
-from benchmarks import bench_policies_report, kvpress_compare, kvpress_report
+from benchmarks import bench_policies_report, kvpress_compare, kvpress_quality, kvpress_report
 from benchmarks.kvpress_quality import PRESSES, ratio_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +60,44 @@ def test_methods_are_the_presses_script() -> None:
     """One list on each side of the venv boundary, kept equal."""
     assert {m: p[0] for m, p in PRESSES.items()} == kvpress_compare.METHODS
     assert set(kvpress_compare.PER_HEAD) <= set(PRESSES)
+    assert kvpress_compare.ADAKV == kvpress_quality.ADAKV
+
+
+def test_adakv_wraps_the_presses_it_can() -> None:
+    """AdaKVPress at our safeguard, around the scorer presses of our adaptive policies
+    but h2o's (eager attention) and pyramid's (its budgets are not in its score)."""
+    from benchmarks.policy_eval import ADAPTIVE_POLICIES
+    from policies.heads import ALPHA
+
+    assert kvpress_quality.ALPHA == ALPHA
+    assert set(ADAPTIVE_POLICIES) - {"h2o", "pyramid"} <= set(kvpress_quality.ADAKV)
+    assert set(kvpress_quality.ADAKV) <= set(PRESSES) - {"h2o", "pyramid"}
+    assert kvpress_quality.press_name("knorm@adakv") == "AdaKVPress(KnormPress)"
+    assert kvpress_quality.press_name("snapkv@layer") == "SnapKVPress, head mean"
+    assert kvpress_quality.press_name("full") == "none"
+    for bad in ("h2o@adakv", "pyramid@adakv", "knorm@nope", "nope"):
+        with pytest.raises(ValueError):
+            kvpress_quality.make_press(bad, 64, 16)
+
+
+def test_adakv_rows_run_beside_our_adaptive_rows(monkeypatch) -> None:
+    """`quality` asks for "<m>@adakv" only where the run has "<m>:adaptive", after the
+    presses and their head-mean rankings, which stay as they were."""
+    asked = []
+
+    def fake_run(python, ex, methods, threads=1):
+        asked.append(list(methods))
+        return {"skipped": "test"}
+
+    monkeypatch.setattr(kvpress_compare, "run", fake_run)
+    args = Namespace(demo_model="m", ppl_prompt=2, quality_budgets=[0.25],
+                     kvpress_python="python", policies=[
+                         "knorm", "knorm:head", "knorm:adaptive", "h2o", "h2o:adaptive",
+                         "snapkv", "tova", "tova:head", "paged_eviction:head"])
+    kvpress_compare.quality(args, None, [[1, 2, 3]], [], {},
+                            [n.partition(":")[0] for n in args.policies])
+    assert asked == [["knorm", "tova", "snapkv", "h2o", "knorm@layer", "snapkv@layer",
+                      "h2o@layer", "knorm@adakv"]]
 
 
 def test_exchange_is_json_and_the_skip_is_a_note(tmp_path) -> None:
@@ -90,6 +128,21 @@ def test_rows_score_answers_with_the_harness(monkeypatch) -> None:
     assert r["policy"] == "kvpress KnormPress" and r["method"] == "knorm"
     assert r["ppl"] == pytest.approx(5.0)
     assert r["needle_by_depth"] == {"0.00": 1.0, "1.00": 0.0} and r["needle_mean"] == 0.5
+
+
+def test_adakv_row_goes_after_our_adaptive_row() -> None:
+    """Per head (issue 65): the press after `<m>:head`, AdaKVPress after `<m>:adaptive`,
+    the head-mean ranking after our per-layer row; each pair compared as such."""
+    q = _quality()
+    q["rows"] += [_row("keydiff:head", 0.25, 12.0, 0.6), _row("keydiff:adaptive", 0.25, 12.5, 0.7)]
+    q["kvpress"]["rows"].append(_kv("keydiff@adakv", "AdaKVPress(KeyDiffPress)", 0.25, 13.2, 0.8))
+    names = [r["policy"] for r, _ in kvpress_report.interleave(q)]
+    assert names[5:] == ["keydiff", "kvpress KeyDiffPress, head mean", "keydiff:head",
+                         "kvpress KeyDiffPress", "keydiff:adaptive",
+                         "kvpress AdaKVPress(KeyDiffPress)"]
+    assert [(a["policy"], b["method"]) for a, b, _, _ in kvpress_report.pairs(q)][-3:] == [
+        ("keydiff", "keydiff@layer"), ("keydiff:head", "keydiff"),
+        ("keydiff:adaptive", "keydiff@adakv")]
 
 
 def test_table_puts_each_press_beside_its_method() -> None:
@@ -142,6 +195,26 @@ def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
     assert rows["snapkv"]["protocol"] == "prefill" and rows["snapkv"]["max_cache_after_step"] > 24
     assert all(len(r["needle_answers"]) == 1 and len(r["needle_answers"][0]) == 4
                for r in rows.values())
+
+
+@pytest.mark.skipif(not os.access(VENV, os.X_OK), reason="no .venv-kvpress (make kvpress-venv)")
+@pytest.mark.timeout(120)
+def test_adakv_attends_to_the_budget_a_head(tmp_path) -> None:
+    """AdaKVPress masks instead of evicting: a decoding AdaKV press leaves a kv head B
+    pairs to attend to on average after every step, a prefill-only one lets it grow."""
+    src, dst = tmp_path / "ex.json", tmp_path / "out.json"
+    windows = [[(7 * i + j) % 4000 + 5 for j in range(48)] for i in range(2)]
+    src.write_text(json.dumps(kvpress_compare.exchange(
+        os.path.join(REPO, "engine/demo/model"), windows, 32, [0.5], [list(range(5, 45))], 4)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([VENV, kvpress_compare.SCRIPT, "--exchange", str(src), "--out", str(dst),
+                    "--methods", "knorm@adakv,snapkv@adakv"], check=True, env=env, timeout=110)
+    rows = {r["method"]: r for r in json.loads(dst.read_text())["rows"]}
+    assert rows["knorm@adakv"]["press"] == "AdaKVPress(KnormPress)"
+    assert rows["knorm@adakv"]["protocol"] == "prefill+decode"
+    assert rows["knorm@adakv"]["max_cache_after_step"] == 24
+    assert rows["snapkv@adakv"]["protocol"] == "prefill"
+    assert rows["snapkv@adakv"]["max_cache_after_step"] > 24
 
 
 def test_score_attention_keeps_what_each_policy_keeps() -> None:
