@@ -10,11 +10,14 @@ class StructuredOutput:
     """Output constrained to a grammar (engine/structured.py). `kind`: "json" (`spec`, a
     JSON schema as text), "json_object" (any JSON object or array), "regex", "choice"
     (`spec`: a JSON list of the strings) or "grammar" (EBNF, xgrammar's / GBNF).
-    `param`: the request field it came from, which a refusal names."""
+    `param`: the request field it came from, which a refusal names. `any_whitespace`
+    False: JSON with no free whitespace, ", " and ": " between its tokens (vLLM's
+    `disable_any_whitespace`; the server's tool calls use it)."""
 
     kind: str
     spec: str = ""
     param: str = "structured_outputs"
+    any_whitespace: bool = True
 
 
 @dataclass

@@ -53,7 +53,7 @@ class Grammars:
         c = self.compiler
         try:
             if so.kind == "json":
-                grammar = c.compile_json_schema(so.spec)
+                grammar = c.compile_json_schema(so.spec, any_whitespace=so.any_whitespace)
             elif so.kind == "json_object":
                 grammar = c.compile_builtin_json_grammar()
             elif so.kind == "regex":

@@ -36,9 +36,11 @@ from engine.demo import DEMO_MODEL_DIR as DEMO_MODEL
 from engine.demo import DEMO_MODEL_NAME
 from server.startup_checks import (
     USAGE_ERROR,
+    add_tool_call_args,
     check_byte_sizes,
     check_kv_cache_dtype,
     check_port_free,
+    check_tool_call_args,
     default_kv_policy,
     error_line,
     fail,
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also export the metrics under vLLM's names (vllm:num_requests_"
                    "waiting, vllm:kv_cache_usage_perc, ...) for routers and autoscalers "
                    "that read them")
+    add_tool_call_args(s)
     g = sub.add_parser("generate", help="generate offline (no server)",
                        formatter_class=HelpFormatter)
     _add_engine_args(g)
@@ -275,6 +278,7 @@ def threads(a: argparse.Namespace, default_wait: str = "poll") -> cpu_threads.Cp
 
 
 def _serve(a: argparse.Namespace) -> int:
+    check_tool_call_args(a)
     keys, quotas = tenancy(a)
     cpu = threads(a)  # before anything loads torch (the policy check does)
     from scheduler.async_engine import AsyncEngine
@@ -314,7 +318,9 @@ def _serve(a: argparse.Namespace) -> int:
 
     settings = ServerSettings(served_model_names=names, model_path=model, api_keys=keys,
                               max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,
-                              request_log=not a.no_request_log, on_fatal=fatal)
+                              request_log=not a.no_request_log, on_fatal=fatal,
+                              tool_call_parser=a.tool_call_parser,
+                              enable_auto_tool_choice=a.enable_auto_tool_choice)
     app = build_app(engine, settings)
     if a.metrics_alias:
         from server.metrics import add_metrics_alias

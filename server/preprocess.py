@@ -37,6 +37,7 @@ from server.protocol import (
 from server.sampling_fields import check_extras, logit_bias, structured_output
 from server.settings import ServerSettings
 from server.tenants import Tenant, effective_salt
+from server.tools import ToolPlan, check_history, plan_tools, template_message
 
 # Used only when the tokenizer ships no chat template (ChatML, the most common one).
 FALLBACK_CHAT_TEMPLATE = (
@@ -75,6 +76,7 @@ class Plan:
     user: str | None = None
     tenant: str | None = None  # the API key's tenant name (quotas, metrics, logs)
     cache_salt: str | None = None  # effective salt: key-derived + the request's cache_salt
+    tools: ToolPlan | None = None  # chat with tools: how each choice's text is read back
     created: int = field(default_factory=lambda: int(time.time()))
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -144,12 +146,12 @@ class Preprocessor:
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant | None = None) -> Plan:
         model = self.check_model(req.model)
         check_extras(req)
-        if req.tools:
-            raise bad_request("tools are not supported", "tools")
+        tools = plan_tools(req, self.settings.auto_tool_parser)
         if req.max_tokens == 0:
             raise bad_request("max_tokens 0 is only allowed for completions with echo",
                               "max_tokens")
-        ids = self._truncate(await self._run(self._render_chat, req), req.truncate_prompt_tokens)
+        ids = self._truncate(await self._run(self._render_chat, req, tools),
+                             req.truncate_prompt_tokens)
         self._check_prompt(ids, "messages")
         resolved = self._resolve(
             req.kv_policy, [ids], req.max_completion_tokens or req.max_tokens, "messages",
@@ -157,7 +159,7 @@ class Preprocessor:
         n_lp = (req.top_logprobs or 0) if req.logprobs else None
         plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], resolved.kv_policy,
                     req.priority, req.stream, req.include_usage, False, n_lp, user=req.user,
-                    **_tenancy(req, tenant))
+                    tools=tools, **_tenancy(req, tenant))
         if req.max_completion_tokens is not None:
             plan.max_tokens_param = "max_completion_tokens"
         self._add_choices(plan, req, 0, ids, "", resolved.max_tokens[0], n_lp)
@@ -203,7 +205,9 @@ class Preprocessor:
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
         top_k = req.top_k if req.top_k < vocab else 0
         bias = logit_bias(req)
-        structured = structured_output(req)
+        structured, skip_special = structured_output(req), req.skip_special_tokens
+        if plan.tools is not None:  # the calls' grammar, the parser's special tokens
+            structured, skip_special = plan.tools.sampling(structured, skip_special)
         plan.num_prompt_tokens += len(ids)
         for j in range(req.n):
             index = p_idx * req.n + j
@@ -217,7 +221,7 @@ class Preprocessor:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None
                     else req.repetition_penalty, logit_bias=bias, min_tokens=req.min_tokens,
-                    allowed_token_ids=req.allowed_token_ids, skip_special_tokens=req.skip_special_tokens,
+                    allowed_token_ids=req.allowed_token_ids, skip_special_tokens=skip_special,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     structured=structured,
                     logprobs=None if n_lp is None else min(n_lp, vocab),
@@ -247,15 +251,17 @@ class Preprocessor:
         return [(list(p), tok.decode(p) if echo and len(p) <= limit and max(p) < vocab else "")
                 for p in prompt]
 
-    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def _render_chat(self, req: ChatCompletionRequest, tools: ToolPlan | None) -> list[int]:
         return self._render_messages(req.messages, req.add_generation_prompt,
                                      req.continue_final_message,
-                                     template_kwargs=req.chat_template_kwargs)
+                                     template_kwargs=req.chat_template_kwargs,
+                                     tools=tools.tools if tools else None)
 
     def _render_messages(self, messages: list[ChatMessage], add_generation_prompt: bool,
                          continue_final_message: bool = False,
                          add_special_tokens: bool = False,
-                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                         template_kwargs: dict[str, Any] | None = None,
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
         if continue_final_message and add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot "
                               "both be true", "continue_final_message")
@@ -264,13 +270,15 @@ class Preprocessor:
         if clash := sorted(own & set(template_kwargs or {})):
             raise bad_request(f"chat_template_kwargs may not set {', '.join(clash)} (the "
                               "request's own fields do)", "chat_template_kwargs")
-        msgs = [{"role": m.role, "content": m.text, **({"name": m.name} if m.name else {})}
-                for m in messages]
+        check_history(messages)
+        msgs = [template_message(m) for m in messages]
         template = None if getattr(tok, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         # the caller's variables first: ours are the ones the template must see
         extra = {**(template_kwargs or {}), "add_generation_prompt": add_generation_prompt}
         if continue_final_message:
             extra["continue_final_message"] = True
+        if tools:  # the model's own template renders them (transformers' `tools`)
+            extra["tools"] = tools
         try:
             text = tok.apply_chat_template(msgs, chat_template=template, tokenize=False,
                                            **extra)
@@ -285,9 +293,10 @@ class Preprocessor:
         count tokens against `max_model_len` before they send."""
         self.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
+            tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
             ids = await self._run(self._render_messages, req.messages,
                                   req.add_generation_prompt, req.continue_final_message,
-                                  req.add_special_tokens)
+                                  req.add_special_tokens, None, tools)
         else:
             ids = await self._run(self._encode, req.prompt, req.add_special_tokens)
         strs = None

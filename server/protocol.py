@@ -153,11 +153,38 @@ class TextPart(_Base):
     text: StrictStr
 
 
+class FunctionDef(_Base):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema (server/tools.py checks it)
+    strict: StrictBool | None = None
+
+
+class ToolDef(_Base):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(_Base):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"  # OpenAI's: the arguments' JSON text
+
+
+class ToolCallParam(_Base):
+    """A call in an assistant message of the history (what the server returned)."""
+
+    id: Annotated[StrictStr, Field(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | Annotated[list[TextPart], Field(max_length=1024)] | None = Field(
         None, validate_default=True)
     name: str | None = None
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=1024)] | None = None
+    tool_call_id: StrictStr | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -180,7 +207,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    # Tool calling (server/tools.py): function tools, "none" / "auto" / "required" / a
+    # named function (checked there, so that a 400 names the field plainly)
+    tools: Annotated[list[ToolDef], Field(max_length=1024)] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
     # vLLM's: the last (assistant) message is left open and continued
     continue_final_message: StrictBool = False
@@ -210,6 +241,7 @@ class TokenizeChatRequest(_Base):
 
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    tools: Annotated[list[ToolDef], Field(max_length=1024)] | None = None
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     # The chat template writes its own special tokens; True adds the tokenizer's on top.

@@ -154,8 +154,11 @@ def chat_body(gen: Generation, choices: list[ChoiceState], tt: TokenText) -> dic
     out = []
     for c in choices:
         lp = chat_logprobs(tt, c.logprobs or []) if p.num_logprobs is not None else None
-        out.append({"index": c.index,
-                    "message": {"role": "assistant", "content": c.text, "refusal": None},
-                    "logprobs": lp, "finish_reason": c.finish_reason})
+        message = {"role": "assistant", "content": c.text, "refusal": None}
+        finish = c.finish_reason
+        if p.tools is not None:  # the text read for tool calls (server/tools.py)
+            message, finish = p.tools.message(c.text, finish)
+        out.append({"index": c.index, "message": message, "logprobs": lp,
+                    "finish_reason": finish})
     return {"id": p.id, "object": "chat.completion", "created": p.created, "model": p.model,
             "choices": out, "usage": gen.usage(), "system_fingerprint": None}

@@ -19,16 +19,27 @@ class ServerSettings:
     max_body_bytes: int = 8 * 2**20
     drain_timeout: float = 30.0
     request_log: bool = True  # one structured line per finished request
+    # Tool calling (server/tools.py): the parser that reads "auto" calls from the model's
+    # text (vLLM's --tool-call-parser, server/tool_parsers/), and whether "auto" is on
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     # Called when the model fails to load in the background, so the CLI can exit
     # non-zero instead of serving 503s forever.
     on_fatal: Callable[[BaseException], None] | None = None
     tenants: list[Tenant] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
         keys = list(self.api_keys)
         if self.api_key and self.api_key not in keys:
             keys.insert(0, self.api_key)
         self.tenants = make_tenants(keys)  # ValueError for empty or repeated keys
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser "auto" tool choice reads calls with; None where it is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def tenant_names(self) -> list[str]:

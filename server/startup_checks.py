@@ -107,3 +107,30 @@ def check_port_free(host: str, port: int) -> None:
     except OSError as e:
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}; pick another --port "
              "or stop what is using it")
+
+
+def add_tool_call_args(serve: argparse.ArgumentParser) -> None:
+    """`kvserve serve`'s tool-calling options, under vLLM's names (beside their check,
+    which keeps cli.py short)."""
+    from server.tool_parsers import PARSERS
+
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default when a request has '
+                       "tools) by reading calls from the model's text with "
+                       "--tool-call-parser; without it such requests are a 400, as in vLLM")
+    serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help=f"the model's tool-call format: {', '.join(PARSERS)} "
+                       "(docs/agents.md: which fits which model family)")
+
+
+def check_tool_call_args(a: argparse.Namespace) -> None:
+    """An unknown `--tool-call-parser`, or `--enable-auto-tool-choice` without one,
+    stops the server before the model loads (exit 2, the known names listed)."""
+    from server.tool_parsers import PARSERS
+
+    names = ", ".join(PARSERS)
+    if a.tool_call_parser is not None and a.tool_call_parser not in PARSERS:
+        fail(f"--tool-call-parser {a.tool_call_parser!r} is not a tool-call parser; "
+             f"choose from {names}")
+    if a.enable_auto_tool_choice and a.tool_call_parser is None:
+        fail(f"--enable-auto-tool-choice needs --tool-call-parser NAME (one of {names})")

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from scheduler.outputs import RequestOutput
 from server.errors import error_body, map_exception
 from server.generation import ChoiceState, Generation
 from server.responses import (
@@ -67,6 +68,9 @@ class _Chunker:
         # echo with logprobs: choices whose prompt is still to be echoed. It goes out with
         # the choice's first delta, which brings the prompt logprobs (vLLM does the same).
         self.echo_pending: set[int] = set()
+        # chat with tools: each choice's text read for calls as it comes (server/tools.py)
+        self.calls = {c.index: calls for c in p.choices
+                      if p.tools is not None and (calls := p.tools.stream()) is not None}
 
     def chunk(self, choices: list[dict[str, Any]]) -> str:
         body = {**self.base, "choices": choices}
@@ -114,12 +118,40 @@ class _Chunker:
         return self.chunk([{"index": st.index, "text": text, "logprobs": lp,
                             "finish_reason": None}])
 
-    def finish(self, st: ChoiceState) -> str:
+    def events(self, st: ChoiceState, out: RequestOutput) -> list[str]:
+        """One engine output's chunks: its text (read for tool calls where the choice
+        has tools), then the choice's last chunk if it finished."""
+        calls = self.calls.get(st.index)
+        if calls is None:
+            event = self.delta(st, out.new_text, out.logprobs)
+            events = [] if event is None else [event]
+        else:
+            events = self.tool_chunks(st, calls.feed(out.new_text), out.logprobs)
+        if out.finished:
+            reason = st.finish_reason
+            if calls is not None:
+                events += self.tool_chunks(st, calls.finish(), None)
+                assert self.gen.plan.tools is not None
+                reason = self.gen.plan.tools.finish_reason(bool(calls.calls), reason)
+            events.append(self.finish(st, reason))
+        return events
+
+    def tool_chunks(self, st: ChoiceState, deltas: list[dict[str, Any]], lps: list | None
+                    ) -> list[str]:
+        """A reader's deltas (content, tool calls), the tokens' logprobs on the first;
+        an empty delta carries them where the text is held back (a call's marker)."""
+        lp = chat_logprobs(self.tt, lps) if self.want_lp and lps else None
+        if not deltas and lp is not None:
+            deltas = [{}]
+        return [self.chunk([{"index": st.index, "delta": d, "logprobs": lp if i == 0 else None,
+                             "finish_reason": None}]) for i, d in enumerate(deltas)]
+
+    def finish(self, st: ChoiceState, reason: str | None) -> str:
         if self.chat:
             return self.chunk([{"index": st.index, "delta": {}, "logprobs": None,
-                                "finish_reason": st.finish_reason}])
+                                "finish_reason": reason}])
         return self.chunk([{"index": st.index, "text": "", "logprobs": None,
-                            "finish_reason": st.finish_reason}])
+                            "finish_reason": reason}])
 
     def usage(self) -> str:
         return sse({**self.base, "choices": [], "usage": self.gen.usage()})
@@ -133,11 +165,8 @@ async def stream_events(gen: Generation, tt: TokenText) -> AsyncIterator[str]:
         for event in ch.opening():
             yield event
         async for st, out in gen.deltas():
-            event = ch.delta(st, out.new_text, out.logprobs)
-            if event is not None:
+            for event in ch.events(st, out):
                 yield event
-            if out.finished:
-                yield ch.finish(st)
         if ch.include_usage:
             yield ch.usage()
         yield DONE

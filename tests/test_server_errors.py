@@ -124,7 +124,7 @@ CHAT_400 = [
      "messages.0.content.0.type"),
     ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MSG, "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": MSG, "logit_bias": {"1.5": 1}}, "logit_bias"),
     ({"messages": MSG, "echo": True}, "echo"),
     ({"messages": MSG, "functions": [{"name": "f"}]}, "functions"),
