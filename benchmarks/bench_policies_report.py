@@ -256,12 +256,15 @@ def render(report: dict) -> str:
                 f"scaled to prompt + gen (same proportions: {st['fit']} full requests, "
                 f"{st['budget']:.0%} budget).")
     results, plot_path = bc.links(report, "bench_policies")
+    heads = heads_report.figure_path(report, plot_path)
     lines += [
         "", f"Random-weight model for throughput and overhead: {model}. {size} This run took "
         f"{report['bench_wall_s'] / 60:.1f} min.", "",
         bc.environment_line(report, results), "",
         "```bash", report["command"], "```", "", f"![KV eviction policies]({plot_path})"]
-    if kvpress_report.kv_rows(report.get("quality", {})):
+    if heads is not None and heads != plot_path:
+        lines += ["", f"![Quality per head]({heads})"]
+    if kvpress_report.kv_rows(report.get("quality", {})) and heads != plot_path:
         lines += ["", f"![Ours vs kvpress]({kvpress_report.figure_path(plot_path)})"]
     return "\n".join(lines)
 
@@ -285,7 +288,14 @@ def _anatomy_bars(ax, runs: dict) -> None:
 
 
 def plot(report: dict, path: str) -> None:
-    """Throughput bars, overhead bars, PPL per budget and the needle heatmap."""
+    """Throughput bars, overhead bars, PPL per budget and the needle heatmap; with
+    per-head quality rows, their figure (`heads_report.plot`: per layer, per head,
+    adaptive and kvpress's, per budget), in place of this one in a quality-only run."""
+    heads = heads_report.figure_path(report, path)
+    if heads is not None:
+        heads_report.plot(report, heads)
+        if heads == path:
+            return
     plt = bc.pyplot()
     q = report.get("quality", {})
     has_q = bool(q.get("rows"))

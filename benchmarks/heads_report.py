@@ -1,6 +1,8 @@
 """The per-head pool's tables in bench_policies' doc block (issue 65): each policy per
 layer beside the same policy on a per-head pool of the same bytes (throughput, memory),
-and the quality of every policy per layer, shared, uniform and adaptive per head.
+and the quality of every policy per layer, shared, uniform and adaptive per head, with
+kvpress's per-head press and its AdaKVPress beside them (`kvpress_compare`), in a table
+and a figure.
 
 Why apart from bench_policies_report: pure functions of the report dict too, but only
 of its rows named "<policy>:<way>" with a per-head way (`policy_eval.HEAD_WAYS`); a
@@ -9,6 +11,7 @@ report without them (older runs, runs without `--heads`) renders exactly as befo
 
 from __future__ import annotations
 
+from benchmarks import bench_common as bc
 from benchmarks.policy_eval import HEAD_WAYS
 from benchmarks.policy_heads import tok_s
 
@@ -16,6 +19,9 @@ FULL_WITHIN = 0.05  # issue 65: full on a per-head pool within 5% of the per-lay
 COLUMNS = ("", "shared", "head", "adaptive")  # a policy's ways in table order
 WAY_LABEL = {"": "per layer", "shared": "per head, shared", "head": "per head, uniform",
              "adaptive": "per head, adaptive"}
+# kvpress's rows beside them: the press as kvpress runs it (a set per kv head), and
+# AdaKVPress around it (`kvpress_quality.ADAKV`), by the suffix of their method
+KVPRESS = {"": "kvpress, per head", "@adakv": "kvpress AdaKV"}
 
 
 def _per_head(names: object) -> bool:
@@ -107,28 +113,116 @@ def quality(q: dict) -> list[str]:
     if not _per_head(r["policy"] for r in rows):
         return []
     by = {(r["policy"], r["budget"]): r for r in rows}
-    full = rows[0]["ppl"]
-    ways = [w for w in COLUMNS if any(r["policy"].partition(":")[2] == w for r in rows
-                                      if not r["policy"].startswith("full"))]
-    bases = list(dict.fromkeys(r["policy"].partition(":")[0] for r in rows
-                               if not r["policy"].startswith("full")))
-    budgets = sorted({r["budget"] for r in rows if not r["policy"].startswith("full")})
-    head = " | ".join(WAY_LABEL[w] for w in ways)
+    ways, bases, budgets = _layout(rows)
+    kv, kv_full = _kvpress(q)
+    press = _press_kinds(kv)
+    head = " | ".join([WAY_LABEL[w] for w in ways] + [KVPRESS[x] for x in press])
     lines = [
         "", "**Quality per head** (issue 65): PPL / full cache, then needle accuracy "
         "(mean over depths), of each policy kept per layer and on a per-head pool: "
         "*shared* one set a layer (what the per-layer pool keeps), *uniform* each kv "
         "head its own top tokens at the policy's budget, *adaptive* AdaKV's (the layer's "
-        "budget to the best scores of all its heads).", "",
+        "budget to the best scores of all its heads)"
+        + ("; beside them the same method's kvpress press, a set per kv head, and "
+           "kvpress's AdaKVPress around it (PPL / full of kvpress's own full cache)."
+           if press else "."), "",
         f"| policy | budget | PPL / full: {head} | needle: {head} |",
-        "|---|---|" + "---|" * 2 * len(ways)]
+        "|---|---|" + "---|" * 2 * (len(ways) + len(press))]
     for b in budgets:
         for base in bases:
-            got = [by.get((f"{base}:{w}" if w else base, b)) for w in ways]
-            ppl = " | ".join("—" if r is None else f"{r['ppl'] / full:.3f}" for r in got)
-            acc = " | ".join("—" if r is None else f"{r['needle_mean']:.0%}" for r in got)
+            got = [(r, rows[0]["ppl"]) for r in
+                   (by.get((f"{base}:{w}" if w else base, b)) for w in ways)]
+            got += [(kv.get((base + x, b)), kv_full) for x in press]
+            ppl = " | ".join("—" if r is None else f"{r['ppl'] / f:.3f}" for r, f in got)
+            acc = " | ".join("—" if r is None else f"{r['needle_mean']:.0%}" for r, _ in got)
             lines.append(f"| {base} | {b:.0%} | {ppl} | {acc} |")
     return lines + _same_sets(by, rows)
+
+
+def _layout(rows: list[dict]) -> tuple[list[str], list[str], list[float]]:
+    """A quality block's ways (`COLUMNS` present), policies and budgets, full left out."""
+    mine = [r for r in rows if not r["policy"].startswith("full")]
+    ways = [w for w in COLUMNS if any(r["policy"].partition(":")[2] == w for r in mine)]
+    bases = list(dict.fromkeys(r["policy"].partition(":")[0] for r in mine))
+    return ways, bases, sorted({r["budget"] for r in mine})
+
+
+def _kvpress(q: dict) -> tuple[dict[tuple[str, float], dict], float]:
+    """kvpress's rows by (method, budget) and its full cache's PPL ({} without them)."""
+    rows = q.get("kvpress", {}).get("rows", [])
+    by = {(r["method"], r["budget"]): r for r in rows}
+    return by, by.get(("full", 1.0), {"ppl": q["rows"][0]["ppl"]})["ppl"]
+
+
+def _press_kinds(kv: dict[tuple[str, float], dict]) -> list[str]:
+    """Which of `KVPRESS`'s kinds of kvpress row the run has."""
+    methods = {m for m, _ in kv if m != "full"}
+    return [x for x in KVPRESS if any(m.endswith(x) if x else "@" not in m for m in methods)]
+
+
+def figure_path(report: dict, plot_path: str) -> str | None:
+    """Where `plot` draws: the run's own plot when it has no throughput or overhead part
+    (bench_policies' figure would be its quality panels only), else beside it with
+    `_heads` before .png; None without per-head quality rows."""
+    q = report.get("quality", {})
+    if not _per_head(r["policy"] for r in q.get("rows", [])):
+        return None
+    if not {"throughput", "overhead"} & set(report):
+        return plot_path
+    stem, dot, ext = plot_path.rpartition(".")
+    return f"{stem}_heads.{ext}" if dot else f"{plot_path}_heads"
+
+
+# (label, our way or kvpress suffix, colour, kvpress's) in bar order
+SERIES = (("per layer (= shared)", "", "#7f7f7f", False), ("per head", "head", "#2a7ab9", False),
+          ("adaptive (AdaKV)", "adaptive", "#e08a3c", False),
+          ("kvpress, per head", "", "#9cc3e4", True), ("kvpress AdaKVPress", "@adakv", "#f3c79c", True))
+
+
+PPL_TOP = 1.6  # the figure's PPL / full axis: knorm's ×3-11 would flatten the rest
+
+
+def plot(report: dict, path: str) -> None:
+    """Per budget, PPL / full cache and needle accuracy of every policy per layer, per
+    head and adaptive, beside kvpress's per-head press and AdaKVPress."""
+    q = report["quality"]
+    rows = q["rows"]
+    by = {(r["policy"], r["budget"]): r for r in rows}
+    _, bases, budgets = _layout(rows)
+    kv, kv_full = _kvpress(q)
+    series = [s for s in SERIES if not s[3] or s[1] in _press_kinds(kv)]
+    plt = bc.pyplot()
+    fig, axes = plt.subplots(2, len(budgets), figsize=(6.2 * len(budgets), 7.4),
+                             squeeze=False, sharey="row")
+    w = 0.84 / len(series)
+    for j, b in enumerate(budgets):
+        for k, (label, key, color, theirs) in enumerate(series):
+            got = [(i, kv.get((base + key, b)) if theirs else
+                    by.get((f"{base}:{key}" if key else base, b))) for i, base in enumerate(bases)]
+            got = [(i + k * w, r) for i, r in got if r is not None]
+            full = kv_full if theirs else rows[0]["ppl"]
+            kw = dict(width=w, color=color, label=label, edgecolor="k" if theirs else None,
+                      linewidth=0.5, hatch="//" if theirs else None)
+            ppl = [r["ppl"] / full for _, r in got]
+            axes[0][j].bar([x for x, _ in got], [min(v, PPL_TOP) for v in ppl], **kw)
+            for (x, _), v in zip(got, ppl):
+                if v > PPL_TOP:  # clipped: its value written on it
+                    axes[0][j].text(x, PPL_TOP - 0.01, f"{v:.1f}", rotation=90, ha="center",
+                                    va="top", fontsize=6)
+            axes[1][j].bar([x for x, _ in got], [r["needle_mean"] for _, r in got], **kw)
+        for a in (axes[0][j], axes[1][j]):
+            a.set_xticks([i + w * (len(series) - 1) / 2 for i in range(len(bases))], bases,
+                         rotation=45, ha="right", fontsize=8)
+        axes[0][j].set_ylim(0.95, PPL_TOP)
+        axes[0][j].axhline(1.0, color="k", lw=1, ls="--")
+        axes[0][j].set_title(f"{b:.0%} budget: PPL / full cache (bars over {PPL_TOP} "
+                             "clipped, value written)", fontsize=9)
+        axes[1][j].axhline(rows[0]["needle_mean"], color="k", lw=1, ls="--",
+                           label="full cache")
+        axes[1][j].set_ylim(0, 1)
+        axes[1][j].set_title(f"{b:.0%} budget: needle accuracy (mean over depths)", fontsize=9)
+    axes[1][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    bc.save_figure(fig, path)
 
 
 def _same_sets(by: dict, rows: list[dict]) -> list[str]:

@@ -145,6 +145,39 @@ def test_adakv_row_goes_after_our_adaptive_row() -> None:
         ("keydiff:adaptive", "keydiff@adakv")]
 
 
+def test_per_head_table_and_figure_put_kvpress_beside_ours(tmp_path, monkeypatch) -> None:
+    """The per-head quality table has kvpress's per-head press and AdaKVPress columns
+    (PPL / full of kvpress's own full); a quality-only per-head run's figure is the
+    per-head one, its five series per budget, and no separate kvpress figure."""
+    from benchmarks import bench_common as bc
+    from benchmarks import heads_report
+
+    q = _quality()
+    q["rows"] += [_row("keydiff:head", 0.25, 12.0, 0.6), _row("keydiff:adaptive", 0.25, 12.5, 0.7)]
+    q["kvpress"]["rows"].append(_kv("keydiff@adakv", "AdaKVPress(KeyDiffPress)", 0.25, 13.2, 0.8))
+    text = "\n".join(heads_report.quality(q))
+    assert "| kvpress, per head | kvpress AdaKV | needle:" in text
+    assert "| keydiff | 25% | 1.300 | 1.200 | 1.250 | 1.300 | 1.200 | 50% | 60% | 70% | 50% | 80% |" in text
+    assert "| knorm | 25% | 6.000 | — | — | 6.000 | — |" in text
+    figures = []
+    monkeypatch.setattr(bc, "save_figure", lambda fig, path: figures.append((fig, path)))
+    report = {"quality": q}
+    assert heads_report.figure_path(report, "d/x.png") == "d/x.png"
+    assert heads_report.figure_path({**report, "overhead": {}}, "d/x.png") == "d/x_heads.png"
+    assert heads_report.figure_path({"quality": _quality()}, "d/x.png") is None
+    bench_policies_report.plot(report, "d/x.png")
+    ((fig, path),) = figures
+    assert path == "d/x.png"
+    ppl, needle = fig.axes[0], fig.axes[1]
+    labels = needle.get_legend_handles_labels()[1]
+    assert labels == ["full cache", "per layer (= shared)", "per head", "adaptive (AdaKV)",
+                      "kvpress, per head", "kvpress AdaKVPress"]
+    # keydiff's five bars, in that order: ours per layer, head, adaptive, then kvpress's
+    assert [round(p.get_height(), 3) for p in needle.patches if p.get_height() > 0.55] == [
+        0.6, 0.7, 0.8]
+    assert max(p.get_height() for p in ppl.patches) == heads_report.PPL_TOP  # knorm, clipped
+
+
 def test_table_puts_each_press_beside_its_method() -> None:
     q = _quality()
     names = [r["policy"] for r, _ in kvpress_report.interleave(q)]
