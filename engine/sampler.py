@@ -72,6 +72,9 @@ class SamplingBatch:
         )
 
 
+_U_MAX = 1.0 - 2.0**-24  # the float32 below 1 (sampling_cpu.cpp's kUMax)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash (xorshift-multiply rounds) on int64 tensors."""
     x = x & _M32
@@ -83,11 +86,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] uniforms in (0, 1), a pure function of (seed, step, token id)."""
+    """[B, V] uniforms in (0, 1), a pure function of (seed, step, token id). Never 1:
+    float32 rounds the top 2^-25 of (0, 1) up to 1.0, whose E = -log(1) = 0 gave a
+    token of p = 0 (masked by a grammar, cut by top-k / top-p) the key 0 / 0 = NaN,
+    which the race's argmax takes."""
     row = _mix32(_mix32(seed) ^ (_mix32(step + 0x27D4EB2F)))
     ids = torch.arange(vocab, dtype=torch.int64, device=seed.device)
     x = _mix32(row[:, None] + ids * 0x61C88647)
-    return (x.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32)
+    return (x.to(torch.float64) + 0.5).div_(2.0**32).to(torch.float32).clamp_(max=_U_MAX)
 
 
 def load_sampling_ops() -> bool:

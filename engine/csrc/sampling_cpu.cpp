@@ -19,7 +19,7 @@
 // 32 sampled rows. Here one pass per row hashes 16 tokens at a time and bounds each
 // key from below the log (E >= 1 - u), so the log is taken only for the few tokens
 // whose bound beats the row's best so far: the same hash bits, the same u, the same
-// division and tie rule (first maximum; a NaN wins), so the same token unless a libm
+// division and tie rule (first maximum; a NaN p wins), so the same token unless a libm
 // logf and torch's differ in the last place at a near-tie.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -148,16 +148,19 @@ inline uint32_t mix32(uint32_t x) {
   return x ^ (x >> 16);
 }
 
-// `uniform_noise`'s float: (x + 0.5) / 2^32 in double (exact), rounded to float.
+// `uniform_noise`'s float: (x + 0.5) / 2^32 in double (exact), rounded to float, and
+// never 1: the top 2^-25 of (0, 1) rounds up to 1.0f, and E = -log(1) = 0 made a token
+// of p = 0 (masked by a grammar, cut by top-k / top-p) win with the key 0 / 0 = NaN.
+constexpr float kUMax = 0x1.fffffep-1f;  // 1 - 2^-24, the float below 1
 inline float uniform(uint32_t x) {
-  return static_cast<float>((static_cast<double>(x) + 0.5) * 0x1p-32);
+  return std::min(static_cast<float>((static_cast<double>(x) + 0.5) * 0x1p-32), kUMax);
 }
 
 // Lower bound of the float E = -logf(u): -log(u) >= 1 - u, and logf is within an ulp.
 constexpr float kBoundScale = 1.0f - 0x1p-20f;
 
-// The running argmax of one row: the first maximum wins ties and a NaN key beats every
-// number (torch.argmax's rule; 0 / E with E = -log(1) = -0 is such a NaN).
+// The running argmax of one row: the first maximum wins ties and a NaN key (a NaN p)
+// beats every number (torch.argmax's rule).
 struct Best {
   float key = -INFINITY;
   int64_t at = -1;
@@ -198,7 +201,8 @@ int64_t race_row(const float* p, int64_t n, uint32_t row) {
         _mm512_add_pd(_mm512_cvtepu32_pd(_mm512_castsi512_si256(x)), half), inv));
     const __m256 hi = _mm512_cvtpd_ps(_mm512_mul_pd(
         _mm512_add_pd(_mm512_cvtepu32_pd(_mm512_extracti64x4_epi64(x, 1)), half), inv));
-    const __m512 u = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+    const __m512 u = _mm512_min_ps(_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1),
+                                   _mm512_set1_ps(kUMax));
     const __m512 pv = _mm512_loadu_ps(p + i);
     const __m512 bound = _mm512_div_ps(pv, _mm512_mul_ps(_mm512_sub_ps(one, u), scale));
     // Candidates: bound not below the best (a NaN bound, from a NaN p or 0 / 0, is one).
@@ -223,7 +227,8 @@ int64_t race_row(const float* p, int64_t n, uint32_t row) {
   // converted and 2^31 added back, exactly, in double
   auto uniform4 = [&](__m128i x4) {
     const __m256d d = _mm256_add_pd(_mm256_cvtepi32_pd(_mm_xor_si128(x4, flip)), two31);
-    return _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_add_pd(d, half), inv));
+    return _mm_min_ps(_mm256_cvtpd_ps(_mm256_mul_pd(_mm256_add_pd(d, half), inv)),
+                      _mm_set1_ps(kUMax));
   };
   for (; i + 8 <= n; i += 8) {
     const __m256i ids = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i)), lane);
