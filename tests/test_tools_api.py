@@ -185,7 +185,8 @@ def test_streaming_gives_the_same_calls(server: ServerThread, tool_choice: Any) 
     assert deltas[0].type == "function"
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
     assert len(deltas) > 3  # the arguments in pieces
-    assert "".join(d.function.arguments or "" for d in deltas) == whole.message.tool_calls[0].function.arguments
+    pieces = "".join(d.function.arguments or "" for d in deltas)
+    assert pieces == whole.message.tool_calls[0].function.arguments
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
 
 
