@@ -37,6 +37,7 @@ from engine.demo import DEMO_MODEL_NAME
 from server.startup_checks import (
     USAGE_ERROR,
     add_tool_call_args,
+    agent_settings,
     check_byte_sizes,
     check_kv_cache_dtype,
     check_port_free,
@@ -320,7 +321,8 @@ def _serve(a: argparse.Namespace) -> int:
                               max_body_bytes=a.max_body_bytes, drain_timeout=a.drain_timeout,
                               request_log=not a.no_request_log, on_fatal=fatal,
                               tool_call_parser=a.tool_call_parser,
-                              enable_auto_tool_choice=a.enable_auto_tool_choice)
+                              enable_auto_tool_choice=a.enable_auto_tool_choice,
+                              **agent_settings(a))
     app = build_app(engine, settings)
     if a.metrics_alias:
         from server.metrics import add_metrics_alias

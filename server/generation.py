@@ -15,6 +15,7 @@ from fastapi import Request
 from scheduler.async_engine import AsyncEngine, RequestStream
 from scheduler.outputs import KVUsage, RequestOutput, TokenLogprob
 from server.preprocess import Plan
+from server.reasoning import ReasoningParser
 
 request_log = logging.getLogger("kvserve.request")
 
@@ -40,6 +41,10 @@ class ChoiceState:
     kv: KVUsage | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # chat with --reasoning-parser: the text split into reasoning and answer as it comes
+    reasoner: ReasoningParser | None = None
+    last_split: tuple[str, str] = ("", "")  # the latest output's (reasoning, answer) text
+    reasoning_tokens: int = 0
 
 
 class Generation:
@@ -50,6 +55,9 @@ class Generation:
                                                   prompt_ids=c.prompt_ids,
                                                   echo_len=len(c.echo_text))
                         for c in plan.choices}
+        if plan.reasoning is not None:
+            for st in self.choices.values():
+                st.reasoner = plan.reasoning()
         self.status = "running"
         self._logged = False
 
@@ -74,6 +82,8 @@ class Generation:
             if out.finished:
                 st.finish_reason = out.finish_reason
                 st.kv = out.kv
+            if st.reasoner is not None:
+                _split(st, out)
             yield st, out
         self.status = "ok"
 
@@ -124,11 +134,16 @@ class Generation:
     def usage(self) -> dict[str, Any]:
         completion = sum(c.num_output_tokens for c in self.choices.values())
         kv = [c.kv for c in self.choices.values() if c.kv is not None]
+        details = {}
+        if self.plan.reasoning is not None:
+            details["completion_tokens_details"] = {"reasoning_tokens": sum(
+                c.reasoning_tokens for c in self.choices.values())}
         return {
             "prompt_tokens": self.plan.num_prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.plan.num_prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens()},
+            **details,
             "kv_cache": {
                 "policy": self.plan.policy.name,
                 "peak_live_tokens": sum(k.peak_live_tokens for k in kv),
@@ -168,6 +183,22 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _split(st: ChoiceState, out: RequestOutput) -> None:
+    """One output's text through the choice's reasoning parser. Its tokens count as
+    reasoning when the text was or still is inside the reasoning before or after them
+    (the tags' own tokens included); outputs come a token or a few at a time, so the
+    count is the reasoning's tokens up to the one that closes it."""
+    assert st.reasoner is not None
+    was = st.reasoner.in_reasoning
+    reasoning, content = st.reasoner.feed(out.new_text)
+    if was or st.reasoner.in_reasoning:
+        st.reasoning_tokens += len(out.new_token_ids)
+    if out.finished:
+        more = st.reasoner.finish()
+        reasoning, content = reasoning + more[0], content + more[1]
+    st.last_split = (reasoning, content)
 
 
 def _head_spread(kv: list[KVUsage]) -> dict[str, int]:

@@ -34,6 +34,7 @@ from server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from server.reasoning import REASONING_PARSERS, ReasoningParser
 from server.sampling_fields import check_extras, logit_bias, structured_output
 from server.settings import ServerSettings
 from server.tenants import Tenant, effective_salt
@@ -77,6 +78,8 @@ class Plan:
     tenant: str | None = None  # the API key's tenant name (quotas, metrics, logs)
     cache_salt: str | None = None  # effective salt: key-derived + the request's cache_salt
     tools: ToolPlan | None = None  # chat with tools: how each choice's text is read back
+    # chat with --reasoning-parser: splits each choice's text into reasoning and answer
+    reasoning: type[ReasoningParser] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -160,6 +163,8 @@ class Preprocessor:
         plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], resolved.kv_policy,
                     req.priority, req.stream, req.include_usage, False, n_lp, user=req.user,
                     tools=tools, **_tenancy(req, tenant))
+        if self.settings.reasoning_parser is not None:
+            plan.reasoning = REASONING_PARSERS[self.settings.reasoning_parser]
         if req.max_completion_tokens is not None:
             plan.max_tokens_param = "max_completion_tokens"
         self._add_choices(plan, req, 0, ids, "", resolved.max_tokens[0], n_lp)

@@ -149,15 +149,28 @@ def completion_body(gen: Generation, choices: list[ChoiceState], tt: TokenText
             "choices": out, "usage": gen.usage(), "system_fingerprint": None}
 
 
+def chat_message(gen: Generation, c: ChoiceState) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish_reason: the reasoning apart where the server
+    has a reasoning parser (server/reasoning/), the answer read for tool calls where
+    the request has tools (server/tools.py); calls are looked for in the answer only."""
+    p = gen.plan
+    answer = c.text if c.reasoner is None else c.reasoner.content
+    message: dict[str, Any] = {"role": "assistant", "content": answer, "refusal": None}
+    finish = c.finish_reason
+    if p.tools is not None:
+        message, finish = p.tools.message(answer, finish)
+    if c.reasoner is not None:
+        message["content"] = message["content"] or None
+        message["reasoning_content"] = c.reasoner.reasoning or None
+    return message, finish
+
+
 def chat_body(gen: Generation, choices: list[ChoiceState], tt: TokenText) -> dict[str, Any]:
     p = gen.plan
     out = []
     for c in choices:
         lp = chat_logprobs(tt, c.logprobs or []) if p.num_logprobs is not None else None
-        message = {"role": "assistant", "content": c.text, "refusal": None}
-        finish = c.finish_reason
-        if p.tools is not None:  # the text read for tool calls (server/tools.py)
-            message, finish = p.tools.message(c.text, finish)
+        message, finish = chat_message(gen, c)
         out.append({"index": c.index, "message": message, "logprobs": lp,
                     "finish_reason": finish})
     return {"id": p.id, "object": "chat.completion", "created": p.created, "model": p.model,

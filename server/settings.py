@@ -23,6 +23,9 @@ class ServerSettings:
     # text (vLLM's --tool-call-parser, server/tool_parsers/), and whether "auto" is on
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # Reasoning (server/reasoning/): splits chat answers into reasoning_content and
+    # content (vLLM's --reasoning-parser); None: the text is all answer
+    reasoning_parser: str | None = None
     # Called when the model fails to load in the background, so the CLI can exit
     # non-zero instead of serving 503s forever.
     on_fatal: Callable[[BaseException], None] | None = None
@@ -31,6 +34,10 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        from server.reasoning import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning_parser {self.reasoning_parser!r}")
         keys = list(self.api_keys)
         if self.api_key and self.api_key not in keys:
             keys.insert(0, self.api_key)

@@ -121,6 +121,11 @@ def add_tool_call_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help=f"the model's tool-call format: {', '.join(PARSERS)} "
                        "(docs/agents.md: which fits which model family)")
+    from server.reasoning import REASONING_PARSERS
+
+    serve.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="split chat answers into reasoning_content and content: "
+                       f"{', '.join(REASONING_PARSERS)} (docs/agents.md)")
 
 
 def check_tool_call_args(a: argparse.Namespace) -> None:
@@ -134,3 +139,13 @@ def check_tool_call_args(a: argparse.Namespace) -> None:
              f"choose from {names}")
     if a.enable_auto_tool_choice and a.tool_call_parser is None:
         fail(f"--enable-auto-tool-choice needs --tool-call-parser NAME (one of {names})")
+    from server.reasoning import REASONING_PARSERS
+
+    if a.reasoning_parser is not None and a.reasoning_parser not in REASONING_PARSERS:
+        fail(f"--reasoning-parser {a.reasoning_parser!r} is not a reasoning parser; "
+             f"choose from {', '.join(REASONING_PARSERS)}")
+
+
+def agent_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The ServerSettings fields of the reasoning options."""
+    return {"reasoning_parser": a.reasoning_parser}

@@ -122,11 +122,19 @@ class _Chunker:
         """One engine output's chunks: its text (read for tool calls where the choice
         has tools), then the choice's last chunk if it finished."""
         calls = self.calls.get(st.index)
+        text, lps = out.new_text, out.logprobs
+        events = []
+        if st.reasoner is not None:  # the reasoning first; the answer is what is left
+            reasoning, text = st.last_split
+            if reasoning or (lps and self.want_lp and not text):
+                events += self.tool_chunks(st, [{"reasoning_content": reasoning}]
+                                           if reasoning else [], lps)
+                lps = None
         if calls is None:
-            event = self.delta(st, out.new_text, out.logprobs)
-            events = [] if event is None else [event]
+            event = self.delta(st, text, lps)
+            events += [] if event is None else [event]
         else:
-            events = self.tool_chunks(st, calls.feed(out.new_text), out.logprobs)
+            events += self.tool_chunks(st, calls.feed(text), lps)
         if out.finished:
             reason = st.finish_reason
             if calls is not None:
