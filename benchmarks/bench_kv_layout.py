@@ -58,17 +58,19 @@ def run(args: argparse.Namespace, report: dict) -> None:
     with tempfile.TemporaryDirectory(prefix=f"{NAME}-") as path:
         report["params"] = build_model(args.model, path)
         kv = {}
+        # None: each layout's default page (scheduler/pool_shape.page_tokens)
         pages = {"layer": args.block_size, "head": args.head_block_size or args.block_size}
-        report["block_size"] = pages
         if "offline" in args.parts:
             warm = Workload.draw(4, (8, 24), (4, 8), vocab, args.seed + 1)
             for layout in LAYOUTS:
                 kv[layout] = KVServe(path, args.kv_memory, args.max_seqs, args.max_batched_tokens,
                                      args.dtype, kv_layout=layout, block_size=pages[layout])
                 kv[layout].run(warm, progress=False)  # kernels, allocator
+                pages[layout] = kv[layout].llm.engine.config.block_size
                 st = kv[layout].llm.engine.stats()
                 report["pools"][layout] = {"pages": st.blocks_total, "page_bytes": st.block_bytes,
                                            "bytes": st.blocks_total * st.block_bytes}
+        report["block_size"] = pages
         for k in range(args.rounds):
             got: dict = {"order": list(LAYOUTS[::-1] if k % 2 else LAYOUTS)}
             for layout in got["order"]:
@@ -180,8 +182,11 @@ def render(report: dict) -> str:
 
 
 def _pages(report: dict) -> str:
-    """The tokens a page holds in each layout (runs before --head-block-size: 16)."""
+    """The tokens a page holds in each layout (runs before --head-block-size: 16; a
+    steps-only run at the engine's defaults: not recorded)."""
     p = report.get("block_size", {"layer": 16, "head": 16})
+    if None in p.values():
+        return "the engine's default size for each layout"
     return (f"{p['layer']} tokens" if p["layer"] == p["head"]
             else f"{p['layer']} tokens per layer, {p['head']} per head")
 
@@ -220,7 +225,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-memory", default="2GiB", help="the offline pool's bytes, either layout")
-    p.add_argument("--block-size", type=int, default=16, help="tokens a page holds")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens a page holds (default: each layout's engine default)")
     p.add_argument("--head-block-size", type=int, default=None,
                    help="tokens a per-head page holds (default: --block-size)")
     p.add_argument("--running", default="64", help="requests decoding (a comma list)")

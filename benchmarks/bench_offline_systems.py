@@ -77,13 +77,13 @@ class _Clock:
 class KVServe:
     def __init__(self, path: str, kv_memory: str, max_seqs: int, max_batched: int,
                  dtype: str = "float32", prepack: bool = True, kv_layout: str = "layer",
-                 block_size: int = 16) -> None:
+                 block_size: int | None = None) -> None:
         from scheduler.llm import LLM
 
         # No prefix caching: the prompts share no prefixes, so the cache could only
         # replay the previous repeat's prompts, a hit the other systems never get.
         # kv_layout: the pool's pages (bench_kv_layout runs both), the same bytes;
-        # block_size: the tokens a page holds.
+        # block_size: the tokens a page holds (None: the engine's default).
         self.llm = LLM(path, kv_cache_memory=kv_memory, max_num_seqs=max_seqs,
                        max_num_batched_tokens=max_batched, enable_prefix_caching=False,
                        dtype=dtype, cpu_prepack=prepack, kv_layout=kv_layout,

@@ -41,10 +41,10 @@ PARTS = ("forward_ms", "prepare_ms", "outside_ms", "schedule_advance_ms", "sampl
 
 def measure(model: str, dtype: str, running: int, steps: int,
             kv_policy: str | None, detokenize: bool = False,
-            kv_layout: str = "layer", block_size: int = 16) -> dict[str, float]:
+            kv_layout: str = "layer", block_size: int | None = None) -> dict[str, float]:
     """One engine, `running` requests decoding, `steps` steps timed: per-step means.
     `kv_layout`: the pool's pages (`EngineConfig.kv_layout`), its bytes the same;
-    `block_size`: the tokens a page holds."""
+    `block_size`: the tokens a page holds (None: the engine's default for the layout)."""
     from benchmarks.bench_offline_systems import Workload
     from engine.sampling import SamplingParams
     from loadtest.random_models import MODEL_CONFIGS, build_model

@@ -27,7 +27,9 @@ class EngineConfig:
     # tokens (docs/memory.md, "Pages per head"). `num_blocks` counts pages.
     kv_layout: str = "layer"
     device: str = "auto"  # auto = cuda when available
-    block_size: int = 16
+    # Tokens a page holds; None: 16 on a per-layer pool, on a per-head pool what
+    # scheduler/pool_shape.py's `page_tokens` picks (pages of >= 8 KiB of K).
+    block_size: int | None = None
     num_blocks: int | None = None  # wins over kv_cache_memory
     # Bytes for the pool, e.g. "2GiB"; None: sized from the memory left after the weights
     # (attention/sizing.py: half of what is available on a CPU, vLLM's 0.9 on CUDA, capped

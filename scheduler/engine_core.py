@@ -47,7 +47,7 @@ from scheduler.outputs import (
     StepStats,
 )
 from scheduler.policy_runner import PolicyRunner
-from scheduler.pool_shape import heads_per_page, num_lanes, size_kv_pool
+from scheduler.pool_shape import heads_per_page, num_lanes, page_tokens, size_kv_pool
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
 from scheduler.request import Request
@@ -90,6 +90,8 @@ class EngineCore(StepLaunch, StepComplete):
         kv_dtype: torch.dtype | str = (
             next(self.model.parameters()).dtype if config.kv_cache_dtype == "auto"
             else DTYPES.get(config.kv_cache_dtype, config.kv_cache_dtype))
+        # The tokens a page holds (pool_shape.page_tokens), fixed from here on.
+        self.config = config = replace(config, block_size=page_tokens(config, mc, kv_dtype))
         # The pool's size: --num-blocks, else --kv-cache-memory, else what the memory
         # left after the weights allows (attention/sizing.py's rule); logged with why.
         self.kv_sizing = size_kv_pool(config, mc, self.device, self.max_model_len, kv_dtype,

@@ -28,6 +28,31 @@ def heads_per_page(config: EngineConfig, mc: ModelConfig) -> int:
     return 1 if config.kv_layout == "head" else mc.num_kv_heads
 
 
+# A per-layer pool's block: vLLM's default page.
+LAYER_PAGE_TOKENS = 16
+# A per-head page's K bytes the default page size reaches: the decode kernel reads a page
+# as one run, and a per-head page is a kv head's share of a per-layer block. Measured
+# (benchmarks/bench_decode_kernel.py --per-head, docs/benchmarks.md "Per-head KV"): 16-token
+# pages of 2-4 KiB of K cost the kernel 1.04-1.32x a per-layer pool's; 8 KiB pages
+# 0.90-0.98x, at head dims 32 (fp32), 64 and 128 (bf16).
+HEAD_PAGE_BYTES = 8 << 10
+HEAD_PAGE_TOKENS = (16, 32, 64)
+
+
+def page_tokens(config: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype | str) -> int:
+    """The tokens a page holds: `--block-size` if given; else 16 on a per-layer pool,
+    and on a per-head pool the fewest of 16, 32, 64 whose page holds HEAD_PAGE_BYTES of
+    K (a coarser page frees later and shares a prefix in coarser steps, so no more)."""
+    if config.block_size is not None:
+        return config.block_size
+    if config.kv_layout != "head":
+        return LAYER_PAGE_TOKENS
+    for tokens in HEAD_PAGE_TOKENS:  # bytes_per_block counts K and V
+        if KVStorage.bytes_per_block(tokens, 1, mc.head_dim, kv_dtype) >= 2 * HEAD_PAGE_BYTES:
+            return tokens
+    return HEAD_PAGE_TOKENS[-1]
+
+
 def num_lanes(config: EngineConfig, mc: ModelConfig) -> int:
     """The tables' lanes: a request holds a page list and a length in each."""
     return mc.num_layers * mc.num_kv_heads // heads_per_page(config, mc)
@@ -40,7 +65,7 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
     attention/sizing.py's rule over the memory available now (call it once the weights
     are loaded). Raises KVPoolTooSmall when that does not hold one request of
     `max_model_len` tokens."""
-    bs, layers = config.block_size, num_lanes(config, mc)
+    bs, layers = page_tokens(config, mc, kv_dtype), num_lanes(config, mc)
     per_block = KVStorage.bytes_per_block(bs, heads_per_page(config, mc), mc.head_dim, kv_dtype)
 
     def sized(source: str, blocks: int, why: str, seen: int = 0, seen_in: str = ""

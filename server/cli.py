@@ -104,7 +104,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "~/.cache/kvserve, or KVSERVE_KERNEL_CACHE, so a restart measures "
                    "nothing) or vendor (a table of CPU vendors and instruction sets). "
                    "Without it, env KVSERVE_KERNEL_CHOICE if set, else measure")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block "
+                   "(default: 16; with --kv-layout head, pages of 8 KiB of K: 16-64)")
     g.add_argument("--num-blocks", type=int, default=None,
                    help="KV pool size in blocks (a block holds one layer's K/V for "
                    "--block-size tokens); wins over --kv-cache-memory")
