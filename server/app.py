@@ -45,15 +45,19 @@ from server.protocol import (
     TokenizeCompletionRequest,
 )
 from server.responses import TokenText, chat_body, completion_body
+from server.responses_api import ResponseStore, Turn, plan_turn
+from server.responses_api.request import ResponsesFields, renamed_error
 from server.settings import ServerSettings
 from server.streaming import SSEResponse, stream_events
 from server.tenants import Tenant
 
 logger = logging.getLogger("kvserve.server")
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
-          "/metrics", "/version", "/tokenize", "/detokenize", "/v1/kv_policies"}
+          "/metrics", "/version", "/tokenize", "/detokenize", "/v1/kv_policies",
+          "/v1/responses"}
 # Paths with an id in them share one metrics label each.
-ROUTE_PREFIXES = {"/v1/models/": "/v1/models/{model}"}
+ROUTE_PREFIXES = {"/v1/models/": "/v1/models/{model}",
+                  "/v1/responses/": "/v1/responses/{response_id}"}
 
 
 def kvserve_version() -> str:
@@ -92,6 +96,7 @@ def _tenant(request: Request) -> Tenant | None:
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(engine, tenants=settings.tenant_names)
     pre = Preprocessor(engine, settings)
+    stored = ResponseStore(settings.responses_store_size)  # previous_response_id's
     started = int(time.time())
     token_text: list[TokenText] = []
 
@@ -139,7 +144,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     logging.getLogger("kvserve.request").disabled = not settings.request_log
     install_error_handlers(app)
 
-    async def serve(request: Request, plan: Plan) -> Response:
+    async def serve(request: Request, plan: Plan, turn: Turn | None = None) -> Response:
         try:
             gen = await Generation.start(engine, plan)
         except (QueueFull, RequestRejected, EngineUnavailable) as e:
@@ -150,7 +155,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 e.param = plan.max_tokens_param
             raise
         if plan.stream:
-            return SSEResponse(stream_events(gen, tt()))
+            return SSEResponse(turn.events(gen) if turn else stream_events(gen, tt()))
         try:
             choices = await gen.collect_unless_disconnected(request)
         except ClientDisconnected:
@@ -160,6 +165,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             gen.close("error")
             raise
         gen.close()
+        if turn is not None:
+            return JSONResponse(turn.body(gen, choices))
         body = (chat_body if plan.kind == "chat" else completion_body)(gen, choices, tt())
         return JSONResponse(body)
 
@@ -180,6 +187,30 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         plan = await pre.chat(req, _tenant(request))
         plan.arrival_time = arrival
         return await serve(request, plan)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, run as a chat request (server/responses_api/)."""
+        arrival = time.monotonic()
+        data = await _json(request)
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        fields = await _parse(request, ResponsesFields, data)
+        engine.check_admission(0, 0)
+        turn = await plan_turn(pre, stored, data, fields, _tenant(request))
+        turn.plan.arrival_time = arrival
+        try:
+            return await serve(request, turn.plan, turn)
+        except Exception as e:  # the engine's 400s name the Responses field
+            raise renamed_error(e) from None
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
+        found = stored.get(response_id, (t := _tenant(request)) and t.name)
+        if found is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.",
+                           param="response_id", code="not_found")
+        return found.body
 
     def model_card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": started, "owned_by": "kvserve",

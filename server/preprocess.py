@@ -61,7 +61,7 @@ class Choice:
 @dataclass
 class Plan:
     id: str
-    kind: Literal["completion", "chat"]
+    kind: Literal["completion", "chat", "responses"]
     model: str
     choices: list[Choice]
     policy: KVPolicyConfig  # resolved for the model (scheduler/resolve.py)

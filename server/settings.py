@@ -26,6 +26,9 @@ class ServerSettings:
     # Reasoning (server/reasoning/): splits chat answers into reasoning_content and
     # content (vLLM's --reasoning-parser); None: the text is all answer
     reasoning_parser: str | None = None
+    # /v1/responses (server/responses_api.py): how many stored responses
+    # previous_response_id can name; the least recently used goes first
+    responses_store_size: int = 1000
     # Called when the model fails to load in the background, so the CLI can exit
     # non-zero instead of serving 503s forever.
     on_fatal: Callable[[BaseException], None] | None = None

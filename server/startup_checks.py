@@ -126,6 +126,9 @@ def add_tool_call_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="split chat answers into reasoning_content and content: "
                        f"{', '.join(REASONING_PARSERS)} (docs/agents.md)")
+    serve.add_argument("--responses-store-size", type=int, default=1000, metavar="N",
+                       help="/v1/responses kept for previous_response_id (least recently "
+                       "used evicted first; 0 keeps none)")
 
 
 def check_tool_call_args(a: argparse.Namespace) -> None:
@@ -144,8 +147,11 @@ def check_tool_call_args(a: argparse.Namespace) -> None:
     if a.reasoning_parser is not None and a.reasoning_parser not in REASONING_PARSERS:
         fail(f"--reasoning-parser {a.reasoning_parser!r} is not a reasoning parser; "
              f"choose from {', '.join(REASONING_PARSERS)}")
+    if a.responses_store_size < 0:
+        fail("--responses-store-size must be >= 0")
 
 
 def agent_settings(a: argparse.Namespace) -> dict[str, Any]:
-    """The ServerSettings fields of the reasoning options."""
-    return {"reasoning_parser": a.reasoning_parser}
+    """The ServerSettings fields of the reasoning and /v1/responses options."""
+    return {"reasoning_parser": a.reasoning_parser,
+            "responses_store_size": a.responses_store_size}
