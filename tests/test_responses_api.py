@@ -32,6 +32,7 @@ TOOLS: list[Any] = [
      "parameters": WEATHER},
     {"type": "function", "name": "get_time", "parameters": TIME}]
 POLICY = {"name": "streaming", "sink": 4, "window": 64}
+WIDE = {"name": "streaming", "sink": 4, "window": 1024}  # evicts nothing of a short chat
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +179,25 @@ def test_bad_input_is_a_400_naming_the_field(server: ServerThread, body: dict[st
         ok = c.post("/v1/responses", json={"model": "tiny", "input": "hi",
                                            "max_output_tokens": 1})
         assert ok.status_code == 200
+
+
+def test_a_follow_up_turn_reuses_the_cached_prefix(client: openai.OpenAI) -> None:
+    """Turn 2's prompt starts with turn 1's: its blocks come from the prefix cache, in
+    chat (the history re-sent) and in responses (previous_response_id)."""
+    system = {"role": "system", "content": "You are a terse assistant for a weather desk."}
+    turn1 = [system, {"role": "user", "content": "Weather in Oslo today?"}]
+    first = client.chat.completions.create(model="tiny", messages=turn1, max_tokens=4,
+                                           extra_body={"kv_policy": WIDE})
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And tomorrow?"}]
+    second = client.chat.completions.create(model="tiny", messages=turn2, max_tokens=4,
+                                            extra_body={"kv_policy": WIDE})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= first.usage.prompt_tokens
+
+    r1 = client.responses.create(model="tiny", instructions=system["content"],
+                                 input="Weather in Bergen today?", max_output_tokens=4)
+    r2 = client.responses.create(model="tiny", instructions=system["content"],
+                                 previous_response_id=r1.id, input="And tomorrow?",
+                                 max_output_tokens=4)
+    assert 0 < r2.usage.input_tokens_details.cached_tokens <= r1.usage.input_tokens
