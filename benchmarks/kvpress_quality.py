@@ -27,13 +27,16 @@ Protocol, as `benchmarks/policy_eval.py` runs ours (000_8900623ad98b28fb.txt §4
   to the best scores of all its heads, each head keeping at least ALPHA × B. It masks
   rather than evicts (the dropped pairs stay in the cache, their keys overwritten with a
   key no query attends to), so `max_cache_after_step` counts the pairs a kv head
-  attends to (the mean over heads). It decodes where the press does: kvpress's
-  `DecodingPress` takes an `AdaKVPress` and re-masks the whole cache to B a head after
-  every token (the masked pairs, with their fake keys, score lowest and stay masked;
-  KeyDiffPress's anchor, the mean key direction, then counts the fake keys too). Not for
-  ObservedAttentionPress (AdaKVPress refuses eager attention, which that press needs)
-  nor PyramidKVPress (AdaKVPress calls a press's `score` only, and PyramidKV's per-layer
-  budgets live in its `compress`: the result would be SnapKV's, at one budget a layer).
+  attends to (the mean over heads). It decodes where the press does and scores a pair
+  by that pair alone: kvpress's `DecodingPress` takes an `AdaKVPress` and re-masks the
+  whole cache to B a head after every token, the masked pairs (their fake keys scoring
+  lowest) staying masked. KeyDiffPress compresses the prompt only (`ADAKV_PREFILL`):
+  its anchor, the mean key direction, would count the fake keys and rank the real ones
+  against them (decoding, its needle accuracy fell to 20 / 63 / 67% at 10 / 25 / 50%
+  on the demo model where the prompt-only press keeps 38 / 73 / 91%). Not for ObservedAttentionPress (AdaKVPress refuses eager attention, which that
+  press needs) nor PyramidKVPress (AdaKVPress calls a press's `score` only, and
+  PyramidKV's per-layer budgets live in its `compress`: it would be SnapKV at one
+  budget a layer).
 
 One change to kvpress, which leaves every kept set as it is: `ScorerPress.compress`
 gathers the kept pairs in `topk` order, which on CPU is not position order (ties and
@@ -72,6 +75,7 @@ PRESSES: dict[str, tuple[str, dict[str, Any], bool]] = {
 }
 # ... whose press kvpress's AdaKVPress can wrap (module docstring): "<m>@adakv"
 ADAKV = ("knorm", "keydiff", "tova", "snapkv", "expected_attention")
+ADAKV_PREFILL = ("keydiff",)  # ... which compress the prompt only under AdaKV (docstring)
 ALPHA = 0.2  # AdaKV's safeguard, policies/heads.py ALPHA (kvpress's default too)
 
 
@@ -148,7 +152,7 @@ def make_press(method: str, n: int, budget: int):
         return head_mean(press) if level == "layer" else press
 
     prefill = build(compression_ratio=ratio_for(n, budget))
-    if not decodes:
+    if not decodes or (level == "adakv" and base in ADAKV_PREFILL):
         return prefill, "prefill"
     decode = kvpress.DecodingPress(base_press=build(), compression_interval=1,
                                    target_size=budget, hidden_states_buffer_size=0)

@@ -234,20 +234,22 @@ def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
 @pytest.mark.timeout(120)
 def test_adakv_attends_to_the_budget_a_head(tmp_path) -> None:
     """AdaKVPress masks instead of evicting: a decoding AdaKV press leaves a kv head B
-    pairs to attend to on average after every step, a prefill-only one lets it grow."""
+    pairs to attend to on average after every step, a prefill-only one (snapkv's, and
+    keydiff's, whose anchor would count the masked keys) lets it grow."""
     src, dst = tmp_path / "ex.json", tmp_path / "out.json"
     windows = [[(7 * i + j) % 4000 + 5 for j in range(48)] for i in range(2)]
     src.write_text(json.dumps(kvpress_compare.exchange(
         os.path.join(REPO, "engine/demo/model"), windows, 32, [0.5], [list(range(5, 45))], 4)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([VENV, kvpress_compare.SCRIPT, "--exchange", str(src), "--out", str(dst),
-                    "--methods", "knorm@adakv,snapkv@adakv"], check=True, env=env, timeout=110)
+                    "--methods", "knorm@adakv,snapkv@adakv,keydiff@adakv"], check=True, env=env,
+                   timeout=110)
     rows = {r["method"]: r for r in json.loads(dst.read_text())["rows"]}
     assert rows["knorm@adakv"]["press"] == "AdaKVPress(KnormPress)"
     assert rows["knorm@adakv"]["protocol"] == "prefill+decode"
     assert rows["knorm@adakv"]["max_cache_after_step"] == 24
-    assert rows["snapkv@adakv"]["protocol"] == "prefill"
-    assert rows["snapkv@adakv"]["max_cache_after_step"] > 24
+    for m in ("snapkv@adakv", "keydiff@adakv"):  # the prompt only (kvpress_quality docstring)
+        assert rows[m]["protocol"] == "prefill" and rows[m]["max_cache_after_step"] > 24
 
 
 def test_score_attention_keeps_what_each_policy_keeps() -> None:
