@@ -163,11 +163,16 @@ class Preprocessor:
         plan = Plan(f"chatcmpl-{uuid.uuid4().hex}", "chat", model, [], resolved.kv_policy,
                     req.priority, req.stream, req.include_usage, False, n_lp, user=req.user,
                     tools=tools, **_tenancy(req, tenant))
-        if self.settings.reasoning_parser is not None:
-            plan.reasoning = REASONING_PARSERS[self.settings.reasoning_parser]
         if req.max_completion_tokens is not None:
             plan.max_tokens_param = "max_completion_tokens"
         self._add_choices(plan, req, 0, ids, "", resolved.max_tokens[0], n_lp)
+        # the reasoning is read apart unless the output is JSON by grammar (a JSON
+        # response_format, the tools' required / named calls): that text has no reasoning,
+        # which deepseek_r1, whose output starts inside it, would otherwise take it for
+        structured = plan.choices[0].params.structured
+        if self.settings.reasoning_parser is not None and (
+                structured is None or structured.kind not in ("json", "json_object")):
+            plan.reasoning = REASONING_PARSERS[self.settings.reasoning_parser]
         return plan
 
     # ---- helpers -----------------------------------------------------------------------

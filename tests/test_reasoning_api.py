@@ -113,3 +113,33 @@ def test_unknown_parser_is_refused_at_start(capsys: pytest.CaptureFixture) -> No
     assert e.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "deepseek_r1, qwen3" in lines[0]
+
+
+def test_json_by_grammar_is_all_answer() -> None:
+    """A JSON response_format or a named tool constrains the whole output, which then
+    holds no reasoning: deepseek_r1 (whose output starts inside the reasoning) reads it
+    as the answer, and the call as a call."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}]
+    for client in _serve("deepseek_r1"):
+        msg = client.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=200, seed=0, tools=tools,
+            tool_choice={"type": "function", "function": {"name": "f"}}).choices[0].message
+        assert msg.model_dump().get("reasoning_content") is None
+        assert [c.function.name for c in msg.tool_calls] == ["f"]
+
+
+def test_responses_carry_the_reasoning(qwen3: openai.OpenAI) -> None:
+    """/v1/responses: a reasoning item before the message, streamed as reasoning_text
+    events, and the reasoning tokens in usage."""
+    kw: dict[str, Any] = dict(model="tiny", input="Weather?", max_output_tokens=80,
+                              extra_body={"guided_regex": THINK, "seed": 0})
+    r = qwen3.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text.startswith("\nThe user wants")
+    assert r.output_text == "It is sunny." and r.usage.output_tokens_details.reasoning_tokens > 0
+    with qwen3.responses.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == final.output[0].content[0].text and final.output_text == "It is sunny."
