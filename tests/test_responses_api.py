@@ -162,6 +162,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
      "tool_choice.name"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": 9}, "temperature"),
+    ({"input": "hi", "n": 2}, "n"),
     ({"input": "hi", "kv_policy": "nope"}, "kv_policy"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                          "schema": {"type": "nope"}}}}, "text.format"),

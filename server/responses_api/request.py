@@ -23,7 +23,8 @@ from server.tenants import Tenant
 # Responses fields that are not chat fields: everything else goes to the chat request
 _OWN = {"input", "instructions", "previous_response_id", "store", "tools", "tool_choice",
         "text", "max_output_tokens", "metadata", "reasoning", "truncation", "include",
-        "background", "stream", "parallel_tool_calls", "service_tier"}
+        "background", "stream", "parallel_tool_calls", "service_tier", "top_logprobs",
+        "stream_options", "prompt_cache_key", "safety_identifier"}
 # chat-path params -> the Responses field they came from
 _RENAMES = [(re.compile(r"^tools\.(\d+)\.function\."), r"tools.\1."),
             (re.compile(r"^tool_choice\.function\."), "tool_choice."),
@@ -52,6 +53,8 @@ class ResponsesFields(BaseModel):
 
 async def plan_turn(pre: Preprocessor, store: ResponseStore, body: dict[str, Any],
                     fields: ResponsesFields, tenant: Tenant | None) -> Turn:
+    if body.get("n", 1) != 1:  # one output per response
+        raise bad_request("n is not a Responses API field; one output per response", "n")
     history: list[dict[str, Any]] = []
     tenant_name = tenant.name if tenant else None
     if fields.previous_response_id is not None:
