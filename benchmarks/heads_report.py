@@ -174,7 +174,7 @@ def figure_path(report: dict, plot_path: str) -> str | None:
 
 
 # (label, our way or kvpress suffix, colour, kvpress's) in bar order
-SERIES = (("per layer (= shared)", "", "#7f7f7f", False), ("per head", "head", "#2a7ab9", False),
+SERIES = (("per layer", "", "#7f7f7f", False), ("per head", "head", "#2a7ab9", False),
           ("adaptive (AdaKV)", "adaptive", "#e08a3c", False),
           ("kvpress, per head", "", "#9cc3e4", True), ("kvpress AdaKVPress", "@adakv", "#f3c79c", True))
 

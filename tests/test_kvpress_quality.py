@@ -170,7 +170,7 @@ def test_per_head_table_and_figure_put_kvpress_beside_ours(tmp_path, monkeypatch
     assert path == "d/x.png"
     ppl, needle = fig.axes[0], fig.axes[1]
     labels = needle.get_legend_handles_labels()[1]
-    assert labels == ["full cache", "per layer (= shared)", "per head", "adaptive (AdaKV)",
+    assert labels == ["full cache", "per layer", "per head", "adaptive (AdaKV)",
                       "kvpress, per head", "kvpress AdaKVPress"]
     # keydiff's five bars, in that order: ours per layer, head, adaptive, then kvpress's
     assert [round(p.get_height(), 3) for p in needle.patches if p.get_height() > 0.55] == [
