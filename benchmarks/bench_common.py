@@ -28,6 +28,22 @@ from kvpool.manager import MIN_PREFILL_CHUNK
 from loadtest.report import update_doc
 
 
+def head_pool_pages(path: str, layer_blocks: int, dtype: str = "auto",
+                    kv_cache_dtype: str = "auto") -> int:
+    """The pages of a per-head pool (`--kv-layout head`, each page one kv head's, of the
+    engine's default size: scheduler/pool_shape.page_tokens) holding the bytes of a
+    per-layer pool of `layer_blocks` default blocks, for the model at `path`."""
+    from engine.model_config import load_model_config
+    from scheduler.engine_config import DTYPES, EngineConfig
+    from scheduler.pool_shape import LAYER_PAGE_TOKENS, page_tokens
+
+    mc = load_model_config(path)
+    name = kv_cache_dtype if kv_cache_dtype != "auto" else dtype
+    kv = mc.dtype if name == "auto" else DTYPES.get(name, name)
+    page = page_tokens(EngineConfig(model=path, kv_layout="head"), mc, kv)
+    return layer_blocks * mc.num_kv_heads * LAYER_PAGE_TOKENS // page
+
+
 def pin_threads(module: str, threads: int, argv: list[str] | None,
                 default_wait: str = "poll") -> dict[str, object]:
     """Run with `threads` intra-op threads set as `kvserve serve --cpu-threads` sets them

@@ -82,9 +82,9 @@ def _engine(path: str, num_blocks: int, max_seqs: int, args: argparse.Namespace,
             reserve_preempted: bool = True, batch_policies: bool = True,
             streaming_ring: bool = True, kv_layout: str = "layer") -> EngineCore:
     """`num_blocks`: a per-layer pool's; a per-head pool gets the same bytes (the kv-head
-    count × as many pages, each one head's)."""
+    count × as many pages, each one head's, fewer as its default page is longer)."""
     if kv_layout == "head":
-        num_blocks *= int(MODEL_CONFIGS[args.model]["num_key_value_heads"])
+        num_blocks = bc.head_pool_pages(path, num_blocks, args.dtype, args.kv_cache_dtype)
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,

@@ -62,9 +62,31 @@ class ToolParser:
         self._ws = ""
         self._said = False  # content went out
         self.calls = 0
+        self.buf = ""  # text fed and not yet read
 
     def feed(self, text: str) -> list[Event]:
+        """Take a delta and read the buffer while it can move."""
+        self.buf += text
+        while self.buf and self._step():
+            pass
+        return self.take()
+
+    def _step(self) -> bool:
+        """One move through the buffer; False when it must wait for more text."""
         raise NotImplementedError
+
+    def text_until(self, marker: str) -> bool:
+        """Outside calls: pass on the content before `marker` and consume the marker
+        (True), or pass on what cannot begin it and wait for more (False)."""
+        i = self.buf.find(marker)
+        if i < 0:
+            keep = held_marker(self.buf, marker)
+            self.content(self.buf[: len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
+            return False
+        self.content(self.buf[:i])
+        self.buf = self.buf[i + len(marker):]
+        return True
 
     def finish(self) -> list[Event]:
         raise NotImplementedError

@@ -15,29 +15,17 @@ class HermesParser(ToolParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = ""
         # text: outside calls; call: inside an object; after: past a call's object,
         # up to its END; bad: a <tool_call> that held no call, passed on as content
         self.state = "text"
         self.call: JsonCall | None = None
 
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        while self.buf and self._step():
-            pass
-        return self.take()
-
     def _step(self) -> bool:
         """One move through the buffer; False when it must wait for more text."""
         if self.state == "text":
-            i = self.buf.find(START)
-            if i < 0:
-                keep = held_marker(self.buf, START)
-                self.content(self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+            if not self.text_until(START):
                 return False
-            self.content(self.buf[:i])
-            self.buf, self.state, self.call = self.buf[i + len(START):], "call", JsonCall()
+            self.state, self.call = "call", JsonCall()
             return True
         if self.state == "call":
             assert self.call is not None

@@ -17,16 +17,9 @@ class Llama3JsonParser(ToolParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = ""
         self.state = "start"  # start / between (before a call may begin), call, text
         self.call: JsonCall | None = None
         self.lead = ""
-
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        while self.buf and self._step():
-            pass
-        return self.take()
 
     def _step(self) -> bool:
         if self.state == "text":

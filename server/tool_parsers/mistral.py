@@ -64,27 +64,15 @@ class MistralParser(ToolParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = ""
         self.state = "text"  # text, calls (just past the marker), list, named, args
         self.list: CallList | None = None
         self.args: ArgsReader | None = None
 
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        while self.buf and self._step():
-            pass
-        return self.take()
-
     def _step(self) -> bool:
         if self.state == "text":
-            i = self.buf.find(START)
-            if i < 0:
-                keep = held_marker(self.buf, START)
-                self.content(self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
+            if not self.text_until(START):
                 return False
-            self.content(self.buf[:i])
-            self.buf, self.state = self.buf[i + len(START):], "calls"
+            self.state = "calls"
             return True
         if self.state == "calls":
             head = self.buf.lstrip()

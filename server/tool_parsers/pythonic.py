@@ -38,19 +38,12 @@ class PythonicParser(ToolParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.buf = ""
         self.state = "start"  # start, list, after (past "]"), text
         self.raw = ""  # the list so far (content if its first element is no call)
         self.item = ""
         self.depth = 0
         self.quote = ""
         self.esc = False
-
-    def feed(self, text: str) -> list[Event]:
-        self.buf += text
-        while self.buf and self._step():
-            pass
-        return self.take()
 
     def _step(self) -> bool:
         if self.state == "text":
