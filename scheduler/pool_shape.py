@@ -42,7 +42,9 @@ HEAD_PAGE_TOKENS = (16, 32, 64)
 def page_tokens(config: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype | str) -> int:
     """The tokens a page holds: `--block-size` if given; else 16 on a per-layer pool,
     and on a per-head pool the fewest of 16, 32, 64 whose page holds HEAD_PAGE_BYTES of
-    K (a coarser page frees later and shares a prefix in coarser steps, so no more)."""
+    K. No more: a coarser page frees later, rounds each lane's reservation up further
+    and shares a prefix in coarser steps (under memory pressure the 3m model's 64-token
+    per-head pages held 21 requests where a per-layer pool held 27: docs/memory.md)."""
     if config.block_size is not None:
         return config.block_size
     if config.kv_layout != "head":
