@@ -21,12 +21,14 @@ from server.testing import ServerThread
 
 @contextmanager
 def tiny_server(model_dir: str, names: tuple[str, ...] = ("tiny",),
+                settings: dict[str, object] | None = None,
                 **engine: object) -> Iterator[ServerThread]:
-    """`model_dir` served under `names` (127.0.0.1, ephemeral port); `engine`:
-    EngineConfig fields (default a 512-block pool)."""
+    """`model_dir` served under `names` (127.0.0.1, ephemeral port); `settings`:
+    ServerSettings fields; `engine`: EngineConfig fields (default a 512-block pool)."""
     config = EngineConfig(model=model_dir, **{"num_blocks": 512, **engine})  # type: ignore[arg-type]
     app = build_app(AsyncEngine.from_config(config),
-                    ServerSettings(served_model_names=list(names), model_path=model_dir))
+                    ServerSettings(served_model_names=list(names), model_path=model_dir,
+                                   **(settings or {})))  # type: ignore[arg-type]
     with ServerThread(app) as s:
         yield s
 

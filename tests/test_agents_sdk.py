@@ -30,13 +30,9 @@ from agents import (  # noqa: E402
 )
 from openai import AsyncOpenAI  # noqa: E402
 
-from scheduler.async_engine import AsyncEngine  # noqa: E402
-from scheduler.engine_core import EngineConfig  # noqa: E402
-from server.app import build_app  # noqa: E402
-from server.settings import ServerSettings  # noqa: E402
 from server.testing import ServerThread  # noqa: E402
-from tests.test_tools_api import TOOLS_TEMPLATE  # noqa: E402
-from tests.tiny_models import make_tiny_model, make_tokenizer  # noqa: E402
+from tests.live_server import tiny_server  # noqa: E402
+from tests.test_tools_api import make_tools_model  # noqa: E402
 
 CALLS = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}'
          r'\n</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{"tz": "UTC"\}\}'
@@ -46,16 +42,9 @@ CALLS = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     set_tracing_disabled(True)
-    path = make_tiny_model("qwen3", tmp_path_factory.mktemp("agents") / "qwen3",
-                           max_position_embeddings=4096)
-    tok = make_tokenizer()
-    tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(path)
-    engine = AsyncEngine.from_config(EngineConfig(model=str(path), num_blocks=512))
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"], model_path=str(path),
-                                           tool_call_parser="hermes",
-                                           enable_auto_tool_choice=True))
-    with ServerThread(app) as s:
+    path = make_tools_model(tmp_path_factory.mktemp("agents") / "qwen3")
+    with tiny_server(path, settings={"tool_call_parser": "hermes",
+                                     "enable_auto_tool_choice": True}) as s:
         yield s
 
 

@@ -16,14 +16,10 @@ import jsonschema
 import openai
 import pytest
 
-from scheduler.async_engine import AsyncEngine
-from scheduler.engine_core import EngineConfig
-from server.app import build_app
 from server.responses_api.store import ResponseStore, Stored
-from server.settings import ServerSettings
 from server.testing import ServerThread
-from tests.test_tools_api import TIME, TOOLS_TEMPLATE, WEATHER
-from tests.tiny_models import make_tiny_model, make_tokenizer
+from tests.live_server import tiny_server
+from tests.test_tools_api import TIME, WEATHER, make_tools_model
 
 pytest.importorskip("xgrammar")
 
@@ -37,15 +33,8 @@ WIDE = {"name": "streaming", "sink": 4, "window": 1024}  # evicts nothing of a s
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
-    path = make_tiny_model("qwen3", tmp_path_factory.mktemp("responses") / "qwen3",
-                           max_position_embeddings=4096)
-    tok = make_tokenizer()
-    tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(path)
-    engine = AsyncEngine.from_config(EngineConfig(model=str(path), num_blocks=512))
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"], model_path=str(path),
-                                           responses_store_size=8))
-    with ServerThread(app) as s:
+    path = make_tools_model(tmp_path_factory.mktemp("responses") / "qwen3")
+    with tiny_server(path, settings={"responses_store_size": 8}) as s:
         yield s
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -19,14 +20,11 @@ import openai
 import pytest
 
 from engine.demo import DEMO_MODEL_DIR
-from scheduler.async_engine import AsyncEngine
-from scheduler.engine_core import EngineConfig
-from server.app import build_app
 from server.cli import main
 from server.protocol import ChatCompletionRequest
-from server.settings import ServerSettings
 from server.testing import ServerThread
 from server.tools import plan_tools
+from tests.live_server import tiny_server
 from tests.tiny_models import make_tiny_model, make_tokenizer
 
 pytest.importorskip("xgrammar")
@@ -62,35 +60,33 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = make_tiny_model("qwen3", tmp_path_factory.mktemp("tools") / "qwen3",
-                           max_position_embeddings=4096)  # tools take ~700 byte tokens
+def make_tools_model(path: Path) -> str:
+    """A tiny random qwen3 whose chat template renders tools (TOOLS_TEMPLATE), at `path`."""
+    made = make_tiny_model("qwen3", path, max_position_embeddings=4096)  # tools: ~700 tokens
     tok = make_tokenizer()
     tok.chat_template = TOOLS_TEMPLATE
-    tok.save_pretrained(path)
-    return path
+    tok.save_pretrained(made)
+    return str(made)
 
 
-def _serve(model_dir: str, **settings: Any) -> Iterator[ServerThread]:
-    engine = AsyncEngine.from_config(EngineConfig(model=model_dir, num_blocks=512))
-    app = build_app(engine, ServerSettings(served_model_names=["tiny"], model_path=model_dir,
-                                           **settings))
-    with ServerThread(app) as s:
-        yield s
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tools_model(tmp_path_factory.mktemp("tools") / "qwen3")
 
 
 @pytest.fixture(scope="module")
 def server(model_dir: str) -> Iterator[ServerThread]:
     """A parser named but "auto" off: vLLM's --tool-call-parser alone."""
-    yield from _serve(model_dir, tool_call_parser="hermes")
+    with tiny_server(model_dir, settings={"tool_call_parser": "hermes"}) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def demo() -> Iterator[ServerThread]:
     """The demo model with "auto" on (vLLM's --enable-auto-tool-choice)."""
-    yield from _serve(str(DEMO_MODEL_DIR), tool_call_parser="hermes",
-                      enable_auto_tool_choice=True)
+    with tiny_server(str(DEMO_MODEL_DIR), settings={
+            "tool_call_parser": "hermes", "enable_auto_tool_choice": True}) as s:
+        yield s
 
 
 def _client(s: ServerThread) -> openai.OpenAI:

@@ -11,6 +11,7 @@ construction wherever the text is well-formed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -111,6 +112,20 @@ class ToolParser:
                 self._ws = ""
                 self.calls += 1
             self.events.append(e)
+
+    def reader_events(self, events: list[Event], prefix: Callable[[], str]) -> bool:
+        """A call reader's events, where a `failed` one (the text was no call after all)
+        goes out as content after `prefix()`, what the format consumed before it; True
+        if one did (the parser then reads on as text)."""
+        failed = False
+        for e in events:
+            if e.kind == "failed":
+                self.events.append(e)
+                self.content(prefix() + e.text)
+                failed = True
+            else:
+                self.call_events([e])
+        return failed
 
     def take(self, end: bool = False) -> list[Event]:
         if end and self._ws and not self.calls:

@@ -56,13 +56,8 @@ class HermesParser(ToolParser):
             self.content(text)
 
     def _call_events(self, events: list[Event]) -> None:
-        for e in events:
-            if e.kind == "failed":  # not a call: the text as written
-                self.events.append(e)
-                self.content(START + e.text)
-                self.state = "bad"
-            else:
-                self.call_events([e])
+        if self.reader_events(events, lambda: START):  # not a call: the text as written
+            self.state = "bad"
 
     def finish(self) -> list[Event]:
         if self.state == "call" and self.call is not None:

@@ -53,13 +53,9 @@ class Llama3JsonParser(ToolParser):
         return True
 
     def _call_events(self, events: list[Event]) -> None:
-        for e in events:
-            if e.kind == "failed":  # a JSON object that is not a call: text
-                self.events.append(e)
-                self.content(("" if self.calls else self.lead) + e.text)
-                self.state = "text"
-            else:
-                self.call_events([e])
+        # a JSON object that is not a call: text
+        if self.reader_events(events, lambda: "" if self.calls else self.lead):
+            self.state = "text"
 
     def finish(self) -> list[Event]:
         if self.state == "call" and self.call is not None:

@@ -116,13 +116,8 @@ class MistralParser(ToolParser):
         return True
 
     def _events(self, events: list[Event]) -> None:
-        for e in events:
-            if e.kind == "failed":  # what was not a call, as text
-                self.events.append(e)
-                self.content(e.text)
-                self.state = "text"
-            else:
-                self.call_events([e])
+        if self.reader_events(events, lambda: ""):  # what was not a call, as text
+            self.state = "text"
 
     def finish(self) -> list[Event]:
         if self.state == "list" and self.list is not None:
