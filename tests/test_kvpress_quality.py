@@ -207,20 +207,25 @@ def test_figure_beside_the_main_plot(tmp_path) -> None:
     assert not os.path.exists(tmp_path / "none.png")
 
 
-@pytest.mark.skipif(not os.access(VENV, os.X_OK), reason="no .venv-kvpress (make kvpress-venv)")
-@pytest.mark.timeout(120)
-def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
-    """The real presses on the demo model: a decoding press holds B after every step,
-    a prefill-only press lets the continuation grow the cache."""
+def _run_presses(tmp_path, methods: str) -> dict[str, dict]:
+    """kvpress_compare's script in the kvpress venv over two 48-token windows of the demo
+    model at a 50% budget (24 tokens): its rows by method."""
     src, dst = tmp_path / "ex.json", tmp_path / "out.json"
     windows = [[(7 * i + j) % 4000 + 5 for j in range(48)] for i in range(2)]
     src.write_text(json.dumps(kvpress_compare.exchange(
         os.path.join(REPO, "engine/demo/model"), windows, 32, [0.5], [list(range(5, 45))], 4)))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([VENV, kvpress_compare.SCRIPT, "--exchange", str(src), "--out", str(dst),
-                    "--methods", "knorm,snapkv,knorm@layer"], check=True, env=env,
-                   timeout=110)
-    rows = {r["method"]: r for r in json.loads(dst.read_text())["rows"]}
+                    "--methods", methods], check=True, env=env, timeout=110)
+    return {r["method"]: r for r in json.loads(dst.read_text())["rows"]}
+
+
+@pytest.mark.skipif(not os.access(VENV, os.X_OK), reason="no .venv-kvpress (make kvpress-venv)")
+@pytest.mark.timeout(120)
+def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
+    """The real presses on the demo model: a decoding press holds B after every step,
+    a prefill-only press lets the continuation grow the cache."""
+    rows = _run_presses(tmp_path, "knorm,snapkv,knorm@layer")
     assert list(rows) == ["full", "knorm", "snapkv", "knorm@layer"]
     assert rows["knorm@layer"]["press"] == "KnormPress, head mean"
     assert rows["knorm"]["protocol"] == "prefill+decode"
@@ -236,15 +241,7 @@ def test_adakv_attends_to_the_budget_a_head(tmp_path) -> None:
     """AdaKVPress masks instead of evicting: a decoding AdaKV press leaves a kv head B
     pairs to attend to on average after every step, a prefill-only one (snapkv's, and
     keydiff's, whose anchor would count the masked keys) lets it grow."""
-    src, dst = tmp_path / "ex.json", tmp_path / "out.json"
-    windows = [[(7 * i + j) % 4000 + 5 for j in range(48)] for i in range(2)]
-    src.write_text(json.dumps(kvpress_compare.exchange(
-        os.path.join(REPO, "engine/demo/model"), windows, 32, [0.5], [list(range(5, 45))], 4)))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([VENV, kvpress_compare.SCRIPT, "--exchange", str(src), "--out", str(dst),
-                    "--methods", "knorm@adakv,snapkv@adakv,keydiff@adakv"], check=True, env=env,
-                   timeout=110)
-    rows = {r["method"]: r for r in json.loads(dst.read_text())["rows"]}
+    rows = _run_presses(tmp_path, "knorm@adakv,snapkv@adakv,keydiff@adakv")
     assert rows["knorm@adakv"]["press"] == "AdaKVPress(KnormPress)"
     assert rows["knorm@adakv"]["protocol"] == "prefill+decode"
     assert rows["knorm@adakv"]["max_cache_after_step"] == 24
