@@ -167,6 +167,15 @@ def prefill_envelope(seq_len: int, prompt_len: int | None, after: int) -> int:
     return min(seq_len, max(prompt_len - 1, after))
 
 
+def prompt_once_live(budget: int | float, seq_len: int, prompt_len: int | None) -> int:
+    """`max_live` of a policy that compresses the complete prompt once to its budget and
+    never evicts a generated token (SnapKV, Expected Attention)."""
+    if prompt_len is None:
+        return seq_len
+    kept = min(prompt_len, resolve_budget(budget, prompt_len))
+    return prefill_envelope(seq_len, prompt_len, kept + max(0, seq_len - prompt_len))
+
+
 def sum_dims(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """t summed over `dims`, which are dropped. Where they all have size 1 (a decode
     step's one query, the view's one kv group) a view of t: the same values, and torch's

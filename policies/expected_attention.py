@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from policies.base import Needs, StepView, prefill_envelope, resolve_budget
+from policies.base import Needs, StepView, prompt_once_live, resolve_budget
 from policies.config import Budget, ContextDefault, EvictingPolicyConfig, budget_field
 from policies.heads import adaptive_drops
 from policies.rows import RowsView, drop_lowest
@@ -164,10 +164,7 @@ class ExpectedAttentionPolicy:
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
-        if prompt_len is None:
-            return seq_len
-        kept = min(prompt_len, resolve_budget(self.config.budget, prompt_len))
-        return prefill_envelope(seq_len, prompt_len, kept + max(0, seq_len - prompt_len))
+        return prompt_once_live(self.config.budget, seq_len, prompt_len)
 
 
 def _drop(policies: list[ExpectedAttentionPolicy], view: RowsView,
