@@ -62,6 +62,13 @@ class ModelConfig:
     eos_token_ids: list[int]
     dtype: torch.dtype
     hf_config: transformers.PretrainedConfig
+    # The attention softmax's scale: None is head_dim ** -0.5 (set after init); a family
+    # may set another (Gemma's query_pre_attn_scalar ** -0.5).
+    attn_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.attn_scale is None:
+            self.attn_scale = self.head_dim**-0.5
 
 
 def _read_json(path: str) -> dict | None:

@@ -70,7 +70,7 @@ class ModelRunner:
         self.storage = storage  # the KV tensors: the runner owns them (kvpool holds ids)
         self.attention_fn = attention_fn
         self.device = device
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attn_scale
         # Lanes a layer has in the pool's tables: 1, or its kv heads in a per-head pool
         # (`--kv-layout head`), where every kv head is attended as a sequence of its own.
         self.heads = config.num_kv_heads // storage.heads_per_page
