@@ -65,6 +65,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm scaled by (weight + offset) in float32 and rounded once: OLMo 2's
+    `(w * x).to(dtype)` and Gemma's `x * (1 + w)` (offset 1), where `rms_norm` rounds
+    the normalised x before scaling, as Llama does. In float32 the two agree, so the
+    fused op runs there."""
+    if x.dtype == torch.float32 and offset == 0.0:
+        return rms_norm(x, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (weight.float() + offset)).to(x.dtype)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,15 @@ from engine.models import build_model
 _IGNORED = re.compile(r"\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")
 # transformers 5 renames Pythia's `embed_out` to `lm_head` in memory; accept either on disk.
 _RENAMES = {"GPTNeoXForCausalLM": {"lm_head.weight": "embed_out.weight"}}
+# A multimodal checkpoint served for its text: the language model's tensors under their
+# text-model names (transformers 5 writes `model.language_model.*`, older files
+# `language_model.model.*`), the vision tower and projector not read (the server takes
+# text content only).
+_PREFIXES = {"Gemma3ForConditionalGeneration": (
+    ("model.language_model.", "model."), ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."))}
+_SKIPPED = {"Gemma3ForConditionalGeneration": re.compile(
+    r"^(model\.)?(vision_tower|multi_modal_projector)\.")}
 
 
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
@@ -84,24 +93,32 @@ def _read_weights(
     path: str, config: ModelConfig, dtype: torch.dtype, device: str
 ) -> dict[str, torch.Tensor]:
     renames = _RENAMES.get(config.architecture, {})
+    prefixes = _PREFIXES.get(config.architecture, ())
+    skipped = _SKIPPED.get(config.architecture)
     weights: dict[str, torch.Tensor] = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if _IGNORED.search(name):
+                if _IGNORED.search(name) or (skipped is not None and skipped.match(name)):
                     continue
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point():
                     tensor = tensor.to(dtype)
+                for old, new in prefixes:
+                    if name.startswith(old):
+                        name = new + name[len(old):]
+                        break
                 weights[renames.get(name, name)] = tensor.to(device)
     return weights
 
 
 def load_model(
-    path: str, dtype: torch.dtype | None = None, device: str = "cpu"
+    path: str, dtype: torch.dtype | None = None, device: str = "cpu",
+    max_model_len: int | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Model in eval mode with weights in `dtype` (None = the checkpoint's) on `device`."""
-    config = load_model_config(path)
+    """Model in eval mode with weights in `dtype` (None = the checkpoint's) on `device`.
+    `max_model_len`: the context the engine serves (ModelConfig.max_model_len)."""
+    config = load_model_config(path, max_model_len)
     dtype = dtype or config.dtype
     with torch.device("meta"), _no_init():
         model = build_model(config)

@@ -20,6 +20,11 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "GPTNeoXForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",  # its text part; images are refused (engine/models/gemma.py)
 )
 
 _FAMILY = {
@@ -28,6 +33,11 @@ _FAMILY = {
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     "GPTNeoXForCausalLM": "gpt_neox",
+    "Phi3ForCausalLM": "llama",
+    "Olmo2ForCausalLM": "olmo2",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Gemma3ForConditionalGeneration": "gemma",
 }
 
 # Used only when config.json has no `architectures` entry (some hand-made configs).
@@ -37,6 +47,11 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 
@@ -62,11 +77,16 @@ class ModelConfig:
     eos_token_ids: list[int]
     dtype: torch.dtype
     hf_config: transformers.PretrainedConfig
+    # The longest sequence the engine serves (its max_model_len; default
+    # max_position_embeddings): longrope picks its factor set by it (engine/rope.py).
+    max_model_len: int | None = None
     # The attention softmax's scale: None is head_dim ** -0.5 (set after init); a family
     # may set another (Gemma's query_pre_attn_scalar ** -0.5).
     attn_scale: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_model_len is None:
+            self.max_model_len = self.max_position_embeddings
         if self.attn_scale is None:
             self.attn_scale = self.head_dim**-0.5
 
@@ -118,16 +138,20 @@ def _sliding_windows(arch: str, hf: transformers.PretrainedConfig) -> list[int |
     if arch == "MistralForCausalLM":
         # MistralModel applies `sliding_window` to every layer and ignores `layer_types`.
         return [window] * n
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        # The config already folded `use_sliding_window`/`max_window_layers` into
-        # `layer_types`, and set `sliding_window` to None when sliding is off.
+    if arch == "Phi3ForCausalLM":  # Phi3Model's mask slides every layer when it is set
+        return [window] * n
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or _FAMILY[arch] == "gemma":
+        # The config already folded `use_sliding_window`/`max_window_layers` (Qwen) or
+        # `sliding_window_pattern` (Gemma) into `layer_types`; Qwen's sets
+        # `sliding_window` to None when sliding is off.
         layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
         return [window if t == "sliding_attention" and window else None for t in layer_types]
     return [None] * n
 
 
-def load_model_config(path: str) -> ModelConfig:
-    """Read config.json (+ generation_config.json) of a local checkpoint directory."""
+def load_model_config(path: str, max_model_len: int | None = None) -> ModelConfig:
+    """Read config.json (+ generation_config.json) of a local checkpoint directory.
+    `max_model_len`: the context the engine serves (default max_position_embeddings)."""
     raw = _read_json(os.path.join(path, "config.json"))
     if raw is None:
         raise FileNotFoundError(f"no config.json in {path!r}")
@@ -136,6 +160,9 @@ def load_model_config(path: str) -> ModelConfig:
     arch = _architecture(raw, path)
     hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     family = _FAMILY[arch]
+    top = hf  # eos and dtype may sit on the outer config of a multimodal checkpoint
+    if arch == "Gemma3ForConditionalGeneration":
+        hf = hf.text_config
 
     num_heads = hf.num_attention_heads
     if family == "gpt_neox":
@@ -147,7 +174,8 @@ def load_model_config(path: str) -> ModelConfig:
 
     eos: list[int] = []
     gen = _read_json(os.path.join(path, "generation_config.json")) or {}
-    for token_id in _as_id_list(hf.eos_token_id) + _as_id_list(gen.get("eos_token_id")):
+    ids = _as_id_list(getattr(top, "eos_token_id", None)) + _as_id_list(hf.eos_token_id)
+    for token_id in ids + _as_id_list(gen.get("eos_token_id")):
         if token_id not in eos:
             eos.append(token_id)
 
@@ -163,6 +191,8 @@ def load_model_config(path: str) -> ModelConfig:
         max_position_embeddings=hf.max_position_embeddings,
         sliding_windows=_sliding_windows(arch, hf),
         eos_token_ids=eos,
-        dtype=_dtype(hf, raw),
+        dtype=_dtype(top, raw),
         hf_config=hf,
+        max_model_len=max_model_len,
+        attn_scale=(hf.query_pre_attn_scalar**-0.5 if family == "gemma" else None),
     )

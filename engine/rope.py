@@ -5,6 +5,16 @@ so scaled variants match transformers bit for bit; only the unscaled "default" t
 computed here, as each transformers model class does it. Keys leave the model already
 rotated at their positions; `rotate` with `scaled=False` also re-rotates stored keys by a
 position delta (rotations compose: R(a) R(b) = R(a + b)), which the RoPE-shift feature uses.
+
+Keys are cached rotated, so a type's frequencies must not change with the sequence
+length. Dynamic NTK does (it rescales the base by the current length: every cached key
+would have to be rotated again), so it is refused. LongRoPE (Phi-3, arXiv 2402.13753)
+has two fixed sets, short and long factors, which transformers switches between by the
+current length (recomputing the whole cache when a sequence crosses
+original_max_position_embeddings); kvserve picks one set for the engine's life, as vLLM
+does: long if the served context is longer than original_max_position_embeddings, else
+short. It matches transformers for every sequence when the context is at most the
+original length, and for sequences longer than it otherwise.
 """
 
 from __future__ import annotations
@@ -14,25 +24,32 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-# Their frequencies change with the current sequence length, which stored rotated keys
+# Its frequencies change with the current sequence length, which stored rotated keys
 # cannot follow.
-_REJECTED = ("dynamic", "longrope")
+_REJECTED = ("dynamic",)
 
 
 def rope_frequencies(
-    hf_config: PretrainedConfig, head_dim: int, *, partial_default: bool
+    hf_config: PretrainedConfig, head_dim: int, *, partial_default: bool,
+    layer_type: str | None = None, context: int | None = None,
 ) -> tuple[torch.Tensor, float]:
     """(inv_freq [rotary_dim // 2] float32 on CPU, attention_scaling) for a config.
 
     `partial_default`: whether the "default" type honours `partial_rotary_factor`
-    (GPT-NeoX does, the Llama family ignores it), as in the transformers classes.
+    (GPT-NeoX and Phi-3 do, the Llama family ignores it), as in the transformers classes.
+    `layer_type`: the key of `rope_parameters` when it holds one set per layer type
+    (Gemma 3: "sliding_attention", "full_attention"). `context`: the longest sequence the
+    engine serves, which picks longrope's factor set (see the module docstring).
     """
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in _REJECTED or (rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS):
         raise ValueError(
-            f"unsupported rope_type {rope_type!r}: position-dependent (dynamic) and unknown RoPE "
-            f"types cannot be cached; supported: default, "
+            f"unsupported rope_type {rope_type!r}: its frequencies follow the current sequence "
+            "length (dynamic NTK), which keys cached already rotated cannot follow, or it is "
+            f"unknown; supported: default, "
             f"{', '.join(k for k in ROPE_INIT_FUNCTIONS if k not in _REJECTED)}"
         )
     # Escape any surrounding meta-device context (the loader builds modules on meta).
@@ -43,7 +60,10 @@ def rope_frequencies(
             dim = int(head_dim * factor)
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             return inv_freq, 1.0
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        kwargs: dict = {} if layer_type is None else {"layer_type": layer_type}
+        if rope_type == "longrope":  # long factors iff context > original_max_position_embeddings
+            kwargs["seq_len"] = context
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
         return inv_freq.float(), float(scaling)
 
 
@@ -74,10 +94,13 @@ class RotaryEmbedding(nn.Module):
         max_positions: int,
         *,
         partial_default: bool = False,
+        layer_type: str | None = None,
+        context: int | None = None,
     ) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(
-            hf_config, head_dim, partial_default=partial_default
+            hf_config, head_dim, partial_default=partial_default, layer_type=layer_type,
+            context=max_positions if context is None else context,
         )
         self.rotary_dim = 2 * inv_freq.numel()
         with torch.device("cpu"):

@@ -21,7 +21,12 @@ from native.build import load_ops
 
 CASES = {f: (f, {}) for f in TINY_FAMILIES} | {
     "gpt_neox_serial": ("gpt_neox", {"use_parallel_residual": False, "rotary_pct": 0.25}),
+    # Phi-4-mini's shape: partial rotary and longrope with tied embeddings, no window
+    "phi4_mini": ("phi3", {"tie_word_embeddings": True, "sliding_window": None}),
 }
+# phi3_long is served past its original 64 positions (long factors): transformers agrees
+# on sequences longer than that
+LENGTHS = {"phi3_long": (80, 70)}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,10 @@ def tiny_dirs(tmp_path_factory):
     return get
 
 
-def dense_attention(seq_ids: torch.Tensor, positions: torch.Tensor, windows: list[int | None]):
-    """attn(layer, q, k, v) for packed tokens: causal within a sequence, windowed per layer."""
+def dense_attention(seq_ids: torch.Tensor, positions: torch.Tensor, windows: list[int | None],
+                    scale: float | None = None):
+    """attn(layer, q, k, v) for packed tokens: causal within a sequence, windowed per layer;
+    softmax scale `scale` (default head_dim ** -0.5)."""
     same = seq_ids[:, None] == seq_ids[None, :]
     delta = positions[:, None] - positions[None, :]  # query pos - key pos
 
@@ -49,7 +56,7 @@ def dense_attention(seq_ids: torch.Tensor, positions: torch.Tensor, windows: lis
             mask &= delta < windows[layer]
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * q.shape[-1] ** -0.5
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * (scale or q.shape[-1] ** -0.5)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
@@ -61,7 +68,7 @@ def run_packed(model, config, seqs: list[torch.Tensor]) -> torch.Tensor:
     ids = torch.cat(seqs)
     positions = torch.cat([torch.arange(len(s)) for s in seqs])
     seq_ids = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
-    attn = dense_attention(seq_ids, positions, config.sliding_windows)
+    attn = dense_attention(seq_ids, positions, config.sliding_windows, config.attn_scale)
     with torch.inference_mode():
         return model.compute_logits(model(ids, positions, attn))
 
@@ -82,14 +89,15 @@ def test_fp32_parity_with_transformers(case, tiny_dirs):
     path = tiny_dirs(case)
     model, config = load_model(path)
     # 40 > sliding window 24, so windowed layers really drop keys.
-    seqs = _seqs(config.vocab_size, lengths=(40, 29))
+    n, m = LENGTHS.get(case, (40, 29))
+    seqs = _seqs(config.vocab_size, lengths=(n, m))
     ref = hf_logits(path, seqs)
     assert ref.abs().max() > 1.0  # weights are wide enough that a bug would show
 
     single = run_packed(model, config, seqs[:1])
-    assert single.dtype == torch.float32 and single.shape == (40, config.vocab_size)
-    torch.testing.assert_close(single[-1], ref[39], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(single, ref[:40], atol=1e-4, rtol=1e-4)
+    assert single.dtype == torch.float32 and single.shape == (n, config.vocab_size)
+    torch.testing.assert_close(single[-1], ref[n - 1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(single, ref[:n], atol=1e-4, rtol=1e-4)
 
     packed = run_packed(model, config, seqs)
     torch.testing.assert_close(packed, ref, atol=1e-4, rtol=1e-4)
@@ -109,7 +117,7 @@ def lay_out_in_pairs(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("pairs", [False, True])
-@pytest.mark.parametrize("case", ["llama3", "qwen2", "gpt_neox"])
+@pytest.mark.parametrize("case", ["llama3", "qwen2", "gpt_neox", "olmo2", "gemma3"])
 def test_bf16_smoke(case, pairs, tiny_dirs):
     """bf16 logits near transformers' bf16 and fp32 ones, dense or with every linear layer
     in bf16 pair panels (engine/csrc/linear_panels.h's bf16 dot products)."""
@@ -142,11 +150,14 @@ def test_sliding_windows_match_layer_types(tiny_dirs):
         ("mistral", [24, 24, 24]),
         ("llama", [None, None, None]),
         ("qwen3", [None, None, None]),
+        ("phi3", [24, 24, 24]),
+        ("gemma2", [24, None, 24]),
+        ("gemma3", [24, None, 24]),
     ]:
         config = load_model_config(tiny_dirs(case))
         assert config.sliding_windows == expected, case
         hf = config.hf_config
-        if hasattr(hf, "layer_types") and case.startswith("qwen"):
+        if hasattr(hf, "layer_types") and case.startswith(("qwen", "gemma")):
             assert [w is not None for w in config.sliding_windows] == [
                 t == "sliding_attention" for t in hf.layer_types
             ]

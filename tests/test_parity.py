@@ -13,26 +13,26 @@ from engine.sampling import SamplingParams
 from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "phi3", "olmo2",
+            "gemma2", "gemma3", "gemma3_mm"]
 MAX_NEW = 12
 
 
-def _prompts(vocab: int) -> list[list[int]]:
+def _prompts(vocab: int, lengths: tuple[int, ...] = (1, 5, 16, 17, 33, 70, 9, 50)
+             ) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, vocab, (40,), generator=g).tolist()
-    lengths = [1, 5, 16, 17, 33, 70, 9, 50]
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
     prompts[6] = shared + prompts[6]  # two prompts share a 40-token (2.5-block) prefix
     prompts[7] = shared + prompts[7]
     return prompts
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def family_model(request, tmp_path_factory):
-    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+def _references(family: str, path: str, lengths: tuple[int, ...] | None = None):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # the engine runs with ignore_eos
-    prompts = _prompts(hf.config.vocab_size)
+    vocab = hf.config.get_text_config().vocab_size
+    prompts = _prompts(vocab) if lengths is None else _prompts(vocab, lengths)
     refs = []
     with torch.no_grad():
         for p in prompts:
@@ -40,7 +40,13 @@ def family_model(request, tmp_path_factory):
             out = hf.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
             logp = torch.log_softmax(hf(ids).logits[0, -1].float(), -1)
             refs.append((out[0, len(p):].tolist(), logp))
-    return request.param, path, prompts, refs
+    return family, path, prompts, refs
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request, tmp_path_factory):
+    path = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    return _references(request.param, path)
 
 
 def _check(llm: LLM, prompts, refs, family):
@@ -87,3 +93,14 @@ def test_parity_under_preemption_and_chunking(family_model, mode, prefix_caching
         assert sched.prefix_hits > 0  # exact counts are pinned in test_memory.py
     else:
         assert sched.prefix_hits == 0
+
+
+def test_longrope_long_factors_parity(tmp_path):
+    """Phi-3 served past original_max_position_embeddings (64 of 256) rotates by the long
+    factors from the first token (engine/rope.py's rule, vLLM's); transformers does for
+    sequences longer than 64, which every prompt here is."""
+    path = make_tiny_model("phi3_long", tmp_path)
+    family, path, prompts, refs = _references("phi3_long", path, (65, 70, 81, 90, 100, 120, 30, 40))
+    assert min(len(p) for p in prompts) > 64
+    llm = LLM(path, num_blocks=512, block_size=4, max_num_batched_tokens=64)
+    _check(llm, prompts, refs, family)

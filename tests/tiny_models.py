@@ -22,7 +22,8 @@ from loadtest.random_models import CHAT_TEMPLATE, SPECIAL_TOKENS
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
-TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "llama_tied")
+TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "llama_tied",
+                 "phi3", "phi3_long", "olmo2", "gemma2", "gemma3", "gemma3_mm")
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -37,6 +38,17 @@ _COMMON = dict(
     tie_word_embeddings=False,
 )
 _GQA = dict(num_key_value_heads=2)
+_GEMMA = {**_COMMON, **_GQA, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24,
+          "tie_word_embeddings": True}
+
+
+def _longrope(factor: float | None) -> dict:
+    """Phi-3's longrope over a 16-dim head rotated at 3/4 (6 frequencies): distinct short
+    and long factors, so using the wrong set shows."""
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+              "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+              "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0]}
+    return params if factor is None else {**params, "factor": factor}
 
 # family -> (transformers config class name, config kwargs)
 _FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
@@ -82,6 +94,30 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
         "LlamaConfig",
         {**_COMMON, **_GQA, "num_hidden_layers": 2, "tie_word_embeddings": True},
     ),
+    # Phi-3/Phi-4-mini: fused qkv_proj and gate_up_proj on disk, 3/4 of each head rotated,
+    # longrope, every layer sliding. original == max positions: transformers and kvserve
+    # both use the short factors at every length (the explicit factor still scales).
+    "phi3": ("Phi3Config", {**_COMMON, **_GQA, "sliding_window": 24,
+                            "original_max_position_embeddings": 256,
+                            "rope_parameters": _longrope(4.0)}),
+    # Served past original_max_position_embeddings (64): the long factors, as transformers
+    # uses them for sequences longer than 64 (tests give such prompts only).
+    "phi3_long": ("Phi3Config", {**_COMMON, **_GQA, "original_max_position_embeddings": 64,
+                                 "rope_parameters": _longrope(None)}),
+    "olmo2": ("Olmo2Config", {**_COMMON, **_GQA}),
+    # Alternating sliding (24) / full layers, query_pre_attn_scalar != head_dim, logit
+    # soft-capping; no attention soft-capping (the kernels lack it: refused at load).
+    "gemma2": ("Gemma2Config", {**_GEMMA, "attn_logit_softcapping": None,
+                                "final_logit_softcapping": 30.0, "rope_theta": 10000.0}),
+    # sliding, full, sliding; the local RoPE base apart, linear scaling on the full layers.
+    "gemma3": ("Gemma3TextConfig", {**_GEMMA, "final_logit_softcapping": 30.0,
+                                    "sliding_window_pattern": 2, "rope_parameters": {
+                                        "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                           "rope_theta": 1000000.0},
+                                        "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": 10000.0}}}),
+    # Gemma3ForConditionalGeneration: the same text model beside a tiny SigLIP tower.
+    "gemma3_mm": ("Gemma3Config", {}),
 }
 
 
@@ -123,6 +159,15 @@ def make_tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
         raise ValueError(f"unknown tiny family {family!r}; choose from {TINY_FAMILIES}")
     cls_name, kwargs = _FAMILY_CONFIGS[family]
     kwargs = {**kwargs, **overrides}
+    if family == "gemma3_mm":  # overrides go to the text model
+        text = make_tiny_config("gemma3", **overrides)
+        vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 image_size=28, patch_size=14)
+        return transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                         mm_tokens_per_image=4, boi_token_index=IM_START_ID,
+                                         eoi_token_index=IM_END_ID, image_token_index=3,
+                                         eos_token_id=EOS_ID)
     return getattr(transformers, cls_name)(**kwargs)
 
 

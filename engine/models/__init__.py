@@ -6,12 +6,16 @@ from __future__ import annotations
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.models.gemma import GemmaForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
 from engine.models.llama import AttnFn, LlamaForCausalLM
+from engine.models.olmo2 import Olmo2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "gpt_neox": GPTNeoXForCausalLM,
+    "olmo2": Olmo2ForCausalLM,
+    "gemma": GemmaForCausalLM,
 }
 
 
@@ -20,4 +24,5 @@ def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["MODEL_CLASSES", "AttnFn", "GPTNeoXForCausalLM", "LlamaForCausalLM", "build_model"]
+__all__ = ["MODEL_CLASSES", "AttnFn", "GPTNeoXForCausalLM", "GemmaForCausalLM",
+           "LlamaForCausalLM", "Olmo2ForCausalLM", "build_model"]

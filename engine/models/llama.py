@@ -1,7 +1,8 @@
-"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3) over packed tokens.
+"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4) over packed tokens.
 
-One module with per-architecture flags, because the four differ only in biases, QK-norm
-and sliding windows (the latter is the attention callback's business). Parameter names
+One module with per-architecture flags, because they differ only in biases, QK-norm,
+partial rotary, whether the checkpoint stores q/k/v and gate/up fused (Phi-3), and
+sliding windows (the latter is the attention callback's business). Parameter names
 match the Hugging Face checkpoints, so the loader copies tensors by name, except that q/k/v
 and gate/up are held stacked (`qkv_proj`, `gate_up_proj`: one GEMM each instead of three
 and two, as vLLM stacks them; `stacked_params` tells the loader which checkpoint tensors
@@ -37,10 +38,16 @@ class LlamaFlags:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
+    # Phi-3: the checkpoint holds qkv_proj and gate_up_proj already stacked, and the
+    # default RoPE honours partial_rotary_factor (Phi-4-mini rotates 3/4 of each head).
+    phi3: bool = False
 
     @staticmethod
     def from_config(config: ModelConfig) -> LlamaFlags:
         hf, arch = config.hf_config, config.architecture
+        if arch == "Phi3ForCausalLM":  # no biases anywhere in Phi3Attention / Phi3MLP
+            return LlamaFlags(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+                              phi3=True)
         if arch == "Qwen2ForCausalLM":  # hard-coded in Qwen2Attention
             return LlamaFlags(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
         if arch == "MistralForCausalLM":
@@ -99,12 +106,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, flags: LlamaFlags) -> None:
+    """down(act(gate(x)) * up(x)), gate and up stacked; `act` names the activation
+    (default the config's hidden_act)."""
+
+    def __init__(self, config: ModelConfig, flags: LlamaFlags, act: str | None = None) -> None:
         super().__init__()
         h, m = config.hidden_size, config.hf_config.intermediate_size
         self.gate_up_proj = nn.Linear(h, 2 * m, bias=flags.mlp_bias)
         self.down_proj = nn.Linear(m, h, bias=flags.mlp_bias)
-        self.act = config.hf_config.hidden_act
+        self.act = act or config.hf_config.hidden_act
         self.act_fn = ACT2FN[self.act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,6 +157,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
 
+def stacked_params(layers: nn.ModuleList) -> dict[str, list[str]]:
+    """`model.layers.{i}.self_attn.qkv_proj` and `.mlp.gate_up_proj` (weight, and bias
+    where it has one) -> the checkpoint's q/k/v and gate/up tensors stacked into each."""
+    stacked: dict[str, list[str]] = {}
+    for i, layer in enumerate(layers):
+        for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                              ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            prefix, _, _ = module.rpartition(".")
+            for kind in ("weight", "bias"):
+                if getattr(layer.get_submodule(module), kind) is not None:
+                    stacked[f"model.layers.{i}.{module}.{kind}"] = [
+                        f"model.layers.{i}.{prefix}.{p}.{kind}" for p in parts]
+    return stacked
+
+
 class LlamaForCausalLM(nn.Module):
     """model(input_ids [T], positions [T], attn) -> final-normed hidden [T, hidden]."""
 
@@ -157,7 +182,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.flags)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(
-            config.hf_config, config.head_dim, config.max_position_embeddings
+            config.hf_config, config.head_dim, config.max_position_embeddings,
+            partial_default=self.flags.phi3, context=config.max_model_len,
         )
 
     def embedding_weight_names(self) -> tuple[str, str]:
@@ -166,16 +192,9 @@ class LlamaForCausalLM(nn.Module):
 
     def stacked_params(self) -> dict[str, list[str]]:
         """Parameter name -> the checkpoint tensors stacked into it, in order (dim 0)."""
-        stacked: dict[str, list[str]] = {}
-        for i, layer in enumerate(self.model.layers):
-            for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                                  ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
-                prefix, _, _ = module.rpartition(".")
-                for kind in ("weight", "bias"):
-                    if getattr(layer.get_submodule(module), kind) is not None:
-                        stacked[f"model.layers.{i}.{module}.{kind}"] = [
-                            f"model.layers.{i}.{prefix}.{p}.{kind}" for p in parts]
-        return stacked
+        if self.flags.phi3:  # stacked on disk already, under the same names
+            return {}
+        return stacked_params(self.model.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
