@@ -77,7 +77,7 @@ class ModelConfig:
     eos_token_ids: list[int]
     dtype: torch.dtype
     hf_config: transformers.PretrainedConfig
-    # The longest sequence the engine serves (its max_model_len; default
+    # The longest sequence the engine serves (load_model's max_model_len; default
     # max_position_embeddings): longrope picks its factor set by it (engine/rope.py).
     max_model_len: int | None = None
     # The attention softmax's scale: None is head_dim ** -0.5 (set after init); a family
