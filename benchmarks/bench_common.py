@@ -29,10 +29,11 @@ from loadtest.report import update_doc
 
 
 def head_pool_pages(path: str, layer_blocks: int, dtype: str = "auto",
-                    kv_cache_dtype: str = "auto") -> int:
+                    kv_cache_dtype: str = "auto", default_kv_policy: object = "full") -> int:
     """The pages of a per-head pool (`--kv-layout head`, each page one kv head's, of the
-    engine's default size: scheduler/pool_shape.page_tokens) holding the bytes of a
-    per-layer pool of `layer_blocks` default blocks, for the model at `path`."""
+    engine's default size for `default_kv_policy`: scheduler/pool_shape.page_tokens)
+    holding the bytes of a per-layer pool of `layer_blocks` default blocks, for the
+    model at `path`."""
     from engine.model_config import load_model_config
     from scheduler.engine_config import DTYPES, EngineConfig
     from scheduler.pool_shape import LAYER_PAGE_TOKENS, page_tokens
@@ -40,7 +41,8 @@ def head_pool_pages(path: str, layer_blocks: int, dtype: str = "auto",
     mc = load_model_config(path)
     name = kv_cache_dtype if kv_cache_dtype != "auto" else dtype
     kv = mc.dtype if name == "auto" else DTYPES.get(name, name)
-    page = page_tokens(EngineConfig(model=path, kv_layout="head"), mc, kv)
+    page = page_tokens(EngineConfig(model=path, kv_layout="head",
+                                    default_kv_policy=default_kv_policy), mc, kv)  # type: ignore[arg-type]
     return layer_blocks * mc.num_kv_heads * LAYER_PAGE_TOKENS // page
 
 

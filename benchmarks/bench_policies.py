@@ -80,18 +80,23 @@ WAYS = ("unbatched", "noring", *HEAD_WAYS)  # a policy's "<policy>:<way>"
 
 def _engine(path: str, num_blocks: int, max_seqs: int, args: argparse.Namespace,
             reserve_preempted: bool = True, batch_policies: bool = True,
-            streaming_ring: bool = True, kv_layout: str = "layer") -> EngineCore:
+            streaming_ring: bool = True, kv_layout: str = "layer",
+            default_kv_policy: object = "full") -> EngineCore:
     """`num_blocks`: a per-layer pool's; a per-head pool gets the same bytes (the kv-head
-    count × as many pages, each one head's, fewer as its default page is longer)."""
+    count × as many pages, each one head's, fewer as its default page is longer).
+    `default_kv_policy`: the run's policy, as a server serving it would start (a per-head
+    pool's page follows it: scheduler/pool_shape.page_tokens)."""
     if kv_layout == "head":
-        num_blocks = bc.head_pool_pages(path, num_blocks, args.dtype, args.kv_cache_dtype)
+        num_blocks = bc.head_pool_pages(path, num_blocks, args.dtype, args.kv_cache_dtype,
+                                        default_kv_policy)
     # No prefix caching: the prompts share nothing and publishing would only add work.
     return EngineCore(EngineConfig(model=path, num_blocks=num_blocks, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=2048, enable_prefix_caching=False,
                                    dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                                    reserve_preempted=reserve_preempted,
                                    batch_policies=batch_policies,
-                                   streaming_ring=streaming_ring, kv_layout=kv_layout))
+                                   streaming_ring=streaming_ring, kv_layout=kv_layout,
+                                   default_kv_policy=default_kv_policy))  # type: ignore[arg-type]
 
 
 def gen_lengths(n: int, gen: int, spread: float, seed: int) -> list[int]:
@@ -165,7 +170,7 @@ def _run_one(path: str, args: argparse.Namespace, name: str, blocks: int, budget
     eng = _engine(path, blocks, args.fit if way == "fit" else args.requests,
                   args, reserve_preempted=way != "vllm",
                   batch_policies=way != "unbatched", streaming_ring=way != "noring",
-                  kv_layout=layout)
+                  kv_layout=layout, default_kv_policy=kv)
     _submit(eng, 16, [4, 4], vocab, kv, args.seed + 1, "warm")  # kernels, allocator
     bc.drive(eng, "warm-up", progress=False)
     _submit(eng, args.prompt, gens, vocab, kv, args.seed, name)
@@ -314,7 +319,8 @@ def run_overhead(path: str, args: argparse.Namespace) -> dict:
             base, _, way = name.partition(":")
             layout, kv = variant(name, budget)
             eng = _engine(path, blocks, n, args, batch_policies=way != "unbatched",
-                          streaming_ring=way != "noring", kv_layout=layout)
+                          streaming_ring=way != "noring", kv_layout=layout,
+                          default_kv_policy=kv)
             _submit(eng, prompt, [steps] * n, vocab, kv, args.seed, name)
             d = bc.drive(eng, f"overhead {name}", progress=not args.no_progress)
             sel = [s for s in d.steps if s.num_seqs == n and s.num_prefill_tokens == 0]

@@ -60,15 +60,18 @@ class KVCacheManager:
     def __init__(self, pool: BlockPool, num_layers: int, *, watermark: float = 0.01,
                  enable_prefix_caching: bool = True, swap: SwapSpace | None = None,
                  rows: int = 16, min_prefill_chunk: int = MIN_PREFILL_CHUNK,
-                 heads: int = 1, head_roles: torch.Tensor | None = None) -> None:
+                 heads: int = 1, head_roles: torch.Tensor | None = None,
+                 slack_tokens: int | None = None) -> None:
         """`num_layers`: a request's lanes (its page lists and lengths): one a layer, or
         one a (layer, kv head) over a per-head pool, `heads` a layer (lane l·heads + h).
         Memory counts lanes where this class says layers; only the policies tell them
-        apart (`RowsView.heads`)."""
+        apart (`RowsView.heads`). `slack_tokens`: the room a bounded request's
+        reservation leaves in each lane past its bound (`reservation`); None: a page."""
         self.pool = pool
         self.min_prefill_chunk = min_prefill_chunk
         self.num_layers = num_layers
         self.block_size = pool.block_size
+        self.slack_tokens = pool.block_size if slack_tokens is None else slack_tokens
         self.watermark_blocks = int(watermark * pool.num_blocks)
         self.prefix_caching = enable_prefix_caching
         self.swap = swap
@@ -120,24 +123,29 @@ class KVCacheManager:
         bounds its cache, the bound plus one prefill chunk (eviction runs after each
         chunk) and a partly dead block. `reserve`: the steady-state size admission keeps
         free for a bounded request (0: unbounded, admitted on what it needs now); with a
-        ring, exactly the blocks of its bound (the step's token goes over the oldest)."""
-        bs, layers = self.block_size, self.num_layers
+        ring, exactly the blocks of its bound (the step's token goes over the oldest).
+
+        The steady state in decode is the bound, the step's new token and `slack_tokens`
+        in each lane: room for the holes scattered evictions leave (or a partly dead page
+        at the old edge of the kept window) until a compaction packs the lane
+        (scheduler/policy_runner.py). A page of slack, as a per-layer pool's 16 tokens,
+        would cost a per-head pool of 64-token pages 64 tokens in every lane; either way
+        a lane is compacted at most once per `slack_tokens` decode steps."""
+        bs, layers, slack = self.block_size, self.num_layers, self.slack_tokens
         peak = total - 1  # the last sampled token is never fed back: it needs no slot
         reserve = 0
         if policy is not None and hasattr(policy, "max_live"):
             live = policy.max_live(total, prompt_len, bs)
             peak = min(peak, live + min(max_chunk, prompt_len) + 2 * bs)
             if live + 1 < total - 1:
-                # Steady state in decode: the bound plus the step's new token, in blocks
-                # with one partly dead block at the old edge of the kept window; or, for
-                # layers of different bounds (pyramid), the same from the sum over layers:
-                # Σ_l ceil((n_l + 1) / bs) + 1 <= ceil(Σ_l n_l / bs) + 2L.
-                reserve = layers * (-(-(live + 1) // bs) + 1)
+                # For lanes of different bounds (pyramid), the same from the sum over
+                # lanes: Σ_l ceil((n_l + 1 + s) / bs) <= ceil((Σ_l n_l + L·s) / bs) + L.
+                reserve = layers * -(-(live + 1 + slack) // bs)
                 if self.ring(policy) is not None:
                     reserve = layers * -(-live // bs)
                 if hasattr(policy, "max_live_total"):
                     summed = policy.max_live_total(total, prompt_len, bs, layers)
-                    reserve = min(reserve, -(-summed // bs) + 2 * layers)
+                    reserve = min(reserve, -(-(summed + layers * slack) // bs) + layers)
         return reserve, self.blocks_for(peak)
 
     def prefill_chunk(self, policy: Any | None, prompt_len: int, max_chunk: int) -> int:

@@ -47,7 +47,13 @@ from scheduler.outputs import (
     StepStats,
 )
 from scheduler.policy_runner import PolicyRunner
-from scheduler.pool_shape import heads_per_page, num_lanes, page_tokens, size_kv_pool
+from scheduler.pool_shape import (
+    heads_per_page,
+    num_lanes,
+    page_tokens,
+    reserve_slack,
+    size_kv_pool,
+)
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
 from scheduler.request import Request
@@ -147,7 +153,8 @@ class EngineCore(StepLaunch, StepComplete):
                                  enable_prefix_caching=config.enable_prefix_caching,
                                  swap=self.swap, rows=min(config.max_num_seqs, 16),
                                  min_prefill_chunk=config.min_prefill_chunk,
-                                 heads=lanes // mc.num_layers, head_roles=roles)
+                                 heads=lanes // mc.num_layers, head_roles=roles,
+                                 slack_tokens=reserve_slack(config, mc))
         if config.preemption_mode == "auto":
             cost = calibrate(self.runner, self.kv)
         self.cost_model = cost

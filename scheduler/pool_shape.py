@@ -18,6 +18,7 @@ from attention.sizing import (
 from attention.storage import KVStorage
 from engine.model_config import ModelConfig
 from native.memory import available_bytes, device_memory, gib, parse_bytes
+from policies.catalog import parse_kv_policy
 from scheduler.engine_config import KV_LAYOUTS, EngineConfig
 
 
@@ -36,23 +37,41 @@ LAYER_PAGE_TOKENS = 16
 # pages of 2-4 KiB of K cost the kernel 1.04-1.32x a per-layer pool's; 8 KiB pages
 # 0.90-0.98x, at head dims 32 (fp32), 64 and 128 (bf16).
 HEAD_PAGE_BYTES = 8 << 10
+# ... and where requests evict by default (`--default-kv-policy` other than full): each
+# lane of a bounded request holds its bound and a partly filled page, so the page is
+# memory every lane gives up; 4 KiB pages (32 tokens at the 3m's head dim 32 in fp32)
+# cost the kernel 0.97-1.09x a per-layer pool's.
+EVICTING_PAGE_BYTES = 4 << 10
 HEAD_PAGE_TOKENS = (16, 32, 64)
 
 
 def page_tokens(config: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype | str) -> int:
     """The tokens a page holds: `--block-size` if given; else 16 on a per-layer pool,
     and on a per-head pool the fewest of 16, 32, 64 whose page holds HEAD_PAGE_BYTES of
-    K. No more: a coarser page frees later, rounds each lane's reservation up further
-    and shares a prefix in coarser steps (under memory pressure the 3m model's 64-token
-    per-head pages held 21 requests where a per-layer pool held 27: docs/memory.md)."""
+    K, or EVICTING_PAGE_BYTES where the default kv_policy evicts. No more: a coarser
+    page frees later, leaves more of each lane's last page empty and shares a prefix
+    in coarser steps (under memory pressure the 3m model's 64-token per-head pages held
+    21 bounded requests where a per-layer pool held 27: docs/memory.md)."""
     if config.block_size is not None:
         return config.block_size
     if config.kv_layout != "head":
         return LAYER_PAGE_TOKENS
+    evicts = parse_kv_policy(config.default_kv_policy or "full").name != "full"
+    page_bytes = EVICTING_PAGE_BYTES if evicts else HEAD_PAGE_BYTES
     for tokens in HEAD_PAGE_TOKENS:  # bytes_per_block counts K and V
-        if KVStorage.bytes_per_block(tokens, 1, mc.head_dim, kv_dtype) >= 2 * HEAD_PAGE_BYTES:
+        if KVStorage.bytes_per_block(tokens, 1, mc.head_dim, kv_dtype) >= 2 * page_bytes:
             return tokens
     return HEAD_PAGE_TOKENS[-1]
+
+
+def reserve_slack(config: EngineConfig, mc: ModelConfig) -> int | None:
+    """The tokens a bounded request's reservation leaves free in each lane past its
+    bound (KVCacheManager.reservation): a page on a per-layer pool (None), at most a
+    per-layer page's 16 on a per-head pool, whose pages are longer."""
+    if num_lanes(config, mc) == mc.num_layers:
+        return None
+    assert config.block_size is not None, "call once page_tokens has fixed the page"
+    return min(config.block_size, LAYER_PAGE_TOKENS)
 
 
 def num_lanes(config: EngineConfig, mc: ModelConfig) -> int:
