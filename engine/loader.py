@@ -150,7 +150,11 @@ def load_model(
         shapes = {tuple(weights[p].shape[1:]) for p in parts}
         if len(shapes) > 1:
             raise ValueError(f"{name}: its parts {parts} differ in shape beyond dim 0")
-        weights[name] = torch.cat([weights.pop(p) for p in parts])
+        tensor = torch.cat([weights.pop(p) for p in parts])
+        shape = model.get_parameter(name).shape
+        if len(shape) == tensor.dim() + 1 and tensor.numel() == shape.numel():
+            tensor = tensor.view(shape)  # E experts' tensors as one [E, ...] (models/moe.py)
+        weights[name] = tensor
     for name, tensor in weights.items():
         expected_shape = model.get_parameter(name).shape
         if tensor.shape != expected_shape:

@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
     "GPTNeoXForCausalLM",
     "Phi3ForCausalLM",
     "Olmo2ForCausalLM",
@@ -32,6 +34,8 @@ _FAMILY = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",  # its MLPs sparse: engine/models/moe.py
+    "MixtralForCausalLM": "llama",
     "GPTNeoXForCausalLM": "gpt_neox",
     "Phi3ForCausalLM": "llama",
     "Olmo2ForCausalLM": "olmo2",
@@ -46,6 +50,8 @@ _ARCH_BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -135,8 +141,9 @@ def _sliding_windows(arch: str, hf: transformers.PretrainedConfig) -> list[int |
     """Per-layer windows exactly as each transformers model class applies them."""
     n = hf.num_hidden_layers
     window = getattr(hf, "sliding_window", None)
-    if arch == "MistralForCausalLM":
-        # MistralModel applies `sliding_window` to every layer and ignores `layer_types`.
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        # These models apply `sliding_window` to every layer and ignore `layer_types`
+        # (Qwen3-MoE's config sets it to None unless `use_sliding_window`).
         return [window] * n
     if arch == "Phi3ForCausalLM":  # Phi3Model's mask slides every layer when it is set
         return [window] * n

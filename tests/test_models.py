@@ -21,6 +21,9 @@ from native.build import load_ops
 
 CASES = {f: (f, {}) for f in TINY_FAMILIES} | {
     "gpt_neox_serial": ("gpt_neox", {"use_parallel_residual": False, "rotary_pct": 0.25}),
+    # Every second layer sparse, 3 of 8 experts a token, not renormalised.
+    "qwen3_moe_step": ("qwen3_moe", {"mlp_only_layers": [], "decoder_sparse_step": 2,
+                                     "num_experts_per_tok": 3, "norm_topk_prob": False}),
     # Phi-4-mini's shape: partial rotary and longrope with tied embeddings, no window
     "phi4_mini": ("phi3", {"tie_word_embeddings": True, "sliding_window": None}),
 }

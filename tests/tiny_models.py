@@ -23,7 +23,8 @@ PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(5)
 VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "llama_tied",
-                 "phi3", "phi3_long", "olmo2", "gemma2", "gemma3", "gemma3_mm")
+                 "phi3", "phi3_long", "olmo2", "gemma2", "gemma3", "gemma3_mm", "qwen3_moe",
+                 "mixtral")
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -118,6 +119,14 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                                               "rope_theta": 10000.0}}}),
     # Gemma3ForConditionalGeneration: the same text model beside a tiny SigLIP tower.
     "gemma3_mm": ("Gemma3Config", {}),
+    # Mixture of experts: 8 experts, 2 a token, renormalised; layer 1 a dense MLP.
+    "qwen3_moe": ("Qwen3MoeConfig", {**_COMMON, **_GQA, "head_dim": 32, "num_experts": 8,
+                                     "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                                     "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # 4 experts, 2 a token, every layer sliding (24).
+    "mixtral": ("MixtralConfig", {**_COMMON, **_GQA, "num_local_experts": 4,
+                                  "num_experts_per_tok": 2, "intermediate_size": 96,
+                                  "sliding_window": 24}),
 }
 
 

@@ -1,8 +1,11 @@
-"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4) over packed tokens.
+"""Llama-family decoder (Llama 1/2/3, Mistral, Qwen2, Qwen3, Phi-3/Phi-4, and the
+mixture-of-experts Qwen3-MoE and Mixtral) over packed tokens.
 
 One module with per-architecture flags, because they differ only in biases, QK-norm,
-partial rotary, whether the checkpoint stores q/k/v and gate/up fused (Phi-3), and
-sliding windows (the latter is the attention callback's business). Parameter names
+partial rotary, whether the checkpoint stores q/k/v and gate/up fused (Phi-3), whether
+a layer's MLP is a sparse block of experts (engine/models/moe.py; Qwen3-MoE's attention
+is Qwen3's, Mixtral's Mistral's), and sliding windows (the latter is the attention
+callback's business). Parameter names
 match the Hugging Face checkpoints, so the loader copies tensors by name, except that q/k/v
 and gate/up are held stacked (`qkv_proj`, `gate_up_proj`: one GEMM each instead of three
 and two, as vLLM stacks them; `stacked_params` tells the loader which checkpoint tensors
@@ -23,6 +26,7 @@ from transformers.activations import ACT2FN
 from engine.cpu_linear import greedy_ids
 from engine.layer_ops import add_rms_norm, rms_norm, rotary_, silu_and_mul
 from engine.model_config import ModelConfig
+from engine.models.moe import SparseMoe, sparse_moe
 from engine.rope import RotaryEmbedding
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,10 +54,10 @@ class LlamaFlags:
                               phi3=True)
         if arch == "Qwen2ForCausalLM":  # hard-coded in Qwen2Attention
             return LlamaFlags(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
-        if arch == "MistralForCausalLM":
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             return LlamaFlags(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
         bias = bool(getattr(hf, "attention_bias", False))
-        if arch == "Qwen3ForCausalLM":
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             return LlamaFlags(qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)
         mlp_bias = bool(getattr(hf, "mlp_bias", False))
         return LlamaFlags(qkv_bias=bias, o_bias=bias, mlp_bias=mlp_bias, qk_norm=False)
@@ -130,7 +134,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         eps = config.hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(config, flags, layer)
-        self.mlp = LlamaMLP(config, flags)
+        moe = sparse_moe(config, layer)
+        self.mlp = LlamaMLP(config, flags) if moe is None else moe
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -159,11 +164,16 @@ class LlamaModel(nn.Module):
 
 def stacked_params(layers: nn.ModuleList) -> dict[str, list[str]]:
     """`model.layers.{i}.self_attn.qkv_proj` and `.mlp.gate_up_proj` (weight, and bias
-    where it has one) -> the checkpoint's q/k/v and gate/up tensors stacked into each."""
+    where it has one) -> the checkpoint's q/k/v and gate/up tensors stacked into each; a
+    sparse MLP's experts as its block says (`SparseMoe.stacked_params`)."""
     stacked: dict[str, list[str]] = {}
     for i, layer in enumerate(layers):
-        for module, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                              ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+        modules = [("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))]
+        if isinstance(layer.mlp, SparseMoe):
+            stacked.update(layer.mlp.stacked_params(f"model.layers.{i}.mlp"))
+        else:
+            modules.append(("mlp.gate_up_proj", ("gate_proj", "up_proj")))
+        for module, parts in modules:
             prefix, _, _ = module.rpartition(".")
             for kind in ("weight", "bias"):
                 if getattr(layer.get_submodule(module), kind) is not None:
