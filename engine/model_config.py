@@ -89,6 +89,10 @@ class ModelConfig:
     # The attention softmax's scale: None is head_dim ** -0.5 (set after init); a family
     # may set another (Gemma's query_pre_attn_scalar ** -0.5).
     attn_scale: float | None = None
+    # Gemma 2's attention logit soft-capping: scores = cap * tanh(scores * scale / cap),
+    # before the mask and softmax; None: none. (Learned attention sinks are weights: the
+    # model owns them, `attention_sinks(layer)` in engine/models/llama.py's AttnFn.)
+    attn_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is None:
