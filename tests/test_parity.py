@@ -14,7 +14,7 @@ from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "phi3", "olmo2",
-            "gemma2", "gemma3", "gemma3_mm"]
+            "gemma2", "gemma3", "gemma3_mm", "qwen3_moe", "mixtral"]
 MAX_NEW = 12
 
 
