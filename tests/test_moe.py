@@ -119,3 +119,27 @@ def test_missing_expert_tensor_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"missing model\.layers\.0\.block_sparse_moe\.experts"
                                          r"\.3\.w2\.weight"):
         load_model(path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_bf16_engine_near_transformers(family, tmp_path):
+    """In bf16 through the engine (the CPU's chosen linear layouts, the paged KV cache),
+    the first token's top log-probabilities stay near transformers' fp32 ones."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+
+    path = make_tiny_model(family, tmp_path)
+    prompts = [torch.randint(5, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (7, 40)]
+    llm = LLM(path, dtype="bfloat16", num_blocks=64, block_size=16)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                logprobs=5, detokenize=False))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.token_ids) == 4
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+        for token, logprob in out.logprobs[0].top:
+            assert abs(logprob - ref[token].item()) < 0.1, (family, token)
