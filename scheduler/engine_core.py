@@ -78,7 +78,9 @@ class EngineCore(StepLaunch, StepComplete):
             if value != "auto" and value not in known:
                 raise ValueError(f"unknown {name} {value!r}; use auto or one of {sorted(known)}")
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
-        self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device))
+        # The served context reaches the model: Phi-3's longrope picks its factor set by it.
+        self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device),
+                                                   max_model_len=config.max_model_len)
         # each linear layer shape's layout (panels, oneDNN, dense), timed on this CPU or
         # cached (engine/linear_choice.py)
         self.linear_choices: list[LinearChoice] = []

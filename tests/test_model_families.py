@@ -85,6 +85,30 @@ def test_longrope_short_factors_when_the_context_fits(tmp_path):
     assert (run_packed(model, config, seqs) - ref).abs().max() > 1e-2
 
 
+def test_engine_serves_longrope_with_the_factor_set_of_its_context(tmp_path):
+    """`--max-model-len` reaches the model the engine loads: served at 64 positions (of
+    256) the engine's log-probabilities are transformers' (short factors) for a greedy
+    run within 64 tokens; served at the default context they are not."""
+    from engine.sampling import SamplingParams
+    from scheduler.llm import LLM
+
+    path = make_tiny_model("phi3_long", tmp_path)
+    prompt = _seqs(261, lengths=(30,))[0].tolist()
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=0,
+                            detokenize=False)
+    gaps = {}
+    for context in (64, None):
+        llm = LLM(path, num_blocks=64, block_size=16, max_model_len=context)
+        out = llm.generate([prompt], params)[0]
+        seq = torch.tensor(prompt + out.token_ids)
+        ref = torch.log_softmax(hf_logits(path, [seq[:-1]]), dim=-1)[len(prompt) - 1:]
+        want = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        gaps[context] = float((got - want).abs().max())
+    assert gaps[64] < 1e-4
+    assert gaps[None] > 1e-3
+
+
 def test_gemma3_rope_per_layer_type_matches_transformers():
     """Sliding layers: the local base, unscaled; full layers: the global base, scaled."""
     from transformers.models.gemma3.modeling_gemma3 import (
