@@ -44,6 +44,11 @@ cached prefix takes the same op with the pool (`prefix_prefill_cpu`: the prefix'
 slots read from their blocks in place) where the pool holds the model's dtype unquantized
 and no statistics are wanted; other chunks stay on the torch path.
 
+The model's attention variants (Gemma 2's logit soft-capping, gpt-oss's learned sinks;
+`attention.torch_attention.paged_attention` says what they are) run in every op here,
+decode, quantized decode and the prompt's causal op alike; each call passes them only
+where the model has them (`features`), so a plain model's calls are what they were.
+
 The build needs a C++ compiler (torch.utils.cpp_extension, cached
 under TORCH_EXTENSIONS_DIR); without one, or with KVSERVE_CPU_KERNEL=0, decode (and a fresh
 prompt's attention) falls back to the torch path with a warning, so a CPU install never
@@ -76,12 +81,13 @@ def kernel_available() -> bool:
     global _stale_warned
     if not load_ops("kvserve_paged_decode_cpu"):
         return False
-    if hasattr(torch.ops.kvserve, "paged_decode_quant"):
+    if hasattr(torch.ops.kvserve, "paged_decode_quant") and any(
+            a.name == "sinks" for a in torch.ops.kvserve.paged_decode.default._schema.arguments):
         return True
     if not _stale_warned:
         _stale_warned = True
         log.warning("the loaded kvserve_paged_decode_cpu library is an older build (no "
-                    "paged_decode_quant; another checkout shares TORCH_EXTENSIONS_DIR?): "
+                    "paged_decode_quant or sinks; another checkout shares TORCH_EXTENSIONS_DIR?): "
                     "using the torch path")
     return False
 
@@ -95,6 +101,14 @@ def vector_path() -> str | None:
 # bf16 prompts' attention by fp32 FMAs over widened K and V rather than bf16 dot products
 # (read once: the op is called per layer and prompt)
 PAIR_FMA = pair_fma()
+
+
+def features(softcap: float | None, sinks: torch.Tensor | None) -> dict:
+    """The ops' keyword arguments for the attention variants a call has: none for a
+    plain model (its calls stay as they were), else `softcap` (0: none) and `sinks`."""
+    if softcap is None and sinks is None:
+        return {}
+    return {"softcap": float(softcap or 0.0), "sinks": sinks}
 
 
 def causal_prefill_runs(dtype: torch.dtype, head_dim: int) -> bool:
@@ -111,29 +125,34 @@ def _rows_whole(x: torch.Tensor) -> bool:
 
 
 def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`attention.torch_attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
-    -> [T, Hq, D], into `out` when given) on the `causal_prefill` op where it runs
-    (`causal_prefill_runs`, each row's heads and channels contiguous; the op writes a
-    contiguous `out` itself); SDPA elsewhere."""
+    -> [T, Hq, D], into `out` when given; `softcap`, `sinks` [Hq]) on the `causal_prefill`
+    op where it runs (`causal_prefill_runs`, each row's heads and channels contiguous; the
+    op writes a contiguous `out` itself); SDPA (or its explicit softmax) elsewhere."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     if causal_prefill_runs(q.dtype, q.shape[2]) and all(map(_rows_whole, (q, k, v))):
+        kw = features(softcap, sinks)
         if out is None or out.is_contiguous():
-            return torch.ops.kvserve.causal_prefill(q, k, v, float(scale), out=out, fma=PAIR_FMA)
-        return out.copy_(torch.ops.kvserve.causal_prefill(q, k, v, float(scale), fma=PAIR_FMA))
-    return causal_self_attention(q, k, v, scale, out)
+            return torch.ops.kvserve.causal_prefill(q, k, v, float(scale), out=out, fma=PAIR_FMA,
+                                                    **kw)
+        return out.copy_(torch.ops.kvserve.causal_prefill(q, k, v, float(scale), fma=PAIR_FMA,
+                                                          **kw))
+    return causal_self_attention(q, k, v, scale, out, softcap, sinks)
 
 
 def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
                        slot_pos: torch.Tensor, start: int, scale: float,
-                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+                       out: torch.Tensor | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
     """A prompt chunk after a cached prefix (a prefix-cache hit, a long prompt's later
     chunk), `KVStorage.attend`'s contract: q [T, Hq, D] causal over its own k/v
     [T, Hkv, D] (positions start..start+T-1) and over every visible slot of its sequence
     before `start`, read from the pool's blocks in place (this layer's table [NB] and
-    slot_pos [NB*bs]), on the `causal_prefill` op, into `out` when given (contiguous). Only
-    where `prefix_prefill_runs`.
+    slot_pos [NB*bs]), on the `causal_prefill` op, into `out` when given (contiguous);
+    `softcap`, `sinks` [Hq] as `causal_prefill_cpu`'s. Only where `prefix_prefill_runs`.
 
     Why: the torch path gathers every block of the group into a padded copy and runs SDPA
     under a [T, S] mask (profiled on AMD Zen 4 before commit cb6f198: the gather 14% and
@@ -141,7 +160,8 @@ def prefix_prefill_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     prompt's tiles over it."""
     q, k, v = (x if _rows_whole(x) else x.contiguous() for x in (q, k, v))
     out = torch.ops.kvserve.causal_prefill(q, k, v, float(scale), k_cache, v_cache, table,
-                                           slot_pos, int(start), out=out, fma=PAIR_FMA)
+                                           slot_pos, int(start), out=out, fma=PAIR_FMA,
+                                           **features(softcap, sinks))
     return out, None
 
 
@@ -170,8 +190,11 @@ def paged_attention_cpu(
     ring_total: torch.Tensor | None = None,
     ring_cols: torch.Tensor | None = None,
     ring_shift: int = 0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as `attention.torch_attention.paged_attention`; decode rows use the kernel.
+    """Same contract as `attention.torch_attention.paged_attention` (`softcap` and `sinks`
+    included); decode rows use the kernel.
 
     `sum_heads`: the kernel may return the mass summed over the kv heads, [B, 1, 1, S]
     (the heads added in order, as the policy bridge's `head_sum` adds them: the same
@@ -188,28 +211,29 @@ def paged_attention_cpu(
     (pyramid's observation window, `Needs.ring`; native/csrc/window_ring.h), and
     returns no mass. Both on the kernel only, a float pool and the mass summed over
     the heads (`accumulates`)."""
+    kw = features(softcap, sinks)
     if accumulate is not None or ring is not None:
         assert q.shape[1] == 1 and quant is None and (sum_heads or k_cache.shape[2] == 1)
         out, _, _ = torch.ops.kvserve.paged_decode(
             q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
             int(window or 0), True, None, sum_heads, table_rows, accumulate, ring, ring_total,
-            ring_cols, ring_shift)
+            ring_cols, ring_shift, **kw)
         return out[:, None], None
     if q.shape[1] != 1 or not kernel_available():
         if table_rows is not None:
             table, slot_pos = table.index_select(0, table_rows), slot_pos.index_select(0, table_rows)
         return paged_attention(q, k_cache, v_cache, table, slot_pos, q_pos, scale, window,
-                               return_probs, quant)
+                               return_probs, quant, softcap, sinks)
     if quant is not None:  # codes reinterpreted as bytes; the kernel decodes them
         out, mass = torch.ops.kvserve.paged_decode_quant(
             q[:, 0], k_cache.view(torch.uint8), v_cache.view(torch.uint8), quant.k_scale,
             quant.v_scale, table, slot_pos, q_pos.reshape(-1), float(scale),
-            int(window or 0), return_probs, quant.fmt.code, table_rows,
+            int(window or 0), return_probs, quant.fmt.code, table_rows, **kw,
         )
         return out[:, None], (mass[:, None] if return_probs else None)
     out, mass, _ = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale),
-        int(window or 0), return_probs, None, sum_heads, table_rows,
+        int(window or 0), return_probs, None, sum_heads, table_rows, **kw,
     )
     return out[:, None], (mass[:, None] if return_probs else None)
 
@@ -235,7 +259,8 @@ def paged_decode_key_diversity(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int | None = None,
     return_probs: bool = False, sum_heads: bool = False, rows: torch.Tensor | None = None,
-    table_rows: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
     score of every visible slot, [B, S] float32 (0 where none), of the rows flagged in
@@ -245,11 +270,12 @@ def paged_decode_key_diversity(
     separate op read every live key from DRAM again after the step: at 16 requests of
     ~1k tokens that op was ~1 ms, ~20% of a 3m model's decode step (issue 18: a policy's
     statistics accumulated during attention, not gathered after the step). Callers
-    check `fuses_key_diversity` first. `table_rows`: as `paged_attention_cpu`'s."""
+    check `fuses_key_diversity` first. `table_rows`, `softcap`, `sinks`: as
+    `paged_attention_cpu`'s."""
     assert q.shape[1] == 1 and not window, "decode rows without a window"
     out, mass, kd = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale), 0,
         return_probs, torch.ones(q.shape[0], dtype=torch.bool) if rows is None else rows,
-        sum_heads, table_rows,
+        sum_heads, table_rows, **features(softcap, sinks),
     )
     return out[:, None], (mass[:, None] if return_probs else None), kd

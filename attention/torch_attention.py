@@ -53,6 +53,8 @@ def paged_attention(
     window: int | None = None,
     return_probs: bool = False,
     quant: QuantCache | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attend padded queries to their sequences' cached slots.
 
@@ -73,21 +75,30 @@ def paged_attention(
     probability of every slot summed over the query heads of its kv group:
     [B, Tq, Hkv, NB*block_size] float32 (zero on invisible slots). Eviction policies
     aggregate it over queries themselves (H2O sums, SnapKV pools a window).
+
+    The model's attention variants (`softmax_logits` says what they do; every kernel
+    takes the same two): `softcap` (Gemma 2) and `sinks` [Hq] or [B, Hq] float32, a
+    learned logit per query head (gpt-oss) that joins each softmax with no value. Either
+    takes the explicit softmax in fp32 (SDPA has neither); with sinks the mass is the
+    real softmax's, the sink's share left out.
     """
     b, tq, hq, d = q.shape
     hkv = k_cache.shape[2]
     g = hq // hkv
+    explicit = return_probs or softcap is not None or sinks is not None
     if quant is not None:
-        wide = torch.float32 if return_probs else q.dtype
+        wide = torch.float32 if explicit else q.dtype
         k = gather_dequant(k_cache, quant.k_scale, table, quant.fmt, wide)
         v = gather_dequant(v_cache, quant.v_scale, table, quant.fmt, wide)
     else:
         k = gather_blocks(k_cache, table)  # [B, S, Hkv, D]
         v = gather_blocks(v_cache, table)
     mask = visible_mask(slot_pos, q_pos, window)  # [B, Tq, S]
-    if not return_probs:  # SDPA wants one dtype; no copy when the pool's is q's
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    if not return_probs and tq == 1 and g > 1:
+    if explicit:
+        out, mass = explicit_attention(q, k, v, mask, scale, softcap, sinks)
+        return out, (mass if return_probs else None)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # SDPA wants one dtype; no copy when the pool's is q's
+    if tq == 1 and g > 1:
         # Decode under GQA: the G query heads of a kv head become G query rows against
         # that head's keys (same mask). CPU SDPA runs this ~2x faster than enable_gqa.
         out = F.scaled_dot_product_attention(
@@ -95,37 +106,84 @@ def paged_attention(
             attn_mask=mask[:, None], scale=scale,
         )
         return out.reshape(b, 1, hq, d), None
-    if not return_probs:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=mask[:, None], scale=scale, enable_gqa=g > 1,
-        )
-        return out.transpose(1, 2), None
-    # Explicit softmax: the probabilities are the statistic some policies need.
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None], scale=scale, enable_gqa=g > 1,
+    )
+    return out.transpose(1, 2), None
+
+
+def softmax_logits(scores: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """q·k products -> the logits the softmax takes: scaled, then soft-capped where the
+    model does (Gemma 2: cap * tanh(x / cap), in transformers' order: scale, divide,
+    tanh, multiply; before the mask)."""
+    scores = scores * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                       scale: float, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax written out in fp32: q [B, Tq, Hq, D], k/v [B, S, Hkv, D], mask
+    [B, Tq, S] -> (out [B, Tq, Hq, D] in q's dtype, mass [B, Tq, Hkv, S] float32: each
+    slot's probability summed over its kv group's query heads, 0 where invisible).
+
+    `sinks` ([Hq] or [B, Hq]): gpt-oss's learned sink, an extra logit per query head
+    in each softmax with no value (transformers' GptOssAttention): a token's probability
+    is what the model gave it, and the sink takes the rest. A row that sees no slot
+    gives zeros, with or without."""
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
     qf = q.float().view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
     kf = k.float().permute(0, 2, 3, 1)  # [B, Hkv, D, S]
-    scores = torch.matmul(qf, kf) * scale  # [B, Hkv, G*Tq, S]
+    scores = softmax_logits(torch.matmul(qf, kf), scale, softcap)  # [B, Hkv, G*Tq, S]
     scores = scores.view(b, hkv, g, tq, -1).masked_fill_(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # [B, Hkv, G, Tq, S]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # [B, Hkv, G, Tq, S]
+    else:
+        sink = sinks.float().reshape(-1, hkv, g, 1, 1).expand(b, hkv, g, tq, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     vf = v.float().transpose(1, 2)  # [B, Hkv, S, D]
-    out = torch.matmul(probs.view(b, hkv, g * tq, -1), vf)  # [B, Hkv, G*Tq, D]
+    out = torch.matmul(probs.reshape(b, hkv, g * tq, -1), vf)  # [B, Hkv, G*Tq, D]
     out = out.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
     mass = probs.sum(dim=2).transpose(1, 2)  # [B, Tq, Hkv, S]
     return out.to(q.dtype), mass
 
 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float, out: torch.Tensor | None = None,
+                          softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A prompt chunk with nothing cached before it attends only to its own keys:
     q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] by plain causal SDPA (the fused kernel,
     no block gather, no [T, S] mask). About half of a 3M model's prefill time went to
     gathering and masking before this existed. k/v in another dtype (read back from a
-    narrower pool) are cast to q's, as in `paged_attention`. Into `out` when given."""
+    narrower pool) are cast to q's, as in `paged_attention`. Into `out` when given.
+    `softcap` / `sinks` ([Hq]): `paged_attention`'s, by the explicit softmax, a block of
+    queries at a time (its scores are [Hq, rows, keys])."""
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if softcap is not None or sinks is not None:
+        t = q.shape[0]
+        o = torch.empty_like(q) if out is None else out
+        pos = torch.arange(t, device=q.device)
+        step = max(1, _EXPLICIT_ELEMS // max(1, t * q.shape[1]))
+        for a in range(0, t, step):
+            e = min(t, a + step)  # queries a..e-1 see keys 0..e-1
+            mask = (pos[None, :e] <= pos[a:e, None])[None]
+            o[a:e] = explicit_attention(q[None, a:e], k[None, :e], v[None, :e], mask, scale,
+                                        softcap, sinks)[0][0]
+        return o
     # 4-D inputs: with 3-D ones CPU SDPA leaves its fused kernel (~3x slower).
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                        v.transpose(0, 1)[None], is_causal=True,
                                        scale=scale, enable_gqa=g > 1)[0].transpose(0, 1)
     return o if out is None else out.copy_(o)
 
+
+# The explicit softmax of a fresh prompt holds [Hq, rows, keys] fp32 scores a block of
+# rows at a time: 16 Mi elements (64 MiB) at most.
+_EXPLICIT_ELEMS = 1 << 24

@@ -98,6 +98,8 @@ def paged_attention_triton(
     window: int | None = None,
     return_probs: bool = False,
     quant: QuantCache | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     slot_count: torch.Tensor | None = None,
@@ -106,7 +108,8 @@ def paged_attention_triton(
     tiles: tuple[int, ...] | None = None,
     decode: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton twin of `attention.torch_attention.paged_attention` (same arguments and results).
+    """Triton twin of `attention.torch_attention.paged_attention` (same arguments and
+    results, `softcap` and `sinks` included).
 
     `num_splits` (keyword only) forces the split-KV factor; None picks it from the
     grid size and the GPU's SM count. `slot_count` (keyword only): a one-element int
@@ -185,30 +188,39 @@ def paged_attention_triton(
         o_part = m_part = l_part = out  # unused placeholders
     scale_log2 = float(scale) * LOG2E
     win = int(window) if window is not None else 0
+    # the attention variants: a sink a query head, [Hq] or [B, Hq]; soft-capping
+    if sinks is not None:
+        sk_strides = (0, sinks.stride(0)) if sinks.dim() == 1 else sinks.stride()
+    else:
+        sinks, sk_strides = q, (0, 0)  # a placeholder, never read
+    cap = float(softcap) if softcap is not None else 1.0
+    feats = dict(HAS_CAP=softcap is not None, HAS_SINKS=sinks is not q)
 
     s_lens = q_pos if slot_count is None else slot_count  # SLEN: unread if None
     launch = {"num_warps": warps, **({} if stages is None else {"num_stages": stages})}
     if decode:
         _decode_kernel[(b * hkv, splits)](
             q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
-            m_part, l_part, s_lens, q.stride(0), q.stride(2), q.stride(3),
+            m_part, l_part, s_lens, sinks, q.stride(0), q.stride(2), q.stride(3),
             *k_cache.stride(), *v_cache.stride(), *sc_strides, *table.stride(),
             *slot_pos.stride(), q_pos.stride(0), out.stride(0), out.stride(2), out.stride(3),
-            scale_log2, win, s_len, hkv, tiles_per_split,
+            *sk_strides, scale_log2, win, s_len, hkv, tiles_per_split, cap * LOG2E, 2.0 / cap,
             G=g, GP=block_m, BS=bs, D=d, BLOCK_D=block_d, BLOCK_N=block_n,
             HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
-            PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, **launch,
+            PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, **feats,
+            **launch,
         )
     else:
         _attn_kernel[(m_tiles, b * hkv, splits)](
             q, k_cache, v_cache, k_scale, v_scale, table, slot_pos, q_pos, out, lse, o_part,
-            m_part, l_part, s_lens,
+            m_part, l_part, s_lens, sinks,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *sc_strides,
-            *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(),
-            scale_log2, win, tq, s_len, hkv, tiles_per_split,
+            *table.stride(), *slot_pos.stride(), *q_pos.stride(), *out.stride(), *sk_strides,
+            scale_log2, win, tq, s_len, hkv, tiles_per_split, cap * LOG2E, 2.0 / cap,
             G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
             HAS_WINDOW=window is not None, SPLIT=splits > 1, STORE_LSE=return_probs,
-            PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, **launch,
+            PRECISION=precision, QUANT=mode, GS=gs, DYN_S=slot_count is not None, **feats,
+            **launch,
         )
     if splits > 1:
         _combine_kernel[(m_tiles, b * hkv)](
@@ -223,10 +235,11 @@ def paged_attention_triton(
             *table.stride(), *slot_pos.stride(), *q_pos.stride(),
             q_pos if slot_count is None else slot_count,  # SLEN, ROWS: unread if None
             q_pos if mass_rows is None else mass_rows, scale_log2, win, tq, s_len, hkv,
+            cap * LOG2E, 2.0 / cap,
             G=g, BS=bs, D=d, BLOCK_D=block_d, BLOCK_T=block_t, BLOCK_N=block_n,
             HAS_WINDOW=window is not None, PRECISION=precision, QUANT=mode, GS=gs,
             SUM_KV=sum_heads, DYN_S=slot_count is not None, HAS_ROWS=mass_rows is not None,
-            num_warps=4,
+            HAS_CAP=softcap is not None, num_warps=4,
         )
     return out, probs
 

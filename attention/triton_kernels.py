@@ -3,7 +3,14 @@
 cached prefix, `_combine_kernel` merging split-KV partials, `_probs_kernel` for the
 attention mass, and `_load_rows`, a tile of K or V (dequantized for a quantized pool).
 Without Triton the module still imports (its kernels are then plain functions never
-launched)."""
+launched).
+
+The attention variants (`attention.torch_attention.paged_attention` says what they are)
+are compile-time flags, so a plain model's kernels are the code they were: HAS_CAP soft-
+caps each tile's scores (`_soft_cap`, in the first pass and the mass pass alike) and
+HAS_SINKS starts the online softmax of split 0 from the head's sink (`_sink_start`: max =
+the sink, denominator 1, no value), so the merge of the splits and the row's log-sum-exp,
+which the mass pass divides by, count it once."""
 
 from __future__ import annotations
 
@@ -49,19 +56,39 @@ def _load_rows(PTR, SC, blk, off, kvh, d, sn, ss, sh, sd, scn, scs, sch, scg, ma
 
 
 @_jit
+def _soft_cap(scores, cap_log2, two_over_cap):
+    """Gemma 2's cap * tanh(s / cap) on scores in log2 units (s · LOG2E, as the kernels
+    keep them): tanh(y) = 1 - 2 / (e^2y + 1), e^2y = exp2(2 · scores / cap); an infinite
+    e^2y gives the cap, exactly. `cap_log2` = cap · LOG2E, `two_over_cap` = 2 / cap."""
+    t = tl.exp2(scores * two_over_cap)
+    return cap_log2 * (1.0 - 2.0 / (t + 1.0))
+
+
+@_jit
+def _sink_start(SINKS, b, h, ssk_b, ssk_h, ok, first):
+    """(max, denominator) a row's online softmax starts from: the head's sink logit (in
+    log2 units) and 1 where `first` (split 0, which alone counts it), else -inf and 0."""
+    sk = tl.load(SINKS + b * ssk_b + h * ssk_h, mask=ok, other=0.0).to(tl.float32)
+    use = ok & first
+    return (tl.where(use, sk * 1.4426950408889634, float("-inf")),
+            tl.where(use, 1.0, 0.0))
+
+
+@_jit
 def _attn_kernel(
-    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART, SLEN,
+    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART, SLEN, SINKS,
     sq_b, sq_t, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
     sv_n, sv_s, sv_h, sv_d,
     sc_n, sc_s, sc_h, sc_g,
     st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
-    so_b, so_t, so_h, so_d,
-    scale_log2, window, Tq, S, Hkv, tiles_per_split,
+    so_b, so_t, so_h, so_d, ssk_b, ssk_h,
+    scale_log2, window, Tq, S, Hkv, tiles_per_split, cap_log2, two_over_cap,
     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
     QUANT: tl.constexpr, GS: tl.constexpr, DYN_S: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Online-softmax attention of one (query-row tile, sequence × kv head, split).
     DYN_S: only the first SLEN[0] slots of each row are walked (a CUDA graph's static
@@ -84,8 +111,11 @@ def _attn_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     q = q * scale_log2  # scores come out in log2 units: exp2 instead of exp
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = _sink_start(SINKS, b, h, ssk_b, ssk_h, row_ok, pid_s == 0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     if DYN_S:
@@ -109,6 +139,8 @@ def _attn_kernel(
             k = _load_rows(K, KS, blk, off, kvh, d, sk_n, sk_s, sk_h, sk_d,
                            sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            if HAS_CAP:
+                scores = _soft_cap(scores, cap_log2, two_over_cap)
             scores = tl.where(vis, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN on empty rows
@@ -136,18 +168,19 @@ def _attn_kernel(
 
 @_jit
 def _decode_kernel(
-    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART, SLEN,
+    Q, K, V, KS, VS, TABLE, SLOT_POS, Q_POS, OUT, LSE, O_PART, M_PART, L_PART, SLEN, SINKS,
     sq_b, sq_h, sq_d,
     sk_n, sk_s, sk_h, sk_d,
     sv_n, sv_s, sv_h, sv_d,
     sc_n, sc_s, sc_h, sc_g,
     st_b, st_n, ssp_b, ssp_s, sqp_b,
-    so_b, so_h, so_d,
-    scale_log2, window, S, Hkv, tiles_per_split,
+    so_b, so_h, so_d, ssk_b, ssk_h,
+    scale_log2, window, S, Hkv, tiles_per_split, cap_log2, two_over_cap,
     G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
     QUANT: tl.constexpr, GS: tl.constexpr, DYN_S: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """One query token of one (sequence, kv head, split): the decode step's attention.
 
@@ -177,8 +210,11 @@ def _decode_kernel(
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     q = q * scale_log2  # scores come out in log2 units: exp2 instead of exp
 
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = _sink_start(SINKS, b, h, ssk_b, ssk_h, g_ok, pid_s == 0)
+    else:
+        m_i = tl.full([GP], float("-inf"), tl.float32)
+        l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BLOCK_D], tl.float32)
 
     if DYN_S:
@@ -206,6 +242,8 @@ def _decode_kernel(
         v = _load_rows(V, VS, rows_at, off, kvh, d, sv_n, sv_s, sv_h, sv_d,
                        sc_n, sc_s, sc_h, sc_g, kv_ok, QUANT, GS)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if HAS_CAP:
+            scores = _soft_cap(scores, cap_log2, two_over_cap)
         scores = tl.where(vis[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN on empty rows
@@ -277,11 +315,12 @@ def _probs_kernel(
     sk_n, sk_s, sk_h, sk_d,
     sc_n, sc_s, sc_h, sc_g,
     st_b, st_n, ssp_b, ssp_s, sqp_b, sqp_t,
-    SLEN, ROWS, scale_log2, window, Tq, S, Hkv,
+    SLEN, ROWS, scale_log2, window, Tq, S, Hkv, cap_log2, two_over_cap,
     G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, QUANT: tl.constexpr, GS: tl.constexpr,
     SUM_KV: tl.constexpr, DYN_S: tl.constexpr, HAS_ROWS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
     """probs[b, t, kvh, s] = Σ_g exp2(score - lse) for one (slot tile, query tile).
 
@@ -289,7 +328,8 @@ def _probs_kernel(
     query heads, probs[b, t, 0, s] (what a policy that reads no head apart takes): the
     same sum without atomics, so the statistic stays deterministic. DYN_S: only the
     first SLEN[0] slots are read or written (a CUDA graph's tables are wider than the
-    step's). HAS_ROWS: rows b with ROWS[b] == 0 want no mass and get zeros."""
+    step's). HAS_ROWS: rows b with ROWS[b] == 0 want no mass and get zeros. The row's
+    log-sum-exp counts a sink, so a slot's mass is its share of the real softmax."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_t = tl.program_id(2)
@@ -333,6 +373,8 @@ def _probs_kernel(
                 q = q * scale_log2  # same rounding as the first pass
                 lse = tl.load(LSE + (b * Tq + t) * (Hkv * G) + h, mask=t_ok, other=0.0)
                 scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                if HAS_CAP:
+                    scores = _soft_cap(scores, cap_log2, two_over_cap)
                 mass += tl.where(vis, tl.exp2(scores - lse[:, None]), 0.0)
     if SUM_KV:
         row = b.to(tl.int64) * Tq + t

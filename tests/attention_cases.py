@@ -58,3 +58,49 @@ def make_case(
         "v_cache": kv[1].to(device, dtype), "table": table.to(device),
         "slot_pos": slot_pos.to(device), "q_pos": q_pos.to(device), "scale": d**-0.5,
     }
+
+
+def reference_attention(case: dict, window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention as the model classes write it, one query head at a time in float64, for
+    a case of `make_case`'s form: each query's visible slots by position (filled, causal,
+    inside the window), logits q·k·scale, soft-capped as transformers' Gemma 2 does (cap ·
+    tanh(logits / cap)), a softmax whose denominator adds exp(sink) of the head's learned
+    sink (transformers' GptOssAttention: `sinks` [Hq] or [B, Hq]), the values weighted.
+    -> (out [B, Tq, Hq, D], mass [B, Tq, Hkv, S]: each slot's probability summed over
+    its kv group), zeros on padded query rows and on a row that sees nothing."""
+    q, k_cache, v_cache = case["q"].cpu(), case["k_cache"].cpu(), case["v_cache"].cpu()
+    table, slot_pos, q_pos = case["table"].cpu(), case["slot_pos"].cpu(), case["q_pos"].cpu()
+    b, tq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    out = torch.zeros(b, tq, hq, d, dtype=torch.float64)
+    mass = torch.zeros(b, tq, hkv, slot_pos.shape[1], dtype=torch.float64)
+    for i in range(b):
+        k = k_cache[table[i].clamp(min=0)].reshape(-1, hkv, d).double()
+        v = v_cache[table[i].clamp(min=0)].reshape(-1, hkv, d).double()
+        pos = slot_pos[i]
+        for t in range(tq):
+            p = int(q_pos[i, t])
+            if p >= PAD_QUERY_POS:
+                continue
+            seen = (pos >= 0) & (pos <= p)
+            if window is not None:
+                seen &= pos > p - window
+            idx = seen.nonzero()[:, 0]
+            for h in range(hq):
+                logits = (k[idx, h // g] @ q[i, t, h].double()) * case["scale"]
+                if softcap is not None:
+                    logits = torch.tanh(logits / softcap) * softcap
+                if sinks is not None:
+                    sink = float(sinks[h] if sinks.dim() == 1 else sinks[i, h])
+                    top = max([sink, *logits.tolist()])
+                    e = torch.exp(logits - top)
+                    prob = e / (e.sum() + torch.exp(torch.tensor(sink - top, dtype=torch.float64)))
+                elif len(idx) == 0:
+                    continue
+                else:
+                    prob = torch.softmax(logits, dim=0)
+                out[i, t, h] = prob @ v[idx, h // g]
+                mass[i, t, h // g, idx] += prob
+    return out, mass

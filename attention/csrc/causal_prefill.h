@@ -39,6 +39,12 @@
 // Intel (the op's `fma`, native/build.py `pair_fma`): its cores run `vdpbf16ps` at half
 // the rate of their two FMA units, and bf16 widened to fp32's loop was 1.25-1.6x as fast
 // (a Xeon, one layer of the 160M model, 128-2,048 tokens; commit 57bae56).
+//
+// Attention variants (paged_decode_cpu.cpp's): Gemma 2's soft-capping (`CAP`, a template
+// flag, so the plain loop is the same code: each chunk's scores become cap * tanh(s / cap)
+// before the masks) and gpt-oss's learned sinks, which cost nothing in the loop: the
+// online softmax starts from the sink (max = sink, denominator = 1, no value) instead of
+// from nothing.
 #pragma once
 
 #include <type_traits>
@@ -58,12 +64,13 @@ constexpr int64_t kL = 16;  // queries a job (one a lane) and keys a chunk
 // unscaled, and kf the keys' bf16 pairs [rows][D/2]; each score is multiplied by `scale`
 // (float: qt comes scaled, `scale` unused).
 // PADDED: pad > 0 (a prefix not a whole number of chunks; without it the masks of the
-// padding cost the fp32 loop 3-12%).
-template <int D, typename QK, bool PADDED>
+// padding cost the fp32 loop 3-12%). CAP: scores soft-capped at `cap`. The softmax starts
+// from max m0 and denominator l0: -1e30 and 0, or a sink logit and 1.
+template <int D, typename QK, bool PADDED, bool CAP>
 inline void attend_block(const QK* qt, const QK* kf, const QK* vf, int64_t i0, int64_t pre,
-                         int pad, float* ot, float scale = 1.0f) {
+                         int pad, float* ot, float scale, float cap, float m0, float l0) {
   for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kL, _mm512_setzero_ps());
-  __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
+  __m512 m = _mm512_set1_ps(m0), l = _mm512_set1_ps(l0);
   __m512 s0, s1, s2, s3, s4, s5, s6, s7, s8, s9, s10, s11, s12, s13, s14, s15;
 #define KVSERVE_KEYS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
   for (int64_t j0 = 0; j0 <= pre + i0; j0 += kL) {
@@ -91,6 +98,12 @@ inline void attend_block(const QK* qt, const QK* kf, const QK* vf, int64_t i0, i
       KVSERVE_KEYS(KVSERVE_SCALE)
 #undef KVSERVE_SCALE
 #endif
+    }
+    if constexpr (CAP) {
+      const __m512 c = _mm512_set1_ps(cap), ic = _mm512_set1_ps(1.0f / cap);
+#define KVSERVE_CAP(j) s##j = cap512(s##j, c, ic);
+      KVSERVE_KEYS(KVSERVE_CAP)
+#undef KVSERVE_CAP
     }
     const bool diagonal = j0 == pre + i0;  // key j0 + j is past query i0 + lane where lane < j
     const bool lead = PADDED && j0 == 0;  // keys j < pad: the prefix's empty front rows
@@ -183,7 +196,7 @@ inline void attend_block(const QK* qt, const QK* kf, const QK* vf, int64_t i0, i
 #undef KVSERVE_MASK
 #undef KVSERVE_PROB
 #undef KVSERVE_VALUE
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);  // every lane saw its own key
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);  // every lane saw its own key (l > 0)
   for (int64_t d = 0; d < D; ++d) _mm512_storeu_ps(ot + d * kL, _mm512_mul_ps(_mm512_loadu_ps(ot + d * kL), inv));
 }
 
@@ -191,11 +204,13 @@ inline void attend_block(const QK* qt, const QK* kf, const QK* vf, int64_t i0, i
 // `pool_v` ([rows, Hkv, D], rows `sp` apart) and `prefix` (P pool rows, in any order: a
 // softmax's keys are a set) give the cached keys before the chunk; P = 0: none.
 // kPairs: bf16 by `vdpbf16ps` (the op's caller decides: not where FMAs run at twice its
-// rate, `pair_fma`); otherwise bf16 is widened and takes fp32's loop.
+// rate, `pair_fma`); otherwise bf16 is widened and takes fp32's loop. `cap` > 0: scores
+// soft-capped; `sinks` [hq] (or nullptr): each head's sink logit.
 template <typename T, int D, bool kPairs>
 void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t hkv,
             int64_t sq, int64_t sk, int64_t sv, float scale, T* out, const T* pool_k = nullptr,
-            const T* pool_v = nullptr, int64_t sp = 0, const int64_t* prefix = nullptr, int64_t p = 0) {
+            const T* pool_v = nullptr, int64_t sp = 0, const int64_t* prefix = nullptr, int64_t p = 0,
+            float cap = 0.0f, const float* sinks = nullptr) {
 #if defined(KVSERVE_CAUSAL_BF16_DOT)
   static_assert(!kPairs || std::is_same_v<T, c10::BFloat16>, "pairs are bf16's");
 #else
@@ -244,12 +259,20 @@ void causal(const T* q, const T* k, const T* v, int64_t t, int64_t hq, int64_t h
       const int64_t head = x / blocks, rank = x % blocks;
       const int64_t blk = rank % 2 == 0 ? rank / 2 : blocks - 1 - rank / 2;
       const int64_t i0 = blk * kL, n = std::min(kL, t - i0), h = head / g;
+      const float m0 = sinks != nullptr ? sinks[head] : -1e30f, l0 = sinks != nullptr ? 1.0f : 0.0f;
       auto attend = [&](const auto* qv, const auto* kv) {  // the padding's masks only where needed
         using QK = std::remove_cv_t<std::remove_pointer_t<decltype(qv)>>;
         const QK* vv = kPairs ? reinterpret_cast<const QK*>(vb.data() + h * rows * D)
                               : reinterpret_cast<const QK*>(vf.data() + h * rows * D);
-        if (pad > 0) attend_block<D, QK, true>(qv, kv, vv, i0, pre, static_cast<int>(pad), ot, scale);
-        else attend_block<D, QK, false>(qv, kv, vv, i0, pre, 0, ot, scale);
+        const int pd = static_cast<int>(pad);
+        if (cap > 0.0f) {
+          if (pad > 0) attend_block<D, QK, true, true>(qv, kv, vv, i0, pre, pd, ot, scale, cap, m0, l0);
+          else attend_block<D, QK, false, true>(qv, kv, vv, i0, pre, 0, ot, scale, cap, m0, l0);
+        } else if (pad > 0) {
+          attend_block<D, QK, true, false>(qv, kv, vv, i0, pre, pd, ot, scale, cap, m0, l0);
+        } else {
+          attend_block<D, QK, false, false>(qv, kv, vv, i0, pre, 0, ot, scale, cap, m0, l0);
+        }
       };
       if constexpr (kPairs) {  // two channels' bf16 bits a lane, the lower channel low
         for (int64_t lane = 0; lane < kL; ++lane) {

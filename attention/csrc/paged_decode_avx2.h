@@ -37,6 +37,24 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// cap512's soft-capping at 8 lanes (see there): cap * tanh(x / cap) through exp256.
+inline __m256 cap256(__m256 x, __m256 cap, __m256 inv_cap) {
+  const __m256 y = _mm256_mul_ps(x, inv_cap);
+  const __m256 sign = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MIN)));
+  const __m256 t = exp256(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.f)));
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, t), _mm256_add_ps(one, t));
+  return _mm256_mul_ps(cap, _mm256_or_ps(th, sign));
+}
+
+// soft-capping of n scores in place, 8 at a time (the tail one by one)
+inline void soft_cap(float* x, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap), ic = _mm256_set1_ps(1.f / cap);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, cap256(_mm256_loadu_ps(x + i), c, ic));
+  for (; i < n; ++i) x[i] = cap_score(x[i], cap);
+}
+
 inline float hmax8(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
@@ -101,19 +119,25 @@ void decode_seq_avx2(const Batch<TKV>& a, int64_t b, Scratch& w) {
     }
   }
   for (int64_t i = 0; i < std::min<int64_t>(n, 8); ++i) prefetch(a.v + phys[i], row_bytes);
+  if (a.softcap > 0.f)  // the live lanes only: the padding's -1e30 must stay out of the sum
+    for (int64_t hq = 0; hq < Hq; ++hq) soft_cap(sc + hq * np, n, a.softcap);
   float* inv = w.tmp.data();  // 1 / softmax denominator per query head
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* row = sc + hq * np;
     __m256 mx = _mm256_loadu_ps(row);
     for (int64_t t = 8; t < np; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + t));
-    const __m256 mv = _mm256_set1_ps(hmax8(mx));
+    float m = hmax8(mx);
+    if (a.sinks != nullptr) m = std::max(m, a.sink(b, hq));  // the sink joins max and sum
+    const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < np; t += 8) {
       const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + t), mv));
       _mm256_storeu_ps(row + t, e);
       sum = _mm256_add_ps(sum, e);
     }
-    inv[hq] = 1.f / hsum8(sum);
+    float total = hsum8(sum);
+    if (a.sinks != nullptr) total += std::exp(a.sink(b, hq) - m);
+    inv[hq] = 1.f / total;
   }
   // Weighted V rows, PT slots at a time so that the tile's rows stay in L1 while each
   // kv head's part (and each D chunk of it) is read.

@@ -27,6 +27,12 @@
 // product: they run the AVX-512 path over the raw codes (widened like 16-bit rows), with
 // each score multiplied by its K scale and each probability by its V scale. int4 (a scale
 // per 32 channels) and other head dims take the portable loop over dequantized rows.
+//
+// Two attention variants of newer model families, off unless a call asks (no cost then
+// but a test per sequence): Gemma 2's logit soft-capping (`softcap`: the scores of a
+// sequence, once computed, become cap * tanh(score / cap) in one pass before the softmax,
+// `soft_cap`) and gpt-oss's learned sinks (`sinks`: a logit per query head that joins the
+// softmax's max and denominator, with no value; the mass is then the real softmax's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -148,6 +154,13 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   float* acc = nullptr;
   int64_t acc0 = 0;
   Ring ring{};  // ring.values == nullptr: none
+  // Attention variants (`Features`): Gemma 2's soft-capping (0: none) and gpt-oss's
+  // learned sinks, query head h of sequence b's at sinks[b * sk0 + h] (nullptr: none).
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+  int64_t sk0 = 0;
+  // sequence b's query head h's sink logit (only where `sinks`)
+  float sink(int64_t b, int64_t h) const { return sinks[b * sk0 + h]; }
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -199,6 +212,9 @@ inline void add_to(float* dst, float x) {
   asm("" : "+v"(x));
   *dst += x;
 }
+
+// Gemma 2's soft-capping of one score: cap * tanh(x / cap) (transformers' order).
+inline float cap_score(float x, float cap) { return cap * std::tanh(x / cap); }
 
 // Attention mass, only when asked for: probability per slot summed over each kv group's
 // heads, head hq's probabilities being p[hq * stride + i] * (norm ? norm[hq] : 1).
@@ -308,6 +324,28 @@ inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// cap * tanh(x / cap) (Gemma 2's soft-capping), tanh from exp512 of -2|x / cap| (in its
+// domain, <= 0): (1 - t) / (1 + t), the sign put back. Absolute error ~1e-7 * cap.
+inline __m512 cap512(__m512 x, __m512 cap, __m512 inv_cap) {
+  const __m512 y = _mm512_mul_ps(x, inv_cap);
+  const __m512 t = exp512(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t));
+  const __m512 sign = _mm512_and_ps(y, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
+  return _mm512_mul_ps(cap, _mm512_or_ps(th, sign));
+}
+
+// soft-capping of n scores in place, 16 at a time (a masked tail)
+inline void soft_cap(float* x, int64_t n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap), ic = _mm512_set1_ps(1.f / cap);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, cap512(_mm512_loadu_ps(x + i), c, ic));
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(x + i, m, cap512(_mm512_maskz_loadu_ps(m, x + i), c, ic));
+  }
 }
 
 // A chunk of R consecutive values, widened to fp32 and repeated 16 / R times (R = 16: a
@@ -547,19 +585,25 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
     prefetch<2>(a.k + first, a.bs * row_bytes);
     prefetch<2>(a.v + first, a.bs * row_bytes);
   }
+  if (a.softcap > 0.f)  // the live lanes only: the padding's -1e30 must stay out of the sum
+    for (int64_t hq = 0; hq < Hq; ++hq) soft_cap(sc + hq * np, n, a.softcap);
   float* inv = w.tmp.data();  // 1 / softmax denominator per query head
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* row = sc + hq * np;
     __m512 mx = _mm512_loadu_ps(row);
     for (int64_t t = 16; t < np; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    float m = _mm512_reduce_max_ps(mx);
+    if (a.sinks != nullptr) m = std::max(m, a.sink(b, hq));  // the sink joins max and sum
+    const __m512 mv = _mm512_set1_ps(m);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < np; t += 16) {
       const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + t), mv));
       _mm512_storeu_ps(row + t, e);
       sum = _mm512_add_ps(sum, e);
     }
-    inv[hq] = 1.f / _mm512_reduce_add_ps(sum);
+    float total = _mm512_reduce_add_ps(sum);
+    if (a.sinks != nullptr) total += std::exp(a.sink(b, hq) - m);
+    inv[hq] = 1.f / total;
   }
   // Weighted V rows, PT slots at a time so that the tile's rows stay in L1 while each
   // kv head's part is read. GC heads share each V load; U slots are in flight per step
@@ -651,8 +695,11 @@ void decode_seq_rows(const Batch<TKV>& a, int64_t b, Scratch& w, Row row) {
   }
   for (int64_t hq = 0; hq < Hq; ++hq) {
     float* sh = sc + hq * n;
-    const float mx = *std::max_element(sh, sh + n);
-    float sum = 0.f;
+    if (a.softcap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sh[i] = cap_score(sh[i], a.softcap);
+    float mx = *std::max_element(sh, sh + n);
+    if (a.sinks != nullptr) mx = std::max(mx, a.sink(b, hq));  // the sink joins max and sum
+    float sum = a.sinks != nullptr ? std::exp(a.sink(b, hq) - mx) : 0.f;
     for (int64_t i = 0; i < n; ++i) sum += (sh[i] = std::exp(sh[i] - mx));
     for (int64_t i = 0; i < n; ++i) sh[i] /= sum;
   }
@@ -716,6 +763,7 @@ Batch<TKV> head_slice(const Batch<TKV>& a, int64_t h0, int64_t h1) {
   s.k = a.k + h0 * a.D;
   s.v = a.v + h0 * a.D;
   if (a.mass != nullptr) s.mass = a.mass + h0 * a.S;
+  if (a.sinks != nullptr) s.sinks = a.sinks + q0;
   if (a.ks != nullptr) {  // one scale per kv head (int8, fp8)
     s.ks = a.ks + h0;
     s.vs = a.vs + h0;
@@ -799,7 +847,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
             const bool* kd_rows, bool mass_sum, const int64_t* rows, float* acc,
-            int64_t acc0, const Ring& ring) {
+            int64_t acc0, const Ring& ring, float softcap, const float* sinks, int64_t sk0) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
   const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
@@ -817,6 +865,9 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   a.acc = acc;
   a.acc0 = acc0;
   a.ring = ring;
+  a.softcap = softcap;
+  a.sinks = sinks;
+  a.sk0 = sk0;
   SeqFn<TKV> seq = vector_seq(a);
   run(a, seq == nullptr ? decode_seq_portable<TKV> : seq);
 }
@@ -847,6 +898,23 @@ const int64_t* table_rows(const std::optional<at::Tensor>& rows, int64_t B, int6
   return r;
 }
 
+// softcap (Gemma 2; 0: none) and sinks (gpt-oss; [Hq] float32, or [B, Hq]: a row per
+// sequence, a per-head pool's rows being (kv head, sequence) pairs): checked, and the
+// sinks' pointer and row stride (0 for [Hq]) for `Batch`.
+const float* features_of(double softcap, const std::optional<at::Tensor>& sinks, int64_t B,
+                         int64_t Hq, at::Tensor& keep, int64_t& sk0) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap), "softcap must be >= 0 (0: none)");
+  sk0 = 0;
+  if (!sinks.has_value()) return nullptr;
+  keep = sinks->contiguous();
+  TORCH_CHECK(keep.scalar_type() == at::kFloat &&
+                  ((keep.dim() == 1 && keep.size(0) == Hq) ||
+                   (keep.dim() == 2 && keep.size(0) == B && keep.size(1) == Hq)),
+              "sinks must be float32 [Hq] or [B, Hq] (a logit per query head)");
+  sk0 = keep.dim() == 2 ? Hq : 0;
+  return keep.data_ptr<float>();
+}
+
 std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache, const at::Tensor& table,
                                      const at::Tensor& slot_pos, const at::Tensor& q_pos,
@@ -857,7 +925,8 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                                      const std::optional<at::Tensor>& ring,
                                      const std::optional<at::Tensor>& ring_total,
                                      const std::optional<at::Tensor>& ring_cols,
-                                     int64_t ring_shift) {
+                                     int64_t ring_shift, double softcap,
+                                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -932,10 +1001,14 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
     rg = Ring{v.data_ptr<float>(), tt.data_ptr<float>(), cp, v.stride(0), v.stride(1),
               tt.stride(0), tt.stride(1), std::ldexp(1.0, static_cast<int>(ring_shift))};
   }
+  at::Tensor sinks_keep;
+  int64_t sk0 = 0;
+  const float* sp = features_of(softcap, sinks, q.size(0), q.size(1), sinks_keep, sk0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
                                                          window, out, mp, kp, kr, sum_heads, rp,
-                                                         ap, a0, rg); });
+                                                         ap, a0, rg, static_cast<float>(softcap),
+                                                         sp, sk0); });
   return {out, mass, kd};
 }
 
@@ -1013,6 +1086,9 @@ bool vector_codes_as(const Batch<uint8_t>& a, const QuantRows& r, float sfac) {
               a.table, a.slot_pos, a.q_pos, a.B, a.Hq, a.Hkv, a.G, a.D, a.bs, a.NB, a.S,
               a.row_len, a.window, a.ms0, a.ts, a.ps, r.ks, r.vs, a.Hkv, sfac};
   c.rows = a.rows;
+  c.softcap = a.softcap;
+  c.sinks = a.sinks;
+  c.sk0 = a.sk0;
   const SeqFn<TC> seq = vector_seq(c);
   if (seq == nullptr) return false;
   run(c, seq);
@@ -1027,7 +1103,8 @@ std::vector<at::Tensor> paged_decode_quant(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& v_codes,
     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& table,
     const at::Tensor& slot_pos, const at::Tensor& q_pos, double scale, int64_t window,
-    bool return_probs, int64_t mode, const std::optional<at::Tensor>& rows) {
+    bool return_probs, int64_t mode, const std::optional<at::Tensor>& rows, double softcap,
+    const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(is_float_type(q.scalar_type()), "q must be a float tensor");
   TORCH_CHECK(mode >= 1 && mode <= 3, "mode must be 1 (int8), 2 (fp8 e4m3) or 3 (int4)");
@@ -1061,6 +1138,9 @@ std::vector<at::Tensor> paged_decode_quant(
                    B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window,
                    Hkv * NB * bs, t.stride(0), p.stride(0)};
   a.rows = rp;
+  at::Tensor sinks_keep;
+  a.sinks = features_of(softcap, sinks, B, Hq, sinks_keep, a.sk0);
+  a.softcap = static_cast<float>(softcap);
   const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
                     mode, ng, D / ng};
   if (mode != 3 && vector_codes(a, r, mode)) return {out, mass};
@@ -1085,11 +1165,13 @@ std::vector<at::Tensor> paged_decode_quant(
 // prompt where a server lets them sleep).
 // `fma`: bf16 widened into fp32's loop rather than by bf16 dot products (Intel's cores,
 // `pair_fma`); fp32, and builds without AVX512-BF16, take fp32's loop either way.
+// `softcap` (0: none) and `sinks` ([Hq] float32): the attention variants, as paged_decode's.
 // AVX-512 builds only (`paged_decode_isa` "avx512"); elsewhere SDPA runs it.
 at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                           const std::optional<at::Tensor>& k_cache, const std::optional<at::Tensor>& v_cache,
                           const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& slot_pos,
-                          int64_t start, const std::optional<at::Tensor>& into, bool fma) {
+                          int64_t start, const std::optional<at::Tensor>& into, bool fma,
+                          double softcap, const std::optional<at::Tensor>& sinks) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() &&
                   q.size(0) == k.size(0) && q.size(2) == k.size(2) && k.size(1) > 0 &&
@@ -1131,6 +1213,10 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
                     into->data_ptr() != q.data_ptr(),
                 "causal_prefill: out must be a contiguous [T, Hq, D] of q's dtype, apart from q");
   at::Tensor out = into.has_value() ? *into : at::empty({t, hq, d}, q.options());
+  at::Tensor sinks_keep;  // [hq] only: the op runs one sequence
+  int64_t sk0 = 0;
+  const float* sinks_p = features_of(softcap, sinks, 1, hq, sinks_keep, sk0);
+  TORCH_CHECK(sk0 == 0, "causal_prefill: sinks must be [Hq]");
 #if defined(KVSERVE_AVX512)
   TORCH_CHECK(d == 16 || d == 32 || d == 64 || d == 128, "causal_prefill: head dim 16, 32, 64 or 128");
   if (t == 0) return out;
@@ -1142,7 +1228,7 @@ at::Tensor causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Te
       prefill::causal<T, decltype(dim)::value, decltype(pairs)::value>(
           q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), t, hq, hkv, q.stride(0), k.stride(0),
           v.stride(0), static_cast<float>(scale), out.data_ptr<T>(), pk, pv, sp, prefix.data(),
-          static_cast<int64_t>(prefix.size()));
+          static_cast<int64_t>(prefix.size()), static_cast<float>(softcap), sinks_p);
     };
     auto dims = [&](auto pairs) {
       if (d == 16) one(std::integral_constant<int, 16>{}, pairs);
@@ -1180,13 +1266,15 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor table, Tensor slot_pos, "
         "Tensor q_pos, float scale, int window, bool return_probs, Tensor? key_diversity=None, "
         "bool sum_heads=False, Tensor? rows=None, Tensor(a!)? acc=None, Tensor(b!)? ring=None, "
-        "Tensor(c!)? ring_total=None, Tensor? ring_cols=None, int ring_shift=0) -> Tensor[]");
+        "Tensor(c!)? ring_total=None, Tensor? ring_cols=None, int ring_shift=0, float softcap=0., "
+        "Tensor? sinks=None) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
-        "bool return_probs, int mode, Tensor? rows=None) -> Tensor[]");
+        "bool return_probs, int mode, Tensor? rows=None, float softcap=0., Tensor? sinks=None) -> Tensor[]");
   m.def("paged_decode_isa() -> str");
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_cache=None, Tensor? v_cache=None, "
-        "Tensor? table=None, Tensor? slot_pos=None, int start=0, Tensor(a!)? out=None, bool fma=False) -> Tensor");
+        "Tensor? table=None, Tensor? slot_pos=None, int start=0, Tensor(a!)? out=None, bool fma=False, "
+        "float softcap=0., Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
