@@ -21,6 +21,7 @@ from kvpool.rows import rows_slice
 from native.host import bool_tensor, int64_tensor
 
 if TYPE_CHECKING:  # the runner's input type (engine.runner imports this module)
+    from engine.model_config import ModelConfig
     from engine.step import SeqInput
     from kvpool.manager import DecodeBatch
 
@@ -250,3 +251,35 @@ def lanes_of(t: torch.Tensor, heads: int) -> torch.Tensor:
     """A statistic stacked over layers in the kernels' per-head rows, [L, H·B, ...],
     as the policies read it, one lane a (layer, kv head): [L·H, B, ...] (a view)."""
     return t.reshape(t.shape[0] * heads, t.shape[1] // heads, *t.shape[2:])
+
+
+def layer_features(model: torch.nn.Module, config: ModelConfig) -> list[dict]:
+    """Each layer's attention variants as keyword arguments of the attention kernels:
+    `softcap` where the config has one, `sinks` [Hq] float32 where the model's
+    `attention_sinks(layer)` gives a tensor (the model keeps the weights; the runner
+    knows no family). Read once: CUDA graphs replay the same tensors."""
+    sinks_of = getattr(model, "attention_sinks", None)
+    out: list[dict] = []
+    for layer in range(config.num_layers):
+        kw: dict = {}
+        if config.attn_softcap is not None:
+            kw["softcap"] = float(config.attn_softcap)
+        sinks = sinks_of(layer) if sinks_of is not None else None
+        if sinks is not None:
+            if sinks.shape != (config.num_heads,):
+                raise ValueError(f"layer {layer}'s attention sinks are {tuple(sinks.shape)}, "
+                                 f"not [{config.num_heads}] (one a query head)")
+            kw["sinks"] = sinks.detach().float().contiguous()
+        out.append(kw)
+    return out
+
+
+def heads_features(feat: dict, heads: int, members: int) -> dict:
+    """`layer_features`' arguments for a group over a per-head pool (`by_head`: row
+    h·B + b is member b's kv head h, with that head's G query heads): the sinks as
+    [H·B, G], a row a sequence."""
+    if "sinks" not in feat:
+        return feat
+    s = feat["sinks"]
+    return {**feat, "sinks": s.view(heads, 1, -1).expand(heads, members, -1).reshape(
+        heads * members, -1)}

@@ -300,9 +300,10 @@ class DecodeGraphs:
             store.write(ws[layer], k, v)
             if stats and self.norms:
                 norms.append(new_norms(k, v, store.storage_dtype))
+            # the layer's attention variants: a float and the model's sinks, no host sync
             o, probs = store.attend(paged_attention_triton, q[:, None], tables[layer],
                                    slot_pos[layer], q_pos, scale, windows[layer], stats,
-                                   slot_count=count, **kw)
+                                   slot_count=count, **kw, **r.features[layer])
             if probs is not None:
                 mass.append(probs)
             return o[:, 0]

@@ -7,6 +7,10 @@ each) and prefill chunks (padded to the longest) — and within a group every se
 attended in the same tensor call. Requests whose policy needs attention statistics go
 into their own groups, so nobody else pays for the explicit softmax. A prompt's first
 chunk with nothing cached before it needs no pool read at all: plain causal SDPA.
+
+A model's attention variants reach every kernel as keyword arguments, per layer
+(`layer_features`: Gemma 2's soft-capping from `ModelConfig.attn_softcap`, gpt-oss's
+learned sinks from the model's `attention_sinks(layer)`); a plain model's calls get none.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from engine.attention_groups import (
     by_head,
     decode_batch_group,
     fresh_prompts,
+    heads_features,
     heads_out,
     heads_q,
     kd_rows,
     lanes_of,
+    layer_features,
     split_by_length,
     step_slots,
 )
@@ -71,6 +77,8 @@ class ModelRunner:
         self.attention_fn = attention_fn
         self.device = device
         self.scale = config.attn_scale
+        # Each layer's attention variants as the kernels take them ({} for a plain model).
+        self.features = layer_features(model, config)
         # Lanes a layer has in the pool's tables: 1, or its kv heads in a per-head pool
         # (`--kv-layout head`), where every kv head is attended as a sequence of its own.
         self.heads = config.num_kv_heads // storage.heads_per_page
@@ -152,12 +160,13 @@ class ModelRunner:
         if (len(groups) == 1 and not fresh and groups[0].members == list(range(len(inputs)))
                 and groups[0].q_index.shape[1] == 1):
             groups[0].whole = True
-        # Prompt chunks after a cached prefix wanting no statistics, under no sliding window
-        # they could outgrow: one `causal_prefill` call a sequence over the pool in place
-        # (`prefix_prefill_cpu`) instead of the torch path's gather, mask and SDPA.
-        prefixed = {j for j, g in enumerate(groups)
+        # Prompt chunks after a cached prefix wanting no statistics: one `causal_prefill`
+        # call a sequence over the pool in place (`prefix_prefill_cpu`) instead of the
+        # torch path's gather, mask and SDPA, in each layer whose sliding window (if any)
+        # is wider than the group's last position (the op has no window). -> that position
+        prefixed = {j: int(g.q_pos[g.valid].max()) for j, g in enumerate(groups)
                     if kernel and g.q_index.shape[1] > 1 and not g.want_probs
-                    and g.want_kd is None and all(w is None or w > int(g.q_pos.max()) for w in windows)}
+                    and g.want_kd is None}
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
         kds: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups)
                                               if g.want_kd is not None}
@@ -168,6 +177,7 @@ class ModelRunner:
         sums = query_sums(inputs, offsets, self.model.rotary, dev) if asks else None
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            feat = self.features[layer]
             if sums is not None:  # before attention, which may write its output over q
                 sums.add(q)
             if heads > 1:  # [T, H, D] -> [H·T, 1, D], as the slots
@@ -181,16 +191,21 @@ class ModelRunner:
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
-                causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale, out=out[a : a + n])
+                causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale, out=out[a : a + n],
+                       **feat)
+            window = windows[layer]
             for j, g in enumerate(groups):
-                if j in prefixed and prefix_prefill_runs(q.dtype, q.shape[-1], store.storage_dtype,
-                                                         store.quant is not None):
-                    self._prefix_prefill(g, layer, q, k, v, out, inputs, offsets)
+                if (j in prefixed and (window is None or window > prefixed[j])
+                        and prefix_prefill_runs(q.dtype, q.shape[-1], store.storage_dtype,
+                                                store.quant is not None)):
+                    self._prefix_prefill(g, layer, q, k, v, out, inputs, offsets, feat)
                     continue
                 qg = q[:, None] if whole else q[g.q_index]
                 args = (qg if heads == 1 else heads_q(qg, heads), g.tables[layer],
-                        g.slot_pos[layer], g.q_pos, self.scale, windows[layer], g.want_probs)
-                kw = {"sum_heads": True} if g.sum_heads else {}
+                        g.slot_pos[layer], g.q_pos, self.scale, window, g.want_probs)
+                kw = dict(feat if heads == 1 else heads_features(feat, heads, len(g.members)))
+                if g.sum_heads:
+                    kw["sum_heads"] = True
                 if g.table_rows is not None:  # the C++ kernel's: rows read in place
                     kw["table_rows"] = g.table_rows
                 if g.accumulate is not None:  # the mass into the state, none back
@@ -292,7 +307,7 @@ class ModelRunner:
 
     def _prefix_prefill(self, g: AttentionGroup, layer: int, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, out: torch.Tensor, inputs: list[SeqInput],
-                        offsets: list[int]) -> None:
+                        offsets: list[int], feat: dict) -> None:
         """Prompt chunks after a cached prefix, one `prefix_prefill_cpu` call a member
         (and a kv head over a per-head pool: its row h·B + b of the group's lanes, its
         query group and its own K/V; the op copies what is not contiguous)."""
@@ -302,11 +317,12 @@ class ModelRunner:
             a, n = offsets[i], len(inputs[i].token_ids)
             for h in range(heads):
                 qs, ks = slice(h * group, (h + 1) * group), slice(h * kv_heads, (h + 1) * kv_heads)
+                kw = feat if "sinks" not in feat else {**feat, "sinks": feat["sinks"][qs]}
                 into = out[a : a + n] if heads == 1 else None
                 o, _ = self.storage.attend(prefix_prefill_cpu, q[a : a + n, qs], k[a : a + n, ks],
                                            v[a : a + n, ks], g.tables[layer, h * members + b],
                                            g.slot_pos[layer, h * members + b],
-                                           inputs[i].start_pos, self.scale, out=into)
+                                           inputs[i].start_pos, self.scale, out=into, **kw)
                 if into is None:
                     out[a : a + n, qs] = o
 

@@ -30,7 +30,15 @@ from engine.models.moe import SparseMoe, sparse_moe
 from engine.rope import RotaryEmbedding
 
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""attn(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]; k arrives rotated."""
+"""attn(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]; k arrives rotated.
+
+The callback applies layer `layer`'s whole attention rule, so a model states its variants
+once, not per call: the scale (`ModelConfig.attn_scale`), Gemma 2's logit soft-capping
+(`ModelConfig.attn_softcap`), the sliding window (`ModelConfig.sliding_windows[layer]`)
+and learned attention sinks, which are weights: a model whose attention has them defines
+`attention_sinks(layer) -> Tensor | None` ([num_heads], a logit per query head, as
+gpt-oss's `self.sinks`), which the runner reads once at start (docs/architecture.md,
+"Attention variants")."""
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
