@@ -164,7 +164,8 @@ class ModelRunner:
         # call a sequence over the pool in place (`prefix_prefill_cpu`) instead of the
         # torch path's gather, mask and SDPA, in each layer whose sliding window (if any)
         # is wider than the group's last position (the op has no window). -> that position
-        prefixed = {j: int(g.q_pos[g.valid].max()) for j, g in enumerate(groups)
+        # (q_pos's first B rows: over a per-head pool `by_head` repeats them a kv head)
+        prefixed = {j: int(g.q_pos[: len(g.members)][g.valid].max()) for j, g in enumerate(groups)
                     if kernel and g.q_index.shape[1] > 1 and not g.want_probs
                     and g.want_kd is None}
         mass: dict[int, list[torch.Tensor]] = {j: [] for j, g in enumerate(groups) if g.want_probs}
