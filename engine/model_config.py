@@ -206,4 +206,8 @@ def load_model_config(path: str, max_model_len: int | None = None) -> ModelConfi
         hf_config=hf,
         max_model_len=max_model_len,
         attn_scale=(hf.query_pre_attn_scalar**-0.5 if family == "gemma" else None),
+        # Gemma 2's attention caps its logits; Gemma 3's config has the field, and
+        # transformers' Gemma 3 attention never reads it
+        attn_softcap=(float(hf.attn_logit_softcapping)
+                      if arch == "Gemma2ForCausalLM" and hf.attn_logit_softcapping else None),
     )

@@ -133,14 +133,17 @@ def test_gemma_config_facts(tmp_path):
     assert c.family == "gemma" and c.head_dim == 32
     assert c.attn_scale == pytest.approx(24**-0.5)  # query_pre_attn_scalar, not head_dim
     assert c.sliding_windows == [24, None, 24]
-    model, _ = load_model(make_tiny_model("gemma2", tmp_path / "g2", num_hidden_layers=2))
+    model, c2 = load_model(make_tiny_model("gemma2", tmp_path / "g2", num_hidden_layers=2))
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
     assert model.rotary_local is None  # Gemma 2: one RoPE
+    assert c2.attn_softcap == 10.0 and c.attn_softcap is None  # Gemma 2 caps attention
+    # Gemma 3's config may carry the field; its attention ignores it, as transformers' does
+    c3 = load_model_config(make_tiny_model("gemma3", tmp_path / "g3c", num_hidden_layers=2,
+                                           attn_logit_softcapping=50.0))
+    assert c3.attn_softcap is None
 
 
 @pytest.mark.parametrize("family,overrides,field", [
-    ("gemma2", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
 ])
 def test_unsupported_gemma_features_refused_at_load(tmp_path, family, overrides, field):

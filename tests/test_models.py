@@ -47,9 +47,11 @@ def tiny_dirs(tmp_path_factory):
 
 
 def dense_attention(seq_ids: torch.Tensor, positions: torch.Tensor, windows: list[int | None],
-                    scale: float | None = None):
+                    scale: float | None = None, softcap: float | None = None, sinks=None):
     """attn(layer, q, k, v) for packed tokens: causal within a sequence, windowed per layer;
-    softmax scale `scale` (default head_dim ** -0.5)."""
+    softmax scale `scale` (default head_dim ** -0.5), scores soft-capped at `softcap`
+    (Gemma 2), `sinks(layer)`: the layer's learned sink logits [H] or None (gpt-oss),
+    an extra softmax column with no value."""
     same = seq_ids[:, None] == seq_ids[None, :]
     delta = positions[:, None] - positions[None, :]  # query pos - key pos
 
@@ -60,7 +62,15 @@ def dense_attention(seq_ids: torch.Tensor, positions: torch.Tensor, windows: lis
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * (scale or q.shape[-1] ** -0.5)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks(layer) if sinks is not None else None
+        if sink is not None:
+            col = sink.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, col], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
         return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
     return attn
@@ -71,7 +81,8 @@ def run_packed(model, config, seqs: list[torch.Tensor]) -> torch.Tensor:
     ids = torch.cat(seqs)
     positions = torch.cat([torch.arange(len(s)) for s in seqs])
     seq_ids = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])
-    attn = dense_attention(seq_ids, positions, config.sliding_windows, config.attn_scale)
+    attn = dense_attention(seq_ids, positions, config.sliding_windows, config.attn_scale,
+                           config.attn_softcap, getattr(model, "attention_sinks", None))
     with torch.inference_mode():
         return model.compute_logits(model(ids, positions, attn))
 

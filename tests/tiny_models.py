@@ -107,8 +107,9 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
                                  "rope_parameters": _longrope(None)}),
     "olmo2": ("Olmo2Config", {**_COMMON, **_GQA}),
     # Alternating sliding (24) / full layers, query_pre_attn_scalar != head_dim, logit
-    # soft-capping; no attention soft-capping (the kernels lack it: refused at load).
-    "gemma2": ("Gemma2Config", {**_GEMMA, "attn_logit_softcapping": None,
+    # soft-capping, and attention soft-capping at 10 (the release's 50 moves these
+    # log-probabilities by 0.4 already; 10 by up to 10).
+    "gemma2": ("Gemma2Config", {**_GEMMA, "attn_logit_softcapping": 10.0,
                                 "final_logit_softcapping": 30.0, "rope_theta": 10000.0}),
     # sliding, full, sliding; the local RoPE base apart, linear scaling on the full layers.
     "gemma3": ("Gemma3TextConfig", {**_GEMMA, "final_logit_softcapping": 30.0,

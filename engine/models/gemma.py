@@ -11,8 +11,9 @@ Where they depart from Llama, as transformers' modeling_gemma2/3 do it:
 - tied embeddings, and the logits soft-capped by final_logit_softcapping if set.
 Gemma 3 adds QK-norm per head and a RoPE of its own for the sliding layers (base
 rope_local_base_freq, never scaled); the full layers' set may be scaled (linear on 4B+).
-Gemma 2 soft-caps the attention logits (attn_logit_softcapping), which the attention
-kernels do not do yet: such a checkpoint is refused at load, naming the field.
+Gemma 2 soft-caps the attention logits (attn_logit_softcapping: `ModelConfig.attn_softcap`,
+which the attention kernels apply); Gemma 3's attention ignores the field, as
+transformers' does.
 
 Gemma3ForConditionalGeneration is served for its text part: the loader reads the
 language model's tensors and skips the vision tower; the server takes text content only
@@ -36,10 +37,6 @@ _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 def check_gemma_config(config: ModelConfig) -> None:
     """What kvserve cannot run yet is a start-up error naming it, not a wrong answer."""
     hf = config.hf_config
-    if getattr(hf, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{config.architecture}: attn_logit_softcapping={hf.attn_logit_softcapping} needs "
-            "attention-logit soft-capping, which kvserve's attention kernels do not do yet")
     if getattr(hf, "use_bidirectional_attention", False):
         raise ValueError(f"{config.architecture}: use_bidirectional_attention (an embedding "
                          "model's non-causal attention) is not supported for generation")
