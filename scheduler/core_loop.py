@@ -48,7 +48,9 @@ class CoreInfo:
     stats: EngineStats
     warmup: Warmup | None
     config: Any  # the core's EngineConfig (None for a core without one)
-    num_layers: int
+    # A request's page lists in the pool: its layers, or (layer, kv head)s on a per-head
+    # pool (`--kv-layout head`); 0 for a core without a pool.
+    num_lanes: int
     # Objects the engine process moved out of the garbage collector's sight once loaded
     # (`freeze_heap`; 0 in the thread layout, where the server's app freezes its process).
     frozen_objects: int = 0
@@ -81,10 +83,11 @@ class CoreLoop:
         core = self.core
         tokenizer = copy.deepcopy(core.tokenizer)
         tokenizer.encode("warm up")  # the copy's first call pays its own set-up
-        layers = getattr(core.model_config, "num_layers", None)
+        kv = getattr(core, "kv", None)
+        lanes = kv.num_layers if kv is not None else 0  # the manager counts lanes
         return CoreInfo(tokenizer, int(core.max_model_len), int(core.model_config.vocab_size),
                         core.limits, self.stats(), self.warmup, getattr(core, "config", None),
-                        int(layers or 0), linear_choices=[
+                        int(lanes), linear_choices=[
                             c.as_dict() for c in getattr(core, "linear_choices", [])],
                         kv_sizing=getattr(core, "kv_sizing", None))
 

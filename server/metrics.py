@@ -286,14 +286,14 @@ class VllmAliasCollector(Collector):
                     yield self._renamed(fam, "vllm:" + alias)
         info = self.engine.info  # set once loaded, then read-only
         config = getattr(info, "config", None)
-        layers = getattr(info, "num_layers", 0)
-        if config is not None and layers:
+        lanes = getattr(info, "num_lanes", 0)
+        if config is not None and lanes:
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration "
                                      "(vLLM's units).", labels=["block_size",
                                      "num_gpu_blocks", "cache_dtype", "enable_prefix_caching",
                                      "model_name"])
             info.add_metric([str(config.block_size),
-                             str(self.engine.stats.blocks_total // layers),
+                             str(self.engine.stats.blocks_total // lanes),
                              str(getattr(config, "kv_cache_dtype", "auto")),
                              str(bool(config.enable_prefix_caching)), self.model_name], 1)
             yield info

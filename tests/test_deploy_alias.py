@@ -99,7 +99,7 @@ def test_cache_config_info_in_vllm_units() -> None:
     engine.info = SimpleNamespace(  # what the engine sets once loaded
         config=SimpleNamespace(block_size=16, enable_prefix_caching=True,
                                kv_cache_dtype="bfloat16"),
-        num_layers=4)
+        num_lanes=4)
     metrics = ServerMetrics(engine)
     add_metrics_alias(metrics, engine, "vllm", "m")
     smp = samples(generate_latest(metrics.registry).decode())
@@ -163,3 +163,23 @@ def test_kvserve_serve_metrics_alias_vllm(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_cache_config_info_counts_lanes_on_a_per_head_pool(tmp_path: Path) -> None:
+    """A per-head pool's page holds one (layer, kv head)'s tokens: vLLM's blocks are its
+    pages over the lanes (layers × kv heads), as the core reports them once loaded."""
+    from scheduler.core_loop import CoreLoop
+    from scheduler.llm import LLM
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    core = LLM(model_dir, num_blocks=96, block_size=4, device="cpu", kv_layout="head").engine
+    info = CoreLoop(core, warmup=False).info()
+    mc = core.model_config
+    assert info.num_lanes == mc.num_layers * mc.num_kv_heads > mc.num_layers
+    engine = fake_engine(core.stats())
+    engine.info = info
+    metrics = ServerMetrics(engine)
+    add_metrics_alias(metrics, engine, "vllm", "m")
+    smp = samples(generate_latest(metrics.registry).decode())
+    assert value(smp, "vllm:cache_config_info", block_size="4",
+                 num_gpu_blocks=str(96 // info.num_lanes)) == 1
