@@ -111,6 +111,40 @@ def test_uncaptured_graph_steps_equal_eager(tiny: str, policies: list, scratch_p
     _check_overlap(llm, policies)
 
 
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory) -> str:
+    """Attention soft-capping at 10, a sliding (24) and a full layer: the graph's
+    attention takes each layer's variants (`ModelRunner.features`) and window."""
+    return make_tiny_model("gemma2", tmp_path_factory.mktemp("graphs_gemma2"), num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("policy", [None, {"name": "h2o", "budget": 24}], ids=["full", "h2o"])
+def test_uncaptured_graph_steps_of_a_soft_capped_windowed_model(gemma2: str, policy,
+                                                                 scratch_pool) -> None:
+    """The graph path's attention (Triton, plain and with the mass for h2o) under the
+    model's soft-capping gives the eager engine's log-probabilities (the C++ kernel on a
+    CPU): greedy tokens alone barely move with the cap."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3,
+                            detokenize=False)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist() for i in range(4)]
+    runs = []
+    for graphs in (False, True):
+        llm = LLM(gemma2, num_blocks=200, block_size=4, max_num_seqs=8, enforce_eager=True,
+                  device=DEVICE)
+        if graphs:
+            llm.engine.runner.graphs = cuda_graphs.DecodeGraphs(
+                llm.engine.runner, 8, llm.engine.max_model_len, capture=False)
+        runs.append((llm.generate(prompts, params, kv_policy=policy), llm))
+    (ref, _), (got, llm) = runs
+    assert llm.engine.runner.features[0] == {"softcap": 10.0}
+    assert llm.engine.runner.graphs.steps > 0
+    for r, o in zip(ref, got):
+        assert o.token_ids == r.token_ids
+        for a, b in zip(r.logprobs, o.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-4
+
+
 def _check_overlap(llm: LLM, policies: list) -> None:
     """Async scheduling plans a step while the last one runs only in a batch of plain
     requests (no kv_policy: it acts between steps on what the forward saw)."""
