@@ -15,14 +15,15 @@ import torch
 class QueryStats:
     """An input's pre-RoPE query sums over this step's prompt tokens in the range its
     `SeqInput.query_stats` named, per layer and query head, in float64 (a covariance is
-    their difference: E[qqᵀ] - μμᵀ), and the model's RoPE frequencies, which rotate
-    their mean to the positions still to come (Expected Attention)."""
+    their difference: E[qqᵀ] - μμᵀ), the model's RoPE frequencies, which rotate their
+    mean to the positions still to come (Expected Attention), and its softmax scale."""
 
     total: torch.Tensor  # [L, Hq, D] Σq
     outer: torch.Tensor | None  # [L, Hq, D, D] Σqqᵀ, if asked
     count: int  # the tokens summed
     inv_freq: torch.Tensor  # [rotary_dim // 2] float32
     scaling: float  # RoPE's attention scaling (yarn), in cos and sin as the model applies them
+    attn_scale: float  # the attention softmax's scale (ModelConfig.attn_scale)
 
 
 @dataclass(slots=True)

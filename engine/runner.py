@@ -175,7 +175,7 @@ class ModelRunner:
         norms: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         if asks and store.quant is None and any(s.wants_norms for s in inputs):
             norms = []
-        sums = query_sums(inputs, offsets, self.model.rotary, dev) if asks else None
+        sums = query_sums(inputs, offsets, self.model.rotary, dev, self.scale) if asks else None
 
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             feat = self.features[layer]

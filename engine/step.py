@@ -122,7 +122,8 @@ class QuerySums:
     a difference, E[qqᵀ] - μμᵀ, loses nothing to cancellation."""
 
     def __init__(self, inputs: list[SeqInput], offsets: list[int], rotary: RotaryEmbedding,
-                 device: torch.device) -> None:
+                 device: torch.device, attn_scale: float) -> None:
+        self.attn_scale = attn_scale
         # per asking input: (its index, its first and end rows on the packed axis, outer)
         self.spans: list[tuple[int, int, int, bool]] = []
         positions: list[int] = []
@@ -168,14 +169,15 @@ class QuerySums:
         for j, (i, a, b, want) in enumerate(self.spans):
             mass = attention.get(i) or AttentionMass(None, 0, len(inputs[i].token_ids))
             mass.queries = QueryStats(total[j], outer[o] if want and outer is not None
-                                      else None, b - a, self.inv_freq, self.scaling)
+                                      else None, b - a, self.inv_freq, self.scaling,
+                                      self.attn_scale)
             attention[i] = mass
             o += want
 
 
 def query_sums(inputs: list[SeqInput], offsets: list[int], rotary: RotaryEmbedding,
-               device: torch.device) -> QuerySums | None:
+               device: torch.device, attn_scale: float) -> QuerySums | None:
     """A `QuerySums` for the step if an input asked for its queries' sums, else None."""
     if not any(s.query_stats is not None for s in inputs):
         return None
-    return QuerySums(inputs, offsets, rotary, device)
+    return QuerySums(inputs, offsets, rotary, device, attn_scale)

@@ -25,6 +25,13 @@ from kvpool.policy_rows import Member, load_select, run_group
 from kvpool.pool import BlockPool, load_mark
 from kvpool.seq_cache import SeqCache
 from kvpool.tables import SlotTables
+from kvpool.windows import (
+    NO_WINDOW,
+    first_needed,
+    longest_hit,
+    request_blocks,
+    trim_positions,
+)
 from policies.rows import NATIVE
 
 # Shortest prefill chunk a bounded policy is given: shorter chunks would hold even less
@@ -61,12 +68,15 @@ class KVCacheManager:
                  enable_prefix_caching: bool = True, swap: SwapSpace | None = None,
                  rows: int = 16, min_prefill_chunk: int = MIN_PREFILL_CHUNK,
                  heads: int = 1, head_roles: torch.Tensor | None = None,
-                 slack_tokens: int | None = None) -> None:
+                 slack_tokens: int | None = None,
+                 windows: list[int | None] | None = None) -> None:
         """`num_layers`: a request's lanes (its page lists and lengths): one a layer, or
         one a (layer, kv head) over a per-head pool, `heads` a layer (lane l·heads + h).
         Memory counts lanes where this class says layers; only the policies tell them
         apart (`RowsView.heads`). `slack_tokens`: the room a bounded request's
-        reservation leaves in each lane past its bound (`reservation`); None: a page."""
+        reservation leaves in each lane past its bound (`reservation`); None: a page.
+        `windows`: per lane, its sliding window or None (kvpool/windows.py: a windowed
+        lane holds its window's pages, and is counted so); None: every lane global."""
         self.pool = pool
         self.min_prefill_chunk = min_prefill_chunk
         self.num_layers = num_layers
@@ -82,6 +92,18 @@ class KVCacheManager:
         # Every cache is a row of these (kvpool/tables.py); they grow as needed.
         self.tables = SlotTables(num_layers, pool.block_size, rows=rows, heads=heads)
         self.tables.head_roles = head_roles  # what `duo` streams by (policies/duo_attention.py)
+        self.windows: list[int | None] = list(windows or [None] * num_layers)
+        assert len(self.windows) == num_layers
+        windowed = [w is not None for w in self.windows]
+        # A kv_policy acts on the global lanes alone: a windowed lane is bounded by its
+        # window already (`policy_rows.run_group` keeps the drops off the others).
+        self.policy_lanes = [lane for lane, w in enumerate(windowed) if not w]
+        if any(windowed):
+            self.tables.windowed = torch.tensor(windowed)
+            pool.optional_lanes = frozenset(i for i, w in enumerate(windowed) if w)
+        # [lanes] each lane's window, NO_WINDOW for global ones (`trim`)
+        self._window_t = torch.tensor([NO_WINDOW if w is None else w for w in self.windows])
+        self.min_window = min((w for w in self.windows if w is not None), default=NO_WINDOW)
 
     # ---- sizes ---------------------------------------------------------------------
     @property
@@ -99,9 +121,26 @@ class KVCacheManager:
         assert self.pool.storage is not None
         return self.pool.storage.block_bytes
 
-    def blocks_for(self, tokens: int) -> int:
-        """Blocks (all layers) that `tokens` tokens of a full cache hold."""
-        return self.num_layers * -(-tokens // self.block_size)
+    def blocks_for(self, tokens: int, chunk: int | None = None, bound: int | None = None) -> int:
+        """Blocks (all lanes) that `tokens` tokens of a full cache hold at most, computed
+        in chunks of at most `chunk` (None: at once), a global lane holding at most
+        `bound` of them (a policy's; None: all): a windowed lane holds its window's
+        pages (kvpool/windows.py)."""
+        if self.min_window == NO_WINDOW and bound is None:
+            return self.num_layers * -(-tokens // self.block_size)
+        return request_blocks(tokens, self.windows, tokens if chunk is None else chunk,
+                              self.block_size, bound)
+
+    def tokens_within(self, blocks: int, chunk: int, most: int) -> int:
+        """The longest request (up to `most` tokens) whose full cache fits in `blocks`."""
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for(mid, chunk) <= blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def head_spread(self, cache: SeqCache) -> tuple[int, int] | None:
         """(fewest, most) live tokens among a cache's (layer, kv head) lanes over a
@@ -132,21 +171,28 @@ class KVCacheManager:
         would cost a per-head pool of 64-token pages 64 tokens in every lane; either way
         a lane is compacted at most once per `slack_tokens` decode steps."""
         bs, layers, slack = self.block_size, self.num_layers, self.slack_tokens
-        peak = total - 1  # the last sampled token is never fed back: it needs no slot
+        tokens = total - 1  # the last sampled token is never fed back: it needs no slot
+        # A windowed lane holds its window and the longest chunk (a recompute re-prefills
+        # prompt and output in chunks), and in decode its window (kvpool/windows.py).
+        chunk = min(max_chunk, tokens)
+        bound = None
         reserve = 0
         if policy is not None and hasattr(policy, "max_live"):
             live = policy.max_live(total, prompt_len, bs)
-            peak = min(peak, live + min(max_chunk, prompt_len) + 2 * bs)
-            if live + 1 < total - 1:
+            bound = min(tokens, live + min(max_chunk, prompt_len) + 2 * bs)
+            if live + 1 < tokens:
                 # For lanes of different bounds (pyramid), the same from the sum over
                 # lanes: Σ_l ceil((n_l + 1 + s) / bs) <= ceil((Σ_l n_l + L·s) / bs) + L.
-                reserve = layers * -(-(live + 1 + slack) // bs)
+                glob = len(self.policy_lanes)
+                reserve = glob * -(-(live + 1 + slack) // bs)
                 if self.ring(policy) is not None:
-                    reserve = layers * -(-live // bs)
-                if hasattr(policy, "max_live_total"):
+                    reserve = glob * -(-live // bs)
+                if hasattr(policy, "max_live_total") and glob == layers:
                     summed = policy.max_live_total(total, prompt_len, bs, layers)
                     reserve = min(reserve, -(-(summed + layers * slack) // bs) + layers)
-        return reserve, self.blocks_for(peak)
+                if glob < layers:  # the windowed lanes in decode
+                    reserve += self.blocks_for(tokens, 1, 0)
+        return reserve, self.blocks_for(tokens, chunk, bound)
 
     def prefill_chunk(self, policy: Any | None, prompt_len: int, max_chunk: int) -> int:
         """Longest prefill chunk for a request under `policy` (`max_chunk`: the step's
@@ -247,8 +293,10 @@ class KVCacheManager:
         return run_group(members)
 
     def compact(self, caches: list[SeqCache]) -> list[int]:
-        """Pack each cache's live tokens into its first blocks; blocks freed per cache."""
-        return compaction.compact(self.tables, self.pool, caches)
+        """Pack each cache's live tokens into its first blocks (in the lanes a policy
+        acts on); blocks freed per cache."""
+        lanes = self.policy_lanes if len(self.policy_lanes) < self.num_layers else None
+        return compaction.compact(self.tables, self.pool, caches, lanes)
 
     def held_and_need(self, caches: list[SeqCache]) -> tuple[list[int], list[int]]:
         """Per cache, the blocks it holds and the blocks its next decode token takes (one
@@ -269,31 +317,63 @@ class KVCacheManager:
         """Tokens a ring overwrote since the last call (its evictions)."""
         return self.tables.take_overwritten(cache.row)
 
-    def drop_before(self, cache: SeqCache, layer: int, position: int) -> int:
-        """Drop the slots of `layer` before `position` (a sliding window; `SeqCache.drop_before`)."""
-        return cache.drop_before(layer, position)
+    def trim(self, cache: SeqCache, computed: int) -> int:
+        """Drop what no later query of a cache with `computed` tokens in sees from its
+        windowed lanes, freeing the pages left empty (`SeqCache.drop_before`)."""
+        return cache.drop_before(trim_positions(self._window_t, computed))
 
     # ---- prefix cache --------------------------------------------------------------
     def lookup(self, hashes: list[int]) -> list[torch.Tensor]:
-        """Take a reference on the cached groups of the longest prefix of `hashes`."""
-        hits: list[torch.Tensor] = []
-        for h in hashes if self.prefix_caching else []:
-            ids = self.pool.acquire(h)
-            if ids is None:
+        """Take a reference on the cached groups of the longest prefix of `hashes` a
+        request can start from: with sliding-window lanes, the longest whose windows'
+        pages are all there, taking none of those lanes' older pages (-1 there;
+        kvpool/windows.py, vLLM's `SlidingWindowManager.find_longest_cache_hit`)."""
+        if not self.prefix_caching:
+            return []
+        if self.min_window == NO_WINDOW:
+            hits: list[torch.Tensor] = []
+            for h in hashes:
+                ids = self.pool.acquire(h)
+                if ids is None:
+                    break
+                hits.append(ids)
+            return hits
+        groups = []
+        for h in hashes:
+            group = self.pool.groups.get(h)
+            if group is None:
                 break
-            hits.append(ids)
-        return hits
+            groups.append(group)
+        k, bs = longest_hit(groups, self.windows, self.block_size), self.block_size
+        first = [0 if w is None else first_needed(k, w, bs) for w in self.windows]
+        taken = []
+        for j, h in enumerate(hashes[:k]):
+            ids = self.pool.acquire(h, frozenset(i for i, f in enumerate(first) if j < f))
+            assert ids is not None
+            taken.append(ids)
+        return taken
 
-    def publish(self, cache: SeqCache, hashes: list[int], start: int, end: int) -> None:
-        """Register prompt blocks start..end-1 of a cache whose every layer still holds
-        every token (an evicted block is no one's prefix)."""
+    def publish(self, cache: SeqCache, hashes: list[int], start: int, end: int,
+                computed: int) -> None:
+        """Register prompt blocks start..end-1 of an `intact` cache of `computed` tokens
+        (an evicted block is no one's prefix); a windowed lane's block its window has
+        already dropped is -1 in its group."""
+        if self.min_window == NO_WINDOW:
+            for i in range(start, end):
+                self.pool.register(hashes[i], cache.table[:, i])
+            return
+        # An intact lane holds positions from its first page's on, one a slot: the
+        # pages before are those its window dropped.
+        gone = (computed - torch.tensor(cache.next_slot)) // self.block_size
         for i in range(start, end):
-            self.pool.register(hashes[i], cache.table[:, i])
+            col = i - gone
+            ids = cache.table.gather(1, col.clamp(min=0)[:, None])[:, 0]
+            self.pool.register(hashes[i], ids.masked_fill(col < 0, -1))
 
     def drop(self, hits: list[torch.Tensor]) -> None:
         """Give back the references `lookup` took (the request does not start now)."""
         for ids in hits:
-            self.pool.release(ids)
+            self.pool.release(ids[ids >= 0])
 
     # ---- accounting ----------------------------------------------------------------
     def check_invariants(self, running: Iterable[SeqCache],

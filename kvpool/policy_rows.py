@@ -217,6 +217,7 @@ def _query_sums(view: RowsView, members: list[Member], hkv: int) -> None:
     view.query_outer = None if any(o is None for o in outer) else rows(outer)  # type: ignore[arg-type]
     view.query_count = [q.count for q in stats]  # type: ignore[union-attr]
     view.rope = (stats[0].inv_freq, stats[0].scaling)  # type: ignore[union-attr]
+    view.attn_scale = stats[0].attn_scale  # type: ignore[union-attr]
 
 
 def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
@@ -264,7 +265,9 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
 
 def run_group(members: list[Member]) -> list[tuple[int, int]]:
     """Let the members' policy select for all of them and carry out its drops; per
-    member (evicted slots over all layers, freed blocks)."""
+    member (evicted slots over all layers, freed blocks). A sliding-window lane keeps
+    what the policy would drop: its window bounds it already, so the policy's budget is
+    the global layers' (docs/policies.md, "Models with sliding windows")."""
     view = build_view(members)
     policy = members[0].policy
     drop = type(policy).select([m.policy for m in members], view)  # type: ignore[attr-defined]
@@ -283,7 +286,10 @@ def run_group(members: list[Member]) -> list[tuple[int, int]]:
             put_rows(tables.state[name], rows, t)
     if drop is None:
         return [(0, 0)] * r
-    return carry_out([m.cache for m in members], drop.view(nl, r, width),
+    dead = drop.view(nl, r, width)
+    if tables.windowed is not None:  # a windowed lane is its window's (kvpool/windows.py)
+        dead = dead.masked_fill(tables.windowed[:, None, None], False)
+    return carry_out([m.cache for m in members], dead,
                      [m.compact for m in members], [m.rotate for m in members])
 
 

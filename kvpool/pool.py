@@ -12,7 +12,7 @@ copy-on-write, RoPE shift, swap) reach it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
@@ -43,7 +43,9 @@ class BlockPool:
     they are not wiped but parked, least recently used first, in `_cached`: still
     free (allocatable), but a later request with the same prefix can take them back.
     Allocation uses never-hashed blocks first and then recycles the oldest parked ones,
-    forgetting their group.
+    forgetting their group; a parked block of a sliding-window lane (`optional_lanes`)
+    leaves its group alone, its entry -1: a prefix hit needs only a window's pages of such
+    a lane (kvpool/windows.py), so the group still serves the hits that need it not.
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -72,6 +74,9 @@ class BlockPool:
         # memory"). Tuples of small ints live in CPython's own pools instead.
         self.groups: dict[int, tuple[int, ...]] = {}
         self.hash_of: dict[int, int] = {}  # block id -> prefix hash
+        # Lanes (a group's positions) whose blocks a group may lose one by one: sliding-
+        # window lanes (set by the KV-cache manager).
+        self.optional_lanes: frozenset[int] = frozenset()
 
     @property
     def num_free(self) -> int:
@@ -104,7 +109,7 @@ class BlockPool:
         if n <= 0:
             return []
         while len(self._free) < n:  # recycle the least recently used cached prefix
-            self.forget(self.hash_of[next(iter(self._cached))])
+            self._recycle(next(iter(self._cached)))
         ids = self.peek(n)
         del self._free[-n:]
         return ids
@@ -140,33 +145,55 @@ class BlockPool:
 
     # ---- prefix cache ----------------------------------------------------------------
     def register(self, h: int, ids: torch.Tensor) -> None:
-        """Publish a computed, immutable group of blocks under prefix hash h."""
+        """Publish a computed, immutable group of blocks under prefix hash h (-1 for a
+        sliding-window lane whose block is already gone)."""
         group = tuple(ids.tolist())
         if h in self.groups or any(b in self.hash_of for b in group):
             return
         self.groups[h] = group
         for b in group:
-            self.hash_of[b] = h
+            if b >= 0:
+                self.hash_of[b] = h
 
-    def acquire(self, h: int) -> torch.Tensor | None:
-        """Take a reference on the blocks cached under h (None on a miss); returns a new
-        tensor of their ids, the caller's to keep or drop."""
+    def acquire(self, h: int, skip: Collection[int] = ()) -> torch.Tensor | None:
+        """Take a reference on the blocks cached under h (None on a miss), but those of
+        the lanes in `skip` (-1 there); returns a new tensor of their ids, the caller's
+        to keep or drop."""
         group = self.groups.get(h)
         if group is None:
             return None
+        if skip:
+            group = tuple(-1 if i in skip else b for i, b in enumerate(group))
         for b in group:
             self._cached.pop(b, None)
         ids = torch.tensor(group, dtype=torch.int64)
-        self.incref(ids)
+        self.incref(ids[ids >= 0])
         return ids
 
     def forget(self, h: int) -> None:
         """Drop a cached group (recycled, or about to be written: copy-on-write)."""
         for b in self.groups.pop(h):
+            if b < 0:
+                continue
             del self.hash_of[b]
             if b in self._cached:
                 del self._cached[b]
                 self._free.append(b)
+
+    def _recycle(self, b: int) -> None:
+        """Make parked block b free: its group forgotten, or where b is a sliding-window
+        lane's only its entry (the group's other pages still serve the hits that need
+        none of that lane's older pages)."""
+        h = self.hash_of[b]
+        group = self.groups[h]
+        lane = group.index(b)
+        if lane not in self.optional_lanes:
+            self.forget(h)
+            return
+        self.groups[h] = (*group[:lane], -1, *group[lane + 1:])
+        del self.hash_of[b]
+        del self._cached[b]
+        self._free.append(b)
 
     def check_invariants(self, owned: Iterable[torch.Tensor]) -> None:
         """Raise AssertionError unless the free list and ref counts match `owned`.
@@ -181,7 +208,8 @@ class BlockPool:
         free_ids = self._free + list(self._cached)
         assert len(set(free_ids)) == len(free_ids), "duplicate ids in the free lists"
         assert all(b in self.hash_of for b in self._cached), "a parked block lost its hash"
-        assert all(self.hash_of[int(b)] == h for h, ids in self.groups.items() for b in ids)
+        assert all(self.hash_of[int(b)] == h for h, ids in self.groups.items() for b in ids
+                   if b >= 0)
         free = torch.zeros(self.num_blocks, dtype=torch.bool)
         free[torch.tensor(free_ids, dtype=torch.int64)] = True
         assert not (free & (counts > 0)).any(), "a block is both free and owned"

@@ -21,6 +21,7 @@ class CacheRow(Protocol):
     row: int
     alike: bool
     uniform: bool
+    intact: bool
     nblocks: list[int]
     next_slot: list[int]
 

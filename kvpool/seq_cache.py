@@ -56,6 +56,7 @@ class SeqCache:
         "_row",
         "alike",
         "bs",
+        "intact",
         "num_layers",
         "pool",
         "ring",
@@ -80,6 +81,9 @@ class SeqCache:
         # Every layer holds the same positions in the same logical slots (evicted alike,
         # as position-only policies do): per-layer sizes are then all live // layers.
         self.alike = True
+        # Every lane holds every token appended, but the oldest pages a sliding window
+        # dropped (kvpool/windows.py): its pages are then a prefix others may share.
+        self.intact = True
         self.swapped = False  # table holds host swap-space ids instead of pool ids
         self.ring = False  # decode tokens may go over the oldest past the sinks (start_ring)
 
@@ -193,17 +197,33 @@ class SeqCache:
     # ---- prefix cache and swap -------------------------------------------------------
     def adopt(self, groups: list[torch.Tensor]) -> None:
         """Start an empty cache from prefix-cache hits: one group of `num_layers` block
-        ids per logical block, already referenced for us, every slot live."""
+        ids per logical block, already referenced for us, every slot live; -1 where a
+        sliding-window lane takes none of the hit's oldest pages (it holds the rest from
+        its first slot on: positions from that page's first)."""
         k, bs = len(groups), self.bs
         if k == 0:
             return
         self.ensure_capacity(k + 1)
-        self.table[:, :k] = torch.stack(groups, dim=1)
-        self.slot_pos[:, : k * bs] = torch.arange(k * bs)
+        ids = torch.stack(groups, dim=1)  # [L, k]
+        skipped = (ids < 0).sum(dim=1)  # leading pages a windowed lane does without
+        pos = torch.arange(k * bs)
+        if not bool(skipped.any()):
+            self.table[:, :k] = ids
+            self.slot_pos[:, : k * bs] = pos
+            held = [k] * self.num_layers
+        else:
+            cols = torch.arange(k)[None, :]
+            kept = cols < k - skipped[:, None]
+            self.table[:, :k] = ids.gather(1, (cols + skipped[:, None]).clamp(max=k - 1)
+                                           ).masked_fill(~kept, -1)
+            self.slot_pos[:, : k * bs] = (pos + skipped[:, None] * bs).masked_fill(
+                ~kept.repeat_interleave(bs, dim=1), -1)
+            held = (k - skipped).tolist()
+            self.uniform = self.alike = False
         self.tables.fill_state(slice(None), self.row, slice(0, k * bs))
-        self.nblocks = [k] * self.num_layers
-        self.next_slot = [k * bs] * self.num_layers
-        self.layer_live = [k * bs] * self.num_layers
+        self.nblocks = held
+        self.next_slot = [b * bs for b in held]
+        self.layer_live = [b * bs for b in held]
         self._note_peak()
 
     def swap_out(self, swap) -> int:
@@ -299,23 +319,20 @@ class SeqCache:
             return 0
         return self.tables.evict_mask(self.pool, [self], dead[:, None, :width])[0][1]
 
-    def drop_before(self, layer: int, min_pos: int) -> int:
-        """Evict every slot of `layer` whose position is < min_pos (sliding windows)."""
-        pos = self.slot_pos[layer]
-        dead = (pos >= 0) & (pos < min_pos)
-        ndead = int(dead.sum())
-        if ndead == 0:
+    def drop_before(self, min_pos: torch.Tensor) -> int:
+        """Evict every slot of each lane whose position is below that lane's `min_pos`
+        ([L]: sliding windows, kvpool/windows.py) and free the pages left empty, every
+        lane in one pass; returns the blocks freed. The cache stays `intact`: what a
+        window drops is no later query's, and the pages it keeps are still a prefix."""
+        width = self.max_blocks * self.bs
+        if width == 0:
             return 0
-        pos[dead] = -1
-        live = self.layer_live
-        live[layer] -= ndead
-        self.layer_live = live
-        self.uniform = self.alike = False
-        return self._free_dead_blocks([layer])
-
-    def _free_dead_blocks(self, layers: list[int] | None = None) -> int:
-        """Return blocks with no live slot to the pool (all layers checked in one op)."""
-        return self.tables.free_dead_blocks(self.pool, [self], layers)[0]
+        pos = self.slot_pos[:, :width]
+        dead = (pos >= 0) & (pos < min_pos[:, None])
+        intact = self.intact
+        freed = self.tables.evict_mask(self.pool, [self], dead[:, None, :])[0][1]
+        self.intact = intact
+        return freed
 
     # ---- what policies see, and what only the pool may do -------------------------
     def live_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,7 +440,7 @@ class SeqCache:
             for b in table[held].tolist():
                 if b in pool.hash_of:
                     pool.forget(pool.hash_of[b])
-        self.uniform = False
+        self.uniform = self.intact = False
         self.ring = True
         self.tables.start_ring(self.row, sink, cap)
         return True
@@ -436,7 +453,7 @@ class SeqCache:
         if self._row is not None:
             self.tables.release_row(self._row)  # -1 filled, sizes and ring 0
             self._row = None
-        self.uniform = self.alike = True
+        self.uniform = self.alike = self.intact = True
         self.ring = False
 
     def discard_swapped(self, swap) -> None:

@@ -50,7 +50,7 @@ class EvictionPasses:
         for c, (died, freed, same, *by_layer) in zip(caches, per_cache):
             if died:
                 c.alike = c.alike and bool(same)
-                c.uniform = False
+                c.uniform = c.intact = False
             done.append((died, freed, by_layer))
         return done
 

@@ -112,6 +112,9 @@ class SlotTables(EvictionPasses):
         # The served model's head roles per lane (`RowsView.head_roles`), set by the
         # manager over a per-head pool when the model has a roles file.
         self.head_roles: torch.Tensor | None = None
+        # [lanes] bool, the sliding-window lanes (set by the manager; None: none), which
+        # a kv_policy leaves to their window (`policy_rows.run_group`).
+        self.windowed: torch.Tensor | None = None
         self.bs = block_size
         self.table = torch.full((num_layers, max(1, rows), max(1, width_blocks)), -1,
                                 dtype=torch.int64)

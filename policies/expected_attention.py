@@ -7,8 +7,9 @@ The queries of the positions after the prompt are unknown, but a layer's pre-RoP
 queries are close to Gaussian: with their mean μ and covariance Σ over the prompt (per
 query head) and RoPE's rotation averaged over the next `n_future_positions` positions,
 R̄, a future query is q ~ N(R̄μ, R̄ΣR̄ᵀ), and a key k's expected exp(q·k/√d) is
-exp(k·R̄μ/√d + kᵀR̄ΣR̄ᵀk / 2d) (the paper's eq. for E[exp(qᵀk/√d)]). Query-agnostic:
-no extra pass, only sums the forward already has (`Needs.query_stats`).
+exp(k·R̄μ/√d + kᵀR̄ΣR̄ᵀk / 2d) (the paper's eq. for E[exp(qᵀk/√d)]); with the model's own
+softmax scale s in place of 1/√d (Gemma's query_pre_attn_scalar), exp(s k·R̄μ + s² kᵀR̄ΣR̄ᵀk / 2).
+Query-agnostic: no extra pass, only sums the forward already has (`Needs.query_stats`).
 """
 
 from __future__ import annotations
@@ -71,20 +72,22 @@ def mean_rotation(inv_freq: torch.Tensor, scaling: float, start: int, count: int
 
 def expected_scores(keys: torch.Tensor, values: torch.Tensor | None, cand: torch.Tensor,
                     mean: torch.Tensor, cov: torch.Tensor | None,
-                    epsilon: float) -> torch.Tensor:
+                    epsilon: float, scale: float | None = None) -> torch.Tensor:
     """One row's score per slot, [W] float32, the mean over its kv heads of kvpress's
     per-head score: for each query head the softmax over the candidate slots `cand` [W]
-    of k·μ'/√d (+ kᵀΣ'k / 2d), averaged over the kv head's query heads, then
+    of s k·μ' (+ s² kᵀΣ'k / 2), averaged over the kv head's query heads, then
     (· + epsilon) × ‖v‖ where `values` [W, Hkv] is given. keys [W, Hkv, D] as stored
-    (rotated); mean [Hkv, G, D] and cov [Hkv, G, D, D] already rotated (R̄μ, R̄ΣR̄ᵀ)."""
+    (rotated); mean [Hkv, G, D] and cov [Hkv, G, D, D] already rotated (R̄μ, R̄ΣR̄ᵀ);
+    s the model's softmax scale (None: kvpress's 1/√d, which is most models')."""
     d = keys.shape[-1]
+    s = 1 / math.sqrt(d) if scale is None else scale
     out = torch.zeros(keys.shape[0], dtype=torch.float32)
     hkv = keys.shape[1]
     for h in range(hkv):
         k = keys[:, h].float()  # [W, D]
-        z = mean[h].float() @ k.T / math.sqrt(d)  # [G, W]
+        z = mean[h].float() @ k.T * s  # [G, W]
         if cov is not None:
-            z += (torch.matmul(k, cov[h].float()) * k).sum(dim=-1) / d / 2
+            z += (torch.matmul(k, cov[h].float()) * k).sum(dim=-1) * (s * s / 2)
         p = torch.softmax(z.masked_fill(~cand, float("-inf")), dim=-1).mean(dim=0)
         if values is not None:
             p = (p + epsilon) * values[:, h]
@@ -215,7 +218,7 @@ def _drop(policies: list[ExpectedAttentionPolicy], view: RowsView,
             cand = prompt_live[i] & (rank[i] > c.n_sink)
             scores[i] = expected_scores(
                 view.keys[i], view.value_norm[i] if c.use_vnorm else None, cand,  # type: ignore[index]
-                mean[lane], None if cov is None else cov[lane], c.epsilon)
+                mean[lane], None if cov is None else cov[lane], c.epsilon, view.attn_scale)
         p._done = True
         p.needs = Needs()  # nothing more to observe
         p._sum = p._outer = None

@@ -96,11 +96,13 @@ class RowsView:
     # `Needs.query_stats`: this step's pre-RoPE query sums of each row's query heads,
     # [N, Hkv, G, D] float64 (Hkv as `keys` has it, G query heads a kv head), their outer
     # products [N, Hkv, G, D, D] (None unless asked), the tokens summed per request, and
-    # the model's RoPE: (inv_freq [rotary_dim // 2], the attention scaling).
+    # the model's RoPE: (inv_freq [rotary_dim // 2], the attention scaling), and its
+    # attention softmax's scale (ModelConfig.attn_scale: Gemma's query_pre_attn_scalar).
     query_sum: torch.Tensor | None = None
     query_outer: torch.Tensor | None = None
     query_count: list[int] = field(default_factory=list)
     rope: tuple[torch.Tensor, float] | None = None
+    attn_scale: float | None = None
     _live: torch.Tensor | None = field(default=None, repr=False)
     _positions: torch.Tensor | None = field(default=None, repr=False)
 

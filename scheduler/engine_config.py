@@ -59,6 +59,11 @@ class EngineConfig:
     # (kvpool/tables.py's ring): exactly its window's blocks, the paper's cache; False
     # appends and evicts after the step (a block more a layer while it runs).
     streaming_ring: bool = True
+    # Hybrid memory (vLLM's hybrid KV cache manager): a sliding-window layer keeps only
+    # its window's pages, and admission, reservation, preemption, prefix caching and the
+    # pool's size count it so (kvpool/windows.py); a kv_policy acts on the global layers.
+    # False keeps every layer's whole context, as a model without windows (for comparison).
+    hybrid_kv_cache: bool = True
     # On a CPU, linear layers run on oneDNN-prepacked weights (engine/cpu_linear.py);
     # False keeps torch's dense F.linear (for comparison).
     cpu_prepack: bool = True

@@ -53,6 +53,7 @@ from scheduler.pool_shape import (
     page_tokens,
     reserve_slack,
     size_kv_pool,
+    windows_of,
 )
 from scheduler.preemption import MODES, calibrate
 from scheduler.prefix import block_hashes
@@ -156,7 +157,8 @@ class EngineCore(StepLaunch, StepComplete):
                                  swap=self.swap, rows=min(config.max_num_seqs, 16),
                                  min_prefill_chunk=config.min_prefill_chunk,
                                  heads=lanes // mc.num_layers, head_roles=roles,
-                                 slack_tokens=reserve_slack(config, mc))
+                                 slack_tokens=reserve_slack(config, mc),
+                                 windows=windows_of(config, mc))
         if config.preemption_mode == "auto":
             cost = calibrate(self.runner, self.kv)
         self.cost_model = cost
@@ -166,9 +168,11 @@ class EngineCore(StepLaunch, StepComplete):
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._eos = set(mc.eos_token_ids)
-        windows = [w for w in mc.sliding_windows if w is not None]
-        self._min_window = min(windows) if windows else 2**62  # effectively never trims
-        self.kv.rings = config.streaming_ring and not windows
+        windowed = any(w is not None for w in mc.sliding_windows)
+        # the windows its lanes are trimmed to (hybrid memory: StepComplete._trim_windows)
+        self._windows = sorted({w for w in self.kv.windows if w is not None})
+        # a ring writes over slots that windows and positions are read from
+        self.kv.rings = config.streaming_ring and not windowed
         self._prompt_tokens = 0
         self._generation_tokens = 0
         # Requests here whose rows need sampling parameters (a temperature, logprobs):
@@ -178,12 +182,14 @@ class EngineCore(StepLaunch, StepComplete):
         self._grammars: Grammars | None = None  # made on the first structured request
         # What resolving a request needs of this model (scheduler/resolve.py): the
         # default policy parsed and resolved here, once; the longest default max_tokens.
-        pool_tokens = self.kv.num_blocks // lanes * config.block_size
+        pool_tokens = self.kv.tokens_within(self.kv.num_blocks, config.max_num_batched_tokens,
+                                            self.max_model_len)
         self.limits = ModelLimits.of(
-            self.max_model_len,
-            min(self.max_model_len, pool_tokens) if self.kv.num_blocks else self.max_model_len,
+            self.max_model_len, pool_tokens if self.kv.num_blocks else self.max_model_len,
             config.default_kv_policy, per_head=lanes > mc.num_layers, lanes=lanes,
-            head_roles=roles is not None)
+            head_roles=roles is not None, sliding_windows=windowed,
+            policy_local_rope=not self._windows and getattr(self.model, "rotary_local", None)
+            is not None)
         self.policies = PolicyRunner(self.kv, lanes, self._rotate,
                                      config.batch_policies, spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)
@@ -218,7 +224,9 @@ class EngineCore(StepLaunch, StepComplete):
         if not isinstance(config, KVPolicyConfig) or not config.context_resolved:
             raise TypeError(f"kv_policy must be a config resolved for the model by "
                             f"scheduler.resolve.resolve_request, not {kv_policy!r}")
-        policy = build_policy(config) if config.name != "full" else None
+        # A policy acts on the global lanes (kvpool/windows.py); with none, it has nothing
+        # to bound and the request runs as full, its windows bounding it.
+        policy = build_policy(config) if config.name != "full" and self.kv.policy_lanes else None
         if policy is not None and self.limits.per_head and getattr(
                 config, "heads_mode", lambda _: "")(True) == "shared":
             # One set a layer over a per-head pool: the bridge sums the lanes' mass into
@@ -236,7 +244,7 @@ class EngineCore(StepLaunch, StepComplete):
                                           len(prompt_ids), total, self.max_model_len, bs)
         reserve, need = self.kv.reservation(policy, len(prompt_ids), total, chunk)
         usable = self.kv.num_blocks - self.kv.watermark_blocks
-        prompt_blocks = self.kv.blocks_for(len(prompt_ids))
+        prompt_blocks = self.kv.blocks_for(len(prompt_ids), chunk)
         if prompt_blocks > usable and policy is None:
             raise RequestRejected(
                 f"the prompt alone needs {prompt_blocks} KV blocks; "
@@ -324,6 +332,7 @@ class EngineCore(StepLaunch, StepComplete):
             # would after its tokens: they read sizes and positions, not the tokens, and
             # the next plan must see their evictions. (A request about to stop has slots
             # evicted that its release frees anyway.)
+            self._trim_windows(pending.plan.chunks)
             self.policies.run(pending.plan.chunks, pending.out.attention)
             t1 = time.perf_counter()
             pending.policy_s, pending.policies_ran = t1 - t0, True

@@ -58,7 +58,14 @@ class PolicyRunner:
         n = r.num_computed + c.num_tokens  # as `run` sees it: counted before the forward
         assert r.cache is not None
         return not idle(_sizes(r, c, n, not r.prefill_done and n >= len(r.prompt_ids),
-                               r.cache.layer_live))
+                               self._global(r.cache.layer_live)))
+
+    def _global(self, live: list[int]) -> list[int]:
+        """A cache's live slots per lane as its policy's `idle` reads them: 0 in the
+        sliding-window lanes, which the policy leaves to their window."""
+        if len(self.kv.policy_lanes) == len(live):
+            return live
+        return [n if w is None else 0 for n, w in zip(live, self.kv.windows)]
 
     def run(self, chunks: list[Chunk], attention: dict[int, AttentionMass]) -> None:
         """Let each running request's policy look at its cache and carry out its plan,
@@ -88,7 +95,8 @@ class PolicyRunner:
                     self.kv.start_ring(cache, *r.ring)  # from the next decode token (else: next step)
                 elif first_full and r.reserve_blocks:  # the window's blocks, reserved: together
                     self.kv.hold(cache, -(-r.ring[1] // cache.bs))
-            if idle is not None and idle(_sizes(r, c, r.num_computed, first_full, live)):
+            if idle is not None and idle(_sizes(r, c, r.num_computed, first_full,
+                                                self._global(live))):
                 self._note_reserve(r, c.num_tokens)
                 name = r.policy_name
                 idle_s[name] = idle_s.get(name, 0.0) + time.perf_counter() - t
@@ -123,7 +131,7 @@ class PolicyRunner:
                 if evicted or freed:
                     if m.rotate is not None and evicted:
                         r.pos_offset = r.num_computed - r.cache.live // r.cache.num_layers
-                    tokens = evicted // self.num_layers
+                    tokens = evicted // len(self.kv.policy_lanes)
                     r.kv.evicted_tokens += tokens
                     evicted_tokens += tokens
                     freed_blocks += freed

@@ -13,10 +13,10 @@ from attention.sizing import (
     KVSizing,
     activation_reserve,
     auto_pool_blocks,
-    blocks_for,
 )
 from attention.storage import KVStorage
 from engine.model_config import ModelConfig
+from kvpool.windows import lane_windows, request_blocks
 from native.memory import available_bytes, device_memory, gib, parse_bytes
 from policies.catalog import parse_kv_policy
 from scheduler.engine_config import KV_LAYOUTS, EngineConfig
@@ -79,6 +79,15 @@ def num_lanes(config: EngineConfig, mc: ModelConfig) -> int:
     return mc.num_layers * mc.num_kv_heads // heads_per_page(config, mc)
 
 
+def windows_of(config: EngineConfig, mc: ModelConfig) -> list[int | None]:
+    """Per lane, the sliding window it keeps (kvpool/windows.py), None for a lane that
+    keeps the whole context: every lane without hybrid memory (`hybrid_kv_cache`)."""
+    lanes = num_lanes(config, mc)
+    if not config.hybrid_kv_cache:
+        return [None] * lanes
+    return lane_windows(mc.sliding_windows, lanes // mc.num_layers)
+
+
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
                  max_model_len: int, kv_dtype: torch.dtype | str, act_itemsize: int
                  ) -> KVSizing:
@@ -103,8 +112,9 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
                  2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
     reserve = activation_reserve(config.max_num_batched_tokens, widest, act_itemsize,
                                  config.max_num_seqs, mc.vocab_size)
-    cap = blocks_for(config.max_num_seqs, max_model_len, bs, layers)
-    one = blocks_for(1, max_model_len, bs, layers)
+    # a request of the whole context, its windowed lanes holding their windows
+    one = request_blocks(max_model_len, windows_of(config, mc), config.max_num_batched_tokens, bs)
+    cap = config.max_num_seqs * one
     held = "activations"
     if device.type == "cuda":
         free, total = device_memory(device)

@@ -80,7 +80,7 @@ class Request:
     # Tokens whose K/V are in the cache. Reset to 0 when preempted by recompute: the
     # prompt and the tokens generated so far are then prefilled again.
     num_computed: int = 0
-    window_trimmed: int = 0  # sliding-window models: positions below this were freed
+    window_trimmed: int = 0  # sliding-window lanes: trimmed for this many tokens computed
     status: Status = Status.WAITING
     cache: SeqCache | None = None
     detok: Detokenizer | None = None

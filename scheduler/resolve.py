@@ -37,16 +37,22 @@ class ModelLimits:
     per_head: bool = False  # the pool's pages are per (layer, kv head) (`--kv-layout head`)
     lanes: int = 0  # (layer, kv head) pairs over a per-head pool, layers otherwise
     head_roles: bool = False  # the model has head roles (`kvserve head-roles`) loaded
+    sliding_windows: bool = False  # some of the model's layers attend to a window
+    # A kv_policy acts on layers that rotate by a RoPE other than the model's `rotary`
+    # (Gemma 3's local layers, where the engine keeps them whole: `hybrid_kv_cache` off).
+    policy_local_rope: bool = False
 
     @classmethod
     def of(cls, max_model_len: int, max_request_tokens: int, default_kv_policy: object,
-           per_head: bool = False, lanes: int = 0, head_roles: bool = False) -> ModelLimits:
+           per_head: bool = False, lanes: int = 0, head_roles: bool = False,
+           sliding_windows: bool = False, policy_local_rope: bool = False) -> ModelLimits:
         """`default_kv_policy` (`--default-kv-policy`: a name, an object or a config;
         None: full) parsed and resolved for the model, once for every request."""
         limits = cls(max_model_len, max_request_tokens, FullPolicyConfig(), per_head, lanes,
-                     head_roles)
+                     head_roles, sliding_windows, policy_local_rope)
         config = parse_kv_policy(default_kv_policy or "full")
         check_heads(config, limits)
+        check_model(config, limits)
         return replace(limits, default_kv_policy=config.for_context(max_model_len))
 
 
@@ -85,6 +91,26 @@ def check_heads(config: KVPolicyConfig, limits: ModelLimits) -> None:
                             "kv_policy.streaming_heads")
 
 
+def check_model(config: KVPolicyConfig, limits: ModelLimits) -> None:
+    """What a policy assumes of the model's positions. `rope: "shift"` renumbers the
+    kept tokens, where a sliding-window layer measures its window in positions (and
+    Gemma 3's local layers rotate by a RoPE base of their own, which the re-rotation
+    does not know). Expected Attention models the future queries through the model's
+    RoPE, so it cannot score a layer that rotates by another one: with hybrid memory the
+    policy acts on the global layers alone (kvpool/windows.py), and it is refused only
+    where it would act on the local ones too."""
+    if limits.sliding_windows and shifts_rope(config):
+        raise KVPolicyError(
+            f"kv_policy ({config.name}): rope 'shift' renumbers the kept tokens' positions, "
+            "but this model's sliding-window layers measure their windows in positions; "
+            "use rope 'original'", "kv_policy.rope")
+    if limits.policy_local_rope and config.name == "expected_attention":
+        raise KVPolicyError(
+            "kv_policy (expected_attention): this model's local layers rotate by a RoPE of "
+            "their own, which the policy's model of future queries does not know, and "
+            "with the hybrid KV cache off the policy acts on them", "kv_policy.name")
+
+
 @dataclass(frozen=True)
 class Resolved:
     """A request as the engine takes it."""
@@ -107,6 +133,7 @@ def resolve_request(limits: ModelLimits, kv_policy: object = None,
     config = (limits.default_kv_policy if kv_policy is None
               else parse_kv_policy(kv_policy).for_context(limits.max_model_len))
     check_heads(config, limits)
+    check_model(config, limits)
     rope_shift = shifts_rope(config)
     return Resolved(config, tuple(
         fit_max_tokens(prompt_len, max_tokens, limits.max_model_len, rope_shift=rope_shift,

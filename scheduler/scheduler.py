@@ -405,19 +405,20 @@ class Scheduler:
     # ---- after the forward ---------------------------------------------------------
     def publish(self, chunks: list[Chunk]) -> None:
         """Register prompt blocks computed this step in the prefix cache (only while
-        every layer still holds every token: an evicted block is no one's prefix)."""
+        every layer still holds every token, but what a sliding window dropped: an
+        evicted block is no one's prefix)."""
         if not self.kv.prefix_caching:
             return
         for c in chunks:
             r = c.request
             if r.cache is None or r.registered >= len(r.block_hashes):
                 continue
-            if not r.cache.uniform:
+            if not r.cache.intact:
                 self._unpend(r)
                 r.registered = len(r.block_hashes)
                 continue
             upto = min(r.num_computed // self.kv.block_size, len(r.block_hashes))
-            self.kv.publish(r.cache, r.block_hashes, r.registered, upto)
+            self.kv.publish(r.cache, r.block_hashes, r.registered, upto, r.num_computed)
             for h in r.block_hashes[r.registered:upto]:
                 self._pending_done(h)
             r.registered = max(r.registered, upto)

@@ -1,7 +1,7 @@
 """Completing an engine step, the methods `EngineCore` takes from `StepComplete`: the
 step's sampled ids to the host, every request advanced by its token (stop conditions,
-text, logprobs) into its output delta, scoring requests finished, then the policies on
-the slot layout the forward saw, sliding windows trimmed and the step's statistics.
+text, logprobs) into its output delta, scoring requests finished, sliding windows
+trimmed, then the policies on the slot layout the forward saw and the step's statistics.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StepComplete:
     cost_model: CostModel | None
     on_step: Callable[[StepStats], None] | None
     _forget: Callable[[Request], None]  # EngineCore's: a finished request leaves
-    _min_window: int
+    _windows: list[int]  # the distinct sliding windows of the pool's lanes (hybrid memory)
     _prompt_tokens: int
     _generation_tokens: int
 
@@ -55,11 +55,9 @@ class StepComplete:
         outputs = self._advance(launch.done, tokens, lp) + self._finish_scored(launch.scored)
         t4 = time.perf_counter()
         if not launch.policies_ran:
+            self._trim_windows(plan.chunks)
             self.policies.run(plan.chunks, launch.out.attention)  # the layout the forward saw
         t5 = time.perf_counter()
-        if self._min_window < 2**62:  # a model with sliding-window layers
-            for c in plan.chunks:
-                self._trim_windows(c.request)
         if (self.cost_model is not None and len(plan.chunks) == 1
                 and plan.chunks[0].num_tokens > 1):
             self.cost_model.observe_prefill(plan.chunks[0].num_tokens, launch.forward_s)
@@ -138,15 +136,25 @@ class StepComplete:
             return text, "length"
         return text, None
 
-    def _trim_windows(self, r: Request) -> None:
-        """Free blocks that fell out of every future query's sliding window."""
-        min_pos = r.num_computed - self._min_window + 1
-        if r.cache is None or min_pos - r.window_trimmed < self.kv.block_size:
+    def _trim_windows(self, chunks: list[Chunk]) -> None:
+        """Free the pages of the step's requests' windowed lanes that no later query
+        sees, as soon as a lane's oldest page is wholly out of its window (hybrid memory,
+        kvpool/windows.py: admission counts a windowed lane as its window's pages, so
+        it must never hold one more). Before the policies: they act on the global lanes
+        alone, and the reservation they are checked against counts the windowed lanes
+        trimmed. A windowed lane's slots after its trim no longer line up with the
+        forward's attention mass, which no policy reads for them."""
+        if not self._windows:
             return
-        for layer, w in enumerate(self.model_config.sliding_windows):
-            if w is not None:
-                self.kv.drop_before(r.cache, layer, r.num_computed - w + 1)
-        r.window_trimmed = min_pos
+        bs = self.kv.block_size
+        for c in chunks:
+            r = c.request
+            n, last = r.num_computed, r.window_trimmed
+            if r.cache is None or n == last:
+                continue
+            if any(max(0, n - w + 1) // bs > max(0, last - w + 1) // bs for w in self._windows):
+                self.kv.trim(r.cache, n)
+            r.window_trimmed = n
 
     def _output(self, r: Request, ids: list[int], text: str,
                 logprobs: list[TokenLogprob] | None) -> RequestOutput:

@@ -108,12 +108,15 @@ def test_mean_rotation_is_ropes_rotation_averaged() -> None:
     torch.testing.assert_close(ea.mean_rotation(inv_freq, 1.0, 7, 10, 12), mean)
 
 
-@pytest.mark.parametrize(("cov", "vnorm", "eps"), [(True, True, 0.0), (False, True, 0.0),
-                                                    (True, False, 0.0), (True, True, 0.01)])
-def test_scores_are_the_press_formula(cov: bool, vnorm: bool, eps: float) -> None:
+@pytest.mark.parametrize(("cov", "vnorm", "eps", "scale"), [
+    (True, True, 0.0, None), (False, True, 0.0, None), (True, False, 0.0, None),
+    (True, True, 0.01, None), (True, True, 0.0, 0.4), (False, True, 0.0, 0.4)])
+def test_scores_are_the_press_formula(cov: bool, vnorm: bool, eps: float,
+                                      scale: float | None) -> None:
     """`expected_scores` against kvpress's `score` transcribed (repeat_kv, softmax per
     query head over the keys past the sinks, group mean, (· + eps) × ‖v‖) on random
-    keys and statistics, two kv heads of a group of 3; ours is the mean over kv heads."""
+    keys and statistics, two kv heads of a group of 3; ours is the mean over kv heads.
+    With a model's own softmax scale s (Gemma's) in place of 1/√d: s·μk + s²·kᵀΣk / 2."""
     g = torch.Generator().manual_seed(0)
     hkv, grp, d, n = 2, 3, 16, 40
     keys, values = torch.randn(hkv, n, d, generator=g), torch.randn(hkv, n, d, generator=g)
@@ -121,16 +124,17 @@ def test_scores_are_the_press_formula(cov: bool, vnorm: bool, eps: float) -> Non
     a = torch.randn(hkv * grp, d, d, generator=g, dtype=torch.float64) / 4
     sigma = a @ a.transpose(1, 2)
     k = keys[:, SINK:].repeat_interleave(grp, dim=0).transpose(1, 2)  # [H, d, n - sink]
-    z = (mu.float()[:, None] @ k)[:, 0] / math.sqrt(d)
+    s = 1 / math.sqrt(d) if scale is None else scale
+    z = (mu.float()[:, None] @ k)[:, 0] * s
     if cov:
-        z += torch.einsum("hin,hij,hjn->hn", k, sigma.float(), k) / d / 2
+        z += torch.einsum("hin,hij,hjn->hn", k, sigma.float(), k) * s * s / 2
     theirs = F.softmax(z, dim=-1).view(hkv, grp, -1).mean(dim=1)
     if vnorm:
         theirs = (theirs + eps) * values[:, SINK:].norm(dim=-1)
     cand = torch.arange(n) >= SINK
     mine = ea.expected_scores(keys.transpose(0, 1), values.norm(dim=-1).T if vnorm else None,
                               cand, mu.view(hkv, grp, d), sigma.view(hkv, grp, d, d) if cov
-                              else None, eps)
+                              else None, eps, scale)
     torch.testing.assert_close(mine[SINK:], theirs.mean(dim=0), atol=1e-6, rtol=1e-5)
     assert bool((mine[:SINK] == 0).all())
 

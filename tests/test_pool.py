@@ -77,7 +77,7 @@ def test_eviction_frees_whole_blocks_and_keeps_positions():
     assert c.slot_pos[0, :8].tolist() == [8, 9, 10, 11, 12, -1, -1, -1]
     assert slots.shape == (2, 3)
     pool.check_invariants([c.owned_blocks()])
-    assert c.drop_before(1, 8) == 2  # sliding window: positions < 8 gone
+    assert c.drop_before(torch.tensor([0, 8])) == 2  # sliding window: positions < 8 gone
     assert c.live == int((c.slot_pos >= 0).sum()) == 5 + 5
     pool.check_invariants([c.owned_blocks()])
     c.release()
