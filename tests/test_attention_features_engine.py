@@ -5,7 +5,8 @@ with prompts several windows long, in chunks shorter than the window so that a c
 queries straddle its edge, and repeated so that later requests start from the prefix
 cache, through the CPU paths (the C++ decode kernel, the torch path's
 explicit softmax for chunks, the causal op where it runs) and through the Triton
-kernels (`runner.attention_fn`, interpreted on CPU). Kernel by kernel:
+kernels (`runner.attention_fn`, interpreted on CPU); then learned sinks with the cap on
+a tiny Llama body, per-layer and per-head pools. Kernel by kernel:
 tests/test_attention_features.py, tests/test_triton_features.py; the Gemma families'
 own parity: tests/test_parity.py.
 """
@@ -87,3 +88,47 @@ def test_soft_capped_windowed_gemma2_on_the_triton_kernels(gemma2) -> None:
     _check(llm, prompts[:4], refs[:4])
     assert {tq > 1 for tq, _ in calls} == {True, False}
     assert {w for _, w in calls} == {WINDOW, None}
+
+
+@pytest.mark.parametrize("layout", ["layer", "head"])
+@pytest.mark.parametrize("path_name", ["cpu", "triton"])
+def test_learned_sinks_through_the_engine(tmp_path, layout: str, path_name: str) -> None:
+    """Learned sinks (gpt-oss's) and soft-capping together on a tiny Llama body, through
+    every step kind: a fresh prompt's causal attention, chunks of 5 after a cached prefix,
+    decode rows; on a per-layer pool and a per-head one (each kv head's rows take its
+    query heads' sinks, `heads_features`). No family with sinks is served yet, so the
+    runner's per-layer arguments are set as `layer_features` makes them for a model whose
+    `attention_sinks(layer)` gives these; the reference is the same model's forward over
+    each whole sequence with a dense attention that has the sinks and the cap
+    (tests/test_models.py's `dense_attention`)."""
+    from tests.test_models import dense_attention
+
+    path = make_tiny_model("llama", tmp_path)
+    llm = LLM(path, num_blocks=600, block_size=4, device="cpu", kv_layout=layout,
+              max_num_batched_tokens=5, enable_prefix_caching=True)
+    runner, cfg = llm.engine.runner, llm.engine.model_config
+    if path_name == "triton":
+        runner.attention_fn = pytest.importorskip("attention.triton_attention").paged_attention_triton
+    g = torch.Generator().manual_seed(3)
+    sinks = [torch.randn(cfg.num_heads, generator=g) * 3 for _ in range(cfg.num_layers)]
+    runner.features = [{"softcap": 4.0, "sinks": s} for s in sinks]
+    shared = torch.randint(5, 250, (13,), generator=g).tolist()
+    prompts = [shared + torch.randint(5, 250, (n,), generator=g).tolist() for n in (2, 9)]
+    prompts += [prompts[0], torch.randint(5, 250, (1,), generator=g).tolist()]
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True, logprobs=5,
+                            detokenize=False)
+    outs = llm.generate(prompts, params)
+    model = llm.engine.model
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor(p + o.token_ids[:-1])
+        pos = torch.arange(len(ids))
+        attn = dense_attention(torch.zeros(len(ids)), pos, cfg.sliding_windows, cfg.attn_scale,
+                               4.0, lambda layer: sinks[layer])
+        with torch.inference_mode():
+            logp = torch.log_softmax(model.compute_logits(model(ids, pos, attn)), -1)
+        assert o.token_ids == logp[len(p) - 1 :].argmax(-1).tolist()
+        for step, lps in enumerate(o.logprobs):
+            for tok, lp in lps.top:
+                assert abs(lp - logp[len(p) - 1 + step, tok].item()) < 1e-4
+    assert llm.engine.scheduler.prefix_hits > 0
+    llm.engine.check_invariants()
