@@ -22,13 +22,14 @@ ROOT = Path(__file__).parent.parent
 # matches the module's name too, so "test_cpu_attention" takes that file whole.
 FILES = ["tests/test_cpu_attention.py",  # the decode kernel (paged_decode_avx2.h)
          "tests/test_cpu_attention_mass.py",  # ... its mass for the policies
+         "tests/test_attention_features.py",  # ... soft-capping and learned sinks
          "tests/test_sampler.py",  # greedy and the exponential race
          "tests/test_policy_select.py",  # the selection's live8 loops
          "tests/test_key_stats.py",  # KeyDiff's 8-lane tiles (key_diversity.h)
          "tests/test_policy_state.py",  # window_ring.h's AVX2 form, lazy_track
          "tests/test_cpu_linear_panels.py",  # the panels' 6-row AVX2 tile (linear_panels.h)
          "tests/test_causal_prefill.py"]  # SDPA where the prefill op has no AVX-512
-SELECT = ("test_cpu_attention or greedy_op or race_op "
+SELECT = ("test_cpu_attention or test_attention_features or greedy_op or race_op "
           "or native or live_mask or layered or divisor "
           "or key_diversity_equals or returns_the_ops_key_diversity "
           "or window_ring_matches or lazy_track or ranks_by_torchs "
