@@ -93,11 +93,11 @@ def render(report: dict) -> str:
     r = report["runs"]
     w, h = r["windowed"], r["whole"]
     rows = ["| local layers | decoding at once | running at once | mean running | "
-            "preemptions | peak pages / request | wall |", "|---|---|---|---|---|---|---|"]
-    for name, x in (("windowed (hybrid)", w), ("whole", h)):
+            "preemptions | peak pages / request |", "|---|---|---|---|---|---|"]
+    for name, x in (("windowed", w), ("whole", h)):
         rows.append(f"| {name} | {x['max_decoding']} | {x['max_running']} | "
                     f"{x['mean_running']:.1f} | {sum(x['preemptions'].values())} | "
-                    f"{x['peak_blocks']:,} | {x['wall_s']:.0f} s |")
+                    f"{x['peak_blocks']:,} |")
     link, _ = bc.links(report, NAME)
     return "\n".join(rows) + (f"\n\n**{report['ratio']:.2f}×** the requests at once. "
                               + bc.environment_line(report, link))
