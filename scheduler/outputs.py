@@ -31,7 +31,9 @@ class KVUsage:
 
     peak_live_tokens: int = 0  # live slots summed over layers / num_layers, at the peak
     peak_blocks: int = 0  # blocks held (all layers) at the peak
-    evicted_tokens: int = 0  # slots evicted by its kv_policy, summed over layers / num_layers
+    # slots evicted by its kv_policy, summed over the layers it acts on / their number
+    # (the global ones on a model with sliding-window layers)
+    evicted_tokens: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
     peak_bytes: int = 0  # peak_blocks × the pool's bytes per block (scales included)
     # Over a per-head pool: live tokens of the (layer, kv head) holding the fewest and
