@@ -10,4 +10,6 @@ Modules:
 - ``train``: builds and trains the model, exports it to ``engine/demo/model``.
 - ``evaluate``: held-out bits per byte and needle-in-a-haystack, with a pluggable backend
   (``benchmarks/policy_eval.py`` plugs kvserve in, under each ``kv_policy``).
+- ``expand_heads``: more kv heads, same function (copies), the start of the 4-kv-head variant
+  ``engine/demo/model_kv4``; ``heads``: how different a model's kv heads' kept sets are.
 """

@@ -4,11 +4,15 @@
     python -m demo_model.train --out runs/stage1 --steps 2715 --stop-at-step 1482
     # stage 2: retrieval (dense copy practice + packed recall docs), 57 min
     python -m demo_model.train --init-from runs/stage1 --stage2 --steps 2665 --out engine/demo/model
+    # the 4-kv-head variant: kv heads copied (expand_heads.py), then stage 2 again, 48 min
+    python -m demo_model.train --init-from engine/demo/model --expand-kv-heads 4 --stage2 \\
+        --fp32 --steps 500 --minutes 48 --out engine/demo/model_kv4 --plot runs/kv4/loss.png
 
 Why it looks like this: an hour of one CPU core buys ~10M tokens, so the model is small
 (~3.8M parameters, 4 layers, GQA 8/2 heads) and trained with bf16 autocast (AMX/AVX-512 make it
-~1.7x faster than fp32 here). Stage 1 trains on 256-token rows first (cheap, where most language
-is learned), then 1,024-token rows; 40–50% of rows end in a synthetic recall document (pass key /
+~1.7x faster than fp32 there; without them, on an AVX2 Zen 3, a bf16 step took 16x an fp32 one:
+``--fp32``). Stage 1 trains on 256-token rows first (cheap, where most language is learned),
+then 1,024-token rows; 40–50% of rows end in a synthetic recall document (pass key /
 key–value facts planted at a random depth, asked for at the end).
 
 What we learned: with one sparse recall document per row (≈5 answer digits per 1,024 tokens)
@@ -39,6 +43,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from demo_model.data import RecallGenerator, corpus_manifest, load_corpus
+from demo_model.expand_heads import expand_kv_heads
 from demo_model.tokenizer import EOS, save_hf_tokenizer, train_tokenizer
 from engine.demo import DEMO_MODEL_NAME
 
@@ -86,6 +91,7 @@ class TrainConfig:
     copy_share: float = 0.0  # of recall docs: dense induction practice (stage 2)
     stop_at_step: int = 0  # end early (the schedule still spans `steps`): reproduces stage 1
     max_minutes_factor: float = 1.25  # stop early (and export) if the machine is slower than calibrated
+    expand_kv_heads: int = 0  # copy init_from's kv heads up to this many first (expand_heads.py)
 
 
 def build_model(cfg: TrainConfig):
@@ -94,7 +100,10 @@ def build_model(cfg: TrainConfig):
 
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
-        return LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        model = LlamaForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32)
+        if cfg.expand_kv_heads:
+            expand_kv_heads(model, cfg.expand_kv_heads)
+        return model
     lc = LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -318,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="retrieval stage: packed recall rows, 1024 tokens only, lower LR")
     ap.add_argument("--stop-at-step", type=int, default=0,
                     help="stop after this step, keeping the --steps schedule (stage 1 used 1482)")
+    ap.add_argument("--expand-kv-heads", type=int, default=0,
+                    help="with --init-from: first copy its kv heads up to this many (uptraining)")
+    ap.add_argument("--fp32", action="store_true",
+                    help="no bf16 autocast (without AMX/AVX-512 CPU bf16 is far slower than fp32)")
     ap.add_argument("--plot-only", action="store_true",
                     help="redraw the combined loss plot from the logs in --out and exit")
     args = ap.parse_args(argv)
@@ -325,7 +338,12 @@ def main(argv: list[str] | None = None) -> None:
         plot_stages(args.out, args.plot)
         return
     cfg = TrainConfig(seed=args.seed, steps=args.steps, minutes=args.minutes,
-                      init_from=args.init_from, stop_at_step=args.stop_at_step)
+                      init_from=args.init_from, stop_at_step=args.stop_at_step,
+                      expand_kv_heads=args.expand_kv_heads, bf16=not args.fp32)
+    if args.expand_kv_heads:
+        if not args.init_from:
+            ap.error("--expand-kv-heads needs --init-from (it expands a trained model)")
+        cfg.num_kv_heads = args.expand_kv_heads
     if args.stage2:
         cfg.stage, cfg.recall_packing, cfg.short_fraction = "2", True, 0.0
         cfg.recall_fraction_long, cfg.lr, cfg.warmup_steps = 0.6, 1e-3, 20
