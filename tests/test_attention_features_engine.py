@@ -61,10 +61,13 @@ def _check(llm: LLM, prompts: list, refs: list) -> None:
     assert llm.engine.pool.num_used == 0
 
 
-def test_soft_capped_windowed_gemma2_equals_transformers(gemma2) -> None:
+@pytest.mark.parametrize("layout", ["layer", "head"])
+def test_soft_capped_windowed_gemma2_equals_transformers(gemma2, layout: str) -> None:
+    """On a per-layer pool and a per-head one (`--kv-layout head`: each kv head a
+    sequence of its own, its windowed lanes trimmed alike)."""
     path, prompts, refs = gemma2
-    llm = LLM(path, num_blocks=400, block_size=4, device="cpu", max_num_batched_tokens=5,
-              enable_prefix_caching=True)
+    llm = LLM(path, num_blocks=800, block_size=4, device="cpu", kv_layout=layout,
+              max_num_batched_tokens=5, enable_prefix_caching=True)
     assert llm.engine.runner.features[0] == {"softcap": 10.0}
     _check(llm, prompts, refs)
     assert llm.engine.scheduler.prefix_hits > 0
