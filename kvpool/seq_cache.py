@@ -205,20 +205,14 @@ class SeqCache:
             return
         self.ensure_capacity(k + 1)
         ids = torch.stack(groups, dim=1)  # [L, k]
-        skipped = (ids < 0).sum(dim=1)  # leading pages a windowed lane does without
-        pos = torch.arange(k * bs)
-        if not bool(skipped.any()):
-            self.table[:, :k] = ids
-            self.slot_pos[:, : k * bs] = pos
-            held = [k] * self.num_layers
-        else:
-            cols = torch.arange(k)[None, :]
-            kept = cols < k - skipped[:, None]
-            self.table[:, :k] = ids.gather(1, (cols + skipped[:, None]).clamp(max=k - 1)
-                                           ).masked_fill(~kept, -1)
-            self.slot_pos[:, : k * bs] = (pos + skipped[:, None] * bs).masked_fill(
-                ~kept.repeat_interleave(bs, dim=1), -1)
-            held = (k - skipped).tolist()
+        skipped = (ids < 0).sum(dim=1)[:, None]  # leading pages a windowed lane does without
+        cols = torch.arange(k)[None, :]
+        kept = cols < k - skipped
+        self.table[:, :k] = ids.gather(1, (cols + skipped).clamp(max=k - 1)).masked_fill(~kept, -1)
+        self.slot_pos[:, : k * bs] = (torch.arange(k * bs) + skipped * bs).masked_fill(
+            ~kept.repeat_interleave(bs, dim=1), -1)
+        held = (k - skipped[:, 0]).tolist()
+        if held.count(k) < self.num_layers:
             self.uniform = self.alike = False
         self.tables.fill_state(slice(None), self.row, slice(0, k * bs))
         self.nblocks = held
@@ -324,13 +318,8 @@ class SeqCache:
         ([L]: sliding windows, kvpool/windows.py) and free the pages left empty, every
         lane in one pass; returns the blocks freed. The cache stays `intact`: what a
         window drops is no later query's, and the pages it keeps are still a prefix."""
-        width = self.max_blocks * self.bs
-        if width == 0:
-            return 0
-        pos = self.slot_pos[:, :width]
-        dead = (pos >= 0) & (pos < min_pos[:, None])
-        intact = self.intact
-        freed = self.tables.evict_mask(self.pool, [self], dead[:, None, :])[0][1]
+        pos, intact = self.slot_pos, self.intact
+        freed = self.evict_mask((pos >= 0) & (pos < min_pos[:, None]))
         self.intact = intact
         return freed
 
