@@ -100,17 +100,17 @@ def test_decode_rows(fn, hq: int, hkv: int, bs: int, d: int, feature: str,
     check(fn, case, features(feature, case), window)
 
 
-@pytest.mark.parametrize("fn", PATHS)
+@pytest.mark.parametrize(("fn", "sum_heads"), [
+    pytest.param(paged_attention, False, id="torch"),
+    pytest.param(paged_attention_cpu, False, id="cpp", marks=needs_kernel),
+    pytest.param(paged_attention_cpu, True, id="cpp-summed", marks=needs_kernel)])
 @pytest.mark.parametrize(("hq", "hkv", "bs", "d"), [(4, 2, 4, 8), (8, 2, 16, 32), (4, 4, 16, 64)])
 @pytest.mark.parametrize("feature", FEATURES)
-@pytest.mark.parametrize("sum_heads", [False, True])
-def test_decode_mass_is_the_real_softmax(fn, hq: int, hkv: int, bs: int, d: int, feature: str,
-                                         sum_heads: bool) -> None:
+def test_decode_mass_is_the_real_softmax(fn, sum_heads: bool, hq: int, hkv: int, bs: int, d: int,
+                                         feature: str) -> None:
     """The mass policies read: each slot's probability in the softmax the model runs (the
     sink in its denominator), summed over the query heads of its kv group, or over every
-    head (`sum_heads`, the C++ kernel's)."""
-    if sum_heads and fn is paged_attention:
-        pytest.skip("the torch path returns the mass per kv head")
+    head (`sum_heads`, the C++ kernel's; the torch path returns it per kv head)."""
     case = make_case([5, 30, 64], [1] * 3, hq=hq, hkv=hkv, bs=bs, d=d, evict={1: [2, 3]})
     feat = features(feature, case)
     check(fn, case, feat, probs=True, **({"sum_heads": True} if sum_heads else {}))
