@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig, load_model_config
 from engine.models import build_model
+from engine.mxfp4 import dequantize_weights, quant_method
 
 # Buffers some older checkpoints saved that are recomputed, never loaded.
 _IGNORED = re.compile(r"\.(rotary_emb\.inv_freq|attention\.bias|attention\.masked_bias)$")
@@ -109,6 +110,8 @@ def _read_weights(
                         name = new + name[len(old):]
                         break
                 weights[renames.get(name, name)] = tensor.to(device)
+    if quant_method(config.hf_config) == "mxfp4":  # gpt-oss's experts (model_config checks)
+        dequantize_weights(weights, dtype)
     return weights
 
 

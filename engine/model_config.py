@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from engine.mxfp4 import quant_method
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -27,6 +29,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",  # its text part; images are refused (engine/models/gemma.py)
+    "GptOssForCausalLM",
 )
 
 _FAMILY = {
@@ -42,6 +45,7 @@ _FAMILY = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Gemma3ForConditionalGeneration": "gemma",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 # Used only when config.json has no `architectures` entry (some hand-made configs).
@@ -58,6 +62,7 @@ _ARCH_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -151,13 +156,26 @@ def _sliding_windows(arch: str, hf: transformers.PretrainedConfig) -> list[int |
         return [window] * n
     if arch == "Phi3ForCausalLM":  # Phi3Model's mask slides every layer when it is set
         return [window] * n
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") or _FAMILY[arch] == "gemma":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "GptOssForCausalLM") or (
+            _FAMILY[arch] == "gemma"):
         # The config already folded `use_sliding_window`/`max_window_layers` (Qwen) or
-        # `sliding_window_pattern` (Gemma) into `layer_types`; Qwen's sets
+        # `sliding_window_pattern` (Gemma) into `layer_types` (gpt-oss's default:
+        # sliding, full, sliding, ...); Qwen's sets
         # `sliding_window` to None when sliding is off.
         layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
         return [window if t == "sliding_attention" and window else None for t in layer_types]
     return [None] * n
+
+
+def _check_quantization(arch: str, hf: transformers.PretrainedConfig, path: str) -> None:
+    """A quantized checkpoint is refused by name, except gpt-oss's MXFP4 experts, which
+    the loader dequantizes (engine/mxfp4.py)."""
+    method = quant_method(hf)
+    if method is None or (method == "mxfp4" and arch == "GptOssForCausalLM"):
+        return
+    where = "supported only for gpt-oss's experts" if method == "mxfp4" else "not supported"
+    raise ValueError(f"{path}: quantization_config.quant_method {method!r} is {where} "
+                     f"({arch}); serve an unquantized (bf16/fp16/fp32) checkpoint")
 
 
 def load_model_config(path: str, max_model_len: int | None = None) -> ModelConfig:
@@ -170,6 +188,7 @@ def load_model_config(path: str, max_model_len: int | None = None) -> ModelConfi
     # helpful message on a model_type it does not know.
     arch = _architecture(raw, path)
     hf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    _check_quantization(arch, hf, path)
     family = _FAMILY[arch]
     top = hf  # eos and dtype may sit on the outer config of a multimodal checkpoint
     if arch == "Gemma3ForConditionalGeneration":

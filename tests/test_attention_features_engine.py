@@ -99,8 +99,9 @@ def test_learned_sinks_through_the_engine(tmp_path, layout: str, path_name: str)
     """Learned sinks (gpt-oss's) and soft-capping together on a tiny Llama body, through
     every step kind: a fresh prompt's causal attention, chunks of 5 after a cached prefix,
     decode rows; on a per-layer pool and a per-head one (each kv head's rows take its
-    query heads' sinks, `heads_features`). No family with sinks is served yet, so the
-    runner's per-layer arguments are set as `layer_features` makes them for a model whose
+    query heads' sinks, `heads_features`). The sinks and the cap together belong to no
+    family (gpt-oss's sinks alone: tests/test_parity.py), so the runner's per-layer
+    arguments are set as `layer_features` makes them for a model whose
     `attention_sinks(layer)` gives these; the reference is the same model's forward over
     each whole sequence with a dense attention that has the sinks and the cap
     (tests/test_models.py's `dense_attention`)."""

@@ -26,6 +26,9 @@ CASES = {f: (f, {}) for f in TINY_FAMILIES} | {
                                      "num_experts_per_tok": 3, "norm_topk_prob": False}),
     # Phi-4-mini's shape: partial rotary and longrope with tied embeddings, no window
     "phi4_mini": ("phi3", {"tie_word_embeddings": True, "sliding_window": None}),
+    # gpt-oss tied, 4 experts 3 a token, the window (8) shorter than both sequences
+    "gpt_oss_tied": ("gpt_oss", {"tie_word_embeddings": True, "num_local_experts": 4,
+                                 "num_experts_per_tok": 3, "sliding_window": 8}),
 }
 # phi3_long is served past its original 64 positions (long factors): transformers agrees
 # on sequences longer than that

@@ -121,10 +121,17 @@ def test_missing_expert_tensor_is_named(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+# family -> (transformers' dtype, tolerance): the tiny gpt-oss in transformers' own bf16
+# departs from its fp32 by 0.29 on the 40-token prompt, so there the reference is bf16
+BF16_REFS = {"qwen3_moe": (torch.float32, 0.1), "mixtral": (torch.float32, 0.1),
+             "gpt_oss": (torch.bfloat16, 0.05)}
+
+
+@pytest.mark.parametrize("family", list(BF16_REFS))
 def test_bf16_engine_near_transformers(family, tmp_path):
     """In bf16 through the engine (the CPU's chosen linear layouts, the paged KV cache),
-    the first token's top log-probabilities stay near transformers' fp32 ones."""
+    the first token's top log-probabilities stay near transformers' (fp32, or bf16 where
+    that moves them more than the tolerance, `BF16_REFS`)."""
     from transformers import AutoModelForCausalLM
 
     from engine.sampling import SamplingParams
@@ -136,10 +143,11 @@ def test_bf16_engine_near_transformers(family, tmp_path):
     llm = LLM(path, dtype="bfloat16", num_blocks=64, block_size=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                                 logprobs=5, detokenize=False))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    dtype, tolerance = BF16_REFS[family]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.token_ids) == 4
         with torch.inference_mode():
-            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], -1)
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
         for token, logprob in out.logprobs[0].top:
-            assert abs(logprob - ref[token].item()) < 0.1, (family, token)
+            assert abs(logprob - ref[token].item()) < tolerance, (family, token)

@@ -14,7 +14,7 @@ from scheduler.llm import LLM
 from tests.tiny_models import make_tiny_model
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "phi3", "olmo2",
-            "gemma2", "gemma3", "gemma3_mm", "qwen3_moe", "mixtral"]
+            "gemma2", "gemma3", "gemma3_mm", "qwen3_moe", "mixtral", "gpt_oss"]
 MAX_NEW = 12
 
 
@@ -104,3 +104,16 @@ def test_longrope_long_factors_parity(tmp_path):
     assert min(len(p) for p in prompts) > 64
     llm = LLM(path, num_blocks=512, block_size=4, max_num_batched_tokens=64)
     _check(llm, prompts, refs, family)
+
+
+def test_gpt_oss_per_head_pool_parity(tmp_path):
+    """gpt-oss over a per-head pool (`kv_layout="head"`: each kv head a lane of its own,
+    whose rows take its query heads' sinks), in chunks of 5 and with repeated prompts
+    starting from the prefix cache, through its sliding and full layers."""
+    path = make_tiny_model("gpt_oss", tmp_path)
+    family, path, prompts, refs = _references("gpt_oss", path)
+    prompts, refs = prompts + prompts[6:8], refs + refs[6:8]
+    llm = LLM(path, num_blocks=4096, block_size=4, max_num_batched_tokens=5,
+              kv_layout="head", enable_prefix_caching=True)
+    _check(llm, prompts, refs, family)
+    assert llm.engine.scheduler.prefix_hits > 0

@@ -24,7 +24,7 @@ VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 
 TINY_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt_neox", "llama_tied",
                  "phi3", "phi3_long", "olmo2", "gemma2", "gemma3", "gemma3_mm", "qwen3_moe",
-                 "mixtral")
+                 "mixtral", "gpt_oss")
 
 _COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -128,6 +128,17 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict]] = {
     "mixtral": ("MixtralConfig", {**_COMMON, **_GQA, "num_local_experts": 4,
                                   "num_experts_per_tok": 2, "intermediate_size": 96,
                                   "sliding_window": 24}),
+    # gpt-oss: biased q/k/v/o, learned sinks (drawn wide, see _randomize), sliding (24) /
+    # full / sliding layers, yarn past 64 positions (head_dim 32 != hidden / heads),
+    # 6 experts, 2 a token, with SwiGLU clamps that bite (1.5; 7.0 in the releases).
+    "gpt_oss": ("GptOssConfig", {**_COMMON, **_GQA, "head_dim": 32, "sliding_window": 24,
+                                 "num_local_experts": 6, "num_experts_per_tok": 2,
+                                 "intermediate_size": 48, "swiglu_limit": 1.5,
+                                 "rope_parameters": {
+                                     "rope_type": "yarn", "rope_theta": 150000.0,
+                                     "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False,
+                                     "original_max_position_embeddings": 64}}),
 }
 
 
@@ -160,6 +171,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * (0.5 if "embed" in name else 0.12))
         elif name.endswith("bias"):
             p.copy_(noise * 0.1)
+        elif name.endswith("sinks"):  # gpt-oss: some heads' sinks take most of the mass
+            p.copy_(noise * 2.0)
         else:  # norm gains
             p.copy_(1.0 + 0.1 * noise)
 

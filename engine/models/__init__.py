@@ -8,6 +8,7 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.models.gemma import GemmaForCausalLM
 from engine.models.gpt_neox import GPTNeoXForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import AttnFn, LlamaForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
 
@@ -16,6 +17,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gpt_neox": GPTNeoXForCausalLM,
     "olmo2": Olmo2ForCausalLM,
     "gemma": GemmaForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }
 
 
@@ -25,4 +27,4 @@ def build_model(config: ModelConfig) -> nn.Module:
 
 
 __all__ = ["MODEL_CLASSES", "AttnFn", "GPTNeoXForCausalLM", "GemmaForCausalLM",
-           "LlamaForCausalLM", "Olmo2ForCausalLM", "build_model"]
+           "GptOssForCausalLM", "LlamaForCausalLM", "Olmo2ForCausalLM", "build_model"]
