@@ -16,6 +16,8 @@ loads the model once and takes its turn in every repeat (benchmarks/vllm_offline
 its OpenMP threads bound to as many CPUs as `--threads` (loadtest/vllm_peer.py); without
 the venv its rows are skipped with a note. `--systems` picks the systems.
 
+`--models moe,gemma3` runs issue 66's newer families (a Qwen3-MoE and a Gemma 3 of
+3m's order of size, `loadtest/random_models.py`); tiny_moe,tiny_gemma3 with --quick.
 A model entry may name a dtype, `160m:bfloat16`, for all three systems alike (default
 float32): on CPUs with AMX, bf16 GEMMs are 4-7x faster than fp32 ones, which moves the
 bottleneck from the weights to attention and bookkeeping.
@@ -242,9 +244,9 @@ def _per_model(spec: str, models: list[str], default: int) -> dict[str, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="3m,160m",
+    p.add_argument("--models", default=None,
                    help="comma list of NAME or NAME:DTYPE (float32, bfloat16), NAME one of: "
-                   + ",".join(MODEL_CONFIGS))
+                   + ",".join(MODEL_CONFIGS) + " (default 3m,160m; --quick: tiny)")
     p.add_argument("--systems", default=",".join(SYSTEMS[:4]),
                    help="comma list of " + ",".join(SYSTEMS) + " (kvserve always runs)")
     p.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
@@ -274,12 +276,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--from-json", help="measure nothing: redraw the doc block and the plot "
                    "from a saved run (and copy it to --results)")
     a = p.parse_args(argv)
-    if a.quick:
-        a.models, a.repeats, a.requests = "tiny", "1", "8"
+    if a.quick:  # tiny shapes only (tiny_moe, tiny_gemma3 or tiny)
+        a.models, a.repeats, a.requests = a.models or "tiny", "1", "8"
         a.prompt_range, a.output_range, a.max_seqs, a.static_batch = "4,24", "2,12", 8, 4
         a.kv_memory = "16MiB"
     a.command = "python -m benchmarks.bench_offline " + " ".join(sys.argv[1:] if argv is None else argv)
-    a.models = a.models.split(",")
+    a.models = (a.models or "3m,160m").split(",")
     a.systems = [s for s in a.systems.split(",") if s]
     if "kvserve" not in a.systems or set(a.systems) - set(SYSTEMS):
         p.error(f"--systems {','.join(a.systems)}: kvserve and any of {', '.join(PEERS)}")

@@ -51,9 +51,16 @@ from loadtest.random_models import MODEL_CONFIGS
 VLLM_TARGET = 1.3
 
 
+def mlp_width(cfg: dict[str, object]) -> int:
+    """The intermediate size of one MLP a token goes through: one expert's in a
+    mixture-of-experts config (every layer sparse), else the dense MLP's."""
+    return int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+
+
 @dataclass(frozen=True)
 class ModelCost:
-    """What one token costs a Llama-shaped model (a config dict's fields)."""
+    """What one token costs a Llama-shaped model (a config dict's fields); a
+    mixture-of-experts config counts its router and the k experts a token goes through."""
 
     linear_params: int  # weights every token through the layers multiplies
     head_params: int  # the LM head's: only sampled rows go through it
@@ -65,9 +72,11 @@ class ModelCost:
     def of(cls, cfg: dict[str, object], element_bytes: int = 4) -> ModelCost:
         h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
         heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
-        hd = h // heads
-        linear = layers * (2 * h * heads * hd + 2 * h * kv_heads * hd
-                           + 3 * h * int(cfg["intermediate_size"]))
+        hd = int(cfg.get("head_dim") or h // heads)
+        experts = int(cfg.get("num_experts") or 0)
+        mlp = (h * experts + 3 * h * mlp_width(cfg) * int(cfg["num_experts_per_tok"])
+               if experts else 3 * h * mlp_width(cfg))
+        linear = layers * (2 * h * heads * hd + 2 * h * kv_heads * hd + mlp)
         return cls(linear, h * int(cfg["vocab_size"]), 4 * heads * hd * layers,
                    2 * kv_heads * hd * layers * element_bytes, element_bytes)
 
@@ -189,7 +198,7 @@ def gemm_peak_gflops(cfg: dict[str, object], dtype: str, repeats: int = 5) -> fl
     from engine.cpu_linear import PackedLinear, faster_linear, packing_available
 
     dt = getattr(torch, dtype)
-    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    h, inter = int(cfg["hidden_size"]), mlp_width(cfg)
     x = torch.randn(2048, h, dtype=dt)
     linear = torch.nn.Linear(h, inter, bias=False, dtype=dt)
     fns = [lambda: torch.mm(x, linear.weight.t())]

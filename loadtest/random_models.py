@@ -1,6 +1,7 @@
-"""The random-weight Llama models the benchmarks build, and their word tokenizer.
+"""The random-weight models the benchmarks build (Llama unless a config says), and their tokenizer.
 
-`MODEL_CONFIGS` are the shapes the issues measure (3m, 160m, 1b, and tiny for --quick);
+`MODEL_CONFIGS` are the shapes the issues measure (3m, 160m, 1b, and tiny for --quick;
+moe and gemma3 for the newer families, tiny_moe and tiny_gemma3 for their --quick);
 `build_model` saves one with random weights and a tokenizer in which every id decodes to
 one printable word, so a streaming server sends text for any sampled id. The serving
 benchmark (`loadtest/bench_serving.py`) builds them as the engine benchmarks
@@ -35,6 +36,27 @@ MODEL_CONFIGS: dict[str, dict[str, object]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=512,
                  tie_word_embeddings=True),
+    # Issue 66's newer families, near 3m's size: a Qwen3-MoE (16 experts, 2 a token, every
+    # layer sparse, QK-norm) and a Gemma 3 text model (5 sliding layers of window 128 to
+    # each full one, QK-norm, its own RoPE base for the sliding layers, scaled embeddings).
+    # `model_type` names the transformers config; without one a config is Llama's.
+    "moe": dict(model_type="qwen3_moe", hidden_size=512, num_hidden_layers=4,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                num_experts=16, num_experts_per_tok=2, moe_intermediate_size=256,
+                intermediate_size=1024, norm_topk_prob=True, vocab_size=8192,
+                tie_word_embeddings=True),
+    "gemma3": dict(model_type="gemma3_text", hidden_size=512, num_hidden_layers=6,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                   intermediate_size=2048, query_pre_attn_scalar=64, sliding_window=128,
+                   sliding_window_pattern=6, vocab_size=8192, tie_word_embeddings=True),
+    "tiny_moe": dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     intermediate_size=128, vocab_size=512, tie_word_embeddings=True),
+    "tiny_gemma3": dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, query_pre_attn_scalar=16, sliding_window=8,
+                        sliding_window_pattern=2, vocab_size=512, tie_word_embeddings=True),
 }
 # Specials shared by the benchmark tokenizer and the test models' (tests/tiny_models.py):
 # the configs' pad/bos/eos are ids 0/1/2, and the chat template is ChatML.
@@ -54,17 +76,20 @@ _GLYPHS = [chr(c) for c in range(33, 127)]  # printable ASCII, space excluded
 
 
 def build_model(name: str, path: str, seed: int = 0, max_positions: int = 2048) -> int:
-    """Save a random-weight LlamaForCausalLM (+ word tokenizer) to `path`; returns #params.
+    """Save a random-weight model of config `name` (a LlamaForCausalLM unless it names a
+    `model_type`) and a word tokenizer to `path`; returns #params.
 
     transformers' own init (std 0.02) is fine here: only speed and memory are measured,
     and greedy decoding of any weights exercises exactly the same kernels.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(**MODEL_CONFIGS[name], max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    fields = dict(MODEL_CONFIGS[name])
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields,
+                                  max_position_embeddings=max_positions,
+                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, safe_serialization=True)
     save_tokenizer(name, path)
     return sum(p.numel() for p in model.parameters())  # tied weights count once

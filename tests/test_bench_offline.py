@@ -168,3 +168,35 @@ def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
     assert "vLLM exited with 3" in systems["vllm"]["error"]
     assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
     assert "tiny / vLLM-CPU failed:" in (out / "benchmarks.md").read_text()
+
+
+@pytest.mark.timeout(150)
+def test_quick_runs_the_moe_and_gemma3_shapes(tmp_path) -> None:
+    """Issue 66's shapes (`--models moe,gemma3`) at their --quick size: a Qwen3-MoE and a
+    Gemma 3 built from configs, served by kvserve and HF `generate` alike, every request
+    at its length, the ratio of the two in the report."""
+    report = run_quick("benchmarks.bench_offline", str(tmp_path), "--threads", "1",
+                       "--models", "tiny_moe,tiny_gemma3", "--systems", "kvserve,hf_static",
+                       wait="spin")
+    assert list(report["models"]) == ["tiny_moe", "tiny_gemma3"]
+    for name, kind in (("tiny_moe", "qwen3_moe"), ("tiny_gemma3", "gemma3_text")):
+        m = report["models"][name]
+        assert m["config"]["model_type"] == kind
+        for s in ("kvserve", "hf_static"):
+            r = m["systems"][s]
+            assert "error" not in r and r["ok"] and r["tok_s_mean"] > 0, (name, s, r)
+        assert m["ratios"]["kvserve_over_hf_static"] == pytest.approx(
+            m["systems"]["kvserve"]["tok_s_mean"] / m["systems"]["hf_static"]["tok_s_mean"])
+
+
+def test_workload_gflop_of_a_moe_counts_the_experts_a_token_takes() -> None:
+    """A mixture of experts costs a token its router and its k experts' MLPs, not all E
+    (nor the dense intermediate_size its config also carries); head_dim as given."""
+    from benchmarks.roofline import ModelCost
+
+    cfg = dict(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, head_dim=3,
+               num_key_value_heads=1, intermediate_size=999, vocab_size=10, num_experts=5,
+               num_experts_per_tok=2, moe_intermediate_size=4)
+    linear = 2 * 8 * 2 * 3 + 2 * 8 * 3 + 8 * 5 + 2 * 3 * 8 * 4  # q+o, k+v, router, 2 experts
+    cost = ModelCost.of(cfg)
+    assert cost.linear_params == linear and cost.attn_flop == 4 * 2 * 3
