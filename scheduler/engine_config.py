@@ -44,6 +44,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0  # seeds drawn for requests that give none
     default_kv_policy: str = "full"  # for requests that name none
+    # Where requests' default sampling fields come from (vLLM's --generation-config):
+    # "auto" the model's generation_config.json, "vllm" none (the server's own), or a
+    # folder holding one (engine/generation_defaults.py).
+    generation_config: str = "auto"
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
     preemption_mode: str = "recompute"  # swap | recompute | auto
     # A preempted request comes back only once its growth to max_tokens fits, so it is

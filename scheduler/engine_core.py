@@ -24,6 +24,7 @@ from attention.select import select_attention
 from attention.storage import KVStorage
 from attention.swap import SwapSpace
 from engine.cpu_memory import keep_freed_memory
+from engine.generation_defaults import load_sampling_defaults
 from engine.linear_choice import LinearChoice, choose_linears
 from engine.loader import load_model
 from engine.penalties import TokenHistory
@@ -189,7 +190,8 @@ class EngineCore(StepLaunch, StepComplete):
             config.default_kv_policy, per_head=lanes > mc.num_layers, lanes=lanes,
             head_roles=roles is not None, sliding_windows=windowed,
             policy_local_rope=not self._windows and getattr(self.model, "rotary_local", None)
-            is not None)
+            is not None,
+            sampling_defaults=load_sampling_defaults(config.model, config.generation_config))
         self.policies = PolicyRunner(self.kv, lanes, self._rotate,
                                      config.batch_policies, spare=self.scheduler.spare_blocks)
         self._pending: Launch | None = None  # a step in flight (async scheduling)

@@ -41,8 +41,10 @@ class LLM:
         `kv_policy`: every prompt's (a policy name, an object or a config, as the HTTP
         field takes; None: the engine's default). It and each prompt's max_tokens are
         resolved as over HTTP (`scheduler/resolve.py`): with no `params`, each prompt gets
-        the completions default, 16 new tokens, fewer if the context (or the KV pool) has
-        less room. A bad policy (KVPolicyError) or a prompt the engine refuses
+        the completions default, 16 new tokens, fewer if the context (or the KV pool) or
+        the model's generation-config max_new_tokens has less room, and the sampling
+        defaults of that file (`generation_config`; vLLM's `get_default_sampling_params`).
+        A bad policy (KVPolicyError) or a prompt the engine refuses
         (RequestRejected: prompt + max_tokens past the context, ...) raises before
         anything runs, and none of the batch stays queued.
         """
@@ -56,7 +58,8 @@ class LLM:
                                    [(len(p), n) for p, n in zip(ids, asked)],
                                    default_max_tokens=DEFAULT_MAX_TOKENS)
         if plist is None:
-            plist = [SamplingParams(max_tokens=n) for n in resolved.max_tokens]
+            model = self.engine.limits.sampling_defaults.sampling()
+            plist = [SamplingParams(max_tokens=n, **model) for n in resolved.max_tokens]
         order: dict[str, int] = {}
         try:
             for i, (p, sp) in enumerate(zip(ids, plist)):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from engine.generation_defaults import NO_DEFAULTS, SamplingDefaults
 from policies.catalog import parse_kv_policy
 from policies.config import FullPolicyConfig, KVPolicyConfig, KVPolicyError
 from policies.duo_attention import DuoConfig
@@ -41,15 +42,20 @@ class ModelLimits:
     # A kv_policy acts on layers that rotate by a RoPE other than the model's `rotary`
     # (Gemma 3's local layers, where the engine keeps them whole: `hybrid_kv_cache` off).
     policy_local_rope: bool = False
+    # The model's generation_config.json defaults (`--generation-config`;
+    # engine/generation_defaults.py): the server fills a request's unset sampling fields
+    # from them, and its max_new_tokens lowers the default max_tokens here.
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS
 
     @classmethod
     def of(cls, max_model_len: int, max_request_tokens: int, default_kv_policy: object,
            per_head: bool = False, lanes: int = 0, head_roles: bool = False,
-           sliding_windows: bool = False, policy_local_rope: bool = False) -> ModelLimits:
+           sliding_windows: bool = False, policy_local_rope: bool = False,
+           sampling_defaults: SamplingDefaults = NO_DEFAULTS) -> ModelLimits:
         """`default_kv_policy` (`--default-kv-policy`: a name, an object or a config;
         None: full) parsed and resolved for the model, once for every request."""
         limits = cls(max_model_len, max_request_tokens, FullPolicyConfig(), per_head, lanes,
-                     head_roles, sliding_windows, policy_local_rope)
+                     head_roles, sliding_windows, policy_local_rope, sampling_defaults)
         config = parse_kv_policy(default_kv_policy or "full")
         check_heads(config, limits)
         check_model(config, limits)
@@ -126,7 +132,10 @@ def resolve_request(limits: ModelLimits, kv_policy: object = None,
     `prompts`' (prompt length, requested max_tokens) resolved for the model of `limits`.
 
     A max_tokens of None gets `default_max_tokens` (completions: OpenAI's 16), or with no
-    default all that is left of the context (chat), at most what the whole KV pool holds.
+    default all that is left of the context (chat), at most what the whole KV pool holds,
+    and at most the model's generation-config max_new_tokens (the smaller of the two
+    defaults: vLLM takes the smallest of the context's room, the request's max_tokens or
+    the file's). A max_tokens the caller gave is kept.
     The policy is parsed first, so a bad policy is the error even if a prompt is also too
     long. Raises KVPolicyError or RequestRejected (see the module docstring).
     """
@@ -135,6 +144,10 @@ def resolve_request(limits: ModelLimits, kv_policy: object = None,
     check_heads(config, limits)
     check_model(config, limits)
     rope_shift = shifts_rope(config)
+    model_default = limits.sampling_defaults.max_tokens
+    if model_default is not None:
+        default_max_tokens = (model_default if default_max_tokens is None
+                              else min(model_default, default_max_tokens))
     return Resolved(config, tuple(
         fit_max_tokens(prompt_len, max_tokens, limits.max_model_len, rope_shift=rope_shift,
                        default=default_max_tokens, capacity=limits.max_request_tokens)

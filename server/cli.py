@@ -36,9 +36,11 @@ from engine.demo import DEMO_MODEL_DIR as DEMO_MODEL
 from engine.demo import DEMO_MODEL_NAME
 from server.startup_checks import (
     USAGE_ERROR,
+    add_generation_config_arg,
     add_tool_call_args,
     agent_settings,
     check_byte_sizes,
+    check_generation_config,
     check_kv_cache_dtype,
     check_port_free,
     check_tool_call_args,
@@ -65,7 +67,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="a local Hugging Face checkpoint directory (config.json, "
@@ -156,6 +158,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-batch-policies", action="store_true",
                    help="step every request's kv_policy alone (same plans, slower): "
                         "decode steps at the budget are otherwise batched per policy")
+    return g
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -182,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        formatter_class=HelpFormatter)
-    _add_engine_args(s)
+    add_generation_config_arg(_add_engine_args(s))
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port to listen on")
     s.add_argument("--api-key", action="append", default=None,
@@ -293,6 +296,7 @@ def _serve(a: argparse.Namespace) -> int:
     check_kv_cache_dtype(a.kv_cache_dtype)
     check_byte_sizes(a)
     model = resolve_model(a.model)
+    check_generation_config(a.generation_config, model)
     check_port_free(a.host, a.port)
     configure_logging(a.log_level, a.log_format)
     logger.info("cpu threads", extra={"fields": {**cpu.fields(),
@@ -300,6 +304,7 @@ def _serve(a: argparse.Namespace) -> int:
     names = a.served_model_name or [
         DEMO_MODEL_NAME if a.model is None else Path(model).resolve().name]
     engine = AsyncEngine.from_config(EngineConfig(model=model, tenant_quotas=quotas or None,
+                                                  generation_config=a.generation_config,
                                                   **_engine_kwargs(a)),
                                      engine_process=a.engine_layout == "process",
                                      process_setup=partial(engine_process_setup,

@@ -35,7 +35,7 @@ from server.protocol import (
     TokenizeCompletionRequest,
 )
 from server.reasoning import REASONING_PARSERS, ReasoningParser
-from server.sampling_fields import check_extras, logit_bias, structured_output
+from server.sampling_fields import check_extras, logit_bias, structured_output, with_defaults
 from server.settings import ServerSettings
 from server.tenants import Tenant, effective_salt
 from server.tools import ToolPlan, check_history, plan_tools, template_message
@@ -213,7 +213,10 @@ class Preprocessor:
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids")
-        top_k = req.top_k if req.top_k < vocab else 0
+        assert self.engine.limits is not None, "preprocessing runs once the engine loaded"
+        sampling = with_defaults(req, self.engine.limits.sampling_defaults)
+        if sampling["top_k"] >= vocab:
+            sampling["top_k"] = 0
         bias = logit_bias(req)
         structured, skip_special = structured_output(req), req.skip_special_tokens
         if plan.tools is not None:  # the calls' grammar, the parser's special tokens
@@ -224,13 +227,11 @@ class Preprocessor:
             seed = None if req.seed is None else (req.seed + j) % SEED_MOD
             try:
                 params = SamplingParams(
-                    max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    top_k=top_k, min_p=req.min_p, seed=seed, stop=req.stop_list,
+                    max_tokens=max_tokens, **sampling, seed=seed, stop=req.stop_list,
                     stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
-                    repetition_penalty=1.0 if req.repetition_penalty is None
-                    else req.repetition_penalty, logit_bias=bias, min_tokens=req.min_tokens,
+                    logit_bias=bias, min_tokens=req.min_tokens,
                     allowed_token_ids=req.allowed_token_ids, skip_special_tokens=skip_special,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     structured=structured,

@@ -66,6 +66,9 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     # 0 only for completions with echo (score the prompt; preprocess checks it)
     max_tokens: StrictInt | None = Field(None, ge=0, le=INT64_MAX)
+    # Left out (or null), these five take the model's generation_config.json defaults
+    # where it sets them (`--generation-config`; server/sampling_fields.py's
+    # `with_defaults` tells a sent value from a default by `model_fields_set`).
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1, le=INT64_MAX)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
+from engine.generation_defaults import SamplingDefaults
 from engine.sampling import StructuredOutput
 from server.errors import bad_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -29,6 +31,20 @@ def check_extras(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise bad_request(f"{name} is not supported by this server", name)
     if ignored := sorted(extra.keys() - set(UNSUPPORTED)):
         logger.warning("request fields ignored: %s", ", ".join(ignored)[:500])
+
+
+def with_defaults(req: CompletionRequest | ChatCompletionRequest, defaults: SamplingDefaults
+                  ) -> dict[str, Any]:
+    """temperature, top_p, top_k, min_p and repetition_penalty as the request runs them:
+    each the client's when it sent one (`model_fields_set`: an explicit `temperature: 1`
+    counts, a `null` does not), else the model's generation-config default
+    (`--generation-config`, engine/generation_defaults.py), else the field's own."""
+    model, sent = defaults.sampling(), req.model_fields_set
+    values = {name: model[name] if name in model and name not in sent else getattr(req, name)
+              for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+    if values["repetition_penalty"] is None:
+        values["repetition_penalty"] = 1.0  # off
+    return values
 
 
 def structured_output(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:

@@ -71,6 +71,29 @@ def default_kv_policy(value: str, kv_layout: str = "layer") -> Any:
     return config
 
 
+def add_generation_config_arg(engine: argparse._ArgumentGroup) -> None:
+    """`kvserve serve --generation-config` (vLLM's flag), beside the model's options."""
+    engine.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="defaults of the sampling fields a request leaves unset "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty; "
+                        "max_new_tokens lowers the default max_tokens): auto takes them "
+                        "from the model's generation_config.json, vllm ignores the file "
+                        "(kvserve's own defaults), DIR reads DIR/generation_config.json")
+
+
+def check_generation_config(value: str, model: str) -> None:
+    """`--generation-config` read before the model loads: a folder that is not there or
+    holds no generation_config.json, or a file with a value no request could send, stops
+    the server (exit 2)."""
+    from engine.generation_defaults import read_sampling_defaults
+
+    try:
+        read_sampling_defaults(model, value)
+    except ValueError as e:
+        hint = "; --generation-config vllm ignores the file" if value == "auto" else ""
+        fail(f"--generation-config {value}: {e}{hint}")
+
+
 def check_kv_cache_dtype(value: str) -> None:
     """`--kv-cache-dtype` checked before the model loads (exit 2), after torch may load."""
     from scheduler.engine_core import KV_CACHE_DTYPES
