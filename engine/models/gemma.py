@@ -28,7 +28,8 @@ from torch import nn
 from engine.cpu_linear import greedy_ids
 from engine.layer_ops import rms_norm_f32, rotary_
 from engine.model_config import ModelConfig
-from engine.models.llama import AttnFn, CosSin, LlamaFlags, LlamaMLP, stacked_params
+from engine.models.causal_lm import AttnFn, CausalLM, CosSin
+from engine.models.llama import LlamaFlags, LlamaMLP
 from engine.rope import RotaryEmbedding
 
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -108,7 +109,7 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLM):
     """model(input_ids [T], positions [T], attn) -> final-normed hidden [T, hidden].
 
     `rotary` is the full layers' RoPE (what the engine's RoPE-wide features read);
@@ -132,14 +133,6 @@ class GemmaForCausalLM(nn.Module):
         self.rotary_local = (RotaryEmbedding(hf, **rope, layer_type="sliding_attention")
                              if gemma3 else None)
         self.local = [t == "sliding_attention" for t in hf.layer_types]  # whatever the window
-
-    def embedding_weight_names(self) -> tuple[str, str]:
-        """(input embedding, output head) parameter names, for tied checkpoints."""
-        return "model.embed_tokens.weight", "lm_head.weight"
-
-    def stacked_params(self) -> dict[str, list[str]]:
-        """Parameter name -> the checkpoint tensors stacked into it, in order (dim 0)."""
-        return stacked_params(self.model.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,

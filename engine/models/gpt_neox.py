@@ -14,7 +14,7 @@ from transformers.activations import ACT2FN
 
 from engine.cpu_linear import greedy_ids
 from engine.model_config import ModelConfig
-from engine.models.llama import AttnFn, CosSin
+from engine.models.causal_lm import AttnFn, CosSin
 from engine.rope import RotaryEmbedding, apply_rotary
 
 

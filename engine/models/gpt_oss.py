@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cpu_linear import greedy_ids
 from engine.model_config import ModelConfig
-from engine.models.llama import AttnFn, CosSin, LlamaAttention, LlamaFlags, stacked_params
+from engine.models.causal_lm import AttnFn, CausalLM, CosSin
+from engine.models.llama import LlamaAttention, LlamaFlags
 from engine.models.moe import sparse_moe
 from engine.models.olmo2 import Olmo2RMSNorm
 from engine.rope import RotaryEmbedding
@@ -66,7 +66,7 @@ class GptOssModel(nn.Module):
         self.norm = Olmo2RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(CausalLM):
     """model(input_ids [T], positions [T], attn) -> final-normed hidden [T, hidden]."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -81,31 +81,3 @@ class GptOssForCausalLM(nn.Module):
     def attention_sinks(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s sink logits [num_heads] (AttnFn's contract)."""
         return self.model.layers[layer].self_attn.sinks
-
-    def embedding_weight_names(self) -> tuple[str, str]:
-        """(input embedding, output head) parameter names, for tied checkpoints."""
-        return "model.embed_tokens.weight", "lm_head.weight"
-
-    def stacked_params(self) -> dict[str, list[str]]:
-        """Parameter name -> the checkpoint tensors stacked into it, in order (dim 0):
-        q/k/v only (the experts are stored stacked)."""
-        return stacked_params(self.model.layers)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
-        max_position: int | None = None,
-    ) -> torch.Tensor:
-        """`max_position`: the largest position, known on the host (no device sync)."""
-        rope = self.rotary.cos_sin(positions, max_position=max_position)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, rope, attn)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
-
-    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N] each row's argmax token, where the head can (`greedy_ids`)."""
-        return greedy_ids(self.lm_head, hidden)

@@ -16,30 +16,17 @@ q/k and v to `attn(layer, q, k, v)`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from engine.cpu_linear import greedy_ids
 from engine.layer_ops import add_rms_norm, rms_norm, rotary_, silu_and_mul
 from engine.model_config import ModelConfig
-from engine.models.moe import SparseMoe, sparse_moe
+from engine.models.causal_lm import AttnFn, CausalLM, CosSin, stacked_params
+from engine.models.moe import sparse_moe
 from engine.rope import RotaryEmbedding
-
-AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""attn(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]; k arrives rotated.
-
-The callback applies layer `layer`'s whole attention rule, so a model states its variants
-once, not per call: the scale (`ModelConfig.attn_scale`), Gemma 2's logit soft-capping
-(`ModelConfig.attn_softcap`), the sliding window (`ModelConfig.sliding_windows[layer]`)
-and learned attention sinks, which are weights: a model whose attention has them defines
-`attention_sinks(layer) -> Tensor | None` ([num_heads], a logit per query head, as
-gpt-oss's `self.sinks`), which the runner reads once at start (docs/architecture.md,
-"Attention variants")."""
-CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -170,27 +157,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
 
-def stacked_params(layers: nn.ModuleList) -> dict[str, list[str]]:
-    """`model.layers.{i}.self_attn.qkv_proj` and `.mlp.gate_up_proj` (weight, and bias
-    where it has one) -> the checkpoint's q/k/v and gate/up tensors stacked into each; a
-    sparse MLP's experts as its block says (`SparseMoe.stacked_params`)."""
-    stacked: dict[str, list[str]] = {}
-    for i, layer in enumerate(layers):
-        modules = [("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))]
-        if isinstance(layer.mlp, SparseMoe):
-            stacked.update(layer.mlp.stacked_params(f"model.layers.{i}.mlp"))
-        else:
-            modules.append(("mlp.gate_up_proj", ("gate_proj", "up_proj")))
-        for module, parts in modules:
-            prefix, _, _ = module.rpartition(".")
-            for kind in ("weight", "bias"):
-                if getattr(layer.get_submodule(module), kind) is not None:
-                    stacked[f"model.layers.{i}.{module}.{kind}"] = [
-                        f"model.layers.{i}.{prefix}.{p}.{kind}" for p in parts]
-    return stacked
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """model(input_ids [T], positions [T], attn) -> final-normed hidden [T, hidden]."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -203,10 +170,6 @@ class LlamaForCausalLM(nn.Module):
             config.hf_config, config.head_dim, config.max_position_embeddings,
             partial_default=self.flags.phi3, context=config.max_model_len,
         )
-
-    def embedding_weight_names(self) -> tuple[str, str]:
-        """(input embedding, output head) parameter names, for tied checkpoints."""
-        return "model.embed_tokens.weight", "lm_head.weight"
 
     def stacked_params(self) -> dict[str, list[str]]:
         """Parameter name -> the checkpoint tensors stacked into it, in order (dim 0)."""
@@ -224,12 +187,3 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, attn)
         return self.model.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
-
-    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N] each row's argmax token, without the logits, where the
-        head can (`greedy_ids`); else None."""
-        return greedy_ids(self.lm_head, hidden)

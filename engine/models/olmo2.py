@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.cpu_linear import greedy_ids
 from engine.layer_ops import rms_norm_f32, rotary_
 from engine.model_config import ModelConfig
-from engine.models.llama import AttnFn, CosSin, LlamaFlags, LlamaMLP, stacked_params
+from engine.models.causal_lm import AttnFn, CausalLM, CosSin
+from engine.models.llama import LlamaFlags, LlamaMLP
 from engine.rope import RotaryEmbedding
 
 
@@ -75,7 +75,7 @@ class Olmo2Model(nn.Module):
         self.norm = Olmo2RMSNorm(config.hidden_size, config.hf_config.rms_norm_eps)
 
 
-class Olmo2ForCausalLM(nn.Module):
+class Olmo2ForCausalLM(CausalLM):
     """model(input_ids [T], positions [T], attn) -> final-normed hidden [T, hidden]."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -85,30 +85,3 @@ class Olmo2ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim,
                                       config.max_position_embeddings, context=config.max_model_len)
-
-    def embedding_weight_names(self) -> tuple[str, str]:
-        """(input embedding, output head) parameter names, for tied checkpoints."""
-        return "model.embed_tokens.weight", "lm_head.weight"
-
-    def stacked_params(self) -> dict[str, list[str]]:
-        """Parameter name -> the checkpoint tensors stacked into it, in order (dim 0)."""
-        return stacked_params(self.model.layers)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
-        max_position: int | None = None,
-    ) -> torch.Tensor:
-        """`max_position`: the largest position, known on the host (no device sync)."""
-        rope = self.rotary.cos_sin(positions, max_position=max_position)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, rope, attn)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
-        return self.lm_head(hidden).float()
-
-    def compute_greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """[N, hidden] -> [N] each row's argmax token, where the head can (`greedy_ids`)."""
-        return greedy_ids(self.lm_head, hidden)
