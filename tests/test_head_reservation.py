@@ -14,6 +14,7 @@ from engine.sampling import SamplingParams
 from scheduler.engine_config import EngineConfig
 from scheduler.llm import LLM
 from scheduler.pool_shape import page_tokens
+from tests.pools import run_within_reservations
 from tests.tiny_models import make_tiny_model, resolved
 
 GEN = 120
@@ -70,16 +71,7 @@ def test_per_head_requests_stay_within_their_reservation(llama: str, cfg: dict) 
     eng = LLM(llama, num_blocks=fits * reserve, block_size=32, kv_layout="head").engine
     for i in range(12):
         eng.add_request(f"r{i}", _prompt(i, 24), _gen(), kv_policy=resolved(eng, cfg))
-    most = 0
-    while eng.has_unfinished():
-        eng.step()
-        most = max(most, eng.num_running)
-        for r in eng.scheduler.running:
-            limit = r.reserve_blocks + (0 if eng.scheduler.waiting else r.reserve_blocks // 8)
-            assert r.cache.num_blocks <= limit, (r.request_id, r.cache.num_blocks)
-    assert sum(eng.stats().preemptions_total.values()) == 0
-    assert most == fits
-    assert eng.pool.num_used == 0
+    assert run_within_reservations(eng) == fits
 
 
 @pytest.mark.parametrize(("head_dim", "dtype", "full", "evicting"), [

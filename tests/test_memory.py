@@ -15,7 +15,7 @@ from scheduler.preemption import CostModel
 from scheduler.prefix import block_hashes
 from scheduler.request import Request
 from scheduler.scheduler import MemoryConfig, Scheduler
-from tests.pools import make_pool
+from tests.pools import make_pool, run_within_reservations
 from tests.tiny_models import make_tiny_model, resolved
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, detokenize=False)
@@ -175,16 +175,7 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     eng = LLM(llama, num_blocks=fits * reserve, block_size=bs).engine
     for i in range(n):
         eng.add_request(f"r{i}", _prompt(i, 24), _long(), kv_policy=resolved(eng, cfg))
-    most = 0
-    while eng.has_unfinished():
-        eng.step()
-        most = max(most, eng.num_running)
-        for r in eng.scheduler.running:
-            limit = r.reserve_blocks + (0 if eng.scheduler.waiting else r.reserve_blocks // 8)
-            assert r.cache.num_blocks <= limit, (r.request_id, r.cache.num_blocks)
-    assert sum(eng.stats().preemptions_total.values()) == 0
-    assert most == fits
-    assert eng.pool.num_used == 0
+    assert run_within_reservations(eng) == fits
 
 
 @pytest.mark.parametrize("cfg", [{"name": "knorm", "budget": 64}, {"name": "tova", "budget": 64}],
