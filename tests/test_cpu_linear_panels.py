@@ -341,7 +341,7 @@ def test_greedy_steps_take_the_argmax_from_a_panel_head(tmp_path, monkeypatch, d
     (`PanelLinear.argmax`, the runner's `greedy`): the same tokens as the logits'
     argmax, for every step of greedy requests, and not while a sampled request (which
     needs the logits) shares the batch."""
-    from engine.models import llama
+    from engine.models import causal_lm
 
     if not cpu_linear.panels_for(getattr(torch, dtype)):
         pytest.skip(f"{dtype} layers stay on oneDNN on this CPU")
@@ -361,7 +361,7 @@ def test_greedy_steps_take_the_argmax_from_a_panel_head(tmp_path, monkeypatch, d
     calls.clear()
     got_mixed = [c.token_ids for c in fused.generate(prompts, mixed)][:3]
     assert not calls  # the sampled request ran as long as the others
-    monkeypatch.setattr(llama, "greedy_ids", lambda head, hidden: None)  # logits, then argmax
+    monkeypatch.setattr(causal_lm, "greedy_ids", lambda head, hidden: None)  # logits, then argmax
     plain = LLM(model, num_blocks=128, block_size=4, device="cpu", dtype=dtype,
                 cpu_kernels="vendor")
     assert [c.token_ids for c in plain.generate(prompts, greedy)] == got
