@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from engine.cpu_linear import greedy_ids
-from engine.layer_ops import rms_norm_f32, rotary_
+from engine.layer_ops import rms_norm_f32
 from engine.model_config import ModelConfig
 from engine.models.causal_lm import AttnFn, CausalLM, CosSin
-from engine.models.llama import LlamaFlags, LlamaMLP
+from engine.models.llama import LlamaAttention, LlamaFlags, LlamaMLP
 from engine.rope import RotaryEmbedding
 
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -55,32 +55,17 @@ class GemmaRMSNorm(nn.Module):
         return rms_norm_f32(x, self.weight, self.eps, offset=1.0)
 
 
-class GemmaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, qk_norm: bool) -> None:
-        super().__init__()
-        h, d, hf = config.hidden_size, config.head_dim, config.hf_config
-        self.layer, self.head_dim = layer, d
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.qkv_split = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
-        self.qkv_proj = nn.Linear(h, sum(self.qkv_split), bias=hf.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=hf.attention_bias)
-        if qk_norm:  # per head, over head_dim
-            self.q_norm = GemmaRMSNorm(d, hf.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(d, hf.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+class GemmaAttention(LlamaAttention):
+    """Llama's attention with Gemma's (1 + weight) RMSNorm on q and k per head (Gemma 3)."""
 
-    def forward(self, x: torch.Tensor, rope: CosSin, attn: AttnFn) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_(q, k, *rope)
-        out = attn(self.layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+    def __init__(self, config: ModelConfig, layer: int, qk_norm: bool) -> None:
+        bias = bool(config.hf_config.attention_bias)
+        super().__init__(config, LlamaFlags(qkv_bias=bias, o_bias=bias, mlp_bias=False,
+                                            qk_norm=False), layer)
+        if qk_norm:  # per head, over head_dim
+            eps = config.hf_config.rms_norm_eps
+            self.q_norm = GemmaRMSNorm(config.head_dim, eps)
+            self.k_norm = GemmaRMSNorm(config.head_dim, eps)
 
 
 class GemmaDecoderLayer(nn.Module):
