@@ -110,7 +110,8 @@ class EngineCore(StepLaunch, StepComplete):
             "kv_sizing": self.kv_sizing.source, "kv_cache_bytes": self.kv_sizing.bytes,
             "kv_blocks": self.kv_sizing.num_blocks, "kv_tokens": self.kv_sizing.tokens,
             "available_bytes": self.kv_sizing.available,
-            "available_source": self.kv_sizing.available_source}})
+            "available_source": self.kv_sizing.available_source,
+            "hybrid_kv_cache": config.hybrid_kv_cache}})
         num_blocks = self.kv_sizing.num_blocks
         # Decode steps replay CUDA graphs (engine/cuda_graphs.py) where every position
         # is in the rotary table (a graph cannot check); their padded rows write the

@@ -147,6 +147,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="fraction of blocks kept free when admitting")
     g.add_argument("--no-prefix-caching", action="store_true",
                    help="do not share computed prompt blocks between requests")
+    g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="keep every layer's whole context in the KV pool, sliding-window "
+                   "layers included (vLLM's flag); by default a sliding-window layer keeps "
+                   "only its window's pages (docs/memory.md, 'Hybrid memory')")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs "
                    "(as vLLM's flag): slower, for debugging and comparison")
@@ -171,6 +175,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
               swap_space=a.swap_space, watermark=a.watermark,
               reserve_preempted=not a.no_reserve_preempted,
               enable_prefix_caching=not a.no_prefix_caching,
+              hybrid_kv_cache=not a.disable_hybrid_kv_cache_manager,
               batch_policies=not a.no_batch_policies, enforce_eager=a.enforce_eager,
               async_scheduling=not a.no_async_scheduling, cpu_kernels=a.cpu_kernels)
     # Given only when set: EngineConfig keeps the default (importing it here would load

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -202,9 +203,11 @@ def test_engine_flags_reach_the_engine_config() -> None:
     on = _engine_kwargs(build_parser().parse_args(["serve"]))
     off = _engine_kwargs(build_parser().parse_args(
         ["serve", "--no-batch-policies", "--no-reserve-preempted", "--watermark", "0.05",
-         "--enforce-eager", "--no-async-scheduling", "--cpu-kernels", "vendor"]))
+         "--enforce-eager", "--no-async-scheduling", "--cpu-kernels", "vendor",
+         "--disable-hybrid-kv-cache-manager"]))
     assert (on["batch_policies"], on["reserve_preempted"], on["enforce_eager"],
-            on["async_scheduling"]) == (True, True, False, True)
+            on["async_scheduling"], on["hybrid_kv_cache"]) == (True, True, False, True, True)
+    assert off["hybrid_kv_cache"] is False  # vLLM's flag: every layer kept whole
     assert (off["batch_policies"], off["reserve_preempted"], off["watermark"]) == (False, False, 0.05)
     assert off["enforce_eager"] is True  # CUDA graphs off (engine/cuda_graphs.py)
     assert off["async_scheduling"] is False  # each step's tokens before the next plan
@@ -217,6 +220,26 @@ def test_engine_flags_reach_the_engine_config() -> None:
     assert EngineConfig(model="m", **on).min_prefill_chunk == MIN_PREFILL_CHUNK
     chunk = _engine_kwargs(build_parser().parse_args(["serve", "--min-prefill-chunk", "1024"]))
     assert EngineConfig(model="m", **chunk).min_prefill_chunk == 1024
+
+
+def test_disable_hybrid_kv_cache_manager_keeps_windowed_layers_whole(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On a model with sliding-window layers (the tiny Gemma 3: sliding, full, sliding),
+    `kvserve generate`'s engine windows those layers' lanes by default and keeps them
+    whole with the flag, and the start-up log line says which."""
+    from server.cli import build_parser, offline_llm
+
+    model = make_tiny_model("gemma3", tmp_path / "gemma3")
+    base = ["generate", "--model", model, "--prompt", "hi", "--num-blocks", "96",
+            "--block-size", "4"]
+    for flag, windows in (([], [24, None, 24]),
+                          (["--disable-hybrid-kv-cache-manager"], [None, None, None])):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+            llm, _ = offline_llm(build_parser().parse_args(base + flag))
+        assert llm.engine.kv.windows == windows
+        (pool,) = [r for r in caplog.records if r.getMessage().startswith("KV pool:")]
+        assert pool.fields["hybrid_kv_cache"] is not bool(flag)  # type: ignore[attr-defined]
 
 
 def test_warm_up_before_ready(tmp_path: Path) -> None:
