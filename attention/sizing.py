@@ -116,15 +116,42 @@ class KVSizing:
     source: str  # one of SOURCES
     num_blocks: int
     block_bytes: int
-    tokens: int  # tokens of every layer it holds: num_blocks × block_size / layers
+    # tokens it holds with every layer whole: num_blocks × block_size / layers (with
+    # sliding-window layers kept to their windows it holds more: `requests`)
+    tokens: int
     why: str  # e.g. "auto: 50% of 12.4 GiB available after the weights, ..."
     available: int = 0  # auto: the bytes seen after the weights
     available_source: str = ""  # auto: which limit (native.memory's names, or "cuda")
+    context: int = 0  # a request's tokens that `requests` counts (max_model_len)
+    # requests of `context` tokens it holds at once, each windowed lane at its window and a
+    # prefill chunk (vLLM's "maximum concurrency"), and the longest one (<= `context`)
+    requests: int = 0
+    longest: int = 0
+    windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None: global
+    hybrid: bool = True  # windowed layers keep their windows' pages (else held whole)
+    block_lanes: int = 0  # lanes one of vLLM's blocks spans (vllm:cache_config_info)
 
     @property
     def bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
     def describe(self) -> str:
-        return (f"KV pool: {gib(self.bytes)} ({self.why}) = {self.num_blocks:,} blocks = "
-                f"{self.tokens:,} tokens")
+        """The start-up line: on a model with sliding-window layers kept to their windows,
+        what it holds in requests of the context, as every layer whole understates it."""
+        head = f"KV pool: {gib(self.bytes)} ({self.why}) = {self.num_blocks:,} blocks"
+        sliding = [w for w in self.windows if w is not None]
+        if not sliding:
+            return f"{head} = {self.tokens:,} tokens"
+        if not self.hybrid:
+            return (f"{head} = {self.tokens:,} tokens (hybrid KV cache off: its "
+                    f"{len(sliding)} sliding-window layers are kept whole)")
+        held = (f"{self.requests:,} request{'s' * (self.requests != 1)} of "
+                f"{self.context:,} tokens at once" if self.requests else
+                f"one request of up to {self.longest:,} tokens")
+        spans = "/".join(f"{w:,}" for w in sorted(set(sliding)))
+        glob = len(self.windows) - len(sliding)
+        layers = (f"its {glob} global layer{'s' * (glob != 1)} holding each one's context, "
+                  f"its {len(sliding)} sliding-window layers only their window ({spans} "
+                  "tokens)" if glob else f"all {len(sliding)} layers sliding-window, each "
+                  f"holding only its window ({spans} tokens)")
+        return f"{head} = {held} ({layers}); {self.tokens:,} tokens with every layer whole"

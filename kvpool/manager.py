@@ -29,6 +29,7 @@ from kvpool.windows import (
     NO_WINDOW,
     first_needed,
     longest_hit,
+    longest_request,
     request_blocks,
     trim_positions,
 )
@@ -133,14 +134,7 @@ class KVCacheManager:
 
     def tokens_within(self, blocks: int, chunk: int, most: int) -> int:
         """The longest request (up to `most` tokens) whose full cache fits in `blocks`."""
-        lo, hi = 0, most
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.blocks_for(mid, chunk) <= blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return longest_request(blocks, self.windows, chunk, self.block_size, most)
 
     def head_spread(self, cache: SeqCache) -> tuple[int, int] | None:
         """(fewest, most) live tokens among a cache's (layer, kv head) lanes over a

@@ -53,6 +53,32 @@ def request_blocks(tokens: int, windows: Sequence[int | None], chunk: int,
                for w in windows)
 
 
+def longest_request(blocks: int, windows: Sequence[int | None], chunk: int,
+                    block_size: int, most: int) -> int:
+    """The longest request (up to `most` tokens) whose pages fit in `blocks`."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if request_blocks(mid, windows, chunk, block_size) <= blocks:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def vllm_block_lanes(windows: Sequence[int | None]) -> int:
+    """The lanes one of vLLM's blocks spans, for reporting the pool in vLLM's units: every
+    lane where all are of one kind; else, as vLLM's hybrid manager groups layers
+    (vllm/v1/core/kv_cache_utils.py, `_get_kv_cache_groups_uniform_page_size`), the
+    fewest lanes of one kind (one window, or global), or the most where that is under
+    1.5 times the fewest (each group then that many lanes, a block one page of each)."""
+    kinds: dict[int | None, int] = {}
+    for w in windows:
+        kinds[w] = kinds.get(w, 0) + 1
+    fewest, most = min(kinds.values()), max(kinds.values())
+    return most if most < 1.5 * fewest else fewest
+
+
 def trim_positions(windows: torch.Tensor, computed: int) -> torch.Tensor:
     """[lanes] the first position each lane's later queries still see, once `computed`
     tokens are in (0 for global lanes): `windows` [lanes], NO_WINDOW for global ones."""

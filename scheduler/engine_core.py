@@ -109,6 +109,7 @@ class EngineCore(StepLaunch, StepComplete):
         logger.info(self.kv_sizing.describe(), extra={"fields": {
             "kv_sizing": self.kv_sizing.source, "kv_cache_bytes": self.kv_sizing.bytes,
             "kv_blocks": self.kv_sizing.num_blocks, "kv_tokens": self.kv_sizing.tokens,
+            "kv_requests": self.kv_sizing.requests,
             "available_bytes": self.kv_sizing.available,
             "available_source": self.kv_sizing.available_source,
             "hybrid_kv_cache": config.hybrid_kv_cache}})

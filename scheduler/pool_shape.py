@@ -16,7 +16,7 @@ from attention.sizing import (
 )
 from attention.storage import KVStorage
 from engine.model_config import ModelConfig
-from kvpool.windows import lane_windows, request_blocks
+from kvpool.windows import lane_windows, longest_request, request_blocks, vllm_block_lanes
 from native.memory import available_bytes, device_memory, gib, parse_bytes
 from policies.catalog import parse_kv_policy
 from scheduler.engine_config import KV_LAYOUTS, EngineConfig
@@ -97,10 +97,17 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
     `max_model_len` tokens."""
     bs, layers = page_tokens(config, mc, kv_dtype), num_lanes(config, mc)
     per_block = KVStorage.bytes_per_block(bs, heads_per_page(config, mc), mc.head_dim, kv_dtype)
+    windows, chunk = windows_of(config, mc), config.max_num_batched_tokens
+    # a request of the whole context, its windowed lanes holding their windows
+    one = request_blocks(max_model_len, windows, chunk, bs)
 
     def sized(source: str, blocks: int, why: str, seen: int = 0, seen_in: str = ""
               ) -> KVSizing:
-        return KVSizing(source, blocks, per_block, blocks * bs // layers, why, seen, seen_in)
+        return KVSizing(source, blocks, per_block, blocks * bs // layers, why, seen, seen_in,
+                        context=max_model_len, requests=blocks // one,
+                        longest=longest_request(blocks, windows, chunk, bs, max_model_len),
+                        windows=tuple(mc.sliding_windows), hybrid=config.hybrid_kv_cache,
+                        block_lanes=vllm_block_lanes(windows))
 
     if config.num_blocks is not None:
         return sized("num_blocks", config.num_blocks, "--num-blocks")
@@ -112,8 +119,6 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
                  2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
     reserve = activation_reserve(config.max_num_batched_tokens, widest, act_itemsize,
                                  config.max_num_seqs, mc.vocab_size)
-    # a request of the whole context, its windowed lanes holding their windows
-    one = request_blocks(max_model_len, windows_of(config, mc), config.max_num_batched_tokens, bs)
     cap = config.max_num_seqs * one
     held = "activations"
     if device.type == "cuda":

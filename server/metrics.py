@@ -266,7 +266,8 @@ METRICS_ALIASES = ("vllm",)
 class VllmAliasCollector(Collector):
     """The same numbers again under vLLM's `vllm:` names, each with vLLM's `model_name`
     label, plus `vllm:cache_config_info` (block size and pool size in vLLM's units: one
-    vLLM block holds `block_size` tokens of every layer, a kvserve block one layer's).
+    vLLM block holds `block_size` tokens of every layer, or of one of vLLM's hybrid groups'
+    layers where sliding-window layers keep their windows; a kvserve block one layer's).
     Reads the same sources as the `kvserve_` series at scrape time; stores nothing."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, sources: Sequence[Collector]
@@ -286,7 +287,9 @@ class VllmAliasCollector(Collector):
                     yield self._renamed(fam, "vllm:" + alias)
         info = self.engine.info  # set once loaded, then read-only
         config = getattr(info, "config", None)
-        lanes = getattr(info, "num_lanes", 0)
+        # a vLLM block's lanes: every layer's, or on a hybrid pool vLLM's group's
+        lanes = (getattr(getattr(info, "kv_sizing", None), "block_lanes", 0)
+                 or getattr(info, "num_lanes", 0))
         if config is not None and lanes:
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration "
                                      "(vLLM's units).", labels=["block_size",

@@ -183,3 +183,29 @@ def test_cache_config_info_counts_lanes_on_a_per_head_pool(tmp_path: Path) -> No
     smp = samples(generate_latest(metrics.registry).decode())
     assert value(smp, "vllm:cache_config_info", block_size="4",
                  num_gpu_blocks=str(96 // info.num_lanes)) == 1
+
+
+@pytest.mark.parametrize(("hybrid", "lanes"), [(True, 1), (False, 6)])
+def test_cache_config_info_counts_vllms_groups_on_a_hybrid_pool(tmp_path: Path, hybrid: bool,
+                                                                lanes: int) -> None:
+    """On a Gemma-3-shaped model (5 sliding-window layers : 1 global) whose windowed
+    layers keep their windows, a vLLM block is one page of each layer of one of vLLM's
+    groups (vLLM's hybrid manager groups by the fewest layers of one kind: the 1 global
+    layer), not of every layer: 120 pages are 120 of vLLM's blocks; with the hybrid KV
+    cache off, 120 / 6."""
+    from scheduler.core_loop import CoreLoop
+    from scheduler.llm import LLM
+
+    model_dir = make_tiny_model("gemma3", tmp_path / "gemma3", num_hidden_layers=6,
+                                sliding_window_pattern=6, sliding_window=16)
+    core = LLM(model_dir, num_blocks=120, block_size=4, device="cpu",
+               hybrid_kv_cache=hybrid).engine
+    info = CoreLoop(core, warmup=False).info()
+    assert info.num_lanes == 6 and info.kv_sizing.block_lanes == lanes
+    engine = fake_engine(core.stats())
+    engine.info = info
+    metrics = ServerMetrics(engine)
+    add_metrics_alias(metrics, engine, "vllm", "m")
+    smp = samples(generate_latest(metrics.registry).decode())
+    assert value(smp, "vllm:cache_config_info", block_size="4",
+                 num_gpu_blocks=str(120 // lanes)) == 1

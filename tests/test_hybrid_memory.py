@@ -20,7 +20,7 @@ import torch
 from engine.sampling import SamplingParams
 from kvpool.manager import KVCacheManager
 from kvpool.pool import BlockPool
-from kvpool.windows import longest_hit, request_blocks, window_blocks
+from kvpool.windows import longest_hit, request_blocks, vllm_block_lanes, window_blocks
 from policies import expected_attention as ea
 from scheduler.llm import LLM
 from scheduler.outputs import RequestRejected
@@ -108,8 +108,19 @@ def test_a_request_fits_by_its_windows(gemma3) -> None:
         whole.engine.add_request("r", prompt, _greedy(NEW))
     assert e.value.param == "prompt"
     assert whole.engine.limits.max_request_tokens == 130 // 6 * BS
+    assert whole.engine.kv_sizing.describe().endswith(
+        "= 130 blocks = 86 tokens (hybrid KV cache off: its 5 sliding-window layers are "
+        "kept whole)")
     hybrid = _llm(gemma3, num_blocks=130)
     assert hybrid.engine.limits.max_request_tokens == 256  # 64 + 5 · 13 pages: the context
+    # the start-up line says so, where every layer whole would say 86 tokens
+    assert hybrid.engine.kv_sizing.describe().endswith(
+        "= 130 blocks = 1 request of 256 tokens at once (its 1 global layer holding each "
+        "one's context, its 5 sliding-window layers only their window (16 tokens)); 86 "
+        "tokens with every layer whole")
+    short = _llm(gemma3, num_blocks=100).engine.kv_sizing
+    assert (short.requests, short.longest) == (0, 140)  # 35 + 5 · 13 pages
+    assert "= 100 blocks = one request of up to 140 tokens (" in short.describe()
     got, _ = _run(hybrid, [prompt])
     assert got == _run(_llm(gemma3), [prompt])[0]
 
@@ -121,6 +132,8 @@ def test_the_pool_is_sized_by_windows(gemma3) -> None:
     assert one == 64 + 5 * 13
     auto = _llm(gemma3, num_blocks=None, max_num_seqs=4).engine
     assert auto.pool.num_blocks == 4 * one
+    assert auto.kv_sizing.requests == 4 and "= 4 requests of 256 tokens at once (" in \
+        auto.kv_sizing.describe()
     assert _llm(gemma3, num_blocks=None, max_num_seqs=4, hybrid_kv_cache=False
                 ).engine.pool.num_blocks == 4 * 6 * 64
 
@@ -166,6 +179,16 @@ def _block_hash(eng, prompt: list[int], i: int) -> int:
     from scheduler.prefix import block_hashes
 
     return block_hashes(prompt, eng.kv.block_size, None)[i]
+
+
+def test_vllm_blocks_span_vllms_groups() -> None:
+    """vLLM's hybrid manager groups layers by the fewest of one kind (Gemma 3's 1 global
+    : 5 local), or the most where that is under 1.5 times the fewest (gpt-oss with a
+    drafter: 12 local, 13 global); one kind is one group of every layer."""
+    assert vllm_block_lanes([W] * 5 + [None]) == 1
+    assert vllm_block_lanes(([W] * 5 + [None]) * 2) == 2
+    assert vllm_block_lanes([W] * 12 + [None] * 13) == 13
+    assert vllm_block_lanes([None] * 6) == vllm_block_lanes([W] * 6) == 6
 
 
 def test_longest_hit_needs_each_window_whole() -> None:
