@@ -25,9 +25,10 @@ The rule (docs/memory.md, "How big is the pool"), read once the weights are load
   the model's forward (the MLP's fused gate and up projection, or q+k+v, or the hidden
   size) for every token of `max_num_batched_tokens`, in the model's dtype,
   `ACTIVATION_FACTOR` = 4 times (the residual, the normed input, a projection's output
-  and the next one's live at once), plus the sampled rows' fp32 logits and
-  probabilities; on a CPU also the swap space (`--swap-space`, host memory) when
-  preemption may swap.
+  and the next one's live at once), or on a mixture-of-experts model what its sparse
+  block holds where that is more (`moe_token_bytes`: every token runs `top_k` experts'
+  rows), plus the sampled rows' fp32 logits and probabilities; on a CPU also the swap
+  space (`--swap-space`, host memory) when preemption may swap.
 - **cap**: `max_num_seqs` sequences of `max_model_len` tokens, every layer: the most the
   engine can ever fill. A bigger pool would only be zeroed and never used (a test's tiny
   model gets a tiny pool; the demo model 512 MiB).
@@ -97,10 +98,25 @@ def auto_pool_blocks(available: int, bytes_per_block: int, cap_blocks: int, rese
 
 def activation_reserve(batched_tokens: int, widest_row: int, itemsize: int,
                        sampled_rows: int, vocab_size: int,
-                       factor: int = ACTIVATION_FACTOR) -> int:
+                       factor: int = ACTIVATION_FACTOR, token_bytes: int = 0) -> int:
     """Bytes the largest step's activations take: `factor` rows of `widest_row` elements
-    for each of `batched_tokens`, plus fp32 logits and probabilities of `sampled_rows`."""
-    return factor * batched_tokens * widest_row * itemsize + 2 * sampled_rows * vocab_size * 4
+    for each of `batched_tokens` (or `token_bytes` a token where that is more: a sparse
+    block's, `moe_token_bytes`), plus fp32 logits and probabilities of `sampled_rows`."""
+    per_token = max(factor * widest_row * itemsize, token_bytes)
+    return batched_tokens * per_token + 2 * sampled_rows * vocab_size * 4
+
+
+def moe_token_bytes(hidden: int, intermediate: int, top_k: int, itemsize: int) -> int:
+    """Bytes a token's activations take through a sparse mixture-of-experts block, whose
+    grouped GEMMs run `top_k` rows a token (engine/models/moe.py, `Experts.forward`).
+    Each (token, expert) pair holds its sorted copy of the input (hidden), gate and up's
+    output (2 × intermediate), the activation and its temporaries or a biased copy of
+    gate and up (2 × intermediate), down's output (hidden) in the model's dtype and its
+    fp32 copy; each token the fp32 sum of its experts and its cast back, beside the
+    residual stream and the normed input (hidden each). The sum of them all: each lives
+    for part of the block only, so this is an upper bound, as ACTIVATION_FACTOR is."""
+    pair = (2 * hidden + 4 * intermediate) * itemsize + 4 * hidden
+    return top_k * pair + 4 * hidden + 3 * hidden * itemsize
 
 
 def blocks_for(seqs: int, tokens: int, block_size: int, num_layers: int) -> int:

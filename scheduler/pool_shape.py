@@ -13,9 +13,11 @@ from attention.sizing import (
     KVSizing,
     activation_reserve,
     auto_pool_blocks,
+    moe_token_bytes,
 )
 from attention.storage import KVStorage
 from engine.model_config import ModelConfig
+from engine.models.moe import moe_spec
 from kvpool.windows import lane_windows, longest_request, request_blocks, vllm_block_lanes
 from native.memory import available_bytes, device_memory, gib, parse_bytes
 from policies.catalog import parse_kv_policy
@@ -88,6 +90,19 @@ def windows_of(config: EngineConfig, mc: ModelConfig) -> list[int | None]:
     return lane_windows(mc.sliding_windows, lanes // mc.num_layers)
 
 
+def step_activations(config: EngineConfig, mc: ModelConfig, itemsize: int) -> int:
+    """Bytes the largest step's activations take (attention/sizing.py's reserve): a dense
+    MLP's or attention's widest row, or a sparse block's `top_k` experts' rows a token."""
+    hf = mc.hf_config
+    widest = max(mc.hidden_size, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
+                 2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
+    moe = moe_spec(mc.architecture, hf)
+    sparse = 0 if moe is None else moe_token_bytes(moe.hidden_size, moe.intermediate_size,
+                                                   moe.top_k, itemsize)
+    return activation_reserve(config.max_num_batched_tokens, widest, itemsize,
+                              config.max_num_seqs, mc.vocab_size, token_bytes=sparse)
+
+
 def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
                  max_model_len: int, kv_dtype: torch.dtype | str, act_itemsize: int
                  ) -> KVSizing:
@@ -114,11 +129,7 @@ def size_kv_pool(config: EngineConfig, mc: ModelConfig, device: torch.device,
     if config.kv_cache_memory is not None:
         return sized("kv_cache_memory", parse_bytes(config.kv_cache_memory) // per_block,
                      f"--kv-cache-memory {config.kv_cache_memory}")
-    hf = mc.hf_config
-    widest = max(mc.hidden_size, (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim,
-                 2 * int(getattr(hf, "intermediate_size", None) or 4 * mc.hidden_size))
-    reserve = activation_reserve(config.max_num_batched_tokens, widest, act_itemsize,
-                                 config.max_num_seqs, mc.vocab_size)
+    reserve = step_activations(config, mc, act_itemsize)
     cap = config.max_num_seqs * one
     held = "activations"
     if device.type == "cuda":
