@@ -185,8 +185,9 @@ def _measure(name: str, dtype: str, params: int, repeats: int, w: Workload, warm
                                       systems["kvserve"].steps),
            "systems": results, "ratios": ratios, "kvserve_preemptions": preemptions,
            "kvserve_step_overhead": step_overhead(systems["kvserve"].steps, args.max_seqs),
-           # each linear layer shape's kernel and how it was chosen (measured at start,
-           # cached, or the vendor rules), with its times: engine/linear_choice.py
+           # each linear layer shape's kernel and each MoE stacked projection's, and how
+           # they were chosen (measured at start, cached, or the vendor rules), with their
+           # times: engine/linear_choice.py, engine/expert_choice.py
            "kvserve_linear": [c.as_dict() for c in systems["kvserve"].llm.engine.linear_choices]}
     if args.profile:
         pw = Workload.draw(args.max_seqs, args.prompt_range, args.output_range, vocab,

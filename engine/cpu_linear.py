@@ -241,6 +241,40 @@ def packed_dtype(dtype: torch.dtype, native: bool) -> torch.dtype:
     return dtype if dtype != torch.bfloat16 or native else torch.float32
 
 
+def panel_settings(dtype: torch.dtype, in_features: int, pairs: bool | None = None,
+                   fma: bool | None = None) -> tuple[bool, bool, int, int]:
+    """A panel weight's (pairs, fma, prefetch_from, whole_k_to) here: bf16 in pairs where
+    the kernel has bf16 dot products (`panels_isa` "avx512_bf16"; or as `pairs` asks, for
+    an even `in_features`), a pair layout's longer steps by FMAs (`pair_fma`; from which
+    rows: linear_panels.h), and this CPU's kernel choices (`_kernel_choices`)."""
+    if pairs is None:
+        pairs = dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
+    pairs = pairs and dtype == torch.bfloat16 and in_features % 2 == 0
+    by_fma, prefetch, whole = _kernel_choices()
+    return pairs, pairs and (by_fma if fma is None else fma), prefetch, whole
+
+
+def panel_shape(out_features: int, in_features: int, pairs: bool) -> tuple[int, ...]:
+    """A weight's panels: [ceil(out / 16), in, 16], in pairs [ceil(out / 16), in / 2, 16, 2]."""
+    panels = -(-out_features // PANEL)
+    return (panels, in_features // 2, PANEL, 2) if pairs else (panels, in_features, PANEL)
+
+
+def lay_out_panels(w: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """`w` [out, in] (any strides: an [in, out] weight's transpose too) copied into `into`
+    (`panel_shape`'s; pairs where it is 4-D) and returned: panel p holds outputs
+    16p..16p+15, one row of 16 per input (in pairs: one row of 16 pairs per two inputs),
+    zero columns past the last output. Copied straight from the weight's views, no
+    intermediate left for the heap to hold (but the padding of a partial last panel)."""
+    panels = into.shape[0]
+    if panels * PANEL != w.shape[0]:  # zero columns past the last output
+        w = nn.functional.pad(w, (0, 0, 0, panels * PANEL - w.shape[0]))
+    w = w.unflatten(0, (panels, PANEL))  # [panels, 16, in]
+    if into.dim() == 4:
+        w = w.unflatten(2, (w.shape[2] // 2, 2))
+    return into.copy_(w.transpose(1, 2))
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward over a oneDNN-prepacked weight (inference only)."""
 
@@ -294,28 +328,14 @@ class PanelLinear(nn.Module):
         if not load_ops("kvserve_layer_ops_cpu"):
             raise RuntimeError("panels need the C++ layer ops (native.build: no compiler?)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().contiguous()
+        w = linear.weight.detach()
         self.dtype = w.dtype
-        panels = -(-self.out_features // PANEL)
-        if panels * PANEL != self.out_features:  # zero columns past the last output
-            w = nn.functional.pad(w, (0, 0, 0, panels * PANEL - self.out_features))
-        if pairs is None:
-            pairs = w.dtype == torch.bfloat16 and panels_isa() == "avx512_bf16"
-        self.pairs = pairs and w.dtype == torch.bfloat16 and self.in_features % 2 == 0
-        # pairs: longer steps by FMAs (`pair_fma`; from which rows: linear_panels.h)
-        by_fma, self.prefetch_from, self.whole_k_to = _kernel_choices()
-        self.fma = self.pairs and (by_fma if fma is None else fma)
-        # [panels, in, 16]: panel p holds outputs 16p..16p+15, one row of 16 per input (in
-        # pairs: one row of 16 pairs per two inputs); copied straight from the weight (no
-        # intermediate left for the heap to hold), onto 2 MiB pages: a decode step streams
-        # every panel, and small pages cost a one-thread stream ~20% of its rate here
-        # (native/huge_pages.py)
-        if self.pairs:
-            laid = huge_page_empty((panels, self.in_features // 2, PANEL, 2), w.dtype)
-            laid.copy_(w.view(panels, PANEL, self.in_features // 2, 2).transpose(1, 2))
-        else:
-            laid = huge_page_empty((panels, self.in_features, PANEL), w.dtype)
-            laid.copy_(w.view(panels, PANEL, self.in_features).transpose(1, 2))
+        self.pairs, self.fma, self.prefetch_from, self.whole_k_to = panel_settings(
+            w.dtype, self.in_features, pairs, fma)
+        # onto 2 MiB pages: a decode step streams every panel, and small pages cost a
+        # one-thread stream ~20% of its rate here (native/huge_pages.py)
+        laid = lay_out_panels(w, huge_page_empty(
+            panel_shape(self.out_features, self.in_features, self.pairs), w.dtype))
         self.register_buffer("panels", laid, persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().contiguous(), requires_grad=False)

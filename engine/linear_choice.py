@@ -40,6 +40,8 @@ restart on the same machine measures nothing. The panel kernel's own knobs (`pai
 Each shape's choice is logged ("CPU linear: 768x768 fp32 x12 -> panels (0.215 ms vs
 oneDNN 0.264, dense 3.1x (dropped at 32 rows); measured)") and kept on the engine
 (`EngineCore.linear_choices`, in `CoreInfo` for the server, in bench_offline's report).
+A mixture-of-experts model's stacked expert projections are chosen as these are, first
+and within the same budget (engine/expert_choice.py: `choose_kernels` runs both).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -82,8 +85,13 @@ MARGIN = 0.10
 # A layout this much slower than the best over the first DROP_FROM row counts or more
 # (1, 8, 32: 0.8 of the weight) is dropped there (`measure`)
 DROP, DROP_FROM = 2.0, 3
-NAMES = {"panels": "panels", "onednn": "oneDNN", "dense": "dense"}
+NAMES = {"panels": "panels", "onednn": "oneDNN", "dense": "dense", "grouped_mm": "grouped mm"}
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def short_dtype(dtype: str) -> str:
+    """"float32" -> "fp32", as the log writes dtypes."""
+    return _SHORT.get(dtype, dtype)
 
 
 def kernel_mode(kernels: str | None = None) -> str:
@@ -120,19 +128,23 @@ class LinearChoice:
         return (f"{self.out_features}x{self.in_features} {self.dtype}"
                 + (" bias" if self.bias else "") + (" head" if self.head else ""))
 
+    def label(self) -> str:
+        """What the log's line calls this shape: "CPU linear: 768x768 fp32 x12"."""
+        return (f"CPU linear: {self.out_features}x{self.in_features} {short_dtype(self.dtype)}"
+                + (" head" if self.head else f" x{self.layers}"))
+
     def line(self) -> str:
         """The start-up log's line for this shape."""
-        shape = (f"{self.out_features}x{self.in_features} {_SHORT.get(self.dtype, self.dtype)}"
-                 + (" head" if self.head else f" x{self.layers}"))
+        shape = self.label()
         if self.score_ms:
             others = ", ".join([f"{NAMES[n]} {s:.3f}" for n, s in self.score_ms.items()
                                 if n != self.layout]
                                + [f"{NAMES[n]} {why}" for n, why in self.dropped.items()])
             why = f", {self.reason}" if self.reason else ""
-            return (f"CPU linear: {shape} -> {self.kernel} ("
+            return (f"{shape} -> {self.kernel} ("
                     f"{self.score_ms[self.layout]:.3f} ms vs {others}; {self.source}{why})")
         why = f": {self.reason}" if self.reason else ""
-        return f"CPU linear: {shape} -> {self.kernel} ({self.source}{why})"
+        return f"{shape} -> {self.kernel} ({self.source}{why})"
 
     @property
     def kernel(self) -> str:
@@ -181,50 +193,61 @@ def _layout_of(module: nn.Module | None) -> str:
     return "onednn" if isinstance(module, PackedLinear) else "dense"
 
 
-def _time_ms(layer: nn.Module, x: torch.Tensor) -> float:
-    """The median of a few calls of `layer` on `x` (after a warm-up call), in ms."""
+def _time_ms(call: Callable[..., Any], *args: Any) -> float:
+    """The median of a few calls of `call` on `args` (after a warm-up call), in ms."""
     t0 = time.perf_counter()
-    layer(x)  # oneDNN's state for the shape, the team's first wake, the caches
+    call(*args)  # oneDNN's state for the shape, the team's first wake, the caches
     reps = REPS if time.perf_counter() - t0 <= LONG_CALL_S else 3
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        layer(x)
+        call(*args)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
 
 def measure(linear: nn.Linear, layouts: list[str], weights: dict[int, float]
             ) -> tuple[dict[str, dict[int, float]], dict[str, float], dict[str, str]]:
-    """Time `linear` laid out in each of `layouts`, in turn, at each row count of
-    `weights` (ascending): (layout -> rows -> median ms, layout -> weighted ms, layout ->
-    why it was dropped). A layout whose weighted time up to a row count (the third or a
-    later one, not the last) is over `DROP` times the best whole layout's up to the same
-    rows is dropped there: its larger row counts, the costly calls, are not timed, and it
-    has no score (torch's dense GEMM on the 160M model's fp32 shapes here: 2.5-5x the
-    panels' time by 32 rows; measuring took 1.4-1.5 s instead of 1.9-2.1). One layout is
-    built at a time (memory: the weight and one copy). Inputs come from a generator of
-    their own: the process's random stream is left as it was."""
+    """Time `linear` laid out in each of `layouts` at each row count of `weights`
+    (`measure_calls`); its inputs come from a generator of their own: the process's
+    random stream is left as it was."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(max(weights), linear.in_features, generator=gen).to(linear.weight.dtype)
+    inputs = {rows: (x[:rows],) for rows in weights}
+    return measure_calls(layouts, weights, lambda name: laid_out(name, linear) or linear, inputs)
+
+
+def measure_calls(layouts: list[str], weights: dict[int, float],
+                  build: Callable[[str], Callable[..., Any]], inputs: dict[int, tuple],
+                  unit: str = "rows"
+                  ) -> tuple[dict[str, dict[int, float]], dict[str, float], dict[str, str]]:
+    """Time each of `layouts` (`build(name)`: what to call), in turn, on `inputs[rows]` at
+    each row count of `weights` (ascending; `unit`: what they count, for the log):
+    (layout -> rows -> median ms, layout -> weighted ms, layout -> why it was dropped).
+    A layout whose weighted time up to a row count (the third or a later one, not the
+    last) is over `DROP` times the best whole layout's up to the same rows is dropped
+    there: its larger row counts, the costly calls, are not timed, and it has no score
+    (torch's dense GEMM on the 160M model's fp32 shapes here: 2.5-5x the panels' time by
+    32 rows; measuring took 1.4-1.5 s instead of 1.9-2.1). One layout is built at a time
+    (memory: the weight and one copy)."""
     times: dict[str, dict[int, float]] = {}
     scores: dict[str, float] = {}
     dropped: dict[str, str] = {}
     with torch.inference_mode():
         for name in layouts:
-            layer = laid_out(name, linear) or linear
+            call = build(name)
             times[name], mine = {}, 0.0
             for i, (rows, w) in enumerate(weights.items()):
-                times[name][rows] = round(_time_ms(layer, x[:rows]), 5)
+                times[name][rows] = round(_time_ms(call, *inputs[rows]), 5)
                 mine += w * times[name][rows]
                 best = min((sum(wr * times[n][r] for r, wr in weights.items() if r <= rows)
                             for n in scores), default=None)
                 if best and mine > DROP * best and DROP_FROM <= i + 1 < len(weights):
-                    dropped[name] = f"{mine / best:.1f}x (dropped at {rows} rows)"
+                    dropped[name] = f"{mine / best:.1f}x (dropped at {rows} {unit})"
                     break
             else:
                 scores[name] = round(mine, 5)
-            del layer
+            del call
     return times, scores, dropped
 
 
@@ -243,7 +266,7 @@ def _head_name(model: nn.Module) -> str | None:
     return names()[1].removesuffix(".weight") if callable(names) else None
 
 
-def _from_cache(record: Any, cands: list[str]) -> tuple[str, dict, dict, dict, str] | None:
+def from_cache(record: Any, cands: list[str]) -> tuple[str, dict, dict, dict, str] | None:
     """A cached record's (layout, times, scores, dropped, reason) if it is whole and its
     layout runs here."""
     try:
@@ -259,7 +282,7 @@ def _from_cache(record: Any, cands: list[str]) -> tuple[str, dict, dict, dict, s
             else None)
 
 
-class _Cache:
+class ChoiceCache:
     """The kernel cache for this start (engine/kernel_cache.py), read on first use."""
 
     def __init__(self, scheme: str) -> None:
@@ -300,7 +323,7 @@ def choose_linears(model: nn.Module, kernels: str | None = None, max_seqs: int |
     # how a choice is made (a record made otherwise is not reused)
     scheme = (f"v1 rows {row_weights(max_seqs, max_tokens, False)} reps {REPS}/{LONG_CALL_S}"
               f" margin {MARGIN} drop {DROP}/{DROP_FROM}")
-    cache = _Cache(scheme)
+    cache = ChoiceCache(scheme)
     deadline = time.perf_counter() + budget_s
     choices = []
     for (out, inp, dtype, bias, is_head), layers in sorted(
@@ -310,7 +333,7 @@ def choose_linears(model: nn.Module, kernels: str | None = None, max_seqs: int |
         first = layers[0][1]
         cands = candidates(first)
         found = cache.get(choice.key) if mode == "measure" and len(cands) > 1 else None
-        hit = None if found is None else _from_cache(found, cands)
+        hit = None if found is None else from_cache(found, cands)
         if mode == "vendor":
             choice.reason = "vendor mode"
         elif len(cands) == 1:

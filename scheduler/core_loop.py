@@ -54,8 +54,9 @@ class CoreInfo:
     # Objects the engine process moved out of the garbage collector's sight once loaded
     # (`freeze_heap`; 0 in the thread layout, where the server's app freezes its process).
     frozen_objects: int = 0
-    # Each CPU linear layer shape's layout and how it was chosen (`LinearChoice.as_dict`;
-    # engine/linear_choice.py); [] on a GPU or with cpu_prepack off.
+    # Each CPU linear layer shape's layout and each MoE stacked projection's kernel, and
+    # how they were chosen (`LinearChoice.as_dict`; engine/linear_choice.py,
+    # engine/expert_choice.py); [] on a GPU or with cpu_prepack off.
     linear_choices: list[dict] = field(default_factory=list)
     # How the KV pool was sized (attention/sizing.py's KVSizing; None for a core without
     # one): the server's /metrics exports it.

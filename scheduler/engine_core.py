@@ -24,8 +24,9 @@ from attention.select import select_attention
 from attention.storage import KVStorage
 from attention.swap import SwapSpace
 from engine.cpu_memory import keep_freed_memory
+from engine.expert_choice import choose_kernels
 from engine.generation_defaults import load_sampling_defaults
-from engine.linear_choice import LinearChoice, choose_linears
+from engine.linear_choice import LinearChoice
 from engine.loader import load_model
 from engine.penalties import TokenHistory
 from engine.runner import ModelRunner
@@ -83,11 +84,12 @@ class EngineCore(StepLaunch, StepComplete):
         # The served context reaches the model: Phi-3's longrope picks its factor set by it.
         self.model, self.model_config = load_model(config.model, dtype=dtype, device=str(self.device),
                                                    max_model_len=config.max_model_len)
-        # each linear layer shape's layout (panels, oneDNN, dense), timed on this CPU or
-        # cached (engine/linear_choice.py)
+        # each linear layer shape's layout (panels, oneDNN, dense) and each MoE stacked
+        # projection's kernel (panels, grouped mm), timed on this CPU or cached
+        # (engine/linear_choice.py, engine/expert_choice.py)
         self.linear_choices: list[LinearChoice] = []
         if self.device.type == "cpu" and config.cpu_prepack:
-            self.linear_choices = choose_linears(self.model, config.cpu_kernels,
+            self.linear_choices = choose_kernels(self.model, config.cpu_kernels,
                                                  config.max_num_seqs,
                                                  config.max_num_batched_tokens)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)

@@ -1,6 +1,7 @@
 // The element-wise parts of a Llama layer, fused: RMSNorm (with the residual add),
 // SiLU-and-mul and RoPE, each one pass over memory; and linear layers over their weights in
-// 16-column panels, for CPUs with AVX2 but no AVX-512 (`linear_panels`, linear_panels.h).
+// 16-column panels, for CPUs with AVX2 but no AVX-512 (`linear_panels`, linear_panels.h),
+// many MoE experts' at once (`linear_panels_grouped`).
 //
 // Registered as torch.ops.kvserve_layer.*; engine/layer_ops.py builds it on first use
 // and keeps torch's ops as the reference path. Why: in eager torch these are 3-8 ops
@@ -275,16 +276,42 @@ void check_panels(const at::Tensor& x, const at::Tensor& panels, const std::opti
               "bias must be a contiguous [N] of x's dtype");
 }
 
-// x times the panels in the layout's own way (bf16 pairs by dot products or by FMAs, else
-// an fp32 input), each tile's sums handed to `finish` (`panels::gemm`).
+// One weight's panels as `panels::gemm` reads them (check_panels has checked its tensor):
+// np panels over an input of depth k (values, not pairs), fp32 or bf16, in pairs or not.
+struct PanelWeight {
+  const void* data;
+  int64_t np, k;
+  bool pairs, bf16;
+};
+
+// `panels` [np, K, 16] or pairs [np, K/2, 16, 2] (`index`: weight `index` of a stack of them,
+// [E, np, ...]: a grouped op's expert).
+PanelWeight panel_weight(const at::Tensor& panels, int64_t index = -1) {
+  const int64_t d = index < 0 ? 0 : 1;  // the stack's dimension first
+  const bool pairs = panels.dim() == 4 + d;
+  const auto* base = static_cast<const char*>(panels.data_ptr());
+  const int64_t offset = index < 0 ? 0 : index * panels.stride(0) * panels.element_size();
+  return {base + offset, panels.size(d), panels.size(1 + d) * (pairs ? 2 : 1), pairs,
+          panels.scalar_type() == at::kBFloat16};
+}
+
+// The input as the panels read it: a bf16 one as it is for pairs, else fp32 (a bf16 input
+// widened once, here).
+at::Tensor panel_input(const at::Tensor& x, bool pairs) {
+  return pairs || x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+}
+
+// m rows of `x` (`panel_input`'s: bf16 pairs for a pair weight, else fp32) times the panels
+// in the layout's own way (bf16 pairs by dot products or by FMAs, else an fp32 input), each
+// tile's sums handed to `finish` (`panels::gemm`).
 template <typename F>
-void panels_gemm(const at::Tensor& x, const at::Tensor& panels, bool fma, int64_t prefetch_from,
+void panels_gemm(const void* x, int64_t m, const PanelWeight& w, bool fma, int64_t prefetch_from,
                  int64_t whole_k_to, F finish) {
   float* const c = nullptr;  // a finishing gemm keeps its own scratch
-  const int64_t m = x.size(0), k = x.size(1), np = panels.size(0);
-  if (panels.dim() == 4) {  // the bf16 input as it is: K/2 pairs a row
-    const auto* xp = reinterpret_cast<const panels::Pair*>(x.data_ptr());
-    const auto* wp = reinterpret_cast<const panels::Pair*>(panels.data_ptr());
+  const int64_t k = w.k, np = w.np;
+  if (w.pairs) {  // the bf16 input as it is: K/2 pairs a row
+    const auto* xp = static_cast<const panels::Pair*>(x);
+    const auto* wp = static_cast<const panels::Pair*>(w.data);
 #ifdef KVSERVE_KEYDIFF_AVX512
     // FMAs from kFmaWholeFrom rows (whole-K steps, up to kFmaWholeTo, need K in groups of
     // 32: every model's but toy ones; otherwise dot products up to there)
@@ -300,12 +327,12 @@ void panels_gemm(const at::Tensor& x, const at::Tensor& panels, bool fma, int64_
     }
     return;
   }
-  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  auto run = [&](auto tag) {
-    using scalar_t = decltype(tag);
-    panels::gemm(xf.data_ptr<float>(), m, k, panels.data_ptr<scalar_t>(), np, c, prefetch_from, whole_k_to, finish);
-  };
-  if (panels.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
+  const auto* xf = static_cast<const float*>(x);
+  if (w.bf16) {
+    panels::gemm(xf, m, k, static_cast<const at::BFloat16*>(w.data), np, c, prefetch_from, whole_k_to, finish);
+  } else {
+    panels::gemm(xf, m, k, static_cast<const float*>(w.data), np, c, prefetch_from, whole_k_to, finish);
+  }
 }
 
 // The bias of a panel's columns as fp32, zeros past n (b: zeroed by the caller; nothing
@@ -315,50 +342,108 @@ void panel_bias(const scalar_t* bp, int64_t j0, int64_t cols, float* b) {
   for (int64_t j = 0; j < cols && bp; ++j) b[j] = f32(bp[j0 + j]);
 }
 
+// y [m, n] (rows contiguous) = m rows of x (`panel_input`'s) times one weight's panels,
+// + bias bp [n] or none, rounded to the layer's dtype scalar_t: linear_panels' body, and
+// each expert's of linear_panels_grouped.
+template <typename scalar_t>
+void panels_into(const void* x, int64_t m, const PanelWeight& w, const scalar_t* bp, int64_t n, bool fma,
+                 int64_t prefetch_from, int64_t whole_k_to, scalar_t* yp) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (n == w.np * panels::kNR && !bp) {
+      // fp32 without a bias over whole panels: the sums are the output, made in place
+      panels::gemm(static_cast<const float*>(x), m, w.k, static_cast<const float*>(w.data), w.np, yp,
+                   prefetch_from, whole_k_to);
+      return;
+    }
+  }
+  // A tile's sums (+ bias, rounded to the layer's dtype) into y, as soon as they are whole
+  auto finish = [yp, bp, n](int, int64_t row, int64_t rows, int64_t first, int64_t count,
+                            const float* sums, int64_t ldc) {
+    for (int64_t panel = first; panel < first + count; ++panel, sums += panels::kNR) {
+      const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
+      float b[panels::kNR] = {};
+      panel_bias(bp, j0, cols, b);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* s = sums + r * ldc;
+        scalar_t* out = yp + (row + r) * n + j0;
+#ifdef KVSERVE_KEYDIFF_AVX512
+        if (cols == panels::kNR) {
+          const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(b));
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            _mm512_storeu_ps(out, v);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(v));
+          }
+          continue;
+        }
+#endif
+        for (int64_t j = 0; j < cols; ++j) out[j] = to<scalar_t>(s[j] + b[j]);
+      }
+    }
+  };
+  panels_gemm(x, m, w, fma, prefetch_from, whole_k_to, finish);
+}
+
 at::Tensor linear_panels(const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias,
                          int64_t n, bool fma, int64_t prefetch_from, int64_t whole_k_to) {
   check_panels(x, panels, bias, n);
-  const int64_t m = x.size(0), np = panels.size(0), ldc = np * panels::kNR;
-  auto run = [&](auto tag) -> at::Tensor {
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const PanelWeight w = panel_weight(panels);
+  const at::Tensor xin = panel_input(x, w.pairs);
+  auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
-    at::Tensor y = at::empty({m, n}, x.options());
-    if (std::is_same_v<scalar_t, float> && n == ldc && !bias) {
-      // fp32 without a bias over whole panels: the sums are the output, made in place
-      panels::gemm(x.data_ptr<float>(), m, x.size(1), panels.data_ptr<float>(), np, y.data_ptr<float>(),
-                   prefetch_from, whole_k_to);
-      return y;
-    }
-    // A tile's sums (+ bias, rounded to the layer's dtype) into y, as soon as they are whole
-    scalar_t* yp = y.data_ptr<scalar_t>();
-    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-    auto finish = [yp, bp, n](int, int64_t row, int64_t rows, int64_t first, int64_t count,
-                              const float* sums, int64_t ldc) {
-      for (int64_t panel = first; panel < first + count; ++panel, sums += panels::kNR) {
-        const int64_t j0 = panel * panels::kNR, cols = std::min(panels::kNR, n - j0);
-        float b[panels::kNR] = {};
-        panel_bias(bp, j0, cols, b);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* s = sums + r * ldc;
-          scalar_t* out = yp + (row + r) * n + j0;
-#ifdef KVSERVE_KEYDIFF_AVX512
-          if (cols == panels::kNR) {
-            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(b));
-            if constexpr (std::is_same_v<scalar_t, float>) {
-              _mm512_storeu_ps(out, v);
-            } else {
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16x16(v));
-            }
-            continue;
-          }
-#endif
-          for (int64_t j = 0; j < cols; ++j) out[j] = to<scalar_t>(s[j] + b[j]);
-        }
-      }
-    };
-    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, finish);
-    return y;
+    panels_into(xin.data_ptr(), x.size(0), w, bias ? bias->data_ptr<scalar_t>() : nullptr, n, fma, prefetch_from,
+                whole_k_to, y.data_ptr<scalar_t>());
   };
-  return x.scalar_type() == at::kFloat ? run(float{}) : run(at::BFloat16{});
+  if (x.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
+  return y;
+}
+
+// Many experts' linear layers over one input: x [N, K] holds each expert's rows one after
+// the other (expert e's end at offs[e], int32, rising to N: the `offs` of torch._grouped_mm),
+// panels [E, ceil(n/16), K, 16] (or bf16 pairs [E, ceil(n/16), K/2, 16, 2]) each expert's
+// weight as `linear_panels` takes it, bias [E, n] or none -> y [N, n], expert e's rows
+// through its own weight. The experts are looped over here, each through `panels_into`
+// as linear_panels runs one layer (its team splitting the expert's panels, so two threads
+// still share every expert's columns); an expert with no rows costs nothing. Why: ATen's
+// grouped mm on the CPU is a loop of mm_out (MKL), which takes its slow paths on AMD CPUs
+// (engine/models/moe.py has the measurements).
+at::Tensor linear_panels_grouped(const at::Tensor& x, const at::Tensor& panels, const at::Tensor& offs,
+                                 const std::optional<at::Tensor>& bias, int64_t n, bool fma, int64_t prefetch_from,
+                                 int64_t whole_k_to) {
+  TORCH_CHECK((panels.dim() == 4 || panels.dim() == 5) && panels.size(0) > 0,
+              "linear_panels_grouped takes panels [E, ceil(N/16), K, 16] or bf16 pairs [E, ceil(N/16), K/2, 16, 2]");
+  const int64_t experts = panels.size(0), m = x.dim() == 2 ? x.size(0) : 0;
+  check_panels(x, panels[0], std::nullopt, n);
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) == experts && offs.scalar_type() == at::kInt && offs.is_cpu() &&
+                  offs.is_contiguous(),
+              "offs must be a contiguous int32 [E] of the experts' row ends, got ", offs.sizes(), " ",
+              offs.scalar_type());
+  TORCH_CHECK(!bias || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->dim() == 2 &&
+                        bias->size(0) == experts && bias->size(1) == n),
+              "bias must be a contiguous [E, N] of x's dtype");
+  const int32_t* ends = offs.data_ptr<int32_t>();
+  for (int64_t e = 0; e < experts; ++e) {
+    TORCH_CHECK(ends[e] >= (e ? ends[e - 1] : 0), "offs must rise: expert ", e, " ends at ", ends[e],
+                " before ", e ? ends[e - 1] : 0);
+  }
+  TORCH_CHECK(ends[experts - 1] == m, "offs must end at x's rows (", m, "), got ", ends[experts - 1]);
+  at::Tensor y = at::empty({m, n}, x.options());
+  const at::Tensor xin = panel_input(x, panels.dim() == 5);
+  const int64_t row_bytes = xin.size(1) * xin.element_size();
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    const auto* xp = static_cast<const char*>(xin.data_ptr());
+    for (int64_t e = 0, start = 0; e < experts; start = ends[e++]) {
+      if (ends[e] == start) continue;
+      panels_into(xp + start * row_bytes, ends[e] - start, panel_weight(panels, e), bp ? bp + e * n : nullptr, n,
+                  fma, prefetch_from, whole_k_to, yp + start * n);
+    }
+  };
+  if (x.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
+  return y;
 }
 
 // `linear_panels(...).float().max(dim=-1).indices` without the output: the first column of
@@ -460,7 +545,8 @@ at::Tensor linear_panels_argmax(const at::Tensor& x, const at::Tensor& panels, c
           one(share * m + row + r, first + q, s + q * lanes, b + q * lanes, std::min(lanes, cols - q * lanes));
       }
     };
-    panels_gemm(x, panels, fma, prefetch_from, whole_k_to, finish);
+    const PanelWeight w = panel_weight(panels);
+    panels_gemm(panel_input(x, w.pairs).data_ptr(), m, w, fma, prefetch_from, whole_k_to, finish);
   };
   if (x.scalar_type() == at::kFloat) run(float{}); else run(at::BFloat16{});
   int64_t* op = out.data_ptr<int64_t>();
@@ -501,6 +587,8 @@ TORCH_LIBRARY(kvserve_layer, m) {
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("linear_panels(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, int prefetch_from=6, "
         "int whole_k_to=0) -> Tensor");
+  m.def("linear_panels_grouped(Tensor x, Tensor panels, Tensor offs, Tensor? bias, int n, bool fma=False, "
+        "int prefetch_from=6, int whole_k_to=0) -> Tensor");
   m.def("linear_panels_argmax(Tensor x, Tensor panels, Tensor? bias, int n, bool fma=False, "
         "int prefetch_from=6, int whole_k_to=0) -> Tensor");
   m.def("linear_panels_isa() -> str");
@@ -512,6 +600,7 @@ TORCH_LIBRARY_IMPL(kvserve_layer, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_", &rotary_);
   m.impl("linear_panels", &linear_panels);
+  m.impl("linear_panels_grouped", &linear_panels_grouped);
   m.impl("linear_panels_argmax", &linear_panels_argmax);
 }
 

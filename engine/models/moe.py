@@ -32,6 +32,32 @@ against 14-18 for the 8 products alone. On CUDA the same call runs torch's group
 kernel (sm90 and bf16; elsewhere its fallback, the same per-expert loop behind a host
 sync); sorting by expert and `searchsorted` for the offsets keep the step free of host
 syncs. The CUDA path is untested on a GPU.
+
+On the CPU each stacked projection runs on one of two kernels, chosen per stacked shape at
+start by timing both on the rows its experts see (engine/expert_choice.py, cached per
+machine; `--cpu-kernels vendor`: panels where the linear layers take panels,
+`panels_for`): `torch._grouped_mm` as above, or kvserve's panel GEMM (`PanelExperts`,
+engine/cpu_experts.py: each expert's weight in `PanelLinear`'s 16-column panels, laid out
+once at load and the dense stack dropped, and one `linear_panels_grouped` call whose C++
+loops over the experts, skipping empty ones, each expert's columns split over the thread
+team as a linear layer's are). Routing, sorting, `offs`, biases, activation and the
+`index_add_` are the same on both. Measured on an AMD EPYC (Zen 3, AVX2, a 2-core machine
+shared with other jobs: runs differ by up to ~2x, ranges of 2-3), issue 66's moe shape
+(E=16, H=512, I=256, k=2, fp32), tokens routed uniformly at random, panels' speed over
+grouped mm's at 1 / 8 / 32 / 64 / 512 tokens:
+- each projection alone, one thread: gate/up 1.6 / 1.9-2.3 / 2.5-2.6 / 2.7-2.8 /
+  1.1-1.3x, down 1.8-2.5 / 1.9-2.7 / 2.4-5.2 / 2.1-4.3 / 1.35x; two threads: gate/up
+  1.6-2.1 / 2.9-3.4 / 3.9-4.5 / 3.3-3.4 / 1.3-1.5x, down 2.2-2.4 / 3.2 / 3.3-6.8 /
+  2.6-2.8 / 1.2-1.45x (down at 64 tokens: 0.9 ms grouped mm, 0.35 panels);
+- the whole `Experts.forward`, one thread: 1.5-1.9 / 2.2-2.6 / 2.6-3.0 / 2.3-2.8 /
+  1.1-1.3x (panels 0.21-0.24 / 0.6-1.4 / 1.9-2.0 / 2.3-3.4 / 12-16 ms); two threads
+  with the engine's waits (engine/cpu_threads.py: offline's spin, serve's poll) 1.2-1.6 /
+  2.6-3.5 / 2.6-4.5 / 2.5-3.1 / 1.3x. Under OpenMP's default waits (a ~15 ms spin)
+  512 tokens ran 0.84-1.22x, the projections still faster alone: torch's ops between
+  them, it seems, waiting on cores the team's polling threads held.
+- bf16 (panels widened as read; torch's bf16 grouped mm emulated): one thread 1.9 /
+  3.0 / 5.5 / 7.2 / 8.4x, two threads 1.5 / 2.1 / 2.4 / 3.0 / 3.8x.
+fp32 answers differ from grouped mm's by the summation order (1e-6 relative here).
 """
 
 from __future__ import annotations
@@ -45,6 +71,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from engine.cpu_experts import PanelExperts
 from engine.layer_ops import silu_and_mul
 from engine.model_config import ModelConfig
 
@@ -142,7 +169,9 @@ def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> None:
 
 
 class Experts(nn.Module):
-    """The E experts' MLPs as stacked weights; forward(x, weights, ids) -> [T, H]."""
+    """The E experts' MLPs as stacked weights; forward(x, weights, ids) -> [T, H]. Each
+    projection's stack is a parameter (torch._grouped_mm) or, once laid out on the CPU,
+    a `PanelExperts` (`lay_out_panels`)."""
 
     def __init__(self, spec: MoeSpec) -> None:
         super().__init__()
@@ -171,21 +200,36 @@ class Experts(nn.Module):
         act = F.silu if self.act_fn is None else self.act_fn
         return act(gate) * up
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def lay_out_panels(self, name: str) -> None:
+        """Projection `name` ("gate_up_proj" or "down_proj") in panels from here on
+        (engine/cpu_experts.py), its dense stacked weight dropped (memory does not double)."""
+        laid = PanelExperts(getattr(self, name), self.spec.transposed)
+        delattr(self, name)
+        setattr(self, name, laid)
+
+    def _project(self, name: str, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """x [N, in] (rows sorted by expert, expert e's ending at offs[e]) through projection
+        `name`'s stacked weights: in panels where they were laid out so
+        (engine/expert_choice.py), else one torch._grouped_mm."""
+        w = getattr(self, name)
+        if isinstance(w, PanelExperts):
+            return w(x, offs)
         _grouped_mm_runs(x.device.type, x.dtype)
+        if not self.spec.transposed:  # [E, out, in] -> [E, in, out] views, no copy
+            w = w.transpose(1, 2)
+        return torch._grouped_mm(x, w, offs=offs)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t, k = ids.shape
         # (token, choice) pairs grouped by expert: expert e's rows end at offs[e].
         sorted_ids, order = ids.flatten().sort(stable=True)
         experts = torch.arange(self.spec.num_experts, device=x.device, dtype=sorted_ids.dtype)
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-        w_in, w_out = self.gate_up_proj, self.down_proj
-        if not self.spec.transposed:  # [E, out, in] -> [E, in, out] views, no copy
-            w_in, w_out = w_in.transpose(1, 2), w_out.transpose(1, 2)
         tokens = order // k  # each sorted pair's token
-        h = torch._grouped_mm(x[tokens], w_in, offs=offs)
+        h = self._project("gate_up_proj", x[tokens], offs)
         if self.spec.bias:
             h = h + self.gate_up_proj_bias[sorted_ids]
-        y = torch._grouped_mm(self._act(h), w_out, offs=offs)
+        y = self._project("down_proj", self._act(h), offs)
         if self.spec.bias:
             y = y + self.down_proj_bias[sorted_ids]
         # Each pair's output scaled in place (fp32: y itself) and added into its token's
