@@ -126,12 +126,16 @@ def _rows_whole(x: torch.Tensor) -> bool:
 
 def causal_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        out: torch.Tensor | None = None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+                       sinks: torch.Tensor | None = None,
+                       window: int | None = None) -> torch.Tensor:
     """`attention.torch_attention.causal_self_attention`'s contract (q [T, Hq, D], k/v [T, Hkv, D]
     -> [T, Hq, D], into `out` when given; `softcap`, `sinks` [Hq]) on the `causal_prefill`
     op where it runs (`causal_prefill_runs`, each row's heads and channels contiguous; the
-    op writes a contiguous `out` itself); SDPA (or its explicit softmax) elsewhere."""
+    op writes a contiguous `out` itself); SDPA (or its explicit softmax) elsewhere, and
+    where a sliding `window` is shorter than the chunk (the op has no window)."""
     k, v = k.to(q.dtype), v.to(q.dtype)
+    if window is not None and window < q.shape[0]:
+        return causal_self_attention(q, k, v, scale, out, softcap, sinks, window)
     if causal_prefill_runs(q.dtype, q.shape[2]) and all(map(_rows_whole, (q, k, v))):
         kw = features(softcap, sinks)
         if out is None or out.is_contiguous():

@@ -156,26 +156,46 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float, out: torch.Tensor | None = None,
                           softcap: float | None = None,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None,
+                          window: int | None = None) -> torch.Tensor:
     """A prompt chunk with nothing cached before it attends only to its own keys:
     q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] by plain causal SDPA (the fused kernel,
     no block gather, no [T, S] mask). About half of a 3M model's prefill time went to
     gathering and masking before this existed. k/v in another dtype (read back from a
     narrower pool) are cast to q's, as in `paged_attention`. Into `out` when given.
     `softcap` / `sinks` ([Hq]): `paged_attention`'s, by the explicit softmax, a block of
-    queries at a time (its scores are [Hq, rows, keys])."""
+    queries at a time (its scores are [Hq, rows, keys]).
+
+    `window` (a sliding-window layer's, `visible_mask`'s rule: query i sees keys i-w+1..i):
+    where it is shorter than the chunk, blocks of queries each over the keys their windows
+    reach, under a band mask, so a windowed layer's first chunk takes this path as a
+    global layer's does instead of the paged path's block gather and [T, S] mask (Gemma
+    3's five local layers in six: every prompt longer than its window went there)."""
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype), v.to(q.dtype)
-    if softcap is not None or sinks is not None:
-        t = q.shape[0]
+    t = q.shape[0]
+    banded = window is not None and window < t
+    if softcap is not None or sinks is not None or banded:
         o = torch.empty_like(q) if out is None else out
         pos = torch.arange(t, device=q.device)
-        step = max(1, _EXPLICIT_ELEMS // max(1, t * q.shape[1]))
+        explicit = softcap is not None or sinks is not None
+        # explicit: at most _EXPLICIT_ELEMS scores a block; SDPA: blocks of the window's
+        # size, so a block's keys are at most twice its queries
+        step = (max(1, _EXPLICIT_ELEMS // max(1, t * q.shape[1])) if explicit
+                else max(window or t, 256))
         for a in range(0, t, step):
-            e = min(t, a + step)  # queries a..e-1 see keys 0..e-1
-            mask = (pos[None, :e] <= pos[a:e, None])[None]
-            o[a:e] = explicit_attention(q[None, a:e], k[None, :e], v[None, :e], mask, scale,
-                                        softcap, sinks)[0][0]
+            e = min(t, a + step)  # queries a..e-1 see keys lo..e-1
+            lo = max(0, a - window + 1) if banded else 0
+            kp, qp = pos[None, lo:e], pos[a:e, None]
+            mask = (kp <= qp) & (kp > qp - window) if banded else kp <= qp
+            if explicit:
+                o[a:e] = explicit_attention(q[None, a:e], k[None, lo:e], v[None, lo:e],
+                                            mask[None], scale, softcap, sinks)[0][0]
+            else:
+                o[a:e] = F.scaled_dot_product_attention(
+                    q[a:e].transpose(0, 1)[None], k[lo:e].transpose(0, 1)[None],
+                    v[lo:e].transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                    enable_gqa=g > 1)[0].transpose(0, 1)
         return o
     # 4-D inputs: with 3-D ones CPU SDPA leaves its fused kernel (~3x slower).
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],

@@ -191,16 +191,14 @@ def step_slots(inputs: list[SeqInput], offsets: list[int], total: int, num_layer
     return out
 
 
-def fresh_prompts(inputs: list[SeqInput], windows: list[int | None]) -> set[int]:
+def fresh_prompts(inputs: list[SeqInput]) -> set[int]:
     """Inputs that are a prompt's first chunk with nothing else cached (no prefix hit),
-    needing no attention statistics and no sliding window shorter than the chunk: their
-    attention is plain causal self-attention over the chunk's own keys."""
-    limit = min((w for w in windows if w is not None), default=None)
+    needing no attention statistics: their attention is causal self-attention over the
+    chunk's own keys (in a sliding-window layer, banded to its window)."""
     return {
         i for i, s in enumerate(inputs)
         if len(s.token_ids) > 1 and s.start_pos == 0 and not s.wants_attention
         and s.cache.live == len(s.token_ids) * s.cache.num_layers
-        and (limit is None or len(s.token_ids) <= limit)
     }
 
 

@@ -144,7 +144,7 @@ class ModelRunner:
             groups = [decode_batch_group(decode, positions, kernel)]
         else:
             scored = [i for i, s in enumerate(inputs) if s.score is not None]
-            fresh = fresh_prompts(inputs, windows)
+            fresh = fresh_prompts(inputs)
             groups = self._groups(inputs, offsets, fresh, kernel, pads)
         if heads > 1:
             groups = [by_head(g, heads, cfg.num_layers) for g in groups]
@@ -190,11 +190,11 @@ class ModelRunner:
                 norms.append(new_norms(k, v, store.storage_dtype))
             whole = bool(groups) and groups[0].whole
             out = q if whole else torch.empty_like(q)  # `whole`: replaced below
+            window = windows[layer]
             for i in fresh:
                 a, n = offsets[i], len(inputs[i].token_ids)
                 causal(q[a : a + n], k[a : a + n], v[a : a + n], self.scale, out=out[a : a + n],
-                       **feat)
-            window = windows[layer]
+                       window=window, **feat)
             for j, g in enumerate(groups):
                 if (j in prefixed and (window is None or window > prefixed[j])
                         and prefix_prefill_runs(q.dtype, q.shape[-1], store.storage_dtype,

@@ -280,3 +280,23 @@ def test_the_engine_attends_chunks_after_a_prefix_through_the_op(tmp_path, monke
     layers = load_model_config(path).num_layers
     assert chunked == 2 * layers  # the second and third chunks, every layer
     assert len(calls) > chunked and llm.engine.scheduler.prefix_hits > 0
+
+
+@pytest.mark.parametrize(("t", "window"), [(600, 1), (600, 100), (600, 300), (513, 512)])
+@pytest.mark.parametrize("feat", ["none", "softcap", "sinks"])
+def test_a_sliding_window_shorter_than_the_chunk(t: int, window: int, feat: str) -> None:
+    """A windowed layer's fresh chunk: blocks of queries over the keys their windows reach
+    (SDPA, or the explicit softmax for soft-capping and sinks) equal one masked softmax
+    over every key with `visible_mask`'s window rule; `causal_prefill_cpu` takes that path
+    too (its op has no window), the window honoured wherever the op would run."""
+    from attention.torch_attention import explicit_attention, visible_mask
+
+    q, k, v = qkv_views(t, 6, 2, 64, torch.float32, seed=window)
+    kw = {"none": {}, "softcap": {"softcap": 3.0},
+          "sinks": {"sinks": torch.linspace(-1, 1, 6)}}[feat]
+    pos = torch.arange(t)[None]
+    want, _ = explicit_attention(q[None], k[None], v[None], visible_mask(pos, pos, window),
+                                 0.125, **kw)
+    got = causal_self_attention(q, k, v, 0.125, window=window, **kw)
+    torch.testing.assert_close(got, want[0], atol=2e-5, rtol=1e-5)
+    assert torch.equal(causal_prefill_cpu(q, k, v, 0.125, window=window, **kw), got)

@@ -85,14 +85,23 @@ def test_fresh_prompt_fast_path_equals_paged_attention(llama):
                              torch.arange(11)[None], cfg.head_dim**-0.5)
     got = causal_self_attention(q, k, v, cfg.head_dim**-0.5)
     torch.testing.assert_close(got, ref[0], atol=1e-5, rtol=1e-5)
+    # A sliding window shorter than the chunk: the banded blocks (SDPA, and the explicit
+    # softmax of soft-capping and sinks) give what the paged path's window mask gives.
+    sinks = torch.randn(cfg.num_heads, generator=g)
+    for window in (1, 3, 8, 10, 11, 40):
+        for feat in ({}, {"softcap": 2.0}, {"sinks": sinks}):
+            ref, _ = paged_attention(q[None], eng.pool.storage.k_cache, eng.pool.storage.v_cache,
+                                     cache.table[0:1, :nb], cache.slot_pos[0:1, : nb * 4],
+                                     torch.arange(11)[None], cfg.head_dim**-0.5, window, **feat)
+            got = causal_self_attention(q, k, v, cfg.head_dim**-0.5, window=window, **feat)
+            torch.testing.assert_close(got, ref[0], atol=1e-5, rtol=1e-5)
 
     fresh = SeqInput([5] * 11, 0, slots, cache, True)
     other = SeqCache(eng.pool, cfg.num_layers)
     stats = SeqInput([5] * 6, 0, other.append(torch.arange(6)), other, True, True)
-    assert fresh_prompts([fresh, stats], [None] * cfg.num_layers) == {0}
-    assert fresh_prompts([fresh], [8] * cfg.num_layers) == set()  # window < chunk
+    assert fresh_prompts([fresh, stats]) == {0}
     later = SeqInput([5] * 3, 11, cache.append(torch.arange(11, 14)), cache, True)
-    assert fresh_prompts([later], [None] * cfg.num_layers) == set()  # cached prefix
+    assert fresh_prompts([later]) == set()  # cached prefix
 
 
 @pytest.mark.parametrize("kv_policy", ["full", {"name": "h2o", "budget": 24, "window": 4}])
