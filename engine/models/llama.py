@@ -121,7 +121,7 @@ class LlamaMLP(nn.Module):
         if self.act == "silu":
             return self.down_proj(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(self.act_fn(gate).mul_(up))  # act's output is fresh: in place
 
 
 class LlamaDecoderLayer(nn.Module):
