@@ -23,6 +23,9 @@ from attention.quant import QuantCache, gather_dequant
 # Position given to padded query rows. Their output is discarded by the caller; a row
 # that sees no slot (possible for padding under a sliding window) yields zeros.
 PAD_QUERY_POS = 2**30
+# The explicit softmax (soft-capping, sinks, the mass policies read) holds [Hq, rows,
+# keys] fp32 scores a block of query rows at a time: 16 Mi elements (64 MiB) at most.
+_EXPLICIT_ELEMS = 1 << 24
 
 
 def visible_mask(slot_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -95,8 +98,7 @@ def paged_attention(
         v = gather_blocks(v_cache, table)
     mask = visible_mask(slot_pos, q_pos, window)  # [B, Tq, S]
     if explicit:
-        out, mass = explicit_attention(q, k, v, mask, scale, softcap, sinks)
-        return out, (mass if return_probs else None)
+        return _explicit_by_rows(q, k, v, mask, scale, softcap, sinks, return_probs)
     k, v = k.to(q.dtype), v.to(q.dtype)  # SDPA wants one dtype; no copy when the pool's is q's
     if tq == 1 and g > 1:
         # Decode under GQA: the G query heads of a kv head become G query rows against
@@ -153,6 +155,31 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return out.to(q.dtype), mass
 
 
+def _explicit_by_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                      return_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`explicit_attention` a block of query rows at a time, so that one block's scores
+    ([B, Hq, rows, S] float32, and the softmax's copies of them) stay within
+    `_EXPLICIT_ELEMS`: a prompt chunk of 2,048 tokens against 8k slots of a 32-head
+    model would otherwise hold 2 GiB of scores at once, memory no activation reserve
+    counts. Rows are independent, so the blocks give the rows' own results."""
+    b, tq, hq, _ = q.shape
+    step = max(1, _EXPLICIT_ELEMS // max(1, b * hq * k.shape[1]))
+    if step >= tq:
+        out, mass = explicit_attention(q, k, v, mask, scale, softcap, sinks)
+        return out, (mass if return_probs else None)
+    out = torch.empty_like(q)
+    mass = (torch.empty(b, tq, k.shape[2], k.shape[1], dtype=torch.float32, device=q.device)
+            if return_probs else None)
+    for a in range(0, tq, step):
+        o, m = explicit_attention(q[:, a : a + step], k, v, mask[:, a : a + step], scale,
+                                  softcap, sinks)
+        out[:, a : a + step] = o
+        if mass is not None:
+            mass[:, a : a + step] = m
+    return out, mass
+
+
 def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float, out: torch.Tensor | None = None,
                           softcap: float | None = None,
@@ -202,8 +229,3 @@ def causal_self_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                        v.transpose(0, 1)[None], is_causal=True,
                                        scale=scale, enable_gqa=g > 1)[0].transpose(0, 1)
     return o if out is None else out.copy_(o)
-
-
-# The explicit softmax of a fresh prompt holds [Hq, rows, keys] fp32 scores a block of
-# rows at a time: 16 Mi elements (64 MiB) at most.
-_EXPLICIT_ELEMS = 1 << 24

@@ -300,3 +300,29 @@ def test_a_sliding_window_shorter_than_the_chunk(t: int, window: int, feat: str)
     got = causal_self_attention(q, k, v, 0.125, window=window, **kw)
     torch.testing.assert_close(got, want[0], atol=2e-5, rtol=1e-5)
     assert torch.equal(causal_prefill_cpu(q, k, v, 0.125, window=window, **kw), got)
+
+
+def test_the_paged_explicit_softmax_runs_in_blocks_of_query_rows() -> None:
+    """A prompt chunk whose explicit softmax (here: the mass a policy reads, and sinks)
+    would hold more than `_EXPLICIT_ELEMS` scores at once runs a block of query rows at a
+    time, with each row's own results: the same output and mass as one pass."""
+    from attention import torch_attention as ta
+
+    b, tq, hq, hkv, d, bs = 1, 1100, 4, 2, 32, 16
+    s = 4000  # 4 x 1,100 x 4,000 = 17.6M scores > 16 Mi: two blocks
+    assert hq * tq * s > ta._EXPLICIT_ELEMS >= hq * s
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(s // bs, bs, hkv, d, generator=g)
+    v_cache = torch.randn(s // bs, bs, hkv, d, generator=g)
+    q = torch.randn(b, tq, hq, d, generator=g)
+    table = torch.arange(s // bs)[None]
+    slot_pos = torch.arange(s)[None]
+    q_pos = torch.arange(s - tq, s)[None]
+    sinks = torch.linspace(-1, 1, hq)
+    out, mass = ta.paged_attention(q, k_cache, v_cache, table, slot_pos, q_pos, 0.2,
+                                   return_probs=True, sinks=sinks)
+    k, v = ta.gather_blocks(k_cache, table), ta.gather_blocks(v_cache, table)
+    want, want_mass = ta.explicit_attention(q, k, v, ta.visible_mask(slot_pos, q_pos, None),
+                                            0.2, sinks=sinks)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(mass, want_mass, atol=1e-7, rtol=1e-5)
