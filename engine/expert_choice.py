@@ -29,7 +29,6 @@ grouped mm 1.52; measured)") and kept with the linear layers' on the engine
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,16 +49,13 @@ from engine.linear_choice import (
     ChoiceCache,
     LinearChoice,
     choose_linears,
-    from_cache,
     kernel_mode,
     measure_calls,
-    pick,
     row_weights,
+    settle,
     short_dtype,
 )
 from engine.models.moe import Experts
-
-log = logging.getLogger("kvserve.engine")
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
@@ -122,6 +118,15 @@ def kernel_of(layout: str, weight: torch.Tensor, transposed: bool) -> Any:
     return lambda x, offs: torch._grouped_mm(x, w, offs=offs)
 
 
+def _timed(cands: list[str], weights: dict[int, float], weight: torch.Tensor, experts: int,
+           top_k: int, transposed: bool) -> tuple[dict, dict, dict]:
+    """`measure_calls` of each candidate kernel on tokens routed at random (`settle`'s
+    measurement: made only when nothing cached or ruled decides)."""
+    return measure_calls(cands, weights,
+                         functools.partial(kernel_of, weight=weight, transposed=transposed),
+                         routed_inputs(weight, experts, top_k, transposed, weights), "tokens")
+
+
 def _projections(model: nn.Module) -> Iterator[tuple[Experts, str, tuple]]:
     """Each dense CPU stacked projection of `model`: (block, name, its shape's key)."""
     for m in model.modules():
@@ -157,40 +162,14 @@ def choose_experts(model: nn.Module, kernels: str | None = None, max_seqs: int |
                                len(members), vendor_layout(first), "vendor", experts=e,
                                top_k=k, transposed=transposed)
         cands = candidates(first)
-        found = cache.get(choice.key) if mode == "measure" and len(cands) > 1 else None
-        hit = None if found is None else from_cache(found, cands)
-        if mode == "vendor":
-            choice.reason = "vendor mode"
-        elif len(cands) == 1:
-            choice.layout, choice.source = cands[0], "only"
-        elif hit is not None:
-            (choice.layout, choice.times_ms, choice.score_ms, choice.dropped,
-             choice.reason) = hit
-            choice.source = "cached"
-        elif time.perf_counter() > deadline:
-            choice.reason = f"the {budget_s:g} s measuring budget was spent"
-        else:
-            try:
-                choice.times_ms, choice.score_ms, choice.dropped = measure_calls(
-                    cands, weights, functools.partial(kernel_of, weight=first,
-                                                      transposed=transposed),
-                    routed_inputs(first, e, k, transposed, weights), "tokens")
-                choice.layout, choice.reason = pick(choice.score_ms, cands[0])
-                choice.source = "measured"
-                cache.put(choice.key, choice.record())
-            except Exception as err:  # the vendor rule still runs
-                log.warning("CPU experts %s: measuring failed (%s); the vendor rule",
-                            choice.key, err)
-                choice.reason = f"measuring failed: {err}"
-                choice.times_ms, choice.score_ms, choice.dropped = {}, {}, {}
+        settle(choice, cands, cache, mode, deadline, budget_s, "CPU experts",
+               functools.partial(_timed, cands, weights, first, e, k, transposed))
         del first  # each block's dense stack goes as it is laid out: no copy held over
         if choice.layout == "panels":
             for block, name in members:
                 block.lay_out_panels(name)
             choice.variant = "bf16 pairs" if getattr(members[0][0], members[0][1]).pairs else ""
-        log.info(choice.line(), extra={"fields": {
-            "shape": choice.key, "layers": choice.layers, "layout": choice.layout,
-            "source": choice.source, "score_ms": choice.score_ms}})
+        choice.log()
         choices.append(choice)
     cache.save()
     return choices

@@ -46,6 +46,7 @@ and within the same budget (engine/expert_choice.py: `choose_kernels` runs both)
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -145,6 +146,12 @@ class LinearChoice:
                     f"{self.score_ms[self.layout]:.3f} ms vs {others}; {self.source}{why})")
         why = f": {self.reason}" if self.reason else ""
         return f"{shape} -> {self.kernel} ({self.source}{why})"
+
+    def log(self) -> None:
+        """`line` into the start-up log, with the choice as structured fields."""
+        log.info(self.line(), extra={"fields": {
+            "shape": self.key, "layers": self.layers, "layout": self.layout,
+            "source": self.source, "score_ms": self.score_ms}})
 
     @property
     def kernel(self) -> str:
@@ -306,6 +313,36 @@ class ChoiceCache:
             kernel_cache.store(self.fp, self.new)
 
 
+def settle(choice: LinearChoice, cands: list[str], cache: ChoiceCache, mode: str,
+           deadline: float, budget_s: float, what: str,
+           timed: Callable[[], tuple[dict, dict, dict]]) -> None:
+    """Fill in `choice` (its layout, source, reason and times): the vendor rule in vendor
+    mode, the only candidate, a cached record, the vendor rule once the budget is spent
+    or if measuring fails, else `timed()` (times, scores, dropped) measured now, picked
+    (`pick`) and cached. One rule for linear layers and MoE experts."""
+    found = cache.get(choice.key) if mode == "measure" and len(cands) > 1 else None
+    hit = None if found is None else from_cache(found, cands)
+    if mode == "vendor":
+        choice.reason = "vendor mode"
+    elif len(cands) == 1:
+        choice.layout, choice.source = cands[0], "only"
+    elif hit is not None:
+        choice.layout, choice.times_ms, choice.score_ms, choice.dropped, choice.reason = hit
+        choice.source = "cached"
+    elif time.perf_counter() > deadline:
+        choice.reason = f"the {budget_s:g} s measuring budget was spent"
+    else:
+        try:
+            choice.times_ms, choice.score_ms, choice.dropped = timed()
+            choice.layout, choice.reason = pick(choice.score_ms, cands[0])
+            choice.source = "measured"
+            cache.put(choice.key, choice.record())
+        except Exception as e:  # the vendor rule still runs
+            log.warning("%s %s: measuring failed (%s); the vendor rule", what, choice.key, e)
+            choice.reason = f"measuring failed: {e}"
+            choice.times_ms, choice.score_ms, choice.dropped = {}, {}, {}
+
+
 def choose_linears(model: nn.Module, kernels: str | None = None, max_seqs: int | None = None,
                    max_tokens: int | None = None, budget_s: float = BUDGET_S
                    ) -> list[LinearChoice]:
@@ -332,30 +369,9 @@ def choose_linears(model: nn.Module, kernels: str | None = None, max_seqs: int |
                               len(layers), "dense", "vendor")
         first = layers[0][1]
         cands = candidates(first)
-        found = cache.get(choice.key) if mode == "measure" and len(cands) > 1 else None
-        hit = None if found is None else from_cache(found, cands)
-        if mode == "vendor":
-            choice.reason = "vendor mode"
-        elif len(cands) == 1:
-            choice.layout, choice.source = cands[0], "only"
-        elif hit is not None:
-            (choice.layout, choice.times_ms, choice.score_ms, choice.dropped,
-             choice.reason) = hit
-            choice.source = "cached"
-        elif time.perf_counter() > deadline:
-            choice.reason = f"the {budget_s:g} s measuring budget was spent"
-        else:
-            try:
-                choice.times_ms, choice.score_ms, choice.dropped = measure(
-                    first, cands, row_weights(max_seqs, max_tokens, is_head))
-                choice.layout, choice.reason = pick(choice.score_ms, cands[0])
-                choice.source = "measured"
-                cache.put(choice.key, choice.record())
-            except Exception as e:  # the vendor rule still runs
-                log.warning("CPU linear %s: measuring failed (%s); the vendor rule",
-                            choice.key, e)
-                choice.reason = f"measuring failed: {e}"
-                choice.times_ms, choice.score_ms, choice.dropped = {}, {}, {}
+        settle(choice, cands, cache, mode, deadline, budget_s, "CPU linear",
+               functools.partial(measure, first, cands,
+                                 row_weights(max_seqs, max_tokens, is_head)))
         for name, linear in layers:
             if choice.source == "vendor":  # today's rule, layer by layer
                 faster = faster_linear(linear)
@@ -370,9 +386,7 @@ def choose_linears(model: nn.Module, kernels: str | None = None, max_seqs: int |
                 parent_name, _, attr = name.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
                 setattr(parent, attr, faster)
-        log.info(choice.line(), extra={"fields": {
-            "shape": choice.key, "layers": choice.layers, "layout": choice.layout,
-            "source": choice.source, "score_ms": choice.score_ms}})
+        choice.log()
         choices.append(choice)
     cache.save()
     return choices

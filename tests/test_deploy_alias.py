@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.spawn import python_path
 from scheduler.async_engine import AsyncEngine
+from scheduler.engine_core import EngineCore
 from scheduler.outputs import EngineStats
 from server.cli import build_parser
 from server.metrics import VLLM_ALIASES, ServerMetrics, add_metrics_alias
@@ -165,22 +166,28 @@ def test_kvserve_serve_metrics_alias_vllm(tmp_path: Path) -> None:
         log.close()
 
 
-def test_cache_config_info_counts_lanes_on_a_per_head_pool(tmp_path: Path) -> None:
-    """A per-head pool's page holds one (layer, kv head)'s tokens: vLLM's blocks are its
-    pages over the lanes (layers × kv heads), as the core reports them once loaded."""
+def _vllm_alias_of(core: EngineCore) -> tuple:
+    """The core's info as the server loads it, and a scrape of the vllm: alias beside it."""
     from scheduler.core_loop import CoreLoop
-    from scheduler.llm import LLM
 
-    model_dir = make_tiny_model("llama", tmp_path / "llama")
-    core = LLM(model_dir, num_blocks=96, block_size=4, device="cpu", kv_layout="head").engine
     info = CoreLoop(core, warmup=False).info()
-    mc = core.model_config
-    assert info.num_lanes == mc.num_layers * mc.num_kv_heads > mc.num_layers
     engine = fake_engine(core.stats())
     engine.info = info
     metrics = ServerMetrics(engine)
     add_metrics_alias(metrics, engine, "vllm", "m")
-    smp = samples(generate_latest(metrics.registry).decode())
+    return info, samples(generate_latest(metrics.registry).decode())
+
+
+def test_cache_config_info_counts_lanes_on_a_per_head_pool(tmp_path: Path) -> None:
+    """A per-head pool's page holds one (layer, kv head)'s tokens: vLLM's blocks are its
+    pages over the lanes (layers × kv heads), as the core reports them once loaded."""
+    from scheduler.llm import LLM
+
+    model_dir = make_tiny_model("llama", tmp_path / "llama")
+    core = LLM(model_dir, num_blocks=96, block_size=4, device="cpu", kv_layout="head").engine
+    info, smp = _vllm_alias_of(core)
+    mc = core.model_config
+    assert info.num_lanes == mc.num_layers * mc.num_kv_heads > mc.num_layers
     assert value(smp, "vllm:cache_config_info", block_size="4",
                  num_gpu_blocks=str(96 // info.num_lanes)) == 1
 
@@ -193,19 +200,13 @@ def test_cache_config_info_counts_vllms_groups_on_a_hybrid_pool(tmp_path: Path, 
     groups (vLLM's hybrid manager groups by the fewest layers of one kind: the 1 global
     layer), not of every layer: 120 pages are 120 of vLLM's blocks; with the hybrid KV
     cache off, 120 / 6."""
-    from scheduler.core_loop import CoreLoop
     from scheduler.llm import LLM
 
     model_dir = make_tiny_model("gemma3", tmp_path / "gemma3", num_hidden_layers=6,
                                 sliding_window_pattern=6, sliding_window=16)
     core = LLM(model_dir, num_blocks=120, block_size=4, device="cpu",
                hybrid_kv_cache=hybrid).engine
-    info = CoreLoop(core, warmup=False).info()
+    info, smp = _vllm_alias_of(core)
     assert info.num_lanes == 6 and info.kv_sizing.block_lanes == lanes
-    engine = fake_engine(core.stats())
-    engine.info = info
-    metrics = ServerMetrics(engine)
-    add_metrics_alias(metrics, engine, "vllm", "m")
-    smp = samples(generate_latest(metrics.registry).decode())
     assert value(smp, "vllm:cache_config_info", block_size="4",
                  num_gpu_blocks=str(120 // lanes)) == 1
