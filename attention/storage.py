@@ -121,12 +121,17 @@ class KVStorage:
     # ---- what the runner and the policies' bridge do with the tensors ---------------
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V [T, Hkv, D] at physical slots [T] (rounded to the pool's dtype, or
-        quantized with a scale per token and kv head / group)."""
+        quantized with a scale per token and kv head / group). A per-head pool (one kv
+        head a slot) takes a layer's K/V [T, H, D] as they are, at slots [H·T],
+        head-major (the runner's `write_slots` of the layer's lanes)."""
+        if (self.quant is None and slots.device.type == "cpu" and k.stride(-1) == 1
+                and v.stride(-1) == 1 and key_stats.load_storage_ops()):
+            # one C++ pass (csrc/storage_cpu.cpp)
+            torch.ops.kvserve_storage.write_kv(self._flat[0], self._flat[1], slots, k, v)
+            return
+        if k.shape[1] != self.kv.shape[3]:  # per head: [T, H, D] -> [H·T, 1, D]
+            k, v = (x.transpose(0, 1).reshape(-1, 1, x.shape[2]) for x in (k, v))
         if self.quant is None:
-            if (slots.device.type == "cpu" and k.stride(-1) == 1 and v.stride(-1) == 1
-                    and key_stats.load_storage_ops()):  # one C++ pass (csrc/storage_cpu.cpp)
-                torch.ops.kvserve_storage.write_kv(self._flat[0], self._flat[1], slots, k, v)
-                return
             self._flat[0][slots] = k.to(self.kv.dtype)
             self._flat[1][slots] = v.to(self.kv.dtype)
             return

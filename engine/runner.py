@@ -181,11 +181,7 @@ class ModelRunner:
             feat = self.features[layer]
             if sums is not None:  # before attention, which may write its output over q
                 sums.add(q)
-            if heads > 1:  # [T, H, D] -> [H·T, 1, D], as the slots
-                store.write(write_slots[layer], k.transpose(0, 1).reshape(-1, 1, k.shape[2]),
-                            v.transpose(0, 1).reshape(-1, 1, v.shape[2]))
-            else:
-                store.write(write_slots[layer], k, v)
+            store.write(write_slots[layer], k, v)  # per head: [T, H, D] at [H·T] slots
             if norms is not None:
                 norms.append(new_norms(k, v, store.storage_dtype))
             whole = bool(groups) and groups[0].whole

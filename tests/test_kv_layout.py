@@ -393,3 +393,27 @@ def test_adaptive_keeps_every_heads_floor_through_decode(head_llm: LLM) -> None:
     lows = [min(s["live"]) for s in snaps if s["sampled"]]
     assert len(lows) > 3
     assert min(lows) >= int(ALPHA * BUDGET), lows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+def test_a_per_head_pool_takes_a_layers_kv_as_the_projection_gives_it(
+        dtype: torch.dtype | str) -> None:
+    """`KVStorage.write` into a pool of one kv head a slot: a layer's K/V [T, H, D] (here
+    strided views of one fused projection output, as the models make them) at slots
+    [H·T], head-major, land where the regrouped [H·T, 1, D] rows would: through the C++
+    op (float pools) and the torch path (a quantized pool)."""
+    from attention.storage import KVStorage
+
+    t, h, d = 5, 3, 8
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(t, (4 + 2 * h) * d, generator=g).view(t, 4 + 2 * h, d)
+    k, v = qkv[:, 4 : 4 + h], qkv[:, 4 + h :]
+    slots = torch.randperm(8 * 4, generator=g)[: h * t]
+    got, want = KVStorage(8, 4, 1, d, dtype=dtype), KVStorage(8, 4, 1, d, dtype=dtype)
+    got.write(slots, k, v)
+    want.write(slots, *(x.transpose(0, 1).reshape(-1, 1, d).contiguous() for x in (k, v)))
+    assert torch.equal(got.kv, want.kv)
+    if want.quant is not None:
+        assert torch.equal(got.scales, want.scales)
+    with pytest.raises(RuntimeError, match="slots must be"):
+        KVStorage(8, 4, 1, d).write(slots[:t], k, v)  # one slot a token: too few

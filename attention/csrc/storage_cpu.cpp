@@ -94,8 +94,11 @@ at::Tensor key_diversity(const at::Tensor& k_cache, const at::Tensor& table,
 // index_puts, ~60 us each at 64 rows of the 3m model (half a millisecond of its 8 ms
 // decode step for 8 writes). Converted as torch's .to() converts (round to nearest even; a
 // NaN is written as the canonical NaN, where torch's vector conversion may keep its bits).
+// `per_head`: the pool holds one kv head a slot ([slots, 1, D]) and token t's head h
+// goes to slots[h * n + t] (the runner's per-head slots, head-major), so a layer's
+// K/V [T, H, D] is written as it comes out of the projection, with no regrouping copy.
 template <typename TS, typename TD>
-void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots) {
+void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots, bool per_head) {
   const int64_t n = src.size(0), hkv = src.size(1), d = src.size(2);
   const int64_t s0 = src.stride(0), s1 = src.stride(1);
   const TS* sp = src.data_ptr<TS>();
@@ -104,7 +107,7 @@ void put_rows(const at::Tensor& src, at::Tensor& dst, const int64_t* slots) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < hkv; ++h) {
         const TS* x = sp + t * s0 + h * s1;
-        TD* y = dp + (slots[t] * hkv + h) * d;
+        TD* y = dp + (per_head ? slots[h * n + t] : slots[t] * hkv + h) * d;
         if constexpr (std::is_same_v<TS, TD>) {
           std::memcpy(y, x, d * sizeof(TD));
         } else {
@@ -123,13 +126,18 @@ void write_kv(at::Tensor k_flat, at::Tensor v_flat, const at::Tensor& slots, con
     TORCH_CHECK(sp[t] >= 0 && sp[t] < k_flat.size(0), "slot out of range");
   for (auto [dst, src] : {std::pair<at::Tensor*, const at::Tensor*>{&k_flat, &k}, {&v_flat, &v}}) {
     TORCH_CHECK(dst->dim() == 3 && dst->is_contiguous(), "the pool planes must be contiguous [slots, Hkv, D]");
-    TORCH_CHECK(src->dim() == 3 && src->stride(2) == 1 && src->size(0) == sl.size(0) &&
-                    src->size(1) == dst->size(1) && src->size(2) == dst->size(2),
+    TORCH_CHECK(src->dim() == 3 && src->stride(2) == 1 && src->size(2) == dst->size(2),
                 "k and v must be [T, Hkv, D] with unit last stride");
+    // a pool of the model's kv heads a slot: a slot a token; a per-head pool: a slot a
+    // (kv head, token), head-major
+    const bool per_head = dst->size(1) == 1 && src->size(1) > 1;
+    TORCH_CHECK(per_head ? sl.size(0) == src->size(0) * src->size(1)
+                         : src->size(0) == sl.size(0) && src->size(1) == dst->size(1),
+                "slots must be [T] for k and v [T, Hkv, D] (or [Hkv * T] into a pool of one kv head a slot)");
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src->scalar_type(), "write_kv", [&] {
       using TS = scalar_t;
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst->scalar_type(), "write_kv", [&] {
-        put_rows<TS, scalar_t>(*src, *dst, sp);
+        put_rows<TS, scalar_t>(*src, *dst, sp, per_head);
       });
     });
   }
