@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -139,7 +140,7 @@ def build_view(members: list[Member]) -> RowsView:
         num_layers=nl, num_new=members[0].num_new,
         seq_len=[m.seq_len for m in members], prompt_len=[m.prompt_len for m in members],
         prefill_done=[m.prefill_done for m in members],
-        lengths=[live[layer] for layer in range(nl) for live in lives],
+        lengths=list(chain.from_iterable(zip(*lives))),  # lane-major, every lane's rows
         slot_pos=rows_slice(tables.slot_pos, rows, width), block_size=bs, heads=tables.heads)
     # How the lanes of a layer keep tokens over a per-head pool (policies/heads.py).
     mode = getattr(getattr(policy, "config", None), "heads_mode", None)
@@ -231,7 +232,7 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     n = nl * r
     nexts = [m.cache.next_slot for m in members]
     if k == 1:  # decode: one slot per (layer, member), the last one written
-        slots = [nxt[layer] - 1 for layer in range(nl) for nxt in nexts]
+        slots = [x - 1 for x in chain.from_iterable(zip(*nexts))]  # lane-major
         index = int64_tensor([x for layer in range(nl) for x in [layer] * r]
                              + list(range(r)) * nl + slots).view(3, n, 1)
     else:
