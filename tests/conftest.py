@@ -6,6 +6,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +58,16 @@ os.environ.setdefault("KVSERVE_KERNEL_CHOICE", "vendor")
 # Test models are tiny: a second OpenMP thread only adds synchronisation, and on a busy
 # 2-core machine it makes every op wait for a descheduled thread.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def choice_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A CPU kernel-choice cache of the test's own (in tmp_path), and measurement the
+    default instead of the vendor rules (tests/test_linear_choice.py, test_moe_panels.py)."""
+    path = tmp_path / "kernels" / "cpu_kernels.json"
+    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(path))
+    monkeypatch.delenv("KVSERVE_KERNEL_CHOICE", raising=False)
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -21,12 +21,11 @@ from engine.linear_choice import pack_linears
 from engine.sampling import SamplingParams
 from native.cpu import cpuinfo
 from scheduler.llm import LLM
+from tests.panels import needs_panels
 from tests.tiny_models import make_tiny_model
 
 needs_onednn = pytest.mark.skipif(not packing_available(torch.float32),
                                   reason="this torch build has no oneDNN prepacking")
-needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
-                                  reason="no vector panel kernel here (no AVX2)")
 
 
 @pytest.fixture

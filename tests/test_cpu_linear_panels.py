@@ -19,16 +19,8 @@ from native.cpu import pair_fma, prefetch_from, whole_k_to
 from scheduler.llm import LLM
 from tests.isa import cpu_has as isa_has
 from tests.isa import expected_path
+from tests.panels import LAYOUTS, needs_panels
 from tests.tiny_models import make_tiny_model
-
-needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
-                                  reason="no vector panel kernel here (no AVX2)")
-
-# The panels' layouts: fp32; bf16 widened as read; bf16 pairs by dot products; by FMAs.
-LAYOUTS = pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
-                                                      (torch.bfloat16, False, False),
-                                                      (torch.bfloat16, True, False),
-                                                      (torch.bfloat16, True, True)])
 
 
 @needs_panels

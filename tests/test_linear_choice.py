@@ -48,15 +48,6 @@ class Tiny(nn.Module):
         return [*self.up, self.down, self.lm_head]
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """The kernel cache in tmp_path, and measurement the default (conftest's is vendor)."""
-    path = tmp_path / "kernels" / "cpu_kernels.json"
-    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(path))
-    monkeypatch.delenv("KVSERVE_KERNEL_CHOICE", raising=False)
-    return path
-
-
 def _same_as_f_linear(layer: nn.Module, ref: nn.Linear) -> None:
     """`layer` answers as `ref` (its dense original) does: fp32 to its rounding (the
     tolerance of tests/test_cpu_linear.py), bf16 within a bf16 ulp of the fp32 sum
@@ -77,7 +68,7 @@ def _same_as_f_linear(layer: nn.Module, ref: nn.Linear) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_shape_is_measured_and_its_choice_recorded_with_its_times(cache, dtype) -> None:
+def test_each_shape_is_measured_and_its_choice_recorded_with_its_times(choice_cache, dtype) -> None:
     model, ref = Tiny(dtype), Tiny(dtype)
     choices = choose_linears(model)
     assert [(c.out_features, c.in_features, c.layers, c.bias, c.head) for c in choices] == [
@@ -132,10 +123,10 @@ def test_the_vendor_rules_layout_stays_unless_another_is_clearly_faster() -> Non
     assert pick({"panels": 1.0, "onednn": 1.2}, "panels") == ("panels", "")
 
 
-def test_the_cache_is_written_and_read_back_on_the_same_fingerprint(cache) -> None:
+def test_the_cache_is_written_and_read_back_on_the_same_fingerprint(choice_cache) -> None:
     first = choose_linears(Tiny())
-    assert cache.is_file()
-    data = json.loads(cache.read_text())
+    assert choice_cache.is_file()
+    data = json.loads(choice_cache.read_text())
     (machine,) = data["machines"].values()
     fp = machine["fingerprint"]
     assert fp["threads"] == torch.get_num_threads() and fp["torch"] == torch.__version__
@@ -152,36 +143,36 @@ def test_the_cache_is_written_and_read_back_on_the_same_fingerprint(cache) -> No
     _same_as_f_linear(model.lm_head, Tiny().lm_head)
 
 
-def test_a_changed_fingerprint_measures_again(cache) -> None:
+def test_a_changed_fingerprint_measures_again(choice_cache) -> None:
     choose_linears(Tiny())
     torch.set_num_threads(2 if torch.get_num_threads() != 2 else 1)  # conftest restores it
     assert {c.source for c in choose_linears(Tiny())} == {"measured"}
-    assert len(json.loads(cache.read_text())["machines"]) == 2  # both kept
+    assert len(json.loads(choice_cache.read_text())["machines"]) == 2  # both kept
     # so does another scheme: fewer decode rows (max_num_seqs 16) are timed anew
     assert {c.source for c in choose_linears(Tiny(), max_seqs=16)} == {"measured"}
 
 
 @pytest.mark.parametrize("text", ["{not json", '{"version": 99, "machines": {}}', "[1, 2]"])
-def test_a_corrupt_cache_is_ignored_with_a_warning(cache, caplog, text: str) -> None:
-    cache.parent.mkdir(parents=True)
-    cache.write_text(text)
+def test_a_corrupt_cache_is_ignored_with_a_warning(choice_cache, caplog, text: str) -> None:
+    choice_cache.parent.mkdir(parents=True)
+    choice_cache.write_text(text)
     with caplog.at_level(logging.WARNING, logger="kvserve.engine"):
         choices = choose_linears(Tiny())
     assert {c.source for c in choices} == {"measured"}
     assert any("corrupt" in r.getMessage() for r in caplog.records)
-    data = json.loads(cache.read_text())  # written anew, whole
+    data = json.loads(choice_cache.read_text())  # written anew, whole
     assert data["version"] == kernel_cache.VERSION and len(data["machines"]) == 1
 
 
-def test_a_bad_record_is_measured_again(cache) -> None:
+def test_a_bad_record_is_measured_again(choice_cache) -> None:
     """A record of this fingerprint that is not whole, or names a layout this CPU cannot
     run, is measured again (and replaced)."""
     first = choose_linears(Tiny())
-    data = json.loads(cache.read_text())
+    data = json.loads(choice_cache.read_text())
     (machine,) = data["machines"].values()
     machine["shapes"][first[0].key] = {"layout": "panels"}  # no times
     machine["shapes"][first[1].key]["layout"] = "tiles"  # not a layout
-    cache.write_text(json.dumps(data))
+    choice_cache.write_text(json.dumps(data))
     assert [c.source for c in choose_linears(Tiny())] == ["measured", "measured", "cached"]
     assert [c.source for c in choose_linears(Tiny())] == ["cached"] * 3
 
@@ -210,7 +201,7 @@ def test_the_cache_path_respects_xdg_and_the_override(tmp_path, monkeypatch) -> 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_vendor_mode_makes_the_vendor_rules_choices(cache, monkeypatch, how: str,
+def test_vendor_mode_makes_the_vendor_rules_choices(choice_cache, monkeypatch, how: str,
                                                     dtype: torch.dtype) -> None:
     if how == "environment":
         monkeypatch.setenv("KVSERVE_KERNEL_CHOICE", "vendor")
@@ -218,17 +209,17 @@ def test_vendor_mode_makes_the_vendor_rules_choices(cache, monkeypatch, how: str
     want = [type(faster_linear(m) or m) for m in Tiny(dtype).layers()]
     choices = choose_linears(model, "vendor" if how == "argument" else None)
     assert [type(m) for m in model.layers()] == want
-    assert {c.source for c in choices} == {"vendor"} and not cache.exists()
+    assert {c.source for c in choices} == {"vendor"} and not choice_cache.exists()
     assert pack_linears(Tiny(dtype), "vendor") == sum(t is not nn.Linear for t in want)
 
 
-def test_shapes_past_the_budget_take_the_vendor_rule(cache) -> None:
+def test_shapes_past_the_budget_take_the_vendor_rule(choice_cache) -> None:
     model = Tiny()
     want = [type(faster_linear(m) or m) for m in Tiny().layers()]
     choices = choose_linears(model, budget_s=0.0)
     assert {c.source for c in choices} == {"vendor"}
     assert all("budget" in c.reason for c in choices)
-    assert [type(m) for m in model.layers()] == want and not cache.exists()
+    assert [type(m) for m in model.layers()] == want and not choice_cache.exists()
 
 
 def test_an_unknown_mode_is_refused(monkeypatch) -> None:
@@ -240,7 +231,7 @@ def test_an_unknown_mode_is_refused(monkeypatch) -> None:
     assert kernel_mode() == "measure"
 
 
-def test_an_engine_measures_its_layers_and_reports_them(cache, tmp_path) -> None:
+def test_an_engine_measures_its_layers_and_reports_them(choice_cache, tmp_path) -> None:
     """An engine on the default (measure) generates what dense weights do, keeps its
     choices, and hands them to the server in its CoreInfo."""
     from engine.sampling import SamplingParams

@@ -24,15 +24,7 @@ from engine.expert_choice import (
 )
 from engine.linear_choice import MARGIN, row_weights
 from engine.models.moe import MoeSpec, SparseMoe
-
-needs_panels = pytest.mark.skipif(not cpu_linear.panels_available(),
-                                  reason="no vector panel kernel here (no AVX2)")
-
-# fp32; bf16 widened as read; bf16 pairs by dot products; by FMAs (tests/test_cpu_linear_panels.py)
-LAYOUTS = pytest.mark.parametrize("dtype,pairs,fma", [(torch.float32, False, False),
-                                                      (torch.bfloat16, False, False),
-                                                      (torch.bfloat16, True, False),
-                                                      (torch.bfloat16, True, True)])
+from tests.panels import LAYOUTS, needs_panels
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, ends: list[int], bias: torch.Tensor | None
@@ -168,21 +160,12 @@ class TwoBlocks(nn.Module):
         self.oss = _block("gpt_oss", dtype)
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """The kernel cache in tmp_path, and measurement the default (conftest's is vendor)."""
-    path = tmp_path / "kernels" / "cpu_kernels.json"
-    monkeypatch.setenv("KVSERVE_KERNEL_CACHE", str(path))
-    monkeypatch.delenv("KVSERVE_KERNEL_CHOICE", raising=False)
-    return path
-
-
 def _kernels(model: TwoBlocks) -> list[type]:
     return [type(getattr(b.experts, n)) for b in (*model.blocks, model.oss)
             for n in ("gate_up_proj", "down_proj")]
 
 
-def test_each_stacked_shape_is_measured_recorded_and_reused(cache) -> None:
+def test_each_stacked_shape_is_measured_recorded_and_reused(choice_cache) -> None:
     model, ref = TwoBlocks(), TwoBlocks()
     choices = choose_experts(model)
     assert [(c.experts, c.out_features, c.in_features, c.top_k, c.transposed, c.layers)
@@ -213,7 +196,7 @@ def test_each_stacked_shape_is_measured_recorded_and_reused(cache) -> None:
         for ours, theirs in ((model.blocks[1], ref.blocks[1]), (model.oss, ref.oss)):
             torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-5)
     if len(candidates(ref.oss.experts.down_proj)) > 1:
-        (machine,) = json.loads(cache.read_text())["machines"].values()
+        (machine,) = json.loads(choice_cache.read_text())["machines"].values()
         assert set(machine["shapes"]) == {c.key for c in choices}
         again = TwoBlocks()
         cached = choose_experts(again)
@@ -223,7 +206,7 @@ def test_each_stacked_shape_is_measured_recorded_and_reused(cache) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vendor_mode_and_a_spent_budget_take_the_vendor_rule(cache, dtype) -> None:
+def test_vendor_mode_and_a_spent_budget_take_the_vendor_rule(choice_cache, dtype) -> None:
     rule = vendor_layout(TwoBlocks(dtype).blocks[0].experts.gate_up_proj)
     assert rule == ("panels" if cpu_linear.panels_for(dtype) else "grouped_mm")
     for kw in ({"kernels": "vendor"}, {"budget_s": 0.0}):
@@ -233,11 +216,11 @@ def test_vendor_mode_and_a_spent_budget_take_the_vendor_rule(cache, dtype) -> No
         assert {c.layout for c in choices} == {rule}
         laid = PanelExperts if rule == "panels" else nn.Parameter
         assert _kernels(model) == [laid] * 6
-    assert not cache.exists()
+    assert not choice_cache.exists()
 
 
 @needs_panels
-def test_an_engine_reports_its_experts_choices_and_generates_alike(cache, tmp_path) -> None:
+def test_an_engine_reports_its_experts_choices_and_generates_alike(choice_cache, tmp_path) -> None:
     """An MoE engine on the default (measure) records its experts' choices beside its
     linear layers' (`choose_kernels`), and with its experts forced onto panels generates
     what the engine without laid-out kernels does."""
