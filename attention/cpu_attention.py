@@ -70,24 +70,30 @@ from native.cpu import pair_fma
 
 log = logging.getLogger(__name__)
 _stale_warned = False
+_loaded = False
 
 
 def kernel_available() -> bool:
     """Build (once per process; the compiled library is cached on disk) and load the op.
 
-    A library without `paged_decode_quant` is an older build of the same name (seen when
-    checkouts of different versions share TORCH_EXTENSIONS_DIR and rebuild it in turn):
-    decode then falls back to the torch path, and says so once."""
-    global _stale_warned
+    A library without `paged_decode_quant` or the latest argument (`heads`) is an older
+    build of the same name (seen when checkouts of different versions share
+    TORCH_EXTENSIONS_DIR and rebuild it in turn): decode then falls back to the torch
+    path, and says so once. A yes is kept: the runner asks every layer of every step, and
+    reading the op's schema was 15 us a call (~70 us of a 3m model's 9 ms decode step)."""
+    global _stale_warned, _loaded
+    if _loaded:
+        return True
     if not load_ops("kvserve_paged_decode_cpu"):
         return False
     if hasattr(torch.ops.kvserve, "paged_decode_quant") and any(
-            a.name == "sinks" for a in torch.ops.kvserve.paged_decode.default._schema.arguments):
+            a.name == "heads" for a in torch.ops.kvserve.paged_decode.default._schema.arguments):
+        _loaded = True
         return True
     if not _stale_warned:
         _stale_warned = True
         log.warning("the loaded kvserve_paged_decode_cpu library is an older build (no "
-                    "paged_decode_quant or sinks; another checkout shares TORCH_EXTENSIONS_DIR?): "
+                    "paged_decode_quant or heads; another checkout shares TORCH_EXTENSIONS_DIR?): "
                     "using the torch path")
     return False
 
@@ -196,6 +202,7 @@ def paged_attention_cpu(
     ring_shift: int = 0,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    heads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `attention.torch_attention.paged_attention` (`softcap` and `sinks`
     included); decode rows use the kernel.
@@ -214,8 +221,17 @@ def paged_attention_cpu(
     every head, as column ring_cols[b] of its ring and keeps the ring's exact total
     (pyramid's observation window, `Needs.ring`; native/csrc/window_ring.h), and
     returns no mass. Both on the kernel only, a float pool and the mass summed over
-    the heads (`accumulates`)."""
+    the heads (`accumulates`).
+    `heads` > 1, decode rows on the kernel only: a per-head pool's call (`--kv-layout
+    head`) with q [B, 1, Hq, D] as the model gives it, each sequence's kv head h a row of
+    its own, row h·B + b of the tables (or of `table_rows`' blocks: row h·(R/heads) +
+    table_rows[b]), of the mass and of `accumulate`'s/`ring`'s rows, reading and writing
+    q's query heads [h·Hq/heads, (h+1)·Hq/heads) in place: no regrouping of q and the
+    output around the call (engine/attention_groups.by_head); `q_pos` and `ring_cols`
+    stay [B]; `sinks` [Hq]."""
     kw = features(softcap, sinks)
+    if heads > 1:
+        kw["heads"] = heads
     if accumulate is not None or ring is not None:
         assert q.shape[1] == 1 and quant is None and (sum_heads or k_cache.shape[2] == 1)
         out, _, _ = torch.ops.kvserve.paged_decode(
@@ -224,6 +240,7 @@ def paged_attention_cpu(
             ring_cols, ring_shift, **kw)
         return out[:, None], None
     if q.shape[1] != 1 or not kernel_available():
+        assert heads == 1, "a per-head call runs on the kernel"
         if table_rows is not None:
             table, slot_pos = table.index_select(0, table_rows), slot_pos.index_select(0, table_rows)
         return paged_attention(q, k_cache, v_cache, table, slot_pos, q_pos, scale, window,
@@ -246,9 +263,7 @@ def accumulates(pool: KVStorage) -> bool:
     """Whether decode rows' mass can go into a per-slot state inside the kernel
     (`paged_attention_cpu(accumulate=, ring=)`, which also need the mass summed over the
     kv heads there): the kernel built, with the arguments, and a float pool."""
-    return (pool.quant is None and kernel_available()
-            # a library built from an older source (a shared TORCH_EXTENSIONS_DIR) has none
-            and any(a.name == "ring" for a in torch.ops.kvserve.paged_decode.default._schema.arguments))
+    return pool.quant is None and kernel_available()
 
 
 def fuses_key_diversity(pool: KVStorage, windows: list[int | None]) -> bool:
@@ -264,7 +279,7 @@ def paged_decode_key_diversity(
     slot_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, window: int | None = None,
     return_probs: bool = False, sum_heads: bool = False, rows: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None, softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, heads: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`paged_attention_cpu` of decode rows (q [B, 1, Hq, D]) that also returns KeyDiff's
     score of every visible slot, [B, S] float32 (0 where none), of the rows flagged in
@@ -274,12 +289,12 @@ def paged_decode_key_diversity(
     separate op read every live key from DRAM again after the step: at 16 requests of
     ~1k tokens that op was ~1 ms, ~20% of a 3m model's decode step (issue 18: a policy's
     statistics accumulated during attention, not gathered after the step). Callers
-    check `fuses_key_diversity` first. `table_rows`, `softcap`, `sinks`: as
-    `paged_attention_cpu`'s."""
+    check `fuses_key_diversity` first. `table_rows`, `softcap`, `sinks`, `heads`: as
+    `paged_attention_cpu`'s (`rows` [B] a sequence; the scores a call's row)."""
     assert q.shape[1] == 1 and not window, "decode rows without a window"
     out, mass, kd = torch.ops.kvserve.paged_decode(
         q[:, 0], k_cache, v_cache, table, slot_pos, q_pos.reshape(-1), float(scale), 0,
         return_probs, torch.ones(q.shape[0], dtype=torch.bool) if rows is None else rows,
-        sum_heads, table_rows, **features(softcap, sinks),
+        sum_heads, table_rows, **features(softcap, sinks), heads=heads,
     )
     return out[:, None], (mass[:, None] if return_probs else None), kd

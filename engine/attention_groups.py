@@ -49,6 +49,10 @@ class AttentionGroup:
     # decode kernel adds the members' mass into (`SeqInput.accumulate` names it), or None.
     accumulate: torch.Tensor | None = None
     ring: RingTarget | None = None  # the window ring the kernel writes the mass into
+    # > 1: a decode group over a per-head pool as the C++ kernel takes it (`by_head`'s
+    # `in_kernel`): q, q_pos, want_kd and the ring's columns a member, as they were; the
+    # tables' rows a (kv head, member), `heads` blocks (`paged_attention_cpu(heads=)`).
+    heads: int = 1
 
 
 @dataclass(slots=True)
@@ -202,7 +206,8 @@ def fresh_prompts(inputs: list[SeqInput]) -> set[int]:
     }
 
 
-def by_head(g: AttentionGroup, heads: int, num_layers: int) -> AttentionGroup:
+def by_head(g: AttentionGroup, heads: int, num_layers: int, in_kernel: bool = False
+            ) -> AttentionGroup:
     """A group over a per-head pool (`--kv-layout head`: the tables' lanes are (layer,
     kv head), `heads` of them a layer) as the kernels take it: each member's kv head h
     a sequence of its own with one kv head, row h·B + b of [L, H·B, ...] tables (views
@@ -210,12 +215,23 @@ def by_head(g: AttentionGroup, heads: int, num_layers: int) -> AttentionGroup:
     pages and length. q goes in as `heads_q` makes it and comes out through `heads_out`.
     A group read in place (every row of the tables, `table_rows`: `SlotTables.rows_of`
     hands a per-head pool's decode groups so) is viewed without a copy, and so are the
-    lanes' state the kernel adds the mass into and the window ring."""
+    lanes' state the kernel adds the mass into and the window ring.
+    `in_kernel` (a decode group on the C++ kernel): the kernel makes the (kv head,
+    member) rows itself (`AttentionGroup.heads`), so only the tables are viewed: no
+    per-step index tensors, and no regrouping of q and the output (2 copies a layer)."""
     rows = g.tables.shape[1]
 
     def lanes(t: torch.Tensor, write: bool = False) -> torch.Tensor:  # [L·H, R, X] -> [L, H·R, X]
         shape = (num_layers, heads * rows, *t.shape[2:])
         return t.view(shape) if write else t.reshape(shape)  # a target must stay a view
+
+    if in_kernel:
+        ring = None if g.ring is None else RingTarget(
+            lanes(g.ring.values, True), lanes(g.ring.total, True), g.ring.cols, g.ring.shift)
+        return AttentionGroup(
+            g.members, g.q_index, g.valid, g.q_pos, lanes(g.tables), lanes(g.slot_pos),
+            g.want_probs, g.want_kd, False, g.whole, g.table_rows,
+            None if g.accumulate is None else lanes(g.accumulate, True), ring, heads)
 
     table_rows = None
     if g.table_rows is not None:  # row r of head h is row h·R + r of the lanes' view

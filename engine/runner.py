@@ -147,7 +147,8 @@ class ModelRunner:
             fresh = fresh_prompts(inputs)
             groups = self._groups(inputs, offsets, fresh, kernel, pads)
         if heads > 1:
-            groups = [by_head(g, heads, cfg.num_layers) for g in groups]
+            groups = [by_head(g, heads, cfg.num_layers, kernel and g.q_index.shape[1] == 1)
+                      for g in groups]
         score_rows, score_targets = _score_rows(inputs, offsets, scored)
         if dev.type != "cpu":  # every host-built input in one host-to-device copy
             flat = [input_ids, positions, write_slots, score_rows, score_targets]
@@ -198,9 +199,12 @@ class ModelRunner:
                     self._prefix_prefill(g, layer, q, k, v, out, inputs, offsets, feat)
                     continue
                 qg = q[:, None] if whole else q[g.q_index]
-                args = (qg if heads == 1 else heads_q(qg, heads), g.tables[layer],
+                regroup = heads > 1 and g.heads == 1  # else the kernel reads q as it is
+                args = (heads_q(qg, heads) if regroup else qg, g.tables[layer],
                         g.slot_pos[layer], g.q_pos, self.scale, window, g.want_probs)
-                kw = dict(feat if heads == 1 else heads_features(feat, heads, len(g.members)))
+                kw = dict(heads_features(feat, heads, len(g.members)) if regroup else feat)
+                if g.heads > 1:
+                    kw["heads"] = g.heads
                 if g.sum_heads:
                     kw["sum_heads"] = True
                 if g.table_rows is not None:  # the C++ kernel's: rows read in place
@@ -216,7 +220,7 @@ class ModelRunner:
                     kds[j].append(kd)
                 else:
                     o, probs = store.attend(self.attention_fn, *args, **kw)
-                if heads > 1:
+                if regroup:
                     o = heads_out(o, heads)
                 if whole:
                     out = o[:, 0]

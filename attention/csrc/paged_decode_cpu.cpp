@@ -72,6 +72,15 @@ struct QueryIO {
   int64_t s0, s1, Hq, D;
   float scale;
   int64_t os0;
+  // A per-head pool's call (`heads` of paged_decode): its rows are (kv head h, sequence
+  // b) pairs, row h * bq + b, and read query heads [h * Hq, (h + 1) * Hq) of sequence b's
+  // q and out, hs and ohs elements further along the row than head block 0's. bq == 0:
+  // row b is sequence b.
+  int64_t bq = 0, hs = 0, ohs = 0;
+
+  int64_t seq(int64_t b) const { return bq == 0 ? b : b % bq; }  // the row's sequence
+  int64_t q_at(int64_t b) const { return bq == 0 ? b * s0 : b % bq * s0 + b / bq * hs; }
+  int64_t out_at(int64_t b) const { return bq == 0 ? b * os0 : b % bq * os0 + b / bq * ohs; }
 
   template <typename F>
   void with_type(F f) const {  // dtype checked by paged_decode
@@ -85,7 +94,7 @@ struct QueryIO {
   // dst[h * D + x] = q[b, h, x] * scale, in fp32.
   void read(int64_t b, float* dst) const {
     with_type([&](auto t) {
-      const auto* src = static_cast<const decltype(t)*>(q) + b * s0;
+      const auto* src = static_cast<const decltype(t)*>(q) + q_at(b);
       for (int64_t h = 0; h < Hq; ++h)
         for (int64_t x = 0; x < D; ++x)
           dst[h * D + x] = static_cast<float>(src[h * s1 + x]) * scale;
@@ -95,7 +104,7 @@ struct QueryIO {
   void write(int64_t b, const float* src, const float* inv) const {
     with_type([&](auto t) {
       using TQ = decltype(t);
-      TQ* dst = static_cast<TQ*>(out) + b * os0;
+      TQ* dst = static_cast<TQ*>(out) + out_at(b);
       for (int64_t h = 0; h < Hq; ++h) {
         const float f = inv ? inv[h] : 1.f;
         for (int64_t x = 0; x < D; ++x) dst[h * D + x] = static_cast<TQ>(src[h * D + x] * f);
@@ -104,7 +113,7 @@ struct QueryIO {
   }
   void zero(int64_t b) const {  // a sequence that sees no slot
     const size_t elem = c10::elementSize(dtype);
-    std::memset(static_cast<char*>(out) + b * os0 * elem, 0, Hq * D * elem);
+    std::memset(static_cast<char*>(out) + out_at(b) * elem, 0, Hq * D * elem);
   }
 };
 
@@ -145,8 +154,14 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   // The table row of sequence b: rows[b] of the tables handed in whole when the step's
   // rows are not consecutive (gathering them was a copy of every row's positions a
   // step), else b.
+  // A per-head call (`io.bq`) hands a row per sequence, [bq], indexing each head's
+  // block of rh table rows: row h * bq + b reads table row h * rh + rows[b].
   const int64_t* rows = nullptr;
-  int64_t row(int64_t b) const { return rows == nullptr ? b : rows[b]; }
+  int64_t rh = 0;
+  int64_t row(int64_t b) const {
+    if (rows == nullptr) return b;
+    return io.bq == 0 ? rows[b] : b / io.bq * rh + rows[b % io.bq];
+  }
   // A per-slot running sum each sequence's mass row is added into once written (H2O's
   // cumulative attention, `acc` of paged_decode; the row summed over every head, as
   // `mass_sum` writes it): sequence b's slot j at acc[row(b) * acc0 + j], one rounded
@@ -159,8 +174,12 @@ struct Batch {  // one call's inputs, raw; TKV is the caches' element type
   float softcap = 0.f;
   const float* sinks = nullptr;
   int64_t sk0 = 0;
-  // sequence b's query head h's sink logit (only where `sinks`)
-  float sink(int64_t b, int64_t h) const { return sinks[b * sk0 + h]; }
+  // sequence b's query head h's sink logit (only where `sinks`; a per-head call's row
+  // h * bq + b reads its head block's, skh = the call's query heads a row, further on)
+  int64_t skh = 0;
+  float sink(int64_t b, int64_t h) const {
+    return sinks[b * sk0 + (io.bq == 0 ? 0 : b / io.bq * skh) + h];
+  }
 };
 
 // Element type of fp8 e4m3 codes in the vector path (int8 codes are int8_t).
@@ -188,7 +207,7 @@ using SeqFn = void (*)(const Batch<TKV>&, int64_t, Scratch&);  // one sequence
 template <typename TKV>
 int64_t visible_slots(const Batch<TKV>& a, int64_t b, int64_t* phys, int64_t* logical,
                       int64_t* slot = nullptr) {
-  const int64_t qp = a.q_pos[b];
+  const int64_t qp = a.q_pos[a.io.seq(b)];
   const int64_t lo = (a.window > 0 && qp >= a.window) ? qp - a.window + 1 : 0;
   int64_t n = 0;
   for (int64_t j = 0; j < a.NB; ++j) {
@@ -251,7 +270,7 @@ void write_mass(const Batch<TKV>& a, int64_t b, const int64_t* logical, int64_t 
     // every slot of it, 8 at a time (a slot it does not see gets 0, as the policy's own
     // update writes its row whole; what a dead slot holds is never read)
     const Ring& r = a.ring;
-    window_ring::put_row(r.values + a.row(b) * r.v0 + r.cols[b] * r.v1, r.total + a.row(b) * r.t0,
+    window_ring::put_row(r.values + a.row(b) * r.v0 + r.cols[a.io.seq(b)] * r.v1, r.total + a.row(b) * r.t0,
                          r.t1, a.mass + b * a.ms0, a.S, r.up);
   }
 }
@@ -495,7 +514,7 @@ void decode_seq_avx512(const Batch<TKV>& a, int64_t b, Scratch& w) {
   constexpr bool pairs = false;
 #endif
   if (pairs) {
-    const auto* q = static_cast<const c10::BFloat16*>(a.io.q) + b * a.io.s0;
+    const auto* q = static_cast<const c10::BFloat16*>(a.io.q) + a.io.q_at(b);
     for (int64_t hq = 0; hq < Hq; ++hq)
       for (int64_t x = 0; x < D; x += 2) {
         const uint32_t pair = q[hq * a.io.s1 + x].x | static_cast<uint32_t>(q[hq * a.io.s1 + x + 1].x) << 16;
@@ -811,7 +830,7 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
   // most, each sequence's positions up to its query's (its table may be wider).
   int64_t reads = 0;
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t upto = std::min(S, a.q_pos[b] + 1);
+    const int64_t upto = std::min(S, a.q_pos[a.io.seq(b)] + 1);
     reads += 2 * a.row_len * (a.window > 0 ? std::min(upto, a.window) : upto);
   }
   const bool alone = reads < team::decode_parallel_elements();
@@ -837,9 +856,23 @@ void run(const Batch<TKV>& batch, SeqFn<TKV> seq) {
     keydiff::Scratch kds(S, Hkv, D);
     for (int64_t t = begin; t < end; ++t) {
       seq(parts[t % slices], t / slices, w);
-      if (t % slices == 0 && a.kd_rows[t / slices]) key_diversity_seq(a, t / slices, w, kds);
+      if (t % slices == 0 && a.kd_rows[a.io.seq(t / slices)]) key_diversity_seq(a, t / slices, w, kds);
     }
   });
+}
+
+// q and out [Bq, Hq, D] as the kernels read them; `heads` > 1: a per-head pool's call,
+// its rows (kv head h, sequence b) reading head block h of q and out (`QueryIO::bq`).
+QueryIO query_io(const at::Tensor& q, at::Tensor& out, double scale, int64_t heads) {
+  const int64_t Hq = q.size(1) / heads, D = q.size(2);
+  QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
+             Hq, D, static_cast<float>(scale), q.size(1) * D};
+  if (heads > 1) {
+    io.bq = q.size(0);
+    io.hs = Hq * q.stride(1);
+    io.ohs = Hq * D;
+  }
+  return io;
 }
 
 template <typename TKV>
@@ -847,11 +880,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
             const at::Tensor& table, const at::Tensor& slot_pos, const at::Tensor& q_pos,
             double scale, int64_t window, at::Tensor& out, float* mass, float* kd,
             const bool* kd_rows, bool mass_sum, const int64_t* rows, float* acc,
-            int64_t acc0, const Ring& ring, float softcap, const float* sinks, int64_t sk0) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_cache.size(1);
+            int64_t acc0, const Ring& ring, float softcap, const float* sinks, int64_t sk0,
+            int64_t heads) {
+  const int64_t B = q.size(0) * heads, Hq = q.size(1) / heads, D = q.size(2), bs = k_cache.size(1);
   const int64_t Hkv = k_cache.size(2), NB = table.size(1);
-  const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
-                   Hq, D, static_cast<float>(scale), Hq * D};
+  const QueryIO io = query_io(q, out, scale, heads);
   Batch<TKV> a{io, k_cache.data_ptr<TKV>(), v_cache.data_ptr<TKV>(), mass,
                      table.data_ptr<int64_t>(), slot_pos.data_ptr<int64_t>(),
                      q_pos.data_ptr<int64_t>(), B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs,
@@ -859,6 +892,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   a.kd = kd;
   a.kd_rows = kd_rows;
   a.rows = rows;
+  a.rh = table.size(0) / heads;
+  a.skh = Hq;
   a.kd0 = NB * bs;
   a.mass_sum = mass_sum;
   if (mass_sum) a.ms0 = NB * bs;
@@ -884,18 +919,30 @@ at::Tensor rows_of(const at::Tensor& x) {
 
 // `rows` [B] int64: the table rows of the call's sequences, when table and slot_pos are
 // handed whole ([Rt, NB] and [Rt, NB*bs] views of the engine's tables); none: row b is
-// sequence b. Checked here, read by the kernels as `Batch::rows`.
-const int64_t* table_rows(const std::optional<at::Tensor>& rows, int64_t B, int64_t rt, at::Tensor& keep) {
+// sequence b. A per-head call (`heads` > 1, B sequences): the tables' rows are `heads`
+// blocks of Rt / heads, one a kv head, and rows[b] indexes within each (`Batch::row`);
+// none: they are the call's heads * B rows. Checked here, read as `Batch::rows`.
+const int64_t* table_rows(const std::optional<at::Tensor>& rows, int64_t B, int64_t heads,
+                          int64_t rt, at::Tensor& keep) {
+  TORCH_CHECK(heads >= 1 && rt % heads == 0, "heads must be >= 1 and divide the table's rows");
   if (!rows.has_value()) {
-    TORCH_CHECK(rt == B, "table and slot_pos must have a row per sequence, or rows must be given");
+    TORCH_CHECK(rt == B * heads, "table and slot_pos must have a row per sequence (and kv head), "
+                "or rows must be given");
     return nullptr;
   }
   keep = rows->contiguous();
   TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1 && keep.size(0) == B,
               "rows must be a [B] int64 tensor");
   const int64_t* r = keep.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < rt, "row out of range");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < rt / heads, "row out of range");
   return r;
+}
+
+// `heads` of paged_decode and paged_decode_quant: checked against q and the pool.
+int64_t row_heads(const at::Tensor& q, int64_t heads, int64_t hkv) {
+  TORCH_CHECK(heads >= 1 && q.size(1) % heads == 0 && (q.size(1) / heads) % hkv == 0,
+              "heads must divide q's heads into groups of a multiple of the pool's kv heads");
+  return heads;
 }
 
 // softcap (Gemma 2; 0: none) and sinks (gpt-oss; [Hq] float32, or [B, Hq]: a row per
@@ -926,7 +973,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                                      const std::optional<at::Tensor>& ring_total,
                                      const std::optional<at::Tensor>& ring_cols,
                                      int64_t ring_shift, double softcap,
-                                     const std::optional<at::Tensor>& sinks) {
+                                     const std::optional<at::Tensor>& sinks, int64_t heads) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(),
@@ -938,14 +985,18 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the caches must share a head dim");
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
+  // The call's rows: a sequence each, or (`heads` > 1, a per-head pool) a (kv head,
+  // sequence) pair each, head-major; q, out, q_pos, key_diversity and ring_cols stay a
+  // row a sequence (`QueryIO::bq`), mass and kd are a row a call's row.
+  const int64_t nb = q.size(0) * row_heads(q, heads, k_cache.size(2));
   const at::Tensor t = rows_of(table), p = rows_of(slot_pos), qp = q_pos.contiguous();
   TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == t.size(0) && p.size(1) == t.size(1) * k_cache.size(1) &&
                   qp.numel() == q.size(0), "slot_pos must be [B, NB*bs] and q_pos [B]");
   at::Tensor rows_keep;
-  const int64_t* rp = table_rows(rows, q.size(0), t.size(0), rows_keep);
+  const int64_t* rp = table_rows(rows, q.size(0), heads, t.size(0), rows_keep);
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   at::Tensor mass = return_probs
-      ? team::zeros({q.size(0), sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
+      ? team::zeros({nb, sum_heads ? 1 : k_cache.size(2), p.size(1)}, q.options().dtype(at::kFloat))
       : at::empty({0}, q.options().dtype(at::kFloat));
   float* mp = return_probs ? mass.data_ptr<float>() : nullptr;
   // key_diversity: [B] bool, the rows whose KeyDiff scores to return (others: 0)
@@ -957,7 +1008,7 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
                 "key_diversity must be a [B] bool tensor of the rows to score");
     TORCH_CHECK(window == 0, "key_diversity needs every live slot visible (no window)");
   }
-  at::Tensor kd = want_kd ? team::zeros({q.size(0), p.size(1)}, q.options().dtype(at::kFloat))
+  at::Tensor kd = want_kd ? team::zeros({nb, p.size(1)}, q.options().dtype(at::kFloat))
                           : at::empty({0}, q.options().dtype(at::kFloat));
   float* kp = want_kd ? kd.data_ptr<float>() : nullptr;
   const bool* kr = want_kd ? kd_rows.data_ptr<bool>() : nullptr;
@@ -1004,11 +1055,12 @@ std::vector<at::Tensor> paged_decode(const at::Tensor& q, const at::Tensor& k_ca
   at::Tensor sinks_keep;
   int64_t sk0 = 0;
   const float* sp = features_of(softcap, sinks, q.size(0), q.size(1), sinks_keep, sk0);
+  TORCH_CHECK(heads == 1 || sk0 == 0, "a per-head call takes sinks as [Hq]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, k_cache.scalar_type(), "paged_decode",
                                   [&] { decode<scalar_t>(q, k_cache, v_cache, t, p, qp, scale,
                                                          window, out, mp, kp, kr, sum_heads, rp,
                                                          ap, a0, rg, static_cast<float>(softcap),
-                                                         sp, sk0); });
+                                                         sp, sk0, heads); });
   return {out, mass, kd};
 }
 
@@ -1086,9 +1138,11 @@ bool vector_codes_as(const Batch<uint8_t>& a, const QuantRows& r, float sfac) {
               a.table, a.slot_pos, a.q_pos, a.B, a.Hq, a.Hkv, a.G, a.D, a.bs, a.NB, a.S,
               a.row_len, a.window, a.ms0, a.ts, a.ps, r.ks, r.vs, a.Hkv, sfac};
   c.rows = a.rows;
+  c.rh = a.rh;
   c.softcap = a.softcap;
   c.sinks = a.sinks;
   c.sk0 = a.sk0;
+  c.skh = a.skh;
   const SeqFn<TC> seq = vector_seq(c);
   if (seq == nullptr) return false;
   run(c, seq);
@@ -1104,7 +1158,7 @@ std::vector<at::Tensor> paged_decode_quant(
     const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& table,
     const at::Tensor& slot_pos, const at::Tensor& q_pos, double scale, int64_t window,
     bool return_probs, int64_t mode, const std::optional<at::Tensor>& rows, double softcap,
-    const std::optional<at::Tensor>& sinks) {
+    const std::optional<at::Tensor>& sinks, int64_t heads) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [B, Hq, D] with unit last stride");
   TORCH_CHECK(is_float_type(q.scalar_type()), "q must be a float tensor");
   TORCH_CHECK(mode >= 1 && mode <= 3, "mode must be 1 (int8), 2 (fp8 e4m3) or 3 (int4)");
@@ -1114,23 +1168,24 @@ std::vector<at::Tensor> paged_decode_quant(
   for (const auto* t : {&k_scale, &v_scale})
     TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 4,
                 "scales must be contiguous float16 [N, bs, Hkv, groups]");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), bs = k_codes.size(1);
   const int64_t Hkv = k_codes.size(2), NB = table.size(1), ng = k_scale.size(3);
-  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(1) % Hkv == 0, "query heads must be a multiple of kv heads");
+  // the call's rows, and query heads a row: as paged_decode's (`heads`)
+  const int64_t B = q.size(0) * row_heads(q, heads, Hkv), Hq = q.size(1) / heads, D = q.size(2);
+  const int64_t bs = k_codes.size(1);
   TORCH_CHECK(k_codes.size(3) == (mode == 3 ? D / 2 : D) && ng > 0 && D % ng == 0,
               "codes and scales do not match the head dim");
   TORCH_CHECK(table.scalar_type() == at::kLong && slot_pos.scalar_type() == at::kLong &&
                   q_pos.scalar_type() == at::kLong, "table, slot_pos and q_pos must be int64");
   const at::Tensor t = rows_of(table), p = rows_of(slot_pos), qp = q_pos.contiguous();
-  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == t.size(0) && p.size(1) == NB * bs && qp.numel() == B,
-              "slot_pos must be [B, NB*bs] and q_pos [B]");
+  TORCH_CHECK(t.dim() == 2 && p.dim() == 2 && p.size(0) == t.size(0) && p.size(1) == NB * bs &&
+                  qp.numel() == q.size(0), "slot_pos must be [B, NB*bs] and q_pos [B]");
   at::Tensor rows_keep;
-  const int64_t* rp = table_rows(rows, B, t.size(0), rows_keep);
-  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  const int64_t* rp = table_rows(rows, q.size(0), heads, t.size(0), rows_keep);
+  at::Tensor out = at::empty({q.size(0), q.size(1), D}, q.options());
   at::Tensor mass = return_probs ? team::zeros({B, Hkv, p.size(1)}, q.options().dtype(at::kFloat))
                                  : at::empty({0}, q.options().dtype(at::kFloat));
-  const QueryIO io{q.data_ptr(), out.data_ptr(), q.scalar_type(), q.stride(0), q.stride(1),
-                   Hq, D, static_cast<float>(scale), Hq * D};
+  const QueryIO io = query_io(q, out, scale, heads);
   const int64_t rl = Hkv * k_codes.size(3);
   Batch<uint8_t> a{io, k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
                    return_probs ? mass.data_ptr<float>() : nullptr,
@@ -1138,8 +1193,11 @@ std::vector<at::Tensor> paged_decode_quant(
                    B, Hq, Hkv, Hq / Hkv, D, bs, NB, NB * bs, rl, window,
                    Hkv * NB * bs, t.stride(0), p.stride(0)};
   a.rows = rp;
+  a.rh = t.size(0) / heads;
   at::Tensor sinks_keep;
-  a.sinks = features_of(softcap, sinks, B, Hq, sinks_keep, a.sk0);
+  a.sinks = features_of(softcap, sinks, q.size(0), q.size(1), sinks_keep, a.sk0);
+  TORCH_CHECK(heads == 1 || a.sk0 == 0, "a per-head call takes sinks as [Hq]");
+  a.skh = Hq;
   a.softcap = static_cast<float>(softcap);
   const QuantRows r{a.k, a.v, k_scale.data_ptr<at::Half>(), v_scale.data_ptr<at::Half>(),
                     mode, ng, D / ng};
@@ -1267,10 +1325,11 @@ TORCH_LIBRARY(kvserve, m) {
         "Tensor q_pos, float scale, int window, bool return_probs, Tensor? key_diversity=None, "
         "bool sum_heads=False, Tensor? rows=None, Tensor(a!)? acc=None, Tensor(b!)? ring=None, "
         "Tensor(c!)? ring_total=None, Tensor? ring_cols=None, int ring_shift=0, float softcap=0., "
-        "Tensor? sinks=None) -> Tensor[]");
+        "Tensor? sinks=None, int heads=1) -> Tensor[]");
   m.def("paged_decode_quant(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scale, "
         "Tensor v_scale, Tensor table, Tensor slot_pos, Tensor q_pos, float scale, int window, "
-        "bool return_probs, int mode, Tensor? rows=None, float softcap=0., Tensor? sinks=None) -> Tensor[]");
+        "bool return_probs, int mode, Tensor? rows=None, float softcap=0., Tensor? sinks=None, "
+        "int heads=1) -> Tensor[]");
   m.def("paged_decode_isa() -> str");
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, float scale, Tensor? k_cache=None, Tensor? v_cache=None, "
         "Tensor? table=None, Tensor? slot_pos=None, int start=0, Tensor(a!)? out=None, bool fma=False, "
