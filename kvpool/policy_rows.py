@@ -17,6 +17,7 @@ their drops, one request at a time (rare, and inherently per request).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from itertools import chain
@@ -233,8 +234,7 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     nexts = [m.cache.next_slot for m in members]
     if k == 1:  # decode: one slot per (layer, member), the last one written
         slots = [x - 1 for x in chain.from_iterable(zip(*nexts))]  # lane-major
-        index = int64_tensor([x for layer in range(nl) for x in [layer] * r]
-                             + list(range(r)) * nl + slots).view(3, n, 1)
+        index = int64_tensor([*_lanes_members(nl, r), *slots]).view(3, n, 1)
     else:
         index = int64_tensor([x for layer in range(nl) for x in [layer] * (r * k)]
                              + [i for i in range(r) for _ in range(k)] * nl
@@ -262,6 +262,12 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
                                           value_norm=needs.new_value_norm)
     for name, t in got.items():
         setattr(view, f"new_{name}", t.view(n, k, -1))
+
+
+@functools.lru_cache(maxsize=64)
+def _lanes_members(nl: int, r: int) -> tuple[int, ...]:
+    """A decode step's rows' lanes then members, lane-major: a step's batch repeats."""
+    return (*[lane for lane in range(nl) for _ in range(r)], *list(range(r)) * nl)
 
 
 def run_group(members: list[Member]) -> list[tuple[int, int]]:

@@ -89,7 +89,7 @@ def _select(view: RowsView, keep: list[int], window: int,
     """Drop the lowest `scores` down to keep[i] per row, the recent window protected."""
     if view.within(keep):
         return None
-    windows = [min(window, k) for k in keep]
+    windows = [k if k < window else window for k in keep]
     return keep_highest(view, scores, keep, last=windows)
 
 

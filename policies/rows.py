@@ -19,6 +19,7 @@ token when blocks are freed or compacted, so no policy re-aligns state by positi
 from __future__ import annotations
 
 import math
+import operator
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -205,7 +206,7 @@ class RowsView:
 
     def per_row(self, values: list[int] | list[float] | list[bool]) -> list:
         """Per-request host values repeated for each of its layers' rows."""
-        return [v for _ in range(self.num_layers) for v in values]
+        return list(values) * self.num_layers  # rows are lane-major
 
     def by_layer(self, values: list[list]) -> list:
         """Per request, per layer host values ([R][L]) as one per row."""
@@ -229,7 +230,7 @@ class RowsView:
 
     def within(self, keep: list[int]) -> bool:
         """Every row holds at most keep[i] live tokens: nothing to drop."""
-        return all(n <= k for n, k in zip(self.lengths, keep))
+        return all(map(operator.le, self.lengths, keep))
 
     def row_tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Per-row host values as an [N, 1] tensor, to broadcast against [N, W]."""
@@ -348,5 +349,6 @@ def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
         drop = adaptive_drops(scores, view.live, view.lengths, keep, view.heads,
                               view.num_requests, first, last, divisor)
     else:
-        drop = [max(0, n - k) for n, k in zip(view.lengths, keep)]
+        # a row a (lane, request): 128 at 16 requests of 4 layers of 2 kv heads
+        drop = [d if d > 0 else 0 for d in map(operator.sub, view.lengths, keep)]
     return drop_lowest(view.live_or_positions, scores, drop, first, last, divisor)
