@@ -150,67 +150,58 @@ def test_gen_lengths_spread_is_seeded_and_bounded() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_spread_lengths_and_no_baselines(tmp_path) -> None:
-    """`--gen-spread` gives every request its own seeded length, all generated exactly;
-    `--baselines ''` runs `full` the default way only; `--dtype` sets the weights'."""
+def test_variants_spread_lengths_and_no_baselines(tmp_path) -> None:
+    """One run for the options and variants beside the defaults (each quick run costs a
+    process, a model and its ceiling measurements):
+
+    - `--gen-spread` gives every request its own seeded length, all generated exactly;
+      `--baselines ''` runs `full` the default way only; `--dtype` sets the weights'.
+    - `<policy>:unbatched` runs the same policy with every request stepped alone
+      (`batch_policies=False`) in the same run; the batched step keeps the same tokens,
+      so both rows generate the same output and hold the same live tokens.
+    - `streaming:noring` runs StreamingLLM appending and evicting after the step
+      (`streaming_ring=False`) beside its ring in the same run, both to their lengths,
+      the ring at least as many at once (a block less a layer each); the overhead part
+      runs it that way too (its own row: the evictions the ring does in place are
+      policy steps)."""
     from benchmarks.bench_policies import gen_lengths
 
-    report = run_quick("benchmarks.bench_policies", str(tmp_path), "--no-progress", "--parts", "throughput",
-                       "--policies", "streaming", "--baselines", "", "--gen-spread", "0.3",
-                       "--dtype", "bfloat16")
-    st, t = report["settings"], report["throughput"]
-    assert st["baselines"] == [] and st["gen_spread"] == 0.3 and st["dtype"] == "bfloat16"
-    assert "weights in bfloat16" in (tmp_path / "benchmarks.md").read_text()
-    assert list(t["policies"]) == ["full", "streaming"]
-    want = sum(gen_lengths(st["requests"], st["gen"], 0.3, st["seed"]))
-    for r in t["policies"].values():
-        assert r["all_lengths_ok"] and r["output_tokens"] == want
-    assert t["policies"]["streaming"]["max_running"] > st["fit"]
-
-
-@pytest.mark.timeout(150)
-def test_unbatched_variant_runs_beside_the_batched_policy(tmp_path) -> None:
-    """`<policy>:unbatched` runs the same policy with every request stepped alone
-    (`batch_policies=False`) in the same run; the batched step keeps the same tokens,
-    so both rows generate the same output and hold the same live tokens."""
+    names = ["h2o", "h2o:unbatched", "streaming", "streaming:noring"]
     report = run_quick("benchmarks.bench_policies", str(tmp_path), "--no-progress", "--parts",
-                       "throughput", "--baselines", "", "--policies", "h2o,h2o:unbatched")
-    rows = report["throughput"]["policies"]
-    assert list(rows) == ["full", "h2o", "h2o:unbatched"]
+                       "throughput,overhead", "--policies", ",".join(names), "--baselines", "",
+                       "--gen-spread", "0.3", "--dtype", "bfloat16", "--rounds", "2")
+    st, t = report["settings"], report["throughput"]
+    doc = (tmp_path / "benchmarks.md").read_text()
+    assert st["baselines"] == [] and st["gen_spread"] == 0.3 and st["dtype"] == "bfloat16"
+    assert "weights in bfloat16" in doc
+    rows = t["policies"]
+    assert list(rows) == ["full", *names]
+    want = sum(gen_lengths(st["requests"], st["gen"], 0.3, st["seed"]))
+    for r in rows.values():
+        assert r["all_lengths_ok"] and r["output_tokens"] == want
+    assert rows["streaming"]["max_running"] > st["fit"]
+
     a, b = rows["h2o"], rows["h2o:unbatched"]
-    assert a["kv_policy"] == b["kv_policy"] and a["all_lengths_ok"] and b["all_lengths_ok"]
+    assert a["kv_policy"] == b["kv_policy"]
     assert a["max_peak_live_tokens"] == b["max_peak_live_tokens"]
     assert a["preemptions"] == b["preemptions"]  # same kept tokens: same scheduling
-    doc = (tmp_path / "benchmarks.md").read_text()
     assert "h2o:unbatched | budget" in doc and "`batch_policies=False`" in doc
 
-
-@pytest.mark.timeout(150)
-def test_noring_variant_runs_streaming_without_its_ring(tmp_path) -> None:
-    """`streaming:noring` runs StreamingLLM appending and evicting after the step
-    (`streaming_ring=False`) beside its ring in the same run, both to their lengths, the
-    ring at least as many at once (a block less a layer each); the overhead part runs it
-    that way too (its own row: the evictions the ring does in place are policy steps)."""
-    report = run_quick("benchmarks.bench_policies", str(tmp_path), "--no-progress", "--parts",
-                       "throughput,overhead", "--baselines", "", "--policies",
-                       "streaming,streaming:noring", "--rounds", "2")
     over = report["overhead"]["policies"]
-    assert list(over) == ["full", "streaming", "streaming:noring"]
+    assert list(over) == ["full", *names]
     assert over["streaming:noring"]["mean_policy_ms"] > over["streaming"]["mean_policy_ms"]
     for r in over.values():  # the overhead part's rounds too (full's included): medians
         assert len(r["share_by_round"]) == 2
         assert r["policy_share"] == pytest.approx(sum(r["share_by_round"]) / 2)
-    rows = report["throughput"]["policies"]
-    assert list(rows) == ["full", "streaming", "streaming:noring"]
     a, b = rows["streaming"], rows["streaming:noring"]
-    assert a["kv_policy"] == b["kv_policy"] and a["all_lengths_ok"] and b["all_lengths_ok"]
+    assert a["kv_policy"] == b["kv_policy"]
     assert a["max_running"] >= b["max_running"]
     # two rounds of each policy (full once), the second in reverse order: the ceiling
     # measured between any two runs is the one after the first and before the second
-    assert [len(r["rounds"]) for r in rows.values()] == [1, 2, 2]
+    # (noring last in the first round, so first in the second)
+    assert [len(r["rounds"]) for r in rows.values()] == [1, 2, 2, 2, 2]
     assert b["rounds"][0]["ceiling_around"][1] == b["rounds"][1]["ceiling_around"][0]
-    assert report["throughput"]["ceiling"]["measurements"] == 6
-    doc = (tmp_path / "benchmarks.md").read_text()
+    assert t["ceiling"]["measurements"] == 2 + 2 * len(names)
     assert "streaming:noring | " in doc and "`streaming_ring=False`" in doc
     assert "| run 1 | run 2 | median share |" in doc
     assert "Medians of 2 rounds" in doc and "| share by round |" in doc
