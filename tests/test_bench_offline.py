@@ -154,30 +154,20 @@ def test_workload_gflop_counts_linears_head_and_attention() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_a_vllm_that_does_not_start_is_a_failed_row(tmp_path) -> None:
-    """A broken vLLM venv (its python exits at once) fails vLLM's row with the reason;
-    kvserve's row is still measured and the run completes. The --out folder need not
-    exist (vLLM's log is the first file written there)."""
+def test_quick_runs_the_moe_and_gemma3_shapes_beside_a_broken_vllm(tmp_path) -> None:
+    """Issue 66's shapes (`--models moe,gemma3`) at their --quick size: a Qwen3-MoE and a
+    Gemma 3 built from configs, served by kvserve and HF `generate` alike, every request
+    at its length, the ratio of the two in the report. In the same run a broken vLLM venv
+    (its python exits at once) fails vLLM's row with the reason, and the other rows are
+    still measured and the run completes (one run: each costs a process and its models).
+    The --out folder need not exist (vLLM's log is the first file written there)."""
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
     fake.chmod(0o755)
     out = tmp_path / "new"
-    report = run_quick("benchmarks.bench_offline", str(out), "--threads", "1", "--systems",
-                       "kvserve,vllm", "--vllm-python", str(fake), wait="spin")
-    systems = report["models"]["tiny"]["systems"]
-    assert "vLLM exited with 3" in systems["vllm"]["error"]
-    assert systems["kvserve"]["tok_s_mean"] > 0 and systems["hf_cb"]["skipped"]
-    assert "tiny / vLLM-CPU failed:" in (out / "benchmarks.md").read_text()
-
-
-@pytest.mark.timeout(150)
-def test_quick_runs_the_moe_and_gemma3_shapes(tmp_path) -> None:
-    """Issue 66's shapes (`--models moe,gemma3`) at their --quick size: a Qwen3-MoE and a
-    Gemma 3 built from configs, served by kvserve and HF `generate` alike, every request
-    at its length, the ratio of the two in the report."""
-    report = run_quick("benchmarks.bench_offline", str(tmp_path), "--threads", "1",
-                       "--models", "tiny_moe,tiny_gemma3", "--systems", "kvserve,hf_static",
-                       wait="spin")
+    report = run_quick("benchmarks.bench_offline", str(out), "--threads", "1",
+                       "--models", "tiny_moe,tiny_gemma3", "--systems", "kvserve,hf_static,vllm",
+                       "--vllm-python", str(fake), wait="spin")
     assert list(report["models"]) == ["tiny_moe", "tiny_gemma3"]
     for name, kind in (("tiny_moe", "qwen3_moe"), ("tiny_gemma3", "gemma3_text")):
         m = report["models"][name]
@@ -187,6 +177,10 @@ def test_quick_runs_the_moe_and_gemma3_shapes(tmp_path) -> None:
             assert "error" not in r and r["ok"] and r["tok_s_mean"] > 0, (name, s, r)
         assert m["ratios"]["kvserve_over_hf_static"] == pytest.approx(
             m["systems"]["kvserve"]["tok_s_mean"] / m["systems"]["hf_static"]["tok_s_mean"])
+        assert "vLLM exited with 3" in m["systems"]["vllm"]["error"]
+        assert m["systems"]["hf_cb"]["skipped"]
+    doc = (out / "benchmarks.md").read_text()
+    assert "tiny_moe / vLLM-CPU failed:" in doc and "tiny_gemma3 / vLLM-CPU failed:" in doc
 
 
 def test_workload_gflop_of_a_moe_counts_the_experts_a_token_takes() -> None:
