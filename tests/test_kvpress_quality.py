@@ -222,26 +222,23 @@ def _run_presses(tmp_path, methods: str) -> dict[str, dict]:
 
 @pytest.mark.skipif(not os.access(VENV, os.X_OK), reason="no .venv-kvpress (make kvpress-venv)")
 @pytest.mark.timeout(120)
-def test_kvpress_script_keeps_the_cache_at_the_budget(tmp_path) -> None:
-    """The real presses on the demo model: a decoding press holds B after every step,
-    a prefill-only press lets the continuation grow the cache."""
-    rows = _run_presses(tmp_path, "knorm,snapkv,knorm@layer")
-    assert list(rows) == ["full", "knorm", "snapkv", "knorm@layer"]
+def test_kvpress_script_keeps_the_cache_and_each_head_at_the_budget(tmp_path) -> None:
+    """The real presses on the demo model (one run of the script: each loads kvpress,
+    transformers and the model): a decoding press holds B after every step, a
+    prefill-only press lets the continuation grow the cache. AdaKVPress masks instead of
+    evicting: a decoding AdaKV press leaves a kv head B pairs to attend to on average
+    after every step, a prefill-only one (snapkv's, and keydiff's, whose anchor would
+    count the masked keys) lets it grow."""
+    rows = _run_presses(tmp_path, "knorm,snapkv,knorm@layer,knorm@adakv,snapkv@adakv,"
+                                  "keydiff@adakv")
+    assert list(rows) == ["full", "knorm", "snapkv", "knorm@layer", "knorm@adakv",
+                          "snapkv@adakv", "keydiff@adakv"]
     assert rows["knorm@layer"]["press"] == "KnormPress, head mean"
     assert rows["knorm"]["protocol"] == "prefill+decode"
     assert rows["knorm"]["max_cache_after_step"] == 24 == rows["knorm"]["budget_tokens"]
     assert rows["snapkv"]["protocol"] == "prefill" and rows["snapkv"]["max_cache_after_step"] > 24
     assert all(len(r["needle_answers"]) == 1 and len(r["needle_answers"][0]) == 4
                for r in rows.values())
-
-
-@pytest.mark.skipif(not os.access(VENV, os.X_OK), reason="no .venv-kvpress (make kvpress-venv)")
-@pytest.mark.timeout(120)
-def test_adakv_attends_to_the_budget_a_head(tmp_path) -> None:
-    """AdaKVPress masks instead of evicting: a decoding AdaKV press leaves a kv head B
-    pairs to attend to on average after every step, a prefill-only one (snapkv's, and
-    keydiff's, whose anchor would count the masked keys) lets it grow."""
-    rows = _run_presses(tmp_path, "knorm@adakv,snapkv@adakv,keydiff@adakv")
     assert rows["knorm@adakv"]["press"] == "AdaKVPress(KnormPress)"
     assert rows["knorm@adakv"]["protocol"] == "prefill+decode"
     assert rows["knorm@adakv"]["max_cache_after_step"] == 24
