@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.roofline import ModelCost, Step, bound, by_kind, schedule, serving_rows
+from benchmarks.roofline import ModelCost, Step, bound, by_kind, main, schedule, serving_rows
+from engine import cpu_threads
 from loadtest.random_models import MODEL_CONFIGS
 
 
@@ -109,8 +111,11 @@ def test_serving_rows(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_command(tmp_path: Path) -> None:
+    # started with the environment `pin_threads` sets for one thread, so the command runs
+    # at once instead of re-executing itself (a second start, ~4 s of imports)
+    env = {**os.environ, **cpu_threads.environment(cpu_threads.plan(1, None))}
     out = subprocess.run([sys.executable, "-m", "benchmarks.roofline",
-                          str(_serving_report(tmp_path)), "--threads", "1"],
+                          str(_serving_report(tmp_path)), "--threads", "1"], env=env,
                          capture_output=True, text=True, timeout=110, check=True).stdout
     assert "memory read rate" in out
     (row,) = [line for line in out.splitlines() if line.startswith("| tiny |")]
@@ -118,16 +123,18 @@ def test_command(tmp_path: Path) -> None:
     assert cells[2] == "concurrency 2" and cells[6].endswith("%") and cells[8].endswith("%")
 
 
-def test_an_offline_report_prints_its_own_bound(tmp_path: Path) -> None:
+def test_an_offline_report_prints_its_own_bound(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
     """A bench_offline report (the Xeon's, commit 4586369) with `--offline`: its run's bound
     and kvserve's seconds by kind of step, nothing measured; without it, a clear refusal
-    rather than a KeyError on a bench_serving field."""
+    rather than a KeyError on a bench_serving field. In this process (test_command runs
+    the command): each start costs seconds of imports."""
     path = Path(__file__).parents[1] / "results/bench_offline_vllm_xeon_s45.json"
-    out = subprocess.run([sys.executable, "-m", "benchmarks.roofline", "--offline", str(path)],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert main(["--offline", str(path)]) == []
+    out = capsys.readouterr().out
     assert "**160m float32**: bound 26.7 s sequential (23.8 overlapped), 259 steps" in out
     assert "1.3x vLLM needs 86%" in out
     assert "| decode 17-32 | 58 | 4.37 | 1.26 | 1.41 | 61% |" in out
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.roofline", str(path)],
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "not bench_serving's" in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        main([str(path), "--threads", "1"])
+    assert bad.value.code != 0 and "not bench_serving's" in str(bad.value.code)
