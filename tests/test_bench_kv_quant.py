@@ -1,7 +1,7 @@
 """The quantized-KV benchmark end to end in --quick mode: it runs, and what it writes adds
 up. Speed and quality numbers are never asserted here; they come from
-`python -m benchmarks.bench_kv_quant` and live in docs/benchmarks.md. Two runs (capacity
-and decode; quality), each within the quick runner's subprocess time limit."""
+`python -m benchmarks.bench_kv_quant` and live in docs/benchmarks.md. One run of every part,
+shared by the tests (a run costs a process and a model before any part)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,16 @@ from tests.bench_quick import run_quick
 DTYPES = ["bfloat16", "int8", "fp8_e4m3", "int4"]
 
 
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = str(tmp_path_factory.mktemp("kv_quant"))
+    return out, run_quick("benchmarks.bench_kv_quant", out, "--no-progress", "--parts",
+                          "capacity,decode,quality")
+
+
 @pytest.mark.timeout(300)
-def test_capacity_and_decode_cover_every_dtype(tmp_path) -> None:
-    out = str(tmp_path)
-    report = run_quick("benchmarks.bench_kv_quant", out, "--no-progress", "--parts", "capacity,decode")
+def test_capacity_and_decode_cover_every_dtype(quick_run: tuple[str, dict]) -> None:
+    out, report = quick_run
     with open(os.path.join(out, "bench_kv_quant.json"), encoding="utf-8") as f:
         assert json.load(f) == report
     assert "git_commit" in report["fingerprint"] and "loadavg_at_end" in report["fingerprint"]
@@ -41,8 +47,8 @@ def test_capacity_and_decode_cover_every_dtype(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_quality_covers_every_dtype(tmp_path) -> None:
-    report = run_quick("benchmarks.bench_kv_quant", str(tmp_path), "--no-progress", "--parts", "quality")
+def test_quality_covers_every_dtype(quick_run: tuple[str, dict]) -> None:
+    _, report = quick_run
     qual = report["quality"]
     if "skipped" in qual:
         pytest.skip(qual["skipped"])
