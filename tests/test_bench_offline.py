@@ -1,8 +1,9 @@
 """The offline benchmark end to end in --quick mode: it runs, and what it writes adds up.
 
 Speed is not asserted (a test cannot know the machine); the real numbers come from
-`python -m benchmarks.bench_offline` and live in docs/benchmarks.md. Run as a subprocess
-because the script sets the OpenMP thread count in its environment before torch loads.
+`python -m benchmarks.bench_offline` and live in docs/benchmarks.md. The run with HF
+continuous batching is a subprocess: the script sets the OpenMP thread count in its
+environment before torch loads, which is what reaches HF's own threads.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = str(tmp_path_factory.mktemp("bench"))
     # vLLM's venv named missing: its rows are skipped with a note (what CI sees)
     return out, run_quick("benchmarks.bench_offline", out, "--profile", "--threads", "1",
-                          "--vllm-python", os.path.join(out, "no-vllm", "python"), wait="spin")
+                          "--vllm-python", os.path.join(out, "no-vllm", "python"), wait="spin",
+                          process=True)
 
 
 @pytest.mark.timeout(150)

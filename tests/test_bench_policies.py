@@ -1,8 +1,8 @@
 """The policies benchmark end to end in --quick mode: it runs, and what it writes adds up.
 
 Speed is never asserted (a test cannot know the machine); the real numbers come from
-`python -m benchmarks.bench_policies` and live in docs/benchmarks.md. A subprocess, because
-the script pins the OpenMP thread count in its environment before torch loads.
+`python -m benchmarks.bench_policies` and live in docs/benchmarks.md. In this process
+(tests/bench_quick.py: the thread settings it pins are put back after it).
 """
 
 from __future__ import annotations
