@@ -139,62 +139,65 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("layout", ["thread", "process"])
-def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path, layout: str
-                                             ) -> None:
+def _drain_in_flight(proc: subprocess.Popen, url: str, log_path: Path) -> list[dict]:
+    """SIGTERM with a 120-token stream in flight: /ready turns 503 and a new request is
+    refused as draining while /health stays 200, the stream runs to its length, the
+    server exits 0 and logs the drain as clean. Returns the server's JSON log lines."""
+    with httpx.Client(base_url=url, timeout=10) as c:
+        events: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "drain me", "max_tokens": 120, "ignore_eos": True,
+                    "stream": True}
+            with httpx.Client(base_url=url, timeout=120) as sc, \
+                    sc.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        first.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while c.get("/ready").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        assert c.get("/health").status_code == 200
+        t.join(120)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(60) == 0
+    lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.startswith("{")]
+    done = [x for x in lines if x.get("logger") == "kvserve.request"]
+    assert done and done[-1]["status"] == "ok" and done[-1]["policy"] == "full"
+    assert done[-1]["completion_tokens"] == 120 and done[-1]["ttft_s"] is not None
+    assert any(x.get("msg") == "drained" and x.get("clean") for x in lines)
+    return lines
+
+
+def test_sigterm_drains_in_flight_then_exits(model_dir: str, tmp_path: Path) -> None:
+    """The thread layout; the process layout (the default) is drained in
+    test_warm_up_before_ready_and_sigterm_drains, on the server it starts."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(port),
          "--served-model-name", "tiny", "--num-blocks", "256", "--drain-timeout", "60",
-         "--engine-layout", layout],
+         "--engine-layout", "thread"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": python_path()})
     try:
         wait_ready(proc, url, tmp_path / "server.log", 120)
-        with httpx.Client(base_url=url, timeout=10) as c:
-
-            events: list[str] = []
-            first = threading.Event()
-
-            def stream() -> None:
-                body = {"prompt": "drain me", "max_tokens": 120, "ignore_eos": True,
-                        "stream": True}
-                with httpx.Client(base_url=url, timeout=120) as sc, \
-                        sc.stream("POST", "/v1/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if line:
-                            events.append(line)
-                            first.set()
-
-            t = threading.Thread(target=stream)
-            t.start()
-            assert first.wait(60)
-            proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while c.get("/ready").status_code != 503:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            r = c.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
-            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
-            assert c.get("/health").status_code == 200
-            t.join(120)
-        assert events[-1] == "data: [DONE]"
-        last = json.loads(events[-2][len("data: "):])
-        assert last["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0
-        lines = [json.loads(x) for x in (tmp_path / "server.log").read_text().splitlines()
-                 if x.startswith("{")]
-        done = [x for x in lines if x.get("logger") == "kvserve.request"]
-        assert done and done[0]["status"] == "ok" and done[0]["policy"] == "full"
-        assert done[0]["completion_tokens"] == 120 and done[0]["ttft_s"] is not None
-        assert any(x.get("msg") == "drained" and x.get("clean") for x in lines)
+        lines = _drain_in_flight(proc, url, tmp_path / "server.log")
         loaded = next(x for x in lines if x.get("msg") == "model loaded")
-        assert loaded["engine_layout"] == layout
-        if layout == "process":  # the engine process was told to stop, and did
-            assert loaded["engine_pid"] != proc.pid
-            assert not Path(f"/proc/{loaded['engine_pid']}").exists()
+        assert loaded["engine_layout"] == "thread"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -247,10 +250,12 @@ def test_disable_hybrid_kv_cache_manager_keeps_windowed_layers_whole(
         assert pool.fields["hybrid_kv_cache"] is not bool(flag)  # type: ignore[attr-defined]
 
 
-def test_warm_up_before_ready(tmp_path: Path) -> None:
+def test_warm_up_before_ready_and_sigterm_drains(tmp_path: Path) -> None:
     """The demo model served by the CLI: every native op is loaded and requests have run
     before /ready says 200, so the first client pays no start-up cost; the warm-up leaves
-    no trace in the metrics.
+    no trace in the metrics. Then SIGTERM drains a stream in flight (`_drain_in_flight`),
+    and the engine process (the default layout) is told to stop, and does: one server
+    for both (each start costs two processes' imports and a model load).
 
     Structural, not timed: a cold first request costs ~7x a warm one (24 vs 3.5 ms on the
     demo model), but a busy neighbour (the other test worker) moves a 10 ms TTFT 3x too
@@ -260,7 +265,8 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+        [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+         "--drain-timeout", "60"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"})
     try:
@@ -275,15 +281,12 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
                 r = c.post("/v1/completions", json={"prompt": f"The os module {i}",
                                                     "max_tokens": 4})
                 assert r.status_code == 200, r.text
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        lines = _drain_in_flight(proc, url, tmp_path / "server.log")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
-    lines = [json.loads(x) for x in (tmp_path / "server.log").read_text().splitlines()
-             if x.startswith("{")]
     msgs = [x.get("msg", "") for x in lines]
     loaded = msgs.index("model loaded")  # what turns /ready to 200
     warm = msgs.index("warmed up")
@@ -291,4 +294,8 @@ def test_warm_up_before_ready(tmp_path: Path) -> None:
     assert all(i < loaded for i, m in enumerate(msgs) if m.startswith("loading C++ ops"))
     assert lines[warm]["native_ops"]
     served = [i for i, x in enumerate(lines) if x.get("logger") == "kvserve.request"]
-    assert len(served) == 10 and served[0] > loaded
+    assert len(served) == 11 and served[0] > loaded  # the ten, then the drained stream
+    # the engine process was told to stop, and did
+    assert lines[loaded]["engine_layout"] == "process"
+    assert lines[loaded]["engine_pid"] != proc.pid
+    assert not Path(f"/proc/{lines[loaded]['engine_pid']}").exists()
