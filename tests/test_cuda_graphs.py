@@ -68,10 +68,17 @@ def scratch_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_core, "KVStorage", ScratchStorage)
 
 
-def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention=None
-         ) -> tuple[list[list[int]], LLM]:
+# Each request's length: 4, 6 or 8 tokens (two requests finish, then two more, then the
+# last runs alone: the batch goes 5 -> 3 -> 1, buckets 8 -> 4 -> 1). Short, because on a
+# CPU every graph step runs Triton's interpreter; LONG reaches past 48 slots.
+GEN = [4 + 2 * (i % 3) for i in range(5)]
+LONG = [6 + 4 * (i % 3) for i in range(5)]
+
+
+def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention=None,
+         gen_lengths: list[int] = GEN) -> tuple[list[list[int]], LLM]:
     """Greedy generations of 5 requests (prompts of 9..41 tokens: batches of 5 pad to 8,
-    then 3-4 to 4 as short ones finish) under `graphs`: "off" (eager), "uncaptured"
+    then 3 to 4 as short ones finish) under `graphs`: "off" (eager), "uncaptured"
     (the graph path without capture) or "captured" (CUDA). `attention`: the eager
     steps' attention function instead of the device's."""
     llm = LLM(path, num_blocks=200, block_size=4, max_num_seqs=8,
@@ -86,7 +93,7 @@ def _run(path: str, graphs: str, policies: list, device: str = DEVICE, attention
     for i in range(5):
         prompt = torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist()
         core.add_request(f"r{i}", prompt, SamplingParams(
-            max_tokens=6 + 4 * (i % 3), temperature=0, ignore_eos=True, detokenize=False),
+            max_tokens=gen_lengths[i], temperature=0, ignore_eos=True, detokenize=False),
             kv_policy=resolved(core, policies[i % len(policies)]))
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished():
@@ -266,7 +273,7 @@ def test_eager_triton_steps_hand_the_mass_summed_over_heads(tiny: str, monkeypat
 def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
     """A batch larger than the largest bucket, or a table wider than the buffers, is
     no graph's step: the engine runs it eagerly, with the same results."""
-    ref, _ = _run(tiny, "off", POLICIES[:1])
+    ref, _ = _run(tiny, "off", POLICIES[:1], gen_lengths=LONG)
     llm = LLM(tiny, num_blocks=200, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
               device=DEVICE, enforce_eager=True)
     core = llm.engine
@@ -274,8 +281,8 @@ def test_steps_past_the_buffers_run_eagerly(tiny: str, scratch_pool) -> None:
     core.runner.graphs = graphs
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(5, 250, (9 + 8 * i,), generator=gen).tolist() for i in range(5)]
-    params = [SamplingParams(max_tokens=6 + 4 * (i % 3), temperature=0, ignore_eos=True,
-                             detokenize=False) for i in range(5)]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+              for n in LONG]
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert graphs.steps > 0 and graphs.eager_steps > 0
