@@ -7,6 +7,7 @@ and at every decode step.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar, Literal
@@ -167,7 +168,7 @@ class PyramidPolicy:
         within = view.within(keep)
         if not within and c.kernel_size == 1 and NATIVE["state"] and not view.adaptive \
                 and view.slot_pos.device.type == "cpu":  # the window and the plan, one op
-            drop = [max(0, m - k) for m, k in zip(view.lengths, keep)]
+            drop = [d if d > 0 else 0 for d in map(operator.sub, view.lengths, keep)]
             return PyramidPolicy._shift_window(p, view, drop, edges)
         if not view.accumulated:  # else the decode kernel wrote the window (`Needs.ring`)
             PyramidPolicy._shift_window(p, view)

@@ -23,6 +23,7 @@ import operator
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -210,7 +211,7 @@ class RowsView:
 
     def by_layer(self, values: list[list]) -> list:
         """Per request, per layer host values ([R][L]) as one per row."""
-        return [v[layer] for layer in range(self.num_layers) for v in values]
+        return list(chain.from_iterable(zip(*values)))  # lane-major: transposed
 
     def rows_of(self, r: int) -> slice:
         """Request r's rows (one per layer), as a slice of the row dim."""
