@@ -61,6 +61,8 @@ def put_rows(t: torch.Tensor, rows: list[int], value: torch.Tensor) -> None:
     w = value.shape[2]
     if consecutive(rows):
         t.narrow(1, rows[0], len(rows)).narrow(2, 0, w).copy_(value)
+    elif _native_rows(t) and value.is_contiguous() and value.dtype == t.dtype:
+        torch.ops.kvserve_tables.put_rows_from(t, rows, value)
     elif by_columns(t):  # run by run, in storage order (see `_gather`)
         at = 0
         for first, n in _runs(rows):
@@ -79,14 +81,14 @@ def _gather(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
     ring) is copied run of consecutive rows by run, in its storage order: any gather over
     its transposed layout copied through a slow path (46 ms for two rows of a 32-column
     ring at 64 table rows, every decode step of a pyramid request whose rows were not
-    consecutive), the runs 0.08 ms. The tables' own int64 rows (positions, block ids)
-    on CPU: one C++ copy of each row's first `width` columns (`take_rows_into`), where the
+    consecutive), the runs 0.08 ms. The tables' own rows (positions, block ids, a state
+    by slots) on CPU: one C++ copy of each row's first `width` columns (`take_rows_into`;
+    `put_rows_from` the way back), where the
     gather copied every column the tables have grown to: 29 against 92 us for 27 of 64
     rows of a per-head 3m pool's positions, a decode step's view whenever a finished
     request left its row empty."""
-    if (t.device.type == "cpu" and t.dtype == torch.int64 and t.dim() == 3
-            and t.is_contiguous() and load_mark()):
-        out = torch.empty(t.shape[0], len(rows), width, dtype=torch.int64)
+    if _native_rows(t):
+        out = torch.empty(t.shape[0], len(rows), width, dtype=t.dtype)
         torch.ops.kvserve_tables.take_rows_into(t, rows, out)
         return out
     if by_columns(t):
@@ -94,6 +96,13 @@ def _gather(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
         return torch.cat([s.narrow(1, first, n).narrow(3, 0, width) for first, n in _runs(rows)],
                          dim=1).transpose(2, 3)
     return t.index_select(1, int64_tensor(rows)).narrow(2, 0, width)
+
+
+def _native_rows(t: torch.Tensor) -> bool:
+    """The tables' C++ row copies take `t`: [L, R, S] int64 or float32 in storage order
+    on CPU (a state stored by columns is not: `by_columns`)."""
+    return (t.device.type == "cpu" and t.dtype in (torch.int64, torch.float32) and t.dim() == 3
+            and t.is_contiguous() and load_mark())
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:

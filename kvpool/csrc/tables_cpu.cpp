@@ -638,24 +638,30 @@ std::vector<int64_t> held_and_need(const at::Tensor& sizes, const at::Tensor& ri
 // [L, n, w], int32 or int64, contiguous: a CUDA graph step's tables written straight into
 // its pinned staging buffer (engine/cuda_graphs.py), w columns a row where a gather of
 // rows apart took every column of the S the tables have grown to, then a second copy.
+// Also a policy's per-slot state (float32 [L, R, S] into float32 [L, n, w]): rows of the
+// same dtype are copied as bytes. `put_rows_from` is the way back.
 void take_rows_into(const at::Tensor& src, c10::IntArrayRef rows, at::Tensor out) {
-  TORCH_CHECK(src.dim() == 3 && src.scalar_type() == at::kLong && src.is_contiguous(),
-              "src must be a contiguous [L, R, S] int64 tensor");
+  TORCH_CHECK(src.dim() == 3 && (src.scalar_type() == at::kLong || src.scalar_type() == at::kFloat) &&
+              src.is_contiguous(), "src must be a contiguous [L, R, S] int64 or float32 tensor");
   const int64_t nl = src.size(0), rt = src.size(1), s = src.size(2);
   const int64_t n = static_cast<int64_t>(rows.size());
   TORCH_CHECK(out.dim() == 3 && out.is_contiguous() && out.size(0) == nl && out.size(1) == n &&
               out.size(2) <= s, "out must be a contiguous [L, len(rows), <= S] tensor");
-  TORCH_CHECK(out.scalar_type() == at::kInt || out.scalar_type() == at::kLong, "out must be int32 or int64");
+  TORCH_CHECK(out.scalar_type() == src.scalar_type() ||
+              (src.scalar_type() == at::kLong && out.scalar_type() == at::kInt),
+              "out must be src's dtype (or int32 for int64 src)");
   for (const int64_t row : rows) TORCH_CHECK(row >= 0 && row < rt, "row out of range");
   const int64_t w = out.size(2);
-  const int64_t* sp = src.data_ptr<int64_t>();
-  if (out.scalar_type() == at::kLong) {
-    int64_t* op = out.data_ptr<int64_t>();
+  if (out.scalar_type() == src.scalar_type()) {
+    const size_t e = src.element_size();
+    const char* sp = static_cast<const char*>(src.data_ptr());
+    char* op = static_cast<char*>(out.data_ptr());
     for (int64_t l = 0; l < nl; ++l)
       for (int64_t i = 0; i < n; ++i)
-        std::memcpy(op + (l * n + i) * w, sp + (l * rt + rows[i]) * s, w * sizeof(int64_t));
+        std::memcpy(op + (l * n + i) * w * e, sp + (l * rt + rows[i]) * s * e, w * e);
     return;
   }
+  const int64_t* sp = src.data_ptr<int64_t>();
   int32_t* op = out.data_ptr<int32_t>();
   team::parallel_for(0, nl * n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
@@ -664,6 +670,25 @@ void take_rows_into(const at::Tensor& src, c10::IntArrayRef rows, at::Tensor out
       for (int64_t j = 0; j < w; ++j) to[j] = static_cast<int32_t>(from[j]);  // vectorized
     }
   });
+}
+
+// dst[:, rows, :w] = src ([L, n, w], contiguous, dst's dtype): `take_rows_into`'s way back
+// (kvpool/rows.put_rows), a row's w columns a copy, where index_copy_ over the narrowed
+// tables walked them element by element.
+void put_rows_from(at::Tensor dst, c10::IntArrayRef rows, const at::Tensor& src) {
+  TORCH_CHECK(dst.dim() == 3 && dst.is_contiguous() && src.dim() == 3 && src.is_contiguous() &&
+              src.scalar_type() == dst.scalar_type() && src.size(0) == dst.size(0) &&
+              src.size(1) == static_cast<int64_t>(rows.size()) && src.size(2) <= dst.size(2),
+              "dst must be a contiguous [L, R, S] tensor and src [L, len(rows), <= S] of its dtype");
+  const int64_t nl = dst.size(0), rt = dst.size(1), s = dst.size(2);
+  const int64_t n = src.size(1), w = src.size(2);
+  for (const int64_t row : rows) TORCH_CHECK(row >= 0 && row < rt, "row out of range");
+  const size_t e = dst.element_size();
+  char* dp = static_cast<char*>(dst.data_ptr());
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  for (int64_t l = 0; l < nl; ++l)
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(dp + (l * rt + rows[i]) * s * e, sp + (l * n + i) * w * e, w * e);
 }
 
 // BlockPool.release's reference counting (its torch form: an index_add, a gather, a
@@ -703,6 +728,7 @@ TORCH_LIBRARY(kvserve_tables, m) {
   m.def("decode_need(Tensor sizes, Tensor ring, int[] rows, int bs) -> (int, int)");
   m.def("held_and_need(Tensor sizes, Tensor ring, int[] rows, int bs) -> int[]");
   m.def("take_rows_into(Tensor src, int[] rows, Tensor(a!) out) -> ()");
+  m.def("put_rows_from(Tensor(a!) dst, int[] rows, Tensor src) -> ()");
   m.def("append_rows(Tensor(a!) table, Tensor(b!) slot_pos, Tensor(c!) sizes, Tensor(d!) peaks, "
         "Tensor(g!) ring, Tensor(e!)[] states, Tensor columns, float[] fills, Tensor(f!) ref, int[] plan, "
         "int b, int bs) "
@@ -722,4 +748,5 @@ TORCH_LIBRARY_IMPL(kvserve_tables, CPU, m) {
   m.impl("decode_need", decode_need);
   m.impl("held_and_need", held_and_need);
   m.impl("take_rows_into", take_rows_into);
+  m.impl("put_rows_from", put_rows_from);
 }
