@@ -83,10 +83,9 @@ def _gather(t: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
     ring at 64 table rows, every decode step of a pyramid request whose rows were not
     consecutive), the runs 0.08 ms. The tables' own rows (positions, block ids, a state
     by slots) on CPU: one C++ copy of each row's first `width` columns (`take_rows_into`;
-    `put_rows_from` the way back), where the
-    gather copied every column the tables have grown to: 29 against 92 us for 27 of 64
-    rows of a per-head 3m pool's positions, a decode step's view whenever a finished
-    request left its row empty."""
+    `put_rows_from` the way back), where the gather copied every column the tables have
+    grown to: 29 against 92 us for 27 of 64 rows of a per-head 3m pool's positions, a
+    decode step's view whenever a finished request left its row empty."""
     if _native_rows(t):
         out = torch.empty(t.shape[0], len(rows), width, dtype=t.dtype)
         torch.ops.kvserve_tables.take_rows_into(t, rows, out)
