@@ -123,8 +123,7 @@ class LazyEvictionPolicy:
             # every row's scores (0 where no drop), selected over the view's own rows
             scores = torch.ops.kvserve_policy_state.lazy_importance(
                 view.layered("ts"), view.layered("mri"), rows, times)
-            return drop_lowest(view.live_or_positions, scores,
-                               [max(0, n - k) for n, k in zip(view.lengths, keep)],
+            return drop_lowest(view.live_or_positions, scores, view.excess(keep),
                                last=c.window)
         # [L, R, W] -> the deciding rows; TS and MRI are small integers, exact in float32
         at = torch.tensor(rows)

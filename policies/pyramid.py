@@ -7,7 +7,6 @@ and at every decode step.
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import ClassVar, Literal
@@ -168,8 +167,7 @@ class PyramidPolicy:
         within = view.within(keep)
         if not within and c.kernel_size == 1 and NATIVE["state"] and not view.adaptive \
                 and view.slot_pos.device.type == "cpu":  # the window and the plan, one op
-            drop = [d if d > 0 else 0 for d in map(operator.sub, view.lengths, keep)]
-            return PyramidPolicy._shift_window(p, view, drop, edges)
+            return PyramidPolicy._shift_window(p, view, view.excess(keep), edges)
         if not view.accumulated:  # else the decode kernel wrote the window (`Needs.ring`)
             PyramidPolicy._shift_window(p, view)
         if within:

@@ -229,6 +229,11 @@ class RowsView:
                 keep.append(resolve_budget(budget, s) if done or s > p else s)
         return self.per_row(keep)
 
+    def excess(self, keep: list[int]) -> list[int]:
+        """Per row, the live tokens past keep[i] (0 where within): what it drops. A row a
+        (lane, request), 128 at 16 requests of 4 layers of 2 kv heads: no call a row."""
+        return [d if d > 0 else 0 for d in map(operator.sub, self.lengths, keep)]
+
     def within(self, keep: list[int]) -> bool:
         """Every row holds at most keep[i] live tokens: nothing to drop."""
         return all(map(operator.le, self.lengths, keep))
@@ -350,6 +355,5 @@ def keep_highest(view: RowsView, scores: torch.Tensor, keep: list[int],
         drop = adaptive_drops(scores, view.live, view.lengths, keep, view.heads,
                               view.num_requests, first, last, divisor)
     else:
-        # a row a (lane, request): 128 at 16 requests of 4 layers of 2 kv heads
-        drop = [d if d > 0 else 0 for d in map(operator.sub, view.lengths, keep)]
+        drop = view.excess(keep)
     return drop_lowest(view.live_or_positions, scores, drop, first, last, divisor)
