@@ -225,26 +225,21 @@ def by_head(g: AttentionGroup, heads: int, num_layers: int, in_kernel: bool = Fa
         shape = (num_layers, heads * rows, *t.shape[2:])
         return t.view(shape) if write else t.reshape(shape)  # a target must stay a view
 
-    if in_kernel:
-        ring = None if g.ring is None else RingTarget(
-            lanes(g.ring.values, True), lanes(g.ring.total, True), g.ring.cols, g.ring.shift)
-        return AttentionGroup(
-            g.members, g.q_index, g.valid, g.q_pos, lanes(g.tables), lanes(g.slot_pos),
-            g.want_probs, g.want_kd, False, g.whole, g.table_rows,
-            None if g.accumulate is None else lanes(g.accumulate, True), ring, heads)
+    def each(t: torch.Tensor) -> torch.Tensor:  # a member's value, a row a kv head
+        if in_kernel:  # the kernel reads a member's once for all its heads
+            return t
+        return t.repeat(heads, *[1] * (t.dim() - 1))
 
-    table_rows = None
-    if g.table_rows is not None:  # row r of head h is row h·R + r of the lanes' view
-        table_rows = (torch.arange(heads)[:, None] * rows + g.table_rows[None]).reshape(-1)
-    ring = None
-    if g.ring is not None:
-        ring = RingTarget(lanes(g.ring.values, True), lanes(g.ring.total, True),
-                          g.ring.cols.repeat(heads), g.ring.shift)
+    table_rows = g.table_rows
+    if table_rows is not None and not in_kernel:  # row r of head h: row h·R + r of the lanes
+        table_rows = (torch.arange(heads)[:, None] * rows + table_rows[None]).reshape(-1)
+    ring = None if g.ring is None else RingTarget(
+        lanes(g.ring.values, True), lanes(g.ring.total, True), each(g.ring.cols), g.ring.shift)
     return AttentionGroup(
-        g.members, g.q_index, g.valid, g.q_pos.repeat(heads, 1), lanes(g.tables),
-        lanes(g.slot_pos), g.want_probs,
-        None if g.want_kd is None else g.want_kd.repeat(heads), False, g.whole,
-        table_rows, None if g.accumulate is None else lanes(g.accumulate, True), ring)
+        g.members, g.q_index, g.valid, each(g.q_pos), lanes(g.tables), lanes(g.slot_pos),
+        g.want_probs, None if g.want_kd is None else each(g.want_kd), False, g.whole, table_rows,
+        None if g.accumulate is None else lanes(g.accumulate, True), ring,
+        heads if in_kernel else 1)
 
 
 def heads_q(q: torch.Tensor, heads: int) -> torch.Tensor:
