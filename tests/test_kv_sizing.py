@@ -259,21 +259,23 @@ def test_the_cap_keeps_a_tiny_models_pool_tiny(model_dir: str) -> None:
 def test_a_smaller_memory_limit_gives_a_smaller_pool(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """KVSERVE_MEMORY_LIMIT, set as a container's limit would be: 64 MiB more than this
-    process holds now leaves the engine at most that after its weights, half of it for
-    the pool; without it, the pool is the cap (32 sequences of 4,096 tokens: 96 MiB)."""
+    process holds now leaves the engine about that after its weights, half of it for
+    the pool; without it, the pool is the cap (32 sequences of 4,096 tokens: 96 MiB).
+    "About": what the process holds can shrink between the reading here and the
+    engine's own (the allocator hands freed pages back), which leaves it a few MiB more."""
     model = make_tiny_model("llama", tmp_path / "long", max_position_embeddings=4096)
     config = EngineConfig(model=model, max_num_seqs=32)
     monkeypatch.setenv(ENV_LIMIT, str(resident_bytes() + 64 * MiB))
     small = EngineCore(config).kv_sizing  # first: the other's pool would not count
     monkeypatch.delenv(ENV_LIMIT)
     big = EngineCore(config).kv_sizing
-    assert small.available_source == ENV_LIMIT and small.available <= 64 * MiB
+    assert small.available_source == ENV_LIMIT and small.available <= 80 * MiB
     assert big.available_source != ENV_LIMIT
     if big.available * CPU_FRACTION < 128 * MiB:
         pytest.skip("this machine has too little memory free for the comparison")
     assert big.num_blocks == blocks_for(32, 4096, 16, 3)
     assert blocks_for(1, 4096, 16, 3) <= small.num_blocks < big.num_blocks
-    assert small.bytes <= 32 * MiB
+    assert small.bytes <= small.available * CPU_FRACTION < big.bytes
 
 
 def test_the_options_still_win(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
