@@ -11,8 +11,8 @@ Memory management follows 003_12df107fdefa535c.txt:
   leaving `watermark` of the pool in reserve; running requests may grow into it;
 - reservation for bounded requests: a request whose `kv_policy` bounds its cache
   (`Request.reserve_blocks`, from the policy's `max_live`) is admitted only if it can
-  grow to that bound, and the growth still ahead of running bounded requests is kept
-  free for them; unbounded (`full`) requests are admitted on what they need now; when
+  grow to that bound (while prompt chunks remain, to the bound plus a chunk), and the
+  growth still ahead of running bounded requests is kept free for them; unbounded (`full`) requests are admitted on what they need now; when
   the newcomer and every running request are reserved, no watermark is kept (there is
   no unaccounted growth for it to absorb);
 - preemption when a running request cannot grow: the victim is the lowest-priority,
@@ -76,6 +76,15 @@ class MemoryConfig:
     preemption_mode: str = "recompute"  # swap | recompute | auto
     tenant_quotas: dict[str, float] = field(default_factory=dict)
     reserve_preempted: bool = True  # a preempted request waits until its peak fits
+
+
+def _owed(req: Request, computed: int) -> int:
+    """The blocks a bounded request is owed once `computed` tokens are in: its steady
+    state, or while prompt chunks remain, its bound plus a chunk (`peak_blocks`):
+    bounded prefill evicts only after each chunk (docs/memory.md, "Reservation")."""
+    if computed < len(req.prompt_ids):
+        return max(req.reserve_blocks, req.peak_blocks)
+    return req.reserve_blocks
 
 
 def _key(r: Request) -> tuple[bool, int, float]:
@@ -203,7 +212,7 @@ class Scheduler:
             self._resume(req, swap_in=True)
             chunks.append(self._chunk(req, n))
             budget -= n
-            reserved += self._ahead(req)
+            reserved += self._ahead(req, n)
         if self.swapped:  # resume the swapped before admitting anyone new
             return plan
         i = 0
@@ -218,14 +227,15 @@ class Scheduler:
             self.waiting.pop(i)
             chunks.append(self._chunk(req, n))
             budget -= n
-            reserved += self._ahead(req)
+            reserved += self._ahead(req, n)
         return plan
 
-    def _ahead(self, req: Request) -> int:
-        """Blocks a bounded request may still grow into (0 for unbounded ones)."""
+    def _ahead(self, req: Request, planned: int = 0) -> int:
+        """Blocks a bounded request may still grow into (0 for unbounded ones), once the
+        `planned` tokens of this step's chunk are in."""
         if not req.reserve_blocks or req.cache is None:
             return 0
-        return max(0, req.reserve_blocks - req.cache.num_blocks)
+        return max(0, _owed(req, req.num_computed + planned) - req.cache.num_blocks)
 
     def _reserved(self) -> int:
         """Blocks the running bounded requests may still grow into.
@@ -271,7 +281,8 @@ class Scheduler:
         cache, computed = self.kv.admit(found, req.num_tokens)
         n = min(req.num_tokens - computed, budget, req.max_chunk)
         need = self.kv.blocks_needed(cache, n)
-        ahead = max(0, req.reserve_blocks - cache.num_blocks - need) if req.reserve_blocks else 0
+        owed = _owed(req, computed + n)
+        ahead = max(0, owed - cache.num_blocks - need) if req.reserve_blocks else 0
         if not self.running:
             ahead = reserved = 0
         # The watermark is headroom for growth nobody accounted for; when this request

@@ -219,18 +219,31 @@ def test_preempted_head_pool_gives_the_unconstrained_tokens(mode: str,
 def test_preempted_shared_policy_head_pool_equals_layer_pool() -> None:
     """Under swap preemption an evicting policy (knorm, shared) on a head pool keeps, swaps
     and gives what the layer pool of the same bytes does (lanes of unequal lengths go out
-    and come back)."""
-    policy = {"name": "knorm", "budget": 20}
+    and come back). Bounded requests are admitted with their growth reserved, so the
+    pressure comes from two `full` requests growing past what they were admitted on; the
+    knorm requests, of lower priority, are their victims."""
     outs = []
-    for layout, blocks in (("layer", 65), ("head", 65 * H)):
-        llm = LLM(MODEL, num_blocks=blocks, block_size=BS, device="cpu", kv_layout=layout,
-                  preemption_mode="swap", swap_space=1 << 20, max_num_batched_tokens=24)
-        got = llm.generate(PRE_PROMPTS, _greedy(PRE_NEW),
-                           kv_policy={**policy, "heads": "shared"})
-        assert llm.engine.scheduler.preemptions["swap"] > 0
-        assert sum(o.kv.evicted_tokens for o in got if o.kv) > 0
-        outs.append([o.token_ids for o in got])
-        _done(llm)
+    for layout, blocks in (("layer", 120), ("head", 120 * H)):
+        eng = LLM(MODEL, num_blocks=blocks, block_size=BS, device="cpu", kv_layout=layout,
+                  preemption_mode="swap", swap_space=1 << 20, max_num_batched_tokens=24).engine
+        knorm = resolve_request(eng.limits, {"name": "knorm", "budget": 20,
+                                             "heads": "shared"}).kv_policy
+        for j in range(2):
+            eng.add_request(f"full{j}", _prompt(9 + j, 16), _greedy(60))
+        for i, p in enumerate(PRE_PROMPTS):
+            eng.add_request(f"k{i}", p, _greedy(30), priority=1, kv_policy=knorm)
+        got: dict[str, list[int]] = {}
+        swapped_knorm = evicted = 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished and o.request_id.startswith("k"):
+                    swapped_knorm += o.num_preemptions
+                    evicted += o.kv.evicted_tokens if o.kv else 0
+        assert eng.scheduler.preemptions["swap"] > 0 and swapped_knorm > 0 and evicted > 0
+        outs.append(got)
+        eng.check_invariants()
+        assert eng.pool.num_used == 0
     assert outs[0] == outs[1]
 
 

@@ -178,6 +178,30 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     assert run_within_reservations(eng) == fits
 
 
+def test_prefilling_bounded_requests_are_reserved_their_peak(llama):
+    """A bounded request whose prompt takes several chunks holds its bound and a chunk
+    between them (bounded prefill evicts after each): admission reserves that peak until
+    its last prompt chunk, then only the steady state. Reserving the steady state alone,
+    requests prefilling side by side outgrew the pool and the newest were recomputed."""
+    cfg = {"name": "knorm", "budget": 32}
+    eng = LLM(llama, num_blocks=150, block_size=4, max_num_batched_tokens=64).engine
+    for i in range(10):
+        eng.add_request(f"r{i}", _prompt(i, 120), _long(), kv_policy=resolved(eng, cfg))
+    r0 = eng.requests["r0"]
+    assert r0.max_chunk < 120 and r0.peak_blocks > r0.reserve_blocks  # chunks; a peak
+    most = 0
+    while eng.has_unfinished():
+        eng.step()
+        running = eng.scheduler.running
+        most = max(most, len(running))
+        for r in running:
+            prefilling = r.num_computed < len(r.prompt_ids)
+            assert r.cache.num_blocks <= (r.peak_blocks if prefilling else
+                                          r.reserve_blocks + r.reserve_blocks // 8)
+    assert sum(eng.stats().preemptions_total.values()) == 0 and eng.pool.num_used == 0
+    assert most >= 3  # (the steady state alone: 2 preempted here)
+
+
 @pytest.mark.parametrize("cfg", [{"name": "knorm", "budget": 64}, {"name": "tova", "budget": 64}],
                          ids=lambda c: c["name"])
 def test_spare_blocks_are_lent_instead_of_compacting(llama, cfg):
