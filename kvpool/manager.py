@@ -157,6 +157,8 @@ class KVCacheManager:
         chunk) and a partly dead block. `reserve`: the steady-state size admission keeps
         free for a bounded request (0: unbounded, admitted on what it needs now); with a
         ring, exactly the blocks of its bound (the step's token goes over the oldest).
+        A policy that keeps the prompt whole until it ends (snapkv, pyramid: its
+        `max_live_decoding`) reserves what it holds after it; the prompt is its peak.
 
         The steady state in decode is the bound, the step's new token and `slack_tokens`
         in each lane: room for the holes scattered evictions leave (or a partly dead page
@@ -173,16 +175,22 @@ class KVCacheManager:
         reserve = 0
         if policy is not None and hasattr(policy, "max_live"):
             live = policy.max_live(total, prompt_len, bs)
-            bound = min(tokens, live + min(max_chunk, prompt_len) + 2 * bs)
+            steady = live
+            if hasattr(policy, "max_live_decoding"):
+                steady = policy.max_live_decoding(total, prompt_len, bs)
+            ahead = min(max_chunk, prompt_len)
+            peak = max(prompt_len, steady + ahead) if steady < live else live + ahead
+            bound = min(tokens, peak + 2 * bs)
             if live + 1 < tokens:
                 # For lanes of different bounds (pyramid), the same from the sum over
                 # lanes: Σ_l ceil((n_l + 1 + s) / bs) <= ceil((Σ_l n_l + L·s) / bs) + L.
                 glob = len(self.policy_lanes)
-                reserve = glob * -(-(live + 1 + slack) // bs)
+                reserve = glob * -(-(steady + 1 + slack) // bs)
                 if self.ring(policy) is not None:
-                    reserve = glob * -(-live // bs)
+                    reserve = glob * -(-steady // bs)
                 if hasattr(policy, "max_live_total") and glob == layers:
-                    summed = policy.max_live_total(total, prompt_len, bs, layers)
+                    summed = policy.max_live_total(total, prompt_len, bs, layers,
+                                                   decoding=True)
                     reserve = min(reserve, -(-(summed + layers * slack) // bs) + layers)
                 if glob < layers:  # the windowed lanes in decode
                     reserve += self.blocks_for(tokens, 1, 0)

@@ -125,10 +125,15 @@ class Policy(Protocol):
         also holds that step's new tokens: the engine adds one chunk to this bound."""
         ...
 
-    # Optional: `max_live_total(seq_len, prompt_len, block_size, num_layers) -> int`,
-    # the most live tokens summed over all layers, for a policy whose layers hold
-    # different counts (pyramid): admission reserves by it when it is below
-    # num_layers · max_live (blocks are fungible across layers).
+    # Optional: `max_live_total(seq_len, prompt_len, block_size, num_layers,
+    # decoding=False) -> int`, the most live tokens summed over all layers, for a policy
+    # whose layers hold different counts (pyramid): admission reserves by it when it is
+    # below num_layers · max_live (blocks are fungible across layers).
+
+    # Optional: `max_live_decoding(seq_len, prompt_len, block_size) -> int`, `max_live`
+    # counting only the steps after the prompt is complete, for a policy that keeps the
+    # prompt whole until it ends (`prefill_envelope`): a request's steady state, what
+    # admission reserves for it once its prompt is in (the prompt is its peak).
 
 
 def resolve_budget(budget: int | float, length: int) -> int:
@@ -167,13 +172,16 @@ def prefill_envelope(seq_len: int, prompt_len: int | None, after: int) -> int:
     return min(seq_len, max(prompt_len - 1, after))
 
 
-def prompt_once_live(budget: int | float, seq_len: int, prompt_len: int | None) -> int:
+def prompt_once_live(budget: int | float, seq_len: int, prompt_len: int | None,
+                     decoding: bool = False) -> int:
     """`max_live` of a policy that compresses the complete prompt once to its budget and
-    never evicts a generated token (SnapKV, Expected Attention)."""
+    never evicts a generated token (SnapKV, Expected Attention); `decoding`: its
+    `max_live_decoding`, the prompt's own peak left out."""
     if prompt_len is None:
         return seq_len
     kept = min(prompt_len, resolve_budget(budget, prompt_len))
-    return prefill_envelope(seq_len, prompt_len, kept + max(0, seq_len - prompt_len))
+    after = min(seq_len, kept + max(0, seq_len - prompt_len))
+    return after if decoding else prefill_envelope(seq_len, prompt_len, after)
 
 
 def sum_dims(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:

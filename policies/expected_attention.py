@@ -169,6 +169,10 @@ class ExpectedAttentionPolicy:
                  block_size: int | None = None) -> int:
         return prompt_once_live(self.config.budget, seq_len, prompt_len)
 
+    def max_live_decoding(self, seq_len: int, prompt_len: int | None = None,
+                          block_size: int | None = None) -> int:
+        return prompt_once_live(self.config.budget, seq_len, prompt_len, decoding=True)
+
 
 def _drop(policies: list[ExpectedAttentionPolicy], view: RowsView,
           active: list[bool]) -> torch.Tensor | None:

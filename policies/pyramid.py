@@ -267,18 +267,23 @@ class PyramidPolicy:
 
     def max_live(self, seq_len: int, prompt_len: int | None = None,
                  block_size: int | None = None) -> int:
+        return prefill_envelope(seq_len, prompt_len, self.max_live_decoding(seq_len))
+
+    def max_live_decoding(self, seq_len: int, prompt_len: int | None = None,
+                          block_size: int | None = None) -> int:
+        """A layer's most once the prompt is in: the bottom layer's C_1 <= 2C - C/β."""
         total = resolve_budget(self.config.budget, seq_len)
-        top = max(total, round(2 * total - Fraction(total, self.config.beta)))
-        return prefill_envelope(seq_len, prompt_len, top)
+        return min(seq_len, max(total, round(2 * total - Fraction(total, self.config.beta))))
 
     def max_live_total(self, seq_len: int, prompt_len: int | None, block_size: int | None,
-                       num_layers: int) -> int:
+                       num_layers: int, decoding: bool = False) -> int:
         """Most live tokens summed over the layers: L·C (eq. 1, Σ C_l = L·C at every
         length), although one layer alone may hold up to 2C - C/β (`max_live`). What
         admission reserves, since blocks are fungible across layers: reserving
-        L · max_live would hold about twice the memory the pyramid ever uses."""
-        return num_layers * prefill_envelope(seq_len, prompt_len,
-                                             resolve_budget(self.config.budget, seq_len))
+        L · max_live would hold about twice the memory the pyramid ever uses.
+        `decoding`: once the prompt is in (the prompt, kept whole until then, left out)."""
+        after = min(seq_len, resolve_budget(self.config.budget, seq_len))
+        return num_layers * (after if decoding else prefill_envelope(seq_len, prompt_len, after))
 
 
 # The window total in fixed point (`_window_ring`): _DIGITS float32 digits of _DIGIT bits.

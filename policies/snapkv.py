@@ -161,6 +161,10 @@ class SnapKVPolicy:
                  block_size: int | None = None) -> int:
         return prompt_once_live(self.config.budget, seq_len, prompt_len)
 
+    def max_live_decoding(self, seq_len: int, prompt_len: int | None = None,
+                          block_size: int | None = None) -> int:
+        return prompt_once_live(self.config.budget, seq_len, prompt_len, decoding=True)
+
 
 def _drop(c: SnapKVConfig, view: RowsView, active: list[bool],
           total: torch.Tensor) -> torch.Tensor | None:

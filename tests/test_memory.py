@@ -178,6 +178,34 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
     assert run_within_reservations(eng) == fits
 
 
+@pytest.mark.parametrize("cfg", [{"name": "pyramid", "budget": 32, "obs_window": 8},
+                                 {"name": "snapkv", "budget": 32, "obs_window": 8}],
+                         ids=lambda c: c["name"])
+def test_a_prompt_kept_whole_is_its_peak_not_its_reservation(llama, cfg):
+    """pyramid and snapkv keep a prompt whole until it ends, then hold their budget (and
+    snapkv its generated tokens): a request is reserved what it holds after its prompt
+    (pyramid: L·C, as a uniform budget C), the prompt is only its peak; reserving the
+    prompt for its whole life ran a third as many at once here."""
+    layers, bs, prompt, gen = _layers(llama), 4, 120, 40
+    params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
+    probe = LLM(llama, num_blocks=10_000, block_size=bs).engine
+    probe.add_request("probe", _prompt(0, prompt), params, kv_policy=resolved(probe, cfg))
+    probe.add_request("tova", _prompt(0, prompt), params,
+                      kv_policy=resolved(probe, {"name": "tova", "budget": 32}))
+    req = probe.requests["probe"]
+    after = 32 + (gen if cfg["name"] == "snapkv" else 0)  # snapkv keeps what it generates
+    assert req.reserve_blocks == layers * -(-(after + 1 + bs) // bs)
+    if cfg["name"] == "pyramid":
+        assert req.reserve_blocks == probe.requests["tova"].reserve_blocks
+    assert req.peak_blocks >= layers * prompt // bs > req.reserve_blocks // 2
+    fits = 4  # steady states, and room for one prompt
+    eng = LLM(llama, num_blocks=fits * req.reserve_blocks + layers * prompt // bs,
+              block_size=bs).engine
+    for i in range(8):
+        eng.add_request(f"r{i}", _prompt(i, prompt), params, kv_policy=resolved(eng, cfg))
+    assert run_within_reservations(eng) >= fits
+
+
 def test_prefilling_bounded_requests_are_reserved_their_peak(llama):
     """A bounded request whose prompt takes several chunks holds its bound and a chunk
     between them (bounded prefill evicts after each): admission reserves that peak until

@@ -68,9 +68,14 @@ def check(policy, sim, prompt, total, bs, layers):
     assert max(counts) <= bound, (s, counts, bound)
     assert bound <= policy.max_live(total, prompt, bs)
     assert bound <= policy.max_live(s, None, bs) <= s
+    if s >= prompt and hasattr(policy, "max_live_decoding"):  # the prompt is in
+        after = policy.max_live_decoding(s, prompt, bs)
+        assert max(counts) <= after <= bound and after <= policy.max_live_decoding(total, prompt, bs)
     if policy.name == "pyramid":
         summed = policy.max_live_total(s, prompt, bs, layers)
         assert sum(counts) <= summed <= policy.max_live_total(total, prompt, bs, layers)
         assert summed <= layers * bound
         if s >= prompt:
             assert all(c <= b for c, b in zip(counts, policy.budgets(s, layers)))
+            after = policy.max_live_total(s, prompt, bs, layers, decoding=True)
+            assert sum(counts) <= after <= summed
