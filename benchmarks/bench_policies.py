@@ -34,14 +34,11 @@ comes back on what it needs now, `reserve_preempted=False`) and `full:fit` (at m
 `--fit` running, never preempted); `--baselines` picks the extra two.
 
 Variants of part 1, each a question the default leaves open: `--kv-cache-dtype bfloat16`
-(half the K/V bytes per decode step for everyone), `--dtype bfloat16` (weights in
-bf16: less per-token compute, which no policy saves, so a higher ceiling), `--gen-spread 0.5` (lengths drawn
-around `--gen`, so requests do not finish in lockstep waves and continuous batching
-refills their places), `--policies h2o,h2o:unbatched` (a policy also run with every
-request's policy stepped alone, `batch_policies=False`: what the batched decode step
-buys, on the same machine in the same run), `--policies streaming,streaming:noring`
-(StreamingLLM also run without its ring, `streaming_ring=False`: appending, then
-evicting after the step).
+(half the K/V bytes a decode step reads), `--dtype bfloat16` (less per-token compute,
+which no policy saves: a higher ceiling), `--gen-spread 0.5` (lengths drawn around
+`--gen`: no lockstep waves), `--policies h2o,h2o:unbatched` (also every request's
+policy stepped alone, `batch_policies=False`: what the batched step buys), `--policies
+streaming,streaming:noring` (StreamingLLM also without its ring, `streaming_ring=False`).
 
 Per-head pages (issue 65, benchmarks/policy_heads.py): `<policy>:head`, `:adaptive`,
 `:shared` run a policy on a per-head pool of the same bytes, `--baselines ...,head` adds
@@ -421,13 +418,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     bc.pin_threads(f"benchmarks.{NAME}", args.threads, argv)
     report = bc.new_report(NAME, args, (
-                        "model", "requests", "fit", "baselines", "heads", "prompt", "gen", "gen_spread", "budget", "dtype", "kv_cache_dtype",
-                        "policies", "seed",
-                        "overhead_batch", "overhead_steps", "ceiling_steps", "rounds", "quality_budgets", "ppl_windows",
-                        "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths",
-                        "needle_tasks", "demo_model", "kvpress_python", "quality_variants",
-                        "quality_min_prefill_chunk",
-                        "threads"))
+        "model", "requests", "fit", "baselines", "heads", "prompt", "gen", "gen_spread",
+        "budget", "dtype", "kv_cache_dtype", "policies", "seed", "overhead_batch",
+        "overhead_steps", "ceiling_steps", "rounds", "quality_budgets", "ppl_windows",
+        "ppl_window", "ppl_prompt", "needle_trials", "needle_lengths", "needle_tasks",
+        "demo_model", "kvpress_python", "quality_variants", "quality_min_prefill_chunk",
+        "threads"))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as path:
         if {"throughput", "overhead"} & set(args.parts):

@@ -9,12 +9,11 @@ tokens (and pyramid budgets different counts) per layer. A full-cache request ke
 layers identical (`uniform`).
 
 The table, positions and sizes (blocks, appended and live slots per layer) are this
-request's *row* of the engine's shared `SlotTables` (kvpool/tables.py), so a step
-handles every request's row with batched ops, the decode append reads and bumps the
-sizes in C++, and Python reads them as ints through the tables' memoryview (`sz`), so
-deciding what to do costs no tensor op. Operations on one request (a prefill chunk, a per-request policy
-plan, swap) live here; those of a whole batch in `SlotTables`, which this class also
-calls for its own row so that each mechanism has one implementation.
+request's *row* of the engine's shared `SlotTables` (kvpool/tables.py): a step handles
+every row with batched ops, the decode append bumps the sizes in C++, and Python reads
+them as ints through the tables' memoryview (`sz`), deciding without a tensor op.
+Operations on one request (a prefill chunk, a per-request plan, swap) live here; those
+of a whole batch in `SlotTables`, which this class calls for its own row too.
 """
 
 from __future__ import annotations
@@ -190,9 +189,11 @@ class SeqCache:
             return torch.empty(0, dtype=torch.int64)
         return self._held()
 
+    def _held_mask(self) -> torch.Tensor:  # [L, W]: each lane's held columns
+        return torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+
     def _held(self) -> torch.Tensor:
-        cols = torch.arange(self.table.shape[1])
-        return self.table[cols[None, :] < torch.tensor(self.nblocks)[:, None]]
+        return self.table[self._held_mask()]
 
     # ---- prefix cache and swap -------------------------------------------------------
     def adopt(self, groups: list[torch.Tensor]) -> None:
@@ -223,7 +224,7 @@ class SeqCache:
     def swap_out(self, swap) -> int:
         """Copy every held block to host swap space and free it on the device; returns
         bytes moved. The table keeps its shape, holding host ids until `swap_in`."""
-        held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+        held_mask = self._held_mask()
         dev = self.table[held_mask]
         host = swap.allocate(dev.numel())
         swap.store(host, self.pool.storage.read_blocks(dev))
@@ -239,7 +240,7 @@ class SeqCache:
     def swap_in(self, swap) -> int:
         """Bring swapped blocks back into fresh pool blocks (raises PoolExhausted first if
         they do not fit); returns bytes moved."""
-        held_mask = torch.arange(self.table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+        held_mask = self._held_mask()
         host = self.table[held_mask]
         dev = self.pool.allocate(host.numel())
         self.pool.storage.write_blocks(dev, swap.load(host))
@@ -371,14 +372,12 @@ class SeqCache:
 
     def hold(self, blocks: int) -> bool:
         """Link fresh blocks so that every layer holds `blocks` before its tokens need
-        them, each layer's new ones taken together (consecutive ids where the free list
-        runs in order). Why: blocks taken one a step, as decode fills them, interleave
-        with every other decoding request's, scattering a row's K/V over the pool, and
-        the decode kernel then reads block by block from anywhere (a shuffled pool made
-        the 3m model's decode forward 20-40% slower, docs/benchmarks.md at commit 2ccd1d6).
-        For a request whose memory is known and reserved anyway (a ring's window). False,
-        with nothing changed, when the pool has not the blocks free. Blocks past the
-        appended slots hold no live slot: an eviction pass would free them."""
+        them, each layer's taken together (consecutive ids where the free list runs in
+        order), for a request whose memory is reserved anyway (a ring's window). Why:
+        blocks taken one a step interleave with every other decoding request's, and a
+        shuffled pool made the 3m model's decode forward 20-40% slower (commit 2ccd1d6).
+        False, with nothing changed, when the pool has not the blocks free. Blocks past
+        the appended slots hold no live slot: an eviction pass would free them."""
         nb = self.nblocks
         need = [max(0, blocks - b) for b in nb]
         if sum(need) > self.pool.num_free:
@@ -407,15 +406,13 @@ class SeqCache:
     def start_ring(self, sink: int, cap: int) -> bool:
         """From now on a layer at exactly `cap` live tokens writes its next decode token
         over its oldest past the first `sink` (StreamingLLM's fixed-size cache,
-        `SlotTables.start_ring`). An overwrite changes a block, so every block held
-        becomes this request's own first: one shared with another request is copied
-        (copy-on-write), one the prefix cache publishes is unpublished. False, with
-        nothing changed, when the pool has no block for the copies. The caller keeps
-        slots in position order until then (appends and compaction do) and evicts
-        nothing by position afterwards (no sliding window, no RoPE shift)."""
+        `SlotTables.start_ring`). An overwrite changes a block, so every held block
+        becomes this request's own first (shared: copied; published: unpublished); False,
+        with nothing changed, when the pool has no block for the copies. The caller keeps
+        slots in position order until then and evicts nothing by position after."""
         assert not self.swapped
         pool, table = self.pool, self.table
-        held = torch.arange(table.shape[1])[None, :] < torch.tensor(self.nblocks)[:, None]
+        held = self._held_mask()
         shared = held & (pool.ref[table.clamp_min(0)] > 1)
         k = int(shared.sum())
         if k:
