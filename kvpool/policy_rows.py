@@ -235,10 +235,12 @@ def _new_norms(view: RowsView, members: list[Member], needs: Needs) -> None:
     if k == 1:  # decode: one slot per (layer, member), the last one written
         slots = [x - 1 for x in chain.from_iterable(zip(*nexts))]  # lane-major
         index = int64_tensor([*_lanes_members(nl, r), *slots]).view(3, n, 1)
-    else:
+    else:  # a windowed lane trimmed past a chunk's first tokens has them no more: their
+        # norms go to its slot 0, which its own token's then overwrites (no policy reads
+        # a windowed lane: `run_group`)
         index = int64_tensor([x for layer in range(nl) for x in [layer] * (r * k)]
                              + [i for i in range(r) for _ in range(k)] * nl
-                             + [s for layer in range(nl) for nxt in nexts
+                             + [max(s, 0) for layer in range(nl) for nxt in nexts
                                 for s in range(nxt[layer] - k, nxt[layer])]).view(3, n, k)
     view.new_index = index
     view.new_slots = index[2]

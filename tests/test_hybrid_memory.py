@@ -268,6 +268,26 @@ def test_a_policy_acts_on_the_global_layer_alone(gemma3) -> None:
     assert logits[len(prompt) - 1:].argmax(dim=-1).tolist() == got
 
 
+@pytest.mark.parametrize("layout", ["layer", "head"])
+@pytest.mark.parametrize("name", ["knorm", "paged_eviction", "keydiff", "h2o", "tova",
+                                  "lazy_eviction", "snapkv", "pyramid", "expected_attention"])
+def test_a_prompt_chunk_longer_than_the_window(gemma3, name: str, layout: str) -> None:
+    """A prompt chunk longer than the local layers' window (64 tokens, window 16): their
+    lanes are trimmed to the window before the policy runs, so some of the step's new
+    tokens are gone from them; every scoring policy still acts on the global lane, per
+    layer and per head, and keeps it within its bound (it once failed: the new tokens'
+    norms were written at negative slots of the trimmed lanes)."""
+    budget = 24
+    pages = 2000 * (2 if layout == "head" else 1)
+    llm = _llm(gemma3, max_num_batched_tokens=64, min_prefill_chunk=64, kv_layout=layout,
+               num_blocks=pages)
+    policy = {"name": name, "budget": budget}
+    (got,), (use,) = _run(llm, [_prompt(100, 7)], 8, kv_policy=policy)
+    assert len(got) == 8 and use.evicted_tokens > 0
+    lane = llm.engine.kv.policy_lanes[-1]
+    assert lane >= 5 * llm.engine.kv.tables.heads  # the global layer's lanes
+
+
 def test_a_policy_on_a_model_of_windows_alone_has_nothing_to_bound(tmp_path) -> None:
     """Mistral-style, every layer windowed (24): a streaming request's policy has no
     global layer to act on, so it runs as full, its windows bounding it."""
