@@ -12,9 +12,10 @@ Memory management follows 003_12df107fdefa535c.txt:
 - reservation for bounded requests: a request whose `kv_policy` bounds its cache
   (`Request.reserve_blocks`, from the policy's `max_live`) is admitted only if it can
   grow to that bound (while prompt chunks remain, to the bound plus a chunk), and the
-  growth still ahead of running bounded requests is kept free for them; unbounded (`full`) requests are admitted on what they need now; when
-  the newcomer and every running request are reserved, no watermark is kept (there is
-  no unaccounted growth for it to absorb);
+  growth still ahead of running bounded requests is kept free for them; unbounded
+  (`full`) requests are admitted on what they need now; when the newcomer and every
+  running request are reserved, no watermark is kept (there is no unaccounted growth
+  for it to absorb);
 - preemption when a running request cannot grow: the victim is the lowest-priority,
   most recently arrived running request, one without a reservation first (never one
   resumed that has not yet produced a token, unless nothing else is left); it is

@@ -184,8 +184,8 @@ def test_bounded_requests_reserve_their_growth(llama, cfg):
 def test_a_prompt_kept_whole_is_its_peak_not_its_reservation(llama, cfg):
     """pyramid and snapkv keep a prompt whole until it ends, then hold their budget (and
     snapkv its generated tokens): a request is reserved what it holds after its prompt
-    (pyramid: L·C, as a uniform budget C), the prompt is only its peak; reserving the
-    prompt for its whole life ran a third as many at once here."""
+    (pyramid: L·C, as a uniform budget C), the prompt is only its peak. Reserved the
+    prompt for its whole life (93 blocks each here, against 30), 2 would run at once."""
     layers, bs, prompt, gen = _layers(llama), 4, 120, 40
     params = SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True, detokenize=False)
     probe = LLM(llama, num_blocks=10_000, block_size=bs).engine
