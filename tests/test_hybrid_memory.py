@@ -275,7 +275,7 @@ def test_a_prompt_chunk_longer_than_the_window(gemma3, name: str, layout: str) -
     """A prompt chunk longer than the local layers' window (64 tokens, window 16): their
     lanes are trimmed to the window before the policy runs, so some of the step's new
     tokens are gone from them; every scoring policy still acts on the global lane, per
-    layer and per head, and keeps it within its bound (it once failed: the new tokens'
+    layer and per head, and keeps it near its budget (it once failed: the new tokens'
     norms were written at negative slots of the trimmed lanes)."""
     budget = 24
     pages = 2000 * (2 if layout == "head" else 1)
@@ -283,9 +283,8 @@ def test_a_prompt_chunk_longer_than_the_window(gemma3, name: str, layout: str) -
                num_blocks=pages)
     policy = {"name": name, "budget": budget}
     (got,), (use,) = _run(llm, [_prompt(100, 7)], 8, kv_policy=policy)
-    assert len(got) == 8 and use.evicted_tokens > 0
-    lane = llm.engine.kv.policy_lanes[-1]
-    assert lane >= 5 * llm.engine.kv.tables.heads  # the global layer's lanes
+    # the global lane ends near its budget: of 107 tokens it evicted most
+    assert len(got) == 8 and use.evicted_tokens >= 100 + 8 - 1 - 2 * budget
 
 
 def test_a_policy_on_a_model_of_windows_alone_has_nothing_to_bound(tmp_path) -> None:

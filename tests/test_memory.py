@@ -197,7 +197,7 @@ def test_a_prompt_kept_whole_is_its_peak_not_its_reservation(llama, cfg):
     assert req.reserve_blocks == layers * -(-(after + 1 + bs) // bs)
     if cfg["name"] == "pyramid":
         assert req.reserve_blocks == probe.requests["tova"].reserve_blocks
-    assert req.peak_blocks >= layers * prompt // bs > req.reserve_blocks // 2
+    assert req.peak_blocks >= layers * prompt // bs  # the prompt is its peak
     fits = 4  # steady states, and room for one prompt
     eng = LLM(llama, num_blocks=fits * req.reserve_blocks + layers * prompt // bs,
               block_size=bs).engine
