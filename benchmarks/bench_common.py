@@ -172,23 +172,30 @@ def drive(engine, desc: str, progress: bool = True, collect: dict[str, list[int]
                  float(np.mean(running)) if running else 0.0)
 
 
-def run_in_checkout(base: str, script: str, argv: list[str], own_build: bool = True) -> object:
-    """`script` (a benchmark module's file) run with `argv + ["--worker", PATH]` inside
-    a checkout: its code and (`own_build`, another checkout) its own build of the C++ ops
-    (they have one name, so a separate TORCH_EXTENSIONS_DIR); returns the JSON the worker
-    wrote to PATH. How a benchmark compares this tree with a base, round by round in one
-    run."""
-    import subprocess
-    import tempfile
-
+def checkout_process(base: str, script: str, argv: list[str],
+                     own_build: bool = True) -> tuple[list[str], dict[str, str]]:
+    """The command and environment that run `script` (a benchmark module's file) with
+    `argv` inside a checkout, cwd `base`: its code first on the path and (`own_build`,
+    another checkout) its own build of the C++ ops (they have one name, so a separate
+    TORCH_EXTENSIONS_DIR)."""
     env = dict(os.environ)
     if own_build:
         env["TORCH_EXTENSIONS_DIR"] = os.path.join(base, ".torch_extensions_bench")
+    code = ("import runpy, sys; sys.path.insert(0, '.'); sys.argv = sys.argv[1:]; "
+            f"runpy.run_path({os.path.abspath(script)!r}, run_name='__main__')")
+    return [sys.executable, "-c", code, "x", *argv], env
+
+
+def run_in_checkout(base: str, script: str, argv: list[str], own_build: bool = True) -> object:
+    """`script` run with `argv + ["--worker", PATH]` inside a checkout
+    (`checkout_process`); returns the JSON the worker wrote to PATH. How a benchmark
+    compares this tree with a base, round by round in one run."""
+    import subprocess
+    import tempfile
+
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        code = ("import runpy, sys; sys.path.insert(0, '.'); sys.argv = sys.argv[1:]; "
-                f"runpy.run_path({os.path.abspath(script)!r}, run_name='__main__')")
-        subprocess.run([sys.executable, "-c", code, "x", *argv, "--worker", out.name],
-                       cwd=base, env=env, check=True)
+        cmd, env = checkout_process(base, script, [*argv, "--worker", out.name], own_build)
+        subprocess.run(cmd, cwd=base, env=env, check=True)
         with open(out.name, encoding="utf-8") as f:
             return json.load(f)
 
