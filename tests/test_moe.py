@@ -121,17 +121,19 @@ def test_missing_expert_tensor_is_named(tmp_path):
         load_model(path)
 
 
-# family -> (transformers' dtype, tolerance): the tiny gpt-oss in transformers' own bf16
-# departs from its fp32 by 0.29 on the 40-token prompt, so there the reference is bf16
-BF16_REFS = {"qwen3_moe": (torch.float32, 0.1), "mixtral": (torch.float32, 0.1),
-             "gpt_oss": (torch.bfloat16, 0.05)}
+# family -> (transformers' dtypes, tolerance). The tiny gpt-oss in transformers' own bf16
+# departs from its fp32 by up to 0.29 on the 40-token prompt, and the engine's bf16 follows
+# one or the other by the CPU's bf16 kernels (AVX-512 BF16 builds: within 0.03 of fp32 and
+# 0.06-0.26 from bf16), so there a token must be near either reference
+BF16_REFS = {"qwen3_moe": ((torch.float32,), 0.1), "mixtral": ((torch.float32,), 0.1),
+             "gpt_oss": ((torch.float32, torch.bfloat16), 0.05)}
 
 
 @pytest.mark.parametrize("family", list(BF16_REFS))
 def test_bf16_engine_near_transformers(family, tmp_path):
     """In bf16 through the engine (the CPU's chosen linear layouts, the paged KV cache),
-    the first token's top log-probabilities stay near transformers' (fp32, or bf16 where
-    that moves them more than the tolerance, `BF16_REFS`)."""
+    the first token's top log-probabilities stay near transformers' (fp32, or either of
+    fp32 and bf16 where those two differ by more than the tolerance, `BF16_REFS`)."""
     from transformers import AutoModelForCausalLM
 
     from engine.sampling import SamplingParams
@@ -143,11 +145,13 @@ def test_bf16_engine_near_transformers(family, tmp_path):
     llm = LLM(path, dtype="bfloat16", num_blocks=64, block_size=16)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
                                                 logprobs=5, detokenize=False))
-    dtype, tolerance = BF16_REFS[family]
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    dtypes, tolerance = BF16_REFS[family]
+    hfs = [AutoModelForCausalLM.from_pretrained(path, dtype=d).eval() for d in dtypes]
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.token_ids) == 4
         with torch.inference_mode():
-            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+            refs = [torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+                    for hf in hfs]
         for token, logprob in out.logprobs[0].top:
-            assert abs(logprob - ref[token].item()) < tolerance, (family, token)
+            assert min(abs(logprob - ref[token].item()) for ref in refs) < tolerance, \
+                (family, token)
