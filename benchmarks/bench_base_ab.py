@@ -52,8 +52,6 @@ def worker(a: argparse.Namespace) -> None:
     from scheduler.resolve import resolve_request
 
     torch.set_num_threads(a.threads)
-    if a.cpus:  # every engine on the same cores, each step after the others' (see --cpus)
-        os.sched_setaffinity(0, a.cpus)
     cfg = MODEL_CONFIGS[a.model]
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
     budget = round(a.budget * (a.prompt + a.gen))
@@ -80,6 +78,8 @@ def worker(a: argparse.Namespace) -> None:
         eng.step()
     stats: list = []
     eng.on_step = stats.append
+    if a.cpus:  # every engine on the same cores, each step after the others' (see --cpus)
+        os.sched_setaffinity(0, a.cpus)
     print("ready", flush=True)
     for line in sys.stdin:
         if line.strip() != "s":
@@ -122,12 +122,11 @@ def _read(p: subprocess.Popen) -> str:
 
 def pair(trees: dict[str, tuple[str, bool]], policy: str, model_dir: str,
          a: argparse.Namespace, rotate: int) -> dict:
-    """One pass: every way's engine built (one at a time: builds are not timed), then
-    stepped in turn, the first of each round rotating from `rotate`."""
-    procs = {}
-    for way in a.ways:
-        procs[way] = _start(way, *trees[way], policy, model_dir, a)
-        assert _read(procs[way]) == "ready"
+    """One pass: every way's engine built (side by side, on any core: builds are not
+    timed), then stepped in turn, the first of each round rotating from `rotate`."""
+    procs = {way: _start(way, *trees[way], policy, model_dir, a) for way in a.ways}
+    for p in procs.values():
+        assert _read(p) == "ready"
     wall = dict.fromkeys(a.ways, 0.0)
     order = list(a.ways)
     for i in range(a.steps):
