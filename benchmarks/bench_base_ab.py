@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shlex
 import statistics
 import subprocess
@@ -68,7 +69,7 @@ def worker(a: argparse.Namespace) -> None:
     eng = EngineCore(EngineConfig(model=a.model_dir, num_blocks=blocks, max_num_seqs=a.batch,
                                   max_num_batched_tokens=2048, enable_prefix_caching=False,
                                   **extra))
-    rng = __import__("random").Random(a.seed)
+    rng = random.Random(a.seed)
     req_kv = resolve_request(eng.limits, kv).kv_policy
     for i in range(a.batch):
         eng.add_request(f"r{i}", [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(prompt)],
@@ -265,6 +266,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad := [w for w in a.ways if w not in WAYS]:
         p.error(f"--ways: {', '.join(bad)} (known: {', '.join(WAYS)})")
     a.policies = [x for x in a.policies.split(",") if x]
+    if not a.worker:  # a worker runs in its own checkout, whose policies may differ
+        from benchmarks.policy_eval import POLICIES
+
+        if bad := [x for x in a.policies if x not in POLICIES]:
+            p.error(f"--policies: not a scoring policy: {', '.join(bad)}")
     a.cpus = [int(x) for x in a.cpus.split(",") if x] or \
         sorted(os.sched_getaffinity(0))[-a.threads:]
     a.command = f"python -m benchmarks.{NAME} " + shlex.join(sys.argv[1:] if argv is None else argv)

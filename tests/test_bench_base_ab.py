@@ -56,6 +56,8 @@ def test_a_commit_is_checked_out_in_a_worktree_and_dropped_after(tmp_path) -> No
     assert _git("worktree", "list") == before and not Path(tree).exists()
 
 
-def test_an_unknown_way_is_refused() -> None:
+def test_an_unknown_way_or_a_policy_that_does_not_score_is_refused() -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(["--ways", "base,gpu"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--policies", "full"])  # per head it needs a config to set heads in
