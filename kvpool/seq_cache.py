@@ -96,6 +96,12 @@ class SeqCache:
             self._o = self._row * 3 * self.num_layers
         return self._row
 
+    @property
+    def has_row(self) -> bool:
+        """Whether it holds a row yet (`row` takes one on first use: a cache without one
+        holds nothing)."""
+        return self._row is not None
+
     # ---- sizes: the row's slice of `tables.sizes` ----------------------------------------
     def _set(self, field: int, values: list[int]) -> None:
         o = self._o + field * self.num_layers if self._row is not None else \

@@ -246,7 +246,14 @@ class Scheduler:
         never forces a preemption by growing; counting only what it holds now would
         admit more than the pool can carry and recompute the newest ones later (each
         a long re-prefill)."""
-        return sum(self._ahead(r) for r in self.running)
+        bounded = [r for r in self.running
+                   if r.reserve_blocks and r.cache is not None and r.cache.has_row]
+        if not bounded:
+            return 0
+        # One read of the rows' sizes (`held_and_need`): summing each cache's blocks in
+        # Python read L·H sizes a request, every step a per-head request borrows.
+        held, _ = self.kv.held_and_need([r.cache for r in bounded])  # type: ignore[misc]
+        return sum(max(0, _owed(r, r.num_computed) - h) for r, h in zip(bounded, held))
 
     def spare_blocks(self) -> int:
         """Free blocks no one is owed: past the running bounded requests' growth to

@@ -30,14 +30,17 @@ def _case(seed: int, n: int = 12, w: int = 96):
     g = torch.Generator().manual_seed(seed)
     positions = torch.arange(w).repeat(n, 1)
     positions[torch.rand(n, w, generator=g) < 0.3] = -1  # dead slots
+    positions[::2, -20:] = -1  # past a row's next slot: its view's width holds more
     scores = torch.randint(0, 5, (n, w), generator=g).float()  # many ties
     if seed % 2:
         scores[torch.rand(n, w, generator=g) < 0.05] = float("nan")
     if seed % 4 == 2:  # infinities, tying with the torch form's mask
         scores[torch.rand(n, w, generator=g) < 0.1] = float("inf")
         scores[torch.rand(n, w, generator=g) < 0.05] = -float("inf")
-    first = torch.randint(0, 4, (n,), generator=g).tolist()
-    last = torch.randint(0, 6, (n,), generator=g).tolist()
+    # sinks and recent windows past a block of live flags (16 slots), and past a row's
+    # live count (no candidate left)
+    first = torch.randint(0, 24 if seed % 2 else 4, (n,), generator=g).tolist()
+    last = torch.randint(0, 80 if seed % 2 else 6, (n,), generator=g).tolist()
     live = (positions >= 0).sum(dim=1).tolist()
     big = seed % 3 == 0  # a prompt's plan: more than the top-k path takes
     drop = [max(0, min(k - f - e, int(torch.randint(0, 70 if big else 4, (), generator=g))))

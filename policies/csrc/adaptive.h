@@ -48,16 +48,6 @@ struct Scratch {
   std::vector<float> cand, finite, sel;
 };
 
-// A row's candidates are its live slots in [a, b): past its first `first` live slots and
-// before its last `last` (found by walking in from each end, a few slots).
-template <typename P>
-void edges(const P* pos, int64_t w, int64_t first, int64_t last, int64_t& a, int64_t& b) {
-  a = 0;
-  b = w;
-  for (int64_t k = 0; a < w && k < first; ++a) k += alive(pos, a);
-  for (int64_t k = 0; b > a && k < last; --b) k += alive(pos, b - 1);
-}
-
 // One row's share of its group's pool: appends to `t.finite` at least its `total` lowest
 // finite pool values (all of its pool's finite values where the safeguard needs a
 // selection), and returns its count of -inf pool entries. `by`: divide the scores by it
@@ -65,8 +55,7 @@ void edges(const P* pos, int64_t w, int64_t first, int64_t last, int64_t& a, int
 template <typename P>
 int64_t row_pool(const float* s, const P* pos, int64_t w, int64_t first, int64_t last,
                  int64_t floor, int64_t total, const float* by, Scratch& t) {
-  int64_t a, b;
-  edges(pos, w, first, last, a, b);
+  const auto [a, b] = live_slots::candidates(pos, w, first, last);  // live slots in [a, b)
   int64_t live = 0, neg_inf = 0, hi = 0;  // hi: candidates above -inf (a NaN included)
   for (int64_t j = 0; j < w; ++j) live += alive(pos, j);
   // decode drops a token or a few a group: keep only the row's `total` lowest finite

@@ -82,11 +82,7 @@ template <typename P>
 void select_row(const float* s, const P* pos, int64_t w, int64_t first, int64_t last,
                 int64_t d, bool* out) {
   if (d <= 0) return;
-  // The candidates lie between the first `first` live slots and the last `last` ones:
-  // find both edges by walking in from each end (a few slots), then read the middle once.
-  int64_t a = 0, b = w;
-  for (int64_t k = 0; a < w && k < first; ++a) k += alive(pos, a);
-  for (int64_t k = 0; b > a && k < last; --b) k += alive(pos, b - 1);
+  const auto [a, b] = live_slots::candidates(pos, w, first, last);
   if (b <= a) return;
   std::vector<Key> buf;
   if (d == 1) {  // decode at the budget: the lowest score, then its latest slot

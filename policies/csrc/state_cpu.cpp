@@ -354,9 +354,7 @@ constexpr int64_t kFewDrops = 8;  // up to this many drops a row: no copy, no nt
 
 void near_lowest(const float* s, const int64_t* pos, int64_t w, int64_t edge, int64_t drop,
                  double rel, double abs, std::vector<int64_t>& slots, std::vector<float>& vals) {
-  int64_t a = 0, b = w;  // the candidates' span, as select_cpu.cpp's select_row
-  for (int64_t k = 0; a < w && k < edge; ++a) k += pos[a] >= 0;
-  for (int64_t k = 0; b > a && k < edge; --b) k += pos[b - 1] >= 0;
+  const auto [a, b] = live_slots::candidates(pos, w, edge, edge);  // as select_row's
   float kth = INFINITY;  // the d-th lowest candidate total
   if (drop == 1) {  // decode at the budget: the lowest, one vectorised pass
     kth = lowest(s, pos, a, b);
